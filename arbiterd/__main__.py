@@ -1,0 +1,7 @@
+"""`python -m arbiterd`, the same as the `arbiterd` command."""
+
+import sys
+
+from arbiterd.cli import main
+
+sys.exit(main())

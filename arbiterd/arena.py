@@ -1,0 +1,455 @@
+"""The arena: one GPU's token, held with flock(2), and "someone wants it" kept as kernel lock state.
+
+Owns every flock call in arbiterd (the only module that imports `fcntl`), the files of an arena
+directory, and the reading of `/proc/locks`. The protocol is specified in docs/arena-protocol.md;
+in short:
+
+    token.lock   LOCK_EX by the holder: a program is resident on the GPU iff it holds this
+    want.lock    LOCK_SH by every waiter while it waits; dropped only after the token is owned
+    holder.json  who holds the token (pid, name, model, since); informational, written by rename
+
+Invariants kept here (each one cost a hang in an earlier design):
+- Lock files are created once and never unlinked: unlinking splits later lockers across two
+  inodes, and then two programs can hold "the" token at once.
+- The holder asks "wanted?" with LOCK_EX|LOCK_NB on its *own* open file description of
+  want.lock. flock locks belong to open file descriptions; a second flock on a description that
+  already holds a lock converts that lock instead of conflicting with it.
+- EWOULDBLOCK/EAGAIN is contention, never an error.
+- A process that dies holds nothing: the kernel drops its locks, so nothing can go stale except
+  holder.json, which readers check against the live lock owner in /proc/locks.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from arbiterd.errors import (
+    AcquireCancelledError,
+    AcquireTimeoutError,
+    ArenaError,
+    ArenaUnsupportedError,
+    ArenaUnwritableError,
+    BadValueError,
+)
+
+TOKEN_FILE = "token.lock"  # noqa: S105 (a file name, not a password)
+WANT_FILE = "want.lock"
+HOLDER_FILE = "holder.json"
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+PROC_LOCKS = Path("/proc/locks")
+# How often a cancellable wait looks at its cancel event. Granting the token is not delayed by
+# it: the waiting thread wakes as soon as the kernel grants the lock.
+CANCEL_POLL_S = 0.05
+# How long hand_over() waits for a waiter to take the token, and how it polls meanwhile (the
+# handoff itself takes microseconds; the bound covers a waiter that is descheduled).
+HAND_OVER_TIMEOUT_S = 1.0
+HAND_OVER_POLL_MIN_S = 0.00005
+HAND_OVER_POLL_MAX_S = 0.002
+# errno values with which a filesystem says it cannot do flock (NFS without a lock manager,
+# some FUSE filesystems).
+_NO_FLOCK_ERRNOS = {errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL, errno.ENOSYS}
+
+
+@dataclass(frozen=True)
+class HolderInfo:
+    """What holder.json says about the holder."""
+
+    pid: int
+    name: str
+    model: str | None
+    since: float  # seconds since the epoch
+
+    def to_json(self) -> dict[str, object]:
+        return {"pid": self.pid, "name": self.name, "model": self.model, "since": self.since}
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> HolderInfo | None:
+        """Parse holder.json; an empty (released) or malformed file means "no information"."""
+        try:
+            data = json.loads(raw) if raw.strip() else None
+        except ValueError:
+            return None
+        if not isinstance(data, dict):
+            return None
+        pid, name, model, since = (data.get(k) for k in ("pid", "name", "model", "since"))
+        if not isinstance(pid, int) or not isinstance(name, str):
+            return None
+        if not isinstance(since, int | float):
+            return None
+        return cls(pid, name, model if isinstance(model, str) else None, float(since))
+
+
+@dataclass(frozen=True)
+class ArenaState:
+    """A snapshot of an arena, read without touching its locks."""
+
+    path: Path
+    holder_pid: int | None  # the live owner of token.lock, from /proc/locks
+    holder: HolderInfo | None  # holder.json, only when it names the live owner
+    stale_holder: HolderInfo | None  # holder.json naming a pid that does not hold the token
+    waiter_pids: tuple[int, ...]  # pids holding (or queued for) LOCK_SH on want.lock
+
+
+@dataclass(frozen=True)
+class _LockRecord:
+    """One line of /proc/locks."""
+
+    kind: str  # FLOCK, POSIX, OFDLCK, LEASE, ...
+    mode: str  # READ or WRITE
+    pid: int
+    inode: tuple[int, int, int]  # (major, minor, inode number)
+    blocked: bool  # a request waiting to be granted ("->" lines)
+
+
+def parse_proc_locks(text: str) -> list[_LockRecord]:
+    """Parse /proc/locks (fs/locks.c `lock_get_status`); lines it does not understand are skipped.
+
+    Granted:  `2: FLOCK  ADVISORY  WRITE 4321 00:1a:789 0 EOF`
+    Blocked:  `2: -> FLOCK  ADVISORY  READ  4322 00:1a:790 0 EOF`
+    """
+    records = []
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) < 6:
+            continue
+        blocked = fields[1] == "->"
+        rest = fields[2:] if blocked else fields[1:]
+        if len(rest) < 5:
+            continue
+        kind, _advisory, mode, pid_text, dev_ino = rest[:5]
+        parts = dev_ino.split(":")
+        try:
+            pid = int(pid_text)
+            inode = (int(parts[0], 16), int(parts[1], 16), int(parts[2]))
+        except (ValueError, IndexError):
+            continue
+        records.append(_LockRecord(kind, mode, pid, inode, blocked))
+    return records
+
+
+def _inode_key(st: os.stat_result) -> tuple[int, int, int]:
+    return (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+
+
+def _flock_holders(
+    records: Iterable[_LockRecord], inode: tuple[int, int, int]
+) -> list[_LockRecord]:
+    return [r for r in records if r.kind == "FLOCK" and r.inode == inode and r.pid > 0]
+
+
+class Arena:
+    """An arena directory. Cheap to construct; holds no file descriptor between calls."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._token_path = path / TOKEN_FILE
+        self._want_path = path / WANT_FILE
+        self._holder_path = path / HOLDER_FILE
+        self._prepare()
+
+    def _prepare(self) -> None:
+        try:
+            self.path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ArenaUnwritableError(
+                f"cannot create arena directory {self.path}: {exc.strerror}"
+            ) from None
+        for lock_path in (self._token_path, self._want_path):
+            os.close(self._open(lock_path, create=True))
+        self._check_flock()
+
+    def _open(self, path: Path, *, create: bool = False) -> int:
+        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+        try:
+            # O_CREAT without O_TRUNC: creating is idempotent and never replaces the inode.
+            return os.open(path, flags, FILE_MODE)
+        except OSError as exc:
+            raise ArenaUnwritableError(f"cannot open {path}: {exc.strerror}") from None
+
+    def _check_flock(self) -> None:
+        # Probe on the directory itself: nobody else ever locks it, so the probe cannot be
+        # mistaken for a holder or a waiter.
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except OSError as exc:
+            if exc.errno in _NO_FLOCK_ERRNOS:
+                raise ArenaUnsupportedError(
+                    f"the filesystem of {self.path} does not support flock ({exc.strerror}); "
+                    "put the arena on a local filesystem such as $XDG_RUNTIME_DIR"
+                ) from None
+            raise ArenaError(f"flock on {self.path} failed: {exc.strerror}") from None
+        finally:
+            os.close(fd)
+
+    def acquire(
+        self,
+        name: str,
+        *,
+        model: str | None = None,
+        timeout_s: float | None = None,
+        cancel: threading.Event | None = None,
+        on_wait: Callable[[ArenaState], None] | None = None,
+    ) -> Token:
+        """Wait for the token and return it held; holder.json is written before waiters learn.
+
+        `timeout_s` bounds the wait (AcquireTimeoutError); setting `cancel` gives up
+        (AcquireCancelledError). Either way nothing stays locked on our behalf. `on_wait` is
+        called once, with a snapshot, when the token is busy and the wait begins.
+        """
+        if timeout_s is not None and timeout_s < 0:
+            raise BadValueError(f"timeout must be >= 0 seconds, got {timeout_s}")
+        want_fd = self._open(self._want_path)
+        try:
+            # Announce first, so the holder's probe sees us however long we then wait. Blocks
+            # only for the microseconds a holder's probe holds LOCK_EX.
+            fcntl.flock(want_fd, fcntl.LOCK_SH)
+            token_fd = self._open(self._token_path)
+            try:
+                fcntl.flock(token_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                token_fd = _wait_for_token(token_fd, timeout_s, cancel, self, on_wait)
+            try:
+                return Token(self, token_fd, name=name, model=model)
+            except BaseException:
+                os.close(token_fd)
+                raise
+        finally:
+            # Dropped only now that the token is owned (or given up): a waiter that let go of
+            # want.lock earlier could be overtaken and then wait unseen by the next holder.
+            os.close(want_fd)
+
+    def observe(self) -> ArenaState:
+        """Who holds the token and who waits, from /proc/locks, without touching any lock."""
+        records = parse_proc_locks(PROC_LOCKS.read_text(encoding="ascii", errors="replace"))
+        token_ino = _inode_key(os.stat(self._token_path))
+        want_ino = _inode_key(os.stat(self._want_path))
+        owners = [r.pid for r in _flock_holders(records, token_ino) if not r.blocked]
+        holder_pid = owners[0] if owners else None
+        waiters = sorted({r.pid for r in _flock_holders(records, want_ino) if r.mode == "READ"})
+        info = self.read_holder_file()
+        fresh = info is not None and info.pid == holder_pid
+        # The kernel records the pid that *asked* for the lock. A shell script locks through
+        # flock(1) on an inherited fd: that pid is gone while the script, which holds the
+        # description open, lives on and names itself in holder.json.
+        if (
+            info is not None
+            and holder_pid is not None
+            and not fresh
+            and not _alive(holder_pid)
+            and _alive(info.pid)
+        ):
+            holder_pid, fresh = info.pid, True
+        return ArenaState(
+            path=self.path,
+            holder_pid=holder_pid,
+            holder=info if fresh else None,
+            stale_holder=None if fresh else info,
+            waiter_pids=tuple(waiters),
+        )
+
+    def read_holder_file(self) -> HolderInfo | None:
+        try:
+            return HolderInfo.from_json(self._holder_path.read_bytes())
+        except FileNotFoundError:
+            return None
+
+    def _write_holder_file(self, info: HolderInfo | None) -> None:
+        # tmp + rename: a reader sees the old content or the new, never half of it.
+        data = b"" if info is None else json.dumps(info.to_json()).encode()
+        tmp = self.path / f".{HOLDER_FILE}.{os.getpid()}.{threading.get_ident()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self._holder_path)
+
+
+class Token:
+    """The held token of one arena. Owns the locked token fd, the probe fd and holder.json."""
+
+    def __init__(self, arena: Arena, token_fd: int, *, name: str, model: str | None) -> None:
+        self.arena = arena
+        self.info = HolderInfo(pid=os.getpid(), name=name, model=model, since=time.time())
+        self._fd: int | None = token_fd
+        # Our own description of want.lock for the probe (see the module docstring).
+        self._probe_fd = arena._open(arena._want_path)
+        try:
+            arena._write_holder_file(self.info)
+        except BaseException:
+            os.close(self._probe_fd)
+            raise
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def wanted(self) -> bool:
+        """True when some other program waits for the token (holds want.lock shared)."""
+        if self._fd is None:
+            raise ArenaError("wanted() on a released token")
+        return _contended(self._probe_fd, fcntl.LOCK_EX)
+
+    def hand_over(self, timeout_s: float = HAND_OVER_TIMEOUT_S) -> None:
+        """Release to the programs waiting now: return once one of them holds the token, nobody
+        waits any more, or `timeout_s` passed.
+
+        flock is not FIFO: a releaser that calls acquire() again at once usually wins the race
+        against the waiter the kernel is still waking, and the waiter starves. Waiting here for
+        the token to change hands makes two busy contenders strictly alternate.
+        """
+        if self._fd is None:
+            raise ArenaError("hand_over() on a released token")
+        want_fd = self.arena._open(self.arena._want_path)
+        token_fd = self.arena._open(self.arena._token_path)
+        try:
+            self.release()
+            deadline = time.monotonic() + timeout_s
+            pause_s = HAND_OVER_POLL_MIN_S
+            while _contended(want_fd, fcntl.LOCK_EX) and not _contended(token_fd, fcntl.LOCK_SH):
+                if time.monotonic() >= deadline:
+                    return
+                time.sleep(pause_s)
+                pause_s = min(2 * pause_s, HAND_OVER_POLL_MAX_S)
+        finally:
+            os.close(want_fd)
+            os.close(token_fd)
+
+    def release(self) -> None:
+        """Clear holder.json, then unlock. Idempotent."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            self.arena._write_holder_file(None)
+        finally:
+            os.close(self._probe_fd)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def __enter__(self) -> Token:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def _contended(fd: int, operation: int) -> bool:
+    """Try `operation` without blocking and undo it: True when another description conflicts."""
+    try:
+        fcntl.flock(fd, operation | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def _wait_for_token(
+    fd: int,
+    timeout_s: float | None,
+    cancel: threading.Event | None,
+    arena: Arena,
+    on_wait: Callable[[ArenaState], None] | None,
+) -> int:
+    """Block until `fd` holds LOCK_EX on token.lock; return it, or raise and own nothing."""
+    if on_wait is not None:
+        try:
+            on_wait(arena.observe())  # before our own request can be granted and show up in it
+        except BaseException:
+            os.close(fd)
+            raise
+    request = _TokenRequest(fd)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while True:
+            wait_s = CANCEL_POLL_S if cancel is not None else None
+            if deadline is not None:
+                remaining = max(0.0, deadline - time.monotonic())
+                wait_s = remaining if wait_s is None else min(wait_s, remaining)
+            if request.wait(wait_s):
+                break
+            if cancel is not None and cancel.is_set():
+                raise AcquireCancelledError("gave up waiting for the GPU token")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise AcquireTimeoutError(f"the GPU token was not free within {timeout_s:g} s")
+    except BaseException:
+        # Also on KeyboardInterrupt: lock waits are interruptible in the main thread.
+        if not request.abandon():
+            request.discard()  # granted in the meantime: give it straight back
+        raise
+    return request.take()
+
+
+class _TokenRequest:
+    """One blocking flock(LOCK_EX) on token.lock, made in a thread so the caller can stop waiting.
+
+    A thread blocked in flock(2) can only be woken by the grant: Python retries EINTR, and only
+    the main thread runs signal handlers. So a request the caller gives up is *abandoned*: if the
+    kernel grants it later, the thread unlocks and closes at once, holding the token for nobody.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._mutex = threading.Lock()
+        self._granted = threading.Event()
+        self._abandoned = False
+        self._error: OSError | None = None
+        threading.Thread(target=self._run, name="arena-token-wait", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            self._error = exc
+        with self._mutex:
+            if self._abandoned:
+                os.close(self._fd)  # closing the only fd of the description drops its lock
+            self._granted.set()
+
+    def wait(self, timeout_s: float | None) -> bool:
+        return self._granted.wait(timeout_s)
+
+    def take(self) -> int:
+        if self._error is not None:
+            os.close(self._fd)
+            raise ArenaError(f"waiting for the token failed: {self._error.strerror}")
+        return self._fd
+
+    def discard(self) -> None:
+        """Close a granted request's fd, which drops its lock."""
+        os.close(self._fd)
+
+    def abandon(self) -> bool:
+        """Give the request up. False when it was granted first: then the caller owns `take()`."""
+        with self._mutex:
+            if self._granted.is_set():
+                return False
+            self._abandoned = True
+            return True

@@ -1,0 +1,130 @@
+"""The `arbiterd` command line. Owns argument parsing and the mapping of errors to exit statuses.
+
+Every ArbiterError becomes one line on stderr and the exit status its class names (errors.py);
+nothing below this module prints a traceback for an expected failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+
+from arbiterd.arena import Arena, ArenaState
+from arbiterd.errors import ArbiterError, BadValueError, UsageError
+from arbiterd.paths import resolve_arena
+from arbiterd.procs import holder_name, process_name
+from arbiterd.runner import run_holding_token
+
+RUN_USAGE = "arbiterd run [--arena DIR] [--name NAME] [--timeout S] -- CMD [ARG...]"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="arbiterd", description="Share one GPU between resident llama.cpp models and programs."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", usage=RUN_USAGE, help="run a program while it holds the GPU token")
+    _add_arena_option(run)
+    run.add_argument("--name", help="how the holder is shown (default: the program's name)")
+    run.add_argument("--timeout", type=float, metavar="S", help="give up waiting after S seconds")
+
+    arena = sub.add_parser("arena", help="inspect an arena")
+    arena_sub = arena.add_subparsers(dest="arena_command", required=True, metavar="COMMAND")
+    status = arena_sub.add_parser("status", help="who holds the GPU token and who waits")
+    _add_arena_option(status)
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def _add_arena_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--arena",
+        metavar="DIR",
+        help="arena directory (default: $ARBITERD_ARENA, else "
+        "$XDG_RUNTIME_DIR/arbiterd/arena/gpu0)",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    prefix = "arbiterd"
+    if args_list and not args_list[0].startswith("-"):
+        prefix += f" {args_list[0]}"
+    try:
+        return _dispatch(args_list)
+    except ArbiterError as exc:
+        print(f"{prefix}: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+def _dispatch(argv: list[str]) -> int:
+    cmd: list[str] = []
+    if argv[:1] == ["run"]:
+        if "--" not in argv:
+            raise UsageError(f"put '--' before the command: {RUN_USAGE}")
+        split = argv.index("--")
+        argv, cmd = argv[:split], argv[split + 1 :]
+    args = _parser().parse_args(argv)
+    if args.command == "run":
+        return _run(args, cmd)
+    return _arena_status(args)
+
+
+def _run(args: argparse.Namespace, cmd: list[str]) -> int:
+    timeout_s: float | None = args.timeout
+    if timeout_s is not None and (timeout_s < 0 or not math.isfinite(timeout_s)):
+        raise BadValueError(f"--timeout must be a non-negative number of seconds, got {timeout_s}")
+    if not cmd:
+        raise UsageError(f"no command after '--': {RUN_USAGE}")
+    arena = Arena(resolve_arena(args.arena))
+    return run_holding_token(arena, cmd, name=args.name, timeout_s=timeout_s)
+
+
+def arena_status_json(state: ArenaState) -> dict[str, object]:
+    """The `arena status --json` object; its keys are a public interface."""
+    holder: dict[str, object] | None = None
+    if state.holder_pid is not None:
+        holder = {
+            "pid": state.holder_pid,
+            "name": holder_name(state),
+            "since": state.holder.since if state.holder else None,
+            "model": state.holder.model if state.holder else None,
+        }
+    return {
+        "arena": str(state.path),
+        "holder": holder,
+        "waiters": [{"pid": pid, "name": process_name(pid)} for pid in state.waiter_pids],
+        "stale_holder_file": state.stale_holder.to_json() if state.stale_holder else None,
+    }
+
+
+def _arena_status(args: argparse.Namespace) -> int:
+    state = Arena(resolve_arena(args.arena)).observe()
+    report = arena_status_json(state)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"arena    {report['arena']}")
+    holder = state.holder_pid
+    if holder is None:
+        print("holder   none (the GPU is free)")
+    else:
+        line = f"holder   pid {holder} {holder_name(state) or '?'}"
+        if state.holder is not None:
+            line += f" since {time.strftime('%H:%M:%S', time.localtime(state.holder.since))}"
+            if state.holder.model:
+                line += f" (model {state.holder.model})"
+        print(line)
+    waiters = ", ".join(f"pid {pid} {process_name(pid) or '?'}" for pid in state.waiter_pids)
+    print(f"waiters  {waiters or 'none'}")
+    if state.stale_holder is not None:
+        print(
+            f"note     holder.json names pid {state.stale_holder.pid} "
+            f"({state.stale_holder.name}), which does not hold the token: stale"
+        )
+    return 0

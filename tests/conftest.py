@@ -1,0 +1,70 @@
+"""Fixtures shared by the tests: arenas in temporary directories and real actor processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from arbiterd.arena import Arena
+
+SUPPORT = Path(__file__).parent / "support"
+ACTOR = SUPPORT / "arena_actor.py"
+
+
+@pytest.fixture
+def arena(tmp_path: Path) -> Arena:
+    return Arena(tmp_path / "arena")
+
+
+@pytest.fixture
+def runtime_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private XDG_RUNTIME_DIR for the test, with ARBITERD_ARENA unset."""
+    path = tmp_path / "run"
+    path.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(path))
+    monkeypatch.delenv("ARBITERD_ARENA", raising=False)
+    return path
+
+
+class Processes:
+    """Starts real processes and guarantees each is killed and reaped when the test ends."""
+
+    def __init__(self) -> None:
+        self._started: list[subprocess.Popen[str]] = []
+
+    def actor(self, arena: Arena, *args: str) -> subprocess.Popen[str]:
+        return self.start([sys.executable, str(ACTOR), str(arena.path), *args])
+
+    def start(self, argv: list[str], **kwargs: object) -> subprocess.Popen[str]:
+        proc: subprocess.Popen[str] = subprocess.Popen(  # type: ignore[call-overload]
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            **kwargs,
+        )
+        self._started.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for proc in self._started:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
+
+
+@pytest.fixture
+def procs() -> Iterator[Processes]:
+    processes = Processes()
+    yield processes
+    processes.close()

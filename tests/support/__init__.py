@@ -1,0 +1,1 @@
+"""Test-only helpers shared by the arbiterd test suite."""

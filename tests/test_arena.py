@@ -1,0 +1,337 @@
+"""The arena protocol with real processes: handoffs, kills, the doorbell's failure cases."""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import random
+import signal
+import stat
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from arbiterd import arena as arena_module
+from arbiterd.arena import Arena, ArenaState, HolderInfo, parse_proc_locks
+from arbiterd.errors import (
+    AcquireCancelledError,
+    AcquireTimeoutError,
+    ArenaUnsupportedError,
+    ArenaUnwritableError,
+    BadValueError,
+)
+from tests.conftest import Processes
+from tests.support.waiting import wait_until
+
+
+def start_holder(procs: Processes, arena: Arena, name: str = "other") -> subprocess.Popen[str]:
+    proc = procs.actor(arena, "hold", name)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "acquired"
+    return proc
+
+
+def start_waiter(procs: Processes, arena: Arena) -> subprocess.Popen[str]:
+    proc = procs.actor(arena, "hold", "waiter")
+    wait_until(lambda: proc.pid in arena.observe().waiter_pids, 10, "the waiter to announce itself")
+    return proc
+
+
+def finish(proc: subprocess.Popen[str]) -> None:
+    """Let a `hold` actor release (EOF on its stdin) and wait for it."""
+    assert proc.stdin is not None
+    proc.stdin.close()
+    assert proc.wait(timeout=10) == 0
+
+
+def our_locks(arena: Arena) -> list[object]:
+    text = Path("/proc/locks").read_text()
+    inodes = {arena_module._inode_key(os.stat(arena.path / f)) for f in ("token.lock", "want.lock")}
+    return [r for r in parse_proc_locks(text) if r.pid == os.getpid() and r.inode in inodes]
+
+
+def test_parse_proc_locks_reads_granted_and_blocked_lines() -> None:
+    text = (
+        "1: POSIX  ADVISORY  WRITE 77 08:01:12 0 EOF\n"
+        "2: FLOCK  ADVISORY  WRITE 4321 00:1a:789 0 EOF\n"
+        "2: -> FLOCK  ADVISORY  READ  4322 00:1a:790 0 EOF\n"
+        "garbage line\n"
+        "3: FLOCK  ADVISORY  WRITE notapid 00:1a:789 0 EOF\n"
+    )
+    records = parse_proc_locks(text)
+    assert [(r.kind, r.mode, r.pid, r.inode, r.blocked) for r in records] == [
+        ("POSIX", "WRITE", 77, (8, 1, 12), False),
+        ("FLOCK", "WRITE", 4321, (0, 0x1A, 789), False),
+        ("FLOCK", "READ", 4322, (0, 0x1A, 790), True),
+    ]
+
+
+def test_files_are_private_and_never_replaced(arena: Arena) -> None:
+    assert stat.S_IMODE(arena.path.stat().st_mode) == 0o700
+    inodes = {}
+    for name in ("token.lock", "want.lock"):
+        st = (arena.path / name).stat()
+        assert stat.S_IMODE(st.st_mode) == 0o600
+        inodes[name] = st.st_ino
+    for _ in range(20):
+        with arena.acquire("me"):
+            pass
+    Arena(arena.path)  # opening again must not recreate anything
+    assert {name: (arena.path / name).stat().st_ino for name in inodes} == inodes
+
+
+def test_holder_file_names_the_holder_and_is_cleared_on_release(arena: Arena) -> None:
+    token = arena.acquire("me", model="tiny")
+    info = arena.read_holder_file()
+    assert info is not None
+    assert (info.pid, info.name, info.model) == (os.getpid(), "me", "tiny")
+    state = arena.observe()
+    assert state.holder_pid == os.getpid()
+    assert state.holder == info
+    assert state.stale_holder is None
+    token.release()
+    token.release()  # idempotent
+    assert arena.read_holder_file() is None
+    assert arena.observe().holder_pid is None
+
+
+def test_waiter_that_arrives_while_holder_is_loading_is_seen(
+    arena: Arena, procs: Processes
+) -> None:
+    token = arena.acquire("loading")  # holds, but does not probe yet: it is "loading"
+    waiter = start_waiter(procs, arena)
+    assert token.wanted()  # the first probe after the load still sees it
+    token.release()
+    assert waiter.stdout is not None
+    assert waiter.stdout.readline().strip() == "acquired"
+    finish(waiter)
+
+
+def test_satisfied_waiter_causes_no_later_spurious_release(arena: Arena, procs: Processes) -> None:
+    holder = start_holder(procs, arena)
+    waiter_done = threading.Event()
+
+    def wait_for_it() -> None:
+        with arena.acquire("me") as token:
+            waiter_done.set()
+            # Served: from now on nobody waits, so the probe must say so, every time.
+            assert not any(token.wanted() for _ in range(200))
+
+    thread = threading.Thread(target=wait_for_it)
+    thread.start()
+    wait_until(lambda: os.getpid() in arena.observe().waiter_pids, 10, "our announcement")
+    finish(holder)
+    thread.join(timeout=10)
+    assert waiter_done.is_set()
+
+
+def test_waiter_that_dies_is_forgotten(arena: Arena, procs: Processes) -> None:
+    with arena.acquire("me") as token:
+        waiter = start_waiter(procs, arena)
+        assert token.wanted()
+        os.kill(waiter.pid, signal.SIGKILL)
+        waiter.wait(timeout=10)
+        assert not token.wanted()
+        assert arena.observe().waiter_pids == ()
+
+
+def test_probe_never_converts_the_probers_own_lock(arena: Arena) -> None:
+    # One process is both holder (main thread) and waiter (another thread). Were the probe made
+    # on the waiter's description, LOCK_EX|LOCK_NB would convert its shared lock and succeed,
+    # and the unlock after it would silently withdraw the waiter.
+    token = arena.acquire("holder")
+    got_it = threading.Event()
+
+    def waiter() -> None:
+        with arena.acquire("waiter"):
+            got_it.set()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    wait_until(lambda: os.getpid() in arena.observe().waiter_pids, 10, "the waiter")
+    assert all(token.wanted() for _ in range(100))
+    assert os.getpid() in arena.observe().waiter_pids  # still announced after 100 probes
+    token.release()
+    thread.join(timeout=10)
+    assert got_it.is_set()
+
+
+def test_acquire_timeout_leaves_no_lock_behind(arena: Arena, procs: Processes) -> None:
+    holder = start_holder(procs, arena)
+    started = time.monotonic()
+    with pytest.raises(AcquireTimeoutError):
+        arena.acquire("me", timeout_s=0.2)
+    assert time.monotonic() - started >= 0.2
+    assert arena.observe().waiter_pids == ()  # the announcement is withdrawn at once
+    finish(holder)
+    # The abandoned kernel request, once granted, gives the token straight back.
+    wait_until(lambda: not our_locks(arena), 10, "the abandoned request to let go")
+    with arena.acquire("me", timeout_s=5):
+        pass
+
+
+def test_acquire_cancel_leaves_no_lock_behind(arena: Arena, procs: Processes) -> None:
+    holder = start_holder(procs, arena)
+    cancel = threading.Event()
+    threading.Timer(0.1, cancel.set).start()
+    with pytest.raises(AcquireCancelledError):
+        arena.acquire("me", cancel=cancel)
+    assert arena.observe().waiter_pids == ()
+    finish(holder)
+    wait_until(lambda: not our_locks(arena), 10, "the abandoned request to let go")
+    assert arena.observe().holder_pid is None
+
+
+def test_negative_timeout_is_refused(arena: Arena) -> None:
+    with pytest.raises(BadValueError):
+        arena.acquire("me", timeout_s=-1)
+
+
+def test_on_wait_reports_the_holder(arena: Arena, procs: Processes) -> None:
+    holder = start_holder(procs, arena, name="game")
+    seen: list[ArenaState] = []
+    thread = threading.Thread(
+        target=lambda: arena.acquire("me", on_wait=seen.append, timeout_s=10).release()
+    )
+    thread.start()
+    wait_until(lambda: seen, 10, "on_wait")
+    assert seen[0].holder_pid == holder.pid
+    assert seen[0].holder is not None
+    assert seen[0].holder.name == "game"
+    finish(holder)
+    thread.join(timeout=10)
+
+
+def test_killed_holder_frees_the_token_and_its_file_is_recognised_as_stale(
+    arena: Arena, procs: Processes
+) -> None:
+    holder = start_holder(procs, arena, name="doomed")
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait(timeout=10)
+    state = arena.observe()
+    assert state.holder_pid is None
+    assert state.holder is None
+    assert state.stale_holder is not None
+    assert (state.stale_holder.pid, state.stale_holder.name) == (holder.pid, "doomed")
+    with arena.acquire("me", timeout_s=5):
+        assert arena.observe().holder_pid == os.getpid()
+
+
+def test_holder_file_parse_ignores_garbage() -> None:
+    assert HolderInfo.from_json(b"") is None
+    assert HolderInfo.from_json(b"{not json") is None
+    assert HolderInfo.from_json(b"[1]") is None
+    assert HolderInfo.from_json(b'{"pid": "x", "name": "a", "since": 1}') is None
+    info = HolderInfo.from_json(b'{"pid": 5, "name": "a", "since": 1, "model": 3}')
+    assert info == HolderInfo(pid=5, name="a", model=None, since=1.0)
+
+
+def test_unwritable_arena_directory_is_a_clear_error(tmp_path: Path) -> None:
+    if os.geteuid() == 0:
+        target = Path("/proc/arbiterd-cannot-exist/arena")  # not even root writes procfs
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        target = locked / "arena"
+    with pytest.raises(ArenaUnwritableError, match="cannot create arena directory"):
+        Arena(target)
+
+
+def test_filesystem_without_flock_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No filesystem without flock is mountable here; inject what NFS without a lock manager
+    # answers so the mapping itself is exercised.
+    def no_flock(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr("arbiterd.arena.fcntl.flock", no_flock)
+    with pytest.raises(ArenaUnsupportedError, match="does not support flock"):
+        Arena(tmp_path / "arena")
+
+
+def read_intervals(log: Path) -> list[tuple[int, int, int]]:
+    """(enter_ns, exit_ns, pid) per hold; an enter without exit (killed holder) is open-ended."""
+    open_: dict[int, int] = {}
+    killed = set()
+    intervals = []
+    for line in log.read_text().splitlines():
+        what, pid_text, ns_text = line.split()
+        pid, ns = int(pid_text), int(ns_text)
+        if what == "enter":
+            assert pid not in open_, f"pid {pid} entered twice"
+            open_[pid] = ns
+        elif what == "exit":
+            intervals.append((open_.pop(pid), ns, pid))
+        else:  # "kill", stamped just before SIGKILL: a hold in progress ended by then
+            killed.add(pid)
+            if pid in open_:
+                intervals.append((open_.pop(pid), ns, pid))
+    # A victim can still stamp "enter" between the kill stamp and its death; it died holding.
+    intervals += [(start, start, pid) for pid, start in open_.items() if pid in killed]
+    assert killed.issuperset(open_), f"holds never closed: {open_}"
+    return sorted(intervals)
+
+
+def assert_never_two_holders(intervals: list[tuple[int, int, int]]) -> None:
+    for (_, end, pid), (start, _, next_pid) in itertools.pairwise(intervals):
+        assert end <= start, f"pid {next_pid} entered while pid {pid} still held the token"
+
+
+def test_sixty_alternating_handoffs_between_two_processes(
+    arena: Arena, procs: Processes, tmp_path: Path
+) -> None:
+    log = tmp_path / "stamps.log"
+    rounds = 31  # 62 holds: 61 handoffs
+    actors = [procs.actor(arena, "cycle", str(log), str(rounds)) for _ in range(2)]
+    codes = [a.wait(timeout=60) for a in actors]
+    assert codes == [0, 0], "an actor was stranded (3) or crashed"
+    intervals = read_intervals(log)
+    assert len(intervals) == 2 * rounds
+    assert_never_two_holders(intervals)
+    # hand_over() makes two busy contenders strictly alternate: 61 handoffs in 62 holds.
+    handoffs = sum(1 for a, b in itertools.pairwise(intervals) if a[2] != b[2])
+    assert handoffs == 2 * rounds - 1
+
+
+@pytest.mark.slow
+def test_random_kill_fuzz_strands_nobody(arena: Arena, procs: Processes, tmp_path: Path) -> None:
+    log = tmp_path / "stamps.log"
+    stop = tmp_path / "stop"
+    log_fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    rng = random.Random(1234)
+    contenders = 7
+    live = [procs.actor(arena, "fuzz", str(log), str(stop)) for _ in range(contenders)]
+    kills = respawns = 0
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        time.sleep(rng.uniform(0.02, 0.25))
+        victim = live.pop(rng.randrange(len(live)))
+        # Stamped before the kill: the victim's hold ends at the latest here. Stamping after
+        # the reap would flag the next holder, who may enter as soon as the kernel frees.
+        os.write(log_fd, f"kill {victim.pid} {time.monotonic_ns()}\n".encode())
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=10)
+        kills += 1
+        live.append(procs.actor(arena, "fuzz", str(log), str(stop)))
+        respawns += 1
+    last_spawn_ns = time.monotonic_ns()
+    stop.touch()
+    codes = [p.wait(timeout=30) for p in live]  # a stranded contender would hang here
+    os.close(log_fd)
+    assert codes == [0] * contenders
+    intervals = read_intervals(log)
+    assert_never_two_holders(intervals)
+    served = {pid for _, _, pid in intervals}
+    assert all(p.pid in served for p in live), "a survivor was never served"
+    holds_after = sum(1 for start, _, _ in intervals if start > last_spawn_ns)
+    print(
+        f"fuzz: {len(intervals)} holds, {kills} kills, {respawns} respawns, "
+        f"{holds_after} holds after the last kill, 0 stranded"
+    )
+    assert kills >= 40
+    assert arena.observe().holder_pid is None

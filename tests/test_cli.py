@@ -1,0 +1,183 @@
+"""`arbiterd run` and `arbiterd arena status`, as other programs will drive them: real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from arbiterd.arena import Arena
+from tests.conftest import Processes
+from tests.support.waiting import wait_until
+
+ARBITERD = [sys.executable, "-m", "arbiterd"]
+
+# A child that reports the signals it receives and exits 7 after SIGTERM or SIGINT.
+TRAPPING_CHILD = textwrap.dedent(
+    """
+    import signal, sys
+    def on(signum, frame):
+        print("got", signum, flush=True)
+        sys.exit(7)
+    signal.signal(signal.SIGTERM, on)
+    signal.signal(signal.SIGINT, on)
+    print("ready", flush=True)
+    signal.pause()
+    """
+)
+
+
+def arbiterd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*ARBITERD, *args], capture_output=True, text=True, timeout=60, env=env, check=False
+    )
+
+
+def start_run(procs: Processes, arena: Arena, *args: str) -> subprocess.Popen[str]:
+    return procs.start([*ARBITERD, "run", "--arena", str(arena.path), *args])
+
+
+def test_run_exits_with_the_commands_status(arena: Arena) -> None:
+    done = arbiterd("run", "--arena", str(arena.path), "--", "sh", "-c", "exit 3")
+    assert done.returncode == 3
+    assert arena.observe().holder_pid is None
+
+
+def test_run_holds_the_token_while_the_command_runs(arena: Arena) -> None:
+    script = f"import json,sys; print(open('{arena.path}/holder.json').read())"
+    done = arbiterd(
+        "run", "--arena", str(arena.path), "--name", "blender", "--", sys.executable, "-c", script
+    )
+    assert done.returncode == 0, done.stderr
+    holder = json.loads(done.stdout)
+    assert holder["name"] == "blender"
+    assert holder["model"] is None
+
+
+def test_run_reports_a_command_killed_by_a_signal_as_128_plus_n(arena: Arena) -> None:
+    done = arbiterd("run", "--arena", str(arena.path), "--", "sh", "-c", "kill -9 $$")
+    assert done.returncode == 128 + signal.SIGKILL
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_run_forwards_signals_to_the_command(
+    arena: Arena, procs: Processes, signum: signal.Signals
+) -> None:
+    runner = start_run(procs, arena, "--", sys.executable, "-c", TRAPPING_CHILD)
+    assert runner.stdout is not None
+    assert runner.stdout.readline().strip() == "ready"
+    os.kill(runner.pid, signum)
+    assert runner.stdout.readline().split() == ["got", str(int(signum))]
+    assert runner.wait(timeout=10) == 7
+    assert arena.observe().holder_pid is None
+
+
+def test_run_waits_for_the_holder_and_says_who_it_is(arena: Arena, procs: Processes) -> None:
+    holder = start_run(procs, arena, "--name", "game", "--", sys.executable, "-c", TRAPPING_CHILD)
+    assert holder.stdout is not None
+    assert holder.stdout.readline().strip() == "ready"
+    waiter = start_run(procs, arena, "--", "true")
+    wait_until(lambda: waiter.pid in arena.observe().waiter_pids, 10, "the waiter")
+    os.kill(holder.pid, signal.SIGTERM)
+    assert holder.wait(timeout=10) == 7
+    assert waiter.wait(timeout=10) == 0
+    assert waiter.stderr is not None
+    stderr = waiter.stderr.read()
+    assert f"waiting for the GPU, held by pid {holder.pid} (game" in stderr
+    assert "got the GPU after" in stderr
+
+
+def test_run_times_out_with_status_75(arena: Arena, procs: Processes) -> None:
+    holder = start_run(procs, arena, "--name", "game", "--", "sleep", "30")
+    wait_until(lambda: arena.observe().holder_pid == holder.pid, 10, "the holder")
+    done = arbiterd("run", "--arena", str(arena.path), "--timeout", "0.2", "--", "true")
+    assert done.returncode == 75
+    assert "not free within 0.2 s" in done.stderr
+    assert arena.observe().waiter_pids == ()
+
+
+def test_run_interrupted_while_waiting_exits_130_and_withdraws(
+    arena: Arena, procs: Processes
+) -> None:
+    holder = start_run(procs, arena, "--", "sleep", "30")
+    wait_until(lambda: arena.observe().holder_pid == holder.pid, 10, "the holder")
+    waiter = start_run(procs, arena, "--", "true")
+    wait_until(lambda: waiter.pid in arena.observe().waiter_pids, 10, "the waiter")
+    os.kill(waiter.pid, signal.SIGINT)
+    assert waiter.wait(timeout=10) == 130
+    assert arena.observe().waiter_pids == ()
+    assert arena.observe().holder_pid == holder.pid
+
+
+def test_arena_status_json_shows_the_live_holder_and_waiters(
+    arena: Arena, procs: Processes
+) -> None:
+    holder = start_run(procs, arena, "--name", "comfyui", "--", "sleep", "30")
+    wait_until(lambda: arena.observe().holder_pid == holder.pid, 10, "the holder")
+    waiters = [start_run(procs, arena, "--", "true") for _ in range(2)]
+    want = sorted(w.pid for w in waiters)
+    wait_until(lambda: list(arena.observe().waiter_pids) == want, 10, "both waiters")
+    done = arbiterd("arena", "status", "--arena", str(arena.path), "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["arena"] == str(arena.path)
+    assert report["holder"]["pid"] == holder.pid
+    assert report["holder"]["name"] == "comfyui"
+    assert isinstance(report["holder"]["since"], float)
+    assert [w["pid"] for w in report["waiters"]] == want
+    assert all(w["name"] for w in report["waiters"])
+    text = arbiterd("arena", "status", "--arena", str(arena.path))
+    assert f"holder   pid {holder.pid} comfyui since" in text.stdout
+
+
+def test_arena_status_of_a_free_arena(arena: Arena) -> None:
+    report = json.loads(arbiterd("arena", "status", "--arena", str(arena.path), "--json").stdout)
+    assert report["holder"] is None
+    assert report["waiters"] == []
+
+
+def test_default_arena_lives_in_the_runtime_dir(runtime_dir: Path) -> None:
+    done = arbiterd("arena", "status", "--json", env=dict(os.environ))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["arena"] == str(runtime_dir / "arbiterd" / "arena" / "gpu0")
+    override = runtime_dir / "elsewhere"
+    env = dict(os.environ, ARBITERD_ARENA=str(override))
+    assert json.loads(arbiterd("arena", "status", "--json", env=env).stdout)["arena"] == str(
+        override
+    )
+
+
+def test_each_bad_input_has_its_own_exit_status_and_one_line(
+    arena: Arena, runtime_dir: Path, tmp_path: Path
+) -> None:
+    not_executable = tmp_path / "data.txt"
+    not_executable.write_text("x")
+    at = ["--arena", str(arena.path)]
+    cases = {
+        "missing --": (["run", *at, "true"], 64),
+        "negative timeout": (["run", *at, "--timeout", "-1", "--", "true"], 65),
+        "no command": (["run", *at, "--"], 64),
+        "not found": (["run", *at, "--", "no-such-program-xyz"], 127),
+        "not executable": (["run", *at, "--", str(not_executable)], 126),
+        "unwritable arena": (["run", "--arena", "/proc/no/arena", "--", "true"], 73),
+    }
+    for what, (args, code) in cases.items():
+        done = arbiterd(*args)
+        assert done.returncode == code, f"{what}: {done.returncode} {done.stderr}"
+        assert done.stderr.count("\n") == 1, f"{what}: not one line: {done.stderr!r}"
+        assert done.stderr.startswith("arbiterd run: ")
+    insecure = dict(os.environ)
+    runtime_dir.chmod(0o755)
+    done = arbiterd("arena", "status", env=insecure)
+    assert (done.returncode, done.stderr.count("\n")) == (78, 1)
+    assert "must be 0700" in done.stderr
+    del insecure["XDG_RUNTIME_DIR"]
+    done = arbiterd("arena", "status", env=insecure)
+    assert done.returncode == 78
+    assert "XDG_RUNTIME_DIR is not set" in done.stderr
