@@ -10,9 +10,16 @@
     ├── AcquireError                  the token was not obtained
     │   ├── AcquireTimeoutError       the timeout ran out (75, EX_TEMPFAIL)
     │   └── AcquireCancelledError     the caller gave up (130, as for SIGINT)
-    └── CommandError                  `arbiterd run` could not start CMD
-        ├── CommandNotFoundError      no such program (127, as a shell)
-        └── CommandNotExecutableError found but not runnable (126, as a shell)
+    ├── CommandError                  `arbiterd run` could not start CMD
+    │   ├── CommandNotFoundError      no such program (127, as a shell)
+    │   └── CommandNotExecutableError found but not runnable (126, as a shell)
+    ├── EngineError                   a model could not do what was asked
+    │   ├── ModelLoadError            missing, unreadable or corrupt GGUF; context too large
+    │   ├── RestoreError              warming a cold model failed (it stays cold)
+    │   └── RequestError              one request is bad; the model keeps serving
+    │       └── ContextOverflowError  the prompt (plus max_tokens) exceeds the context
+    └── WorkerError                   the worker process or its protocol failed
+        └── ProtocolError             a malformed or unexpected message
 
 Each class carries the exit status the CLI uses, so every failure has its own distinct code.
 """
@@ -72,3 +79,31 @@ class CommandNotFoundError(CommandError):
 
 class CommandNotExecutableError(CommandError):
     exit_code = 126
+
+
+class EngineError(ArbiterError):
+    exit_code = 70  # sysexits EX_SOFTWARE
+
+
+class ModelLoadError(EngineError):
+    pass
+
+
+class RestoreError(EngineError):
+    pass
+
+
+class RequestError(EngineError):
+    exit_code = 65
+
+
+class ContextOverflowError(RequestError):
+    pass
+
+
+class WorkerError(ArbiterError):
+    exit_code = 70
+
+
+class ProtocolError(WorkerError):
+    pass

@@ -1,0 +1,37 @@
+"""When a warm model should give the GPU up: a pure function of what the engine thread sees.
+
+No I/O, no clocks: the caller reads the live lock state and the times, and applies the answer.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class ReleaseReason(enum.StrEnum):
+    WANTED = "wanted"  # another program waits for the token
+    IDLE = "idle"  # idle longer than idle_release_s
+
+
+@dataclass(frozen=True)
+class HoldView:
+    """What the decision needs, read by the engine thread just before deciding."""
+
+    wanted: bool  # live: want.lock probed now
+    held_s: float  # since this model last became warm
+    idle_s: float  # since its last request finished (or it became warm)
+    busy: bool  # a request is queued for this model
+
+
+def release_reason(
+    view: HoldView, *, min_hold_s: float, idle_release_s: float
+) -> ReleaseReason | None:
+    """Release when wanted, after the minimum hold (it stops ping-pong between two busy
+    models); or, if configured, after idling that long. A queued request does not stop a
+    release for a waiter — the waiter gets its turn and the queue waits for ours."""
+    if view.wanted and view.held_s >= min_hold_s:
+        return ReleaseReason.WANTED
+    if idle_release_s > 0 and not view.busy and view.idle_s >= idle_release_s:
+        return ReleaseReason.IDLE
+    return None

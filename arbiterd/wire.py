@@ -1,0 +1,82 @@
+"""JSON-lines framing for arbiterd's sockets: one JSON object per line, bounded in size.
+
+Owns encoding, decoding and the guard ladder every incoming line goes through (size → UTF-8 →
+JSON → object); callers check the keys they need. Never blocks on anything but its socket.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from typing import Any
+
+from arbiterd.errors import ProtocolError
+
+# One message may carry a long prompt or a streamed chunk; anything larger is a bug or abuse.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+RECV_BYTES = 65536
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+
+
+def decode(line: bytes) -> dict[str, Any]:
+    """Parse one line; ProtocolError says which rung of the ladder it fell from."""
+    if len(line) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(line)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        text = line.decode()
+    except UnicodeDecodeError:
+        raise ProtocolError("message is not UTF-8") from None
+    try:
+        message = json.loads(text)
+    except ValueError as exc:
+        raise ProtocolError(f"message is not JSON: {exc}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError("message is not a JSON object")
+    return message
+
+
+class LineReader:
+    """Reads newline-terminated messages from a stream socket it does not own."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buffer = bytearray()
+
+    def read(self) -> dict[str, Any] | None:
+        """The next message, or None at end of stream. Raises ProtocolError for a bad line
+        (the line is consumed, so the caller may answer and go on)."""
+        while True:
+            end = self._buffer.find(b"\n")
+            if end >= 0:
+                line = bytes(self._buffer[:end])
+                del self._buffer[: end + 1]
+                return decode(line)
+            if len(self._buffer) > MAX_MESSAGE_BYTES:
+                self._buffer.clear()
+                raise ProtocolError(f"message exceeds {MAX_MESSAGE_BYTES} bytes")
+            data = self._sock.recv(RECV_BYTES)
+            if not data:
+                return None
+            self._buffer += data
+
+
+class LineWriter:
+    """Writes messages to a stream socket from any thread, one whole line at a time."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._lock = threading.Lock()
+
+    def send(self, message: dict[str, Any]) -> bool:
+        """False when the peer is gone (the caller decides what that means)."""
+        data = encode(message)
+        with self._lock:
+            try:
+                self._sock.sendall(data)
+            except OSError:
+                return False
+        return True

@@ -1,0 +1,444 @@
+"""One model's worker process: keeps the model resident and time-shares the GPU through the arena.
+
+    python -m arbiterd.worker --fd N --config JSON
+
+Owns the model (through a `Backend`), its residency state and its hold on the arena token.
+Two threads:
+- the **engine thread** (the main thread) owns the llama objects, the residency state machine
+  and the token. It serves requests one at a time, and between requests — and every
+  PROBE_INTERVAL_S while idle — it probes `wanted()` itself and goes cold when the policy says so.
+  The decision reads live lock state, never a flag set by another thread.
+- the **io thread** reads the socket: it answers `status` and `cancel` at once (also during a
+  decode: ctypes releases the GIL in llama_decode) and queues everything else for the engine.
+
+Message protocol (JSON lines, `arbiterd.wire`), version WORKER_PROTOCOL:
+    worker → daemon  {"hello": {"protocol", "model", "pid"}}          first line
+    daemon → worker  {"op": "generate", "id", "kind": "completion"|"chat", "body", "stream"}
+                     {"op": "status"|"release"|"warm"|"shutdown"|"cancel", "id"}
+    worker → daemon  {"id", "chunk": {...}}  {"id", "result": {...}}  {"id", "error": {...}}
+                     {"event": "residency", ...}  {"event": "request", ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from arbiterd.arena import Arena, Token
+from arbiterd.engine import Backend, Generation, KvPolicy, ModelSpec, ReloadBackend
+from arbiterd.errors import (
+    AcquireCancelledError,
+    ArbiterError,
+    EngineError,
+    ProtocolError,
+    RequestError,
+    RestoreError,
+)
+from arbiterd.policy import HoldView, ReleaseReason, release_reason
+from arbiterd.residency import Residency as ResidencyMachine
+from arbiterd.residency import ResidencyEvent, State
+from arbiterd.wire import LineReader, LineWriter
+
+WORKER_PROTOCOL = 1
+# How often an idle warm model probes want.lock (a non-blocking flock: ~2 µs each).
+PROBE_INTERVAL_S = 0.01
+OPS = frozenset({"generate", "status", "release", "warm", "shutdown", "cancel"})
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker needs, passed as JSON on its command line."""
+
+    spec: ModelSpec
+    arena: Path
+    kv_on_release: KvPolicy = KvPolicy.HOST
+    min_hold_s: float = 0.1
+    idle_release_s: float = 0.0  # 0: release only when wanted
+
+    def to_json(self) -> str:
+        spec = dataclasses.asdict(self.spec)
+        spec["path"] = str(self.spec.path)
+        return json.dumps(
+            {
+                "spec": spec,
+                "arena": str(self.arena),
+                "kv_on_release": self.kv_on_release.value,
+                "min_hold_s": self.min_hold_s,
+                "idle_release_s": self.idle_release_s,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerConfig:
+        raw = json.loads(text)
+        spec = dict(raw["spec"])
+        spec["path"] = Path(spec["path"])
+        return cls(
+            spec=ModelSpec(**spec),
+            arena=Path(raw["arena"]),
+            kv_on_release=KvPolicy(raw["kv_on_release"]),
+            min_hold_s=float(raw["min_hold_s"]),
+            idle_release_s=float(raw["idle_release_s"]),
+        )
+
+
+@dataclass(frozen=True)
+class Command:
+    """A message the engine thread must act on."""
+
+    op: str
+    id: str
+    kind: str = ""
+    body: dict[str, Any] = dataclasses.field(default_factory=dict)
+    stream: bool = False
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, backend: Backend, sock: socket.socket) -> None:
+        self.config = config
+        self.name = config.spec.name
+        self._backend = backend
+        self._arena = Arena(config.arena)
+        self._reader = LineReader(sock)
+        self._out = LineWriter(sock)
+        self._inbox: queue.Queue[Command] = queue.Queue()
+        self._residency = ResidencyMachine(self.name)
+        self._token: Token | None = None
+        # Written by the io thread, read by the engine thread: sets and Events only.
+        self._cancelled: set[str] = set()
+        self._cancel_lock = threading.Lock()
+        self._wake = threading.Event()  # interrupts a wait for the token
+        self._stopping = threading.Event()
+        # Published by the engine thread (one reference assignment), read by the io thread.
+        self._status: dict[str, Any] = {}
+        self._served = 0
+        self._current: str | None = None
+        self._last_error = ""
+        self._warm_since = time.monotonic()
+        self._idle_since = time.monotonic()
+
+    # -- io thread ----------------------------------------------------------------------------
+
+    def _io_loop(self) -> None:
+        while True:
+            try:
+                message = self._reader.read()
+            except ProtocolError as exc:
+                self._out.send({"error": {"type": "ProtocolError", "message": str(exc)}})
+                continue
+            except OSError:
+                message = None
+            if message is None:  # the daemon is gone: stop, whatever is queued
+                self._request_stop()
+                return
+            self._dispatch(message)
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        op, request_id = message.get("op"), message.get("id")
+        if not isinstance(request_id, str) or op not in OPS:
+            self._out.send(
+                {"id": request_id, "error": {"type": "ProtocolError", "message": f"bad op {op!r}"}}
+            )
+            return
+        if op == "status":
+            self._out.send({"id": request_id, "result": {**self._status, "queue": self._queued()}})
+        elif op == "cancel":
+            target = message.get("target")
+            with self._cancel_lock:
+                self._cancelled.add(str(target))
+            self._wake.set()
+            self._out.send({"id": request_id, "result": {"cancelled": target}})
+        elif op == "shutdown":
+            self._request_stop()
+        else:
+            body = message.get("body", {})
+            self._inbox.put(
+                Command(
+                    op,
+                    request_id,
+                    kind=str(message.get("kind", "")),
+                    body=body if isinstance(body, dict) else {},
+                    stream=bool(message.get("stream")),
+                )
+            )
+
+    def _request_stop(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+        self._inbox.put(Command("shutdown", ""))
+
+    # -- engine thread ------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self._out.send(
+            {"hello": {"protocol": WORKER_PROTOCOL, "model": self.name, "pid": os.getpid()}}
+        )
+        threading.Thread(target=self._io_loop, name="worker-io", daemon=True).start()
+        self._publish()
+        try:
+            if self._load():
+                self._serve_forever()
+            else:
+                self._fail_forever()
+        finally:
+            self._stop()
+        return 0
+
+    def _load(self) -> bool:
+        # The token first: loading can then never push a resident model out of VRAM.
+        try:
+            self._token = self._arena.acquire(self.name, model=self.name, cancel=self._stopping)
+        except AcquireCancelledError:
+            return False
+        try:
+            moved = self._backend.load()
+        except EngineError as exc:
+            self._last_error = str(exc)
+            self._emit(self._residency.transition(State.LOADING, State.FAILED, reason=str(exc)))
+            self._give_up_token()
+            return False
+        self._emit(
+            self._residency.transition(
+                State.LOADING,
+                State.WARM,
+                weights_bytes=moved.weights_bytes,
+                disk_read_bytes=moved.disk_read_bytes,
+            )
+        )
+        self._warm_since = self._idle_since = time.monotonic()
+        return True
+
+    def _serve_forever(self) -> None:
+        while not self._stopping.is_set():
+            state = self._residency.state
+            try:
+                command = self._inbox.get(timeout=PROBE_INTERVAL_S if state is State.WARM else None)
+            except queue.Empty:
+                self._maybe_release()
+                continue
+            if command.op == "shutdown":
+                return
+            if command.op == "release":
+                if self._residency.state is State.WARM:
+                    self._cool("command")
+                self._reply(command.id, {"state": self._residency.state.value})
+            elif command.op == "warm":
+                self._handle_warm(command)
+            elif command.op == "generate":
+                self._handle_generate(command)
+                self._maybe_release()
+
+    def _fail_forever(self) -> None:
+        """A model that cannot load keeps answering, with its reason, until shut down."""
+        while True:
+            command = self._inbox.get()
+            if command.op == "shutdown":
+                return
+            self._error(command.id, EngineError(f"{self.name} failed to load: {self._last_error}"))
+
+    def _handle_warm(self, command: Command) -> None:
+        try:
+            if self._residency.state is State.COLD:
+                self._warm_up(command.id)
+            self._reply(command.id, {"state": self._residency.state.value})
+        except (AcquireCancelledError, RestoreError) as exc:
+            self._error(command.id, exc)
+
+    def _handle_generate(self, command: Command) -> None:
+        if self._is_cancelled(command.id):
+            self._error(command.id, RequestError("cancelled before it started"))
+            return
+        try:
+            if self._residency.state is State.COLD:
+                self._warm_up(command.id)
+            self._current = command.id
+            self._publish()
+            started = time.monotonic()
+            result = self._backend.generate(command.kind, command.body, self._sink(command))
+        except ArbiterError as exc:
+            self._error(command.id, exc)
+            return
+        finally:
+            self._current = None
+            self._idle_since = time.monotonic()
+            with self._cancel_lock:
+                self._cancelled.discard(command.id)
+        self._served += 1
+        self._reply(command.id, _result_json(result))
+        self._out.send(
+            {
+                "event": "request",
+                "model": self.name,
+                "id": command.id,
+                "duration_s": round(time.monotonic() - started, 6),
+                "prompt_tokens": result.prompt_tokens,
+                "prompt_tokens_evaluated": result.prompt_tokens_evaluated,
+                "completion_tokens": result.completion_tokens,
+                "cancelled": result.cancelled,
+            }
+        )
+        self._publish()
+
+    def _sink(self, command: Command) -> Any:
+        def sink(chunk: dict[str, Any]) -> bool:
+            if command.stream:
+                self._out.send({"id": command.id, "chunk": chunk})
+            return not self._is_cancelled(command.id)
+
+        return sink
+
+    def _maybe_release(self) -> None:
+        if self._residency.state is not State.WARM or self._token is None:
+            return
+        now = time.monotonic()
+        view = HoldView(
+            wanted=self._token.wanted(),  # live lock state, probed here where we decide
+            held_s=now - self._warm_since,
+            idle_s=now - self._idle_since,
+            busy=not self._inbox.empty(),
+        )
+        reason = release_reason(
+            view, min_hold_s=self.config.min_hold_s, idle_release_s=self.config.idle_release_s
+        )
+        if reason is not None:
+            self._cool(reason.value)
+
+    def _cool(self, reason: str) -> None:
+        """warm → cooling → cold: free the device first, then let go of the token."""
+        self._emit(self._residency.transition(State.WARM, State.COOLING, reason=reason))
+        moved = self._backend.release(self.config.kv_on_release)
+        self._emit(
+            self._residency.transition(
+                State.COOLING,
+                State.COLD,
+                weights_bytes=moved.weights_bytes,
+                kv_bytes=moved.kv_bytes,
+                reason=reason,
+            )
+        )
+        if reason == ReleaseReason.WANTED.value:
+            token, self._token = self._token, None
+            if token is not None:
+                token.hand_over()
+        else:
+            self._give_up_token()
+        self._publish()
+
+    def _warm_up(self, request_id: str) -> None:
+        """cold → warming → warm; waits for the token (interrupted by cancel or shutdown)."""
+        while True:
+            self._wake.clear()
+            try:
+                self._token = self._arena.acquire(self.name, model=self.name, cancel=self._wake)
+                break
+            except AcquireCancelledError:
+                if self._stopping.is_set() or self._is_cancelled(request_id):
+                    raise
+        self._emit(self._residency.transition(State.COLD, State.WARMING))
+        try:
+            moved = self._backend.restore()
+        except EngineError as exc:
+            # Roll back: a model that is not warm must not keep the token.
+            self._emit(self._residency.transition(State.WARMING, State.COLD, reason=str(exc)))
+            self._give_up_token()
+            raise RestoreError(f"{self.name} could not be restored: {exc}") from None
+        self._emit(
+            self._residency.transition(
+                State.WARMING,
+                State.WARM,
+                weights_bytes=moved.weights_bytes,
+                kv_bytes=moved.kv_bytes,
+                disk_read_bytes=moved.disk_read_bytes,
+            )
+        )
+        self._warm_since = self._idle_since = time.monotonic()
+
+    def _stop(self) -> None:
+        while True:  # nothing queued is dropped silently
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if command.id:
+                self._error(command.id, EngineError(f"{self.name} is shutting down"))
+        self._emit(self._residency.transition(self._residency.state, State.STOPPED))
+        self._backend.close()
+        self._give_up_token()
+        self._publish()
+
+    def _give_up_token(self) -> None:
+        token, self._token = self._token, None
+        if token is not None:
+            token.release()
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _queued(self) -> int:
+        return self._inbox.qsize()
+
+    def _is_cancelled(self, request_id: str) -> bool:
+        with self._cancel_lock:
+            return request_id in self._cancelled
+
+    def _emit(self, event: ResidencyEvent) -> None:
+        self._out.send(event.to_json())
+        self._publish()
+
+    def _publish(self) -> None:
+        self._status = {
+            "model": self.name,
+            "pid": os.getpid(),
+            "state": self._residency.state.value,
+            "holds_token": self._token is not None,
+            "queue": self._queued(),
+            "current": self._current,
+            "served": self._served,
+            "resident_bytes": self._backend.resident_bytes(),
+            "prompt_tokens_evaluated": getattr(self._backend, "prompt_tokens_evaluated_total", 0),
+            "last_error": self._last_error,
+        }
+
+    def _reply(self, request_id: str, result: dict[str, Any]) -> None:
+        self._out.send({"id": request_id, "result": result})
+
+    def _error(self, request_id: str, exc: ArbiterError) -> None:
+        self._out.send(
+            {"id": request_id, "error": {"type": type(exc).__name__, "message": str(exc)}}
+        )
+
+
+def _result_json(result: Generation) -> dict[str, Any]:
+    return {
+        "response": result.response,
+        "prompt_tokens": result.prompt_tokens,
+        "prompt_tokens_evaluated": result.prompt_tokens_evaluated,
+        "completion_tokens": result.completion_tokens,
+        "cancelled": result.cancelled,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="arbiterd-worker")
+    parser.add_argument("--fd", type=int, required=True, help="connected stream socket")
+    parser.add_argument("--config", required=True, help="WorkerConfig as JSON")
+    args = parser.parse_args(argv)
+    config = WorkerConfig.from_json(args.config)
+    sock = socket.socket(fileno=args.fd)
+    try:
+        return Worker(config, ReloadBackend(config.spec), sock).run()
+    finally:
+        sock.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""The daemon's side of a worker: spawns the process, talks its protocol, reaps it.
+
+Owns the worker process, its socket and a reader thread that routes every message: replies and
+chunks to the caller waiting for that request id, events to `events` (and any listener).
+Blocking API, safe to call from several threads at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from arbiterd.errors import ProtocolError, WorkerError
+from arbiterd.wire import LineReader, LineWriter
+from arbiterd.worker import WORKER_PROTOCOL, WorkerConfig
+
+HELLO_TIMEOUT_S = 30.0
+SHUTDOWN_TIMEOUT_S = 30.0
+
+EventListener = Callable[[dict[str, Any]], None]
+
+
+class RemoteError(WorkerError):
+    """The worker answered a request with an error; `kind` is its exception class name."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class WorkerProcess:
+    """A running worker. Create with `spawn`; always `shutdown` or `kill` it."""
+
+    def __init__(self, process: subprocess.Popen[bytes], sock: socket.socket, model: str) -> None:
+        self.process = process
+        self.model = model
+        self._sock = sock
+        self._reader = LineReader(sock)
+        self._out = LineWriter(sock)
+        self._ids = itertools.count(1)
+        self._pending: dict[str, queue.Queue[dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._listeners: list[EventListener] = []
+        self._hello: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._reader_thread = threading.Thread(
+            target=self._read_loop, name=f"worker-client-{model}", daemon=True
+        )
+        self._reader_thread.start()
+
+    @classmethod
+    def spawn(cls, config: WorkerConfig, *, env: dict[str, str] | None = None) -> WorkerProcess:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "arbiterd.worker",
+                    "--fd",
+                    str(theirs.fileno()),
+                    "--config",
+                    config.to_json(),
+                ],
+                pass_fds=[theirs.fileno()],
+                env=env,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        worker = cls(process, ours, config.spec.name)
+        try:
+            hello = worker._hello.get(timeout=HELLO_TIMEOUT_S)
+        except queue.Empty:
+            worker.kill()
+            raise WorkerError(f"worker for {config.spec.name} did not say hello") from None
+        if hello.get("protocol") != WORKER_PROTOCOL:
+            worker.kill()
+            raise ProtocolError(f"worker speaks protocol {hello.get('protocol')}")
+        return worker
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def add_listener(self, listener: EventListener) -> None:
+        self._listeners.append(listener)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def request(self, op: str, *, timeout_s: float | None = 60.0, **fields: Any) -> dict[str, Any]:
+        """Send one op and wait for its result (chunks, if any, are ignored)."""
+        request_id, replies = self._open()
+        try:
+            self._send({"op": op, "id": request_id, **fields})
+            while True:
+                message = self._next(replies, request_id, timeout_s)
+                if "chunk" not in message:
+                    return _result(message)
+        finally:
+            self._close(request_id)
+
+    def generate(
+        self,
+        kind: str,
+        body: dict[str, Any],
+        *,
+        on_chunk: Callable[[dict[str, Any]], None] | None = None,
+        timeout_s: float | None = 600.0,
+        request_id: str | None = None,
+    ) -> dict[str, Any]:
+        """Run one request; with `on_chunk`, it streams. Returns the worker's result."""
+        request_id, replies = self._open(request_id)
+        try:
+            self._send(
+                {
+                    "op": "generate",
+                    "id": request_id,
+                    "kind": kind,
+                    "body": body,
+                    "stream": on_chunk is not None,
+                }
+            )
+            while True:
+                message = self._next(replies, request_id, timeout_s)
+                if "chunk" in message:
+                    if on_chunk is not None:
+                        on_chunk(message["chunk"])
+                    continue
+                return _result(message)
+        finally:
+            self._close(request_id)
+
+    def cancel(self, target: str) -> None:
+        self._send({"op": "cancel", "id": f"cancel-{next(self._ids)}", "target": target})
+
+    def status(self) -> dict[str, Any]:
+        return self.request("status", timeout_s=10.0)
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> int:
+        """Ask the worker to stop (in-flight work finishes), wait, and reap it."""
+        self._send({"op": "shutdown", "id": "shutdown"})
+        try:
+            code = self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            code = self.process.returncode
+        self._sock.close()
+        return code
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+        self._sock.close()
+
+    def wait_event(
+        self, predicate: Callable[[dict[str, Any]], bool], timeout_s: float = 30.0
+    ) -> dict[str, Any]:
+        """The next event (consumed from `events`) that matches `predicate`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WorkerError(f"no matching event from {self.model} within {timeout_s} s")
+            try:
+                event = self.events.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if predicate(event):
+                return event
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def _open(self, request_id: str | None = None) -> tuple[str, queue.Queue[dict[str, Any]]]:
+        request_id = request_id or f"r{next(self._ids)}"
+        replies: queue.Queue[dict[str, Any]] = queue.Queue()
+        with self._lock:
+            self._pending[request_id] = replies
+        return request_id, replies
+
+    def _close(self, request_id: str) -> None:
+        with self._lock:
+            self._pending.pop(request_id, None)
+
+    def _send(self, message: dict[str, Any]) -> None:
+        if not self._out.send(message):
+            raise WorkerError(f"worker for {self.model} is gone")
+
+    def _next(
+        self, replies: queue.Queue[dict[str, Any]], request_id: str, timeout_s: float | None
+    ) -> dict[str, Any]:
+        try:
+            message = replies.get(timeout=timeout_s)
+        except queue.Empty:
+            raise WorkerError(f"no answer from {self.model} to {request_id}") from None
+        if message.get("gone"):
+            raise WorkerError(f"worker for {self.model} exited during {request_id}")
+        return message
+
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                message = self._reader.read()
+            except ProtocolError:
+                continue
+            except OSError:
+                message = None
+            if message is None:
+                with self._lock:
+                    waiting = list(self._pending.values())
+                for replies in waiting:
+                    replies.put({"gone": True})
+                return
+            if "hello" in message:
+                self._hello.put(message["hello"])
+            elif "event" in message:
+                self.events.put(message)
+                for listener in self._listeners:
+                    listener(message)
+            else:
+                with self._lock:
+                    waiter = self._pending.get(str(message.get("id")))
+                if waiter is not None:
+                    waiter.put(message)
+
+
+def _result(message: dict[str, Any]) -> dict[str, Any]:
+    if "error" in message:
+        error = message["error"]
+        raise RemoteError(str(error.get("type", "Error")), str(error.get("message", "")))
+    result = message.get("result")
+    if not isinstance(result, dict):
+        raise ProtocolError(f"reply without a result: {message}")
+    return result
