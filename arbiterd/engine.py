@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +28,16 @@ from typing import Any, Protocol, cast
 
 import llama_cpp
 
-from arbiterd.errors import ContextOverflowError, ModelLoadError, RequestError, RestoreError
+from arbiterd.errors import (
+    ContextOverflowError,
+    EngineError,
+    ModelLoadError,
+    RequestError,
+    RestoreError,
+)
+from arbiterd.native.libllama import ResidencyApi, probe_residency_api
+
+log = logging.getLogger(__name__)
 
 # Request parameters passed through to llama-cpp-python, with the type each must have.
 COMPLETION_PARAMS: dict[str, tuple[type, ...]] = {
@@ -97,6 +107,8 @@ class Backend(Protocol):
     """One model's residency mechanism. All methods run on the engine thread."""
 
     spec: ModelSpec
+    keeps_kv_on_device: bool  # whether release(KvPolicy.DEVICE) is possible
+    prompt_tokens_evaluated_total: int
 
     def load(self) -> Moved: ...
 
@@ -144,6 +156,8 @@ class _Counting:
 
 class ReloadBackend:
     """Portable residency: free everything on release, reload from the host copy on restore."""
+
+    keeps_kv_on_device = False
 
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
@@ -339,6 +353,79 @@ class ReloadBackend:
             raise error(f"cannot load {spec.path}: {exc}") from None
         _count_evals(llm, lambda: self._counting)
         return llm
+
+
+class InPlaceBackend(ReloadBackend):
+    """Residency through a patched llama.cpp (arbiterd.native): the model and context stay
+    alive and only their device buffers go, so nothing is re-parsed; the KV may even stay on
+    the device. Loading and generation are the reload backend's."""
+
+    keeps_kv_on_device = True
+
+    def __init__(self, spec: ModelSpec, api: ResidencyApi) -> None:
+        super().__init__(spec)
+        self._api = api
+        self._released = False
+
+    def release(self, kv: KvPolicy) -> Moved:
+        llm = self._require_llm()
+        started = time.monotonic()
+        if kv is KvPolicy.DROP:
+            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
+            llm.n_tokens = 0
+        kv_bytes = 0 if kv is KvPolicy.DROP else int(llama_cpp.llama_state_get_size(llm.ctx))
+        self._api.release_device(_context_pointer(llm), keep_kv=kv is KvPolicy.DEVICE)
+        self._released = True
+        return Moved(
+            duration_s=time.monotonic() - started,
+            weights_bytes=self._weights_bytes(),
+            kv_bytes=0 if kv is KvPolicy.DEVICE else kv_bytes,
+            disk_read_bytes=0,
+        )
+
+    def restore(self) -> Moved:
+        llm = self._require_llm()
+        if not self._released:
+            raise RestoreError(f"{self.spec.name} is already warm")
+        started = time.monotonic()
+        try:
+            self._api.restore_device(_context_pointer(llm))
+        except EngineError as exc:
+            raise RestoreError(str(exc)) from None
+        self._released = False
+        llm._requires_eval = True  # decode one token again rather than trust kept logits
+        return Moved(
+            duration_s=time.monotonic() - started,
+            weights_bytes=self._weights_bytes(),
+            kv_bytes=int(llama_cpp.llama_state_get_size(llm.ctx)) if llm.n_tokens else 0,
+            disk_read_bytes=0,
+        )
+
+    def resident_bytes(self) -> int:
+        return 0 if self._released else super().resident_bytes()
+
+    def generate(self, kind: str, body: dict[str, Any], sink: ChunkSink | None) -> Generation:
+        if self._released:
+            raise RequestError(f"{self.spec.name} is not warm")
+        return super().generate(kind, body, sink)
+
+
+def select_backend(spec: ModelSpec) -> Backend:
+    """The in-place backend when the loaded libllama has the residency API, else reload (and
+    the reason is logged, once per worker)."""
+    probed = probe_residency_api()
+    if isinstance(probed, ResidencyApi):
+        log.info("%s: in-place residency through %s", spec.name, probed.library)
+        return InPlaceBackend(spec, probed)
+    log.info("%s: %s", spec.name, probed.reason)
+    return ReloadBackend(spec)
+
+
+def _context_pointer(llm: llama_cpp.Llama) -> int:
+    pointer = ctypes.cast(llm.ctx, ctypes.c_void_p).value
+    if not pointer:
+        raise EngineError("the llama context is gone")
+    return pointer
 
 
 def _host_copy(spec: ModelSpec) -> int:

