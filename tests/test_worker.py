@@ -1,0 +1,286 @@
+"""Worker processes on one arena: handoffs, status during a decode, kills, cancels, failures."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from arbiterd.arena import Arena
+from arbiterd.engine import Generation, KvPolicy, ModelSpec, Moved
+from arbiterd.errors import RestoreError
+from arbiterd.wire import LineReader, LineWriter
+from arbiterd.worker import Worker, WorkerConfig
+from arbiterd.workerclient import RemoteError, WorkerProcess
+from tests.support.waiting import wait_until
+
+PREFIX = " ".join(f"the fox {w} is not a dog" for w in ("one", "two", "three", "four") * 8)
+
+
+class Workers:
+    """Spawns workers on one arena and always reaps them."""
+
+    def __init__(self, arena: Path, model: Path) -> None:
+        self.arena = arena
+        self.model = model
+        self.started: list[WorkerProcess] = []
+
+    def spawn(self, name: str, **config: Any) -> WorkerProcess:
+        spec = ModelSpec(
+            name=name,
+            path=config.pop("path", self.model),
+            n_ctx=config.pop("n_ctx", 2048),
+            n_gpu_layers=0,
+        )
+        worker = WorkerProcess.spawn(WorkerConfig(spec=spec, arena=self.arena, **config))
+        self.started.append(worker)
+        return worker
+
+    def close(self) -> None:
+        for worker in self.started:
+            worker.kill()
+
+
+@pytest.fixture
+def workers(tmp_path: Path, tiny_model: Path) -> Iterator[Workers]:
+    group = Workers(tmp_path / "arena", tiny_model)
+    yield group
+    group.close()
+
+
+def complete(worker: WorkerProcess, prompt: str, max_tokens: int = 4) -> dict[str, Any]:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    return worker.generate("completion", body, timeout_s=60)
+
+
+def wait_state(worker: WorkerProcess, state: str) -> None:
+    wait_until(lambda: worker.status()["state"] == state, 30, f"{worker.model} {state}")
+
+
+def residency_events(worker: WorkerProcess) -> list[dict[str, Any]]:
+    events = []
+    while not worker.events.empty():
+        event = worker.events.get_nowait()
+        if event["event"] == "residency":
+            events.append(event)
+    return events
+
+
+def token_intervals(events: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """When this worker held the token: from taking it (→loading/warming) to cooling → cold."""
+    intervals, start = [], 0.0
+    for event in events:
+        if event["to"] == "warming" or (event["from"] == "loading" and event["to"] == "warm"):
+            start = event["at"] if event["to"] == "warming" else event["at"] - event["duration_s"]
+        if event["from"] == "cooling" and event["to"] == "cold":
+            intervals.append((start, event["at"]))
+    return intervals
+
+
+def test_two_workers_alternate_sixty_times_and_keep_their_prompt_caches(
+    workers: Workers,
+) -> None:
+    a, b = workers.spawn("a"), workers.spawn("b")
+    prompts = {"a": PREFIX + " alpha", "b": PREFIX + " beta"}
+    answers = []
+    for i in range(62):
+        worker = (a, b)[i % 2]
+        answers.append(complete(worker, prompts[worker.model] + f" {i}"))
+    assert len(answers) == 62  # every request answered: 0 stranded
+    # After the first request of each, only the new suffix is evaluated, never the prefix.
+    assert all(r["prompt_tokens_evaluated"] <= 3 for r in answers[2:])
+    assert all(r["prompt_tokens"] > 200 for r in answers)
+    intervals_a = token_intervals(residency_events(a))
+    intervals_b = token_intervals(residency_events(b))
+    assert len(intervals_a) + len(intervals_b) >= 60
+    for start_a, end_a in intervals_a:
+        for start_b, end_b in intervals_b:
+            assert end_a <= start_b or end_b <= start_a, "both workers held the GPU at once"
+
+
+def test_status_is_answered_during_a_long_decode(workers: Workers) -> None:
+    worker = workers.spawn("long", n_ctx=4096)
+    done = threading.Event()
+    thread = threading.Thread(
+        target=lambda: (complete(worker, "the fox", max_tokens=3000), done.set())
+    )
+    thread.start()
+    wait_until(lambda: worker.status()["current"] is not None, 30, "the decode to start")
+    slowest = 0.0
+    for _ in range(20):
+        started = time.monotonic()
+        status = worker.status()
+        slowest = max(slowest, time.monotonic() - started)
+        if status["current"] is None:
+            break
+    assert slowest < 0.5, f"status took {slowest:.3f} s during a decode"
+    thread.join(timeout=120)
+    assert done.is_set()
+
+
+def test_a_killed_warm_worker_frees_the_gpu_and_can_be_restarted(workers: Workers) -> None:
+    a = workers.spawn("a")
+    b = workers.spawn("b")
+    wait_state(a, "warm")
+    assert b.status()["state"] == "loading"  # it waits for the token before loading
+    os.kill(a.pid, signal.SIGKILL)
+    a.process.wait(timeout=10)
+    wait_state(b, "warm")
+    assert complete(b, "the fox")["completion_tokens"] >= 1
+    restarted = workers.spawn("a")
+    assert complete(restarted, "the dog")["completion_tokens"] >= 1
+    assert complete(b, "the cat")["completion_tokens"] >= 1
+
+
+def test_a_worker_loads_only_once_it_holds_the_token(workers: Workers) -> None:
+    arena = Arena(workers.arena)
+    with arena.acquire("game") as token:
+        worker = workers.spawn("m")
+        wait_until(token.wanted, 10, "the worker to ask for the GPU")
+        status = worker.status()
+        assert (status["state"], status["holds_token"], status["resident_bytes"]) == (
+            "loading",
+            False,
+            0,
+        )
+    wait_state(worker, "warm")
+    assert worker.status()["resident_bytes"] > 0
+
+
+def test_cancel_stops_a_streaming_request(workers: Workers) -> None:
+    worker = workers.spawn("m")
+    chunks: list[dict[str, Any]] = []
+
+    def on_chunk(chunk: dict[str, Any]) -> None:
+        chunks.append(chunk)
+        if len(chunks) == 2:
+            worker.cancel("streamed")
+
+    body = {"prompt": "the fox", "max_tokens": 1000, "temperature": 0}
+    result = worker.generate("completion", body, on_chunk=on_chunk, request_id="streamed")
+    assert result["cancelled"]
+    assert result["completion_tokens"] < 1000
+    assert complete(worker, "the dog")["completion_tokens"] >= 1  # still serving
+
+
+def test_release_and_warm_on_command(workers: Workers) -> None:
+    worker = workers.spawn("m", kv_on_release=KvPolicy.HOST)
+    first = complete(worker, PREFIX)
+    assert worker.request("release")["state"] == "cold"
+    assert worker.status()["resident_bytes"] == 0
+    assert Arena(workers.arena).observe().holder_pid is None
+    assert worker.request("warm")["state"] == "warm"
+    follow_up = complete(worker, PREFIX + " more")
+    suffix_tokens = follow_up["prompt_tokens"] - first["prompt_tokens"]
+    assert follow_up["prompt_tokens_evaluated"] <= suffix_tokens + 1
+
+
+def test_idle_release_goes_cold_by_itself(workers: Workers) -> None:
+    worker = workers.spawn("m", idle_release_s=0.2)
+    complete(worker, "the fox")
+    event = worker.wait_event(lambda e: e.get("to") == "cold", timeout_s=10)
+    assert event["reason"] == "idle"
+    assert complete(worker, "the fox")["completion_tokens"] >= 1  # and warms on demand
+
+
+def test_a_prompt_longer_than_the_context_is_refused_and_the_worker_lives(
+    workers: Workers,
+) -> None:
+    worker = workers.spawn("m", n_ctx=64)
+    with pytest.raises(RemoteError, match="context window") as caught:
+        complete(worker, PREFIX)
+    assert caught.value.kind == "ContextOverflowError"
+    assert complete(worker, "the fox")["completion_tokens"] >= 1
+
+
+def test_a_model_that_cannot_load_fails_with_its_reason(workers: Workers, tmp_path: Path) -> None:
+    worker = workers.spawn("broken", path=tmp_path / "missing.gguf")
+    event = worker.wait_event(lambda e: e.get("to") == "failed")
+    assert "missing.gguf" in event["reason"]
+    status = worker.status()
+    assert status["state"] == "failed"
+    assert "missing.gguf" in status["last_error"]
+    with pytest.raises(RemoteError, match="failed to load"):
+        complete(worker, "the fox")
+    assert Arena(workers.arena).observe().holder_pid is None  # the token was given back
+    assert worker.shutdown() == 0
+
+
+def test_shutdown_releases_the_token_and_exits_cleanly(workers: Workers) -> None:
+    worker = workers.spawn("m")
+    wait_state(worker, "warm")
+    assert worker.shutdown() == 0
+    assert Arena(workers.arena).observe().holder_pid is None
+
+
+class FlakyRestore:
+    """A backend whose restore fails: the worker must roll back to cold and free the token."""
+
+    keeps_kv_on_device = False
+    prompt_tokens_evaluated_total = 0
+
+    def __init__(self) -> None:
+        self.spec = ModelSpec(name="flaky", path=Path("/nonexistent"))
+        self.warm = False
+
+    def load(self) -> Moved:
+        self.warm = True
+        return Moved(0.0, 100, 0, 0)
+
+    def release(self, kv: KvPolicy) -> Moved:
+        self.warm = False
+        return Moved(0.0, 100, 10, 0)
+
+    def restore(self) -> Moved:
+        raise RestoreError("out of device memory")
+
+    def generate(self, kind: str, body: dict[str, Any], sink: Any) -> Generation:
+        return Generation({"choices": []}, 1, 1, 1)
+
+    def resident_bytes(self) -> int:
+        return 100 if self.warm else 0
+
+    def close(self) -> None:
+        self.warm = False
+
+
+def test_a_failed_restore_rolls_back_to_cold_without_the_token(tmp_path: Path) -> None:
+    ours, theirs = socket.socketpair()
+    config = WorkerConfig(spec=ModelSpec(name="flaky", path=Path("/x")), arena=tmp_path / "arena")
+    worker = Worker(config, FlakyRestore(), theirs)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    reader, writer = LineReader(ours), LineWriter(ours)
+    messages: list[dict[str, Any]] = []
+
+    def until(predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        while True:
+            message = reader.read()
+            assert message is not None
+            messages.append(message)
+            if predicate(message):
+                return message
+
+    until(lambda m: m.get("to") == "warm")
+    writer.send({"op": "release", "id": "1"})
+    until(lambda m: m.get("id") == "1")
+    writer.send({"op": "generate", "id": "2", "kind": "completion", "body": {"prompt": "x"}})
+    reply = until(lambda m: m.get("id") == "2")
+    assert reply["error"]["type"] == "RestoreError"
+    assert "out of device memory" in reply["error"]["message"]
+    rollback = [m for m in messages if m.get("from") == "warming"]
+    assert [m["to"] for m in rollback] == ["cold"]
+    assert Arena(tmp_path / "arena").observe().holder_pid is None
+    writer.send({"op": "status", "id": "3"})
+    assert until(lambda m: m.get("id") == "3")["result"]["state"] == "cold"
+    ours.close()  # the daemon is gone: the worker stops
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    theirs.close()
