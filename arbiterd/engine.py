@@ -53,6 +53,8 @@ COMPLETION_PARAMS: dict[str, tuple[type, ...]] = {
     "stop": (str, list),
 }
 COPY_CHUNK_BYTES = 1 << 26
+# llama.cpp keeps n_ctx in a uint32 and sizes host arrays by it; larger values wrap or exhaust RAM.
+MAX_N_CTX = (1 << 31) - 1
 
 
 class KvPolicy(enum.StrEnum):
@@ -330,6 +332,8 @@ class ReloadBackend:
 
     def _new_llama(self, error: type[ModelLoadError] | type[RestoreError]) -> llama_cpp.Llama:
         spec = self.spec
+        if not 0 < spec.n_ctx <= MAX_N_CTX:
+            raise error(f"n_ctx must be between 1 and {MAX_N_CTX}, got {spec.n_ctx}")
         if self._host_fd is not None:
             path = f"/proc/self/fd/{self._host_fd}"
         elif spec.path.is_file():
@@ -349,7 +353,7 @@ class ReloadBackend:
             kwargs["chat_format"] = spec.chat_format
         try:
             llm = llama_cpp.Llama(**kwargs)
-        except (ValueError, RuntimeError, OSError) as exc:
+        except (ValueError, RuntimeError, OSError, MemoryError) as exc:
             raise error(f"cannot load {spec.path}: {exc}") from None
         _count_evals(llm, lambda: self._counting)
         return llm

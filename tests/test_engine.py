@@ -175,10 +175,11 @@ def test_missing_and_corrupt_models_fail_to_load(tmp_path: Path) -> None:
         ReloadBackend(ModelSpec(name="m", path=corrupt, n_gpu_layers=0)).load()
 
 
-def test_a_context_too_large_to_allocate_fails_to_load(tiny_model: Path) -> None:
-    spec = ModelSpec(name="m", path=tiny_model, n_ctx=1 << 30, n_gpu_layers=0)
-    with pytest.raises(ModelLoadError):
-        ReloadBackend(spec).load()
+def test_a_context_too_large_fails_to_load_with_a_clear_error(tiny_model: Path) -> None:
+    for n_ctx, message in ((1 << 32, "n_ctx must be between"), (0, "n_ctx must be between")):
+        spec = ModelSpec(name="m", path=tiny_model, n_ctx=n_ctx, n_gpu_layers=0)
+        with pytest.raises(ModelLoadError, match=message):
+            ReloadBackend(spec).load()
 
 
 @pytest.mark.slow

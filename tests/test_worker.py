@@ -108,9 +108,12 @@ def test_two_workers_alternate_sixty_times_and_keep_their_prompt_caches(
 def test_status_is_answered_during_a_long_decode(workers: Workers) -> None:
     worker = workers.spawn("long", n_ctx=4096)
     done = threading.Event()
-    thread = threading.Thread(
-        target=lambda: (complete(worker, "the fox", max_tokens=3000), done.set())
-    )
+
+    def long_decode() -> None:
+        complete(worker, "the fox", max_tokens=1500)
+        done.set()
+
+    thread = threading.Thread(target=long_decode)
     thread.start()
     wait_until(lambda: worker.status()["current"] is not None, 30, "the decode to start")
     slowest = 0.0
