@@ -18,8 +18,13 @@
     │   ├── RestoreError              warming a cold model failed (it stays cold)
     │   └── RequestError              one request is bad; the model keeps serving
     │       └── ContextOverflowError  the prompt (plus max_tokens) exceeds the context
-    └── WorkerError                   the worker process or its protocol failed
-        └── ProtocolError             a malformed or unexpected message
+    ├── WorkerError                   the worker process or its protocol failed
+    │   └── ProtocolError             a malformed or unexpected message
+    ├── ConfigError                   config.toml is wrong: file, key path, what was expected (78)
+    └── DaemonError                   talking to the daemon failed
+        ├── DaemonNotRunningError     nothing listens on the control socket (69)
+        ├── UnknownModelError         no model by that name (404 over HTTP)
+        └── ControlError              the daemon answered a control command with an error
 
 Each class carries the exit status the CLI uses, so every failure has its own distinct code.
 """
@@ -107,3 +112,23 @@ class WorkerError(ArbiterError):
 
 class ProtocolError(WorkerError):
     pass
+
+
+class ConfigError(ArbiterError):
+    exit_code = 78  # sysexits EX_CONFIG
+
+
+class DaemonError(ArbiterError):
+    exit_code = 1
+
+
+class DaemonNotRunningError(DaemonError):
+    exit_code = 69  # sysexits EX_UNAVAILABLE
+
+
+class UnknownModelError(DaemonError):
+    exit_code = 65
+
+
+class ControlError(DaemonError):
+    exit_code = 1

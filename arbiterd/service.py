@@ -1,0 +1,73 @@
+"""What the daemon's edges (HTTP API, control socket) may ask of its core, and nothing more.
+
+The supervisor implements `Service`; the edges depend only on this protocol, so each edge is
+tested against a small double as well as against the real daemon. All methods are called on
+the daemon's asyncio event loop.
+
+Errors the methods raise (arbiterd.errors), which each edge maps once:
+    UnknownModelError      no model by that name               HTTP 404, listing the models
+    ContextOverflowError   prompt (+ max_tokens) > context     HTTP 400
+    RequestError           a bad parameter                     HTTP 400
+    WorkerError            the model's worker failed/restarts  HTTP 503
+    EngineError            the model failed to load/restore    HTTP 503
+    ControlError           a command that cannot be done now   control: error reply
+
+Status (`await status()`), one JSON object:
+    {"models": [{"name", "state", "pid", "pinned", "queue", "resident_bytes",
+                 "prompt_tokens_evaluated", "served", "restarts", "last_error"}, ...],
+     "arena": str, "holder": {"pid", "name", "since"} | None,
+     "waiters": [{"pid", "name"}, ...], "hold": bool}
+
+Events (from `subscribe()`), JSON objects with "event" and "at" (seconds since the epoch):
+    residency   a model's state changed: model, from, to, duration_s, weights_bytes, kv_bytes,
+                disk_read_bytes, reason
+    request     a request ended: model, id, duration_s, prompt_tokens, prompt_tokens_evaluated,
+                completion_tokens, cancelled, status ("ok" | "error" | "cancelled")
+    handoff     the GPU changed hands between models: from, to, release_s, wait_s, restore_s
+    worker      a worker exited or restarted: model, pid, code, reason, restart_in_s
+    hold        the user took (held=true) or gave back (held=false) the GPU
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+COMMANDS = frozenset({"warm", "release", "pin", "unpin", "hold", "unhold", "reload", "shutdown"})
+# Commands that name a model.
+MODEL_COMMANDS = frozenset({"warm", "release", "pin", "unpin"})
+
+
+class Service(Protocol):
+    def model_names(self) -> list[str]:
+        """The configured models, in config order."""
+        ...
+
+    async def complete(self, model: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Run one request ("completion" with body["prompt"], or "chat" with
+        body["messages"]) to the end; returns the OpenAI response object."""
+        ...
+
+    def stream(self, model: str, kind: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Yield OpenAI chunk objects as they come. Errors are raised from the iterator, before
+        or during the stream; closing the iterator early (the client went away) cancels the
+        request in its worker."""
+        ...
+
+    async def status(self) -> dict[str, Any]: ...
+
+    def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
+        """A queue that receives every event from now on, until `unsubscribe`."""
+        ...
+
+    def unsubscribe(self, events: asyncio.Queue[dict[str, Any]]) -> None: ...
+
+    async def command(self, name: str, model: str | None = None) -> dict[str, Any]:
+        """One of COMMANDS; `model` is required for MODEL_COMMANDS. Returns a small result
+        object (e.g. {"model": ..., "state": ...})."""
+        ...
+
+    def metrics_text(self) -> bytes:
+        """The Prometheus text exposition of the daemon's metrics."""
+        ...
