@@ -13,7 +13,9 @@ import sys
 import time
 from collections.abc import Sequence
 
+from arbiterd import clidaemon
 from arbiterd.arena import Arena, ArenaState
+from arbiterd.demo import main as run_demo
 from arbiterd.errors import ArbiterError, BadValueError, UsageError
 from arbiterd.paths import resolve_arena
 from arbiterd.procs import holder_name, process_name
@@ -38,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     status = arena_sub.add_parser("status", help="who holds the GPU token and who waits")
     _add_arena_option(status)
     status.add_argument("--json", action="store_true", help="print one JSON object")
+    clidaemon.add_commands(sub)
+    demo = sub.add_parser("demo", help="two models, real requests, every handoff shown live")
+    demo.set_defaults(handler=lambda _args: run_demo())
     return parser
 
 
@@ -72,7 +77,10 @@ def _dispatch(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.command == "run":
         return _run(args, cmd)
-    return _arena_status(args)
+    if args.command == "arena":
+        return _arena_status(args)
+    code: int = args.handler(args)
+    return code
 
 
 def _run(args: argparse.Namespace, cmd: list[str]) -> int:

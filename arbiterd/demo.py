@@ -1,65 +1,198 @@
-"""The demo: several programs share one GPU token through a private arena, and we watch them.
+"""`arbiterd demo`: the daemon with two resident models sharing one GPU, driven by real requests.
 
-Owns nothing but its temporary arena; every program is a real `arbiterd run` process, and what
-is printed comes from the same observer as `arbiterd arena status`.
+Starts a real daemon (a subprocess, on private paths) with two configurations of the embedded
+gemma-3-270m model, sends alternating requests through the OpenAI API with the `openai` SDK,
+prints every handoff as the daemon reports it (who released, who restored, how long, how many
+prompt tokens were evaluated), then a summary, and shuts the daemon down. Nothing here is
+simulated: the figures are the daemon's own events.
 """
 
 from __future__ import annotations
 
+import queue
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
-from arbiterd.arena import Arena
-from arbiterd.procs import holder_name
+from arbiterd.config import embedded_model_path
+from arbiterd.control import ControlClient
+from arbiterd.errors import ArbiterError, DaemonNotRunningError
 
-JOBS = (("game", 1.2), ("comfyui", 0.8), ("blender", 0.6))
-WATCH_INTERVAL_S = 0.1
+MODELS = ("gemma-story", "gemma-notes")
+# Each model keeps its own long conversation: after a handoff it must not re-read it.
+CONTEXTS = {
+    "gemma-story": "Once upon a time, in a village at the edge of a great forest, there lived "
+    "an old clockmaker who repaired every clock in the valley. ",
+    "gemma-notes": "Meeting notes. Attendees: the design team. Topics: the release schedule, "
+    "the handoff benchmark, and the tray icon colours. ",
+}
+ROUNDS = 4
+START_TIMEOUT_S = 300.0
 
 
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="arbiterd-demo-") as tmp:
-        arena = Arena(Path(tmp) / "arena")
-        print(f"arena: {arena.path}")
-        jobs = []
-        for name, seconds in JOBS:
-            jobs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "arbiterd",
-                        "run",
-                        "--arena",
-                        str(arena.path),
-                        "--name",
-                        name,
-                        "--",
-                        sys.executable,
-                        "-c",
-                        f"import time; time.sleep({seconds})",
-                    ],
-                    stderr=subprocess.DEVNULL,
-                )
-            )
-            time.sleep(0.2)  # staggered starts, so the turns are easy to follow
-        last = None
-        started = time.monotonic()
-        while any(job.poll() is None for job in jobs):
-            state = arena.observe()
-            line = f"holder {holder_name(state) or '-':8} waiting {len(state.waiter_pids)}"
-            if line != last:
-                print(f"{time.monotonic() - started:6.2f} s  {line}")
-                last = line
-            time.sleep(WATCH_INTERVAL_S)
-        codes = [job.wait() for job in jobs]
-        print(
-            f"all jobs done, exit statuses {codes}; the token is free: "
-            f"{arena.observe().holder_pid is None}"
+        base = Path(tmp)
+        port = _free_port()
+        config = _write_config(base, port)
+        print(f"arbiterd demo: two models on {embedded_model_path().name}, one GPU token")
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "arbiterd", "daemon", "--config", str(config)],
+            stdout=subprocess.DEVNULL,
+            stderr=open(base / "daemon.log", "w"),  # noqa: SIM115 (the child owns it)
         )
-        return 0 if codes == [0] * len(jobs) else 1
+        try:
+            code = _drive(base / "control.sock", port)
+        except ArbiterError as exc:
+            print(f"arbiterd demo: {exc}; daemon log follows", file=sys.stderr)
+            print((base / "daemon.log").read_text(), file=sys.stderr)
+            code = 1
+        finally:
+            if daemon.poll() is None:
+                daemon.terminate()
+            daemon.wait(timeout=60)
+        print(f"daemon exited with status {daemon.returncode}")
+        return code or (0 if daemon.returncode == 0 else 1)
+
+
+def _drive(control: Path, port: int) -> int:
+    import openai  # noqa: PLC0415 (a demo-only dependency)
+
+    client_control = _wait_for_daemon(control)
+    events: queue.Queue[dict[str, Any]] = queue.Queue()
+    listener = ControlClient.connect(control)
+    listener.call("subscribe")
+    threading.Thread(target=_pump, args=(listener, events), name="demo-events", daemon=True).start()
+    api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="demo")
+    history = {name: CONTEXTS[name] for name in MODELS}
+    requests, handoffs = [], []
+    print(f"{'':4}{'model':12} {'latency':>8} {'prompt':>7} {'evaluated':>9}  answer")
+    for round_ in range(ROUNDS):
+        for name in MODELS:
+            history[name] += f"Part {round_ + 1}:"
+            started = time.monotonic()
+            reply = api.completions.create(
+                model=name, prompt=history[name], max_tokens=12, temperature=0
+            )
+            latency = time.monotonic() - started
+            text = reply.choices[0].text
+            history[name] += text + " "
+            for event in _drain(events, lambda e: e.get("event") == "request"):
+                if event.get("event") == "handoff":
+                    handoffs.append(event)
+                    print(_handoff_line(event))
+                elif event.get("event") == "request":
+                    requests.append(event)
+                    print(
+                        f"{'':4}{name:12} {latency:7.2f}s {event['prompt_tokens']:7d} "
+                        f"{event['prompt_tokens_evaluated']:9d}  {text.strip()[:40]!r}"
+                    )
+    _summary(requests, handoffs)
+    client_control.call("shutdown")
+    client_control.close()
+    listener.close()
+    return 0
+
+
+def _wait_for_daemon(control: Path) -> ControlClient:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    print("starting the daemon and loading both models ...")
+    while True:
+        try:
+            client = ControlClient.connect(control)
+        except DaemonNotRunningError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+            continue
+        states = {m["name"]: m["state"] for m in client.call("status")["models"]}
+        if all(s in ("warm", "cold") for s in states.values()):
+            print("ready: " + ", ".join(f"{n} {s}" for n, s in states.items()))
+            return client
+        client.close()
+        if time.monotonic() > deadline or "failed" in states.values():
+            raise DaemonNotRunningError(f"the models did not load: {states}")
+        time.sleep(0.2)
+
+
+def _pump(listener: ControlClient, events: queue.Queue[dict[str, Any]]) -> None:
+    try:
+        for event in listener.events():
+            events.put(event)
+    except (ArbiterError, OSError):
+        return  # the daemon shut down
+
+
+def _drain(events: queue.Queue[dict[str, Any]], last: Any) -> list[dict[str, Any]]:
+    """Events up to and including the first one matching `last` (waits for it)."""
+    seen = []
+    while True:
+        event = events.get(timeout=120)
+        seen.append(event)
+        if last(event):
+            return seen
+
+
+def _handoff_line(event: dict[str, Any]) -> str:
+    total = event["release_s"] + event["wait_s"] + event["restore_s"]
+    return (
+        f"  ⇄ handoff {event['from']} → {event['to']}: release {event['release_s']:.2f} s, "
+        f"wait {event['wait_s']:.2f} s, restore {event['restore_s']:.2f} s "
+        f"(total {total:.2f} s)"
+    )
+
+
+def _summary(requests: list[dict[str, Any]], handoffs: list[dict[str, Any]]) -> None:
+    after_first = requests[len(MODELS) :]
+    prompt = sum(r["prompt_tokens"] for r in after_first)
+    evaluated = sum(r["prompt_tokens_evaluated"] for r in after_first)
+    totals = [h["release_s"] + h["wait_s"] + h["restore_s"] for h in handoffs]
+    print("summary:")
+    print(
+        f"  requests {len(requests)}, handoffs {len(handoffs)}"
+        + (f", median handoff {statistics.median(totals):.2f} s" if totals else "")
+    )
+    print(
+        f"  after the first request of each model: {prompt} prompt tokens, {evaluated} "
+        f"evaluated ({evaluated / max(prompt, 1):.1%}): the KV cache survived every release"
+    )
+
+
+def _write_config(base: Path, port: int) -> Path:
+    model = embedded_model_path()
+    lines = [
+        "[daemon]",
+        f'http = "127.0.0.1:{port}"',
+        f'socket = "{base / "control.sock"}"',
+        f'arena = "{base / "arena"}"',
+        f'journal = "{base / "journal.sqlite3"}"',
+    ]
+    for name in MODELS:
+        lines += [
+            "",
+            f"[models.{name}]",
+            f'path = "{model}"',
+            "n_ctx = 2048",
+            "n_gpu_layers = -1",
+            'chat_format = "gemma"',
+            "min_hold_s = 0.1",
+        ]
+    config = base / "config.toml"
+    config.write_text("\n".join(lines) + "\n")
+    return config
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ The portable backend is **reload** (DESIGN.md §4):
 from __future__ import annotations
 
 import ctypes
-import enum
 import logging
 import os
 import time
@@ -36,48 +35,11 @@ from arbiterd.errors import (
     RestoreError,
 )
 from arbiterd.native.libllama import ResidencyApi, probe_residency_api
+from arbiterd.spec import COMPLETION_PARAMS, MAX_N_CTX, KvPolicy, ModelSpec
 
 log = logging.getLogger(__name__)
 
-# Request parameters passed through to llama-cpp-python, with the type each must have.
-COMPLETION_PARAMS: dict[str, tuple[type, ...]] = {
-    "max_tokens": (int,),
-    "temperature": (int, float),
-    "top_p": (int, float),
-    "top_k": (int,),
-    "min_p": (int, float),
-    "repeat_penalty": (int, float),
-    "presence_penalty": (int, float),
-    "frequency_penalty": (int, float),
-    "seed": (int,),
-    "stop": (str, list),
-}
 COPY_CHUNK_BYTES = 1 << 26
-# llama.cpp keeps n_ctx in a uint32 and sizes host arrays by it; larger values wrap or exhaust RAM.
-MAX_N_CTX = (1 << 31) - 1
-
-
-class KvPolicy(enum.StrEnum):
-    """What happens to the KV cache when a model releases the GPU."""
-
-    HOST = "host"  # saved to host memory and restored: no re-prefill
-    DEVICE = "device"  # left on the device (in-place backend only)
-    DROP = "drop"  # discarded: the next request re-processes its prompt
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """How to load one model. Cold and warm contexts are built from the same spec, so their
-    params are identical (a KV state does not restore into a context with other params)."""
-
-    name: str
-    path: Path
-    n_ctx: int = 4096
-    n_gpu_layers: int = -1
-    n_threads: int | None = None
-    chat_format: str | None = None
-    seed: int = 0
-    host_copy: bool = True  # keep the GGUF in a memfd: restores read nothing from disk
 
 
 @dataclass(frozen=True)

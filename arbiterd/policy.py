@@ -22,6 +22,7 @@ class HoldView:
     held_s: float  # since this model last became warm
     idle_s: float  # since its last request finished (or it became warm)
     busy: bool  # a request is queued for this model
+    pinned: bool = False  # the user pinned it: it keeps the GPU whoever waits
 
 
 def release_reason(
@@ -29,7 +30,10 @@ def release_reason(
 ) -> ReleaseReason | None:
     """Release when wanted, after the minimum hold (it stops ping-pong between two busy
     models); or, if configured, after idling that long. A queued request does not stop a
-    release for a waiter — the waiter gets its turn and the queue waits for ours."""
+    release for a waiter — the waiter gets its turn and the queue waits for ours. A pinned
+    model never releases by itself (an explicit release command still works)."""
+    if view.pinned:
+        return None
     if view.wanted and view.held_s >= min_hold_s:
         return ReleaseReason.WANTED
     if idle_release_s > 0 and not view.busy and view.idle_s >= idle_release_s:

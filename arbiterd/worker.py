@@ -14,7 +14,8 @@ Two threads:
 Message protocol (JSON lines, `arbiterd.wire`), version WORKER_PROTOCOL:
     worker → daemon  {"hello": {"protocol", "model", "pid"}}          first line
     daemon → worker  {"op": "generate", "id", "kind": "completion"|"chat", "body", "stream"}
-                     {"op": "status"|"release"|"warm"|"shutdown"|"cancel", "id"}
+                     {"op": "status"|"release"|"warm"|"pin"|"unpin"|"shutdown", "id"}
+                     {"op": "cancel", "id", "target": request id}
     worker → daemon  {"id", "chunk": {...}}  {"id", "result": {...}}  {"id", "error": {...}}
                      {"event": "residency", ...}  {"event": "request", ...}
 """
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import queue
@@ -32,11 +32,10 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from arbiterd.arena import Arena, Token
-from arbiterd.engine import Backend, Generation, KvPolicy, ModelSpec, select_backend
+from arbiterd.engine import Backend, Generation, select_backend
 from arbiterd.errors import (
     AcquireCancelledError,
     ArbiterError,
@@ -48,51 +47,14 @@ from arbiterd.errors import (
 from arbiterd.policy import HoldView, ReleaseReason, release_reason
 from arbiterd.residency import Residency as ResidencyMachine
 from arbiterd.residency import ResidencyEvent, State
+from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, WorkerConfig
 from arbiterd.wire import LineReader, LineWriter
 
 log = logging.getLogger(__name__)
 
-WORKER_PROTOCOL = 1
 # How often an idle warm model probes want.lock (a non-blocking flock: ~2 µs each).
 PROBE_INTERVAL_S = 0.01
-OPS = frozenset({"generate", "status", "release", "warm", "shutdown", "cancel"})
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """Everything a worker needs, passed as JSON on its command line."""
-
-    spec: ModelSpec
-    arena: Path
-    kv_on_release: KvPolicy = KvPolicy.HOST
-    min_hold_s: float = 0.1
-    idle_release_s: float = 0.0  # 0: release only when wanted
-
-    def to_json(self) -> str:
-        spec = dataclasses.asdict(self.spec)
-        spec["path"] = str(self.spec.path)
-        return json.dumps(
-            {
-                "spec": spec,
-                "arena": str(self.arena),
-                "kv_on_release": self.kv_on_release.value,
-                "min_hold_s": self.min_hold_s,
-                "idle_release_s": self.idle_release_s,
-            }
-        )
-
-    @classmethod
-    def from_json(cls, text: str) -> WorkerConfig:
-        raw = json.loads(text)
-        spec = dict(raw["spec"])
-        spec["path"] = Path(spec["path"])
-        return cls(
-            spec=ModelSpec(**spec),
-            arena=Path(raw["arena"]),
-            kv_on_release=KvPolicy(raw["kv_on_release"]),
-            min_hold_s=float(raw["min_hold_s"]),
-            idle_release_s=float(raw["idle_release_s"]),
-        )
+OPS = frozenset({"generate", "status", "release", "warm", "pin", "unpin", "shutdown", "cancel"})
 
 
 @dataclass(frozen=True)
@@ -131,10 +93,12 @@ class Worker:
         # Published by the engine thread (one reference assignment), read by the io thread.
         self._status: dict[str, Any] = {}
         self._served = 0
+        self._pinned = False
         self._current: str | None = None
         self._last_error = ""
         self._warm_since = time.monotonic()
         self._idle_since = time.monotonic()
+        self._publish()  # before the io thread can be asked for status
 
     # -- io thread ----------------------------------------------------------------------------
 
@@ -193,7 +157,6 @@ class Worker:
             {"hello": {"protocol": WORKER_PROTOCOL, "model": self.name, "pid": os.getpid()}}
         )
         threading.Thread(target=self._io_loop, name="worker-io", daemon=True).start()
-        self._publish()
         try:
             if self._load():
                 self._serve_forever()
@@ -246,6 +209,10 @@ class Worker:
                 self._reply(command.id, {"state": self._residency.state.value})
             elif command.op == "warm":
                 self._handle_warm(command)
+            elif command.op in ("pin", "unpin"):
+                self._pinned = command.op == "pin"
+                self._publish()
+                self._reply(command.id, {"pinned": self._pinned})
             elif command.op == "generate":
                 self._handle_generate(command)
                 self._maybe_release()
@@ -318,6 +285,7 @@ class Worker:
             held_s=now - self._warm_since,
             idle_s=now - self._idle_since,
             busy=not self._inbox.empty(),
+            pinned=self._pinned,
         )
         reason = release_reason(
             view, min_hold_s=self.config.min_hold_s, idle_release_s=self.config.idle_release_s
@@ -413,6 +381,7 @@ class Worker:
             "pid": os.getpid(),
             "state": self._residency.state.value,
             "holds_token": self._token is not None,
+            "pinned": self._pinned,
             "queue": self._queued(),
             "current": self._current,
             "served": self._served,

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 from arbiterd.errors import ProtocolError, WorkerError
+from arbiterd.spec import WORKER_PROTOCOL, WorkerConfig
 from arbiterd.wire import LineReader, LineWriter
-from arbiterd.worker import WORKER_PROTOCOL, WorkerConfig
 
 HELLO_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 30.0

@@ -24,6 +24,10 @@ page cache (os.sync(), then posix_fadvise(POSIX_FADV_DONTNEED) on the whole file
 really reads the disk (the load event's disk_read_bytes shows it did). "warm cache": the same
 without the drop. The ratio is baseline (cold cache) median / handoff total median.
 
+The CPUs are the device here, so other programs running meanwhile slow every split: the JSON
+says how much CPU they took during each phase ("contention"). ~4 minutes at the defaults on 2
+cores (more under contention).
+
     python benchmarks/worker_handoff.py [--handoffs 60] [--baseline 10] [--out FILE]
 """
 
@@ -37,6 +41,7 @@ import math
 import os
 import platform
 import queue
+import resource
 import statistics
 import sys
 import tempfile
@@ -45,9 +50,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from arbiterd.engine import ModelSpec, select_backend
+from arbiterd.engine import select_backend
 from arbiterd.errors import WorkerError
-from arbiterd.worker import WorkerConfig
+from arbiterd.spec import ModelSpec, WorkerConfig
 from arbiterd.workerclient import WorkerProcess
 
 N_CTX = 2048  # a ~1000-token prefix, a short suffix and the output fit
@@ -188,6 +193,39 @@ def drop_page_cache(path: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+class CpuMeter:
+    """CPU seconds the whole machine spent busy, minus what this process and its reaped children
+    (the workers) spent: the load other programs put on the CPUs meanwhile. On a machine shared
+    with other work, read the percentiles with it."""
+
+    def __init__(self) -> None:
+        self._start = self._read()
+
+    @staticmethod
+    def _read() -> tuple[float, float, float]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        # user nice system idle iowait irq softirq steal ...: all but idle and iowait are busy.
+        busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+        ours = sum(
+            usage.ru_utime + usage.ru_stime
+            for usage in (
+                resource.getrusage(resource.RUSAGE_SELF),
+                resource.getrusage(resource.RUSAGE_CHILDREN),
+            )
+        )
+        return busy, ours, time.monotonic()
+
+    def report(self) -> dict[str, float]:
+        busy, ours, now = self._read()
+        elapsed = now - self._start[2]
+        others = max(0.0, (busy - self._start[0]) - (ours - self._start[1]))
+        return {
+            "wall_s": round(elapsed, 1),
+            "other_processes_cpu_s": round(others, 1),
+            "other_processes_share": round(others / (elapsed * (os.cpu_count() or 1)), 3),
+        }
 
 
 # -- workers ------------------------------------------------------------------------------------
@@ -428,25 +466,32 @@ def main() -> int:
     parser.add_argument("--model", type=Path, help="GGUF path (default: gemma-3-270m Q4_K_M)")
     parser.add_argument("--dir", type=Path, default=default_dir(), help="where arenas go")
     parser.add_argument("--no-warm-cache-baseline", action="store_true")
+    parser.add_argument("--rows", action="store_true", help="include every handoff's row")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args()
     if args.handoffs < 2 or args.baseline < 1:
         parser.error("need --handoffs >= 2 and --baseline >= 1")
 
     run_started = time.monotonic()
+    load_before = [round(x, 2) for x in os.getloadavg()]  # other work on the CPUs skews it all
     path = model_path(args.model)
     prefixes = {
         "A": make_prefix("harbor", args.prefix_words),
         "B": make_prefix("observatory", args.prefix_words),
     }
+    meter = CpuMeter()
     handoff = measure_handoffs(path, prefixes, args.handoffs, args.dir, args)
-    handoff_s = time.monotonic() - run_started
+    contention = {"handoff": meter.report()}
+    meter = CpuMeter()
     cold_cache = measure_baseline(path, prefixes, args.baseline, args.dir, args, drop_cache=True)
-    warm_cache = (
-        []
-        if args.no_warm_cache_baseline
-        else measure_baseline(path, prefixes, args.baseline, args.dir, args, drop_cache=False)
-    )
+    contention["baseline_cold_cache"] = meter.report()
+    warm_cache: list[dict[str, Any]] = []
+    if not args.no_warm_cache_baseline:
+        meter = CpuMeter()
+        warm_cache = measure_baseline(
+            path, prefixes, args.baseline, args.dir, args, drop_cache=False
+        )
+        contention["baseline_warm_cache"] = meter.report()
 
     rows = handoff["rows"]
     total = summary(column(rows, "total_s"))
@@ -530,10 +575,15 @@ def main() -> int:
             "load_disk_read_bytes_median": median_int(warm_cache, "load_disk_read_bytes"),
         }
         result["ratio_median_warm_cache"] = round(warm_total["median_s"] / total["median_s"], 2)
-    result["runtime_s"] = {
-        "handoff_part": round(handoff_s, 1),
-        "total": round(time.monotonic() - run_started, 1),
+    if args.rows:
+        result["rows"] = rows
+    result["contention"] = {
+        **contention,
+        "loadavg_before": load_before,
+        "note": "CPU time other programs used during each phase; above ~0.05 of the machine, "
+        "p99 (and even medians) include their interference",
     }
+    result["runtime_s"] = round(time.monotonic() - run_started, 1)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

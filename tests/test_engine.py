@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from arbiterd.engine import KvPolicy, ModelSpec, ReloadBackend, disk_read_bytes
+from arbiterd.engine import ReloadBackend, disk_read_bytes
 from arbiterd.errors import ContextOverflowError, ModelLoadError, RequestError
+from arbiterd.spec import KvPolicy, ModelSpec
 
 PREFIX = " ".join(f"the fox {w} is not a dog" for w in ("one", "two", "three", "four") * 8)
 SUFFIX = " and the cat is quick"
@@ -68,7 +69,8 @@ def test_greedy_output_matches_a_fresh_process(backend: ReloadBackend, tiny_mode
         """
         import sys
         from pathlib import Path
-        from arbiterd.engine import ModelSpec, ReloadBackend
+        from arbiterd.engine import ReloadBackend
+        from arbiterd.spec import ModelSpec
         spec = ModelSpec(name="t", path=Path(sys.argv[1]), n_ctx=1024, n_gpu_layers=0)
         backend = ReloadBackend(spec)
         backend.load()

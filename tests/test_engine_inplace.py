@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from arbiterd.engine import InPlaceBackend, KvPolicy, ModelSpec, ReloadBackend, select_backend
+from arbiterd.engine import InPlaceBackend, ReloadBackend, select_backend
 from arbiterd.errors import RequestError, RestoreError
 from arbiterd.native.libllama import ResidencyApi, probe_residency_api
+from arbiterd.spec import KvPolicy, ModelSpec
 from tests.support.fake_libllama import Fake, compile_fake
 
 PROMPT = " ".join(["the quick brown fox is not a dog"] * 10)

@@ -36,3 +36,8 @@ def test_idle_release_is_off_by_default_and_needs_an_empty_queue() -> None:
     assert decide(idle_s=5, idle_release_s=5) is ReleaseReason.IDLE
     assert decide(idle_s=5, idle_release_s=5, busy=True) is None
     assert decide(idle_s=4, idle_release_s=5) is None
+
+
+def test_a_pinned_model_keeps_the_gpu_whoever_waits() -> None:
+    assert decide(wanted=True, pinned=True) is None
+    assert decide(idle_s=10, idle_release_s=5, pinned=True) is None

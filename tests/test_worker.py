@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 
 from arbiterd.arena import Arena
-from arbiterd.engine import Generation, KvPolicy, ModelSpec, Moved
+from arbiterd.engine import Generation, Moved
 from arbiterd.errors import RestoreError
+from arbiterd.spec import KvPolicy, ModelSpec, WorkerConfig
 from arbiterd.wire import LineReader, LineWriter
-from arbiterd.worker import Worker, WorkerConfig
+from arbiterd.worker import Worker
 from arbiterd.workerclient import RemoteError, WorkerProcess
 from tests.support.waiting import wait_until
 
@@ -287,3 +288,20 @@ def test_a_failed_restore_rolls_back_to_cold_without_the_token(tmp_path: Path) -
     thread.join(timeout=10)
     assert not thread.is_alive()
     theirs.close()
+
+
+def test_a_pinned_model_keeps_the_gpu_until_unpinned(workers: Workers) -> None:
+    pinned = workers.spawn("pinned")
+    wait_state(pinned, "warm")
+    assert pinned.request("pin") == {"pinned": True}
+    other = workers.spawn("other")
+    arena = Arena(workers.arena)
+    wait_until(lambda: other.pid in arena.observe().waiter_pids, 10, "the other to wait")
+    # Far beyond its 0.1 s minimum hold, a pinned model still holds the GPU.
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        assert pinned.status()["state"] == "warm"
+    assert other.status()["state"] == "loading"
+    assert pinned.request("unpin") == {"pinned": False}
+    wait_state(other, "warm")
+    assert pinned.status()["state"] == "cold"

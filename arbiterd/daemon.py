@@ -1,0 +1,99 @@
+"""`arbiterd daemon`: wires config, journal, supervisor, HTTP API and control socket together.
+
+Owns the daemon's lifetime: start everything, tell systemd when serving (READY=1 to
+$NOTIFY_SOCKET, Type=notify), stop gracefully on SIGTERM/SIGINT or the `shutdown` command
+(in-flight requests finish, workers stop and release the GPU, the journal is closed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+from collections.abc import Callable, Generator
+
+import uvicorn
+
+from arbiterd.config import Config
+from arbiterd.control import ControlServer
+from arbiterd.errors import DaemonError
+from arbiterd.httpapi import create_app
+from arbiterd.journal import Journal
+from arbiterd.supervisor import Supervisor
+
+log = logging.getLogger(__name__)
+
+HTTP_SHUTDOWN_TIMEOUT_S = 30
+
+
+class _HttpServer(uvicorn.Server):
+    """uvicorn, minus its own signal handling: the daemon owns SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def notify_ready(status: str) -> bool:
+    """sd_notify(3) without libsystemd: one datagram to $NOTIFY_SOCKET. False if not asked."""
+    path = os.environ.get("NOTIFY_SOCKET", "")
+    if not path:
+        return False
+    address = "\0" + path[1:] if path.startswith("@") else path  # '@': abstract namespace
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+        sock.connect(address)
+        sock.sendall(f"READY=1\nSTATUS={status}\n".encode())
+    return True
+
+
+async def serve(config: Config, reload_config: Callable[[], Config] | None = None) -> None:
+    """Run until SIGTERM/SIGINT or the shutdown command."""
+    daemon = config.daemon
+    journal = Journal(daemon.journal)
+    supervisor = Supervisor(config, journal, reload_config)
+    control = ControlServer(supervisor, daemon.socket)
+    http = _HttpServer(
+        uvicorn.Config(
+            create_app(supervisor, api_key=daemon.api_key),
+            host=daemon.http_host,
+            port=daemon.http_port,
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=HTTP_SHUTDOWN_TIMEOUT_S,
+        )
+    )
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, supervisor.stopped.set)
+    http_task: asyncio.Task[None] | None = None
+    try:
+        await control.start()
+        await supervisor.start()
+        http_task = loop.create_task(http.serve())
+        while not http.started:
+            if http_task.done():  # e.g. the port is taken
+                await http_task
+                raise DaemonError(
+                    f"the HTTP API could not listen on {daemon.http_host}:{daemon.http_port}"
+                )
+            await asyncio.sleep(0.01)
+        url = f"http://{daemon.http_host}:{daemon.http_port}/v1"
+        log.info(
+            "serving %s on %s, control socket %s", ", ".join(config.models), url, daemon.socket
+        )
+        notify_ready(f"serving {len(config.models)} models on {url}")
+        await supervisor.stopped.wait()
+        log.info("stopping")
+    finally:
+        http.should_exit = True
+        if http_task is not None:
+            with contextlib.suppress(Exception):
+                await http_task
+        await control.close()
+        await supervisor.stop()
+        journal.close()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)

@@ -1,0 +1,593 @@
+"""The daemon's durable event journal: one SQLite file in WAL mode, bounded in size.
+
+Owns the journal database (its schema, its version, its trimming) and the human rendering of
+events (`format_event`) and of `--since` values (`parse_since`). It never decides what an event
+means: it stores the daemon's event objects (service.py's docstring lists them) as they come.
+
+Invariants kept here:
+- One writer connection per Journal, shared between threads (`check_same_thread=False`) and used
+  only under `_lock`; a reader in another process opens its own read-only connection. WAL mode is
+  what lets that reader see committed appends without ever blocking the writer
+  (https://sqlite.org/wal.html, "readers do not block writers and a writer does not block readers").
+- `seq` is AUTOINCREMENT, so a seq is never reused, even after trimming every row
+  (https://sqlite.org/autoinc.html); followers resume from the last seq they saw.
+- Rows are deleted only oldest-first (`seq <= cutoff`), so the rows always form a suffix of the
+  seqs ever issued, and `newest - oldest + 1` bounds their count without a COUNT(*).
+- The file is 0600 in a 0700 directory: events name models and programs of one user. SQLite
+  creates the -wal and -shm files with the database file's permissions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import signal
+import sqlite3
+import threading
+import time
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
+from datetime import date, datetime, timedelta
+from datetime import time as dt_time
+from pathlib import Path
+from typing import Any
+
+from arbiterd.errors import BadValueError, DaemonError
+
+SCHEMA_VERSION = 1  # kept in PRAGMA user_version; a newer file is refused, never rewritten
+DEFAULT_MAX_EVENTS = 100_000
+TRIM_BATCH = 1000  # rows deleted at once when over the bound (at most a tenth of the bound)
+BUSY_TIMEOUT_S = 5.0  # how long a statement waits for another process's write lock
+CHECKPOINT_BUSY_MS = 100  # a checkpoint after a trim waits this long for readers, then gives up
+JOURNAL_SIZE_LIMIT_BYTES = 4 * 1024 * 1024  # the -wal file is cut back to this after checkpoints
+FOLLOW_BATCH = 500  # rows read per query while following
+
+_SCHEMA = (
+    "CREATE TABLE events ("
+    " seq INTEGER PRIMARY KEY AUTOINCREMENT,"
+    " at REAL NOT NULL,"
+    " kind TEXT NOT NULL,"
+    " model TEXT,"
+    " body TEXT NOT NULL)",
+    "CREATE INDEX events_at ON events (at)",
+)
+
+
+@dataclass(frozen=True)
+class JournalEvent:
+    """One stored event: `body` is the event object as it was appended (with "at" filled in)."""
+
+    seq: int
+    at: float  # seconds since the epoch
+    kind: str
+    model: str | None
+    body: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.body, "seq": self.seq}
+
+
+class Journal:
+    """The event journal at `path`; `Journal(path)` opens it for appending, creating it if needed.
+
+    `open_readonly(path)` opens an existing journal for `read`/`follow` only, e.g. from the CLI
+    while the daemon writes.
+    """
+
+    path: Path
+    max_events: int
+    readonly: bool
+    _oldest_seq: int | None  # a lower bound of the oldest row's seq; None: no row yet
+
+    def __init__(self, path: Path, *, max_events: int = DEFAULT_MAX_EVENTS) -> None:
+        if isinstance(max_events, bool) or not isinstance(max_events, int) or max_events < 1:
+            raise BadValueError(f"max_events must be a positive integer, not {max_events!r}")
+        self._setup(path, max_events, readonly=False)
+        _make_private_dirs(self.path.parent)
+        _create_private_file(self.path)
+        self._conn = self._connect(str(self.path), uri=False)
+        try:
+            # Journal mode must be set outside a transaction; it is persistent in the file.
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            # NORMAL in WAL mode: a power cut may lose the last commits, never corrupt the file
+            # (https://sqlite.org/pragma.html#pragma_synchronous).
+            self._conn.execute("PRAGMA synchronous=NORMAL")
+            self._conn.execute(f"PRAGMA journal_size_limit={JOURNAL_SIZE_LIMIT_BYTES}")
+            self._create_schema()
+            self._oldest_seq = self._conn.execute("SELECT MIN(seq) FROM events").fetchone()[0]
+        except sqlite3.Error as exc:
+            self._conn.close()
+            raise DaemonError(f"journal {self.path}: {exc}") from exc
+        except BaseException:
+            self._conn.close()
+            raise
+
+    @classmethod
+    def open_readonly(cls, path: Path) -> Journal:
+        """Open an existing journal for reading only; works while another process appends."""
+        self = cls.__new__(cls)
+        self._setup(path, DEFAULT_MAX_EVENTS, readonly=True)
+        if not self.path.exists():
+            raise DaemonError(f"no journal at {self.path} (has the daemon run yet?)")
+        # mode=ro: this connection can never write, so a reader cannot disturb the daemon's file.
+        self._conn = self._connect(self.path.resolve().as_uri() + "?mode=ro", uri=True)
+        try:
+            version = self._user_version()
+            if version == 0:
+                raise DaemonError(f"{self.path} is not an arbiterd journal (no schema yet)")
+            self._check_version(version)
+        except sqlite3.Error as exc:
+            self._conn.close()
+            raise DaemonError(f"journal {self.path}: {exc}") from exc
+        except BaseException:
+            self._conn.close()
+            raise
+        return self
+
+    def _setup(self, path: Path, max_events: int, *, readonly: bool) -> None:
+        self.path = Path(path)
+        self.max_events = max_events
+        self.readonly = readonly
+        # Trim in batches so most appends only insert; the bound is kept exactly all the same.
+        batch = max(1, min(TRIM_BATCH, max_events // 10))
+        self._keep_after_trim = max(1, max_events - batch)
+        self._oldest_seq = None
+        self._trimmed_since_checkpoint = 0
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _connect(self, target: str, *, uri: bool) -> sqlite3.Connection:
+        try:
+            # isolation_level=None: no implicit transactions; appends use BEGIN IMMEDIATE, so a
+            # writer takes the write lock up front instead of failing to upgrade a read lock.
+            return sqlite3.connect(
+                target,
+                uri=uri,
+                timeout=BUSY_TIMEOUT_S,
+                isolation_level=None,
+                check_same_thread=False,
+            )
+        except sqlite3.Error as exc:
+            raise DaemonError(f"cannot open the journal {self.path}: {exc}") from exc
+
+    def _user_version(self) -> int:
+        version: int = self._conn.execute("PRAGMA user_version").fetchone()[0]
+        return version
+
+    def _check_version(self, version: int) -> None:
+        if version > SCHEMA_VERSION:
+            raise DaemonError(
+                f"the journal {self.path} has schema version {version}, newer than this arbiterd"
+                f" understands ({SCHEMA_VERSION}); upgrade arbiterd or move the file away"
+            )
+
+    def _create_schema(self) -> None:
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            # Read under the write lock: two daemons starting at once create the table once.
+            version = self._user_version()
+            self._check_version(version)
+            if version == 0:
+                for statement in _SCHEMA:
+                    self._conn.execute(statement)
+                self._conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def append(self, event: dict[str, Any]) -> int:
+        """Store one event object; returns its seq. Fills in "at" (now) when it is missing.
+
+        A value JSON cannot hold is stored as its str(): the journal is a record, and never a
+        reason to lose an event.
+        """
+        kind = event.get("event")
+        if not isinstance(kind, str) or not kind:
+            raise BadValueError(f"a journal event needs an 'event' kind string, got {kind!r}")
+        body = dict(event)
+        at = body.get("at")
+        if isinstance(at, bool) or not isinstance(at, int | float) or not math.isfinite(at):
+            at = time.time()
+            body["at"] = at
+        model = body.get("model")
+        text = json.dumps(body, ensure_ascii=False, separators=(",", ":"), default=str)
+        with self._lock:
+            self._check_writable()
+            try:
+                return self._insert(
+                    float(at), kind, model if isinstance(model, str) else None, text
+                )
+            except sqlite3.Error as exc:
+                raise DaemonError(f"cannot append to the journal {self.path}: {exc}") from exc
+
+    def _insert(self, at: float, kind: str, model: str | None, text: str) -> int:
+        conn = self._conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            cursor = conn.execute(
+                "INSERT INTO events (at, kind, model, body) VALUES (?, ?, ?, ?)",
+                (at, kind, model, text),
+            )
+            seq = cursor.lastrowid
+            assert seq is not None  # an INSERT into a rowid table always sets it
+            if self._oldest_seq is None:
+                self._oldest_seq = conn.execute("SELECT MIN(seq) FROM events").fetchone()[0]
+            deleted = 0
+            if seq - self._oldest_seq + 1 > self.max_events:
+                cutoff = seq - self._keep_after_trim
+                deleted = conn.execute("DELETE FROM events WHERE seq <= ?", (cutoff,)).rowcount
+                self._oldest_seq = cutoff + 1
+        except BaseException:
+            conn.execute("ROLLBACK")
+            # The cached oldest seq may be ahead of the rolled-back state; ask the file again.
+            self._oldest_seq = conn.execute("SELECT MIN(seq) FROM events").fetchone()[0]
+            raise
+        conn.execute("COMMIT")
+        if deleted > 0:
+            # A checkpoint costs an fsync (milliseconds): under a small bound, trims come every
+            # few appends, so checkpoint once per TRIM_BATCH rows trimmed, not per trim.
+            self._trimmed_since_checkpoint += deleted
+            if self._trimmed_since_checkpoint >= min(TRIM_BATCH, self.max_events):
+                self._trimmed_since_checkpoint = 0
+                self._checkpoint()
+        return seq
+
+    def _checkpoint(self) -> None:
+        """Fold the WAL into the database and truncate it, so the -wal file stays small too.
+
+        TRUNCATE waits on the busy handler for readers (https://sqlite.org/c3ref/wal_checkpoint_v2
+        .html); a short wait keeps the daemon's loop responsive, and a busy checkpoint is simply
+        tried again after the next TRIM_BATCH rows are trimmed.
+        """
+        conn = self._conn
+        conn.execute(f"PRAGMA busy_timeout={CHECKPOINT_BUSY_MS}")
+        try:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        finally:
+            conn.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.readonly:
+            raise DaemonError(f"the journal {self.path} was opened read-only")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DaemonError(f"the journal {self.path} is closed")
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def read(
+        self,
+        *,
+        since: float | None = None,
+        after_seq: int | None = None,
+        limit: int | None = None,
+        kinds: Collection[str] | None = None,
+    ) -> list[JournalEvent]:
+        """Events in seq order: at or after `since` (epoch seconds), with seq above `after_seq`,
+        of one of `kinds`, the first `limit` of them. Every filter is optional."""
+        if limit is not None and limit < 0:
+            raise BadValueError(f"limit must not be negative, got {limit}")
+        clauses: list[str] = []
+        params: list[object] = []
+        if since is not None:
+            clauses.append("at >= ?")
+            params.append(float(since))
+        if after_seq is not None:
+            clauses.append("seq > ?")
+            params.append(int(after_seq))
+        if kinds is not None:
+            wanted = sorted(set(kinds))
+            if not wanted:
+                return []
+            clauses.append(f"kind IN ({', '.join('?' * len(wanted))})")
+            params.extend(wanted)
+        sql = "SELECT seq, at, kind, model, body FROM events"
+        if clauses:
+            sql += " WHERE " + " AND ".join(clauses)
+        sql += " ORDER BY seq"
+        if limit is not None:
+            sql += " LIMIT ?"
+            params.append(limit)
+        rows = self._query(sql, params)
+        return [_row_event(row) for row in rows]
+
+    def follow(
+        self,
+        *,
+        since: float | None = None,
+        after_seq: int | None = None,
+        poll_s: float = 0.2,
+        stop: threading.Event | None = None,
+    ) -> Iterator[JournalEvent]:
+        """Yield the stored events from `since` (or after `after_seq`; from the first when both
+        are None), then each new one as any process appends it, until `stop` is set.
+
+        `since` only picks the starting point, and it is picked now, not at the first `next()`:
+        later events are followed by seq, so a clock that steps back does not hide them.
+        """
+        if poll_s <= 0:
+            raise BadValueError(f"poll_s must be positive, got {poll_s}")
+        last = after_seq
+        if since is not None:
+            start = self._seq_before(float(since))
+            last = start if last is None else max(last, start)
+        return self._follow_after(last, poll_s, stop)
+
+    def _follow_after(
+        self, last: int | None, poll_s: float, stop: threading.Event | None
+    ) -> Iterator[JournalEvent]:
+        while stop is None or not stop.is_set():
+            batch = self.read(after_seq=last, limit=FOLLOW_BATCH)
+            for event in batch:
+                yield event
+                last = event.seq
+                if stop is not None and stop.is_set():
+                    return
+            if len(batch) < FOLLOW_BATCH:  # caught up: wait for the next append
+                if stop is None:
+                    time.sleep(poll_s)
+                elif stop.wait(poll_s):
+                    return
+
+    def _seq_before(self, since: float) -> int:
+        """The seq after which the events at or after `since` begin."""
+        rows = self._query(
+            "SELECT COALESCE((SELECT MIN(seq) FROM events WHERE at >= ?) - 1,"
+            " (SELECT MAX(seq) FROM events), 0)",
+            [since],
+        )
+        seq: int = rows[0][0]
+        return seq
+
+    def _query(self, sql: str, params: list[object]) -> list[tuple[Any, ...]]:
+        with self._lock:
+            self._check_open()
+            try:
+                return self._conn.execute(sql, params).fetchall()
+            except sqlite3.Error as exc:
+                raise DaemonError(f"cannot read the journal {self.path}: {exc}") from exc
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the connection; idempotent. The last connection to close folds the WAL back."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._conn.close()
+
+    def __enter__(self) -> Journal:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _row_event(row: tuple[Any, ...]) -> JournalEvent:
+    seq, at, kind, model, text = row
+    try:
+        body = json.loads(text)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):  # only a hand-edited file gets here; show it, do not crash
+        body = {"event": kind, "at": at, "raw": text}
+    return JournalEvent(seq=seq, at=at, kind=kind, model=model, body=body)
+
+
+def _make_private_dirs(directory: Path) -> None:
+    """Create `directory` and any missing parents with mode 0700 (mkdir(parents=True) would give
+    the parents the default mode). Existing directories are left as they are."""
+    missing: list[Path] = []
+    current = directory
+    while not current.exists():
+        missing.append(current)
+        if current.parent == current:
+            break
+        current = current.parent
+    for path in reversed(missing):
+        try:
+            path.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise DaemonError(
+                f"cannot create the journal directory {path}: {exc.strerror}"
+            ) from exc
+
+
+def _create_private_file(path: Path) -> None:
+    """Create the database file 0600 before SQLite opens it (SQLite would use 0644 & ~umask)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        return
+    except OSError as exc:
+        raise DaemonError(f"cannot create the journal {path}: {exc.strerror}") from exc
+    try:
+        os.fchmod(fd, 0o600)  # a umask cannot have widened it, but one may have narrowed it
+    finally:
+        os.close(fd)
+
+
+# -- human rendering ---------------------------------------------------------------------------
+
+KIND_WIDTH = 9  # "residency", the longest kind
+
+
+def format_event(event: JournalEvent) -> str:
+    """One line for a human: local time to the millisecond, the kind, then what happened."""
+    # Round once, in integer milliseconds: (at % 1) * 1000 turns .120 into 119.99….
+    seconds, millis = divmod(round(event.at * 1000), 1000)
+    stamp = time.strftime("%H:%M:%S", time.localtime(seconds))
+    formatter = _FORMATTERS.get(event.kind, _format_other)
+    try:
+        detail = formatter(event.body)
+    except (TypeError, ValueError, KeyError):  # a malformed body still gets a line
+        detail = _format_other(event.body)
+    return f"{stamp}.{millis:03d}  {event.kind:<{KIND_WIDTH}} {detail}".rstrip()
+
+
+def _format_residency(body: dict[str, Any]) -> str:
+    line = f"{_name(body.get('model'))} {_name(body.get('from'))} → {_name(body.get('to'))}"
+    if body.get("reason"):
+        line += f" ({body['reason']})"
+    parts = [line]
+    duration = _number(body.get("duration_s"))  # how long the state it left lasted
+    if duration is not None:
+        parts.append(f"{_name(body.get('from'))} for {duration:.2f} s")
+    for key, label in (
+        ("weights_bytes", "weights"),
+        ("kv_bytes", "kv"),
+        ("disk_read_bytes", "read"),
+    ):
+        size = _number(body.get(key))
+        if size:
+            parts.append(f"{label} {format_bytes(size)}")
+    return "  ".join(parts)
+
+
+def _format_handoff(body: dict[str, Any]) -> str:
+    parts = [f"{_name(body.get('from'))} → {_name(body.get('to'))}"]
+    for key, label in (("release_s", "release"), ("wait_s", "wait"), ("restore_s", "restore")):
+        seconds = _number(body.get(key))
+        if seconds is not None:
+            parts.append(f"{label} {seconds:.2f} s")
+    return "  ".join(parts)
+
+
+def _format_request(body: dict[str, Any]) -> str:
+    line = _name(body.get("model"))
+    prompt = _number(body.get("prompt_tokens"))
+    if prompt is not None:
+        line += f" {int(prompt)} tokens"
+        evaluated = _number(body.get("prompt_tokens_evaluated"))
+        if evaluated is not None:
+            line += f" ({int(evaluated)} evaluated)"
+    completion = _number(body.get("completion_tokens"))
+    if completion is not None:
+        line += f", {int(completion)} generated"
+    duration = _number(body.get("duration_s"))
+    if duration is not None:
+        line += f" {duration:.2f} s"
+    status = body.get("status") or ("cancelled" if body.get("cancelled") else None)
+    if status:
+        line += f" {status}"
+    if body.get("id"):
+        line += f"  {body['id']}"
+    return line
+
+
+def _format_worker(body: dict[str, Any]) -> str:
+    line = _name(body.get("model"))
+    if body.get("pid") is not None:
+        line += f" pid {body['pid']}"
+    code = body.get("code")
+    if code is None:
+        line += " started"
+    else:
+        line += f" exited code {code}"
+        if isinstance(code, int) and code < 0:
+            with contextlib.suppress(ValueError):  # not a signal this system names
+                line += f" ({signal.Signals(-code).name})"
+    if body.get("reason"):
+        line += f": {body['reason']}"
+    restart_in = _number(body.get("restart_in_s"))
+    if restart_in is not None:
+        line += f", restarting in {restart_in:.1f} s"
+    return line
+
+
+def _format_hold(body: dict[str, Any]) -> str:
+    return "GPU held by the user" if body.get("held") else "GPU given back by the user"
+
+
+def _format_other(body: dict[str, Any]) -> str:
+    fields = {k: v for k, v in body.items() if k not in {"event", "at", "seq"}}
+    parts = [
+        f"{key}={json.dumps(value, ensure_ascii=False, default=str)}"
+        for key, value in fields.items()
+    ]
+    return " ".join(parts)
+
+
+_FORMATTERS = {
+    "residency": _format_residency,
+    "handoff": _format_handoff,
+    "request": _format_request,
+    "worker": _format_worker,
+    "hold": _format_hold,
+}
+
+
+def _name(value: object) -> str:
+    return "—" if value is None or value == "" else str(value)
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def format_bytes(size: float) -> str:
+    """1536 → "1.5 KiB"; binary units, as the GPU's memory is counted."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024 or unit == "GiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+# -- --since values ----------------------------------------------------------------------------
+
+_UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
+_DURATION = re.compile(r"(?:\d+(?:\.\d+)?\s*[smhdw]\s*)+")
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
+_EPOCH = re.compile(r"\d+(?:\.\d*)?")
+SINCE_FORMS = (
+    "seconds since the epoch (1718000000), an ISO-8601 date or time (2024-06-10T12:00:00,"
+    " 2024-06-10, 12:00), or a duration ago (30s, 10m, 2h, 1d, 1h30m)"
+)
+
+
+def parse_since(text: str, now: float | None = None) -> float:
+    """A `--since` value as seconds since the epoch.
+
+    Accepts an epoch number, an ISO-8601 datetime or date (naive ones are local time), a time of
+    day (its last occurrence, local), or a duration before `now` such as "10m" or "1h30m".
+    """
+    value = text.strip()
+    if not value:
+        raise BadValueError(f"an empty time; expected {SINCE_FORMS}")
+    if _DURATION.fullmatch(value):
+        seconds = sum(float(n) * _UNIT_S[unit] for n, unit in _DURATION_PART.findall(value))
+        return (time.time() if now is None else now) - seconds
+    if _EPOCH.fullmatch(value):
+        return float(value)
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        pass
+    else:
+        return moment.timestamp()  # a naive datetime is taken as local time
+    try:
+        clock = dt_time.fromisoformat(value)
+    except ValueError:
+        pass
+    else:
+        # The last time the clock read so: "--since 23:00" just after midnight means yesterday.
+        now_s = time.time() if now is None else now
+        today = date.fromtimestamp(now_s)
+        moment = datetime.combine(today, clock)
+        if moment.timestamp() > now_s:
+            moment = datetime.combine(today - timedelta(days=1), clock)
+        return moment.timestamp()
+    raise BadValueError(f"cannot read {text!r} as a time; expected {SINCE_FORMS}")

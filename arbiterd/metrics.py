@@ -1,0 +1,73 @@
+"""The daemon's Prometheus metrics, derived from its events and nothing else.
+
+Owns a private CollectorRegistry (so several daemons in one test process do not collide) and
+the meaning of each figure; the supervisor feeds it every event it sees.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Handoffs on a desktop GPU: from ~1 ms (in place) to tens of seconds (a large reload).
+HANDOFF_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.handoffs = Counter(
+            "arbiterd_handoffs", "GPU handoffs between models", registry=self.registry
+        )
+        self.handoff_seconds = Histogram(
+            "arbiterd_handoff_seconds",
+            "From the releasing model's release to the next model being warm",
+            buckets=HANDOFF_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.resident = Gauge(
+            "arbiterd_model_resident",
+            "1 while the model is warm (holds the GPU), else 0",
+            ["model"],
+            registry=self.registry,
+        )
+        self.prompt_tokens_evaluated = Counter(
+            "arbiterd_prompt_tokens_evaluated",
+            "Prompt tokens run through llama_decode (prompt-cache hits excluded)",
+            ["model"],
+            registry=self.registry,
+        )
+        self.requests = Counter(
+            "arbiterd_requests", "Requests by outcome", ["model", "status"], registry=self.registry
+        )
+        self.worker_restarts = Counter(
+            "arbiterd_worker_restarts",
+            "Worker processes restarted",
+            ["model"],
+            registry=self.registry,
+        )
+
+    def add_model(self, model: str) -> None:
+        """Make a model's series exist (at 0) before its first event."""
+        self.resident.labels(model=model).set(0)
+        self.prompt_tokens_evaluated.labels(model=model)
+
+    def observe(self, event: dict[str, Any]) -> None:
+        kind, model = event.get("event"), str(event.get("model", ""))
+        if kind == "residency":
+            self.resident.labels(model=model).set(1 if event.get("to") == "warm" else 0)
+        elif kind == "request":
+            self.requests.labels(model=model, status=str(event.get("status", "ok"))).inc()
+            evaluated = event.get("prompt_tokens_evaluated")
+            if isinstance(evaluated, int) and evaluated > 0:
+                self.prompt_tokens_evaluated.labels(model=model).inc(evaluated)
+        elif kind == "handoff":
+            self.handoffs.inc()
+            total = sum(float(event.get(k) or 0.0) for k in ("release_s", "wait_s", "restore_s"))
+            self.handoff_seconds.observe(total)
+        elif kind == "worker" and event.get("restart_in_s") is not None:
+            self.worker_restarts.labels(model=model).inc()
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,92 @@
+"""Plain descriptions of models and workers, shared by the daemon and the worker processes.
+
+Owns the records that cross process boundaries (ModelSpec, WorkerConfig, the worker protocol
+version) and the request parameters a model accepts. Imports nothing heavy: the daemon and the
+CLI use these without loading llama.cpp, which only the worker processes do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+WORKER_PROTOCOL = 1
+
+# Request parameters passed through to llama-cpp-python, with the type each must have.
+COMPLETION_PARAMS: dict[str, tuple[type, ...]] = {
+    "max_tokens": (int,),
+    "temperature": (int, float),
+    "top_p": (int, float),
+    "top_k": (int,),
+    "min_p": (int, float),
+    "repeat_penalty": (int, float),
+    "presence_penalty": (int, float),
+    "frequency_penalty": (int, float),
+    "seed": (int,),
+    "stop": (str, list),
+}
+# llama.cpp keeps n_ctx in a uint32 and sizes host arrays by it; larger values wrap or exhaust RAM.
+MAX_N_CTX = (1 << 31) - 1
+
+
+class KvPolicy(enum.StrEnum):
+    """What happens to the KV cache when a model releases the GPU."""
+
+    HOST = "host"  # saved to host memory and restored: no re-prefill
+    DEVICE = "device"  # left on the device (in-place backend only)
+    DROP = "drop"  # discarded: the next request re-processes its prompt
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How to load one model. Cold and warm contexts are built from the same spec, so their
+    params are identical (a KV state does not restore into a context with other params)."""
+
+    name: str
+    path: Path
+    n_ctx: int = 4096
+    n_gpu_layers: int = -1
+    n_threads: int | None = None
+    chat_format: str | None = None
+    seed: int = 0
+    host_copy: bool = True  # keep the GGUF in a memfd: restores read nothing from disk
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker needs, passed as JSON on its command line."""
+
+    spec: ModelSpec
+    arena: Path
+    kv_on_release: KvPolicy = KvPolicy.HOST
+    min_hold_s: float = 0.1
+    idle_release_s: float = 0.0  # 0: release only when wanted
+
+    def to_json(self) -> str:
+        spec = dataclasses.asdict(self.spec)
+        spec["path"] = str(self.spec.path)
+        return json.dumps(
+            {
+                "spec": spec,
+                "arena": str(self.arena),
+                "kv_on_release": self.kv_on_release.value,
+                "min_hold_s": self.min_hold_s,
+                "idle_release_s": self.idle_release_s,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerConfig:
+        raw = json.loads(text)
+        spec = dict(raw["spec"])
+        spec["path"] = Path(spec["path"])
+        return cls(
+            spec=ModelSpec(**spec),
+            arena=Path(raw["arena"]),
+            kv_on_release=KvPolicy(raw["kv_on_release"]),
+            min_hold_s=float(raw["min_hold_s"]),
+            idle_release_s=float(raw["idle_release_s"]),
+        )

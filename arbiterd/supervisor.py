@@ -1,0 +1,496 @@
+"""The supervisor: one worker per configured model, and the daemon's `Service` (service.py).
+
+Owns the worker processes (spawn, restart with backoff, graceful stop), the routing of requests
+to them, the user's hold on the GPU ("game mode"), and the event stream: every event from a
+worker or from here is stamped, turned into handoffs, counted in the metrics, written to the
+journal and fanned out to subscribers. Runs on the daemon's asyncio loop; blocking calls to
+workers run in its own thread pool, and worker threads reach the loop only through
+`call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from arbiterd.arena import Arena, Token
+from arbiterd.config import Config, ModelConfig
+from arbiterd.errors import (
+    ArbiterError,
+    ContextOverflowError,
+    ControlError,
+    EngineError,
+    RequestError,
+    UnknownModelError,
+    WorkerError,
+)
+from arbiterd.journal import Journal
+from arbiterd.metrics import Metrics
+from arbiterd.procs import holder_name, process_name
+from arbiterd.service import MODEL_COMMANDS
+from arbiterd.workerclient import RemoteError, WorkerProcess
+
+log = logging.getLogger(__name__)
+
+RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+STABLE_UPTIME_S = 60.0  # a worker up this long has its backoff reset
+READY_TIMEOUT_S = 120.0  # how long a request waits for its worker to (re)start
+REQUEST_THREADS = 64  # each in-flight request waits on one
+SUBSCRIBER_QUEUE = 1000
+HANDOFF_WINDOW_S = 30.0  # a release this recent is the "from" of the next warm-up
+COMMAND_TIMEOUT_S = 300.0
+# Remote error kinds that mean "your request is wrong", not "the model is broken".
+_REQUEST_ERRORS: dict[str, type[RequestError]] = {
+    "ContextOverflowError": ContextOverflowError,
+    "RequestError": RequestError,
+}
+_ENGINE_ERRORS = frozenset({"EngineError", "ModelLoadError", "RestoreError"})
+
+
+@dataclass
+class _Slot:
+    """One configured model. Mutated only on the event loop."""
+
+    config: ModelConfig
+    worker: WorkerProcess | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    state: str = "starting"
+    pinned: bool = False
+    restarts: int = 0
+    failures_in_row: int = 0
+    started_at: float = 0.0
+    last_error: str = ""
+    last_handoff: dict[str, Any] | None = None  # the last time it took the GPU from a model
+    restart_task: asyncio.Task[None] | None = None
+
+
+@dataclass
+class _Release:
+    model: str
+    at: float
+    release_s: float
+
+
+class Supervisor:
+    def __init__(
+        self,
+        config: Config,
+        journal: Journal | None = None,
+        reload_config: Callable[[], Config] | None = None,
+    ) -> None:
+        self.config = config
+        self._reload_config = reload_config  # None: nothing to reload (embedded default)
+        self.metrics = Metrics()
+        self._journal = journal
+        self._arena = Arena(config.daemon.arena)
+        self._slots: dict[str, _Slot] = {}
+        self._subscribers: set[asyncio.Queue[dict[str, Any]]] = set()
+        self._pool = ThreadPoolExecutor(REQUEST_THREADS, thread_name_prefix="supervisor")
+        self._ids = itertools.count(1)
+        self._last_release: _Release | None = None
+        self._hold: Token | None = None
+        self._stopping = False
+        self.stopped = asyncio.Event()  # set by the shutdown command; the daemon awaits it
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        for name, model in self.config.models.items():
+            self._slots[name] = _Slot(model)
+            self.metrics.add_model(name)
+        await asyncio.gather(*(self._spawn(slot) for slot in self._slots.values()))
+
+    async def stop(self) -> None:
+        """Stop every worker (in-flight requests finish first) and release a user hold."""
+        self._stopping = True
+        for slot in self._slots.values():
+            if slot.restart_task is not None:
+                slot.restart_task.cancel()
+        workers = [s.worker for s in self._slots.values() if s.worker is not None]
+        await asyncio.gather(*(self._run(w.shutdown) for w in workers))
+        if self._hold is not None:
+            self._hold.release()
+            self._hold = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _spawn(self, slot: _Slot) -> None:
+        name = slot.config.name
+        slot.state = "starting"
+        env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
+        try:
+            worker = await self._run(
+                WorkerProcess.spawn, slot.config.worker_config(self.config.daemon.arena), env=env
+            )
+        except ArbiterError as exc:
+            slot.last_error = str(exc)
+            self._publish(
+                {
+                    "event": "worker",
+                    "model": name,
+                    "pid": None,
+                    "code": None,
+                    "reason": f"could not start: {exc}",
+                    "restart_in_s": None,
+                }
+            )
+            self._schedule_restart(slot)
+            return
+        worker.add_listener(self._from_thread(self._on_worker_event))
+        slot.worker, slot.started_at = worker, time.monotonic()
+        if slot.pinned:
+            await self._run(worker.request, "pin")
+        slot.ready.set()
+        threading.Thread(
+            target=self._watch, args=(slot, worker), name=f"watch-{name}", daemon=True
+        ).start()
+
+    def _watch(self, slot: _Slot, worker: WorkerProcess) -> None:
+        """Waits for the worker to exit (runs in its own thread)."""
+        code = worker.process.wait()
+        self._call_soon(self._on_worker_exit, slot, worker, code)
+
+    def _on_worker_exit(self, slot: _Slot, worker: WorkerProcess, code: int) -> None:
+        if slot.worker is not worker:
+            return
+        slot.worker = None
+        slot.ready.clear()
+        slot.state = "stopped" if self._stopping else "restarting"
+        if self._stopping:
+            return
+        uptime = time.monotonic() - slot.started_at
+        slot.failures_in_row = 0 if uptime >= STABLE_UPTIME_S else slot.failures_in_row + 1
+        delay = RESTART_BACKOFF_S[min(slot.failures_in_row, len(RESTART_BACKOFF_S) - 1)]
+        reason = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        slot.last_error = f"worker {reason}"
+        self._publish(
+            {
+                "event": "worker",
+                "model": slot.config.name,
+                "pid": worker.pid,
+                "code": code,
+                "reason": reason,
+                "restart_in_s": delay,
+            }
+        )
+        self._pool.submit(worker.kill)  # closes its socket; the process is already reaped
+        self._schedule_restart(slot, delay)
+
+    def _schedule_restart(self, slot: _Slot, delay_s: float | None = None) -> None:
+        if self._stopping:
+            return
+        if delay_s is None:
+            delay_s = RESTART_BACKOFF_S[min(slot.failures_in_row, len(RESTART_BACKOFF_S) - 1)]
+            slot.failures_in_row += 1
+
+        async def restart() -> None:
+            await asyncio.sleep(delay_s)
+            slot.restarts += 1
+            await self._spawn(slot)
+
+        slot.restart_task = asyncio.get_running_loop().create_task(restart())
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def model_names(self) -> list[str]:
+        return list(self.config.models)
+
+    async def complete(self, model: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+        worker = await self._worker_of(model)
+        request_id = self._request_id()
+        try:
+            result = await self._run(worker.generate, kind, body, request_id=request_id)
+        except RemoteError as exc:
+            raise self._request_failed(model, request_id, exc) from None
+        except WorkerError as exc:
+            raise self._request_failed(model, request_id, exc) from None
+        response: dict[str, Any] = result["response"]
+        return response
+
+    async def stream(
+        self, model: str, kind: str, body: dict[str, Any]
+    ) -> AsyncIterator[dict[str, Any]]:
+        worker = await self._worker_of(model)
+        request_id = self._request_id()
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        def on_chunk(chunk: dict[str, Any]) -> None:
+            loop.call_soon_threadsafe(items.put_nowait, ("chunk", chunk))
+
+        future = loop.run_in_executor(
+            self._pool,
+            lambda: worker.generate(kind, body, on_chunk=on_chunk, request_id=request_id),
+        )
+        future.add_done_callback(lambda done: items.put_nowait(("done", done)))
+        try:
+            while True:
+                what, item = await items.get()
+                if what == "chunk":
+                    yield item
+                    continue
+                try:
+                    item.result()
+                except (RemoteError, WorkerError) as exc:
+                    raise self._request_failed(model, request_id, exc) from None
+                return
+        finally:
+            if not future.done():  # the client went away: stop the decode
+                await self._run(_quietly(worker.cancel), request_id)
+
+    async def _worker_of(self, model: str) -> WorkerProcess:
+        slot = self._slots.get(model)
+        if slot is None:
+            raise UnknownModelError(
+                f"no model named {model!r}; available: {', '.join(self._slots) or 'none'}"
+            )
+        if slot.state == "failed":
+            raise EngineError(f"{model} failed to load: {slot.last_error}")
+        try:
+            await asyncio.wait_for(slot.ready.wait(), READY_TIMEOUT_S)
+        except TimeoutError:
+            raise WorkerError(f"{model} is not running ({slot.last_error})") from None
+        assert slot.worker is not None  # ready is set only while a worker is attached
+        return slot.worker
+
+    def _request_failed(self, model: str, request_id: str, exc: ArbiterError) -> ArbiterError:
+        """Map a worker's answer to the error the edges expect, and record the failure."""
+        if isinstance(exc, RemoteError):
+            if exc.kind in _REQUEST_ERRORS:
+                error: ArbiterError = _REQUEST_ERRORS[exc.kind](str(exc))
+            elif exc.kind in _ENGINE_ERRORS:
+                error = EngineError(str(exc))
+            else:
+                error = WorkerError(str(exc))
+        else:
+            error = exc
+        self._publish(
+            {
+                "event": "request",
+                "model": model,
+                "id": request_id,
+                "status": "error",
+                "error": str(error),
+            }
+        )
+        return error
+
+    def _request_id(self) -> str:
+        return f"req-{os.getpid()}-{next(self._ids)}"
+
+    # -- status and commands ------------------------------------------------------------------
+
+    async def status(self) -> dict[str, Any]:
+        slots = list(self._slots.values())
+        reports = await asyncio.gather(*(self._slot_status(s) for s in slots))
+        arena = await self._run(self._arena.observe)
+        holder = None
+        if arena.holder_pid is not None:
+            holder = {
+                "pid": arena.holder_pid,
+                "name": holder_name(arena),
+                "since": arena.holder.since if arena.holder else None,
+            }
+        return {
+            "models": reports,
+            "arena": str(arena.path),
+            "holder": holder,
+            "waiters": [{"pid": p, "name": process_name(p)} for p in arena.waiter_pids],
+            "hold": self._hold is not None,
+        }
+
+    async def _slot_status(self, slot: _Slot) -> dict[str, Any]:
+        report: dict[str, Any] = {
+            "name": slot.config.name,
+            "state": slot.state,
+            "pid": None,
+            "pinned": slot.pinned,
+            "queue": 0,
+            "resident_bytes": 0,
+            "prompt_tokens_evaluated": 0,
+            "served": 0,
+            "restarts": slot.restarts,
+            "last_error": slot.last_error,
+            "last_handoff": slot.last_handoff,
+        }
+        worker = slot.worker
+        if worker is not None:
+            try:
+                live = await self._run(worker.status)
+            except WorkerError:
+                return report
+            for key in (
+                "state",
+                "pid",
+                "queue",
+                "resident_bytes",
+                "prompt_tokens_evaluated",
+                "served",
+            ):
+                report[key] = live.get(key, report[key])
+            report["last_error"] = live.get("last_error") or slot.last_error
+        return report
+
+    async def command(self, name: str, model: str | None = None) -> dict[str, Any]:
+        if name in MODEL_COMMANDS:
+            if not model:
+                raise ControlError(f"{name} needs a model name")
+            worker = await self._worker_of(model)
+            if name in ("pin", "unpin"):
+                self._slots[model].pinned = name == "pin"
+            result = await self._run(worker.request, name, timeout_s=COMMAND_TIMEOUT_S)
+            return {"model": model, **result}
+        if name == "hold":
+            return await self._take_hold()
+        if name == "unhold":
+            return self._give_back_hold()
+        if name == "reload":
+            return await self._reload()
+        if name == "shutdown":
+            self.stopped.set()
+            return {"stopping": True}
+        raise ControlError(f"unknown command {name!r}")
+
+    async def _reload(self) -> dict[str, Any]:
+        """Re-read the config file: start added models, stop removed ones, restart changed
+        ones; the others keep serving undisturbed. [daemon] changes need a restart."""
+        if self._reload_config is None:
+            raise ControlError("running on the embedded default: there is no config to reload")
+        new = await self._run(self._reload_config)
+        old = self.config.models
+        added = [n for n in new.models if n not in old]
+        removed = [n for n in old if n not in new.models]
+        changed = [n for n in new.models if n in old and new.models[n] != old[n]]
+        for name in removed + changed:
+            await self._retire(self._slots.pop(name))
+        self.config = Config(daemon=self.config.daemon, models=new.models, source=new.source)
+        for name in added + changed:
+            self._slots[name] = _Slot(new.models[name])
+            self.metrics.add_model(name)
+        await asyncio.gather(*(self._spawn(self._slots[n]) for n in added + changed))
+        self._publish({"event": "reload", "added": added, "removed": removed, "changed": changed})
+        return {"added": added, "removed": removed, "changed": changed}
+
+    async def _retire(self, slot: _Slot) -> None:
+        if slot.restart_task is not None:
+            slot.restart_task.cancel()
+        worker, slot.worker = slot.worker, None  # detached: its exit is not a crash
+        slot.ready.clear()
+        if worker is not None:
+            await self._run(worker.shutdown)
+
+    async def _take_hold(self) -> dict[str, Any]:
+        """Game mode: every model goes cold (pinned or not) and the daemon keeps the token."""
+        if self._hold is not None:
+            return {"hold": True}
+        for slot in self._slots.values():
+            if slot.worker is not None:
+                await self._run(slot.worker.request, "release", timeout_s=COMMAND_TIMEOUT_S)
+        self._hold = await self._run(
+            self._arena.acquire, "arbiterd hold", timeout_s=COMMAND_TIMEOUT_S
+        )
+        self._publish({"event": "hold", "held": True})
+        return {"hold": True}
+
+    def _give_back_hold(self) -> dict[str, Any]:
+        if self._hold is not None:
+            self._hold.release()
+            self._hold = None
+            self._publish({"event": "hold", "held": False})
+        return {"hold": False}
+
+    def metrics_text(self) -> bytes:
+        return self.metrics.text()
+
+    # -- events -------------------------------------------------------------------------------
+
+    def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
+        events: asyncio.Queue[dict[str, Any]] = asyncio.Queue(SUBSCRIBER_QUEUE)
+        self._subscribers.add(events)
+        return events
+
+    def unsubscribe(self, events: asyncio.Queue[dict[str, Any]]) -> None:
+        self._subscribers.discard(events)
+
+    def _on_worker_event(self, event: dict[str, Any]) -> None:
+        if event.get("event") == "request":
+            event.setdefault("status", "cancelled" if event.get("cancelled") else "ok")
+        if event.get("event") == "residency":
+            self._on_residency(event)
+        self._publish(event)
+
+    def _on_residency(self, event: dict[str, Any]) -> None:
+        slot = self._slots.get(str(event.get("model")))
+        if slot is None:
+            return
+        slot.state = str(event["to"])
+        if slot.state == "failed":
+            slot.last_error = str(event.get("reason", ""))
+        if event["from"] == "cooling" and event["to"] == "cold" and event["reason"] == "wanted":
+            self._last_release = _Release(slot.config.name, event["at"], event["duration_s"])
+        became_warm = event["to"] == "warm" and event["from"] in ("warming", "loading")
+        release = self._last_release
+        if became_warm and release is not None and release.model != slot.config.name:
+            restore_s = float(event["duration_s"])
+            took_token_at = float(event["at"]) - restore_s
+            if took_token_at - release.at <= HANDOFF_WINDOW_S:
+                self._last_release = None
+                handoff = {
+                    "event": "handoff",
+                    "from": release.model,
+                    "to": slot.config.name,
+                    "release_s": round(release.release_s, 6),
+                    "wait_s": round(max(0.0, took_token_at - release.at), 6),
+                    "restore_s": round(restore_s, 6),
+                }
+                slot.last_handoff = handoff
+                self._publish(handoff)
+
+    def _publish(self, event: dict[str, Any]) -> None:
+        event.setdefault("at", time.time())
+        self.metrics.observe(event)
+        if self._journal is not None:
+            try:
+                self._journal.append(event)
+            except Exception:  # a full disk must not take the daemon down
+                log.exception("could not journal an event")
+        for events in list(self._subscribers):
+            if events.full():
+                continue  # the control server notices and drops that subscriber
+            events.put_nowait(event)
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    async def _run(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, lambda: function(*args, **kwargs))
+
+    def _call_soon(self, function: Callable[..., None], *args: Any) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(function, *args)
+
+    def _from_thread(
+        self, handler: Callable[[dict[str, Any]], None]
+    ) -> Callable[[dict[str, Any]], None]:
+        return lambda event: self._call_soon(handler, event)
+
+
+def _quietly(function: Callable[[str], None]) -> Callable[[str], None]:
+    """Best effort: the worker may be gone already."""
+
+    def call(argument: str) -> None:
+        try:
+            function(argument)
+        except ArbiterError:
+            log.debug("could not deliver to a gone worker", exc_info=True)
+
+    return call

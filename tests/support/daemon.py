@@ -1,0 +1,121 @@
+"""A real arbiterd daemon in a subprocess, on private paths, for integration tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from arbiterd.control import ControlClient
+from arbiterd.errors import DaemonNotRunningError
+
+START_TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+class Daemon:
+    """`python -m arbiterd daemon --config FILE` with its own socket, arena and journal.
+
+    The directory is short (under /tmp) because a Unix socket path must fit in 108 bytes."""
+
+    def __init__(
+        self,
+        models: dict[str, dict[str, Any]],
+        *,
+        api_key: str = "",
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="ad-", dir="/tmp"))
+        self.port = free_port()
+        self.socket = self.dir / "control.sock"
+        self.arena = self.dir / "arena"
+        self.journal = self.dir / "journal.sqlite3"
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.log = self.dir / "daemon.log"
+        self.config = self.dir / "config.toml"
+        self.config.write_text(self._toml(models, api_key))
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "arbiterd", "daemon", "--config", str(self.config)],
+            stdout=subprocess.DEVNULL,
+            stderr=self.log.open("w"),
+            env=env,
+        )
+
+    def _toml(self, models: dict[str, dict[str, Any]], api_key: str) -> str:
+        lines = [
+            "[daemon]",
+            f'http = "127.0.0.1:{self.port}"',
+            f'socket = "{self.socket}"',
+            f'arena = "{self.arena}"',
+            f'journal = "{self.journal}"',
+            f'api_key = "{api_key}"',
+        ]
+        for name, keys in models.items():
+            lines += ["", f"[models.{name}]"]
+            lines += [f"{key} = {_toml_value(value)}" for key, value in keys.items()]
+        return "\n".join(lines) + "\n"
+
+    def client(self) -> ControlClient:
+        return ControlClient.connect(self.socket)
+
+    def wait_ready(self, states: Iterable[str] = ("warm", "cold", "failed")) -> dict[str, Any]:
+        """Wait until the control socket answers and every model has left starting/loading."""
+        wanted = set(states)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if self.process.poll() is not None:
+                raise AssertionError(f"daemon exited early:\n{self.log.read_text()}")
+            try:
+                with self.client() as client:
+                    status: dict[str, Any] = client.call("status")
+                if all(m["state"] in wanted for m in status["models"]):
+                    return status
+            except DaemonNotRunningError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"daemon not ready:\n{self.log.read_text()}")
+            time.sleep(0.05)
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def cleanup(self) -> None:
+        self.stop()
+        for path in sorted(self.dir.rglob("*"), reverse=True):
+            if path.is_dir():
+                path.rmdir()
+            else:
+                path.unlink()
+        self.dir.rmdir()
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, str | Path):
+        return f'"{value}"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def environment_without(*names: str) -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in names}

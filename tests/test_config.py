@@ -1,0 +1,679 @@
+"""config.toml: every key, its default, the flags that override it, and each error's message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from arbiterd.config import (
+    Config,
+    default_config_path,
+    load_config,
+    starter_config_text,
+)
+from arbiterd.errors import BadValueError, ConfigError, RuntimeDirError
+from arbiterd.spec import KvPolicy, WorkerConfig
+
+FULL = """\
+[daemon]
+http = "0.0.0.0:9000"
+socket = "run/control.sock"
+arena = "/dev/shm/arena"
+journal = "~/journal.sqlite3"
+api_key = "sk-local-123"
+
+[models.qwen]
+path = "models/qwen.gguf"
+n_ctx = 8192
+n_gpu_layers = 20
+n_threads = 6
+chat_format = "chatml"
+mmproj = "~/mmproj.gguf"
+kv_on_release = "drop"
+min_hold_s = 0.5
+idle_release_s = 30
+
+[models."llama-3.2_1b"]
+path = "/models/llama.gguf"
+"""
+
+MINIMAL = '[models.qwen]\npath = "/models/qwen.gguf"\n'
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    """A private environment: HOME and a 0700 XDG_RUNTIME_DIR under tmp_path."""
+    home = tmp_path / "home"
+    home.mkdir()
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    return {"HOME": str(home), "XDG_RUNTIME_DIR": str(run)}
+
+
+def write(tmp_path: Path, text: str, name: str = "config.toml") -> Path:
+    path = tmp_path / "etc" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def load_text(tmp_path: Path, env: dict[str, str], text: str) -> Config:
+    return load_config(write(tmp_path, text), env=env)
+
+
+# -- valid files -----------------------------------------------------------------------------
+
+
+def test_full_file_sets_every_key(tmp_path: Path, env: dict[str, str]) -> None:
+    path = write(tmp_path, FULL)
+    config = load_config(path, env=env)
+
+    home, etc = Path(env["HOME"]), path.parent
+    assert config.source == path
+    daemon = config.daemon
+    assert (daemon.http_host, daemon.http_port) == ("0.0.0.0", 9000)
+    assert daemon.socket == etc / "run/control.sock"  # relative: against the file's directory
+    assert daemon.arena == Path("/dev/shm/arena")
+    assert daemon.journal == home / "journal.sqlite3"  # ~ expanded
+    assert daemon.api_key == "sk-local-123"
+
+    assert list(config.models) == ["qwen", "llama-3.2_1b"]  # the file's order
+    qwen = config.models["qwen"]
+    assert qwen.name == "qwen"
+    assert qwen.path == etc / "models/qwen.gguf"
+    assert (qwen.n_ctx, qwen.n_gpu_layers, qwen.n_threads) == (8192, 20, 6)
+    assert qwen.chat_format == "chatml"
+    assert qwen.mmproj == home / "mmproj.gguf"
+    assert qwen.kv_on_release is KvPolicy.DROP
+    assert qwen.min_hold_s == 0.5
+    assert qwen.idle_release_s == 30.0
+    assert isinstance(qwen.idle_release_s, float)
+
+
+def test_absent_keys_take_their_defaults(tmp_path: Path, env: dict[str, str]) -> None:
+    config = load_text(tmp_path, env, MINIMAL)
+
+    run, home = Path(env["XDG_RUNTIME_DIR"]), Path(env["HOME"])
+    daemon = config.daemon
+    assert (daemon.http_host, daemon.http_port) == ("127.0.0.1", 8642)
+    assert daemon.socket == run / "arbiterd/control.sock"
+    assert daemon.arena == run / "arbiterd/arena/gpu0"
+    assert daemon.journal == home / ".local/state/arbiterd/journal.sqlite3"
+    assert daemon.api_key == ""
+    model = config.models["qwen"]
+    assert model.path == Path("/models/qwen.gguf")
+    assert (model.n_ctx, model.n_gpu_layers, model.n_threads) == (4096, -1, None)
+    assert model.chat_format is None
+    assert model.mmproj is None
+    assert model.kv_on_release is KvPolicy.HOST
+    assert (model.min_hold_s, model.idle_release_s) == (0.1, 0.0)
+
+
+def test_empty_strings_and_zero_threads_mean_the_default(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    text = '[daemon]\nsocket = ""\narena = ""\njournal = ""\n' + MINIMAL
+    text += 'n_threads = 0\nchat_format = ""\nmmproj = ""\n'
+    config = load_text(tmp_path, env, text)
+
+    assert config.daemon.socket == Path(env["XDG_RUNTIME_DIR"]) / "arbiterd/control.sock"
+    model = config.models["qwen"]
+    assert (model.n_threads, model.chat_format, model.mmproj) == (None, None, None)
+
+
+def test_xdg_state_home_and_arbiterd_arena_set_their_defaults(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    env |= {"XDG_STATE_HOME": str(tmp_path / "state"), "ARBITERD_ARENA": str(tmp_path / "a")}
+    config = load_text(tmp_path, env, MINIMAL)
+
+    assert config.daemon.journal == tmp_path / "state/arbiterd/journal.sqlite3"
+    assert config.daemon.arena == tmp_path / "a"
+
+
+def test_relative_xdg_state_home_is_ignored(tmp_path: Path, env: dict[str, str]) -> None:
+    env["XDG_STATE_HOME"] = "state"  # the XDG spec: relative paths here are invalid
+    config = load_text(tmp_path, env, MINIMAL)
+
+    assert config.daemon.journal == Path(env["HOME"]) / ".local/state/arbiterd/journal.sqlite3"
+
+
+def test_bracketed_ipv6_listen_address(tmp_path: Path, env: dict[str, str]) -> None:
+    config = load_text(tmp_path, env, '[daemon]\nhttp = "[::1]:8080"\n' + MINIMAL)
+
+    assert (config.daemon.http_host, config.daemon.http_port) == ("::1", 8080)
+
+
+def test_relative_paths_follow_the_file_not_the_working_directory(
+    tmp_path: Path, env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write(tmp_path, '[models.qwen]\npath = "qwen.gguf"\n')
+    monkeypatch.chdir(tmp_path)
+
+    config = load_config(Path("etc/config.toml"), env=env)
+
+    assert config.source == path
+    assert config.models["qwen"].path == path.parent / "qwen.gguf"
+
+
+def test_missing_model_file_is_not_a_config_error(tmp_path: Path, env: dict[str, str]) -> None:
+    config = load_text(tmp_path, env, '[models.qwen]\npath = "/nonexistent/qwen.gguf"\n')
+
+    assert not config.models["qwen"].path.exists()
+
+
+def test_utf8_bom_is_tolerated(tmp_path: Path, env: dict[str, str]) -> None:
+    config = load_text(tmp_path, env, "\ufeff" + MINIMAL)
+
+    assert list(config.models) == ["qwen"]
+
+
+# -- flags -----------------------------------------------------------------------------------
+
+
+def test_flags_win_over_the_file(tmp_path: Path, env: dict[str, str]) -> None:
+    config = load_config(
+        write(tmp_path, FULL),
+        http="127.0.0.2:7000",
+        socket=tmp_path / "flag.sock",
+        arena=tmp_path / "flag-arena",
+        env=env,
+    )
+
+    daemon = config.daemon
+    assert (daemon.http_host, daemon.http_port) == ("127.0.0.2", 7000)
+    assert daemon.socket == tmp_path / "flag.sock"
+    assert daemon.arena == tmp_path / "flag-arena"
+    assert daemon.journal == Path(env["HOME"]) / "journal.sqlite3"  # not overridden
+
+
+def test_flags_make_the_runtime_dir_unnecessary(tmp_path: Path, env: dict[str, str]) -> None:
+    del env["XDG_RUNTIME_DIR"]
+    path = write(tmp_path, MINIMAL)
+
+    with pytest.raises(RuntimeDirError, match="XDG_RUNTIME_DIR is not set"):
+        load_config(path, env=env)
+    config = load_config(path, socket=tmp_path / "s.sock", arena=tmp_path / "arena", env=env)
+    assert config.daemon.arena == tmp_path / "arena"
+
+
+def test_a_bad_file_is_reported_before_a_missing_runtime_dir(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    del env["XDG_RUNTIME_DIR"]
+
+    with pytest.raises(ConfigError, match=r"models\.qwen\.n_ctx"):
+        load_text(tmp_path, env, MINIMAL + "n_ctx = 0\n")
+
+
+def test_flags_do_not_excuse_a_bad_key_in_the_file(tmp_path: Path, env: dict[str, str]) -> None:
+    path = write(tmp_path, '[daemon]\nhttp = "nonsense"\nsocket = 5\n' + MINIMAL)
+
+    with pytest.raises(ConfigError, match=r"daemon\.http"):
+        load_config(path, http="127.0.0.1:1", socket=tmp_path / "s", env=env)
+
+
+@pytest.mark.parametrize("flag", ["localhost", "127.0.0.1:0", "127.0.0.1:http", ":80"])
+def test_a_malformed_http_flag_is_a_bad_value(
+    tmp_path: Path, env: dict[str, str], flag: str
+) -> None:
+    with pytest.raises(BadValueError) as caught:
+        load_config(write(tmp_path, MINIMAL), http=flag, env=env)
+
+    message = str(caught.value)
+    assert message.startswith("--http: expected HOST:PORT with a port from 1 to 65535")
+    assert f'"{flag}"' in message
+
+
+# -- where the file is -----------------------------------------------------------------------
+
+
+def test_default_path_follows_xdg_config_home(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    assert default_config_path({"HOME": str(home)}) == home / ".config/arbiterd/config.toml"
+    assert (
+        default_config_path({"HOME": str(home), "XDG_CONFIG_HOME": str(tmp_path / "cfg")})
+        == tmp_path / "cfg/arbiterd/config.toml"
+    )
+    # The XDG spec: a relative path in XDG_CONFIG_HOME is invalid and ignored.
+    assert (
+        default_config_path({"HOME": str(home), "XDG_CONFIG_HOME": "cfg"})
+        == home / ".config/arbiterd/config.toml"
+    )
+
+
+def test_the_file_at_the_default_path_is_loaded(tmp_path: Path, env: dict[str, str]) -> None:
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "cfg")
+    path = tmp_path / "cfg/arbiterd/config.toml"
+    path.parent.mkdir(parents=True)
+    path.write_text(MINIMAL)
+
+    config = load_config(env=env)
+
+    assert config.source == path
+    assert list(config.models) == ["qwen"]
+
+
+def test_a_dangling_symlink_at_the_default_path_is_an_error(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "cfg")
+    path = tmp_path / "cfg/arbiterd/config.toml"
+    path.parent.mkdir(parents=True)
+    path.symlink_to(tmp_path / "gone.toml")
+
+    with pytest.raises(ConfigError, match=f"^{path}: no such file$"):
+        load_config(env=env)
+
+
+def test_an_explicit_path_must_exist(tmp_path: Path, env: dict[str, str]) -> None:
+    path = tmp_path / "nope.toml"
+
+    with pytest.raises(ConfigError, match=f"^{path}: no such file$"):
+        load_config(path, env=env)
+
+
+def test_a_directory_is_not_a_config_file(tmp_path: Path, env: dict[str, str]) -> None:
+    with pytest.raises(ConfigError, match=f"^{tmp_path}: expected a TOML file, got a directory"):
+        load_config(tmp_path, env=env)
+
+
+def test_the_embedded_default_serves_gemma(
+    tmp_path: Path, runtime_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "empty-config"))
+
+    config = load_config(http="127.0.0.1:9999")
+
+    assert config.source is None
+    assert list(config.models) == ["gemma-3-270m"]
+    gemma = config.models["gemma-3-270m"]
+    assert gemma.path.is_file()
+    assert gemma.path.suffix == ".gguf"
+    assert gemma.chat_format == "gemma"  # its GGUF has no chat template
+    assert (gemma.n_ctx, gemma.n_gpu_layers) == (4096, -1)
+    assert config.daemon.http_port == 9999  # flags apply to the embedded default too
+    assert config.daemon.socket == runtime_dir / "arbiterd/control.sock"
+    assert config.daemon.arena == runtime_dir / "arbiterd/arena/gpu0"
+
+
+# -- what the worker gets --------------------------------------------------------------------
+
+
+def test_worker_config_carries_the_model(tmp_path: Path, env: dict[str, str]) -> None:
+    text = FULL.replace('mmproj = "~/mmproj.gguf"\n', "")
+    model = load_text(tmp_path, env, text).models["qwen"]
+
+    worker = model.worker_config(tmp_path / "arena")
+
+    spec = worker.spec
+    assert (spec.name, spec.path, spec.n_ctx) == ("qwen", model.path, 8192)
+    assert (spec.n_gpu_layers, spec.n_threads, spec.chat_format) == (20, 6, "chatml")
+    assert spec.host_copy
+    assert worker.arena == tmp_path / "arena"
+    assert worker.kv_on_release is KvPolicy.DROP
+    assert (worker.min_hold_s, worker.idle_release_s) == (0.5, 30.0)
+    assert WorkerConfig.from_json(worker.to_json()) == worker
+
+
+def test_worker_config_refuses_a_projector_it_cannot_load(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    model = load_text(tmp_path, env, FULL).models["qwen"]
+
+    with pytest.raises(ConfigError, match=r"^models\.qwen\.mmproj: expected no projector"):
+        model.worker_config(tmp_path / "arena")
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+M = '[models.qwen]\npath = "/m/q.gguf"\n'  # a valid model table to add a bad key to
+
+ERRORS = [
+    # file text, key path, what the message says was expected or found
+    pytest.param(
+        M + 'n_ctx = "4k"',
+        "models.qwen.n_ctx",
+        'expected a positive integer (tokens, at most 2147483647), got "4k"',
+        id="n_ctx_text",
+    ),
+    pytest.param(
+        M + "n_ctx = 0", "models.qwen.n_ctx", "expected a positive integer", id="n_ctx_zero"
+    ),
+    pytest.param(M + "n_ctx = -1", "models.qwen.n_ctx", "got -1", id="n_ctx_negative"),
+    pytest.param(
+        M + "n_ctx = 4294967296", "models.qwen.n_ctx", "at most 2147483647", id="n_ctx_huge"
+    ),
+    pytest.param(
+        M + "n_ctx = true",
+        "models.qwen.n_ctx",
+        "expected a positive integer (tokens, at most 2147483647), got true",
+        id="n_ctx_bool",
+    ),
+    pytest.param(M + "n_ctx = 4096.0", "models.qwen.n_ctx", "got 4096.0", id="n_ctx_float"),
+    pytest.param(
+        M + "n_gpu_layers = -2",
+        "models.qwen.n_gpu_layers",
+        "expected an integer >= -1 (-1 = every layer), got -2",
+        id="n_gpu_layers_below",
+    ),
+    pytest.param(
+        M + "n_gpu_layers = false", "models.qwen.n_gpu_layers", "got false", id="n_gpu_layers_bool"
+    ),
+    pytest.param(
+        M + "n_threads = -4",
+        "models.qwen.n_threads",
+        "expected a non-negative integer (0 = the library's default), got -4",
+        id="n_threads_negative",
+    ),
+    pytest.param(
+        M + 'n_threads = "auto"', "models.qwen.n_threads", 'got "auto"', id="n_threads_text"
+    ),
+    pytest.param(
+        M + 'kv_on_release = "gpu"',
+        "models.qwen.kv_on_release",
+        'expected one of "host", "device", "drop", got "gpu"',
+        id="kv_policy",
+    ),
+    pytest.param(
+        M + 'kv_on_release = "HOST"', "models.qwen.kv_on_release", 'got "HOST"', id="kv_policy_case"
+    ),
+    pytest.param(
+        M + "min_hold_s = -0.1",
+        "models.qwen.min_hold_s",
+        "expected a non-negative number of seconds, got -0.1",
+        id="min_hold_negative",
+    ),
+    pytest.param(M + 'min_hold_s = "1s"', "models.qwen.min_hold_s", 'got "1s"', id="min_hold_text"),
+    pytest.param(M + "min_hold_s = true", "models.qwen.min_hold_s", "got true", id="min_hold_bool"),
+    pytest.param(M + "min_hold_s = nan", "models.qwen.min_hold_s", "got nan", id="min_hold_nan"),
+    pytest.param(
+        M + "idle_release_s = -1",
+        "models.qwen.idle_release_s",
+        "expected a non-negative number of seconds (0 = only when wanted), got -1",
+        id="idle_negative",
+    ),
+    pytest.param(
+        M + "idle_release_s = inf", "models.qwen.idle_release_s", "got inf", id="idle_inf"
+    ),
+    pytest.param(
+        M + "chat_format = 1",
+        "models.qwen.chat_format",
+        'expected a chat format name such as "chatml"',
+        id="chat_format_type",
+    ),
+    pytest.param(
+        M + "mmproj = false",
+        "models.qwen.mmproj",
+        'expected a path (a string; "" = the default), got false',
+        id="mmproj_type",
+    ),
+    pytest.param(
+        "[models.qwen]\nn_ctx = 8",
+        "models.qwen.path",
+        "expected the GGUF file's path, a non-empty string, got nothing (it is required)",
+        id="path_missing",
+    ),
+    pytest.param(
+        '[models.qwen]\npath = ""',
+        "models.qwen.path",
+        'expected the GGUF file\'s path, a non-empty string, got ""',
+        id="path_empty",
+    ),
+    pytest.param("[models.qwen]\npath = 42", "models.qwen.path", "got 42", id="path_number"),
+    pytest.param(
+        '[models.qwen]\npath = ["a"]', "models.qwen.path", "got an array", id="path_array"
+    ),
+    pytest.param(
+        '[models.qwen]\npath = "a\\u0000b"', "models.qwen.path", 'got "a\\u0000b"', id="path_nul"
+    ),
+    pytest.param(
+        M + "n_ctxx = 8",
+        "models.qwen.n_ctxx",
+        "unknown key; expected one of: path, n_ctx, n_gpu_layers, n_threads, chat_format, "
+        "mmproj, kv_on_release, min_hold_s, idle_release_s (did you mean n_ctx?)",
+        id="unknown_model_key",
+    ),
+    pytest.param(
+        M + "[models.qwen.extra]",
+        "models.qwen.extra",
+        "unknown table; expected one of: path, n_ctx",
+        id="unknown_model_table",
+    ),
+    pytest.param(
+        '[models.qwen2.5]\npath = "/m/q.gguf"',
+        "models.qwen2.5",
+        'a model name with a dot must be quoted: [models."qwen2.5"]',
+        id="dotted_model_name",
+    ),
+    pytest.param(
+        "[daemon]\nport = 80\n" + M,
+        "daemon.port",
+        "unknown key; expected one of: http, socket, arena, journal, api_key",
+        id="unknown_daemon_key",
+    ),
+    pytest.param(
+        '[server]\nhttp = "a:1"\n' + M,
+        "server",
+        "unknown table; expected one of: daemon, models",
+        id="unknown_table",
+    ),
+    pytest.param(
+        'http = "127.0.0.1:1"\n' + M,
+        "http",
+        "unknown key; expected one of: daemon, models (it belongs in the [daemon] table)",
+        id="daemon_key_at_top",
+    ),
+    pytest.param(
+        'path = "/m/q.gguf"\n' + M,
+        "path",
+        "(it belongs in a [models.NAME] table)",
+        id="model_key_at_top",
+    ),
+    pytest.param(
+        "daemon = 3\n" + M, "daemon", "expected a table ([daemon]), got 3", id="daemon_not_table"
+    ),
+    pytest.param(
+        '[daemon]\nhttp = "localhost"\n' + M,
+        "daemon.http",
+        'expected HOST:PORT with a port from 1 to 65535, e.g. "127.0.0.1:8642", got "localhost"',
+        id="http_no_port",
+    ),
+    pytest.param(
+        '[daemon]\nhttp = "127.0.0.1:0"\n' + M,
+        "daemon.http",
+        'got "127.0.0.1:0"',
+        id="http_port_zero",
+    ),
+    pytest.param(
+        '[daemon]\nhttp = "127.0.0.1:65536"\n' + M,
+        "daemon.http",
+        "a port from 1 to 65535",
+        id="http_port_high",
+    ),
+    pytest.param('[daemon]\nhttp = ":8642"\n' + M, "daemon.http", 'got ":8642"', id="http_no_host"),
+    pytest.param(
+        '[daemon]\nhttp = "::1:8642"\n' + M, "daemon.http", 'got "::1:8642"', id="http_bare_ipv6"
+    ),
+    pytest.param("[daemon]\nhttp = 8642\n" + M, "daemon.http", "got 8642", id="http_number"),
+    pytest.param(
+        "[daemon]\nsocket = 5\n" + M, "daemon.socket", "expected a path", id="socket_type"
+    ),
+    pytest.param("[daemon]\narena = true\n" + M, "daemon.arena", "got true", id="arena_type"),
+    pytest.param(
+        "[daemon]\njournal = []\n" + M, "daemon.journal", "got an array", id="journal_type"
+    ),
+    pytest.param(
+        "[daemon]\napi_key = 1234\n" + M,
+        "daemon.api_key",
+        'expected printable ASCII without spaces (a bearer token; "" = none), got an integer',
+        id="api_key_type",
+    ),
+    pytest.param(
+        "[daemon]\n",
+        "models",
+        "expected at least one [models.NAME] table with a path",
+        id="no_models",
+    ),
+    pytest.param("[models]\n", "models", "got none", id="empty_models"),
+    pytest.param("models = 3\n", "models", "got 3", id="models_not_table"),
+    pytest.param(
+        "[models]\nqwen = 3\n",
+        "models.qwen",
+        'expected a table ([models.NAME] with path = "..."), got 3',
+        id="model_not_table",
+    ),
+    pytest.param(
+        '[models."a b"]\npath = "/m"',
+        'models."a b"',
+        "expected a name of 1 to 64 characters from A-Z a-z 0-9 . _ - (it appears in URLs), "
+        'got "a b"',
+        id="name_space",
+    ),
+    pytest.param('[models.""]\npath = "/m"', 'models.""', 'got ""', id="name_empty"),
+    pytest.param(
+        f'[models.{"x" * 65}]\npath = "/m"',
+        f"models.{'x' * 65}",
+        "1 to 64 characters",
+        id="name_long",
+    ),
+    pytest.param('[models.".."]\npath = "/m"', 'models.".."', 'got ".."', id="name_dotdot"),
+    pytest.param('[models."qwén"]\npath = "/m"', 'models."qwén"', 'got "qwén"', id="name_unicode"),
+]
+
+
+@pytest.mark.parametrize(("text", "key_path", "expected"), ERRORS)
+def test_each_error_names_file_key_path_and_expectation(
+    tmp_path: Path, env: dict[str, str], text: str, key_path: str, expected: str
+) -> None:
+    path = write(tmp_path, text + "\n")
+
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, env=env)
+
+    message = str(caught.value)
+    assert message.startswith(f"{path}: {key_path}: "), message
+    assert expected in message, message
+    assert "\n" not in message
+
+
+def test_api_key_errors_do_not_echo_the_key(tmp_path: Path, env: dict[str, str]) -> None:
+    path = write(tmp_path, '[daemon]\napi_key = "hunter2 secret"\n' + M)
+
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, env=env)
+
+    message = str(caught.value)
+    assert message.startswith(f"{path}: daemon.api_key: expected printable ASCII without spaces")
+    assert "hunter2" not in message
+
+
+def test_a_toml_syntax_error_gives_line_and_column(tmp_path: Path, env: dict[str, str]) -> None:
+    path = write(tmp_path, '[models.qwen]\npath = "/m/q.gguf"\nn_ctx = = 4\n')
+
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, env=env)
+
+    message = str(caught.value)
+    assert message.startswith(f"{path}: expected valid TOML: ")
+    assert "(at line 3, column 9)" in message
+
+
+def test_a_duplicate_table_is_a_syntax_error(tmp_path: Path, env: dict[str, str]) -> None:
+    path = write(tmp_path, M + M)
+
+    with pytest.raises(ConfigError, match=r"expected valid TOML: .*line 3"):
+        load_config(path, env=env)
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path: Path, env: dict[str, str]) -> None:
+    path = tmp_path / "config.toml"
+    path.write_bytes(b'[models.qwen]\npath = "/m/\xff.gguf"\n')
+
+    with pytest.raises(ConfigError, match=f"^{path}: expected UTF-8 text .* offset 25$"):
+        load_config(path, env=env)
+
+
+def test_an_unreadable_file_is_named(tmp_path: Path, env: dict[str, str]) -> None:
+    path = write(tmp_path, MINIMAL)
+    path.chmod(0)
+    try:
+        if _can_read(path):
+            pytest.skip("running as root: permissions do not stop reads")
+        with pytest.raises(ConfigError, match=f"^{path}: cannot be read: Permission denied$"):
+            load_config(path, env=env)
+    finally:
+        path.chmod(0o600)
+
+
+def _can_read(path: Path) -> bool:
+    try:
+        path.read_bytes()
+    except PermissionError:
+        return False
+    return True
+
+
+# -- the starter config ----------------------------------------------------------------------
+
+
+def uncomment_model(text: str, name: str) -> str:
+    """The starter text with the lines of the [models.NAME] table uncommented."""
+    lines = text.splitlines()
+    start = lines.index(f"# [models.{name}]")
+    end = start
+    while end < len(lines) and lines[end].startswith("# "):
+        end += 1
+    body = [line.removeprefix("# ") for line in lines[start:end]]
+    return "\n".join([*lines[:start], *body, *lines[end:]]) + "\n"
+
+
+def test_starter_config_lists_found_models_commented_out(tmp_path: Path) -> None:
+    found = [tmp_path / "Qwen2.5-7B-Instruct-Q4_K_M.gguf", tmp_path / "llama 3.gguf"]
+
+    text = starter_config_text(found)
+
+    assert '# [models."Qwen2.5-7B-Instruct-Q4_K_M"]' in text
+    assert f'# path = "{found[0]}"' in text
+    assert "# [models.llama-3]" in text
+    parsed = tomllib.loads(text)  # valid TOML as written: everything but [daemon] commented
+    assert parsed == {"daemon": {}}
+
+
+def test_an_uncommented_starter_model_loads(tmp_path: Path, env: dict[str, str]) -> None:
+    found = [tmp_path / "models/qwen.gguf", tmp_path / 'odd "name" \\ here.gguf']
+    text = starter_config_text(found)
+
+    for name, gguf in [("qwen", found[0]), ("odd-name-here", found[1])]:
+        config = load_text(tmp_path, env, uncomment_model(text, name))
+        assert list(config.models) == [name]
+        assert config.models[name].path == gguf
+        assert config.models[name].n_ctx == 4096
+
+
+def test_starter_config_names_are_unique_and_valid(tmp_path: Path, env: dict[str, str]) -> None:
+    found = [tmp_path / "a/m.gguf", tmp_path / "b/m.gguf", tmp_path / f"{'y' * 80}.gguf"]
+    text = starter_config_text(found)
+    for name in ["m", "m-2", "y" * 64]:
+        body = uncomment_model(text, name)
+        assert list(load_text(tmp_path, env, body).models) == [name]
+
+
+def test_starter_config_without_models_shows_an_example() -> None:
+    text = starter_config_text([])
+
+    assert "# [models.my-model]" in text
+    assert tomllib.loads(text) == {"daemon": {}}
+
+
+def test_importing_config_loads_no_inference_library() -> None:
+    # Every `arbiterd` command imports config, `arbiterd run -- GAME` included.
+    code = "import sys, arbiterd.config; print(sorted(m for m in sys.modules if 'llama' in m))"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert result.stdout.strip() == "[]"

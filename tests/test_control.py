@@ -1,0 +1,627 @@
+"""The control socket against a Service double: a real ControlServer on a real Unix socket.
+
+The server runs on an asyncio loop in a background thread; the tests talk to it with the
+blocking ControlClient or with raw lines, as any other client would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import shutil
+import socket
+import stat
+import tempfile
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+import arbiterd
+from arbiterd import control
+from arbiterd.control import (
+    CONTROL_COMMANDS,
+    CONTROL_PROTOCOL,
+    MAX_LINE_BYTES,
+    ControlClient,
+    ControlReplyError,
+    ControlServer,
+    default_socket_path,
+    peer_uid,
+)
+from arbiterd.errors import (
+    ControlError,
+    DaemonError,
+    DaemonNotRunningError,
+    UnknownModelError,
+)
+from arbiterd.service import COMMANDS, MODEL_COMMANDS
+from arbiterd.wire import LineReader
+from tests.support.waiting import wait_until
+
+T = TypeVar("T")
+WAIT_S = 10.0
+DOC = Path(__file__).parents[1] / "docs" / "control-protocol.md"
+STATUS = {
+    "models": [{"name": "alpha", "state": "warm", "pid": 4242, "pinned": False, "queue": 0}],
+    "arena": "/run/user/0/arbiterd/arena/gpu0",
+    "holder": None,
+    "waiters": [],
+    "hold": False,
+}
+
+
+class FakeService:
+    """The Service methods the control socket uses: records commands, returns a canned status,
+    and lets the test publish events to every subscriber (on the loop, via LoopThread)."""
+
+    def __init__(self) -> None:
+        self.models = ["alpha", "beta"]
+        self.commands: list[tuple[str, str | None]] = []
+        self.subscribers: list[asyncio.Queue[dict[str, Any]]] = []
+        self.failure: BaseException | None = None
+
+    def model_names(self) -> list[str]:
+        return list(self.models)
+
+    async def complete(self, model: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def stream(self, model: str, kind: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        raise NotImplementedError
+
+    async def status(self) -> dict[str, Any]:
+        return STATUS
+
+    def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
+        events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.subscribers.append(events)
+        return events
+
+    def unsubscribe(self, events: asyncio.Queue[dict[str, Any]]) -> None:
+        self.subscribers.remove(events)  # ValueError on a second unsubscribe: a bug to catch
+
+    async def command(self, name: str, model: str | None = None) -> dict[str, Any]:
+        self.commands.append((name, model))
+        if self.failure is not None:
+            raise self.failure
+        if model is not None and model not in self.models:
+            raise UnknownModelError(f"no model named {model!r} (models: alpha, beta)")
+        return {"command": name, "model": model}
+
+    def metrics_text(self) -> bytes:
+        return b""
+
+    def publish(self, *events: dict[str, Any]) -> None:
+        for queue in self.subscribers:
+            for event in events:
+                queue.put_nowait(event)
+
+    def backlog(self) -> int:
+        return sum(queue.qsize() for queue in self.subscribers)
+
+
+class LoopThread:
+    """An asyncio loop on its own named thread, driven from the test's thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="control-test-loop")
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(WAIT_S)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        async def call() -> T:
+            return fn()
+
+        return self.run(call())
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(WAIT_S)
+        assert not self._thread.is_alive()
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.close()
+
+
+@dataclass
+class Served:
+    service: FakeService
+    server: ControlServer
+    path: Path
+    loop: LoopThread
+
+    def publish(self, *events: dict[str, Any]) -> None:
+        self.loop.call(lambda: self.service.publish(*events))
+
+    def subscribers(self) -> int:
+        return len(self.service.subscribers)
+
+
+class Raw:
+    """A client that writes raw lines and reads every line the server sends."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(WAIT_S)
+        self.sock.connect(str(path))
+        self._reader = LineReader(self.sock)
+
+    def send_line(self, line: bytes) -> None:
+        self.sock.sendall(line + b"\n")
+
+    def send(self, **message: Any) -> None:
+        self.send_line(json.dumps(message).encode())
+
+    def read(self) -> dict[str, Any]:
+        message = self._reader.read()
+        assert message is not None, "the server closed the connection"
+        return message
+
+    def request(self, **message: Any) -> dict[str, Any]:
+        self.send(**message)
+        return self.read()
+
+    def at_eof(self) -> bool:
+        return self._reader.read() is None
+
+
+class Connections:
+    """Opens raw and client connections and closes every one when the test ends."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._raws: list[Raw] = []
+        self._clients: list[ControlClient] = []
+
+    def raw(self) -> Raw:
+        raw = Raw(self.path)
+        self._raws.append(raw)
+        return raw
+
+    def client(self) -> ControlClient:
+        client = ControlClient.connect(self.path, timeout_s=WAIT_S)
+        self._clients.append(client)
+        return client
+
+    def close(self) -> None:
+        for raw in self._raws:
+            raw.sock.close()
+        for client in self._clients:
+            client.close()
+
+
+@pytest.fixture(autouse=True)
+def no_asyncio_errors(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """asyncio reports a leaked task or a failed callback only as a log record: fail on it."""
+    yield
+    records = [caplog.get_records(when) for when in ("setup", "call", "teardown")]
+    errors = [r for rs in records for r in rs if r.name == "asyncio" and r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    # tmp_path can exceed sun_path's 108 bytes; a short directory under /tmp cannot.
+    path = Path(tempfile.mkdtemp(prefix="ad", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def loop() -> Iterator[LoopThread]:
+    thread = LoopThread()
+    yield thread
+    thread.close()
+
+
+@pytest.fixture
+def served(loop: LoopThread, sock_dir: Path) -> Iterator[Served]:
+    service = FakeService()
+    path = sock_dir / "arbiterd" / "control.sock"
+    server = ControlServer(service, path)
+    loop.run(server.start())
+    yield Served(service, server, path, loop)
+    loop.run(server.close())
+    assert not path.exists()
+    assert service.subscribers == []
+
+
+@pytest.fixture
+def conns(served: Served) -> Iterator[Connections]:
+    connections = Connections(served.path)
+    yield connections
+    connections.close()
+
+
+# hello and the protocol version
+
+
+def test_client_says_hello_and_learns_the_protocol_and_commands(conns: Connections) -> None:
+    client = conns.client()
+    assert client.server == {
+        "protocol": CONTROL_PROTOCOL,
+        "server": "arbiterd",
+        "version": arbiterd.__version__,
+        "commands": sorted(COMMANDS | {"hello", "status", "subscribe", "unsubscribe"}),
+    }
+
+
+def test_hello_without_a_version_is_answered(conns: Connections) -> None:
+    reply = conns.raw().request(command="hello", request_id="h")
+    assert reply["error"] == "success"
+    assert reply["request_id"] == "h"
+    assert reply["data"]["protocol"] == 1
+
+
+def test_hello_with_another_protocol_version_is_refused_and_closed(
+    served: Served, conns: Connections
+) -> None:
+    raw = conns.raw()
+    reply = raw.request(command="hello", protocol=2, request_id=1)
+    assert reply["request_id"] == 1
+    assert reply["code"] == "protocol"
+    assert "protocol 2 is not supported" in reply["error"]
+    assert raw.at_eof()
+
+
+# status and commands
+
+
+def test_status_is_the_services_status(conns: Connections) -> None:
+    assert conns.client().call("status") == STATUS
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_each_command_reaches_the_service(name: str, served: Served, conns: Connections) -> None:
+    model = "beta" if name in MODEL_COMMANDS else None
+    args = {"model": model} if model else {}
+    assert conns.client().call(name, **args) == {"command": name, "model": model}
+    assert served.service.commands == [(name, model)]
+
+
+def test_unknown_model_is_an_error_reply_named_by_its_class(
+    served: Served, conns: Connections
+) -> None:
+    raw = conns.raw()
+    reply = raw.request(command="warm", model="gamma", request_id=9)
+    assert reply == {
+        "request_id": 9,
+        "error": "no model named 'gamma' (models: alpha, beta)",
+        "code": "UnknownModelError",
+    }
+    client = conns.client()
+    with pytest.raises(ControlReplyError, match="no model named 'gamma'") as caught:
+        client.call("pin", model="gamma")
+    assert caught.value.code == "UnknownModelError"
+    assert isinstance(caught.value, ControlError)
+    assert client.call("status") == STATUS  # still usable
+
+
+def test_a_command_that_cannot_be_done_now_is_a_control_error(
+    served: Served, conns: Connections
+) -> None:
+    served.service.failure = ControlError("the GPU is already held")
+    reply = conns.raw().request(command="hold", request_id="x")
+    assert (reply["error"], reply["code"]) == ("the GPU is already held", "ControlError")
+
+
+def test_an_unexpected_failure_is_internal_logged_and_survived(
+    served: Served, conns: Connections, caplog: pytest.LogCaptureFixture
+) -> None:
+    served.service.failure = RuntimeError("worker table corrupted")
+    raw = conns.raw()
+    with caplog.at_level(logging.ERROR, logger="arbiterd.control"):
+        reply = raw.request(command="reload", request_id=3)
+    assert reply == {"request_id": 3, "error": "worker table corrupted", "code": "internal"}
+    assert any(r.exc_info and "reload failed" in r.getMessage() for r in caplog.records)
+    served.service.failure = None
+    assert raw.request(command="status", request_id=4)["data"] == STATUS
+
+
+# the guard ladder
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        (b"\xff\xfe", None, "invalid_request", "not UTF-8"),
+        (b"status", None, "invalid_request", "not JSON"),
+        (b"[1, 2]", None, "invalid_request", "not a JSON object"),
+        (b'"status"', None, "invalid_request", "not a JSON object"),
+        (b'{"command": "status", "request_id": [1]}', None, "invalid_request", "scalar"),
+        (b'{"request_id": 7}', 7, "invalid_request", "command must be a string"),
+        (b'{"command": 5, "request_id": 7}', 7, "invalid_request", "command must be a string"),
+        (b'{"command": "fly", "request_id": 7}', 7, "unknown_command", "'fly'"),
+        (b'{"command": "warm", "request_id": 7}', 7, "invalid_args", "missing argument 'model'"),
+        (b'{"command": "warm", "model": 3, "request_id": 7}', 7, "invalid_args", "a string"),
+        (b'{"command": "warm", "model": "", "request_id": 7}', 7, "invalid_args", "empty"),
+        (b'{"command": "hello", "protocol": "1", "request_id": 7}', 7, "invalid_args", "integ"),
+        (b'{"command": "hello", "protocol": true, "request_id": 7}', 7, "invalid_args", "integ"),
+        (b'{"command": "status", "modle": "a", "request_id": 7}', 7, "invalid_args", "'modle'"),
+    ],
+)
+def test_a_bad_line_is_answered_and_the_connection_stays_usable(
+    case: tuple[bytes, object, str, str], served: Served, conns: Connections
+) -> None:
+    line, request_id, code, message = case
+    raw = conns.raw()
+    raw.send_line(line)
+    reply = raw.read()
+    assert (reply["request_id"], reply["code"]) == (request_id, code)
+    assert message in reply["error"]
+    assert raw.request(command="status", request_id=8) == {
+        "request_id": 8,
+        "error": "success",
+        "data": STATUS,
+    }
+    assert served.service.commands == []
+
+
+def test_blank_lines_are_skipped_and_a_request_may_omit_its_id(conns: Connections) -> None:
+    raw = conns.raw()
+    raw.send_line(b"")
+    raw.send_line(b"  \r")
+    assert raw.request(command="status") == {"request_id": None, "error": "success", "data": STATUS}
+
+
+def test_a_line_of_the_maximum_size_is_read(conns: Connections) -> None:
+    raw = conns.raw()
+    head = b'{"command": "status", "request_id": 1, "pad": "'
+    raw.send_line(head + b"x" * (MAX_LINE_BYTES - len(head) - 2) + b'"}')
+    assert raw.read()["code"] == "invalid_args"  # read and judged, not refused for its size
+
+
+def test_an_oversize_line_is_answered_then_closed_cleanly(
+    served: Served, conns: Connections
+) -> None:
+    raw = conns.raw()
+    raw.send_line(b"x" * (MAX_LINE_BYTES + 1))
+    reply = raw.read()
+    assert (reply["request_id"], reply["code"]) == (None, "too_large")
+    assert str(MAX_LINE_BYTES) in reply["error"]
+    assert raw.at_eof()  # EOF, not a reset: the server read what it had not yet
+    assert conns.client().call("status") == STATUS  # the server goes on
+
+
+# events
+
+
+def test_subscriber_gets_events_interleaved_with_replies(
+    served: Served, conns: Connections
+) -> None:
+    raw = conns.raw()
+    assert raw.request(command="subscribe", request_id=1)["data"] == {"subscribed": True}
+    served.publish({"event": "hold", "at": 1.0, "held": True})
+    assert raw.read() == {"event": "hold", "at": 1.0, "held": True}
+    assert raw.request(command="status", request_id=2)["data"] == STATUS
+    served.publish({"event": "hold", "at": 2.0, "held": False})
+    assert raw.read()["at"] == 2.0
+    assert raw.request(command="unsubscribe", request_id=3)["data"] == {"subscribed": False}
+    assert served.subscribers() == 0
+    served.publish({"event": "hold", "at": 3.0, "held": True})  # nobody listens any more
+    assert raw.request(command="status", request_id=4)["request_id"] == 4
+
+
+def test_subscribing_twice_keeps_one_subscription(served: Served, conns: Connections) -> None:
+    raw = conns.raw()
+    raw.request(command="subscribe", request_id=1)
+    raw.request(command="subscribe", request_id=2)
+    assert served.subscribers() == 1
+    served.publish({"event": "hold", "at": 1.0, "held": True})
+    assert raw.read()["event"] == "hold"
+    assert raw.request(command="status", request_id=3)["request_id"] == 3  # no duplicate event
+
+
+def test_client_keeps_events_that_arrive_before_a_reply(served: Served, conns: Connections) -> None:
+    client = conns.client()
+    client.call("subscribe")
+    published = [{"event": "request", "at": float(n), "model": "alpha"} for n in range(3)]
+    served.publish(*published)
+    # Once the pump has taken them all, they are queued ahead of the reply to `status`.
+    wait_until(lambda: served.service.backlog() == 0, WAIT_S, "the events to be pumped")
+    assert client.call("status") == STATUS
+    assert list(itertools.islice(client.events(timeout_s=WAIT_S), 3)) == published
+
+
+def test_disconnecting_unsubscribes(served: Served, conns: Connections) -> None:
+    raw = conns.raw()
+    raw.request(command="subscribe", request_id=1)
+    client = conns.client()
+    client.call("subscribe")
+    assert served.subscribers() == 2
+    raw.sock.close()
+    wait_until(lambda: served.subscribers() == 1, WAIT_S, "the closed subscriber to go")
+    client.close()
+    wait_until(lambda: served.subscribers() == 0, WAIT_S, "the client's subscription to go")
+
+
+def test_a_subscriber_that_reads_keeps_up_with_bursts(served: Served, conns: Connections) -> None:
+    client = conns.client()
+    client.call("subscribe")
+    events = client.events(timeout_s=WAIT_S)
+    for burst in range(20):
+        served.publish(*({"event": "request", "at": 0.0, "n": burst * 100 + i} for i in range(100)))
+        assert [e["n"] for e in itertools.islice(events, 100)] == list(
+            range(burst * 100, burst * 100 + 100)
+        )
+    assert served.subscribers() == 1
+
+
+def test_a_slow_subscriber_is_dropped_after_an_overflow_event(
+    served: Served, conns: Connections, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(control, "OUTBOX_MAX_LINES", 50)
+    raw = conns.raw()
+    assert raw.request(command="subscribe", request_id=1)["error"] == "success"
+    pad = "x" * 1024
+    published = 0
+    # The subscriber reads nothing: once the kernel's buffer, the transport's and the outbox are
+    # full (a few hundred of these), the server must drop it rather than queue without bound.
+    for _ in range(100):
+        if served.subscribers() == 0:
+            break
+        served.publish(
+            *({"event": "request", "at": 0.0, "n": published + i, "pad": pad} for i in range(20))
+        )
+        published += 20
+    wait_until(lambda: served.subscribers() == 0, WAIT_S, "the slow subscriber to be dropped")
+    lines = []
+    while (message := raw._reader.read()) is not None:
+        lines.append(message)
+    assert lines[-1]["event"] == "overflow"
+    delivered = [line["n"] for line in lines[:-1]]
+    assert delivered == list(range(len(delivered)))  # in order, without gaps, then the end
+    assert 0 < len(delivered) < published
+    assert conns.client().call("status") == STATUS  # the daemon was never blocked
+
+
+# permissions and the socket file
+
+
+def test_peer_uid_is_ours_on_our_own_socket() -> None:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with ours, theirs:
+        assert peer_uid(ours) == os.getuid()
+
+
+def test_a_peer_with_another_uid_is_refused(
+    served: Served, conns: Connections, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(control, "peer_uid", lambda sock: os.getuid() + 1)
+    raw = conns.raw()
+    raw.send(command="shutdown", request_id=1)
+    reply = raw.read()
+    assert (reply["request_id"], reply["error"], reply["code"]) == (
+        None,
+        "permission denied",
+        "permission",
+    )
+    assert raw.at_eof()
+    assert served.service.commands == []
+    with pytest.raises(ControlReplyError, match="permission denied"):
+        conns.client()
+
+
+def test_socket_is_0600_in_a_0700_directory(served: Served) -> None:
+    assert stat.S_IMODE(served.path.stat().st_mode) == 0o600
+    assert stat.S_ISSOCK(served.path.stat().st_mode)
+    assert stat.S_IMODE(served.path.parent.stat().st_mode) == 0o700
+
+
+def test_a_directory_others_can_enter_is_refused(loop: LoopThread, sock_dir: Path) -> None:
+    directory = sock_dir / "open"
+    directory.mkdir()
+    directory.chmod(0o755)
+    server = ControlServer(FakeService(), directory / "control.sock")
+    with pytest.raises(DaemonError, match=r"has mode 0755; it must be 0700"):
+        loop.run(server.start())
+    assert not (directory / "control.sock").exists()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="only root can give a directory away")
+def test_a_directory_owned_by_another_user_is_refused(loop: LoopThread, sock_dir: Path) -> None:
+    directory = sock_dir / "theirs"
+    directory.mkdir(mode=0o700)
+    os.chown(directory, 65534, 65534)
+    server = ControlServer(FakeService(), directory / "control.sock")
+    with pytest.raises(DaemonError, match="is owned by uid 65534, not by you"):
+        loop.run(server.start())
+
+
+def test_a_second_server_on_a_live_socket_is_refused(served: Served, conns: Connections) -> None:
+    inode = served.path.stat().st_ino
+    second = ControlServer(FakeService(), served.path)
+    with pytest.raises(DaemonError) as caught:
+        served.loop.run(second.start())
+    assert str(caught.value) == f"another arbiterd is already running on {served.path}"
+    assert served.path.stat().st_ino == inode
+    assert conns.client().call("status") == STATUS  # the first one still serves
+
+
+def test_a_stale_socket_file_is_replaced(loop: LoopThread, sock_dir: Path) -> None:
+    path = sock_dir / "control.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+        dead.bind(str(path))  # a daemon that died: the file stays, nobody listens
+    service = FakeService()
+    server = ControlServer(service, path)
+    loop.run(server.start())
+    try:
+        with ControlClient.connect(path, timeout_s=WAIT_S) as client:
+            assert client.call("status") == STATUS
+    finally:
+        loop.run(server.close())
+    assert not path.exists()
+
+
+def test_a_file_that_is_not_a_socket_is_left_alone(loop: LoopThread, sock_dir: Path) -> None:
+    path = sock_dir / "control.sock"
+    path.write_text("notes")
+    with pytest.raises(DaemonError, match="exists and is not a socket"):
+        loop.run(ControlServer(FakeService(), path).start())
+    assert path.read_text() == "notes"
+
+
+# the client
+
+
+def test_client_reports_a_missing_daemon(sock_dir: Path) -> None:
+    path = sock_dir / "control.sock"
+    with pytest.raises(DaemonNotRunningError) as caught:
+        ControlClient.connect(path, timeout_s=WAIT_S)
+    assert str(caught.value) == f"arbiterd is not running (no daemon on {path})"
+
+
+def test_client_reports_a_dead_daemons_socket_as_not_running(sock_dir: Path) -> None:
+    path = sock_dir / "control.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+        dead.bind(str(path))
+    with pytest.raises(DaemonNotRunningError, match="arbiterd is not running"):
+        ControlClient.connect(path, timeout_s=WAIT_S)
+
+
+def test_client_sees_the_daemon_go_away(served: Served, conns: Connections) -> None:
+    client = conns.client()
+    client.call("subscribe")
+    served.loop.run(served.server.close())
+    with pytest.raises(DaemonError, match="closed the connection"):
+        next(client.events(timeout_s=WAIT_S))
+    with pytest.raises(DaemonError):
+        client.call("status")
+
+
+def test_events_end_when_none_comes_in_time(served: Served, conns: Connections) -> None:
+    client = conns.client()
+    client.call("subscribe")
+    assert list(client.events(timeout_s=0.05)) == []
+
+
+def test_default_socket_path_is_in_the_runtime_dir(runtime_dir: Path) -> None:
+    assert default_socket_path() == runtime_dir / "arbiterd" / "control.sock"
+
+
+def test_the_protocol_document_covers_every_command_and_code() -> None:
+    text = DOC.read_text()
+    for name in CONTROL_COMMANDS:
+        assert f"`{name}`" in text, name
+    for code in (
+        control.CODE_INVALID_REQUEST,
+        control.CODE_UNKNOWN_COMMAND,
+        control.CODE_INVALID_ARGS,
+        control.CODE_PROTOCOL,
+        control.CODE_TOO_LARGE,
+        control.CODE_PERMISSION,
+        control.CODE_INTERNAL,
+        "UnknownModelError",
+        "ControlError",
+    ):
+        assert f"`{code}`" in text, code
+    assert f"{MAX_LINE_BYTES:,}".replace(",", " ") in text or str(MAX_LINE_BYTES) in text

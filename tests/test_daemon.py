@@ -1,0 +1,272 @@
+"""The daemon end to end: the real `openai` SDK, the control socket, the CLI, faults."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from arbiterd.arena import Arena
+from arbiterd.journal import Journal
+from tests.support.daemon import Daemon
+from tests.support.waiting import wait_until
+
+PREFIX = " ".join(f"the fox {w} is not a dog" for w in ("one", "two", "three", "four") * 8)
+
+
+def tiny(path: Path, **extra: Any) -> dict[str, Any]:
+    return {"path": path, "n_ctx": 2048, "n_gpu_layers": 0, "min_hold_s": 0.05, **extra}
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Daemon]:
+    running = Daemon({"alpha": tiny(tiny_model), "beta": tiny(tiny_model)})
+    try:
+        running.wait_ready()
+        yield running
+    finally:
+        running.cleanup()
+
+
+@pytest.fixture
+def api(daemon: Daemon) -> openai.OpenAI:
+    return openai.OpenAI(base_url=daemon.url, api_key="unused", max_retries=0, timeout=60)
+
+
+def arbiterd(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "arbiterd", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_models_are_listed(api: openai.OpenAI) -> None:
+    assert sorted(m.id for m in api.models.list()) == ["alpha", "beta"]
+
+
+def test_chat_and_completions_through_the_openai_sdk(api: openai.OpenAI) -> None:
+    chat = api.chat.completions.create(
+        model="alpha", messages=[{"role": "user", "content": "hello"}], max_tokens=5
+    )
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage is not None and chat.usage.completion_tokens >= 1
+    text = api.completions.create(model="beta", prompt="the fox", max_tokens=5, temperature=0)
+    assert text.choices[0].text
+    pieces = [
+        chunk.choices[0].delta.content or ""
+        for chunk in api.chat.completions.create(
+            model="beta",
+            messages=[{"role": "user", "content": "hello"}],
+            max_tokens=6,
+            stream=True,
+        )
+        if chunk.choices
+    ]
+    assert "".join(pieces)
+
+
+def test_alternating_requests_hand_the_gpu_over_and_keep_the_prompt_cache(
+    daemon: Daemon, api: openai.OpenAI
+) -> None:
+    with daemon.client() as listener:
+        listener.call("subscribe")
+        for i in range(6):
+            model = ("alpha", "beta")[i % 2]
+            api.completions.create(model=model, prompt=f"{PREFIX} {model}", max_tokens=2)
+        events = []
+        for event in listener.events(timeout_s=30):
+            events.append(event)
+            if sum(e["event"] == "request" for e in events) == 6:
+                break
+    handoffs = [e for e in events if e["event"] == "handoff"]
+    assert len(handoffs) >= 4
+    assert all({"from", "to", "release_s", "wait_s", "restore_s"} <= h.keys() for h in handoffs)
+    requests = [e for e in events if e["event"] == "request"]
+    assert all(r["prompt_tokens_evaluated"] <= 2 for r in requests[2:])
+    metrics = httpx.get(daemon.url.removesuffix("/v1") + "/metrics").text
+    assert "arbiterd_handoffs_total" in metrics
+    assert 'arbiterd_model_resident{model="alpha"}' in metrics
+    assert 'arbiterd_requests_total{model="alpha",status="ok"}' in metrics
+    assert "arbiterd_handoff_seconds_bucket" in metrics
+    assert 'arbiterd_prompt_tokens_evaluated_total{model="beta"}' in metrics
+
+
+def test_unknown_model_is_a_404_listing_the_models(api: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        api.completions.create(model="gamma", prompt="x", max_tokens=1)
+    assert "alpha" in str(caught.value) and "beta" in str(caught.value)
+
+
+def test_a_prompt_longer_than_the_context_is_a_400(api: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="context"):
+        api.completions.create(model="alpha", prompt=PREFIX * 20, max_tokens=1)
+
+
+def test_cli_status_and_commands(daemon: Daemon) -> None:
+    socket_arg = ["--socket", str(daemon.socket)]
+    status = arbiterd("status", *socket_arg)
+    assert status.returncode == 0, status.stderr
+    assert "alpha" in status.stdout and "STATE" in status.stdout
+    report = json.loads(arbiterd("status", "--json", *socket_arg).stdout)
+    assert [m["name"] for m in report["models"]] == ["alpha", "beta"]
+    assert arbiterd("warm", "alpha", *socket_arg).stdout.strip() == "alpha: warm"
+    assert arbiterd("release", "alpha", *socket_arg).stdout.strip() == "alpha: cold"
+    assert "pinned" in arbiterd("pin", "beta", *socket_arg).stdout
+    assert "unpinned" in arbiterd("unpin", "beta", *socket_arg).stdout
+    held = arbiterd("hold", *socket_arg)
+    assert held.returncode == 0, held.stderr
+    arena = Arena(daemon.arena).observe()
+    assert arena.holder_pid == daemon.process.pid
+    states = {
+        m["name"]: m["state"]
+        for m in json.loads(arbiterd("status", "--json", *socket_arg).stdout)["models"]
+    }
+    assert set(states.values()) == {"cold"}
+    assert arbiterd("unhold", *socket_arg).returncode == 0
+    unknown = arbiterd("warm", "gamma", *socket_arg)
+    assert unknown.returncode != 0 and unknown.stderr.count("\n") == 1
+    events = arbiterd("events", "--journal", str(daemon.journal))
+    assert "handoff" in events.stdout or "residency" in events.stdout
+    lines = arbiterd("events", "--json", "--journal", str(daemon.journal)).stdout.splitlines()
+    assert all("event" in json.loads(line) for line in lines)
+
+
+def test_a_daemon_that_is_not_running_is_one_clear_line(tmp_path: Path) -> None:
+    done = arbiterd("status", "--socket", str(tmp_path / "nothing.sock"))
+    assert done.returncode == 69
+    assert done.stderr.count("\n") == 1
+    assert "not running" in done.stderr
+
+
+def test_a_worker_killed_mid_stream_errors_promptly_and_comes_back(
+    daemon: Daemon, api: openai.OpenAI
+) -> None:
+    with daemon.client() as client:
+        pid = {m["name"]: m["pid"] for m in client.call("status")["models"]}["alpha"]
+    stream = api.completions.create(model="alpha", prompt="the fox", max_tokens=5000, stream=True)
+    received = 0
+    started = time.monotonic()
+    with pytest.raises(openai.APIError):
+        for _chunk in stream:
+            received += 1
+            if received == 3:
+                os.kill(pid, signal.SIGKILL)
+    assert time.monotonic() - started < 30, "the stream hung after the worker died"
+    answer = api.completions.create(model="alpha", prompt="the fox", max_tokens=2)
+    assert answer.choices[0].text is not None
+    journal = Journal.open_readonly(daemon.journal)
+    try:
+        exits = [e for e in journal.read(kinds=["worker"]) if e.body.get("pid") == pid]
+    finally:
+        journal.close()
+    assert exits and exits[0].body["code"] == -signal.SIGKILL
+
+
+def test_a_client_that_disconnects_cancels_its_request(daemon: Daemon) -> None:
+    body = {"model": "beta", "prompt": "the fox", "max_tokens": 5000, "stream": True}
+    with daemon.client() as listener:
+        listener.call("subscribe")
+        with httpx.stream("POST", daemon.url + "/completions", json=body, timeout=30) as reply:
+            for _line in reply.iter_lines():
+                break  # hang up after the first chunk
+        for event in listener.events(timeout_s=30):
+            if event["event"] == "request" and event.get("model") == "beta":
+                assert event["cancelled"]
+                assert event["completion_tokens"] < 5000
+                break
+
+
+def test_a_model_that_fails_to_load_is_shown_and_the_others_serve(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    running = Daemon({"good": tiny(tiny_model), "bad": tiny(tmp_path / "missing.gguf")})
+    try:
+        status = running.wait_ready()
+        states = {m["name"]: (m["state"], m["last_error"]) for m in status["models"]}
+        assert states["good"][0] in ("warm", "cold")
+        assert states["bad"][0] == "failed"
+        assert "missing.gguf" in states["bad"][1]
+        api = openai.OpenAI(base_url=running.url, api_key="x", max_retries=0)
+        assert api.completions.create(model="good", prompt="the fox", max_tokens=2).choices
+        with pytest.raises(openai.InternalServerError) as caught:
+            api.completions.create(model="bad", prompt="the fox", max_tokens=2)
+        assert caught.value.status_code == 503
+    finally:
+        running.cleanup()
+
+
+def test_api_key_guards_the_api(tiny_model: Path) -> None:
+    running = Daemon({"m": tiny(tiny_model)}, api_key="s3cret")
+    try:
+        running.wait_ready()
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=running.url, api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=running.url, api_key="s3cret", max_retries=0)
+        assert [m.id for m in good.models.list()] == ["m"]
+    finally:
+        running.cleanup()
+
+
+def test_sigterm_stops_gracefully_and_frees_the_gpu(tiny_model: Path) -> None:
+    running = Daemon({"a": tiny(tiny_model), "b": tiny(tiny_model)})
+    try:
+        status = running.wait_ready()
+        pids = [m["pid"] for m in status["models"]]
+        assert running.stop() == 0
+        assert Arena(running.arena).observe().holder_pid is None
+        for pid in pids:
+            wait_until(lambda p=pid: not Path(f"/proc/{p}").exists(), 10, f"worker {pid} reaped")
+        assert not running.socket.exists()
+    finally:
+        running.cleanup()
+
+
+def test_readiness_is_notified_and_workers_do_not_inherit_the_socket(tiny_model: Path) -> None:
+    path = Path(f"/tmp/ad-notify-{os.getpid()}.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+        notify.bind(str(path))
+        try:
+            env = dict(os.environ, NOTIFY_SOCKET=str(path))
+            running = Daemon({"m": tiny(tiny_model)}, env=env)
+            try:
+                notify.settimeout(60)
+                message = notify.recv(4096).decode()
+                assert "READY=1" in message
+                status = running.wait_ready()
+                worker_pid = status["models"][0]["pid"]
+                environ = Path(f"/proc/{worker_pid}/environ").read_bytes().split(b"\0")
+                assert not any(item.startswith(b"NOTIFY_SOCKET=") for item in environ)
+            finally:
+                running.cleanup()
+        finally:
+            path.unlink()
+
+
+def test_two_clients_at_once_are_both_served(api: openai.OpenAI) -> None:
+    answers: list[str] = []
+
+    def ask(model: str) -> None:
+        reply = api.completions.create(model=model, prompt="the fox", max_tokens=3)
+        answers.append(reply.choices[0].text)
+
+    threads = [threading.Thread(target=ask, args=(m,)) for m in ("alpha", "beta", "alpha")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(answers) == 3
