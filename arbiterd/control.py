@@ -261,6 +261,7 @@ class ControlServer:
         self._inode: tuple[int, int] | None = None
         self._connections: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._closing: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Listen. DaemonError if the directory is unsafe or another daemon listens on `path`."""
@@ -282,7 +283,15 @@ class ControlServer:
         log.info("control socket listening on %s", self.path)
 
     async def close(self) -> None:
-        """Stop listening, drop every connection and remove the socket file (if still ours)."""
+        """Stop listening, drop every connection and remove the socket file (if still ours).
+
+        Shielded, so it completes even when called from a command it cancels; but then that
+        command's reply is lost: a `shutdown` command should schedule the close and return."""
+        if self._closing is None:
+            self._closing = asyncio.create_task(self._close(), name="control-close")
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
         self._closed = True
         server, self._server = self._server, None
         if server is None:
@@ -507,6 +516,12 @@ class _Connection:
     async def _pump_events(self, events: asyncio.Queue[dict[str, Any]]) -> None:
         while True:
             event = await events.get()
+            if events.maxsize and events.qsize() + 1 >= events.maxsize:
+                # It was full: a service skips a subscriber whose queue is full
+                # (supervisor._publish), so events may be lost, and the client must not go on as
+                # if it had seen every one.
+                self._overflowed.set()
+                return
             try:
                 line = encode(event)
             except (TypeError, ValueError) as exc:

@@ -245,6 +245,7 @@ class ReloadBackend:
         finish_reason = None
         cancelled = False
         for chunk in stream:
+            chunk["model"] = self.spec.name  # llama-cpp-python names the file it loaded
             last = chunk
             choice = chunk["choices"][0]
             text = choice["delta"].get("content") if kind == "chat" else choice.get("text")

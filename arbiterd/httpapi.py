@@ -28,6 +28,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from arbiterd.errors import (
@@ -430,26 +431,41 @@ def _unknown_model(model: str, names: list[str]) -> ApiError:
     )
 
 
+# The Service's errors (arbiterd/service.py has the table), most specific first: RequestError is an
+# EngineError, and one bad request is the caller's fault, not the model's.
+SERVICE_ERRORS: tuple[tuple[type[Exception], int, str, str], ...] = (
+    (ContextOverflowError, 400, INVALID_REQUEST, "context_length_exceeded"),
+    (RequestError, 400, INVALID_REQUEST, "invalid_value"),
+    (EngineError, 503, SERVER_ERROR, "model_unavailable"),
+    (WorkerError, 503, SERVER_ERROR, "model_unavailable"),
+)
+
+
 def _api_error(exc: Exception, names: Callable[[], list[str]]) -> ApiError:
     """The one mapping from an exception to an HTTP error; unexpected ones are logged."""
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, ClientDisconnect):
+        return _client_left()
     if isinstance(exc, UnknownModelError):
         available = ", ".join(names()) or "none"
         return ApiError(
             404, f"{exc}; available models: {available}", code="model_not_found", param="model"
         )
-    # Order matters: RequestError is an EngineError, and one bad request is the caller's fault.
-    if isinstance(exc, ContextOverflowError):
-        return ApiError(400, str(exc), code="context_length_exceeded")
-    if isinstance(exc, RequestError):
-        return ApiError(400, str(exc), code="invalid_value")
-    if isinstance(exc, EngineError | WorkerError):
-        return ApiError(503, str(exc), type_=SERVER_ERROR, code="model_unavailable")
+    for kind, status, type_, code in SERVICE_ERRORS:
+        if isinstance(exc, kind):
+            return ApiError(status, str(exc), type_=type_, code=code)
     log.error("unexpected error serving a request", exc_info=exc)
-    return ApiError(
-        500, "internal error; the daemon's log has the details", type_=SERVER_ERROR, code=None
-    )
+    return _internal_error()
+
+
+def _internal_error() -> ApiError:
+    return ApiError(500, "internal error; the daemon's log has the details", type_=SERVER_ERROR)
+
+
+def _client_left() -> ApiError:
+    # Nobody reads this; the status is for the access log (nginx's "client closed request").
+    return ApiError(499, "the client closed the request")
 
 
 # -- streaming --------------------------------------------------------------------------------
@@ -457,7 +473,9 @@ def _api_error(exc: Exception, names: Callable[[], list[str]]) -> ApiError:
 
 def _sse(data: dict[str, Any]) -> bytes:
     return (
-        b"data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+        b"data: "
+        + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode(errors="replace")
+        + b"\n\n"
     )
 
 
@@ -494,9 +512,9 @@ async def _close(chunks: AsyncIterator[dict[str, Any]]) -> None:
         try:
             await aclose()
         except Exception:
-            log.exception("closing an abandoned stream failed")
+            log.exception("closing the service's chunk iterator failed")
     if scope.cancelled_caught:
-        log.warning("closing an abandoned stream took over %s s", STREAM_CLOSE_TIMEOUT_S)
+        log.warning("closing the service's chunk iterator took over %s s", STREAM_CLOSE_TIMEOUT_S)
 
 
 class EventStream(Response):
@@ -521,11 +539,15 @@ class EventStream(Response):
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        chunks = self._open()
+        try:
+            chunks = self._open()
+        except Exception as exc:  # a service may check eagerly, before its iterator runs
+            await _api_error(exc, self._names).response()(scope, receive, send)
+            return
         try:
             await _unless_disconnected(receive, partial(self._relay, chunks, scope, receive, send))
         finally:
-            pass
+            await _close(chunks)
 
     async def _relay(
         self, chunks: AsyncIterator[dict[str, Any]], scope: Scope, receive: Receive, send: Send
@@ -602,9 +624,7 @@ def create_app(
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         # Starlette's ServerErrorMiddleware calls this, then re-raises for the server to log.
-        return ApiError(
-            500, "internal error; the daemon's log has the details", type_=SERVER_ERROR
-        ).response()
+        return _internal_error().response()
 
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(ArbiterError, on_api_error)
@@ -675,8 +695,7 @@ async def _complete(
             outcome = exc
 
     if await _unless_disconnected(receive, work):
-        # Nobody reads this; the status is for the access log (nginx's "client closed request").
-        return ApiError(499, "the client closed the request").response()
+        return _client_left().response()
     if isinstance(outcome, Exception):
         return _api_error(outcome, names).response()
     return JSONResponse(outcome)

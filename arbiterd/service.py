@@ -14,7 +14,8 @@ Errors the methods raise (arbiterd.errors), which each edge maps once:
 
 Status (`await status()`), one JSON object:
     {"models": [{"name", "state", "pid", "pinned", "queue", "resident_bytes",
-                 "prompt_tokens_evaluated", "served", "restarts", "last_error"}, ...],
+                 "prompt_tokens_evaluated", "served", "restarts", "last_error",
+                 "last_handoff": handoff event | None}, ...],
      "arena": str, "holder": {"pid", "name", "since"} | None,
      "waiters": [{"pid", "name"}, ...], "hold": bool}
 
@@ -51,8 +52,9 @@ class Service(Protocol):
 
     def stream(self, model: str, kind: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Yield OpenAI chunk objects as they come. Errors are raised from the iterator, before
-        or during the stream; closing the iterator early (the client went away) cancels the
-        request in its worker."""
+        or during the stream; closing the iterator early or cancelling the task awaiting it
+        (the client went away) cancels the request in its worker. `complete` is cancelled the
+        same way."""
         ...
 
     async def status(self) -> dict[str, Any]: ...

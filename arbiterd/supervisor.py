@@ -36,7 +36,7 @@ from arbiterd.journal import Journal
 from arbiterd.metrics import Metrics
 from arbiterd.procs import holder_name, process_name
 from arbiterd.service import MODEL_COMMANDS
-from arbiterd.workerclient import RemoteError, WorkerProcess
+from arbiterd.workerclient import RemoteError, WorkerGoneError, WorkerProcess
 
 log = logging.getLogger(__name__)
 
@@ -205,10 +205,17 @@ class Supervisor:
         return list(self.config.models)
 
     async def complete(self, model: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
-        worker = await self._worker_of(model)
         request_id = self._request_id()
+        worker = await self._worker_of(model)
         try:
-            result = await self._run(worker.generate, kind, body, request_id=request_id)
+            try:
+                result = await self._run(worker.generate, kind, body, request_id=request_id)
+            except WorkerGoneError:  # died before our request reached it: nothing ran, retry
+                worker = await self._replacement(model, worker)
+                result = await self._run(worker.generate, kind, body, request_id=request_id)
+        except asyncio.CancelledError:  # the client went away: stop the decode
+            _quietly(worker.cancel)(request_id)
+            raise
         except RemoteError as exc:
             raise self._request_failed(model, request_id, exc) from None
         except WorkerError as exc:
@@ -219,7 +226,6 @@ class Supervisor:
     async def stream(
         self, model: str, kind: str, body: dict[str, Any]
     ) -> AsyncIterator[dict[str, Any]]:
-        worker = await self._worker_of(model)
         request_id = self._request_id()
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -227,11 +233,17 @@ class Supervisor:
         def on_chunk(chunk: dict[str, Any]) -> None:
             loop.call_soon_threadsafe(items.put_nowait, ("chunk", chunk))
 
-        future = loop.run_in_executor(
-            self._pool,
-            lambda: worker.generate(kind, body, on_chunk=on_chunk, request_id=request_id),
-        )
-        future.add_done_callback(lambda done: items.put_nowait(("done", done)))
+        def send(worker: WorkerProcess) -> asyncio.Future[Any]:
+            future = loop.run_in_executor(
+                self._pool,
+                lambda: worker.generate(kind, body, on_chunk=on_chunk, request_id=request_id),
+            )
+            future.add_done_callback(lambda done: items.put_nowait(("done", done)))
+            return future
+
+        worker = await self._worker_of(model)
+        future = send(worker)
+        retried = False
         try:
             while True:
                 what, item = await items.get()
@@ -240,12 +252,26 @@ class Supervisor:
                     continue
                 try:
                     item.result()
+                except WorkerGoneError:
+                    if retried:
+                        raise
+                    retried = True  # died before our request reached it: nothing ran
+                    worker = await self._replacement(model, worker)
+                    future = send(worker)
+                    continue
                 except (RemoteError, WorkerError) as exc:
                     raise self._request_failed(model, request_id, exc) from None
                 return
         finally:
-            if not future.done():  # the client went away: stop the decode
-                await self._run(_quietly(worker.cancel), request_id)
+            if not future.done():  # closed or cancelled: the client went away
+                _quietly(worker.cancel)(request_id)  # one short write, safe to do here
+
+    async def _replacement(self, model: str, gone: WorkerProcess) -> WorkerProcess:
+        """The worker that replaces `gone` once it is restarted (the exit watcher restarts)."""
+        slot = self._slots[model]
+        if slot.worker is gone:
+            slot.ready.clear()
+        return await self._worker_of(model)
 
     async def _worker_of(self, model: str) -> WorkerProcess:
         slot = self._slots.get(model)

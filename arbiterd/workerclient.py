@@ -28,6 +28,10 @@ SHUTDOWN_TIMEOUT_S = 30.0
 EventListener = Callable[[dict[str, Any]], None]
 
 
+class WorkerGoneError(WorkerError):
+    """The worker was gone before the request could be sent: nothing of it ran."""
+
+
 class RemoteError(WorkerError):
     """The worker answered a request with an error; `kind` is its exception class name."""
 
@@ -197,7 +201,7 @@ class WorkerProcess:
 
     def _send(self, message: dict[str, Any]) -> None:
         if not self._out.send(message):
-            raise WorkerError(f"worker for {self.model} is gone")
+            raise WorkerGoneError(f"worker for {self.model} is gone")
 
     def _next(
         self, replies: queue.Queue[dict[str, Any]], request_id: str, timeout_s: float | None

@@ -16,7 +16,7 @@ import socket
 import stat
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -66,6 +66,8 @@ class FakeService:
         self.commands: list[tuple[str, str | None]] = []
         self.subscribers: list[asyncio.Queue[dict[str, Any]]] = []
         self.failure: BaseException | None = None
+        self.on_command: Callable[[], Awaitable[None]] | None = None
+        self.queue_max = 0  # the subscribers' queues are unbounded unless a test bounds them
 
     def model_names(self) -> list[str]:
         return list(self.models)
@@ -80,7 +82,7 @@ class FakeService:
         return STATUS
 
     def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
-        events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        events: asyncio.Queue[dict[str, Any]] = asyncio.Queue(self.queue_max)
         self.subscribers.append(events)
         return events
 
@@ -89,6 +91,8 @@ class FakeService:
 
     async def command(self, name: str, model: str | None = None) -> dict[str, Any]:
         self.commands.append((name, model))
+        if self.on_command is not None:
+            await self.on_command()
         if self.failure is not None:
             raise self.failure
         if model is not None and model not in self.models:
@@ -101,7 +105,8 @@ class FakeService:
     def publish(self, *events: dict[str, Any]) -> None:
         for queue in self.subscribers:
             for event in events:
-                queue.put_nowait(event)
+                if not queue.full():  # as the supervisor does: a full subscriber misses events
+                    queue.put_nowait(event)
 
     def backlog(self) -> int:
         return sum(queue.qsize() for queue in self.subscribers)
@@ -327,6 +332,16 @@ def test_an_unexpected_failure_is_internal_logged_and_survived(
     assert raw.request(command="status", request_id=4)["data"] == STATUS
 
 
+def test_a_command_that_closes_the_server_does_not_hang_it(
+    served: Served, conns: Connections
+) -> None:
+    served.service.on_command = served.server.close  # what a careless `shutdown` would do
+    raw = conns.raw()
+    raw.send(command="shutdown", request_id=1)
+    assert raw.at_eof()  # the reply is lost with the connection, but the close completes
+    wait_until(lambda: not served.path.exists(), WAIT_S, "the socket file to be removed")
+
+
 # the guard ladder
 
 
@@ -380,11 +395,14 @@ def test_a_line_of_the_maximum_size_is_read(conns: Connections) -> None:
     assert raw.read()["code"] == "invalid_args"  # read and judged, not refused for its size
 
 
+# Just over the limit; and far over it, so that the server leaves input unread in the kernel
+# (it stops reading at twice its limit) and must drain it to close without a reset.
+@pytest.mark.parametrize("size", [MAX_LINE_BYTES + 1, 4 * MAX_LINE_BYTES])
 def test_an_oversize_line_is_answered_then_closed_cleanly(
-    served: Served, conns: Connections
+    size: int, served: Served, conns: Connections
 ) -> None:
     raw = conns.raw()
-    raw.send_line(b"x" * (MAX_LINE_BYTES + 1))
+    raw.send_line(b"x" * size)
     reply = raw.read()
     assert (reply["request_id"], reply["code"]) == (None, "too_large")
     assert str(MAX_LINE_BYTES) in reply["error"]
@@ -482,6 +500,20 @@ def test_a_slow_subscriber_is_dropped_after_an_overflow_event(
     assert delivered == list(range(len(delivered)))  # in order, without gaps, then the end
     assert 0 < len(delivered) < published
     assert conns.client().call("status") == STATUS  # the daemon was never blocked
+
+
+def test_a_subscriber_whose_service_queue_filled_up_is_dropped(
+    served: Served, conns: Connections
+) -> None:
+    served.service.queue_max = 5
+    raw = conns.raw()
+    raw.request(command="subscribe", request_id=1)
+    served.publish(*({"event": "request", "at": 0.0, "n": n} for n in range(8)))  # 3 are lost
+    wait_until(lambda: served.subscribers() == 0, WAIT_S, "the subscriber to be dropped")
+    lines = []
+    while (message := raw._reader.read()) is not None:
+        lines.append(message)
+    assert [line["event"] for line in lines] == ["overflow"]
 
 
 # permissions and the socket file

@@ -64,7 +64,8 @@ def test_chat_and_completions_through_the_openai_sdk(api: openai.OpenAI) -> None
         model="alpha", messages=[{"role": "user", "content": "hello"}], max_tokens=5
     )
     assert chat.choices[0].message.role == "assistant"
-    assert chat.usage is not None and chat.usage.completion_tokens >= 1
+    assert chat.usage is not None
+    assert chat.usage.completion_tokens >= 1
     text = api.completions.create(model="beta", prompt="the fox", max_tokens=5, temperature=0)
     assert text.choices[0].text
     pieces = [
@@ -109,7 +110,8 @@ def test_alternating_requests_hand_the_gpu_over_and_keep_the_prompt_cache(
 def test_unknown_model_is_a_404_listing_the_models(api: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as caught:
         api.completions.create(model="gamma", prompt="x", max_tokens=1)
-    assert "alpha" in str(caught.value) and "beta" in str(caught.value)
+    assert "alpha" in str(caught.value)
+    assert "beta" in str(caught.value)
 
 
 def test_a_prompt_longer_than_the_context_is_a_400(api: openai.OpenAI) -> None:
@@ -121,7 +123,8 @@ def test_cli_status_and_commands(daemon: Daemon) -> None:
     socket_arg = ["--socket", str(daemon.socket)]
     status = arbiterd("status", *socket_arg)
     assert status.returncode == 0, status.stderr
-    assert "alpha" in status.stdout and "STATE" in status.stdout
+    assert "alpha" in status.stdout
+    assert "STATE" in status.stdout
     report = json.loads(arbiterd("status", "--json", *socket_arg).stdout)
     assert [m["name"] for m in report["models"]] == ["alpha", "beta"]
     assert arbiterd("warm", "alpha", *socket_arg).stdout.strip() == "alpha: warm"
@@ -139,7 +142,8 @@ def test_cli_status_and_commands(daemon: Daemon) -> None:
     assert set(states.values()) == {"cold"}
     assert arbiterd("unhold", *socket_arg).returncode == 0
     unknown = arbiterd("warm", "gamma", *socket_arg)
-    assert unknown.returncode != 0 and unknown.stderr.count("\n") == 1
+    assert unknown.returncode != 0
+    assert unknown.stderr.count("\n") == 1
     events = arbiterd("events", "--journal", str(daemon.journal))
     assert "handoff" in events.stdout or "residency" in events.stdout
     lines = arbiterd("events", "--json", "--journal", str(daemon.journal)).stdout.splitlines()
@@ -159,13 +163,15 @@ def test_a_worker_killed_mid_stream_errors_promptly_and_comes_back(
     with daemon.client() as client:
         pid = {m["name"]: m["pid"] for m in client.call("status")["models"]}["alpha"]
     stream = api.completions.create(model="alpha", prompt="the fox", max_tokens=5000, stream=True)
-    received = 0
     started = time.monotonic()
-    with pytest.raises(openai.APIError):
-        for _chunk in stream:
-            received += 1
+
+    def consume() -> None:
+        for received, _chunk in enumerate(stream, start=1):
             if received == 3:
                 os.kill(pid, signal.SIGKILL)
+
+    with pytest.raises(openai.APIError):
+        consume()
     assert time.monotonic() - started < 30, "the stream hung after the worker died"
     answer = api.completions.create(model="alpha", prompt="the fox", max_tokens=2)
     assert answer.choices[0].text is not None
@@ -174,7 +180,8 @@ def test_a_worker_killed_mid_stream_errors_promptly_and_comes_back(
         exits = [e for e in journal.read(kinds=["worker"]) if e.body.get("pid") == pid]
     finally:
         journal.close()
-    assert exits and exits[0].body["code"] == -signal.SIGKILL
+    assert exits
+    assert exits[0].body["code"] == -signal.SIGKILL
 
 
 def test_a_client_that_disconnects_cancels_its_request(daemon: Daemon) -> None:
@@ -229,8 +236,9 @@ def test_sigterm_stops_gracefully_and_frees_the_gpu(tiny_model: Path) -> None:
         pids = [m["pid"] for m in status["models"]]
         assert running.stop() == 0
         assert Arena(running.arena).observe().holder_pid is None
-        for pid in pids:
-            wait_until(lambda p=pid: not Path(f"/proc/{p}").exists(), 10, f"worker {pid} reaped")
+        wait_until(
+            lambda: not any(Path(f"/proc/{pid}").exists() for pid in pids), 10, "workers reaped"
+        )
         assert not running.socket.exists()
     finally:
         running.cleanup()

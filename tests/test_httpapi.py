@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
-from starlette.types import Message
+from starlette.types import Message, Scope
 
 from arbiterd.errors import (
     ContextOverflowError,
@@ -48,9 +48,11 @@ class FakeService:
         self.calls: list[tuple[str, str, dict[str, Any]]] = []
         self.error: Exception | None = None  # from complete(), and stream() before any chunk
         self.error_after: tuple[int, Exception] | None = None  # stream(): after N chunks
+        self.eager_error: Exception | None = None  # from stream() itself, not its iterator
         self.block_after: int | None = None  # wait forever after N chunks; complete() too
         self.closed = threading.Event()  # stream() was closed or cancelled by its consumer
         self.cancelled = threading.Event()  # complete() was cancelled
+        self.streams: list[AsyncIterator[dict[str, Any]]] = []
 
     def model_names(self) -> list[str]:
         return list(MODELS)
@@ -74,10 +76,16 @@ class FakeService:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "stop"}
         return _response("text_completion", model, choice, usage)
 
-    async def stream(
-        self, model: str, kind: str, body: dict[str, Any]
-    ) -> AsyncIterator[dict[str, Any]]:
+    def stream(self, model: str, kind: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         self.calls.append((model, kind, body))
+        if self.eager_error is not None:
+            raise self.eager_error
+        chunks = self._chunks(model, kind)
+        # Held, so that only its consumer closes it early, never the garbage collector.
+        self.streams.append(chunks)
+        return chunks
+
+    async def _chunks(self, model: str, kind: str) -> AsyncIterator[dict[str, Any]]:
         try:
             if self.error is not None:
                 raise self.error
@@ -176,6 +184,24 @@ def events(response: httpx.Response) -> list[Any]:
         text = block.removeprefix("data: ")
         data.append(text if text == "[DONE]" else json.loads(text))
     return data
+
+
+def http_scope(path: str, body: bytes) -> Scope:
+    """The ASGI scope of a POST of `body` to `path`, for driving the app by hand."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))],
+        "client": ("127.0.0.1", 1),
+        "server": ("test", 80),
+    }
 
 
 @pytest.fixture
@@ -535,6 +561,47 @@ def test_unexpected_errors_are_500_and_logged(
     assert record.exc_info[1] is service.error
 
 
+def test_service_checking_eagerly_before_streaming_gets_the_same_mapping(
+    app: FastAPI, service: FakeService
+) -> None:
+    service.eager_error = UnknownModelError("no model 'tiny'")
+    response = call(app, "POST", "/v1/chat/completions", body={**CHAT, "stream": True})
+    assert_error(response, 404, code="model_not_found")
+
+
+def test_a_bug_outside_the_completion_routes_is_a_500_envelope(service: FakeService) -> None:
+    def broken() -> bytes:
+        raise RuntimeError("a bug")
+
+    service.metrics_text = broken  # type: ignore[method-assign]
+
+    async def scrape() -> httpx.Response:
+        # The server logs what Starlette re-raises after answering; here it must not escape.
+        transport = httpx.ASGITransport(app=create_app(service), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.get("/metrics")
+
+    assert_error(asyncio.run(scrape()), 500, type="server_error")
+
+
+def test_client_leaving_while_sending_the_body_is_not_an_error(
+    app: FastAPI, service: FakeService, caplog: pytest.LogCaptureFixture
+) -> None:
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(app(http_scope("/v1/completions", b'{"model": "tiny"}'), receive, send))
+    assert sent[0]["status"] == 499
+    assert caplog.records == []
+    assert service.calls == []
+
+
 # -- streaming ------------------------------------------------------------------------------------
 
 
@@ -583,20 +650,7 @@ def test_send_failing_closes_the_service_stream(app: FastAPI, service: FakeServi
     """ASGI 2.4 servers report a gone client by failing `send` and may never say so through
     `receive`: the stream must still be closed, not left suspended for the garbage collector."""
     body = json.dumps({**CHAT, "stream": True}).encode()
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.4"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))],
-        "client": ("127.0.0.1", 1),
-        "server": ("test", 80),
-    }
+    scope = http_scope("/v1/chat/completions", body)
     requests: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
     sent: list[Message] = []
 

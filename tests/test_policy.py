@@ -11,10 +11,11 @@ def decide(
     held_s: float = 10,
     idle_s: float = 0,
     busy: bool = False,
+    pinned: bool = False,
     min_hold_s: float = 0.1,
     idle_release_s: float = 0,
 ) -> ReleaseReason | None:
-    view = HoldView(wanted=wanted, held_s=held_s, idle_s=idle_s, busy=busy)
+    view = HoldView(wanted=wanted, held_s=held_s, idle_s=idle_s, busy=busy, pinned=pinned)
     return release_reason(view, min_hold_s=min_hold_s, idle_release_s=idle_release_s)
 
 

@@ -47,12 +47,13 @@ class Daemon:
         self.log = self.dir / "daemon.log"
         self.config = self.dir / "config.toml"
         self.config.write_text(self._toml(models, api_key))
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "arbiterd", "daemon", "--config", str(self.config)],
-            stdout=subprocess.DEVNULL,
-            stderr=self.log.open("w"),
-            env=env,
-        )
+        with self.log.open("w") as log:  # the child keeps its own copy of the fd
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "arbiterd", "daemon", "--config", str(self.config)],
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                env=env,
+            )
 
     def _toml(self, models: dict[str, dict[str, Any]], api_key: str) -> str:
         lines = [
