@@ -21,6 +21,9 @@ from arbiterd.config import Config, load_config, load_daemon_config
 from arbiterd.control import ControlClient
 from arbiterd.journal import Journal, format_event, parse_since
 
+# warm may load a model and hold may wait for every model to release: minutes, not seconds.
+COMMAND_TIMEOUT_S = 600.0
+
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     daemon = sub.add_parser("daemon", help="run the daemon (models, OpenAI API, control socket)")
@@ -111,6 +114,7 @@ def show_status(args: argparse.Namespace) -> int:
 
 def model_command(args: argparse.Namespace) -> int:
     with ControlClient.connect(_socket(args)) as client:
+        client.timeout_s = COMMAND_TIMEOUT_S
         result = client.call(args.command, model=args.model)
     print(_describe(args.command, result))
     return 0
@@ -118,6 +122,7 @@ def model_command(args: argparse.Namespace) -> int:
 
 def plain_command(args: argparse.Namespace) -> int:
     with ControlClient.connect(_socket(args)) as client:
+        client.timeout_s = COMMAND_TIMEOUT_S
         result = client.call(args.command)
     print(_describe(args.command, result))
     return 0

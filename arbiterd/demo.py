@@ -27,10 +27,33 @@ from arbiterd.errors import ArbiterError, DaemonNotRunningError
 MODELS = ("gemma-story", "gemma-notes")
 # Each model keeps its own long conversation: after a handoff it must not re-read it.
 CONTEXTS = {
-    "gemma-story": "Once upon a time, in a village at the edge of a great forest, there lived "
-    "an old clockmaker who repaired every clock in the valley. ",
-    "gemma-notes": "Meeting notes. Attendees: the design team. Topics: the release schedule, "
-    "the handoff benchmark, and the tray icon colours. ",
+    "gemma-story": (
+        "Once upon a time, in a village at the edge of a great forest, there lived an old "
+        "clockmaker who repaired every clock in the valley. Each morning he opened his shop "
+        "at seven, swept the floor, wound the tall clock by the door and set out his tools: "
+        "tweezers, a loupe, tiny screwdrivers and a tin of oil that smelled of almonds. "
+        "Farmers brought him pocket watches that had stopped in the rain, the baker brought "
+        "the kitchen timer that rang too early, and the mayor, once a year, carried in the "
+        "heavy brass clock from the town hall tower on a cart pulled by two grey horses. "
+        "The clockmaker had an apprentice, a quiet girl named Mira, who wanted to learn why "
+        "some clocks ran fast in summer and slow in winter. He told her that metal grows in "
+        "the heat and shrinks in the cold, and that a good clockmaker listens before he "
+        "opens a case. One autumn evening a stranger knocked on the door with a clock that "
+        "had no hands at all, only a face painted with stars. "
+    ),
+    "gemma-notes": (
+        "Meeting notes, design team, Thursday. Attendees: Ana (engine), Bo (daemon), Chen "
+        "(tray app), Dee (packaging). First topic: the release schedule. The engine must be "
+        "frozen two weeks before the release; the daemon can take fixes until the last week. "
+        "Second topic: the handoff benchmark. Bo measured the handoff between two models on "
+        "the small test machine; most of the time goes into re-reading the vocabulary when "
+        "the model is loaded again, and very little into copying the cache back. Ana will "
+        "look at keeping the vocabulary in memory. Third topic: the tray icon colours. Chen "
+        "proposed one colour per model, grey for other programs, amber for warnings and red "
+        "when the daemon is unreachable. Dee asked that the icon also work on a dark panel. "
+        "Fourth topic: packaging. The user service starts at login and the tray app follows. "
+        "Action items: "
+    ),
 }
 ROUNDS = 4
 START_TIMEOUT_S = 300.0

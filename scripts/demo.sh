@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The demo on a fresh machine: sets up .venv, then shows programs handing the GPU token around.
+# The demo on a fresh machine: sets up .venv, then runs the daemon with two resident models
+# and shows every handoff between them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ARBITERD_EXTRAS="engine,demo" source scripts/setup.sh
-exec .venv/bin/python -m arbiterd.demo "$@"
+exec .venv/bin/arbiterd demo "$@"
