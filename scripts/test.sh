@@ -2,7 +2,7 @@
 # The whole test suite on a fresh machine: sets up .venv, then lint, types and every test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ARBITERD_EXTRAS="engine,dev,demo" source scripts/setup.sh
+ARBITERD_EXTRAS="engine,dev,demo,gui" source scripts/setup.sh
 
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
