@@ -17,6 +17,7 @@ from arbiterd import clidaemon
 from arbiterd.arena import Arena, ArenaState
 from arbiterd.demo import main as run_demo
 from arbiterd.errors import ArbiterError, BadValueError, UsageError
+from arbiterd.install import Installer
 from arbiterd.paths import resolve_arena
 from arbiterd.procs import holder_name, process_name
 from arbiterd.runner import run_holding_token
@@ -43,6 +44,13 @@ def _parser() -> argparse.ArgumentParser:
     clidaemon.add_commands(sub)
     demo = sub.add_parser("demo", help="two models, real requests, every handoff shown live")
     demo.set_defaults(handler=lambda _args: run_demo())
+    install = sub.add_parser("install", help="start the daemon and the tray at login")
+    install.add_argument("--no-enable", action="store_true", help="write files, start nothing")
+    install.add_argument("--dry-run", action="store_true", help="only say what would be done")
+    install.set_defaults(handler=_install)
+    uninstall = sub.add_parser("uninstall", help="undo exactly what install did")
+    uninstall.add_argument("--dry-run", action="store_true", help="only say what would be done")
+    uninstall.set_defaults(handler=_uninstall)
     return parser
 
 
@@ -91,6 +99,16 @@ def _run(args: argparse.Namespace, cmd: list[str]) -> int:
         raise UsageError(f"no command after '--': {RUN_USAGE}")
     arena = Arena(resolve_arena(args.arena))
     return run_holding_token(arena, cmd, name=args.name, timeout_s=timeout_s)
+
+
+def _install(args: argparse.Namespace) -> int:
+    Installer(dry_run=args.dry_run).install(enable=not args.no_enable)
+    return 0
+
+
+def _uninstall(args: argparse.Namespace) -> int:
+    Installer(dry_run=args.dry_run).uninstall()
+    return 0
 
 
 def arena_status_json(state: ArenaState) -> dict[str, object]:

@@ -196,8 +196,8 @@ def load_daemon_config(
 
 
 def starter_config_text(found: list[Path]) -> str:
-    """A commented config for `arbiterd install`: every key explained, each GGUF in `found` as a
-    commented-out [models.NAME] table (uncomment a table's lines to serve that model)."""
+    """A commented config for `arbiterd install`: every key explained, and each GGUF in `found`
+    as a [models.NAME] table ready to serve (comment a table out to leave that model out)."""
     lines = [
         "# arbiterd configuration, read when the daemon starts (and on `arbiterd reload`).",
         "# Paths may start with ~; relative paths are relative to this file's directory.",
@@ -233,9 +233,9 @@ def starter_config_text(found: list[Path]) -> str:
         name = _unique_name(_name_from_file(gguf), used)
         lines += [
             "",
-            f"# [models.{_toml_key(name)}]",
-            f"# path = {_toml_string(text)}",
-            f"# n_ctx = {STARTER_N_CTX}",
+            f"[models.{_toml_key(name)}]",
+            f"path = {_toml_string(text)}",
+            f"n_ctx = {STARTER_N_CTX}",
         ]
     if skipped:
         lines += ["", f"# ({skipped} GGUF file(s) left out: their names are not UTF-8)"]

@@ -10,6 +10,10 @@ PYTHON="${PYTHON:-python3}"
 need_system_packages() {
     # Debian packages the tests or the demo use, installed when missing and we may (root + apt).
     local missing=()
+    if ! command -v dpkg-query >/dev/null; then
+        echo "setup: not a Debian system; make sure these are installed: $*" >&2
+        return 0
+    fi
     for pkg in "$@"; do
         dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" \
             || missing+=("$pkg")

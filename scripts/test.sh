@@ -3,6 +3,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ARBITERD_EXTRAS="engine,dev,demo,gui" source scripts/setup.sh
+# The install tests validate the desktop and unit files with the tools the desktop uses; the
+# native tests build a fake libllama with gcc.
+need_system_packages desktop-file-utils systemd gcc
 
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

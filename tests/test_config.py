@@ -608,46 +608,32 @@ def test_a_directory_in_place_of_the_file_is_named(tmp_path: Path, env: dict[str
 # -- the starter config ----------------------------------------------------------------------
 
 
-def uncomment_model(text: str, name: str) -> str:
-    """The starter text with the lines of the [models.NAME] table uncommented."""
-    lines = text.splitlines()
-    start = lines.index(f"# [models.{name}]")
-    end = start
-    while end < len(lines) and lines[end].startswith("# "):
-        end += 1
-    body = [line.removeprefix("# ") for line in lines[start:end]]
-    return "\n".join([*lines[:start], *body, *lines[end:]]) + "\n"
-
-
-def test_starter_config_lists_found_models_commented_out(tmp_path: Path) -> None:
+def test_starter_config_serves_the_models_it_found(tmp_path: Path, env: dict[str, str]) -> None:
     found = [tmp_path / "Qwen2.5-7B-Instruct-Q4_K_M.gguf", tmp_path / "llama 3.gguf"]
 
     text = starter_config_text(found)
 
-    assert '# [models."Qwen2.5-7B-Instruct-Q4_K_M"]' in text
-    assert f'# path = "{found[0]}"' in text
-    assert "# [models.llama-3]" in text
-    parsed = tomllib.loads(text)  # valid TOML as written: everything but [daemon] commented
-    assert parsed == {"daemon": {}}
+    assert '[models."Qwen2.5-7B-Instruct-Q4_K_M"]' in text
+    assert f'path = "{found[0]}"' in text
+    config = load_text(tmp_path, env, text)
+    assert list(config.models) == ["Qwen2.5-7B-Instruct-Q4_K_M", "llama-3"]
+    assert config.models["llama-3"].path == found[1]
+    assert config.models["llama-3"].n_ctx == 4096
 
 
-def test_an_uncommented_starter_model_loads(tmp_path: Path, env: dict[str, str]) -> None:
+def test_starter_config_quotes_odd_file_names(tmp_path: Path, env: dict[str, str]) -> None:
     found = [tmp_path / "models/qwen.gguf", tmp_path / 'odd "name" \\ here.gguf']
-    text = starter_config_text(found)
-
-    for name, gguf in [("qwen", found[0]), ("odd-name-here", found[1])]:
-        config = load_text(tmp_path, env, uncomment_model(text, name))
-        assert list(config.models) == [name]
-        assert config.models[name].path == gguf
-        assert config.models[name].n_ctx == 4096
+    config = load_text(tmp_path, env, starter_config_text(found))
+    assert [(m.name, m.path) for m in config.models.values()] == [
+        ("qwen", found[0]),
+        ("odd-name-here", found[1]),
+    ]
 
 
 def test_starter_config_names_are_unique_and_valid(tmp_path: Path, env: dict[str, str]) -> None:
     found = [tmp_path / "a/m.gguf", tmp_path / "b/m.gguf", tmp_path / f"{'y' * 80}.gguf"]
-    text = starter_config_text(found)
-    for name in ["m", "m-2", "y" * 64]:
-        body = uncomment_model(text, name)
-        assert list(load_text(tmp_path, env, body).models) == [name]
+    config = load_text(tmp_path, env, starter_config_text(found))
+    assert list(config.models) == ["m", "m-2", "y" * 64]
 
 
 def test_starter_config_without_models_shows_an_example() -> None:

@@ -1,0 +1,223 @@
+"""`arbiterd install` / `uninstall`: start at login, as the user, and reversibly.
+
+Owns the files arbiterd puts into the user's desktop session — the systemd user unit, the XDG
+autostart entry of the tray, the menu entry, the icon, a starter config — and the manifest of
+what it wrote, so that uninstall removes exactly that (a file the user changed since is kept,
+and said so). The templates live in the source tree's packaging/; @ARBITERD@ in them becomes
+the arbiterd that runs this. Never touches a file outside the user's XDG directories, never
+overwrites a config.toml.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from arbiterd.config import default_config_path, starter_config_text
+from arbiterd.errors import ArbiterError
+
+PACKAGING = Path(__file__).resolve().parent.parent / "packaging"
+PLACEHOLDER = "@ARBITERD@"
+UNIT = "arbiterd.service"
+# Where users keep GGUFs, searched to fill the starter config.
+MODEL_DIRS = ("~/.cache/llama.cpp", "~/models", "~/.local/share/models", "~/.cache/lm-studio")
+MAX_FOUND_MODELS = 20
+
+Runner = Callable[[list[str]], subprocess.CompletedProcess[str]]
+
+
+class InstallError(ArbiterError):
+    exit_code = 73  # sysexits EX_CANTCREAT
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One file install writes: its template (None: generated) and where it goes."""
+
+    template: str | None
+    target: Path
+    keep_existing: bool = False  # config.toml: the user's, never overwritten
+
+
+def _xdg(env: Mapping[str, str], var: str, fallback: str) -> Path:
+    value = env.get(var, "")
+    if value and os.path.isabs(value):
+        return Path(value)
+    return Path(env.get("HOME") or Path.home()) / fallback
+
+
+def placements(env: Mapping[str, str]) -> list[Placement]:
+    config_home = _xdg(env, "XDG_CONFIG_HOME", ".config")
+    data_home = _xdg(env, "XDG_DATA_HOME", ".local/share")
+    return [
+        Placement("systemd/arbiterd.service", config_home / "systemd" / "user" / UNIT),
+        Placement("autostart/arbiterd-tray.desktop", autostart_path(env)),
+        Placement("applications/arbiterd.desktop", data_home / "applications" / "arbiterd.desktop"),
+        Placement(
+            "icons/arbiterd.svg",
+            data_home / "icons" / "hicolor" / "scalable" / "apps" / "arbiterd.svg",
+        ),
+        Placement(None, default_config_path(env), keep_existing=True),
+    ]
+
+
+def autostart_path(env: Mapping[str, str]) -> Path:
+    return _xdg(env, "XDG_CONFIG_HOME", ".config") / "autostart" / "arbiterd-tray.desktop"
+
+
+def manifest_path(env: Mapping[str, str]) -> Path:
+    return _xdg(env, "XDG_STATE_HOME", ".local/state") / "arbiterd" / "installed.json"
+
+
+def arbiterd_command() -> str:
+    """The absolute path of the arbiterd script next to this interpreter (a venv's, say)."""
+    script = Path(sys.executable).parent / "arbiterd"
+    if script.is_file() and os.access(script, os.X_OK):
+        return str(script)
+    found = shutil.which("arbiterd")
+    if found is None:
+        raise InstallError("cannot find the arbiterd command to put into the service files")
+    return str(Path(found).resolve())
+
+
+def render(template: str, command: str) -> str:
+    path = PACKAGING / template
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise InstallError(
+            f"cannot read {path} ({exc.strerror}): install arbiterd from its source tree"
+        ) from None
+    return text.replace(PLACEHOLDER, command)
+
+
+def find_models(env: Mapping[str, str]) -> list[Path]:
+    home = Path(env.get("HOME") or Path.home())
+    found: list[Path] = []
+    for folder in MODEL_DIRS:
+        base = home / folder.removeprefix("~/")
+        if base.is_dir():
+            found += sorted(p for p in base.rglob("*.gguf") if "mmproj" not in p.name.lower())
+    return found[:MAX_FOUND_MODELS]
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class Installer:
+    """Plans and applies install/uninstall; `say` receives one line per thing done."""
+
+    def __init__(
+        self,
+        env: Mapping[str, str] | None = None,
+        *,
+        run: Runner | None = None,
+        say: Callable[[str], None] = print,
+        dry_run: bool = False,
+    ) -> None:
+        self.env = os.environ if env is None else env
+        self._run = run or _run_systemctl
+        self._say = say
+        self.dry_run = dry_run
+
+    def install(self, *, enable: bool = True) -> None:
+        command = arbiterd_command()
+        manifest = self._read_manifest()
+        for placement in placements(self.env):
+            target = placement.target
+            if target.exists() and placement.keep_existing:
+                self._say(f"kept     {target} (yours; never overwritten)")
+                continue
+            if placement.template is None:
+                models = find_models(self.env)
+                if not models:
+                    self._say(
+                        f"skipped  {target}: no GGUF found in {', '.join(MODEL_DIRS)}; "
+                        "the daemon serves the embedded default model until you write one"
+                    )
+                    continue
+                text = starter_config_text(models)
+            else:
+                text = render(placement.template, command)
+            if target.exists() and target.read_text() == text:
+                self._say(f"same     {target}")
+            else:
+                self._say(f"{'would write' if self.dry_run else 'wrote'}    {target}")
+                self._write(target, text)
+            manifest[str(target)] = _digest(text)
+        self._write_manifest(manifest)
+        self._systemd(["daemon-reload"], enable and ["enable", "--now", UNIT])
+
+    def uninstall(self) -> None:
+        manifest = self._read_manifest()
+        self._systemd(["disable", "--now", UNIT], ["daemon-reload"])
+        for name, digest in sorted(manifest.items()):
+            target = Path(name)
+            if not target.exists():
+                continue
+            if _digest(target.read_text()) != digest:
+                self._say(f"kept     {target} (changed since install)")
+                continue
+            self._say(f"{'would remove' if self.dry_run else 'removed'}  {target}")
+            if not self.dry_run:
+                target.unlink()
+        if not self.dry_run:
+            manifest_path(self.env).unlink(missing_ok=True)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _write(self, target: Path, text: str) -> None:
+        if self.dry_run:
+            return
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.tmp")
+            tmp.write_text(text)
+            tmp.replace(target)
+        except OSError as exc:
+            raise InstallError(f"cannot write {target}: {exc.strerror}") from None
+
+    def _read_manifest(self) -> dict[str, str]:
+        path = manifest_path(self.env)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            return {}
+        except ValueError:
+            raise InstallError(f"{path} is damaged; remove it to start over") from None
+        return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+    def _write_manifest(self, manifest: dict[str, str]) -> None:
+        self._write(manifest_path(self.env), json.dumps(manifest, indent=2) + "\n")
+
+    def _systemd(self, *steps: list[str] | bool) -> None:
+        commands = [["systemctl", "--user", *step] for step in steps if isinstance(step, list)]
+        if self.dry_run:
+            for command in commands:
+                self._say(f"would run {' '.join(command)}")
+            return
+        for command in commands:
+            done = self._run(command)
+            if done.returncode != 0:
+                lines = (done.stderr or done.stdout).strip().splitlines()
+                reason = lines[-1] if lines else "no systemd user manager"
+                self._say(
+                    f"note     `{' '.join(command)}` failed ({reason}): without a systemd user "
+                    "manager, start `arbiterd daemon` (and `arbiterd tray`) yourself"
+                )
+                return
+            self._say(f"ran      {' '.join(command)}")
+
+
+def _run_systemctl(command: list[str]) -> subprocess.CompletedProcess[str]:
+    if shutil.which(command[0]) is None:
+        return subprocess.CompletedProcess(command, 127, "", f"{command[0]} not found")
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
