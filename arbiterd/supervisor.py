@@ -129,7 +129,10 @@ class Supervisor:
         env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
         try:
             worker = await self._run(
-                WorkerProcess.spawn, slot.config.worker_config(self.config.daemon.arena), env=env
+                WorkerProcess.spawn,
+                slot.config.worker_config(self.config.daemon.arena),
+                env=env,
+                keep_events=False,
             )
         except ArbiterError as exc:
             slot.last_error = str(exc)

@@ -43,8 +43,17 @@ class RemoteError(WorkerError):
 class WorkerProcess:
     """A running worker. Create with `spawn`; always `shutdown` or `kill` it."""
 
-    def __init__(self, process: subprocess.Popen[bytes], sock: socket.socket, model: str) -> None:
+    def __init__(
+        self,
+        process: subprocess.Popen[bytes],
+        sock: socket.socket,
+        model: str,
+        *,
+        keep_events: bool = True,
+    ) -> None:
         self.process = process
+        # A caller that only listens (the daemon) must not let an unread queue grow for ever.
+        self._keep_events = keep_events
         self.model = model
         self._sock = sock
         self._reader = LineReader(sock)
@@ -61,7 +70,15 @@ class WorkerProcess:
         self._reader_thread.start()
 
     @classmethod
-    def spawn(cls, config: WorkerConfig, *, env: dict[str, str] | None = None) -> WorkerProcess:
+    def spawn(
+        cls,
+        config: WorkerConfig,
+        *,
+        env: dict[str, str] | None = None,
+        keep_events: bool = True,
+    ) -> WorkerProcess:
+        """Start a worker and wait for its hello (the model may still be loading then).
+        With keep_events=False, events reach only the listeners, not `events`."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             process = subprocess.Popen(
@@ -82,7 +99,7 @@ class WorkerProcess:
             raise
         finally:
             theirs.close()
-        worker = cls(process, ours, config.spec.name)
+        worker = cls(process, ours, config.spec.name, keep_events=keep_events)
         try:
             hello = worker._hello.get(timeout=HELLO_TIMEOUT_S)
         except queue.Empty:
@@ -154,8 +171,9 @@ class WorkerProcess:
     # -- lifetime -----------------------------------------------------------------------------
 
     def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> int:
-        """Ask the worker to stop (in-flight work finishes), wait, and reap it."""
-        self._send({"op": "shutdown", "id": "shutdown"})
+        """Ask the worker to stop (in-flight work finishes), wait, and reap it; a worker that
+        is already gone is just reaped."""
+        self._out.send({"op": "shutdown", "id": "shutdown"})
         try:
             code = self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -231,7 +249,8 @@ class WorkerProcess:
             if "hello" in message:
                 self._hello.put(message["hello"])
             elif "event" in message:
-                self.events.put(message)
+                if self._keep_events:
+                    self.events.put(message)
                 for listener in self._listeners:
                     listener(message)
             else:
