@@ -41,8 +41,9 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterat
 
 
 @pytest.fixture
-def api(daemon: Daemon) -> openai.OpenAI:
-    return openai.OpenAI(base_url=daemon.url, api_key="unused", max_retries=0, timeout=60)
+def api(daemon: Daemon) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=daemon.url, api_key="unused", max_retries=0, timeout=60) as client:
+        yield client
 
 
 def arbiterd(*args: str) -> subprocess.CompletedProcess[str]:
@@ -166,9 +167,10 @@ def test_a_worker_killed_mid_stream_errors_promptly_and_comes_back(
     started = time.monotonic()
 
     def consume() -> None:
-        for received, _chunk in enumerate(stream, start=1):
-            if received == 3:
-                os.kill(pid, signal.SIGKILL)
+        with stream:
+            for received, _chunk in enumerate(stream, start=1):
+                if received == 3:
+                    os.kill(pid, signal.SIGKILL)
 
     with pytest.raises(openai.APIError):
         consume()
@@ -208,10 +210,10 @@ def test_a_model_that_fails_to_load_is_shown_and_the_others_serve(
         assert states["good"][0] in ("warm", "cold")
         assert states["bad"][0] == "failed"
         assert "missing.gguf" in states["bad"][1]
-        api = openai.OpenAI(base_url=running.url, api_key="x", max_retries=0)
-        assert api.completions.create(model="good", prompt="the fox", max_tokens=2).choices
-        with pytest.raises(openai.InternalServerError) as caught:
-            api.completions.create(model="bad", prompt="the fox", max_tokens=2)
+        with openai.OpenAI(base_url=running.url, api_key="x", max_retries=0) as api:
+            assert api.completions.create(model="good", prompt="the fox", max_tokens=2).choices
+            with pytest.raises(openai.InternalServerError) as caught:
+                api.completions.create(model="bad", prompt="the fox", max_tokens=2)
         assert caught.value.status_code == 503
     finally:
         running.cleanup()
@@ -221,10 +223,11 @@ def test_api_key_guards_the_api(tiny_model: Path) -> None:
     running = Daemon({"m": tiny(tiny_model)}, api_key="s3cret")
     try:
         running.wait_ready()
-        with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=running.url, api_key="wrong", max_retries=0).models.list()
-        good = openai.OpenAI(base_url=running.url, api_key="s3cret", max_retries=0)
-        assert [m.id for m in good.models.list()] == ["m"]
+        bad = openai.OpenAI(base_url=running.url, api_key="wrong", max_retries=0)
+        with bad, pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        with openai.OpenAI(base_url=running.url, api_key="s3cret", max_retries=0) as good:
+            assert [m.id for m in good.models.list()] == ["m"]
     finally:
         running.cleanup()
 
