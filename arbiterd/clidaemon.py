@@ -154,7 +154,7 @@ def show_events(args: argparse.Namespace) -> int:
 
 def render_status(status: dict[str, Any]) -> str:
     """The status as a table a person reads at a glance."""
-    rows = [("MODEL", "STATE", "VRAM", "QUEUE", "SERVED", "LAST HANDOFF", "NOTE")]
+    rows = [("MODEL", "STATE", "VRAM", "COLD", "QUEUE", "SERVED", "LAST HANDOFF", "NOTE")]
     for model in status.get("models", []):
         handoff = model.get("last_handoff")
         last = "-"
@@ -169,11 +169,14 @@ def render_status(status: dict[str, Any]) -> str:
             note.append(f"{model['restarts']} restarts")
         if model.get("last_error"):
             note.append(str(model["last_error"]))
+        vram = model.get("vram_bytes")
+        cold = model.get("cold_footprint_bytes")
         rows.append(
             (
                 str(model["name"]),
                 str(model["state"]),
-                human_bytes(int(model.get("resident_bytes") or 0)),
+                "?" if vram is None else human_bytes(int(vram)),
+                "-" if cold is None else human_bytes(int(cold)),
                 str(model.get("queue", 0)),
                 str(model.get("served", 0)),
                 last,
@@ -185,6 +188,18 @@ def render_status(status: dict[str, Any]) -> str:
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1]
         for row in rows
     ]
+    telemetry = status.get("telemetry") or {}
+    for device in telemetry.get("devices", []):
+        lines.append(
+            f"{device['device']}: {human_bytes(int(device['used_bytes']))} used of "
+            f"{human_bytes(int(device['total_bytes']))} ({telemetry.get('source', '?')})"
+        )
+    for other in telemetry.get("others", []):
+        if other.get("used_bytes"):
+            lines.append(
+                f"  also on {other['device']}: {other.get('name') or '?'} "
+                f"(pid {other['pid']}) {human_bytes(int(other['used_bytes']))}"
+            )
     holder = status.get("holder")
     if holder:
         lines.append(f"GPU held by pid {holder['pid']} ({holder.get('name') or '?'})")

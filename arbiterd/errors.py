@@ -21,6 +21,7 @@
     ├── WorkerError                   the worker process or its protocol failed
     │   └── ProtocolError             a malformed or unexpected message
     ├── ConfigError                   config.toml is wrong: file, key path, what was expected (78)
+    ├── TelemetryError                a VRAM reader could not measure (69)
     └── DaemonError                   talking to the daemon failed
         ├── DaemonNotRunningError     nothing listens on the control socket (69)
         ├── UnknownModelError         no model by that name (404 over HTTP)
@@ -116,6 +117,12 @@ class ProtocolError(WorkerError):
 
 class ConfigError(ArbiterError):
     exit_code = 78  # sysexits EX_CONFIG
+
+
+class TelemetryError(ArbiterError):
+    """A reader could not measure: the driver went away, a file vanished, NVML failed."""
+
+    exit_code = 69  # sysexits EX_UNAVAILABLE
 
 
 class DaemonError(ArbiterError):

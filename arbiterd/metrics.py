@@ -10,6 +10,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from arbiterd.telemetry import TelemetrySnapshot, VramGauge
+
 # Handoffs on a desktop GPU: from ~1 ms (in place) to tens of seconds (a large reload).
 HANDOFF_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -41,6 +43,14 @@ class Metrics:
         self.requests = Counter(
             "arbiterd_requests", "Requests by outcome", ["model", "status"], registry=self.registry
         )
+        self.vram = VramGauge(
+            Gauge(
+                "arbiterd_vram_bytes",
+                "Device memory by owner: a model's name, or another process's name",
+                ["device", "owner"],  # this order: VramGauge removes series by it
+                registry=self.registry,
+            )
+        )
         self.worker_restarts = Counter(
             "arbiterd_worker_restarts",
             "Worker processes restarted",
@@ -68,6 +78,9 @@ class Metrics:
             self.handoff_seconds.observe(total)
         elif kind == "worker" and event.get("restart_in_s") is not None:
             self.worker_restarts.labels(model=model).inc()
+
+    def observe_vram(self, snapshot: TelemetrySnapshot) -> None:
+        self.vram.update(snapshot)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

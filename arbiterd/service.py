@@ -15,9 +15,15 @@ Errors the methods raise (arbiterd.errors), which each edge maps once:
 Status (`await status()`), one JSON object:
     {"models": [{"name", "state", "pid", "pinned", "queue", "resident_bytes",
                  "prompt_tokens_evaluated", "served", "restarts", "last_error",
-                 "last_handoff": handoff event | None}, ...],
+                 "last_handoff": handoff event | None,
+                 "vram_bytes": measured device bytes | None (cannot be told),
+                 "cold_footprint_bytes": what its worker holds while cold | None}, ...],
      "arena": str, "holder": {"pid", "name", "since"} | None,
-     "waiters": [{"pid", "name"}, ...], "hold": bool}
+     "waiters": [{"pid", "name"}, ...], "hold": bool,
+     "telemetry": {"at", "source", "readers", "device",
+                   "devices": [{"device", "name", "total_bytes", "used_bytes"}, ...],
+                   "models": {name: bytes | None}, "others": [{"pid", "device",
+                   "used_bytes", "name"}, ...], "errors": [...]}}
 
 Events (from `subscribe()`), JSON objects with "event" and "at" (seconds since the epoch):
     residency   a model's state changed: model, from, to, duration_s, weights_bytes, kv_bytes,
@@ -27,6 +33,11 @@ Events (from `subscribe()`), JSON objects with "event" and "at" (seconds since t
     handoff     the GPU changed hands between models: from, to, release_s, wait_s, restore_s
     worker      a worker exited or restarted: model, pid, code, reason, restart_in_s
     hold        the user took (held=true) or gave back (held=false) the GPU
+    reload      the config was re-read: added, removed, changed (model names)
+    vram_not_freed  a release did not give the VRAM back: model, pid, device, bytes_before,
+                bytes_after, expected_bytes, waited_s
+    vram        live figures, ~1 Hz while someone subscribes (the "telemetry" object of
+                status); sent to subscribers only, never journaled
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The supervisor: one worker per configured model, and the daemon's `Service` (service.py).
 
 Owns the worker processes (spawn, restart with backoff, graceful stop), the routing of requests
-to them, the user's hold on the GPU ("game mode"), and the event stream: every event from a
-worker or from here is stamped, turned into handoffs, counted in the metrics, written to the
-journal and fanned out to subscribers. Runs on the daemon's asyncio loop; blocking calls to
+to them, the user's hold on the GPU ("game mode"), the VRAM telemetry (a sampler thread, and a
+verified teardown after every release), and the event stream: every event from a worker or
+from here is stamped, turned into handoffs, counted in the metrics, written to the journal and
+fanned out to subscribers. Runs on the daemon's asyncio loop; blocking calls to
 workers run in its own thread pool, and worker threads reach the loop only through
 `call_soon_threadsafe`.
 """
@@ -36,6 +37,16 @@ from arbiterd.journal import Journal
 from arbiterd.metrics import Metrics
 from arbiterd.procs import holder_name, process_name
 from arbiterd.service import MODEL_COMMANDS
+from arbiterd.telemetry import (
+    ColdFootprints,
+    ReaderSet,
+    Sampler,
+    TeardownCheck,
+    TeardownResult,
+    TelemetrySnapshot,
+    device_for_arena,
+    select_readers,
+)
 from arbiterd.workerclient import RemoteError, WorkerGoneError, WorkerProcess
 
 log = logging.getLogger(__name__)
@@ -85,6 +96,7 @@ class Supervisor:
         config: Config,
         journal: Journal | None = None,
         reload_config: Callable[[], Config] | None = None,
+        readers: ReaderSet | None = None,
     ) -> None:
         self.config = config
         self._reload_config = reload_config  # None: nothing to reload (embedded default)
@@ -98,6 +110,19 @@ class Supervisor:
         self._last_release: _Release | None = None
         self._hold: Token | None = None
         self._stopping = False
+        # Read by the sampler's thread: replaced whole on every change, never mutated.
+        self._accounted: dict[int, int] = {}  # worker pid -> device bytes by its own account
+        self._model_pids: dict[str, int] = {}
+        self._device = device_for_arena(config.daemon.arena)
+        self._readers = readers or select_readers(lambda: self._accounted)
+        self._sampler = Sampler(
+            self._readers,
+            lambda snapshot: self._call_soon(self._on_snapshot, snapshot),
+            model_pids=lambda: self._model_pids,
+            interested=lambda: bool(self._subscribers),
+        )
+        self._teardown = TeardownCheck(self._readers)
+        self._footprints = ColdFootprints(self._readers.context_allowance_bytes)
         self.stopped = asyncio.Event()  # set by the shutdown command; the daemon awaits it
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -109,10 +134,14 @@ class Supervisor:
             self._slots[name] = _Slot(model)
             self.metrics.add_model(name)
         await asyncio.gather(*(self._spawn(slot) for slot in self._slots.values()))
+        log.info("VRAM telemetry: %s", self._readers.describe())
+        self._sampler.start()
 
     async def stop(self) -> None:
         """Stop every worker (in-flight requests finish first) and release a user hold."""
         self._stopping = True
+        self._teardown.cancel()
+        self._sampler.stop()
         for slot in self._slots.values():
             if slot.restart_task is not None:
                 slot.restart_task.cancel()
@@ -122,6 +151,7 @@ class Supervisor:
             self._hold.release()
             self._hold = None
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._readers.close()
 
     async def _spawn(self, slot: _Slot) -> None:
         name = slot.config.name
@@ -150,6 +180,7 @@ class Supervisor:
             return
         worker.add_listener(self._from_thread(self._on_worker_event))
         slot.worker, slot.started_at = worker, time.monotonic()
+        self._model_pids = {**self._model_pids, name: worker.pid}
         if slot.pinned:
             await self._run(worker.request, "pin")
         slot.ready.set()
@@ -165,6 +196,7 @@ class Supervisor:
     def _on_worker_exit(self, slot: _Slot, worker: WorkerProcess, code: int) -> None:
         if slot.worker is not worker:
             return
+        self._forget_worker(slot.config.name, worker.pid)
         slot.worker = None
         slot.ready.clear()
         slot.state = "stopped" if self._stopping else "restarting"
@@ -320,7 +352,9 @@ class Supervisor:
 
     async def status(self) -> dict[str, Any]:
         slots = list(self._slots.values())
-        reports = await asyncio.gather(*(self._slot_status(s) for s in slots))
+        # A fresh reading, not the last periodic one (up to 5 s old when nobody subscribes).
+        snapshot = await self._run(self._sampler.sample) or self._sampler.latest
+        reports = await asyncio.gather(*(self._slot_status(s, snapshot) for s in slots))
         arena = await self._run(self._arena.observe)
         holder = None
         if arena.holder_pid is not None:
@@ -335,9 +369,10 @@ class Supervisor:
             "holder": holder,
             "waiters": [{"pid": p, "name": process_name(p)} for p in arena.waiter_pids],
             "hold": self._hold is not None,
+            "telemetry": self._telemetry_status(snapshot),
         }
 
-    async def _slot_status(self, slot: _Slot) -> dict[str, Any]:
+    async def _slot_status(self, slot: _Slot, snapshot: TelemetrySnapshot | None) -> dict[str, Any]:
         report: dict[str, Any] = {
             "name": slot.config.name,
             "state": slot.state,
@@ -350,7 +385,11 @@ class Supervisor:
             "restarts": slot.restarts,
             "last_error": slot.last_error,
             "last_handoff": slot.last_handoff,
+            "vram_bytes": None,  # measured by the telemetry readers; None = cannot be told
+            "cold_footprint_bytes": self._footprints.footprint(slot.config.name),
         }
+        if snapshot is not None:
+            report["vram_bytes"] = snapshot.model_bytes(slot.config.name, self._device)
         worker = slot.worker
         if worker is not None:
             try:
@@ -414,6 +453,9 @@ class Supervisor:
             slot.restart_task.cancel()
         worker, slot.worker = slot.worker, None  # detached: its exit is not a crash
         slot.ready.clear()
+        self._footprints.forget(slot.config.name)
+        if worker is not None:
+            self._forget_worker(slot.config.name, worker.pid)
         if worker is not None:
             await self._run(worker.shutdown)
 
@@ -445,6 +487,7 @@ class Supervisor:
     def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
         events: asyncio.Queue[dict[str, Any]] = asyncio.Queue(SUBSCRIBER_QUEUE)
         self._subscribers.add(events)
+        self._sampler.wake()  # a watcher wants fresh figures now, then every second
         return events
 
     def unsubscribe(self, events: asyncio.Queue[dict[str, Any]]) -> None:
@@ -464,6 +507,9 @@ class Supervisor:
         slot.state = str(event["to"])
         if slot.state == "failed":
             slot.last_error = str(event.get("reason", ""))
+        self._account(slot, event)
+        if event["from"] == "cooling" and event["to"] == "cold" and slot.worker is not None:
+            self._verify_teardown(slot.config.name, slot.worker.pid)
         if event["from"] == "cooling" and event["to"] == "cold" and event["reason"] == "wanted":
             self._last_release = _Release(slot.config.name, event["at"], event["duration_s"])
         became_warm = event["to"] == "warm" and event["from"] in ("warming", "loading")
@@ -483,6 +529,65 @@ class Supervisor:
                 }
                 slot.last_handoff = handoff
                 self._publish(handoff)
+
+    # -- VRAM ---------------------------------------------------------------------------------
+
+    def _account(self, slot: _Slot, event: dict[str, Any]) -> None:
+        """The engine's own figure, which the accounting reader reports on machines without a
+        GPU reader: weights + KV while warm, nothing once cold."""
+        worker = slot.worker
+        if worker is None:
+            return
+        if event["to"] == "warm":
+            held = int(event.get("weights_bytes") or 0) + int(event.get("kv_bytes") or 0)
+        elif event["to"] in ("cold", "failed", "stopped"):
+            held = 0
+        else:
+            return
+        self._accounted = {**self._accounted, worker.pid: held}
+
+    def _forget_worker(self, model: str, pid: int) -> None:
+        self._accounted = {p: b for p, b in self._accounted.items() if p != pid}
+        self._model_pids = {m: p for m, p in self._model_pids.items() if m != model}
+
+    def _verify_teardown(self, model: str, pid: int) -> None:
+        """After a release, check (off the loop) that the worker's VRAM really came back."""
+        latest = self._sampler.latest
+        future = self._pool.submit(
+            self._teardown.run,
+            model,
+            pid,
+            expected_bytes=self._footprints.expected(model),
+            bytes_before=latest.model_bytes(model, self._device) if latest else None,
+            device=self._device,
+        )
+        future.add_done_callback(
+            lambda done: (
+                self._call_soon(self._on_teardown, done.result())
+                if not done.cancelled() and done.exception() is None
+                else None
+            )
+        )
+
+    def _on_teardown(self, result: TeardownResult) -> None:
+        self._footprints.record(result)
+        event = result.event()
+        if event is not None:
+            log.warning("%s: VRAM not freed after release: %s", result.model, event)
+            self._publish(event)
+
+    def _on_snapshot(self, snapshot: TelemetrySnapshot) -> None:
+        self.metrics.observe_vram(snapshot)
+        vram = {"event": "vram", **snapshot.to_json()}
+        for events in list(self._subscribers):  # live figures: not journaled
+            if not events.full():
+                events.put_nowait(vram)
+
+    def _telemetry_status(self, snapshot: TelemetrySnapshot | None) -> dict[str, Any]:
+        figures: dict[str, Any] = snapshot.to_json() if snapshot is not None else {}
+        return {**figures, "readers": self._readers.describe(), "device": self._device}
+
+    # -- event stream -------------------------------------------------------------------------
 
     def _publish(self, event: dict[str, Any]) -> None:
         event.setdefault("at", time.time())

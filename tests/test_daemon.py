@@ -281,3 +281,33 @@ def test_two_clients_at_once_are_both_served(api: openai.OpenAI) -> None:
     for thread in threads:
         thread.join(timeout=60)
     assert len(answers) == 3
+
+
+def test_vram_is_measured_and_every_release_is_verified(daemon: Daemon, api: openai.OpenAI) -> None:
+    for model in ("alpha", "beta", "alpha"):
+        api.completions.create(model=model, prompt="the fox", max_tokens=1)
+
+    def verified() -> bool:
+        with daemon.client() as client:
+            models = {m["name"]: m for m in client.call("status")["models"]}
+        return bool(models["beta"]["cold_footprint_bytes"] == 0)
+
+    wait_until(verified, 30, "beta's release to be verified")
+    with daemon.client() as client:
+        status = client.call("status")
+    telemetry = status["telemetry"]
+    assert telemetry["source"] == "accounting"  # no GPU here: the engines' own figures
+    assert telemetry["device"] == "gpu0"
+    models = {m["name"]: m for m in status["models"]}
+    assert models["alpha"]["vram_bytes"] > 0  # warm
+    assert models["beta"]["vram_bytes"] == 0  # released, and verified so
+    metrics = httpx.get(daemon.url.removesuffix("/v1") + "/metrics").text
+    assert 'arbiterd_vram_bytes{device="gpu0",owner="alpha"}' in metrics
+    text = arbiterd("status", "--socket", str(daemon.socket)).stdout
+    assert "gpu0:" in text
+    assert "(accounting)" in text
+    journal = Journal.open_readonly(daemon.journal)
+    try:
+        assert journal.read(kinds=["vram_not_freed"]) == []
+    finally:
+        journal.close()
