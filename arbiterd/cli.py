@@ -12,6 +12,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from arbiterd import clidaemon
 from arbiterd.arena import Arena, ArenaState
@@ -43,7 +44,13 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print one JSON object")
     clidaemon.add_commands(sub)
     demo = sub.add_parser("demo", help="two models, real requests, every handoff shown live")
-    demo.set_defaults(handler=lambda _args: run_demo())
+    demo.add_argument(
+        "--screenshot", type=Path, metavar="FILE.png", help="also render the dashboard of it"
+    )
+    demo.set_defaults(handler=lambda args: run_demo(args.screenshot))
+    sub.add_parser(
+        "tray", help="the tray icon and dashboard (arbiterd tray --help)", add_help=False
+    )
     install = sub.add_parser("install", help="start the daemon and the tray at login")
     install.add_argument("--no-enable", action="store_true", help="write files, start nothing")
     install.add_argument("--dry-run", action="store_true", help="only say what would be done")
@@ -76,6 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _dispatch(argv: list[str]) -> int:
+    if argv[:1] == ["tray"]:
+        # Its own parser, and Qt is loaded only for it (never by the daemon or `run`).
+        from arbiterd.gui.app import main as tray_main  # noqa: PLC0415
+
+        return tray_main(argv[1:])
     cmd: list[str] = []
     if argv[:1] == ["run"]:
         if "--" not in argv:

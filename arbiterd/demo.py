@@ -9,6 +9,7 @@ simulated: the figures are the daemon's own events.
 
 from __future__ import annotations
 
+import os
 import queue
 import socket
 import statistics
@@ -59,7 +60,9 @@ ROUNDS = 4
 START_TIMEOUT_S = 300.0
 
 
-def main() -> int:
+def main(screenshot: Path | None = None) -> int:
+    """Run the demo; with `screenshot`, the tray's dashboard of it is rendered there at the end
+    (needs the gui extra)."""
     with tempfile.TemporaryDirectory(prefix="arbiterd-demo-") as tmp:
         base = Path(tmp)
         port = _free_port()
@@ -71,7 +74,7 @@ def main() -> int:
             stderr=open(base / "daemon.log", "w"),  # noqa: SIM115 (the child owns it)
         )
         try:
-            code = _drive(base / "control.sock", port)
+            code = _drive(base, port, screenshot)
         except ArbiterError as exc:
             print(f"arbiterd demo: {exc}; daemon log follows", file=sys.stderr)
             print((base / "daemon.log").read_text(), file=sys.stderr)
@@ -84,9 +87,10 @@ def main() -> int:
         return code or (0 if daemon.returncode == 0 else 1)
 
 
-def _drive(control: Path, port: int) -> int:
+def _drive(base: Path, port: int, screenshot: Path | None) -> int:
     import openai  # noqa: PLC0415 (a demo-only dependency)
 
+    control = base / "control.sock"
     client_control = _wait_for_daemon(control)
     events: queue.Queue[dict[str, Any]] = queue.Queue()
     listener = ControlClient.connect(control)
@@ -117,10 +121,36 @@ def _drive(control: Path, port: int) -> int:
                         f"{event['prompt_tokens_evaluated']:9d}  {text.strip()[:40]!r}"
                     )
     _summary(requests, handoffs)
+    if screenshot is not None:
+        _screenshot(base, screenshot)
     client_control.call("shutdown")
     client_control.close()
     listener.close()
     return 0
+
+
+def _screenshot(base: Path, target: Path) -> None:
+    """The tray's dashboard of this very run, rendered by `arbiterd tray --screenshot`."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "arbiterd",
+            "tray",
+            "--screenshot",
+            str(target),
+            "--socket",
+            str(base / "control.sock"),
+            "--journal",
+            str(base / "journal.sqlite3"),
+        ],
+        env={**os.environ, "QT_QPA_PLATFORM": "offscreen"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    print(f"dashboard: {done.stdout.strip() or done.stderr.strip()}")
 
 
 def _wait_for_daemon(control: Path) -> ControlClient:

@@ -56,10 +56,10 @@ def arbiterd_command() -> str:
 def _quote_exec_arg(arg: str) -> str:
     """Quote one Exec argument as the Desktop Entry spec says: reserved characters mean double
     quotes, inside which `"`, `` ` ``, `$` and `\\` are escaped with a backslash."""
+    arg = arg.replace("%", "%%")  # a lone % starts a field code (%f, %u, ...)
     reserved = set(" \t\n\"'\\><~|&;$*?#()`")
     if arg and not set(arg) & reserved:
-        return arg.replace("%", "%%")
-    arg = arg.replace("%", "%%")  # a lone % starts a field code (%f, %u, ...)
+        return arg
     escaped = "".join("\\" + c if c in '"`$\\' else c for c in arg)
     # The desktop file's own string escaping doubles each backslash again.
     return '"' + escaped.replace("\\", "\\\\") + '"'

@@ -1,0 +1,273 @@
+"""`arbiterd tray`: the entry point. Owns the command line, the QApplication, and the one-shot
+`--screenshot` render; the running app itself is `tray.TrayApp`.
+
+    arbiterd tray [--socket PATH] [--journal PATH] [--config PATH] [-v]
+    arbiterd tray --screenshot FILE.png [--replay FILE] [--socket PATH] [--journal PATH]
+
+`main(argv)` takes the arguments after "tray" and returns the exit status; an ArbiterError is
+one line on stderr and its exit status, as everywhere in the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Final
+
+from PySide6.QtCore import QEventLoop, QTimer
+from PySide6.QtWidgets import QApplication
+
+from arbiterd.config import load_daemon_config
+from arbiterd.errors import ArbiterError, DaemonNotRunningError, UsageError
+from arbiterd.gui.connection import DaemonConnection
+from arbiterd.gui.dashboard import SCREENSHOT_SIZE, DashboardWindow
+from arbiterd.gui.history import JOURNAL_LEAD_S, read_journal
+from arbiterd.gui.launch import daemon_start_command
+from arbiterd.gui.notify import BusNotifications
+from arbiterd.gui.replay import apply_replay, load_replay
+from arbiterd.gui.state import TrayState
+from arbiterd.gui.tray import TrayApp
+
+log = logging.getLogger(__name__)
+
+# How long --screenshot waits for a running daemon's first status.
+SCREENSHOT_CONNECT_S: Final = 5.0
+# Python runs its signal handlers only between bytecodes: while Qt's loop waits in C++, a timer
+# lets Ctrl-C and SIGTERM through.
+SIGNAL_POLL_MS: Final = 200
+
+
+class NoDisplayError(ArbiterError):
+    exit_code = 69  # sysexits EX_UNAVAILABLE
+
+
+class BrokenQtError(ArbiterError):
+    exit_code = 69  # sysexits EX_UNAVAILABLE
+
+
+def pyside_leaks_none() -> bool:
+    """Whether this PySide6 drops a reference to None on each Qt call that returns nothing.
+
+    PySide6 6.12.0 does on CPython 3.11 (seen here; 6.11.3 does not, and from 3.12 on None is
+    immortal, PEP 683): None's count, about 5000 at start, reaches zero after that many calls
+    and the process aborts with "Fatal Python error: none_dealloc". A tray that redraws every
+    second gets there within the hour."""
+    if sys.version_info >= (3, 12):
+        return False
+    timer = QTimer()
+    before = sys.getrefcount(None)
+    for _ in range(8):
+        timer.setInterval(1)
+    return sys.getrefcount(None) < before
+
+
+class ScreenshotError(ArbiterError):
+    exit_code = 73  # sysexits EX_CANTCREAT
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="arbiterd tray",
+        description="The tray icon and dashboard: who holds the GPU, who waits, every handoff.",
+    )
+    parser.add_argument("--socket", type=Path, metavar="PATH", help="control socket path")
+    parser.add_argument("--journal", type=Path, metavar="PATH", help="journal file (history)")
+    parser.add_argument("--config", type=Path, metavar="PATH", help="config naming both")
+    parser.add_argument(
+        "--screenshot", type=Path, metavar="FILE.png", help="render the dashboard to a PNG, exit"
+    )
+    parser.add_argument(
+        "--replay",
+        type=Path,
+        metavar="FILE",
+        help="with --screenshot: render a recorded log (JSON lines of status and events)",
+    )
+    parser.add_argument(
+        "--dashboard", action="store_true", help="open the dashboard window at start (menu entry)"
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the tray does")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="arbiterd tray %(levelname)s: %(message)s",
+    )
+    try:
+        if args.replay is not None and args.screenshot is None:
+            raise UsageError("--replay renders a recording: use it with --screenshot FILE.png")
+        if args.screenshot is not None:
+            return screenshot(args)
+        return run_tray(args)
+    except ArbiterError as exc:
+        print(f"arbiterd tray: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+def _socket_path(args: argparse.Namespace) -> Path:
+    if args.socket is not None:
+        return Path(args.socket)
+    return load_daemon_config(args.config).socket
+
+
+def _journal_path(args: argparse.Namespace) -> Path | None:
+    if args.journal is not None:
+        return Path(args.journal)
+    try:
+        return load_daemon_config(args.config).journal
+    except ArbiterError as exc:
+        log.warning("no history: %s", exc)
+        return None
+
+
+def _application() -> QApplication:
+    existing = QApplication.instance()
+    if isinstance(existing, QApplication):
+        return existing
+    app = QApplication(["arbiterd tray"])
+    app.setApplicationName("arbiterd")
+    app.setDesktopFileName("arbiterd")
+    return app
+
+
+# -- the tray --------------------------------------------------------------------------------------
+
+
+def run_tray(args: argparse.Namespace) -> int:
+    if not (
+        os.environ.get("QT_QPA_PLATFORM")
+        or os.environ.get("DISPLAY")
+        or os.environ.get("WAYLAND_DISPLAY")
+    ):
+        # Qt would abort (qFatal) without a display; say so in one line instead.
+        raise NoDisplayError(
+            "no display: the tray needs a desktop session (--screenshot FILE.png renders the "
+            "dashboard without one)"
+        )
+    socket = _socket_path(args)
+    journal = _journal_path(args)
+    app = _application()
+    if pyside_leaks_none():
+        raise BrokenQtError(
+            "this PySide6 drops a reference to None on every Qt call that returns nothing "
+            "(PySide6 6.12.0 on Python 3.11), so a long-running tray would abort; install "
+            "another version (pip install 'PySide6-Essentials!=6.12.0') or use Python 3.12+"
+        )
+    app.setQuitOnLastWindowClosed(False)
+    connection = DaemonConnection(socket)
+    tray = TrayApp(
+        connection,
+        journal_path=journal,
+        notifications=BusNotifications.find(),
+        daemon_command=lambda: daemon_start_command(args.socket, args.config),
+    )
+    if args.dashboard:
+        tray.show_dashboard()
+    previous = {
+        signum: signal.signal(signum, lambda *_: app.quit())
+        for signum in (signal.SIGINT, signal.SIGTERM)
+    }
+    ticker = QTimer()
+    ticker.timeout.connect(lambda: None)
+    ticker.start(SIGNAL_POLL_MS)
+    try:
+        tray.start()
+        return app.exec()
+    finally:
+        ticker.stop()
+        tray.stop()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+# -- --screenshot ----------------------------------------------------------------------------------
+
+
+def screenshot(args: argparse.Namespace) -> int:
+    output: Path = args.screenshot
+    if output.suffix.lower() != ".png":
+        raise UsageError(f"--screenshot writes a PNG: give a FILE.png, not {output}")
+    # The picture must not depend on the desktop it is taken on, or need one.
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    app = _application()
+    state = TrayState()
+    if args.replay is not None:
+        now = apply_replay(state, load_replay(args.replay))
+    else:
+        now = _fetch_live(state, _socket_path(args), _journal_path(args))
+    dashboard = DashboardWindow()
+    try:
+        # Never shown: grab() lays out and paints a hidden widget at its size.
+        dashboard.resize(SCREENSHOT_SIZE)
+        dashboard.refresh(state, now)
+        dashboard.ensurePolished()
+        layout = dashboard.layout()
+        if layout is not None:
+            layout.activate()
+        app.processEvents()
+        image = dashboard.grab()
+        if not image.save(str(output), "PNG"):
+            raise ScreenshotError(f"cannot write the screenshot {output}")
+    finally:
+        dashboard.close()
+        dashboard.deleteLater()
+    print(f"wrote {output} ({image.width()}x{image.height()})")
+    return 0
+
+
+def _fetch_live(state: TrayState, socket: Path, journal: Path | None) -> float:
+    """Fill `state` from the journal and one status of the running daemon; returns now.
+    DaemonNotRunningError when no daemon answers within SCREENSHOT_CONNECT_S."""
+    now = time.time()
+    if journal is not None:
+        try:
+            events = read_journal(journal, now - state.history.window_s - JOURNAL_LEAD_S)
+        except ArbiterError as exc:
+            log.info("no history: %s", exc)
+        else:
+            for event in events:
+                state.apply_event(event)
+    connection = DaemonConnection(socket)
+    loop = QEventLoop()
+    failure: list[str] = []
+
+    def on_status(status: dict[str, object]) -> None:
+        state.apply_status(status, time.time())
+        loop.quit()
+
+    def on_disconnected(reason: str) -> None:
+        failure.append(reason)
+        loop.quit()
+
+    def on_timeout() -> None:
+        failure.append(f"no answer within {SCREENSHOT_CONNECT_S:.0f} s")
+        loop.quit()
+
+    connection.status_received.connect(on_status)
+    connection.disconnected.connect(on_disconnected)
+    timer = QTimer()
+    timer.setSingleShot(True)
+    timer.timeout.connect(on_timeout)
+    timer.start(int(SCREENSHOT_CONNECT_S * 1000))
+    try:
+        connection.start()
+        if not failure and state.status is None:  # a refused connect may fail at once
+            loop.exec()
+    finally:
+        timer.stop()
+        connection.stop()
+        connection.deleteLater()
+    if state.status is None:
+        reason = failure[0] if failure else "no status"
+        raise DaemonNotRunningError(
+            f"cannot reach arbiterd on {socket} ({reason}); start it, or render a recording "
+            "with --replay FILE"
+        )
+    return time.time()

@@ -1,0 +1,290 @@
+"""The dashboard window: who holds the GPU, VRAM by owner over time, every handoff, each model.
+
+    header     holder · VRAM used/total · waiters          [Hold GPU (game mode)] [Start daemon]
+    banners    warnings (amber), daemon unreachable (red), the last command's error
+    timeline   timeline.TimelineWidget
+    cards      one per model: state, VRAM, queue, pinned, last error; Warm / Release / Pin
+    table      handoffs: time, from → to, release / wait / restore / total, bytes, tokens
+
+Owns the window's widgets and how a `TrayState` shows in them. It sends nothing itself: its
+buttons emit `command_requested(command, model)` and `start_daemon_requested()`, and the tray
+app decides (so without a system tray the dashboard still steers the daemon).
+"""
+
+from __future__ import annotations
+
+import time
+
+from PySide6.QtCore import QSize, Qt, Signal
+from PySide6.QtGui import QCloseEvent
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QFrame,
+    QGridLayout,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QPushButton,
+    QSizePolicy,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
+
+from arbiterd.clidaemon import human_bytes
+from arbiterd.gui import palette
+from arbiterd.gui.history import HandoffRecord
+from arbiterd.gui.palette import hex_colour
+from arbiterd.gui.state import TrayState
+from arbiterd.gui.status import ModelStatus
+from arbiterd.gui.timeline import TimelineWidget
+
+CARD_COLUMNS = 4
+SCREENSHOT_SIZE = QSize(1120, 820)
+TABLE_COLUMNS = (
+    "Time",
+    "Handoff",
+    "Release",
+    "Wait",
+    "Restore",
+    "Total",
+    "Bytes",
+    "Tokens evaluated",
+)
+
+_STYLE = f"""
+QWidget#dashboard, QWidget#cards {{ background: {hex_colour(palette.PANEL)}; }}
+QWidget#dashboard QLabel {{ color: {hex_colour(palette.TEXT)}; }}
+QLabel#headline {{ font-size: 15pt; font-weight: bold; }}
+QLabel#warning {{ background: {hex_colour(palette.AMBER)}; color: #1b1b1b; padding: 4px 8px;
+                  border-radius: 4px; }}
+QLabel#unreachable {{ background: {hex_colour(palette.RED)}; color: white; padding: 4px 8px;
+                      border-radius: 4px; }}
+QLabel#message {{ background: #3a3f47; padding: 4px 8px; border-radius: 4px; }}
+QFrame#card {{ background: #26292e; border-radius: 6px; }}
+QLabel#cardError {{ color: #ff8a80; }}
+QPushButton {{ background: #3a3f47; color: {hex_colour(palette.TEXT)}; border: 1px solid #4b5058;
+               border-radius: 4px; padding: 3px 10px; }}
+QPushButton:checked {{ background: #5c6470; }}
+QPushButton:disabled {{ color: #777; }}
+QTableWidget {{ background: #26292e; color: {hex_colour(palette.TEXT)};
+                gridline-color: #3a3f47; border: none; }}
+QHeaderView::section {{ background: #3a3f47; color: {hex_colour(palette.TEXT)}; border: none;
+                        padding: 3px; }}
+"""
+
+
+def _seconds(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f} s"
+
+
+class ModelCard(QFrame):
+    command_requested = Signal(str, object)  # command, model
+
+    def __init__(self, name: str, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.name = name
+        self.setObjectName("card")
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
+        outer = QHBoxLayout(self)
+        outer.setContentsMargins(0, 0, 0, 0)
+        stripe = QFrame()
+        stripe.setFixedWidth(5)
+        colour = hex_colour(palette.model_colour(name))
+        stripe.setStyleSheet(f"background: {colour}; border-radius: 2px;")
+        outer.addWidget(stripe)
+        layout = QVBoxLayout()
+        layout.setContentsMargins(8, 8, 10, 8)
+        outer.addLayout(layout, 1)
+        title = QLabel(name)
+        title.setStyleSheet("font-weight: bold; font-size: 11pt;")
+        self.state = QLabel()
+        self.vram = QLabel()
+        self.queue = QLabel()
+        self.error = QLabel()
+        self.error.setObjectName("cardError")
+        self.error.setWordWrap(True)
+        for widget in (title, self.state, self.vram, self.queue, self.error):
+            layout.addWidget(widget)
+        layout.addStretch(1)
+        buttons = QHBoxLayout()
+        self.warm = QPushButton("Warm")
+        self.release = QPushButton("Release")
+        self.pin = QPushButton("Pin")
+        self.pin.setCheckable(True)
+        for button in (self.warm, self.release, self.pin):
+            buttons.addWidget(button)
+        layout.addLayout(buttons)
+        self.warm.clicked.connect(lambda: self.command_requested.emit("warm", self.name))
+        self.release.clicked.connect(lambda: self.command_requested.emit("release", self.name))
+        self.pin.clicked.connect(
+            lambda checked: self.command_requested.emit("pin" if checked else "unpin", self.name)
+        )
+
+    def show_model(self, model: ModelStatus, holder: bool, reachable: bool) -> None:
+        state = model.state + (" · holds the GPU" if holder else "")
+        self.state.setText(f"state: {state}")
+        self.vram.setText(f"VRAM: {human_bytes(model.resident_bytes)}")
+        extra = [f"queue: {model.queue}"]
+        if model.pinned:
+            extra.append("pinned")
+        if model.restarts:
+            extra.append(f"{model.restarts} restart{'s' if model.restarts != 1 else ''}")
+        self.queue.setText(" · ".join(extra))
+        self.error.setText(f"last error: {model.last_error}" if model.last_error else "")
+        self.error.setVisible(bool(model.last_error))
+        self.pin.setChecked(model.pinned)
+        self.pin.setText("Pinned" if model.pinned else "Pin")
+        for button in (self.warm, self.release, self.pin):
+            button.setEnabled(reachable)
+
+
+class DashboardWindow(QWidget):
+    command_requested = Signal(str, object)  # command, model (None for hold/unhold)
+    start_daemon_requested = Signal()
+    closed = Signal()
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("dashboard")
+        self.setWindowTitle("arbiterd — GPU dashboard")
+        self.setStyleSheet(_STYLE)
+        self.setAttribute(Qt.WidgetAttribute.WA_StyledBackground)
+        self.resize(SCREENSHOT_SIZE)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(14, 12, 14, 12)
+        layout.setSpacing(8)
+
+        layout.addLayout(self._build_header())
+        self._build_banners(layout)
+
+        self.timeline = TimelineWidget()
+        self.timeline.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Expanding)
+        layout.addWidget(self.timeline, 3)
+
+        self.cards_widget = QWidget()
+        self.cards_widget.setObjectName("cards")
+        self.cards_layout = QGridLayout(self.cards_widget)
+        self.cards_layout.setContentsMargins(0, 0, 0, 0)
+        self.cards_layout.setSpacing(8)
+        self.cards: dict[str, ModelCard] = {}
+        layout.addWidget(self.cards_widget)
+
+        self.table = self._build_table()
+        layout.addWidget(self.table, 2)
+
+    def _build_header(self) -> QHBoxLayout:
+        header = QHBoxLayout()
+        titles = QVBoxLayout()
+        self.headline = QLabel()
+        self.headline.setObjectName("headline")
+        self.details = QLabel()
+        titles.addWidget(self.headline)
+        titles.addWidget(self.details)
+        header.addLayout(titles, 1)
+        self.hold_button = QPushButton("Hold GPU (game mode)")
+        self.hold_button.setCheckable(True)
+        self.hold_button.clicked.connect(
+            lambda checked: self.command_requested.emit("hold" if checked else "unhold", None)
+        )
+        self.start_button = QPushButton("Start daemon")
+        self.start_button.clicked.connect(self.start_daemon_requested)
+        header.addWidget(self.hold_button)
+        header.addWidget(self.start_button)
+        return header
+
+    def _build_banners(self, layout: QVBoxLayout) -> None:
+        self.unreachable = QLabel()
+        self.unreachable.setObjectName("unreachable")
+        self.warning = QLabel()
+        self.warning.setObjectName("warning")
+        self.warning.setWordWrap(True)
+        self.message = QLabel()
+        self.message.setObjectName("message")
+        self.message.setWordWrap(True)
+        for banner in (self.unreachable, self.warning, self.message):
+            banner.hide()
+            layout.addWidget(banner)
+
+    def _build_table(self) -> QTableWidget:
+        table = QTableWidget(0, len(TABLE_COLUMNS))
+        table.setHorizontalHeaderLabels(list(TABLE_COLUMNS))
+        table.verticalHeader().hide()
+        table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        table.setSelectionMode(QAbstractItemView.SelectionMode.NoSelection)
+        table.setFocusPolicy(Qt.FocusPolicy.NoFocus)
+        header_view = table.horizontalHeader()
+        header_view.setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+        header_view.setSectionResizeMode(1, QHeaderView.ResizeMode.ResizeToContents)
+        return table
+
+    # -- showing a state -----------------------------------------------------------------------
+
+    def refresh(self, state: TrayState, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        status = state.status
+        self.headline.setText(state.holder_text())
+        if status is not None:
+            self.details.setText(f"{state.vram_text()}   ·   {state.waiters_text()}")
+        else:
+            self.details.setText("")
+        self.unreachable.setVisible(not state.reachable)
+        self.unreachable.setText(f"daemon not running — {state.unreachable_reason}")
+        self.start_button.setVisible(not state.reachable)
+        self.hold_button.setEnabled(state.reachable)
+        self.hold_button.setChecked(status is not None and status.hold)
+        warnings = state.warnings(now) if state.reachable else []
+        self.warning.setVisible(bool(warnings))
+        self.warning.setText("\n".join(f"⚠ {w}" for w in warnings))
+        self._refresh_cards(state)
+        state.history.trim(now)
+        self.timeline.set_history(state.history, now)
+        self._refresh_table(state.history.handoffs)
+
+    def show_message(self, text: str) -> None:
+        """A line under the header, e.g. a command the daemon refused; empty hides it."""
+        self.message.setText(text)
+        self.message.setVisible(bool(text))
+
+    def _refresh_cards(self, state: TrayState) -> None:
+        status = state.status
+        models = list(status.models) if status is not None else []
+        names = [m.name for m in models]
+        if names != list(self.cards):
+            for card in self.cards.values():
+                card.setParent(None)
+                card.deleteLater()
+            self.cards = {}
+            for index, name in enumerate(names):
+                card = ModelCard(name)
+                card.command_requested.connect(self.command_requested)
+                self.cards[name] = card
+                self.cards_layout.addWidget(card, index // CARD_COLUMNS, index % CARD_COLUMNS)
+        holder = status.holder_model if status is not None else None
+        for model in models:
+            self.cards[model.name].show_model(model, model.name == holder, state.reachable)
+
+    def _refresh_table(self, handoffs: list[HandoffRecord]) -> None:
+        rows = list(reversed(handoffs))  # newest first
+        self.table.setRowCount(len(rows))
+        for row, record in enumerate(rows):
+            cells = (
+                time.strftime("%H:%M:%S", time.localtime(record.at)),
+                f"{record.from_model} → {record.to_model}",
+                _seconds(record.release_s),
+                _seconds(record.wait_s),
+                _seconds(record.restore_s),
+                _seconds(record.total_s),
+                "—" if record.bytes_ is None else human_bytes(record.bytes_),
+                "—" if record.tokens_evaluated is None else str(record.tokens_evaluated),
+            )
+            for column, text in enumerate(cells):
+                item = QTableWidgetItem(text)
+                if column != 1:
+                    item.setTextAlignment(Qt.AlignmentFlag.AlignCenter)
+                self.table.setItem(row, column, item)
+
+    def closeEvent(self, event: QCloseEvent) -> None:
+        self.closed.emit()
+        super().closeEvent(event)

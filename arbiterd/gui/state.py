@@ -1,0 +1,197 @@
+"""Everything the tray shows, as one object fed by status snapshots and events: pure, no Qt.
+
+Owns what the icon, the tooltip, the menu and the dashboard derive from the daemon — who holds
+the GPU, how full it is, which warnings are active, whether the daemon can be reached — so each
+of those is a function of this state and a time, tested without a socket or a window.
+
+Warnings (the icon turns amber while one is active):
+    a model in state failed / restarting        while the status says so
+    vram_not_freed                              WARNING_HOLD_S, or until that model is warm again
+    worker (a crash or a failed start)          WARNING_HOLD_S, or until that model is warm again
+    residency to failed                         WARNING_HOLD_S, or until that model is warm again
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from arbiterd.clidaemon import human_bytes
+from arbiterd.gui import palette
+from arbiterd.gui.history import DEFAULT_WINDOW_S, History
+from arbiterd.gui.palette import RGB
+from arbiterd.gui.status import HOLD_HOLDER_NAME, Status
+
+WARNING_HOLD_S = 300.0
+
+
+def _text(value: object, default: str = "?") -> str:
+    return value if isinstance(value, str) and value else default
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+@dataclass(frozen=True)
+class ActiveWarning:
+    """One active warning: `model` clears it when that model is warm again."""
+
+    text: str
+    at: float
+    model: str | None
+
+
+@dataclass(frozen=True)
+class IconLook:
+    """What the tray icon shows; `icon.render_icon` draws it."""
+
+    frame: RGB  # the holder's colour, or amber / red / the free colour
+    fill_colour: RGB  # the holder's colour (grey for other processes)
+    fill: float  # 0..1: how full the VRAM is
+    unreachable: bool = False
+    warning: bool = False
+
+
+def failure_of(event: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(summary, body) when `event` reports a failure worth interrupting the user for: VRAM not
+    freed, a model that failed, a worker that crashed or could not start. Else None."""
+    kind = event.get("event")
+    model = _text(event.get("model"), "a model")
+    if kind == "vram_not_freed":
+        figure = _number(event.get("bytes"))
+        if figure is None:
+            figure = _number(event.get("used_bytes"))
+        where = f" on {event['device']}" if isinstance(event.get("device"), str) else ""
+        held = f"{human_bytes(int(figure))} are" if figure else "its memory is"
+        return ("VRAM not freed", f"{model} released the GPU but {held} still in use{where}")
+    if kind == "residency" and event.get("to") == "failed":
+        reason = _text(event.get("reason"), "no reason given")
+        return ("Model failed", f"{model} failed: {reason}")
+    if kind == "worker":
+        reason = _text(event.get("reason"), "exited")
+        restart = _number(event.get("restart_in_s"))
+        then = f"; restarting in {restart:.0f} s" if restart is not None else ""
+        if event.get("code") is None:
+            return ("Worker failed to start", f"{model}: {reason}{then}")
+        return ("Worker crashed", f"{model}: {reason}{then}")
+    return None
+
+
+class TrayState:
+    def __init__(self, window_s: float = DEFAULT_WINDOW_S) -> None:
+        self.status: Status | None = None
+        self.status_at: float | None = None
+        self.reachable = False
+        self.unreachable_reason = "connecting to arbiterd…"
+        self.history = History(window_s=window_s)
+        self._warnings: dict[tuple[str, str | None], ActiveWarning] = {}
+
+    # -- feeding -------------------------------------------------------------------------------
+
+    def apply_status(self, raw: Mapping[str, Any], at: float) -> None:
+        self.status = Status.read(raw)
+        self.status_at = at
+        self.reachable = True
+        self.history.add_status(self.status, at)
+
+    def apply_event(self, event: Mapping[str, Any]) -> bool:
+        """Apply one event; False when it was already seen (a journal event that also came live)."""
+        if not self.history.add_event(event):
+            return False
+        at = _number(event.get("at")) or 0.0
+        kind = event.get("event")
+        model = event.get("model") if isinstance(event.get("model"), str) else None
+        if kind == "residency" and event.get("to") == "warm" and model is not None:
+            # Warm again: whatever went wrong with it before is over.
+            self._warnings = {k: w for k, w in self._warnings.items() if w.model != model}
+        failure = failure_of(event)
+        if failure is not None:
+            summary, body = failure
+            self._warnings[(summary, model)] = ActiveWarning(f"{summary}: {body}", at, model)
+        return True
+
+    def set_unreachable(self, reason: str) -> None:
+        self.reachable = False
+        self.unreachable_reason = reason
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def warnings(self, now: float) -> list[str]:
+        self._warnings = {k: w for k, w in self._warnings.items() if now - w.at <= WARNING_HOLD_S}
+        texts = [w.text for w in sorted(self._warnings.values(), key=lambda w: w.at)]
+        if self.status is not None:
+            for model in self.status.troubled:
+                line = f"{model.name} is {model.state}"
+                if model.last_error:
+                    line += f": {model.last_error}"
+                texts.insert(0, line)
+        return texts
+
+    def holder_colour(self) -> RGB:
+        status = self.status
+        if status is None or status.holder is None:
+            return palette.FREE
+        if status.holder_model is not None:
+            return palette.model_colour(status.holder_model)
+        return palette.OTHER
+
+    def fill(self, now: float) -> float:
+        """How full the VRAM is, 0..1: of the devices' memory once telemetry reports it, else
+        of the most this window has seen in use (a relative level, still telling warm from
+        cold)."""
+        if self.status is None:
+            return 0.0
+        used = self.status.used_bytes
+        total = self.status.total_bytes or self.history.total_bytes
+        if total is None:
+            total = max(self.history.peak_bytes(now), used)
+        return 0.0 if total <= 0 else min(1.0, used / total)
+
+    def icon_look(self, now: float) -> IconLook:
+        if not self.reachable:
+            return IconLook(palette.RED, palette.RED, 0.0, unreachable=True)
+        colour = self.holder_colour()
+        if self.warnings(now):
+            return IconLook(palette.AMBER, colour, self.fill(now), warning=True)
+        return IconLook(colour, colour, self.fill(now))
+
+    def holder_text(self) -> str:
+        status = self.status
+        if not self.reachable or status is None:
+            return "daemon not running"
+        if status.holder is None:
+            return "GPU free"
+        if status.hold or status.holder.name == HOLD_HOLDER_NAME:
+            return "GPU held for you (game mode)"
+        if status.holder_model is not None:
+            return f"GPU: {status.holder_model}"
+        holder = status.holder
+        return f"GPU: {holder.name or 'another program'} (pid {holder.pid})"
+
+    def vram_text(self) -> str:
+        status = self.status
+        if status is None:
+            return "VRAM: unknown"
+        used = human_bytes(status.used_bytes)
+        total = status.total_bytes
+        if total is None:
+            return f"VRAM: {used} (models' own count)"
+        return f"VRAM: {used} / {human_bytes(total)}"
+
+    def waiters_text(self) -> str:
+        status = self.status
+        if status is None or not status.waiters:
+            return "waiting: nobody"
+        names = [w.name or f"pid {w.pid}" for w in status.waiters]
+        return "waiting: " + ", ".join(names)
+
+    def tooltip(self, now: float) -> str:
+        if not self.reachable:
+            return f"arbiterd — daemon not running\n{self.unreachable_reason}"
+        lines = ["arbiterd — " + self.holder_text(), self.vram_text(), self.waiters_text()]
+        lines += [f"⚠ {w}" for w in self.warnings(now)]
+        return "\n".join(lines)

@@ -1,0 +1,178 @@
+"""The daemon's `status` object, read into frozen records the tray can rely on.
+
+Owns the tolerant reading of the status shape (arbiterd/service.py's docstring): a key that is
+missing or of the wrong type gets a neutral default instead of an exception, so a newer or older
+daemon never crashes the tray. Knows the optional keys that telemetry adds later (`devices`,
+`others`) and works without them. Never imports Qt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# States in which a model is in trouble: the tray turns amber while one lasts.
+TROUBLE_STATES = frozenset({"failed", "restarting"})
+# The name the daemon's own hold (game mode) takes the arena token under (supervisor._take_hold).
+HOLD_HOLDER_NAME = "arbiterd hold"
+
+
+def _int(value: object, default: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return default
+    return int(value)
+
+
+def _float(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _str(value: object, default: str = "") -> str:
+    return value if isinstance(value, str) else default
+
+
+def _dicts(value: object) -> list[Mapping[str, Any]]:
+    if not isinstance(value, list):
+        return []
+    return [item for item in value if isinstance(item, Mapping)]
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    name: str
+    state: str
+    pinned: bool
+    queue: int
+    resident_bytes: int  # on the device, by the engine's own accounting
+    last_error: str
+    restarts: int
+    last_handoff: Mapping[str, Any] | None
+
+    @classmethod
+    def read(cls, raw: Mapping[str, Any]) -> ModelStatus:
+        handoff = raw.get("last_handoff")
+        return cls(
+            name=_str(raw.get("name"), "?"),
+            state=_str(raw.get("state"), "unknown"),
+            pinned=raw.get("pinned") is True,
+            queue=_int(raw.get("queue")),
+            # Measured VRAM when the daemon's telemetry can tell, else the engine's account.
+            resident_bytes=max(0, _int(raw.get("vram_bytes"), _int(raw.get("resident_bytes")))),
+            last_error=_str(raw.get("last_error")),
+            restarts=_int(raw.get("restarts")),
+            last_handoff=handoff if isinstance(handoff, Mapping) else None,
+        )
+
+
+@dataclass(frozen=True)
+class Holder:
+    pid: int
+    name: str
+    since: float | None
+
+
+@dataclass(frozen=True)
+class Device:
+    device: str
+    used_bytes: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class OtherProcess:
+    """A GPU program that is not one of the daemon's models (a game, a browser)."""
+
+    name: str
+    pid: int
+    bytes_: int
+
+
+@dataclass(frozen=True)
+class Status:
+    models: tuple[ModelStatus, ...]
+    holder: Holder | None
+    waiters: tuple[Holder, ...]
+    hold: bool
+    devices: tuple[Device, ...] = ()
+    others: tuple[OtherProcess, ...] = ()
+
+    @classmethod
+    def read(cls, raw: Mapping[str, Any]) -> Status:
+        telemetry = raw.get("telemetry")
+        if not isinstance(telemetry, Mapping):
+            telemetry = {}
+        holder_raw = raw.get("holder")
+        holder = None
+        if isinstance(holder_raw, Mapping):
+            holder = Holder(
+                pid=_int(holder_raw.get("pid")),
+                name=_str(holder_raw.get("name")),
+                since=_float(holder_raw.get("since")),
+            )
+        return cls(
+            models=tuple(ModelStatus.read(m) for m in _dicts(raw.get("models"))),
+            holder=holder,
+            waiters=tuple(
+                Holder(pid=_int(w.get("pid")), name=_str(w.get("name")), since=None)
+                for w in _dicts(raw.get("waiters"))
+            ),
+            hold=raw.get("hold") is True,
+            devices=tuple(
+                Device(
+                    device=_str(d.get("device"), "gpu"),
+                    used_bytes=max(0, _int(d.get("used_bytes"))),
+                    total_bytes=max(0, _int(d.get("total_bytes"))),
+                )
+                for d in _dicts(telemetry.get("devices"))
+            ),
+            others=tuple(
+                OtherProcess(
+                    name=_str(o.get("name"), "?"),
+                    pid=_int(o.get("pid")),
+                    bytes_=max(0, _int(o.get("used_bytes"))),
+                )
+                for o in _dicts(telemetry.get("others"))
+            ),
+        )
+
+    def model(self, name: str) -> ModelStatus | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    @property
+    def holder_model(self) -> str | None:
+        """The model that holds the GPU, or None when it is free or held by anything else."""
+        if self.holder is None:
+            return None
+        return self.holder.name if self.model(self.holder.name) is not None else None
+
+    @property
+    def models_bytes(self) -> int:
+        return sum(m.resident_bytes for m in self.models)
+
+    @property
+    def others_bytes(self) -> int:
+        """VRAM used by anything but the models: the listed processes, and on a device that
+        reports its use, whatever else it counts (the desktop, the driver)."""
+        listed = sum(o.bytes_ for o in self.others)
+        if not self.devices:
+            return listed
+        return max(listed, self.used_bytes - self.models_bytes)
+
+    @property
+    def used_bytes(self) -> int:
+        if self.devices:
+            return sum(d.used_bytes for d in self.devices)
+        return self.models_bytes + self.others_bytes
+
+    @property
+    def total_bytes(self) -> int | None:
+        """The devices' memory, or None until telemetry reports it."""
+        total = sum(d.total_bytes for d in self.devices)
+        return total or None
+
+    @property
+    def troubled(self) -> tuple[ModelStatus, ...]:
+        return tuple(m for m in self.models if m.state in TROUBLE_STATES)

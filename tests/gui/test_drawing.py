@@ -1,0 +1,192 @@
+"""The pictures: the tray icon's pixels, and the timeline's bands and handoff markers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from PySide6.QtGui import QImage
+from pytestqt.qtbot import QtBot
+
+from arbiterd.gui import palette
+from arbiterd.gui.icon import fill_rect, frame_width, make_icon, render_icon
+from arbiterd.gui.palette import RGB
+from arbiterd.gui.state import IconLook, TrayState
+from arbiterd.gui.timeline import MARKER_HEIGHT, MIN_SPAN_S, TimelineWidget
+from tests.gui.fakes import GiB, model, status
+
+T = 1_718_000_000.0
+SIZE = 64
+
+
+def rgb(image: QImage, x: float, y: float) -> RGB:
+    colour = image.pixelColor(int(x), int(y))
+    return (colour.red(), colour.green(), colour.blue())
+
+
+def frame_pixel(image: QImage) -> RGB:
+    return rgb(image, frame_width(SIZE) / 2, SIZE / 2)
+
+
+def look_for(raw_status: dict[str, Any] | None, *, event: dict[str, Any] | None = None) -> IconLook:
+    state = TrayState()
+    if raw_status is not None:
+        state.apply_status(raw_status, T)
+    if event is not None:
+        state.apply_event(event)
+    return state.icon_look(T + 1)
+
+
+# -- the icon --------------------------------------------------------------------------------------
+
+
+def test_the_icon_is_drawn_in_the_holders_colour(qtbot: QtBot) -> None:
+    look = look_for(
+        status(
+            model("alpha", "warm", resident_bytes=4 * GiB),
+            holder="alpha",
+            devices=[{"device": "gpu0", "used_bytes": 4 * GiB, "total_bytes": 8 * GiB}],
+        )
+    )
+    image = render_icon(look, SIZE)
+    colour = palette.model_colour("alpha")
+    assert frame_pixel(image) == colour
+    half = fill_rect(SIZE, 0.5)
+    assert rgb(image, SIZE / 2, half.bottom() - 2) == colour  # inside the fill
+    assert rgb(image, SIZE / 2, half.top() - 3) == palette.PANEL  # above it: 4 of 8 GiB
+
+
+def test_the_fill_follows_the_vram_in_use(qtbot: QtBot) -> None:
+    def filled_rows(used_bytes: int) -> int:
+        look = look_for(
+            status(
+                model("alpha", "warm", resident_bytes=used_bytes),
+                holder="alpha",
+                devices=[{"device": "gpu0", "used_bytes": used_bytes, "total_bytes": 8 * GiB}],
+            )
+        )
+        image = render_icon(look, SIZE)
+        return sum(
+            rgb(image, SIZE / 2, y) == palette.model_colour("alpha")
+            for y in range(int(frame_width(SIZE)) + 1, SIZE - int(frame_width(SIZE)) - 1)
+        )
+
+    assert filled_rows(1 * GiB) < filled_rows(4 * GiB) < filled_rows(8 * GiB)
+
+
+def test_another_program_holding_the_gpu_is_grey(qtbot: QtBot) -> None:
+    image = render_icon(look_for(status(model("alpha"), holder="steam")), SIZE)
+    assert frame_pixel(image) == palette.OTHER
+
+
+def test_a_warning_turns_the_frame_amber(qtbot: QtBot) -> None:
+    look = look_for(
+        status(model("alpha", "warm", resident_bytes=GiB), holder="alpha"),
+        event={"event": "vram_not_freed", "at": T, "model": "beta", "bytes": GiB},
+    )
+    image = render_icon(look, SIZE)
+    assert frame_pixel(image) == palette.AMBER
+    # The fill still says who holds the GPU.
+    assert rgb(image, SIZE / 2, fill_rect(SIZE, look.fill).bottom() - 2) == palette.model_colour(
+        "alpha"
+    )
+
+
+def test_an_unreachable_daemon_is_red(qtbot: QtBot) -> None:
+    image = render_icon(look_for(None), SIZE)
+    assert frame_pixel(image) == palette.RED
+    assert rgb(image, SIZE / 2, SIZE / 2) == palette.RED  # the cross
+
+
+@pytest.mark.parametrize("size", [16, 22, 32, 128])
+def test_every_tray_size_is_drawn_for_its_size(qtbot: QtBot, size: int) -> None:
+    icon = make_icon(look_for(None))
+    pixmap = icon.pixmap(size, size)
+    assert pixmap.width() == size
+    assert rgb(pixmap.toImage(), frame_width(size) / 2, size / 2) == palette.RED
+
+
+# -- the timeline ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def timeline(qtbot: QtBot) -> TimelineWidget:
+    """Ten minutes: alpha holds 2 GiB, hands off to beta (3 GiB) half way; 1 GiB of others."""
+    state = TrayState(window_s=600)
+    state.apply_status(
+        status(model("alpha", "warm", resident_bytes=2 * GiB), model("beta"), holder="alpha"), T
+    )
+    state.apply_event(
+        {"event": "residency", "at": T + 299, "model": "alpha", "from": "cooling", "to": "cold"}
+    )
+    state.apply_event(
+        {"event": "handoff", "at": T + 300, "from": "alpha", "to": "beta", "release_s": 0.5}
+    )
+    state.apply_status(
+        status(
+            model("alpha"),
+            model("beta", "warm", resident_bytes=3 * GiB),
+            holder="beta",
+            others=[{"name": "firefox", "pid": 5, "used_bytes": GiB, "device": "gpu0"}],
+        ),
+        T + 300,
+    )
+    widget = TimelineWidget()
+    qtbot.addWidget(widget)
+    widget.resize(700, 320)
+    widget.set_history(state.history, T + 600)
+    return widget
+
+
+def test_the_timeline_marks_each_handoff(timeline: TimelineWidget) -> None:
+    plot = timeline.plot_rect()
+    ((x, record),) = timeline.marker_positions()
+    assert (record.from_model, record.to_model) == ("alpha", "beta")
+    assert x == pytest.approx(plot.left() + plot.width() / 2)
+    image = timeline.grab().toImage()
+    # The marker above the plot is in the colour of the model that took the GPU.
+    assert rgb(image, x, plot.top() - MARKER_HEIGHT / 2) == palette.model_colour("beta")
+    assert rgb(image, x + 40, plot.top() - MARKER_HEIGHT / 2) == palette.PANEL
+
+
+def test_the_timeline_stacks_each_owner_in_its_colour(timeline: TimelineWidget) -> None:
+    plot = timeline.plot_rect()
+    image = timeline.grab().toImage()
+    scale = timeline.scale_bytes()
+
+    def y_of(value: float) -> float:
+        return plot.bottom() - value / scale * plot.height()
+
+    before, after = timeline.x_of(T + 150), timeline.x_of(T + 450)
+    assert rgb(image, before, y_of(1 * GiB)) == palette.model_colour("alpha")
+    assert rgb(image, before, y_of(2.5 * GiB)) == palette.PANEL  # nothing above alpha's 2 GiB
+    assert rgb(image, after, y_of(1.5 * GiB)) == palette.model_colour("beta")
+    assert rgb(image, after, y_of(3.5 * GiB)) == palette.OTHER  # firefox, stacked on beta
+
+
+def test_an_empty_timeline_says_so(qtbot: QtBot) -> None:
+    widget = TimelineWidget()
+    qtbot.addWidget(widget)
+    widget.resize(500, 240)
+    widget.set_history(TrayState().history, T)
+    assert widget.marker_positions() == []
+    assert not widget.grab().isNull()
+
+
+def test_a_short_history_is_drawn_over_its_own_span(qtbot: QtBot) -> None:
+    """A demo's burst of handoffs in its first seconds fills the plot, not its last pixels."""
+    state = TrayState(window_s=600)
+    state.apply_status(status(model("alpha", "warm", resident_bytes=GiB), holder="alpha"), T)
+    state.apply_event({"event": "handoff", "at": T + 5, "from": "alpha", "to": "beta"})
+    widget = TimelineWidget()
+    qtbot.addWidget(widget)
+    widget.resize(700, 320)
+    widget.set_history(state.history, T + 10)
+    assert widget.span_s == MIN_SPAN_S  # 10 s of history, drawn over at least 20
+    plot = widget.plot_rect()
+    ((x, _),) = widget.marker_positions()
+    assert x == pytest.approx(plot.left() + plot.width() * 15 / 20)
+    widget.set_history(state.history, T + 100)
+    assert widget.span_s == pytest.approx(105.0)  # its own 100 s, and a little room
+    widget.set_history(state.history, T + 900)  # later, the full window again
+    assert widget.span_s == 600.0

@@ -1,0 +1,286 @@
+"""What the tray derives from statuses and events, without Qt: holder, warnings, history, replay."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from arbiterd.gui import palette
+from arbiterd.gui.replay import ReplayError, apply_replay, load_replay
+from arbiterd.gui.state import WARNING_HOLD_S, TrayState, failure_of
+from arbiterd.gui.status import Status
+from tests.gui.conftest import SAMPLE_REPLAY
+from tests.gui.fakes import GiB, model, status
+
+T = 1_718_000_000.0
+
+
+def handoff(at: float, source: str, target: str) -> dict[str, Any]:
+    return {
+        "event": "handoff",
+        "at": at,
+        "from": source,
+        "to": target,
+        "release_s": 0.4,
+        "wait_s": 0.1,
+        "restore_s": 0.9,
+    }
+
+
+def residency(at: float, name: str, source: str, target: str, **fields: Any) -> dict[str, Any]:
+    return {"event": "residency", "at": at, "model": name, "from": source, "to": target, **fields}
+
+
+def request(at: float, name: str, evaluated: int) -> dict[str, Any]:
+    return {
+        "event": "request",
+        "at": at,
+        "model": name,
+        "prompt_tokens": 900,
+        "prompt_tokens_evaluated": evaluated,
+        "status": "ok",
+    }
+
+
+# -- status ------------------------------------------------------------------------------------
+
+
+def test_a_status_with_missing_or_odd_keys_still_reads() -> None:
+    read = Status.read({"models": [{"name": "a", "resident_bytes": "lots"}, 7], "holder": 3})
+    assert [m.name for m in read.models] == ["a"]
+    assert read.models[0].resident_bytes == 0
+    assert read.models[0].state == "unknown"
+    assert read.holder is None
+    assert read.total_bytes is None
+
+
+def test_devices_and_others_from_telemetry_are_used_when_present() -> None:
+    read = Status.read(
+        status(
+            model("a", "warm", resident_bytes=2 * GiB),
+            holder="a",
+            devices=[{"device": "gpu0", "used_bytes": 5 * GiB, "total_bytes": 8 * GiB}],
+            others=[{"name": "firefox", "pid": 9, "used_bytes": 1 * GiB, "device": "gpu0"}],
+        )
+    )
+    assert read.total_bytes == 8 * GiB
+    assert read.used_bytes == 5 * GiB
+    # The device counts 3 GiB that are not the model's: the listed 1 GiB and 2 GiB unnamed.
+    assert read.others_bytes == 3 * GiB
+    assert read.holder_model == "a"
+
+
+def test_without_devices_the_models_own_count_is_the_vram_in_use() -> None:
+    read = Status.read(status(model("a", "warm", resident_bytes=GiB), model("b")))
+    assert read.used_bytes == GiB
+    assert read.total_bytes is None
+
+
+# -- the tray state ------------------------------------------------------------------------------
+
+
+def test_the_holder_colour_is_the_models_grey_for_others_free_when_none() -> None:
+    state = TrayState()
+    state.apply_status(status(model("a", "warm"), holder="a"), T)
+    assert state.holder_colour() == palette.model_colour("a")
+    state.apply_status(status(model("a", "cold"), holder="steam"), T + 1)
+    assert state.holder_colour() == palette.OTHER
+    state.apply_status(status(model("a", "cold")), T + 2)
+    assert state.holder_colour() == palette.FREE
+
+
+def test_model_colours_are_stable_and_never_the_warning_colours() -> None:
+    assert palette.model_colour("qwen") == palette.model_colour("qwen")
+    for name in ("a", "b", "qwen", "llama", "gemma-story", "gemma-notes", "x" * 40):
+        assert palette.model_colour(name) not in (palette.RED, palette.AMBER, palette.OTHER)
+
+
+def test_an_unreachable_daemon_is_red_whatever_it_said_before() -> None:
+    state = TrayState()
+    state.apply_status(status(model("a", "warm"), holder="a"), T)
+    state.set_unreachable("arbiterd is not running")
+    look = state.icon_look(T)
+    assert look.unreachable
+    assert look.frame == palette.RED
+    assert "daemon not running" in state.tooltip(T)
+
+
+def test_a_restarting_worker_is_a_warning_while_it_lasts() -> None:
+    state = TrayState()
+    state.apply_status(status(model("a", "restarting", last_error="worker exited")), T)
+    assert state.icon_look(T).frame == palette.AMBER
+    assert state.warnings(T) == ["a is restarting: worker exited"]
+    state.apply_status(status(model("a", "cold")), T + 1)
+    assert state.icon_look(T + 1).frame == palette.FREE
+
+
+def test_vram_not_freed_warns_until_the_model_is_warm_again() -> None:
+    state = TrayState()
+    state.apply_status(status(model("a", "cold"), model("b", "warm"), holder="b"), T)
+    state.apply_event({"event": "vram_not_freed", "at": T, "model": "a", "bytes": GiB})
+    assert state.icon_look(T + 1).warning
+    assert "a released the GPU but 1.0 GiB are still in use" in state.tooltip(T + 1)
+    state.apply_event(residency(T + 2, "a", "warming", "warm"))
+    assert not state.icon_look(T + 3).warning
+
+
+def test_a_warning_from_an_event_expires() -> None:
+    state = TrayState()
+    state.apply_status(status(model("a", "warm"), holder="a"), T)
+    state.apply_event({"event": "worker", "at": T, "model": "b", "code": -9, "reason": "killed"})
+    assert state.icon_look(T + 1).warning
+    assert not state.icon_look(T + WARNING_HOLD_S + 1).warning
+
+
+@pytest.mark.parametrize(
+    ("event", "summary"),
+    [
+        ({"event": "vram_not_freed", "model": "a"}, "VRAM not freed"),
+        ({"event": "residency", "model": "a", "to": "failed", "reason": "no file"}, "Model failed"),
+        ({"event": "worker", "model": "a", "code": 1, "reason": "exited"}, "Worker crashed"),
+        (
+            {"event": "worker", "model": "a", "code": None, "reason": "no such file"},
+            "Worker failed",
+        ),
+    ],
+)
+def test_failures_worth_a_notification(event: dict[str, Any], summary: str) -> None:
+    failure = failure_of(event)
+    assert failure is not None
+    assert failure[0].startswith(summary)
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"event": "residency", "model": "a", "to": "cold"},
+        {"event": "handoff", "from": "a", "to": "b"},
+        {"event": "hold", "held": True},
+        {"event": "request", "model": "a", "status": "error"},
+    ],
+)
+def test_ordinary_events_are_not_failures(event: dict[str, Any]) -> None:
+    assert failure_of(event) is None
+
+
+def test_the_tooltip_names_holder_vram_and_waiters() -> None:
+    state = TrayState()
+    state.apply_status(
+        status(
+            model("a", "warm", resident_bytes=3 * GiB),
+            model("b"),
+            holder="a",
+            waiters=[{"pid": 7, "name": "b"}],
+            devices=[{"device": "gpu0", "used_bytes": 4 * GiB, "total_bytes": 8 * GiB}],
+        ),
+        T,
+    )
+    assert state.tooltip(T).splitlines() == [
+        "arbiterd — GPU: a",
+        "VRAM: 4.0 GiB / 8.0 GiB",
+        "waiting: b",
+    ]
+    assert state.fill(T) == pytest.approx(0.5)
+
+
+# -- history -------------------------------------------------------------------------------------
+
+
+def test_a_handoff_gets_the_bytes_restored_and_the_tokens_of_the_next_request() -> None:
+    state = TrayState()
+    state.apply_event(handoff(T, "a", "b"))
+    state.apply_event(residency(T - 0.01, "b", "warming", "warm", weights_bytes=GiB, kv_bytes=5))
+    state.apply_event(request(T + 3, "a", 700))  # another model's request does not count
+    state.apply_event(request(T + 4, "b", 12))
+    state.apply_event(request(T + 9, "b", 300))  # only the first request after the handoff
+    (record,) = state.history.handoffs
+    assert (record.from_model, record.to_model) == ("a", "b")
+    assert record.bytes_ == GiB + 5
+    assert record.tokens_evaluated == 12
+    assert record.total_s == pytest.approx(1.4)
+
+
+def test_an_event_seen_in_the_journal_and_live_counts_once() -> None:
+    state = TrayState()
+    assert state.apply_event(handoff(T, "a", "b"))
+    assert not state.apply_event(handoff(T, "a", "b"))
+    assert len(state.history.handoffs) == 1
+
+
+def test_residency_events_move_the_bytes_between_snapshots() -> None:
+    state = TrayState()
+    state.apply_event(residency(T, "a", "loading", "warm", weights_bytes=2 * GiB))
+    state.apply_event(residency(T + 10, "a", "cooling", "cold", weights_bytes=2 * GiB))
+    samples = state.history.visible(T + 20)
+    assert [dict(s.models)["a"] for s in samples] == [2 * GiB, 0]
+
+
+def test_history_keeps_the_window_and_the_sample_before_it() -> None:
+    state = TrayState(window_s=60)
+    for second in range(0, 200, 10):
+        state.apply_status(status(model("a", "warm", resident_bytes=second)), T + second)
+    state.history.trim(T + 195)  # the window starts at 135: the sample at 130 covers it
+    assert [s.at - T for s in state.history.samples][:2] == [130, 140]
+
+
+def test_hold_spans_come_from_events_and_statuses() -> None:
+    state = TrayState()
+    state.apply_event({"event": "hold", "at": T, "held": True})
+    state.apply_event({"event": "hold", "at": T + 30, "held": False})
+    state.apply_status(status(model("a"), hold=True), T + 40)
+    spans = [(s.start - T, None if s.end is None else s.end - T) for s in state.history.holds]
+    assert spans == [(0, 30), (40, None)]
+
+
+# -- replay ----------------------------------------------------------------------------------------
+
+
+def test_the_sample_replay_ends_with_a_holder_and_handoffs() -> None:
+    state = TrayState()
+    now = apply_replay(state, load_replay(SAMPLE_REPLAY))
+    assert state.status is not None
+    assert state.status.holder_model == "qwen-coder"
+    assert len(state.history.handoffs_in_window(now)) >= 4
+    assert all(h.tokens_evaluated is not None for h in state.history.handoffs)
+
+
+def test_a_replay_takes_bare_events_too(tmp_path: Path) -> None:
+    path = tmp_path / "log.jsonl"
+    lines = [
+        {"at": T, "status": status(model("a", "warm"), holder="a")},
+        handoff(T + 1, "b", "a"),
+        {"event": handoff(T + 2, "a", "b")},
+        {},
+    ]
+    path.write_text("\n".join(json.dumps(line) for line in lines[:3]) + "\n\n")
+    state = TrayState()
+    assert apply_replay(state, load_replay(path)) == T + 2
+    assert len(state.history.handoffs) == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("not json\n", "log.jsonl:1: Expecting value"),
+        ('{"status": {}}\n', 'log.jsonl:1: a status line needs "at"'),
+        ('{"at": 1}\n{"foo": 1}\n', 'log.jsonl:1: a line needs "status" or "event"'),
+        ('{"event": {"event": "hold"}}\n', 'an event needs "at"'),
+        ("\n", "holds no status and no event"),
+    ],
+)
+def test_a_bad_replay_names_the_file_and_line(tmp_path: Path, text: str, problem: str) -> None:
+    path = tmp_path / "log.jsonl"
+    path.write_text(text)
+    with pytest.raises(ReplayError, match=problem.replace("(", r"\(")):
+        load_replay(path)
+
+
+def test_owners_stack_in_the_daemons_order_whatever_came_first() -> None:
+    state = TrayState()
+    state.apply_event(residency(T, "beta", "loading", "warm", weights_bytes=GiB))
+    state.apply_event(residency(T + 1, "gamma", "loading", "warm", weights_bytes=GiB))
+    state.apply_status(status(model("alpha"), model("beta")), T + 2)
+    assert state.history.models == ["alpha", "beta", "gamma"]

@@ -1,0 +1,419 @@
+"""The tray app against a fake daemon: its menu, icon, actions, dashboard, notifications."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from PySide6.QtWidgets import QMenu, QSystemTrayIcon
+from pytestqt.qtbot import QtBot
+
+from arbiterd.gui import autostart, palette
+from arbiterd.gui.connection import DaemonConnection
+from arbiterd.gui.dashboard import DashboardWindow
+from arbiterd.gui.launch import daemon_start_command
+from arbiterd.gui.tray import TrayApp
+from arbiterd.journal import Journal
+from tests.gui.fakes import FakeControlServer, GiB, RecordingSink, model, status
+
+WAIT_MS = 5000
+RGB = tuple[int, int, int]
+
+
+class Desktop:
+    """What the desktop gives the app, recorded: a tray that may come and go, process starts,
+    quitting."""
+
+    def __init__(self, tray: bool) -> None:
+        self.tray = tray
+        self.started: list[list[str]] = []
+        self.quits = 0
+
+    def start_detached(self, program: str, args: list[str]) -> bool:
+        self.started.append([program, *args])
+        return True
+
+    def quit(self) -> None:
+        self.quits += 1
+
+
+AppFactory = Callable[..., TrayApp]
+
+
+@pytest.fixture
+def make_app(
+    qtbot: QtBot, server: FakeControlServer, autostart_env: dict[str, str]
+) -> Iterator[AppFactory]:
+    apps: list[TrayApp] = []
+
+    def make(desktop: Desktop | None = None, **options: Any) -> TrayApp:
+        desktop = desktop or Desktop(tray=True)
+        connection = DaemonConnection(
+            server.path, status_interval_ms=50, reconnect_first_s=0.05, reconnect_max_s=0.2
+        )
+        options.setdefault("notifications", RecordingSink())
+        app = TrayApp(
+            connection,
+            tray_available=lambda: desktop.tray,
+            start_detached=desktop.start_detached,
+            autostart_env=autostart_env,
+            quit_app=desktop.quit,
+            refresh_interval_s=0.02,
+            tray_poll_ms=50,
+            **options,
+        )
+        apps.append(app)
+        app.start()
+        return app
+
+    yield make
+    for app in apps:
+        app.stop()
+        app.connection.deleteLater()
+        app.deleteLater()
+
+
+def tray_of(app: TrayApp) -> QSystemTrayIcon | None:
+    """app.tray, read anew (mypy would keep an earlier narrowing of the attribute)."""
+    return app.tray
+
+
+def text_of(app: TrayApp, name: str) -> str:
+    action = app.actions.get(name)
+    return "" if action is None else action.text()
+
+
+def wait_for_text(qtbot: QtBot, app: TrayApp, name: str, expected: str) -> None:
+    qtbot.waitUntil(lambda: text_of(app, name) == expected, timeout=WAIT_MS)
+
+
+def icon_colour(tray: QSystemTrayIcon) -> RGB:
+    """The colour of the icon's frame, halfway down its left edge."""
+    image = tray.icon().pixmap(64, 64).toImage()
+    colour = image.pixelColor(4, 32)
+    return (colour.red(), colour.green(), colour.blue())
+
+
+# -- the menu --------------------------------------------------------------------------------------
+
+
+def test_the_menu_lists_each_model_with_its_state_and_vram(
+    qtbot: QtBot, make_app: AppFactory
+) -> None:
+    app = make_app()
+    wait_for_text(qtbot, app, "model:alpha", "alpha — warm, 3.0 GiB · pinned")
+    assert text_of(app, "model:beta") == "beta — cold, 0 B · 2 queued"
+    assert text_of(app, "headline") == "GPU: alpha"
+    assert text_of(app, "waiters") == "waiting: beta"
+    assert app.actions["pin:alpha"].isChecked()
+    assert not app.actions["pin:beta"].isChecked()
+    assert not app.actions["hold"].isChecked()
+    assert not app.actions["autostart"].isChecked()
+    assert "start-daemon" not in app.actions
+    # Each model's submenu holds its actions.
+    submenu = app.actions["model:alpha"].menu()
+    assert isinstance(submenu, QMenu)
+    assert [a.text() for a in submenu.actions()] == ["Warm", "Release", "Pin"]
+    top = [a.text() for a in app.menu.actions() if a.text()]
+    assert top[-4:] == ["Hold GPU (game mode)", "Open dashboard", "Start at login", "Quit"]
+
+
+def test_the_menu_follows_the_daemon(
+    qtbot: QtBot, make_app: AppFactory, server: FakeControlServer
+) -> None:
+    app = make_app()
+    wait_for_text(qtbot, app, "model:beta", "beta — cold, 0 B · 2 queued")
+    server.status = status(
+        model("alpha", "cold"),
+        model("beta", "warm", resident_bytes=GiB // 2),
+        holder="arbiterd hold",
+        hold=True,
+    )
+    wait_for_text(qtbot, app, "model:beta", "beta — warm, 512.0 MiB")
+    assert text_of(app, "headline") == "GPU held for you (game mode)"
+    assert app.actions["hold"].isChecked()
+
+
+def test_menu_actions_send_the_right_commands(
+    qtbot: QtBot, make_app: AppFactory, server: FakeControlServer
+) -> None:
+    app = make_app()
+    wait_for_text(qtbot, app, "model:alpha", "alpha — warm, 3.0 GiB · pinned")
+    app.actions["warm:beta"].trigger()
+    app.actions["release:alpha"].trigger()
+    app.actions["pin:beta"].trigger()  # unpinned: pins
+    app.actions["pin:alpha"].trigger()  # pinned: unpins
+    app.actions["hold"].trigger()  # not held: holds
+    expected = Counter(
+        [
+            ("warm", "beta"),
+            ("release", "alpha"),
+            ("pin", "beta"),
+            ("unpin", "alpha"),
+            ("hold", None),
+        ]
+    )
+    qtbot.waitUntil(lambda: Counter(server.commands_seen()) == expected, timeout=WAIT_MS)
+
+    server.status = {**server.status, "hold": True}
+    qtbot.waitUntil(app.actions["hold"].isChecked, timeout=WAIT_MS)
+    app.actions["hold"].trigger()
+    qtbot.waitUntil(lambda: server.commands_seen()[-1:] == [("unhold", None)], timeout=WAIT_MS)
+
+
+def test_a_refused_command_is_shown(
+    qtbot: QtBot, make_app: AppFactory, server: FakeControlServer
+) -> None:
+    server.refuse["warm"] = ("beta failed to load: no such file", "EngineError")
+    app = make_app()
+    wait_for_text(qtbot, app, "model:beta", "beta — cold, 0 B · 2 queued")
+    app.actions["warm:beta"].trigger()
+    wait_for_text(qtbot, app, "message", "⚠ warm failed: beta failed to load: no such file")
+    dashboard = app.show_dashboard()
+    assert dashboard.message.text() == "warm failed: beta failed to load: no such file"
+    # The next command that works clears it.
+    app.actions["release:beta"].trigger()
+    qtbot.waitUntil(lambda: "message" not in app.actions, timeout=WAIT_MS)
+    assert not dashboard.message.isVisible()
+
+
+def test_start_at_login_toggles_the_autostart_entry(
+    qtbot: QtBot, make_app: AppFactory, autostart_env: dict[str, str]
+) -> None:
+    app = make_app()
+    qtbot.waitUntil(lambda: "autostart" in app.actions, timeout=WAIT_MS)
+    app.actions["autostart"].trigger()
+    assert autostart.is_enabled(autostart_env)
+    assert "X-GNOME-Autostart-enabled=true" in autostart.autostart_path(autostart_env).read_text()
+    qtbot.waitUntil(app.actions["autostart"].isChecked, timeout=WAIT_MS)
+    app.actions["autostart"].trigger()
+    assert not autostart.is_enabled(autostart_env)
+    assert "Hidden=true" in autostart.autostart_path(autostart_env).read_text()
+    qtbot.waitUntil(lambda: not app.actions["autostart"].isChecked(), timeout=WAIT_MS)
+
+
+def test_quit_stops_the_app(qtbot: QtBot, make_app: AppFactory) -> None:
+    desktop = Desktop(tray=True)
+    app = make_app(desktop)
+    qtbot.waitUntil(lambda: app.connection.is_connected, timeout=WAIT_MS)
+    app.actions["quit"].trigger()
+    assert desktop.quits == 1
+    assert not app.connection.is_connected
+
+
+# -- the icon --------------------------------------------------------------------------------------
+
+
+def test_the_icon_and_tooltip_show_the_holder(qtbot: QtBot, make_app: AppFactory) -> None:
+    app = make_app()
+    tray = app.tray
+    assert tray is not None
+    qtbot.waitUntil(lambda: "GPU: alpha" in tray.toolTip(), timeout=WAIT_MS)
+    assert icon_colour(tray) == palette.model_colour("alpha")
+    assert tray.toolTip().splitlines()[1:] == [
+        "VRAM: 3.0 GiB (models' own count)",
+        "waiting: beta",
+    ]
+
+
+def test_redraws_come_at_most_once_per_interval(
+    qtbot: QtBot, server: FakeControlServer, autostart_env: dict[str, str]
+) -> None:
+    redraws: list[float] = []
+
+    class CountingTrayApp(TrayApp):
+        def refresh_now(self) -> None:
+            redraws.append(time.monotonic())
+            super().refresh_now()
+
+    connection = DaemonConnection(server.path, status_interval_ms=20)
+    app = CountingTrayApp(
+        connection,
+        tray_available=lambda: True,
+        autostart_env=autostart_env,
+        refresh_interval_s=0.3,
+    )
+    try:
+        app.start()
+        qtbot.waitUntil(lambda: server.subscribers == 1, timeout=WAIT_MS)
+        for n in range(50):
+            server.push_event({"event": "hold", "at": 1000.0 + n, "held": n % 2 == 0})
+        qtbot.waitUntil(lambda: len(redraws) >= 5, timeout=WAIT_MS)
+    finally:
+        app.stop()
+        connection.deleteLater()
+        app.deleteLater()
+    gaps = [b - a for a, b in itertools.pairwise(redraws[1:])]  # after start()'s redraw
+    assert min(gaps) >= 0.28, gaps
+
+
+# -- without a daemon ------------------------------------------------------------------------------
+
+
+def test_an_unreachable_daemon_turns_red_and_offers_to_start_it(
+    qtbot: QtBot, make_app: AppFactory, server: FakeControlServer
+) -> None:
+    desktop = Desktop(tray=True)
+    app = make_app(desktop, daemon_command=lambda: daemon_start_command(server.path))
+    qtbot.waitUntil(lambda: "model:alpha" in app.actions, timeout=WAIT_MS)
+    server.stop()
+    qtbot.waitUntil(lambda: "start-daemon" in app.actions, timeout=WAIT_MS)
+    assert app.tray is not None
+    assert text_of(app, "headline") == "daemon not running"
+    assert icon_colour(app.tray) == palette.RED
+    assert app.tray.toolTip().startswith("arbiterd — daemon not running")
+    assert "model:alpha" not in app.actions
+
+    app.actions["start-daemon"].trigger()
+    ((program, *args),) = desktop.started
+    assert Path(program).name == "arbiterd"
+    assert args == ["daemon", "--socket", str(server.path)]
+    # The daemon comes up: the app finds it again.
+    server.start()
+    wait_for_text(qtbot, app, "headline", "GPU: alpha")
+    assert icon_colour(app.tray) == palette.model_colour("alpha")
+
+
+# -- without a tray --------------------------------------------------------------------------------
+
+
+def test_without_a_tray_the_dashboard_opens_and_the_icon_comes_later(
+    qtbot: QtBot, make_app: AppFactory
+) -> None:
+    desktop = Desktop(tray=False)
+    app = make_app(desktop)
+    assert app.tray is None
+    assert app.dashboard is not None
+    assert app.dashboard.isVisible()
+    qtbot.waitUntil(lambda: app.dashboard is not None and "alpha" in app.dashboard.cards)
+    desktop.tray = True  # the user enabled the AppIndicator extension
+    qtbot.waitUntil(lambda: app.tray is not None, timeout=WAIT_MS)
+    tray = tray_of(app)
+    assert tray is not None
+    assert tray.isVisible()
+    assert tray.contextMenu() is app.menu
+
+
+def test_without_a_tray_closing_the_dashboard_quits(qtbot: QtBot, make_app: AppFactory) -> None:
+    desktop = Desktop(tray=False)
+    app = make_app(desktop)
+    assert app.dashboard is not None
+    app.dashboard.close()
+    assert desktop.quits == 1
+
+
+def test_with_a_tray_closing_the_dashboard_keeps_running(
+    qtbot: QtBot, make_app: AppFactory
+) -> None:
+    desktop = Desktop(tray=True)
+    app = make_app(desktop)
+    assert app.dashboard is None
+    app.actions["dashboard"].trigger()
+    dashboard = app.show_dashboard()  # the same window, shown again
+    assert dashboard.isVisible()
+    dashboard.close()
+    assert desktop.quits == 0
+
+
+# -- the dashboard ---------------------------------------------------------------------------------
+
+
+def test_the_dashboard_shows_cards_and_steers_the_daemon(
+    qtbot: QtBot, make_app: AppFactory, server: FakeControlServer
+) -> None:
+    app = make_app()
+    dashboard = app.show_dashboard()
+    qtbot.waitUntil(lambda: set(dashboard.cards) == {"alpha", "beta"}, timeout=WAIT_MS)
+    alpha = dashboard.cards["alpha"]
+    assert alpha.state.text() == "state: warm · holds the GPU"
+    assert alpha.vram.text() == "VRAM: 3.0 GiB"
+    assert alpha.pin.isChecked()
+    assert dashboard.headline.text() == "GPU: alpha"
+    dashboard.cards["beta"].warm.click()
+    dashboard.hold_button.click()
+    qtbot.waitUntil(
+        lambda: Counter(server.commands_seen()) == Counter([("warm", "beta"), ("hold", None)]),
+        timeout=WAIT_MS,
+    )
+
+
+def test_a_fresh_dashboard_shows_the_journals_history(
+    qtbot: QtBot, make_app: AppFactory, tmp_path: Path
+) -> None:
+    now = time.time()
+    path = tmp_path / "journal.sqlite3"
+    with Journal(path) as journal:
+        journal.append({"event": "residency", "at": now - 61, "model": "alpha", "from": "warm",
+                        "to": "cooling"})  # fmt: skip
+        journal.append({"event": "handoff", "at": now - 60, "from": "alpha", "to": "beta",
+                        "release_s": 0.3, "wait_s": 0.1, "restore_s": 0.6})  # fmt: skip
+        journal.append({"event": "residency", "at": now - 60.01, "model": "beta", "from":
+                        "warming", "to": "warm", "weights_bytes": GiB, "kv_bytes": 0})  # fmt: skip
+        journal.append({"event": "request", "at": now - 55, "model": "beta",
+                        "prompt_tokens_evaluated": 17})  # fmt: skip
+        journal.append({"event": "handoff", "at": now - 7200, "from": "beta", "to": "alpha"})
+    app = make_app(journal_path=path)
+    dashboard: DashboardWindow = app.show_dashboard()
+    assert dashboard.table.rowCount() == 1  # the one of two hours ago is out of the window
+    items = [dashboard.table.item(0, c) for c in range(dashboard.table.columnCount())]
+    cells = [item.text() if item is not None else "" for item in items]
+    assert cells[1:] == ["alpha → beta", "0.30 s", "0.10 s", "0.60 s", "1.00 s", "1.0 GiB", "17"]
+    ((_x, record),) = dashboard.timeline.marker_positions()
+    assert record.to_model == "beta"
+    # The same handoff arriving live (the daemon publishes what it journals) is not doubled.
+    app.state.apply_event({"event": "handoff", "at": now - 60, "from": "alpha", "to": "beta"})
+    dashboard.refresh(app.state)
+    assert dashboard.table.rowCount() == 1
+
+
+# -- notifications ---------------------------------------------------------------------------------
+
+
+def test_failures_notify_each_replacing_the_last(
+    qtbot: QtBot, make_app: AppFactory, server: FakeControlServer
+) -> None:
+    sink = RecordingSink()
+    app = make_app(notifications=sink)
+    qtbot.waitUntil(lambda: server.subscribers == 1, timeout=WAIT_MS)
+    server.push_event({"event": "handoff", "at": 1.0, "from": "alpha", "to": "beta"})
+    server.push_event({"event": "vram_not_freed", "at": 2.0, "model": "alpha", "bytes": GiB})
+    server.push_event({"event": "worker", "at": 3.0, "model": "beta", "pid": 9, "code": -9,
+                       "reason": "killed by signal 9", "restart_in_s": 1.0})  # fmt: skip
+    server.push_event({"event": "residency", "at": 4.0, "model": "beta", "from": "loading",
+                       "to": "failed", "reason": "out of memory"})  # fmt: skip
+    qtbot.waitUntil(lambda: len(sink.calls) == 3, timeout=WAIT_MS)
+    assert sink.calls == [
+        ("VRAM not freed", "alpha released the GPU but 1.0 GiB are still in use", 0),
+        ("Worker crashed", "beta: killed by signal 9; restarting in 1 s", 101),
+        ("Model failed", "beta failed: out of memory", 101),
+    ]
+    assert app.notifier.last_id == 101
+
+
+# -- starting the daemon ---------------------------------------------------------------------------
+
+
+def test_the_daemon_starts_through_its_unit_when_one_is_installed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "config")}
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    systemctl = bin_dir / "systemctl"
+    systemctl.write_text("#!/bin/sh\n")
+    systemctl.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    assert daemon_start_command(env=env)[1:] == ["daemon"]  # no unit yet
+    unit = tmp_path / "config" / "systemd" / "user" / "arbiterd.service"
+    unit.parent.mkdir(parents=True)
+    unit.write_text("[Service]\n")
+    assert daemon_start_command(env=env) == [str(systemctl), "--user", "start", "arbiterd.service"]
+    # A tray pointed at its own socket or config starts a daemon with them, not the unit.
+    socket, config = tmp_path / "s.sock", tmp_path / "c.toml"
+    argv = daemon_start_command(socket, config, env=env)
+    assert argv[1:] == ["daemon", "--socket", str(socket), "--config", str(config)]
