@@ -311,3 +311,27 @@ def test_vram_is_measured_and_every_release_is_verified(daemon: Daemon, api: ope
         assert journal.read(kinds=["vram_not_freed"]) == []
     finally:
         journal.close()
+
+
+def test_reload_starts_added_models_and_stops_removed_ones(tiny_model: Path) -> None:
+    running = Daemon({"keep": tiny(tiny_model), "drop": tiny(tiny_model)})
+    try:
+        running.wait_ready()
+        text = running.config.read_text()
+        text = text.replace("[models.drop]", "[models.added]")
+        running.config.write_text(text)
+        done = arbiterd("reload", "--socket", str(running.socket))
+        assert done.returncode == 0, done.stderr
+        assert "added: added" in done.stdout
+        assert "removed: drop" in done.stdout
+        status = running.wait_ready()
+        assert [m["name"] for m in status["models"]] == ["keep", "added"]
+        unchanged = arbiterd("reload", "--socket", str(running.socket))
+        assert unchanged.stdout.strip() == "reloaded, nothing changed"
+        running.config.write_text(text + "\n[models.bad]\nn_ctx = 1\n")
+        refused = arbiterd("reload", "--socket", str(running.socket))
+        assert refused.returncode != 0
+        assert "models.bad" in refused.stderr  # the config error, named; the daemon goes on
+        assert [m["name"] for m in running.wait_ready()["models"]] == ["keep", "added"]
+    finally:
+        running.cleanup()
