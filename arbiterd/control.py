@@ -39,7 +39,7 @@ from arbiterd.errors import (
     DaemonNotRunningError,
     ProtocolError,
 )
-from arbiterd.paths import runtime_dir
+from arbiterd.paths import private_dir_problem, runtime_dir
 from arbiterd.service import COMMANDS, MODEL_COMMANDS, Service
 from arbiterd.wire import LineReader, LineWriter, decode, encode
 
@@ -194,17 +194,10 @@ def _prepare_dir(directory: Path) -> None:
         st = os.lstat(directory)
     except OSError as exc:
         raise DaemonError(f"cannot create {directory}: {exc.strerror or exc}") from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise DaemonError(f"{directory} is not a directory")
-    if st.st_uid != os.getuid():
-        raise DaemonError(
-            f"{directory} is owned by uid {st.st_uid}, not by you (uid {os.getuid()})"
-        )
-    if st.st_mode & 0o077:
-        raise DaemonError(
-            f"{directory} has mode {stat.S_IMODE(st.st_mode):04o}; it must be 0700 "
-            f"(chmod 700 {directory})"
-        )
+    problem = private_dir_problem(str(directory), st)
+    if problem is not None:
+        hint = f" (chmod 700 {directory})" if problem.endswith("0700") else ""
+        raise DaemonError(problem + hint)
 
 
 async def _clear_stale_socket(path: Path) -> None:

@@ -37,17 +37,22 @@ def runtime_dir(env: Mapping[str, str] | None = None) -> Path:
         raise RuntimeDirError(f"XDG_RUNTIME_DIR={raw} does not exist") from None
     except OSError as exc:
         raise RuntimeDirError(f"XDG_RUNTIME_DIR={raw} cannot be read: {exc.strerror}") from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise RuntimeDirError(f"XDG_RUNTIME_DIR={raw} is not a directory")
-    if st.st_uid != os.getuid():
-        raise RuntimeDirError(
-            f"XDG_RUNTIME_DIR={raw} is owned by uid {st.st_uid}, not by you (uid {os.getuid()})"
-        )
-    if st.st_mode & 0o077:
-        raise RuntimeDirError(
-            f"XDG_RUNTIME_DIR={raw} has mode {stat.S_IMODE(st.st_mode):04o}; it must be 0700"
-        )
+    problem = private_dir_problem(f"XDG_RUNTIME_DIR={raw}", st)
+    if problem is not None:
+        raise RuntimeDirError(problem)
     return base / "arbiterd"
+
+
+def private_dir_problem(label: str, st: os.stat_result) -> str | None:
+    """Why a directory (stat `st`, named `label` in the message) is not private to us — it
+    must be a directory we own with no group or other access — or None when it is."""
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{label} is not a directory"
+    if st.st_uid != os.getuid():
+        return f"{label} is owned by uid {st.st_uid}, not by you (uid {os.getuid()})"
+    if st.st_mode & 0o077:
+        return f"{label} has mode {stat.S_IMODE(st.st_mode):04o}; it must be 0700"
+    return None
 
 
 def default_arena(env: Mapping[str, str] | None = None) -> Path:

