@@ -17,7 +17,7 @@ from pathlib import Path
 from arbiterd import clidaemon
 from arbiterd.arena import Arena, ArenaState
 from arbiterd.demo import main as run_demo
-from arbiterd.errors import ArbiterError, BadValueError, UsageError
+from arbiterd.errors import ArbiterError, BadValueError, MissingPartError, UsageError
 from arbiterd.install import Installer
 from arbiterd.paths import resolve_arena
 from arbiterd.procs import holder_name, process_name
@@ -85,8 +85,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _dispatch(argv: list[str]) -> int:
     if argv[:1] == ["tray"]:
         # Its own parser, and Qt is loaded only for it (never by the daemon or `run`).
-        from arbiterd.gui.app import main as tray_main  # noqa: PLC0415
-
+        try:
+            from arbiterd.gui.app import main as tray_main  # noqa: PLC0415
+        except ImportError as exc:
+            raise MissingPartError(
+                f"the tray needs PySide6, which is not installed ({exc.msg}): "
+                "pip install 'arbiterd[gui]'"
+            ) from None
         return tray_main(argv[1:])
     cmd: list[str] = []
     if argv[:1] == ["run"]:

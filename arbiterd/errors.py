@@ -21,6 +21,7 @@
     ├── WorkerError                   the worker process or its protocol failed
     │   └── ProtocolError             a malformed or unexpected message
     ├── ConfigError                   config.toml is wrong: file, key path, what was expected (78)
+    ├── MissingPartError              an optional part (the tray's PySide6) is not installed (69)
     ├── TelemetryError                a VRAM reader could not measure (69)
     └── DaemonError                   talking to the daemon failed
         ├── DaemonNotRunningError     nothing listens on the control socket (69)
@@ -117,6 +118,10 @@ class ProtocolError(WorkerError):
 
 class ConfigError(ArbiterError):
     exit_code = 78  # sysexits EX_CONFIG
+
+
+class MissingPartError(ArbiterError):
+    exit_code = 69  # sysexits EX_UNAVAILABLE
 
 
 class TelemetryError(ArbiterError):

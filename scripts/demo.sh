@@ -3,5 +3,5 @@
 # and shows every handoff between them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ARBITERD_EXTRAS="engine,demo" source scripts/setup.sh
+ARBITERD_EXTRAS="engine,demo,gui" source scripts/setup.sh
 exec .venv/bin/arbiterd demo "$@"

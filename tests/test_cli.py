@@ -181,3 +181,16 @@ def test_each_bad_input_has_its_own_exit_status_and_one_line(
     done = arbiterd("arena", "status", env=insecure)
     assert done.returncode == 78
     assert "XDG_RUNTIME_DIR is not set" in done.stderr
+
+
+def test_the_tray_without_pyside6_is_one_clear_line(tmp_path: Path) -> None:
+    # A Python that cannot import PySide6 (a stand-in package shadows it), as with `pip
+    # install arbiterd` without the gui extra.
+    shadow = tmp_path / "PySide6"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('No module named PySide6')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    done = arbiterd("tray", "--screenshot", str(tmp_path / "x.png"), env=env)
+    assert done.returncode == 69
+    assert done.stderr.count("\n") == 1
+    assert "pip install 'arbiterd[gui]'" in done.stderr
