@@ -88,16 +88,9 @@ class TeardownResult:
         """The `vram_not_freed` event when the memory did not come back, else None."""
         if self.outcome is not TeardownOutcome.NOT_FREED:
             return None
-        return {
-            "event": "vram_not_freed",
-            "model": self.model,
-            "pid": self.pid,
-            "device": self.device,
-            "bytes_before": self.bytes_before,
-            "bytes_after": self.bytes_after,
-            "expected_bytes": self.expected_bytes,
-            "waited_s": round(self.waited_s, 3),
-        }
+        figures = self.to_json()
+        del figures["outcome"]
+        return {"event": "vram_not_freed", **figures}
 
     def to_json(self) -> dict[str, Any]:
         return {
