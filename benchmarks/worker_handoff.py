@@ -38,7 +38,6 @@ import contextlib
 import importlib
 import os
 import platform
-import queue
 import resource
 import statistics
 import sys
@@ -247,24 +246,18 @@ class EventLog:
 
     def residency(self, from_state: str, to_state: str) -> dict[str, Any]:
         """The next residency event; it must be `from_state` → `to_state`."""
-        deadline = time.monotonic() + EVENT_TIMEOUT_S
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise WorkerError(f"{self.worker.model}: no {from_state} → {to_state} event")
-            try:
-                event = self.worker.events.get(timeout=remaining)
-            except queue.Empty:
-                continue
+
+        def keep(event: dict[str, Any]) -> bool:
             self.seen.append(event)
-            if event.get("event") != "residency":
-                continue
-            if event["from"] != from_state or event["to"] != to_state:
-                raise WorkerError(
-                    f"{self.worker.model}: expected {from_state} → {to_state}, "
-                    f"got {event['from']} → {event['to']} ({event.get('reason', '')})"
-                )
-            return event
+            return event.get("event") == "residency"
+
+        event = self.worker.wait_event(keep, EVENT_TIMEOUT_S)
+        if event["from"] != from_state or event["to"] != to_state:
+            raise WorkerError(
+                f"{self.worker.model}: expected {from_state} → {to_state}, "
+                f"got {event['from']} → {event['to']} ({event.get('reason', '')})"
+            )
+        return event
 
 
 @dataclass
