@@ -1,5 +1,6 @@
-"""`arbiterd tray`: the entry point. Owns the command line, the QApplication, and the one-shot
-`--screenshot` render; the running app itself is `tray.TrayApp`.
+"""`arbiterd tray`: the entry point. Owns the command line, the QApplication (and the check
+that Qt can start on the desktop, before it), and the one-shot `--screenshot` render; the
+running app itself is `tray.TrayApp`.
 
     arbiterd tray [--socket PATH] [--journal PATH] [--config PATH] [-v]
     arbiterd tray --screenshot FILE.png [--replay FILE] [--socket PATH] [--journal PATH]
@@ -11,11 +12,13 @@ one line on stderr and its exit status, as everywhere in the CLI.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
 
@@ -48,6 +51,37 @@ class NoDisplayError(ArbiterError):
 
 class BrokenQtError(ArbiterError):
     exit_code = 69  # sysexits EX_UNAVAILABLE
+
+
+class MissingQtPlatformError(ArbiterError):
+    exit_code = 69  # sysexits EX_UNAVAILABLE
+
+
+# What Qt's xcb platform plugin (libqxcb.so and libQt6XcbQpa.so.6, their DT_NEEDED) loads from
+# the system, with the Debian/Ubuntu package of each: PySide6's wheels bring Qt, not these. A
+# missing one makes Qt print its own error and abort (qFatal, which Python cannot catch), and
+# that error names libxcb-cursor0 (needed since Qt 6.5) even when another one is missing (seen
+# with PySide6 6.11.3 and libxcb-icccm4 missing).
+XCB_LIBRARIES: Final = (
+    ("libxcb-cursor.so.0", "libxcb-cursor0"),
+    ("libxcb-icccm.so.4", "libxcb-icccm4"),
+    ("libxcb-image.so.0", "libxcb-image0"),
+    ("libxcb-keysyms.so.1", "libxcb-keysyms1"),
+    ("libxcb-randr.so.0", "libxcb-randr0"),
+    ("libxcb-render-util.so.0", "libxcb-render-util0"),
+    ("libxcb-render.so.0", "libxcb-render0"),
+    ("libxcb-shape.so.0", "libxcb-shape0"),
+    ("libxcb-shm.so.0", "libxcb-shm0"),
+    ("libxcb-sync.so.1", "libxcb-sync1"),
+    ("libxcb-util.so.1", "libxcb-util1"),
+    ("libxcb-xfixes.so.0", "libxcb-xfixes0"),
+    ("libxcb-xkb.so.1", "libxcb-xkb1"),
+    ("libxcb.so.1", "libxcb1"),
+    ("libxkbcommon-x11.so.0", "libxkbcommon-x11-0"),
+    ("libxkbcommon.so.0", "libxkbcommon0"),
+    ("libX11-xcb.so.1", "libx11-xcb1"),
+    ("libX11.so.6", "libx11-6"),
+)
 
 
 def pyside_leaks_none() -> bool:
@@ -140,6 +174,38 @@ def _application() -> QApplication:
 # -- the tray --------------------------------------------------------------------------------------
 
 
+def uses_xcb(environ: Mapping[str, str]) -> bool:
+    """Whether Qt will start on its xcb platform: QT_QPA_PLATFORM's first choice when set,
+    else xcb outside a Wayland session (in one, Qt 6 tries wayland first)."""
+    choice = environ.get("QT_QPA_PLATFORM", "")
+    if choice:
+        return choice.split(";")[0].split(":")[0] == "xcb"
+    return environ.get("XDG_SESSION_TYPE") != "wayland"
+
+
+def _loads(soname: str) -> bool:
+    """Whether the dynamic loader finds `soname`; loading it is what Qt would do next anyway."""
+    try:
+        ctypes.CDLL(soname)
+    except OSError:
+        return False
+    return True
+
+
+def check_qt_platform(environ: Mapping[str, str]) -> None:
+    """MissingQtPlatformError naming the packages to install when Qt would start on xcb and
+    cannot load it; called before the QApplication, whose failure would be an abort."""
+    if not uses_xcb(environ):
+        return
+    missing = [package for soname, package in XCB_LIBRARIES if not _loads(soname)]
+    if missing:
+        raise MissingQtPlatformError(
+            "Qt cannot load its xcb platform plugin: install the system "
+            f"{'package' if len(missing) == 1 else 'packages'} it needs "
+            f"(Debian/Ubuntu: sudo apt install {' '.join(missing)})"
+        )
+
+
 def run_tray(args: argparse.Namespace) -> int:
     if not (
         os.environ.get("QT_QPA_PLATFORM")
@@ -151,6 +217,7 @@ def run_tray(args: argparse.Namespace) -> int:
             "no display: the tray needs a desktop session (--screenshot FILE.png renders the "
             "dashboard without one)"
         )
+    check_qt_platform(os.environ)
     socket = _socket_path(args)
     journal = _journal_path(args)
     app = _application()

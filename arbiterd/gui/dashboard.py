@@ -1,9 +1,10 @@
 """The dashboard window: who holds the GPU, VRAM by owner over time, every handoff, each model.
 
-    header     holder · VRAM used/total · waiters          [Hold GPU (game mode)] [Start daemon]
+    header     holder · VRAM used/total · host RAM · waiters   [Hold GPU (game mode)] [Start daemon]
     banners    warnings (amber), daemon unreachable (red), the last command's error
     timeline   timeline.TimelineWidget
-    cards      one per model: state, VRAM, queue, pinned, last error; Warm / Release / Pin
+    cards      one per model: state, VRAM, host RAM, queue, pinned, last error; Warm / Release /
+               Pin; "unknown" while the daemon cannot be reached
     table      handoffs: time, from → to, release / wait / restore / total, bytes, tokens
 
 Owns the window's widgets and how a `TrayState` shows in them. It sends nothing itself: its
@@ -35,7 +36,7 @@ from PySide6.QtWidgets import (
 from arbiterd.clidaemon import human_bytes
 from arbiterd.gui import palette
 from arbiterd.gui.history import HandoffRecord
-from arbiterd.gui.palette import hex_colour
+from arbiterd.gui.palette import RGB, hex_colour
 from arbiterd.gui.state import TrayState
 from arbiterd.gui.status import ModelStatus
 from arbiterd.gui.timeline import TimelineWidget
@@ -89,11 +90,9 @@ class ModelCard(QFrame):
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
         outer = QHBoxLayout(self)
         outer.setContentsMargins(0, 0, 0, 0)
-        stripe = QFrame()
-        stripe.setFixedWidth(5)
-        colour = hex_colour(palette.model_colour(name))
-        stripe.setStyleSheet(f"background: {colour}; border-radius: 2px;")
-        outer.addWidget(stripe)
+        self.stripe = QFrame()
+        self.stripe.setFixedWidth(5)
+        outer.addWidget(self.stripe)
         layout = QVBoxLayout()
         layout.setContentsMargins(8, 8, 10, 8)
         outer.addLayout(layout, 1)
@@ -101,11 +100,12 @@ class ModelCard(QFrame):
         title.setStyleSheet("font-weight: bold; font-size: 11pt;")
         self.state = QLabel()
         self.vram = QLabel()
+        self.host_ram = QLabel()
         self.queue = QLabel()
         self.error = QLabel()
         self.error.setObjectName("cardError")
         self.error.setWordWrap(True)
-        for widget in (title, self.state, self.vram, self.queue, self.error):
+        for widget in (title, self.state, self.vram, self.host_ram, self.queue, self.error):
             layout.addWidget(widget)
         layout.addStretch(1)
         buttons = QHBoxLayout()
@@ -122,10 +122,15 @@ class ModelCard(QFrame):
             lambda checked: self.command_requested.emit("pin" if checked else "unpin", self.name)
         )
 
-    def show_model(self, model: ModelStatus, holder: bool, reachable: bool) -> None:
+    def show_model(self, model: ModelStatus, colour: RGB, holder: bool) -> None:
+        self.stripe.setStyleSheet(f"background: {hex_colour(colour)}; border-radius: 2px;")
         state = model.state + (" · holds the GPU" if holder else "")
         self.state.setText(f"state: {state}")
         self.vram.setText(f"VRAM: {human_bytes(model.resident_bytes)}")
+        host_ram = model.host_ram_bytes
+        self.host_ram.setText(
+            "host RAM: " + ("not reported" if host_ram is None else human_bytes(host_ram))
+        )
         extra = [f"queue: {model.queue}"]
         if model.pinned:
             extra.append("pinned")
@@ -137,7 +142,19 @@ class ModelCard(QFrame):
         self.pin.setChecked(model.pinned)
         self.pin.setText("Pinned" if model.pinned else "Pin")
         for button in (self.warm, self.release, self.pin):
-            button.setEnabled(reachable)
+            button.setEnabled(True)
+
+    def show_unknown(self, colour: RGB) -> None:
+        """The daemon cannot be reached: what it last said may no longer be true."""
+        self.stripe.setStyleSheet(f"background: {hex_colour(colour)}; border-radius: 2px;")
+        self.state.setText("state: unknown")
+        for label, what in ((self.vram, "VRAM"), (self.host_ram, "host RAM")):
+            label.setText(f"{what}: unknown")
+        self.queue.setText("")
+        self.error.setText("")
+        self.error.setVisible(False)
+        for button in (self.warm, self.release, self.pin):
+            button.setEnabled(False)
 
 
 class DashboardWindow(QWidget):
@@ -225,8 +242,10 @@ class DashboardWindow(QWidget):
         now = time.time() if now is None else now
         status = state.status
         self.headline.setText(state.holder_text())
-        if status is not None:
-            self.details.setText(f"{state.vram_text()}   ·   {state.waiters_text()}")
+        if status is not None and state.reachable:
+            host_ram = state.host_ram_text()
+            parts = [state.vram_text(), *([host_ram] if host_ram else []), state.waiters_text()]
+            self.details.setText("   ·   ".join(parts))
         else:
             self.details.setText("")
         self.unreachable.setVisible(not state.reachable)
@@ -239,7 +258,7 @@ class DashboardWindow(QWidget):
         self.warning.setText("\n".join(f"⚠ {w}" for w in warnings))
         self._refresh_cards(state)
         state.history.trim(now)
-        self.timeline.set_history(state.history, now)
+        self.timeline.set_state(state, now)
         self._refresh_table(state.history.handoffs)
 
     def show_message(self, text: str) -> None:
@@ -262,8 +281,13 @@ class DashboardWindow(QWidget):
                 self.cards[name] = card
                 self.cards_layout.addWidget(card, index // CARD_COLUMNS, index % CARD_COLUMNS)
         holder = status.holder_model if status is not None else None
+        colours = state.colours()
         for model in models:
-            self.cards[model.name].show_model(model, model.name == holder, state.reachable)
+            card, colour = self.cards[model.name], colours.of(model.name)
+            if state.reachable:
+                card.show_model(model, colour, model.name == holder)
+            else:
+                card.show_unknown(colour)
 
     def _refresh_table(self, handoffs: list[HandoffRecord]) -> None:
         rows = list(reversed(handoffs))  # newest first

@@ -20,7 +20,7 @@ from typing import Any
 from arbiterd.clidaemon import human_bytes
 from arbiterd.gui import palette
 from arbiterd.gui.history import DEFAULT_WINDOW_S, History
-from arbiterd.gui.palette import RGB
+from arbiterd.gui.palette import RGB, ModelColours
 from arbiterd.gui.status import HOLD_HOLDER_NAME, Status
 
 WARNING_HOLD_S = 300.0
@@ -131,12 +131,17 @@ class TrayState:
                 texts.insert(0, line)
         return texts
 
+    def colours(self) -> ModelColours:
+        """Each model's colour: the daemon's models pick first, in its order (history lists
+        them first once a status came), then any other owner the history holds."""
+        return palette.model_colours(self.history.models)
+
     def holder_colour(self) -> RGB:
         status = self.status
         if status is None or status.holder is None:
             return palette.FREE
         if status.holder_model is not None:
-            return palette.model_colour(status.holder_model)
+            return self.colours().of(status.holder_model)
         return palette.OTHER
 
     def fill(self, now: float) -> float:
@@ -182,6 +187,13 @@ class TrayState:
             return f"VRAM: {used} (models' own count)"
         return f"VRAM: {used} / {human_bytes(total)}"
 
+    def host_ram_text(self) -> str | None:
+        """The host RAM the daemon keeps (host copies and KV), or None when it does not say."""
+        status = self.status
+        if status is None or status.host_ram_bytes is None:
+            return None
+        return f"host RAM: {human_bytes(status.host_ram_bytes)}"
+
     def waiters_text(self) -> str:
         status = self.status
         if status is None or not status.waiters:
@@ -192,6 +204,10 @@ class TrayState:
     def tooltip(self, now: float) -> str:
         if not self.reachable:
             return f"arbiterd — daemon not running\n{self.unreachable_reason}"
-        lines = ["arbiterd — " + self.holder_text(), self.vram_text(), self.waiters_text()]
+        lines = ["arbiterd — " + self.holder_text(), self.vram_text()]
+        host_ram = self.host_ram_text()
+        if host_ram is not None:
+            lines.append(host_ram)
+        lines.append(self.waiters_text())
         lines += [f"⚠ {w}" for w in self.warnings(now)]
         return "\n".join(lines)

@@ -3,7 +3,8 @@
 Owns the tolerant reading of the status shape (arbiterd/service.py's docstring): a key that is
 missing or of the wrong type gets a neutral default instead of an exception, so a newer or older
 daemon never crashes the tray. Knows the optional keys that telemetry adds later (`devices`,
-`others`) and works without them. Never imports Qt.
+`others`) and the host RAM figures (`host_ram_bytes`, per model and in all), and works without
+them. Never imports Qt.
 """
 
 from __future__ import annotations
@@ -21,6 +22,13 @@ HOLD_HOLDER_NAME = "arbiterd hold"
 def _int(value: object, default: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return default
+    return int(value)
+
+
+def _optional_int(value: object) -> int | None:
+    """A byte count the daemon may not report (an older daemon): None when absent or odd."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        return None
     return int(value)
 
 
@@ -47,6 +55,7 @@ class ModelStatus:
     pinned: bool
     queue: int
     resident_bytes: int  # on the device, by the engine's own accounting
+    host_ram_bytes: int | None  # its host copy of the weights (its share) and KV kept on the host
     last_error: str
     restarts: int
     last_handoff: Mapping[str, Any] | None
@@ -61,6 +70,7 @@ class ModelStatus:
             queue=_int(raw.get("queue")),
             # Measured VRAM when the daemon's telemetry can tell, else the engine's account.
             resident_bytes=max(0, _int(raw.get("vram_bytes"), _int(raw.get("resident_bytes")))),
+            host_ram_bytes=_optional_int(raw.get("host_ram_bytes")),
             last_error=_str(raw.get("last_error")),
             restarts=_int(raw.get("restarts")),
             last_handoff=handoff if isinstance(handoff, Mapping) else None,
@@ -98,6 +108,7 @@ class Status:
     hold: bool
     devices: tuple[Device, ...] = ()
     others: tuple[OtherProcess, ...] = ()
+    host_ram_bytes: int | None = None  # the daemon's in all, each shared host copy once
 
     @classmethod
     def read(cls, raw: Mapping[str, Any]) -> Status:
@@ -136,6 +147,7 @@ class Status:
                 )
                 for o in _dicts(telemetry.get("others"))
             ),
+            host_ram_bytes=_optional_int(raw.get("host_ram_bytes")),
         )
 
     def model(self, name: str) -> ModelStatus | None:

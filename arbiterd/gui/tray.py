@@ -302,8 +302,9 @@ class TrayApp(QObject):
 
     def _menu_signature(self, autostart_on: bool) -> object:
         state, status = self.state, self.state.status
+        colours = state.colours()
         models = tuple(
-            (m.name, m.state, m.pinned, human_bytes(m.resident_bytes), m.queue)
+            (m.name, colours.of(m.name), m.state, m.pinned, human_bytes(m.resident_bytes), m.queue)
             for m in (status.models if status is not None else ())
         )
         return (
@@ -371,7 +372,7 @@ class TrayApp(QObject):
             title += " · pinned"
         if model.queue:
             title += f" · {model.queue} queued"
-        submenu = self.menu.addMenu(_swatch(palette.model_colour(name)), title)
+        submenu = self.menu.addMenu(_swatch(self.state.colours().of(name)), title)
         submenu.menuAction().setObjectName(f"model:{name}")
         self.actions[f"model:{name}"] = submenu.menuAction()
         for command, text in (("warm", "Warm"), ("release", "Release")):

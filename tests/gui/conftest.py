@@ -20,6 +20,9 @@ import pytest
 from tests.gui.fakes import FakeControlServer, GiB, model, status
 
 SAMPLE_REPLAY = Path(__file__).parent / "replay-sample.jsonl"
+# docs/tray.md's screenshots: two small models on a 24 GiB GPU, and one 14 GiB model on it.
+SMALL_MODELS_REPLAY = Path(__file__).parent / "replay-small-models.jsonl"
+LARGE_MODEL_REPLAY = Path(__file__).parent / "replay-large-model.jsonl"
 
 
 @pytest.fixture

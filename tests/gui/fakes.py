@@ -27,6 +27,7 @@ from arbiterd.wire import LineReader, encode
 ACCEPT_POLL_S = 0.05  # how often the accept thread looks at its stop flag
 JOIN_TIMEOUT_S = 10.0
 
+MiB = 1 << 20
 GiB = 1 << 30
 
 
@@ -39,6 +40,7 @@ def model(name: str, state: str = "cold", **fields: Any) -> dict[str, Any]:
         "pinned": False,
         "queue": 0,
         "resident_bytes": 0,
+        "host_ram_bytes": None,  # None: the daemon cannot tell; a test that needs it says
         "prompt_tokens_evaluated": 0,
         "served": 0,
         "restarts": 0,
@@ -62,6 +64,7 @@ def status(
         "holder": None if holder is None else {"pid": 4242, "name": holder, "since": 1.0},
         "waiters": [],
         "hold": False,
+        "host_ram_bytes": None,
         "telemetry": {
             "source": "test",
             "device": "gpu0",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import sys
 from pathlib import Path
 
@@ -11,9 +12,10 @@ from PySide6.QtGui import QImage
 from pytestqt.qtbot import QtBot
 
 from arbiterd.gui import palette
-from arbiterd.gui.app import main, pyside_leaks_none
+from arbiterd.gui.app import main, pyside_leaks_none, uses_xcb
 from arbiterd.gui.dashboard import SCREENSHOT_SIZE
-from tests.gui.conftest import SAMPLE_REPLAY
+from arbiterd.gui.replay import load_replay
+from tests.gui.conftest import LARGE_MODEL_REPLAY, SAMPLE_REPLAY, SMALL_MODELS_REPLAY
 from tests.gui.fakes import FakeControlServer
 
 
@@ -36,8 +38,9 @@ def test_a_screenshot_of_a_replay(
     assert (image.width(), image.height()) == (SCREENSHOT_SIZE.width(), SCREENSHOT_SIZE.height())
     assert out.stat().st_size > 20_000  # a real picture, not a blank one
     seen = colours(image)
+    models = palette.model_colours(["qwen-coder", "llama-chat"])
     for name in ("qwen-coder", "llama-chat"):
-        assert palette.model_colour(name) in seen, name
+        assert models.of(name) in seen, name
     assert palette.OTHER in seen
     assert capsys.readouterr().out == f"wrote {out} (1120x820)\n"
 
@@ -49,7 +52,7 @@ def test_a_screenshot_of_the_running_daemon(
     journal = tmp_path / "no-journal.sqlite3"  # none yet: the picture still comes
     argv = ["--screenshot", str(out), "--socket", str(server.path), "--journal", str(journal)]
     assert main(argv) == 0
-    assert palette.model_colour("alpha") in colours(QImage(str(out)))
+    assert palette.model_colours(["alpha", "beta"]).of("alpha") in colours(QImage(str(out)))
 
 
 def test_no_daemon_and_no_replay_is_a_clear_error(
@@ -81,6 +84,80 @@ def test_bad_arguments_are_one_line_and_an_exit_status(
     assert error.startswith("arbiterd tray: ")
     assert message in error
     assert error.count("\n") == 1
+
+
+def test_small_models_on_a_big_gpu_are_bands_in_the_screenshot(
+    qtbot: QtBot, tmp_path: Path
+) -> None:
+    """Two models of 250 and 100 MiB on 24 GiB: each fills a band (tens of thousands of
+    pixels), not the two-pixel line a whole-device axis drew."""
+    out = tmp_path / "small.png"
+    assert main(["--screenshot", str(out), "--replay", str(SMALL_MODELS_REPLAY)]) == 0
+    image = QImage(str(out))
+    models = palette.model_colours(["gemma-3-270m", "smollm2-135m"])
+    counts = dict.fromkeys((models.of("gemma-3-270m"), models.of("smollm2-135m")), 0)
+    for x in range(0, image.width(), 2):
+        for y in range(0, image.height(), 2):
+            colour = image.pixelColor(x, y)
+            rgb = (colour.red(), colour.green(), colour.blue())
+            if rgb in counts:
+                counts[rgb] += 1
+    assert len(counts) == 2  # two colours
+    assert min(counts.values()) * 4 > 10_000, counts
+
+
+@pytest.mark.parametrize("replay", [SMALL_MODELS_REPLAY, LARGE_MODEL_REPLAY])
+def test_the_recordings_of_docs_tray_md_render_each_model_in_its_colour(
+    qtbot: QtBot, tmp_path: Path, replay: Path
+) -> None:
+    out = tmp_path / "doc.png"
+    assert main(["--screenshot", str(out), "--replay", str(replay)]) == 0
+    last = [item.status for item in load_replay(replay) if item.status is not None][-1]
+    names = [m["name"] for m in last["models"]]
+    seen = colours(QImage(str(out)))
+    for name in names:
+        assert palette.model_colours(names).of(name) in seen, name
+
+
+@pytest.mark.parametrize(
+    ("environ", "xcb"),
+    [
+        ({"DISPLAY": ":0"}, True),
+        ({"DISPLAY": ":0", "XDG_SESSION_TYPE": "x11"}, True),
+        ({"WAYLAND_DISPLAY": "wayland-0", "XDG_SESSION_TYPE": "wayland"}, False),
+        ({"QT_QPA_PLATFORM": "xcb", "XDG_SESSION_TYPE": "wayland"}, True),
+        ({"QT_QPA_PLATFORM": "wayland;xcb"}, False),
+        ({"QT_QPA_PLATFORM": "offscreen"}, False),
+    ],
+)
+def test_qt_starts_on_xcb_outside_wayland_or_when_asked(environ: dict[str, str], xcb: bool) -> None:
+    assert uses_xcb(environ) is xcb
+
+
+def test_a_tray_without_qts_xcb_libraries_names_the_package_to_install(
+    qtbot: QtBot,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Qt 6.5+ needs libxcb-cursor0, which many desktops lack: one line naming it, status 69,
+    before any QApplication (whose failure would be an abort with Qt's own lines)."""
+
+    def cdll(name: str) -> None:  # every other library of the plugin is there
+        if name == "libxcb-cursor.so.0":
+            raise OSError(f"{name}: cannot open shared object file: No such file or directory")
+
+    monkeypatch.setattr(ctypes, "CDLL", cdll)
+    for name in ("QT_QPA_PLATFORM", "WAYLAND_DISPLAY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("DISPLAY", ":0")
+    monkeypatch.setenv("XDG_SESSION_TYPE", "x11")
+    # A config that is not there: a tray that went past the check would stop on it instead.
+    assert main(["--config", str(tmp_path / "no-config.toml")]) == 69
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1
+    assert error.startswith("arbiterd tray: Qt cannot load its xcb platform plugin")
+    assert error.rstrip().endswith("sudo apt install libxcb-cursor0)")
 
 
 def test_pyside_keeps_its_references_to_none(qtbot: QtBot) -> None:

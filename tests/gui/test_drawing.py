@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from arbiterd.gui.icon import fill_rect, frame_width, make_icon, render_icon
 from arbiterd.gui.palette import RGB
 from arbiterd.gui.state import IconLook, TrayState
 from arbiterd.gui.timeline import MARKER_HEIGHT, MIN_SPAN_S, TimelineWidget
-from tests.gui.fakes import GiB, model, status
+from tests.gui.fakes import GiB, MiB, model, status
 
 T = 1_718_000_000.0
 SIZE = 64
@@ -49,7 +50,7 @@ def test_the_icon_is_drawn_in_the_holders_colour(qtbot: QtBot) -> None:
         )
     )
     image = render_icon(look, SIZE)
-    colour = palette.model_colour("alpha")
+    colour = palette.model_colours(["alpha"]).of("alpha")
     assert frame_pixel(image) == colour
     half = fill_rect(SIZE, 0.5)
     assert rgb(image, SIZE / 2, half.bottom() - 2) == colour  # inside the fill
@@ -67,7 +68,7 @@ def test_the_fill_follows_the_vram_in_use(qtbot: QtBot) -> None:
         )
         image = render_icon(look, SIZE)
         return sum(
-            rgb(image, SIZE / 2, y) == palette.model_colour("alpha")
+            rgb(image, SIZE / 2, y) == palette.model_colours(["alpha"]).of("alpha")
             for y in range(int(frame_width(SIZE)) + 1, SIZE - int(frame_width(SIZE)) - 1)
         )
 
@@ -87,9 +88,8 @@ def test_a_warning_turns_the_frame_amber(qtbot: QtBot) -> None:
     image = render_icon(look, SIZE)
     assert frame_pixel(image) == palette.AMBER
     # The fill still says who holds the GPU.
-    assert rgb(image, SIZE / 2, fill_rect(SIZE, look.fill).bottom() - 2) == palette.model_colour(
-        "alpha"
-    )
+    fill = rgb(image, SIZE / 2, fill_rect(SIZE, look.fill).bottom() - 2)
+    assert fill == palette.model_colours(["alpha"]).of("alpha")
 
 
 def test_an_unreachable_daemon_is_red(qtbot: QtBot) -> None:
@@ -134,7 +134,7 @@ def timeline(qtbot: QtBot) -> TimelineWidget:
     widget = TimelineWidget()
     qtbot.addWidget(widget)
     widget.resize(700, 320)
-    widget.set_history(state.history, T + 600)
+    widget.set_state(state, T + 600)
     return widget
 
 
@@ -145,22 +145,19 @@ def test_the_timeline_marks_each_handoff(timeline: TimelineWidget) -> None:
     assert x == pytest.approx(plot.left() + plot.width() / 2)
     image = timeline.grab().toImage()
     # The marker above the plot is in the colour of the model that took the GPU.
-    assert rgb(image, x, plot.top() - MARKER_HEIGHT / 2) == palette.model_colour("beta")
+    beta = palette.model_colours(["alpha", "beta"]).of("beta")
+    assert rgb(image, x, plot.top() - MARKER_HEIGHT / 2) == beta
     assert rgb(image, x + 40, plot.top() - MARKER_HEIGHT / 2) == palette.PANEL
 
 
 def test_the_timeline_stacks_each_owner_in_its_colour(timeline: TimelineWidget) -> None:
-    plot = timeline.plot_rect()
     image = timeline.grab().toImage()
-    scale = timeline.scale_bytes()
-
-    def y_of(value: float) -> float:
-        return plot.bottom() - value / scale * plot.height()
-
+    colours = palette.model_colours(["alpha", "beta"])
+    y_of = timeline.y_of
     before, after = timeline.x_of(T + 150), timeline.x_of(T + 450)
-    assert rgb(image, before, y_of(1 * GiB)) == palette.model_colour("alpha")
+    assert rgb(image, before, y_of(1 * GiB)) == colours.of("alpha")
     assert rgb(image, before, y_of(2.5 * GiB)) == palette.PANEL  # nothing above alpha's 2 GiB
-    assert rgb(image, after, y_of(1.5 * GiB)) == palette.model_colour("beta")
+    assert rgb(image, after, y_of(1.5 * GiB)) == colours.of("beta")
     assert rgb(image, after, y_of(3.5 * GiB)) == palette.OTHER  # firefox, stacked on beta
 
 
@@ -168,7 +165,7 @@ def test_an_empty_timeline_says_so(qtbot: QtBot) -> None:
     widget = TimelineWidget()
     qtbot.addWidget(widget)
     widget.resize(500, 240)
-    widget.set_history(TrayState().history, T)
+    widget.set_state(TrayState(), T)
     assert widget.marker_positions() == []
     assert not widget.grab().isNull()
 
@@ -181,12 +178,104 @@ def test_a_short_history_is_drawn_over_its_own_span(qtbot: QtBot) -> None:
     widget = TimelineWidget()
     qtbot.addWidget(widget)
     widget.resize(700, 320)
-    widget.set_history(state.history, T + 10)
+    widget.set_state(state, T + 10)
     assert widget.span_s == MIN_SPAN_S  # 10 s of history, drawn over at least 20
     plot = widget.plot_rect()
     ((x, _),) = widget.marker_positions()
     assert x == pytest.approx(plot.left() + plot.width() * 15 / 20)
-    widget.set_history(state.history, T + 100)
+    widget.set_state(state, T + 100)
     assert widget.span_s == pytest.approx(105.0)  # its own 100 s, and a little room
-    widget.set_history(state.history, T + 900)  # later, the full window again
+    widget.set_state(state, T + 900)  # later, the full window again
     assert widget.span_s == 600.0
+
+
+def timeline_of(qtbot: QtBot, state: TrayState, now: float) -> TimelineWidget:
+    widget = TimelineWidget()
+    qtbot.addWidget(widget)
+    widget.resize(700, 320)
+    widget.set_state(state, now)
+    return widget
+
+
+def device(total_bytes: int, used_bytes: int) -> list[dict[str, Any]]:
+    return [{"device": "gpu0", "used_bytes": used_bytes, "total_bytes": total_bytes}]
+
+
+def test_a_small_model_on_a_big_device_is_a_band_not_a_line(qtbot: QtBot) -> None:
+    """The issue's case: 235 MiB on a 23.5 GiB axis was 2 pixels high."""
+    size, total = 235 * MiB, int(23.5 * GiB)
+    state = TrayState()
+    raw = status(
+        model("tiny", "warm", resident_bytes=size), holder="tiny", devices=device(total, size)
+    )
+    state.apply_status(raw, T)
+    widget = timeline_of(qtbot, state, T + 60)
+    plot = widget.plot_rect()
+    band = plot.bottom() - widget.y_of(size)
+    assert band >= 0.6 * plot.height()
+    image = widget.grab().toImage()
+    assert rgb(image, widget.x_of(T + 30), plot.bottom() - band / 2) == state.colours().of("tiny")
+    # The device's total is still said, as off the scale.
+    assert widget.axis().device_note() == "device total 23.5 GiB ↑ off scale"
+
+
+def test_a_model_of_half_the_device_or_more_is_drawn_on_the_whole_device(qtbot: QtBot) -> None:
+    size, total = 14 * GiB, 24 * GiB
+    state = TrayState()
+    raw = status(
+        model("big", "warm", resident_bytes=size), holder="big", devices=device(total, size)
+    )
+    state.apply_status(raw, T)
+    widget = timeline_of(qtbot, state, T + 60)
+    axis = widget.axis()
+    assert axis.top_bytes == total
+    assert axis.device_note() == "device total 24.0 GiB"
+    plot = widget.plot_rect()
+    assert plot.bottom() - widget.y_of(size) == pytest.approx(plot.height() * 14 / 24)
+
+
+def test_handoff_labels_never_overlap(qtbot: QtBot) -> None:
+    """A demo's burst: a handoff every 0.6 s, each label wider than the gap between markers,
+    and the user's hold right after them."""
+    state = TrayState()
+    state.apply_status(status(model("alpha", "warm", resident_bytes=GiB), holder="alpha"), T)
+    for k in range(12):
+        source, target = ("alpha", "beta") if k % 2 == 0 else ("beta", "alpha")
+        state.apply_event({"event": "handoff", "at": T + 5 + 0.6 * k, "from": source,
+                           "to": target, "release_s": 0.1, "restore_s": 0.2})  # fmt: skip
+    state.apply_event({"event": "hold", "at": T + 13, "held": True})
+    widget = timeline_of(qtbot, state, T + 20)
+    labels = widget.label_rects()
+    assert len(labels) >= 3  # stacked in rows, not all but one left out
+    rects = [rect for rect, _ in labels]
+    for a, b in itertools.combinations(rects, 2):
+        assert not a.intersects(b), (a, b)
+    plot = widget.plot_rect()
+    for rect in rects:
+        assert plot.contains(rect), rect
+        assert not any(rect.intersects(strip) for strip in widget.hold_strips())
+
+
+def test_the_legend_lists_the_models_of_the_daemon_it_is_connected_to(qtbot: QtBot) -> None:
+    state = TrayState()
+    # A shared journal: another daemon's model, warm and cold again before the window.
+    state.apply_event({"event": "residency", "at": T - 3000, "model": "theirs", "from":
+                       "warming", "to": "warm", "weights_bytes": GiB})  # fmt: skip
+    state.apply_event({"event": "residency", "at": T - 2900, "model": "theirs", "from":
+                       "cooling", "to": "cold"})  # fmt: skip
+    state.apply_status(
+        status(model("alpha", "warm", resident_bytes=GiB), model("beta"), holder="alpha"), T
+    )
+    widget = timeline_of(qtbot, state, T + 60)
+    assert [name for name, _ in widget.legend_entries()] == ["alpha", "beta", "other processes"]
+    # Each in the colour its bands and cards have.
+    assert dict(widget.legend_entries())["alpha"] == state.colours().of("alpha")
+
+
+def test_an_owner_with_vram_in_view_stays_in_the_legend(qtbot: QtBot) -> None:
+    """A model a reload removed still has its band in the window, so it keeps its entry."""
+    state = TrayState()
+    state.apply_status(status(model("old", "warm", resident_bytes=GiB), holder="old"), T)
+    state.apply_status(status(model("new", "warm", resident_bytes=GiB), holder="new"), T + 30)
+    widget = timeline_of(qtbot, state, T + 60)
+    assert [name for name, _ in widget.legend_entries()] == ["new", "old", "other processes"]

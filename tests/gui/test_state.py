@@ -73,6 +73,14 @@ def test_devices_and_others_from_telemetry_are_used_when_present() -> None:
     assert read.holder_model == "a"
 
 
+def test_host_ram_is_read_per_model_and_in_all_and_none_when_not_said() -> None:
+    read = Status.read(status(model("a", host_ram_bytes=GiB), model("b"), host_ram_bytes=GiB + 5))
+    assert [m.host_ram_bytes for m in read.models] == [GiB, None]
+    assert read.host_ram_bytes == GiB + 5
+    older = Status.read({"models": [{"name": "a", "host_ram_bytes": "lots"}]})  # no key, odd key
+    assert (older.models[0].host_ram_bytes, older.host_ram_bytes) == (None, None)
+
+
 def test_without_devices_the_models_own_count_is_the_vram_in_use() -> None:
     read = Status.read(status(model("a", "warm", resident_bytes=GiB), model("b")))
     assert read.used_bytes == GiB
@@ -84,18 +92,12 @@ def test_without_devices_the_models_own_count_is_the_vram_in_use() -> None:
 
 def test_the_holder_colour_is_the_models_grey_for_others_free_when_none() -> None:
     state = TrayState()
-    state.apply_status(status(model("a", "warm"), holder="a"), T)
-    assert state.holder_colour() == palette.model_colour("a")
+    state.apply_status(status(model("b"), model("a", "warm"), holder="a"), T)
+    assert state.holder_colour() == palette.model_colours(["b", "a"]).of("a")
     state.apply_status(status(model("a", "cold"), holder="steam"), T + 1)
     assert state.holder_colour() == palette.OTHER
     state.apply_status(status(model("a", "cold")), T + 2)
     assert state.holder_colour() == palette.FREE
-
-
-def test_model_colours_are_stable_and_never_the_warning_colours() -> None:
-    assert palette.model_colour("qwen") == palette.model_colour("qwen")
-    for name in ("a", "b", "qwen", "llama", "gemma-story", "gemma-notes", "x" * 40):
-        assert palette.model_colour(name) not in (palette.RED, palette.AMBER, palette.OTHER)
 
 
 def test_an_unreachable_daemon_is_red_whatever_it_said_before() -> None:
@@ -184,6 +186,17 @@ def test_the_tooltip_names_holder_vram_and_waiters() -> None:
         "waiting: b",
     ]
     assert state.fill(T) == pytest.approx(0.5)
+
+
+def test_the_tooltip_names_the_host_ram_when_the_daemon_says_it() -> None:
+    state = TrayState()
+    state.apply_status(status(model("a", "warm"), holder="a", host_ram_bytes=5 * GiB), T)
+    assert state.tooltip(T).splitlines() == [
+        "arbiterd — GPU: a",
+        "VRAM: 0 B (models' own count)",
+        "host RAM: 5.0 GiB",
+        "waiting: nobody",
+    ]
 
 
 # -- history -------------------------------------------------------------------------------------

@@ -214,7 +214,7 @@ def test_the_icon_and_tooltip_show_the_holder(qtbot: QtBot, make_app: AppFactory
     tray = app.tray
     assert tray is not None
     qtbot.waitUntil(lambda: "GPU: alpha" in tray.toolTip(), timeout=WAIT_MS)
-    assert icon_colour(tray) == palette.model_colour("alpha")
+    assert icon_colour(tray) == palette.model_colours(["alpha", "beta"]).of("alpha")
     assert tray.toolTip().splitlines()[1:] == [
         "VRAM: 3.0 GiB (models' own count)",
         "waiting: beta",
@@ -276,7 +276,7 @@ def test_an_unreachable_daemon_turns_red_and_offers_to_start_it(
     # The daemon comes up: the app finds it again.
     server.start()
     wait_for_text(qtbot, app, "headline", "GPU: alpha")
-    assert icon_colour(app.tray) == palette.model_colour("alpha")
+    assert icon_colour(app.tray) == palette.model_colours(["alpha", "beta"]).of("alpha")
 
 
 # -- without a tray --------------------------------------------------------------------------------
