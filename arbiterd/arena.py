@@ -40,11 +40,11 @@ from arbiterd.errors import (
     ArenaUnwritableError,
     BadValueError,
 )
+from arbiterd.paths import ensure_private_dir
 
 TOKEN_FILE = "token.lock"  # noqa: S105 (a file name, not a password)
 WANT_FILE = "want.lock"
 HOLDER_FILE = "holder.json"
-DIR_MODE = 0o700
 FILE_MODE = 0o600
 PROC_LOCKS = Path("/proc/locks")
 # How often a cancellable wait looks at its cancel event. Granting the token is not delayed by
@@ -158,12 +158,7 @@ class Arena:
         self._prepare()
 
     def _prepare(self) -> None:
-        try:
-            self.path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ArenaUnwritableError(
-                f"cannot create arena directory {self.path}: {exc.strerror}"
-            ) from None
+        ensure_private_dir(self.path, ArenaUnwritableError)
         for lock_path in (self._token_path, self._want_path):
             os.close(self._open(lock_path, create=True))
         self._check_flock()

@@ -39,7 +39,7 @@ from arbiterd.errors import (
     DaemonNotRunningError,
     ProtocolError,
 )
-from arbiterd.paths import private_dir_problem, runtime_dir
+from arbiterd.paths import ensure_private_dir, runtime_dir
 from arbiterd.service import COMMANDS, MODEL_COMMANDS, Service
 from arbiterd.wire import LineReader, LineWriter, decode, encode
 
@@ -48,7 +48,6 @@ log = logging.getLogger(__name__)
 CONTROL_PROTOCOL: Final = 1
 SERVER_NAME: Final = "arbiterd"
 SOCKET_NAME: Final = "control.sock"
-DIR_MODE: Final = 0o700
 SOCKET_MODE: Final = 0o600
 # A request is a command and a model name; a line this long is a bug or abuse (not counting the
 # newline). The daemon's own lines (status, events) are not bounded by it.
@@ -186,20 +185,6 @@ def parse_request(line: bytes) -> Request:
     return Request(request_id, command, args)
 
 
-def _prepare_dir(directory: Path) -> None:
-    """Create the socket's directory 0700, or check that an existing one is ours and private:
-    anyone who can write it could replace the socket with their own and read our commands."""
-    try:
-        directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        st = os.lstat(directory)
-    except OSError as exc:
-        raise DaemonError(f"cannot create {directory}: {exc.strerror or exc}") from None
-    problem = private_dir_problem(str(directory), st)
-    if problem is not None:
-        hint = f" (chmod 700 {directory})" if problem.endswith("0700") else ""
-        raise DaemonError(problem + hint)
-
-
 async def _clear_stale_socket(path: Path) -> None:
     """Remove a socket file left by a dead daemon; refuse if a daemon answers on it.
 
@@ -260,7 +245,9 @@ class ControlServer:
         """Listen. DaemonError if the directory is unsafe or another daemon listens on `path`."""
         if self._server is not None or self._closed:
             raise DaemonError("a ControlServer starts once")
-        _prepare_dir(self.path.parent)
+        # Anyone who can write the folder could replace the socket with their own and read
+        # our commands.
+        ensure_private_dir(self.path.parent, DaemonError)
         await _clear_stale_socket(self.path)
         sock = _listen_socket(self.path)
         try:

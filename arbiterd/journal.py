@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from arbiterd.errors import BadValueError, DaemonError
+from arbiterd.paths import make_private_dirs
 
 SCHEMA_VERSION = 1  # kept in PRAGMA user_version; a newer file is refused, never rewritten
 DEFAULT_MAX_EVENTS = 100_000
@@ -86,7 +87,7 @@ class Journal:
         if isinstance(max_events, bool) or not isinstance(max_events, int) or max_events < 1:
             raise BadValueError(f"max_events must be a positive integer, not {max_events!r}")
         self._setup(path, max_events, readonly=False)
-        _make_private_dirs(self.path.parent)
+        make_private_dirs(self.path.parent, DaemonError)
         _create_private_file(self.path)
         self._conn = self._connect(str(self.path), uri=False)
         try:
@@ -380,27 +381,6 @@ def _row_event(row: tuple[Any, ...]) -> JournalEvent:
     if not isinstance(body, dict):  # only a hand-edited file gets here; show it, do not crash
         body = {"event": kind, "at": at, "raw": text}
     return JournalEvent(seq=seq, at=at, kind=kind, model=model, body=body)
-
-
-def _make_private_dirs(directory: Path) -> None:
-    """Create `directory` and any missing parents with mode 0700 (mkdir(parents=True) would give
-    the parents the default mode). Existing directories are left as they are."""
-    missing: list[Path] = []
-    current = directory
-    while not current.exists():
-        missing.append(current)
-        if current.parent == current:
-            break
-        current = current.parent
-    for path in reversed(missing):
-        try:
-            path.mkdir(mode=0o700)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise DaemonError(
-                f"cannot create the journal directory {path}: {exc.strerror}"
-            ) from exc
 
 
 def _create_private_file(path: Path) -> None:

@@ -1,6 +1,7 @@
-"""Where arbiterd keeps its per-user files; owns the XDG lookups and their safety checks.
+"""Where arbiterd keeps its per-user files; owns the XDG lookups, their safety checks, and the
+creation of every folder arbiterd makes (runtime, arena, state, config): 0700 at every level.
 
-Never creates anything outside the directories it resolves, never follows a path it was not given.
+Never creates anything outside the directories it is given, never follows a path it was not given.
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
-from arbiterd.errors import RuntimeDirError
+from arbiterd.errors import ArbiterError, RuntimeDirError
 
 ARENA_ENV = "ARBITERD_ARENA"
 DEFAULT_DEVICE = "gpu0"
+PRIVATE_DIR_MODE = 0o700
 
 
 def runtime_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -67,3 +69,41 @@ def default_arena(env: Mapping[str, str] | None = None) -> Path:
 def resolve_arena(explicit: str | None, env: Mapping[str, str] | None = None) -> Path:
     """`--arena DIR` when given, else the default arena."""
     return Path(explicit) if explicit else default_arena(env)
+
+
+def make_private_dirs(directory: Path, error: type[ArbiterError]) -> None:
+    """Create `directory` and every missing parent with mode 0700; existing ones are left as
+    they are. `mkdir(parents=True)` would give the parents `0777 & ~umask` (0755 under the
+    usual umask 022), and a later private-folder check on one of them would then refuse it."""
+    missing: list[Path] = []
+    current = directory
+    while not current.exists():
+        missing.append(current)
+        if current.parent == current:
+            break
+        current = current.parent
+    for path in reversed(missing):
+        try:
+            path.mkdir(mode=PRIVATE_DIR_MODE)
+        except FileExistsError:
+            continue  # made by someone else meanwhile: checked like any existing folder
+        except OSError as exc:
+            raise error(f"cannot create {path}: {exc.strerror or exc}") from None
+        # mkdir's mode is masked by the umask; a umask such as 0277 must not make it unusable.
+        os.chmod(path, PRIVATE_DIR_MODE)
+
+
+def ensure_private_dir(directory: Path, error: type[ArbiterError]) -> None:
+    """Create `directory` as `make_private_dirs` does, then require it to be ours and 0700:
+    whoever can write it could replace what we keep there. Refusals carry the one-line fix."""
+    make_private_dirs(directory, error)
+    try:
+        st = os.lstat(directory)
+    except OSError as exc:
+        raise error(f"cannot read {directory}: {exc.strerror or exc}") from None
+    problem = private_dir_problem(str(directory), st)
+    if problem is None:
+        return
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+        problem += f" (chmod 700 {directory})"
+    raise error(problem)
