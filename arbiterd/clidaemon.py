@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from arbiterd.config import Config, load_config, load_daemon_config
 from arbiterd.control import ControlClient
@@ -25,8 +25,18 @@ from arbiterd.journal import Journal, format_event, parse_since
 COMMAND_TIMEOUT_S = 600.0
 
 
-def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    daemon = sub.add_parser("daemon", help="run the daemon (models, OpenAI API, control socket)")
+class AddCommand(Protocol):
+    """Adds a subcommand whose --help page says what it does (`summary`) and shows examples."""
+
+    def __call__(self, name: str, summary: str, *examples: str) -> argparse.ArgumentParser: ...
+
+
+def add_commands(command: AddCommand) -> None:
+    daemon = command(
+        "daemon",
+        "run the daemon (models, OpenAI API, control socket)",
+        "arbiterd daemon --config ~/models/arbiterd.toml --verbose",
+    )
     daemon.add_argument("--config", type=Path, help="config file (default: the XDG one)")
     daemon.add_argument("--http", metavar="HOST:PORT", help="OpenAI API listen address")
     daemon.add_argument("--socket", type=Path, metavar="PATH", help="control socket path")
@@ -34,7 +44,12 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     daemon.add_argument("-v", "--verbose", action="store_true", help="log debug details")
     daemon.set_defaults(handler=run_daemon)
 
-    status = sub.add_parser("status", help="models, their state and VRAM, the GPU's holder")
+    status = command(
+        "status",
+        "show each model's state and memory, and who holds the GPU",
+        "arbiterd status",
+        "arbiterd status --json",
+    )
     _client_options(status)
     status.add_argument("--json", action="store_true", help="print the status object")
     status.set_defaults(handler=show_status)
@@ -45,20 +60,25 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         ("pin", "keep a model on the GPU whoever waits"),
         ("unpin", "let a pinned model release again"),
     ):
-        command = sub.add_parser(name, help=text)
-        command.add_argument("model", metavar="NAME")
-        _client_options(command)
-        command.set_defaults(handler=model_command)
+        model_parser = command(name, text, f"arbiterd {name} chat")
+        model_parser.add_argument("model", metavar="NAME")
+        _client_options(model_parser)
+        model_parser.set_defaults(handler=model_command)
     for name, text in (
         ("hold", "take the GPU for something else (game mode): every model goes cold"),
         ("unhold", "give the GPU back to the models"),
         ("reload", "re-read the config file"),
     ):
-        command = sub.add_parser(name, help=text)
-        _client_options(command)
-        command.set_defaults(handler=plain_command)
+        plain_parser = command(name, text, f"arbiterd {name}")
+        _client_options(plain_parser)
+        plain_parser.set_defaults(handler=plain_command)
 
-    events = sub.add_parser("events", help="the journal of handoffs, requests and failures")
+    events = command(
+        "events",
+        "show the journal of handoffs, requests and failures",
+        "arbiterd events --since 1h",
+        "arbiterd events --follow --json",
+    )
     events.add_argument(
         "--follow", "-f", action="store_true", help="print new events as they happen"
     )
@@ -154,7 +174,9 @@ def show_events(args: argparse.Namespace) -> int:
 
 def render_status(status: dict[str, Any]) -> str:
     """The status as a table a person reads at a glance."""
-    rows = [("MODEL", "STATE", "VRAM", "COLD", "QUEUE", "SERVED", "LAST HANDOFF", "NOTE")]
+    rows = [
+        ("MODEL", "STATE", "VRAM", "COLD", "HOST RAM", "QUEUE", "SERVED", "LAST HANDOFF", "NOTE")
+    ]
     for model in status.get("models", []):
         handoff = model.get("last_handoff")
         last = "-"
@@ -167,16 +189,20 @@ def render_status(status: dict[str, Any]) -> str:
             note.append("pinned")
         if model.get("restarts"):
             note.append(f"{model['restarts']} restarts")
+        if model.get("host_copy_shared_with"):
+            note.append("file copy shared with " + ", ".join(model["host_copy_shared_with"]))
         if model.get("last_error"):
             note.append(str(model["last_error"]))
         vram = model.get("vram_bytes")
         cold = model.get("cold_footprint_bytes")
+        host = model.get("host_ram_bytes")
         rows.append(
             (
                 str(model["name"]),
                 str(model["state"]),
                 "?" if vram is None else human_bytes(int(vram)),
                 "-" if cold is None else human_bytes(int(cold)),
+                "-" if host is None else human_bytes(int(host)),
                 str(model.get("queue", 0)),
                 str(model.get("served", 0)),
                 last,
@@ -188,6 +214,11 @@ def render_status(status: dict[str, Any]) -> str:
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1]
         for row in rows
     ]
+    if status.get("host_ram_bytes") is not None:
+        lines.append(
+            f"host RAM: {human_bytes(int(status['host_ram_bytes']))} "
+            "(model file copies, each counted once, and KV caches kept on the host)"
+        )
     telemetry = status.get("telemetry") or {}
     for device in telemetry.get("devices", []):
         lines.append(
@@ -240,6 +271,12 @@ def _describe(command: str, result: dict[str, Any]) -> str:
     if "hold" in result:
         return "GPU held for you" if result["hold"] else "GPU given back to the models"
     if command == "reload":
-        parts = [f"{k}: {', '.join(v)}" for k, v in result.items() if isinstance(v, list) and v]
-        return "reloaded" + (" (" + "; ".join(parts) + ")" if parts else ", nothing changed")
+        parts = [
+            f"{key}: {', '.join(result[key])}"
+            for key in ("added", "removed", "changed")
+            if result.get(key)
+        ]
+        lines = ["reloaded" + (" (" + "; ".join(parts) + ")" if parts else ", nothing changed")]
+        lines += [f"warning: {warning}" for warning in result.get("warnings", [])]
+        return "\n".join(lines)
     return json.dumps(result)

@@ -16,9 +16,8 @@
 
 With no file at the default path the *embedded default* serves one demo model (gemma-3-270m).
 Every problem with a file is one `ConfigError` naming the file, the key path and what was
-expected; nothing is half-applied. This module never opens a model file (a missing GGUF is the
-worker's to report, as one failed model, so the others keep serving) and never creates a file or
-directory: it only resolves paths.
+expected; nothing is half-applied. This module never opens a model file (arbiterd.modelfile checks
+them before anything loads) and never creates a file or directory: it only resolves paths.
 
 Importing this module must stay cheap: every `arbiterd` command imports it, including
 `arbiterd run -- GAME`, which must never load an inference library (arbiterd.spec is plain).
@@ -98,16 +97,9 @@ class ModelConfig:
     min_hold_s: float
     idle_release_s: float  # 0 = release only when someone else wants the GPU
 
-    def worker_config(self, arena: Path) -> WorkerConfig:
-        """What the worker process for this model is started with."""
-        if self.mmproj is not None:
-            # ModelSpec cannot carry a projector yet; serving without it would silently drop
-            # images, so this model fails to start (the supervisor keeps the others serving).
-            raise ConfigError(
-                f"{_dotted(('models', self.name, 'mmproj'))}: expected no projector: "
-                "this engine cannot load an mmproj yet"
-            )
-
+    def worker_config(self, arena: Path, host_copy_fd: int | None = None) -> WorkerConfig:
+        """What the worker process for this model is started with; `host_copy_fd` is the
+        daemon's memfd of the model file, inherited by the worker."""
         spec = ModelSpec(
             name=self.name,
             path=self.path,
@@ -116,6 +108,7 @@ class ModelConfig:
             n_threads=self.n_threads,
             chat_format=self.chat_format,
             host_copy=True,
+            host_copy_fd=host_copy_fd,
         )
         return WorkerConfig(
             spec=spec,
@@ -507,6 +500,13 @@ def _model(src: _Source, name: str, raw: object) -> ModelConfig:
     chat_format = table.string(
         "chat_format", "", 'a chat format name such as "chatml" ("" = the GGUF\'s own template)'
     )
+    mmproj = table.optional_path("mmproj")
+    if mmproj is not None:
+        # Serving without the projector would silently drop images: refuse before anything
+        # starts, rather than fail the model later.
+        raise src.fail(
+            table.keys("mmproj"), 'expected "" (none): this engine cannot load an mmproj yet'
+        )
     return ModelConfig(
         name=name,
         path=src.path(table.keys("path"), path_text, _PATH_EXPECTED),
@@ -514,7 +514,7 @@ def _model(src: _Source, name: str, raw: object) -> ModelConfig:
         n_gpu_layers=n_gpu_layers,
         n_threads=n_threads or None,
         chat_format=chat_format or None,
-        mmproj=table.optional_path("mmproj"),
+        mmproj=mmproj,
         kv_on_release=kv_on_release,
         min_hold_s=table.seconds("min_hold_s", 0.1),
         idle_release_s=table.seconds("idle_release_s", 0.0, note=" (0 = only when wanted)"),
@@ -579,6 +579,11 @@ _TOML_ESCAPES = {
     "\f": "\\f",
     "\r": "\\r",
 }
+
+
+def key_path(*keys: str) -> str:
+    """A key path as TOML spells it, for messages about a config: models."qwen2.5".n_ctx."""
+    return _dotted(keys)
 
 
 def _dotted(keys: Iterable[str]) -> str:

@@ -1,14 +1,17 @@
 """`arbiterd daemon`: wires config, journal, supervisor, HTTP API and control socket together.
 
-Owns the daemon's lifetime: start everything, tell systemd when serving (READY=1 to
-$NOTIFY_SOCKET, Type=notify), stop gracefully on SIGTERM/SIGINT or the `shutdown` command
-(in-flight requests finish, workers stop and release the GPU, the journal is closed).
+Owns the daemon's lifetime: check every model file, bind the HTTP port and the control socket,
+and only then start the workers (a mistake or a taken port costs no model load); tell systemd
+when serving (READY=1 to $NOTIFY_SOCKET, Type=notify); stop gracefully on SIGTERM/SIGINT or the
+`shutdown` command (in-flight requests finish, workers stop and release the GPU, the journal is
+closed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -19,14 +22,16 @@ import uvicorn
 
 from arbiterd.config import Config
 from arbiterd.control import ControlServer
-from arbiterd.errors import DaemonError
+from arbiterd.errors import DaemonError, ListenError
 from arbiterd.httpapi import create_app
 from arbiterd.journal import Journal
+from arbiterd.modelfile import check_models
 from arbiterd.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
 HTTP_SHUTDOWN_TIMEOUT_S = 30
+HTTP_BACKLOG = 2048  # uvicorn's own default
 
 
 class _HttpServer(uvicorn.Server):
@@ -49,8 +54,45 @@ def notify_ready(status: str) -> bool:
     return True
 
 
+def bind_http(host: str, port: int) -> socket.socket:
+    """The HTTP API's listening socket, bound before anything else starts."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as exc:
+        raise ListenError(f"cannot listen on {where}: {exc.strerror}") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # As uvicorn does: a restart may bind while the old daemon's connections linger.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(HTTP_BACKLOG)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ListenError(
+                f"{where} is already in use (another arbiterd or server?); pick a free port "
+                "with http = HOST:PORT in the config's [daemon] table or --http HOST:PORT"
+            ) from None
+        raise ListenError(f"cannot listen on {where}: {exc.strerror}") from None
+    return sock
+
+
 async def serve(config: Config, reload_config: Callable[[], Config] | None = None) -> None:
     """Run until SIGTERM/SIGINT or the shutdown command."""
+    for warning in check_models(config):  # raises ConfigError before anything loads
+        log.warning("%s", warning)
+    daemon = config.daemon
+    listening = bind_http(daemon.http_host, daemon.http_port)
+    try:
+        await _serve(config, reload_config, listening)
+    finally:
+        listening.close()
+
+
+async def _serve(
+    config: Config, reload_config: Callable[[], Config] | None, listening: socket.socket
+) -> None:
     daemon = config.daemon
     journal = Journal(daemon.journal)
     supervisor = Supervisor(config, journal, reload_config)
@@ -72,9 +114,9 @@ async def serve(config: Config, reload_config: Callable[[], Config] | None = Non
     try:
         await control.start()
         await supervisor.start()
-        http_task = loop.create_task(http.serve())
+        http_task = loop.create_task(http.serve(sockets=[listening]))
         while not http.started:
-            if http_task.done():  # e.g. the port is taken
+            if http_task.done():  # uvicorn gave up on the socket it was handed
                 await http_task
                 raise DaemonError(
                     f"the HTTP API could not listen on {daemon.http_host}:{daemon.http_port}"

@@ -34,12 +34,11 @@ from arbiterd.errors import (
     RequestError,
     RestoreError,
 )
+from arbiterd.hostcopy import copy_into_memfd
 from arbiterd.native.libllama import ResidencyApi, probe_residency_api
 from arbiterd.spec import COMPLETION_PARAMS, MAX_N_CTX, KvPolicy, ModelSpec
 
 log = logging.getLogger(__name__)
-
-COPY_CHUNK_BYTES = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -83,6 +82,8 @@ class Backend(Protocol):
     def generate(self, kind: str, body: dict[str, Any], sink: ChunkSink | None) -> Generation: ...
 
     def resident_bytes(self) -> int: ...
+
+    def host_kv_bytes(self) -> int: ...
 
     def close(self) -> None: ...
 
@@ -135,8 +136,10 @@ class ReloadBackend:
 
     def load(self) -> Moved:
         started, read_before = time.monotonic(), disk_read_bytes()
-        if self.spec.host_copy and self._host_fd is None:
-            self._host_fd = _host_copy(self.spec)
+        if self.spec.host_copy_fd is not None:
+            self._host_fd = self.spec.host_copy_fd  # the daemon's copy, shared by its workers
+        elif self.spec.host_copy and self._host_fd is None:
+            self._host_fd = copy_into_memfd(self.spec.path).fd
         self._llm = self._new_llama(ModelLoadError)
         return Moved(
             duration_s=time.monotonic() - started,
@@ -188,8 +191,9 @@ class ReloadBackend:
             return 0
         return self._weights_bytes() + int(llama_cpp.llama_state_get_size(self._llm.ctx))
 
-    def host_bytes(self) -> int:
-        """Host memory kept for a cold model: the KV snapshot (the memfd is counted by the OS)."""
+    def host_kv_bytes(self) -> int:
+        """Host memory the KV cache of a cold model takes (the weights' host copy is the
+        daemon's, shared by the workers on the same file)."""
         return len(self._kv.data) if self._kv else 0
 
     def close(self) -> None:
@@ -317,7 +321,9 @@ class ReloadBackend:
         try:
             llm = llama_cpp.Llama(**kwargs)
         except (ValueError, RuntimeError, OSError, MemoryError) as exc:
-            raise error(f"cannot load {spec.path}: {exc}") from None
+            # llama-cpp-python names the path it was given: the user knows their own.
+            reason = str(exc).replace(path, str(spec.path))
+            raise error(f"cannot load {spec.path}: {reason}") from None
         _count_evals(llm, lambda: self._counting)
         return llm
 
@@ -393,31 +399,6 @@ def _context_pointer(llm: llama_cpp.Llama) -> int:
     if not pointer:
         raise EngineError("the llama context is gone")
     return pointer
-
-
-def _host_copy(spec: ModelSpec) -> int:
-    """Copy the GGUF into a memfd (the host copy of the weights) and drop the file's page cache,
-    so the memfd is the only copy in RAM and every later load reads it, not the disk."""
-    try:
-        src = os.open(spec.path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ModelLoadError(f"cannot open model file {spec.path}: {exc.strerror}") from None
-    memfd = os.memfd_create(f"arbiterd-{spec.name}", os.MFD_CLOEXEC)
-    try:
-        size = os.fstat(src).st_size
-        offset = 0
-        while offset < size:
-            sent = os.sendfile(memfd, src, offset, min(COPY_CHUNK_BYTES, size - offset))
-            if sent == 0:
-                raise ModelLoadError(f"{spec.path} shrank while being copied")
-            offset += sent
-        os.posix_fadvise(src, 0, 0, os.POSIX_FADV_DONTNEED)
-    except BaseException:
-        os.close(memfd)
-        raise
-    finally:
-        os.close(src)
-    return memfd
 
 
 def _save_kv(llm: llama_cpp.Llama) -> _KvSnapshot:

@@ -23,7 +23,8 @@
     ├── ConfigError                   config.toml is wrong: file, key path, what was expected (78)
     ├── MissingPartError              an optional part (the tray's PySide6) is not installed (69)
     ├── TelemetryError                a VRAM reader could not measure (69)
-    └── DaemonError                   talking to the daemon failed
+    └── DaemonError                   the daemon could not start, or talking to it failed
+        ├── ListenError               the HTTP address is taken or cannot be bound (71)
         ├── DaemonNotRunningError     nothing listens on the control socket (69)
         ├── UnknownModelError         no model by that name (404 over HTTP)
         └── ControlError              the daemon answered a control command with an error
@@ -132,6 +133,10 @@ class TelemetryError(ArbiterError):
 
 class DaemonError(ArbiterError):
     exit_code = 1
+
+
+class ListenError(DaemonError):
+    exit_code = 71  # sysexits EX_OSERR: the system refused the address
 
 
 class DaemonNotRunningError(DaemonError):

@@ -17,9 +17,14 @@ Status (`await status()`), one JSON object:
                  "prompt_tokens_evaluated", "served", "restarts", "last_error",
                  "last_handoff": handoff event | None,
                  "vram_bytes": measured device bytes | None (cannot be told),
-                 "cold_footprint_bytes": what its worker holds while cold | None}, ...],
+                 "cold_footprint_bytes": what its worker holds while cold | None,
+                 "host_ram_bytes": its share of its file's host copy + host_kv_bytes | None,
+                 "host_kv_bytes": the KV cache it keeps on the host,
+                 "host_copy_bytes": the size of its file's host copy (when it has one),
+                 "host_copy_shared_with": [other models on the same copy]}, ...],
      "arena": str, "holder": {"pid", "name", "since"} | None,
      "waiters": [{"pid", "name"}, ...], "hold": bool,
+     "host_ram_bytes": every host copy once + every host KV cache,
      "telemetry": {"at", "source", "readers", "device",
                    "devices": [{"device", "name", "total_bytes", "used_bytes"}, ...],
                    "models": {name: bytes | None}, "others": [{"pid", "device",
@@ -32,6 +37,7 @@ Events (from `subscribe()`), JSON objects with "event" and "at" (seconds since t
                 completion_tokens, cancelled, status ("ok" | "error" | "cancelled")
     handoff     the GPU changed hands between models: from, to, release_s, wait_s, restore_s
     worker      a worker exited or restarted: model, pid, code, reason, restart_in_s
+    reload      the config was read again: added, removed, changed, warnings
     hold        the user took (held=true) or gave back (held=false) the GPU
     reload      the config was re-read: added, removed, changed (model names)
     vram_not_freed  a release did not give the VRAM back: model, pid, device, bytes_before,

@@ -53,6 +53,9 @@ class ModelSpec:
     chat_format: str | None = None
     seed: int = 0
     host_copy: bool = True  # keep the GGUF in a memfd: restores read nothing from disk
+    # A memfd the daemon filled and passed down (one per file, shared by its workers); None:
+    # the worker makes its own copy when host_copy is set.
+    host_copy_fd: int | None = None
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,10 @@ from arbiterd.errors import (
     UnknownModelError,
     WorkerError,
 )
+from arbiterd.hostcopy import HostCopies, HostCopy, Lease
 from arbiterd.journal import Journal
 from arbiterd.metrics import Metrics
+from arbiterd.modelfile import check_models
 from arbiterd.procs import holder_name, process_name
 from arbiterd.service import MODEL_COMMANDS
 from arbiterd.telemetry import (
@@ -81,6 +83,7 @@ class _Slot:
     last_error: str = ""
     last_handoff: dict[str, Any] | None = None  # the last time it took the GPU from a model
     restart_task: asyncio.Task[None] | None = None
+    host_copy: Lease | None = None  # on the daemon's memfd of the model file; kept across restarts
 
 
 @dataclass
@@ -104,6 +107,7 @@ class Supervisor:
         self._journal = journal
         self._arena = Arena(config.daemon.arena)
         self._slots: dict[str, _Slot] = {}
+        self._host_copies = HostCopies()
         self._subscribers: set[asyncio.Queue[dict[str, Any]]] = set()
         self._pool = ThreadPoolExecutor(REQUEST_THREADS, thread_name_prefix="supervisor")
         self._ids = itertools.count(1)
@@ -152,15 +156,30 @@ class Supervisor:
             self._hold = None
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._readers.close()
+        self._host_copies.close()
+
+    async def _hold_copy(self, slot: _Slot) -> HostCopy:
+        """The slot's host copy of its model file (shared with every slot on that file)."""
+        if slot.host_copy is None:
+            slot.host_copy = await self._run(
+                self._host_copies.acquire, slot.config.path, slot.config.name
+            )
+        return slot.host_copy.copy
+
+    def _drop_copy(self, slot: _Slot) -> None:
+        if slot.host_copy is not None:
+            self._host_copies.release(slot.host_copy)
+            slot.host_copy = None
 
     async def _spawn(self, slot: _Slot) -> None:
         name = slot.config.name
         slot.state = "starting"
         env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
         try:
+            copy = await self._hold_copy(slot)
             worker = await self._run(
                 WorkerProcess.spawn,
-                slot.config.worker_config(self.config.daemon.arena),
+                slot.config.worker_config(self.config.daemon.arena, copy.fd),
                 env=env,
                 keep_events=False,
             )
@@ -370,6 +389,9 @@ class Supervisor:
             "waiters": [{"pid": p, "name": process_name(p)} for p in arena.waiter_pids],
             "hold": self._hold is not None,
             "telemetry": self._telemetry_status(snapshot),
+            # Each copy once, however many models share it.
+            "host_ram_bytes": self._host_copies.total_bytes()
+            + sum(int(r.get("host_kv_bytes") or 0) for r in reports),
         }
 
     async def _slot_status(self, slot: _Slot, snapshot: TelemetrySnapshot | None) -> dict[str, Any]:
@@ -387,6 +409,7 @@ class Supervisor:
             "last_handoff": slot.last_handoff,
             "vram_bytes": None,  # measured by the telemetry readers; None = cannot be told
             "cold_footprint_bytes": self._footprints.footprint(slot.config.name),
+            **self._host_ram(slot, host_kv_bytes=0),
         }
         if snapshot is not None:
             report["vram_bytes"] = snapshot.model_bytes(slot.config.name, self._device)
@@ -406,7 +429,22 @@ class Supervisor:
             ):
                 report[key] = live.get(key, report[key])
             report["last_error"] = live.get("last_error") or slot.last_error
+            report.update(self._host_ram(slot, host_kv_bytes=int(live.get("host_kv_bytes", 0))))
         return report
+
+    def _host_ram(self, slot: _Slot, *, host_kv_bytes: int) -> dict[str, Any]:
+        """The model's host RAM: its share of the file's copy (split between the models that
+        use it, so the shares add up to the total) plus the KV cache it keeps on the host."""
+        lease = slot.host_copy
+        if lease is None:
+            return {"host_ram_bytes": host_kv_bytes or None, "host_kv_bytes": host_kv_bytes}
+        models = lease.copy.models()
+        return {
+            "host_ram_bytes": lease.copy.size // len(models) + host_kv_bytes,
+            "host_kv_bytes": host_kv_bytes,
+            "host_copy_bytes": lease.copy.size,
+            "host_copy_shared_with": [m for m in models if m != slot.config.name],
+        }
 
     async def command(self, name: str, model: str | None = None) -> dict[str, Any]:
         if name in MODEL_COMMANDS:
@@ -434,19 +472,33 @@ class Supervisor:
         if self._reload_config is None:
             raise ControlError("running on the embedded default: there is no config to reload")
         new = await self._run(self._reload_config)
+        # The whole new config is checked before anything changes: a bad file applies nothing.
+        warnings = await self._run(check_models, new, copy_held=self._host_copies.holds)
+        for warning in warnings:
+            log.warning("%s", warning)
         old = self.config.models
         added = [n for n in new.models if n not in old]
         removed = [n for n in old if n not in new.models]
         changed = [n for n in new.models if n in old and new.models[n] != old[n]]
+        fresh = {name: _Slot(new.models[name]) for name in added + changed}
+        try:
+            # Before the old slots let theirs go: a changed model whose file is gone from disk
+            # restarts from the copy its old worker still holds.
+            await asyncio.gather(*(self._hold_copy(slot) for slot in fresh.values()))
+        except ArbiterError as exc:
+            for slot in fresh.values():
+                self._drop_copy(slot)
+            raise ControlError(f"reload applied nothing: {exc}") from None
         for name in removed + changed:
             await self._retire(self._slots.pop(name))
         self.config = Config(daemon=self.config.daemon, models=new.models, source=new.source)
-        for name in added + changed:
-            self._slots[name] = _Slot(new.models[name])
+        for name, slot in fresh.items():
+            self._slots[name] = slot
             self.metrics.add_model(name)
-        await asyncio.gather(*(self._spawn(self._slots[n]) for n in added + changed))
-        self._publish({"event": "reload", "added": added, "removed": removed, "changed": changed})
-        return {"added": added, "removed": removed, "changed": changed}
+        await asyncio.gather(*(self._spawn(slot) for slot in fresh.values()))
+        summary = {"added": added, "removed": removed, "changed": changed}
+        self._publish({"event": "reload", **summary, "warnings": warnings})
+        return {**summary, "warnings": warnings}
 
     async def _retire(self, slot: _Slot) -> None:
         if slot.restart_task is not None:
@@ -456,8 +508,8 @@ class Supervisor:
         self._footprints.forget(slot.config.name)
         if worker is not None:
             self._forget_worker(slot.config.name, worker.pid)
-        if worker is not None:
             await self._run(worker.shutdown)
+        self._drop_copy(slot)  # after the worker, which held its own descriptor of the copy
 
     async def _take_hold(self) -> dict[str, Any]:
         """Game mode: every model goes cold (pinned or not) and the daemon keeps the token."""

@@ -375,6 +375,7 @@ class Worker:
             "current": self._current,
             "served": self._served,
             "resident_bytes": self._backend.resident_bytes(),
+            "host_kv_bytes": self._backend.host_kv_bytes(),
             "prompt_tokens_evaluated": self._backend.prompt_tokens_evaluated_total,
             "last_error": self._last_error,
         }

@@ -80,6 +80,8 @@ class WorkerProcess:
         """Start a worker and wait for its hello (the model may still be loading then).
         With keep_events=False, events reach only the listeners, not `events`."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # The host copy keeps its number in the child (pass_fds), where the spec names it.
+        shared = [] if config.spec.host_copy_fd is None else [config.spec.host_copy_fd]
         try:
             process = subprocess.Popen(
                 [
@@ -91,7 +93,7 @@ class WorkerProcess:
                     "--config",
                     config.to_json(),
                 ],
-                pass_fds=[theirs.fileno()],
+                pass_fds=[theirs.fileno(), *shared],
                 env=env,
             )
         except BaseException:

@@ -32,7 +32,7 @@ n_ctx = 8192
 n_gpu_layers = 20
 n_threads = 6
 chat_format = "chatml"
-mmproj = "~/mmproj.gguf"
+mmproj = ""
 kv_on_release = "drop"
 min_hold_s = 0.5
 idle_release_s = 30
@@ -87,7 +87,7 @@ def test_full_file_sets_every_key(tmp_path: Path, env: dict[str, str]) -> None:
     assert qwen.path == etc / "models/qwen.gguf"
     assert (qwen.n_ctx, qwen.n_gpu_layers, qwen.n_threads) == (8192, 20, 6)
     assert qwen.chat_format == "chatml"
-    assert qwen.mmproj == home / "mmproj.gguf"
+    assert qwen.mmproj is None
     assert qwen.kv_on_release is KvPolicy.DROP
     assert qwen.min_hold_s == 0.5
     assert qwen.idle_release_s == 30.0
@@ -305,28 +305,27 @@ def test_the_embedded_default_serves_gemma(
 
 
 def test_worker_config_carries_the_model(tmp_path: Path, env: dict[str, str]) -> None:
-    text = FULL.replace('mmproj = "~/mmproj.gguf"\n', "")
-    model = load_text(tmp_path, env, text).models["qwen"]
+    model = load_text(tmp_path, env, FULL).models["qwen"]
 
-    worker = model.worker_config(tmp_path / "arena")
+    worker = model.worker_config(tmp_path / "arena", host_copy_fd=7)
 
     spec = worker.spec
     assert (spec.name, spec.path, spec.n_ctx) == ("qwen", model.path, 8192)
     assert (spec.n_gpu_layers, spec.n_threads, spec.chat_format) == (20, 6, "chatml")
     assert spec.host_copy
+    assert spec.host_copy_fd == 7
     assert worker.arena == tmp_path / "arena"
     assert worker.kv_on_release is KvPolicy.DROP
     assert (worker.min_hold_s, worker.idle_release_s) == (0.5, 30.0)
     assert WorkerConfig.from_json(worker.to_json()) == worker
 
 
-def test_worker_config_refuses_a_projector_it_cannot_load(
+def test_a_projector_it_cannot_load_is_refused_before_anything_starts(
     tmp_path: Path, env: dict[str, str]
 ) -> None:
-    model = load_text(tmp_path, env, FULL).models["qwen"]
-
-    with pytest.raises(ConfigError, match=r"^models\.qwen\.mmproj: expected no projector"):
-        model.worker_config(tmp_path / "arena")
+    text = MINIMAL + 'mmproj = "~/mmproj.gguf"\n'
+    with pytest.raises(ConfigError, match=r"models\.qwen\.mmproj: expected \"\" \(none\)"):
+        load_text(tmp_path, env, text)
 
 
 # -- errors ----------------------------------------------------------------------------------

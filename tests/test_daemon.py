@@ -203,13 +203,18 @@ def test_a_client_that_disconnects_cancels_its_request(daemon: Daemon) -> None:
 def test_a_model_that_fails_to_load_is_shown_and_the_others_serve(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    running = Daemon({"good": tiny(tiny_model), "bad": tiny(tmp_path / "missing.gguf")})
+    # A GGUF whose header is fine but whose tensors are cut off passes the config check and
+    # fails in llama.cpp: the message names the user's file, not the worker's memfd.
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(tiny_model.read_bytes()[: tiny_model.stat().st_size // 2])
+    running = Daemon({"good": tiny(tiny_model), "bad": tiny(broken)})
     try:
         status = running.wait_ready()
         states = {m["name"]: (m["state"], m["last_error"]) for m in status["models"]}
         assert states["good"][0] in ("warm", "cold")
         assert states["bad"][0] == "failed"
-        assert "missing.gguf" in states["bad"][1]
+        assert str(broken) in states["bad"][1]
+        assert "/proc/self/fd" not in states["bad"][1]
         with openai.OpenAI(base_url=running.url, api_key="x", max_retries=0) as api:
             assert api.completions.create(model="good", prompt="the fox", max_tokens=2).choices
             with pytest.raises(openai.InternalServerError) as caught:
@@ -217,6 +222,41 @@ def test_a_model_that_fails_to_load_is_shown_and_the_others_serve(
         assert caught.value.status_code == 503
     finally:
         running.cleanup()
+
+
+def test_a_missing_model_file_stops_the_daemon_before_anything_loads(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    missing = tmp_path / "missing.gguf"
+    running = Daemon({"good": tiny(tiny_model), "bad": tiny(missing)})
+    try:
+        assert running.process.wait(timeout=60) == 78  # EX_CONFIG
+        log = running.log.read_text()
+        assert f"{running.config}: models.bad.path: {missing} does not exist" in log
+        assert "Traceback" not in log
+        assert not running.socket.exists()
+        assert not running.journal.exists()  # nothing was started, not even the journal
+    finally:
+        running.cleanup()
+
+
+def test_a_taken_port_is_one_line_before_any_model_loads(tiny_model: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        running = Daemon({"m": tiny(tiny_model)}, port=port)
+        try:
+            assert running.process.wait(timeout=60) == 71
+            lines = running.log.read_text().strip().splitlines()
+            assert lines == [
+                f"arbiterd daemon: 127.0.0.1:{port} is already in use (another arbiterd or "
+                "server?); pick a free port with http = HOST:PORT in the config's [daemon] "
+                "table or --http HOST:PORT"
+            ]
+            assert not running.socket.exists()  # no stale control socket left behind
+        finally:
+            running.cleanup()
 
 
 def test_api_key_guards_the_api(tiny_model: Path) -> None:
@@ -333,5 +373,62 @@ def test_reload_starts_added_models_and_stops_removed_ones(tiny_model: Path) -> 
         assert refused.returncode != 0
         assert "models.bad" in refused.stderr  # the config error, named; the daemon goes on
         assert [m["name"] for m in running.wait_ready()["models"]] == ["keep", "added"]
+    finally:
+        running.cleanup()
+
+
+def test_reload_keeps_serving_a_model_whose_file_vanished(tiny_model: Path, tmp_path: Path) -> None:
+    own = tmp_path / "own.gguf"
+    own.write_bytes(tiny_model.read_bytes())
+    running = Daemon({"kept": tiny(own), "other": tiny(tiny_model)})
+    try:
+        running.wait_ready()
+        own.unlink()
+        done = arbiterd("reload", "--socket", str(running.socket))
+        assert done.returncode == 0, done.stderr
+        assert "nothing changed" in done.stdout
+        assert f"{own} is gone from disk; kept keeps serving from its copy" in done.stdout
+        # A changed model restarts from the copy too: its file is still gone.
+        running.config.write_text(
+            running.config.read_text().replace("n_ctx = 2048", "n_ctx = 1024", 1)
+        )
+        changed = arbiterd("reload", "--socket", str(running.socket))
+        assert changed.returncode == 0, changed.stderr
+        assert "changed: kept" in changed.stdout
+        status = running.wait_ready()
+        assert {m["name"]: m["state"] for m in status["models"]}["kept"] in ("warm", "cold")
+        with openai.OpenAI(base_url=running.url, api_key="x", max_retries=0) as api:
+            assert api.completions.create(model="kept", prompt="the fox", max_tokens=2).choices
+    finally:
+        running.cleanup()
+
+
+def test_a_reload_with_a_bad_model_file_applies_nothing(tiny_model: Path, tmp_path: Path) -> None:
+    running = Daemon({"a": tiny(tiny_model)})
+    try:
+        running.wait_ready()
+        text = running.config.read_text()
+        running.config.write_text(text + f'\n[models.b]\npath = "{tmp_path}"\n')
+        refused = arbiterd("reload", "--socket", str(running.socket))
+        assert refused.returncode != 0
+        assert f"models.b.path: {tmp_path} is a directory" in refused.stderr
+        assert [m["name"] for m in running.wait_ready()["models"]] == ["a"]
+    finally:
+        running.cleanup()
+
+
+def test_models_on_one_file_share_one_host_copy(tiny_model: Path) -> None:
+    running = Daemon({"a": tiny(tiny_model), "b": tiny(tiny_model)})
+    try:
+        status = running.wait_ready()
+        size = tiny_model.stat().st_size
+        models = {m["name"]: m for m in status["models"]}
+        assert models["a"]["host_copy_bytes"] == models["b"]["host_copy_bytes"] == size
+        assert models["a"]["host_copy_shared_with"] == ["b"]
+        kv = sum(m["host_kv_bytes"] for m in models.values())
+        assert status["host_ram_bytes"] == size + kv  # the copy counted once
+        assert sum(m["host_ram_bytes"] for m in models.values()) == status["host_ram_bytes"]
+        shown = arbiterd("status", "--socket", str(running.socket))
+        assert "HOST RAM" in shown.stdout
     finally:
         running.cleanup()

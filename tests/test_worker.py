@@ -251,6 +251,9 @@ class FlakyRestore:
     def resident_bytes(self) -> int:
         return 100 if self.warm else 0
 
+    def host_kv_bytes(self) -> int:
+        return 0 if self.warm else 10
+
     def close(self) -> None:
         self.warm = False
 

@@ -37,9 +37,10 @@ class Daemon:
         *,
         api_key: str = "",
         env: dict[str, str] | None = None,
+        port: int | None = None,
     ) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="ad-", dir="/tmp"))
-        self.port = free_port()
+        self.port = port or free_port()
         self.socket = self.dir / "control.sock"
         self.arena = self.dir / "arena"
         self.journal = self.dir / "journal.sqlite3"

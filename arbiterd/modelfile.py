@@ -1,0 +1,166 @@
+"""Checking model files before anything loads: owns reading a GGUF's header and the config
+check that runs before the daemon starts its workers and before a reload applies anything.
+
+Reads only the header and the metadata it needs (the architecture and its trained context
+length), stopping as soon as it has them; never loads tensors, never imports llama.cpp.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from arbiterd.config import Config, key_path
+from arbiterd.errors import ConfigError
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)  # version 1 (2023) used 32-bit counts; llama.cpp no longer reads it
+# Sanity bounds: a real model has hundreds to a few thousand of each; garbage has billions.
+MAX_TENSORS = 1 << 20
+MAX_KEYS = 1 << 20
+MAX_STRING_BYTES = 1 << 24
+READ_BUFFER_BYTES = 1 << 16
+
+# GGUF value types (gguf.h `enum gguf_type`), by fixed size in bytes.
+_FIXED_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+_INTEGER_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
+
+
+class NotGgufError(Exception):
+    """The file is not a GGUF model llama.cpp can read; the message says what it is instead."""
+
+
+@dataclass(frozen=True)
+class GgufHeader:
+    version: int
+    tensor_count: int
+    architecture: str | None
+    context_length: int | None  # `<architecture>.context_length`: the trained context
+
+
+def read_header(path: Path) -> GgufHeader:
+    """The header of the GGUF at `path`. Raises NotGgufError, or OSError if it cannot be read."""
+    with open(path, "rb", buffering=READ_BUFFER_BYTES) as f:
+        magic = f.read(4)
+        if magic != GGUF_MAGIC:
+            shown = magic.decode("ascii", "replace") if magic.isascii() else magic.hex(" ")
+            got = f"it starts with {shown!r}" if magic else "it is empty"
+            raise NotGgufError(f"not a GGUF model file ({got}, expected 'GGUF')")
+        try:
+            return _read_after_magic(f)
+        except struct.error:
+            raise NotGgufError("a truncated GGUF file (it ends inside its header)") from None
+
+
+def _read_after_magic(f: BinaryIO) -> GgufHeader:
+    (version,) = _unpack(f, "<I")
+    if version not in SUPPORTED_VERSIONS:
+        raise NotGgufError(
+            f"a GGUF of version {version}, which llama.cpp cannot read (expected 2 or 3)"
+        )
+    tensor_count, key_count = _unpack(f, "<QQ")
+    if tensor_count > MAX_TENSORS or key_count > MAX_KEYS:
+        raise NotGgufError(
+            f"a GGUF file with a damaged header ({tensor_count} tensors, {key_count} keys)"
+        )
+    architecture: str | None = None
+    context_length: int | None = None
+    for _ in range(key_count):
+        key = _string(f)
+        (kind,) = _unpack(f, "<I")
+        if key == "general.architecture" and kind == _STRING:
+            architecture = _string(f)
+        elif architecture and key == f"{architecture}.context_length" and kind in _INTEGER_FORMATS:
+            (context_length,) = _unpack(f, _INTEGER_FORMATS[kind])
+        else:
+            _skip_value(f, kind)
+        if architecture is not None and context_length is not None:
+            break  # all we need; the tokenizer's arrays after it can be megabytes
+    return GgufHeader(version, tensor_count, architecture, context_length)
+
+
+def _unpack(f: BinaryIO, fmt: str) -> tuple[int, ...]:
+    size = struct.calcsize(fmt)
+    return struct.unpack(fmt, f.read(size))  # struct.error on a short read
+
+
+def _string(f: BinaryIO) -> str:
+    (length,) = _unpack(f, "<Q")
+    if length > MAX_STRING_BYTES:
+        raise NotGgufError(f"a GGUF file with a damaged header (a {length}-byte string)")
+    data = f.read(length)
+    if len(data) != length:
+        raise struct.error("short read")
+    return data.decode("utf-8", "replace")
+
+
+def _skip_value(f: BinaryIO, kind: int) -> None:
+    if kind in _FIXED_SIZES:
+        f.seek(_FIXED_SIZES[kind], os.SEEK_CUR)
+    elif kind == _STRING:
+        (length,) = _unpack(f, "<Q")
+        f.seek(length, os.SEEK_CUR)
+    elif kind == _ARRAY:
+        element, count = _unpack(f, "<IQ")
+        if element in _FIXED_SIZES:
+            f.seek(_FIXED_SIZES[element] * count, os.SEEK_CUR)
+        else:
+            for _ in range(count):
+                _skip_value(f, element)
+    else:
+        raise NotGgufError(f"a GGUF file with a damaged header (value type {kind})")
+
+
+# -- the config check ---------------------------------------------------------------------------
+
+
+def check_models(
+    config: Config, *, copy_held: Callable[[Path], bool] = lambda _: False
+) -> list[str]:
+    """Check every model file of `config` before anything loads; return the warnings.
+
+    Raises one ConfigError naming the config file, the key and the user's path for the first
+    file that is missing, not a regular readable file, or not a GGUF. A missing file is only a
+    warning when `copy_held(path)`: the daemon still holds its host copy and serves from it."""
+    label = str(config.source) if config.source else "embedded default config"
+    warnings: list[str] = []
+    for model in config.models.values():
+        where = f"{label}: {key_path('models', model.name, 'path')}"
+        try:
+            st = os.stat(model.path)
+        except FileNotFoundError:
+            if copy_held(model.path):
+                warnings.append(
+                    f"{where}: {model.path} is gone from disk; {model.name} keeps serving from "
+                    "its copy in memory (a daemon restart will need the file)"
+                )
+                continue
+            dangling = os.path.islink(model.path)
+            what = "is a symlink to a missing file" if dangling else "does not exist"
+            raise ConfigError(f"{where}: {model.path} {what}") from None
+        except OSError as exc:
+            raise ConfigError(f"{where}: {model.path} cannot be read: {exc.strerror}") from None
+        if stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"{where}: {model.path} is a directory; expected a GGUF file")
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{where}: {model.path} is not a regular file; expected a GGUF")
+        try:
+            header = read_header(model.path)
+        except OSError as exc:
+            raise ConfigError(f"{where}: {model.path} cannot be read: {exc.strerror}") from None
+        except NotGgufError as exc:
+            raise ConfigError(f"{where}: {model.path} is {exc}") from None
+        trained = header.context_length
+        if trained is not None and model.n_ctx > trained:
+            warnings.append(
+                f"{label}: {key_path('models', model.name, 'n_ctx')}: {model.n_ctx} is more "
+                f"than the {trained} tokens {model.path.name} was trained for; answers past "
+                "that length may degrade"
+            )
+    return warnings
