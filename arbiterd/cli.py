@@ -12,9 +12,12 @@ import math
 import sys
 import time
 from collections.abc import Sequence
+from functools import partial
+from importlib import metadata
 from pathlib import Path
+from typing import Any
 
-from arbiterd import clidaemon
+from arbiterd import __version__, clidaemon
 from arbiterd.arena import Arena, ArenaState
 from arbiterd.demo import main as run_demo
 from arbiterd.errors import ArbiterError, BadValueError, MissingPartError, UsageError
@@ -28,22 +31,37 @@ RUN_USAGE = "arbiterd run [--arena DIR] [--name NAME] [--timeout S] -- CMD [ARG.
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="arbiterd", description="Share one GPU between resident llama.cpp models and programs."
+        prog="arbiterd",
+        description="Share one GPU between resident llama.cpp models and programs.",
+        formatter_class=_HelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"arbiterd {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    run = sub.add_parser("run", usage=RUN_USAGE, help="run a program while it holds the GPU token")
+    command = partial(_add_command, sub)
+    run = command(
+        "run",
+        "run a program while it holds the GPU token",
+        "arbiterd run -- blender --background scene.blend --render-frame 1",
+        "arbiterd run --name comfyui --timeout 600 -- python main.py",
+        usage=RUN_USAGE,
+    )
     _add_arena_option(run)
     run.add_argument("--name", help="how the holder is shown (default: the program's name)")
     run.add_argument("--timeout", type=float, metavar="S", help="give up waiting after S seconds")
 
-    arena = sub.add_parser("arena", help="inspect an arena")
+    arena = command("arena", "inspect an arena", "arbiterd arena status")
     arena_sub = arena.add_subparsers(dest="arena_command", required=True, metavar="COMMAND")
-    status = arena_sub.add_parser("status", help="who holds the GPU token and who waits")
+    status = _add_command(
+        arena_sub, "status", "who holds the GPU token and who waits", "arbiterd arena status --json"
+    )
     _add_arena_option(status)
     status.add_argument("--json", action="store_true", help="print one JSON object")
-    clidaemon.add_commands(sub)
-    demo = sub.add_parser("demo", help="two models, real requests, every handoff shown live")
+    clidaemon.add_commands(command)
+    demo = command(
+        "demo",
+        "run two models on real requests and show every handoff live",
+        "arbiterd demo --screenshot dashboard.png",
+    )
     demo.add_argument(
         "--screenshot", type=Path, metavar="FILE.png", help="also render the dashboard of it"
     )
@@ -51,14 +69,62 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "tray", help="the tray icon and dashboard (arbiterd tray --help)", add_help=False
     )
-    install = sub.add_parser("install", help="start the daemon and the tray at login")
+    install = command(
+        "install",
+        "start the daemon and the tray at login",
+        "arbiterd install --dry-run",
+        "arbiterd install",
+    )
     install.add_argument("--no-enable", action="store_true", help="write files, start nothing")
     install.add_argument("--dry-run", action="store_true", help="only say what would be done")
     install.set_defaults(handler=_install)
-    uninstall = sub.add_parser("uninstall", help="undo exactly what install did")
+    uninstall = command(
+        "uninstall", "undo exactly what install did", "arbiterd uninstall --dry-run"
+    )
     uninstall.add_argument("--dry-run", action="store_true", help="only say what would be done")
     uninstall.set_defaults(handler=_uninstall)
     return parser
+
+
+def _add_command(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    summary: str,
+    *examples: str,
+    **options: Any,
+) -> argparse.ArgumentParser:
+    """A subcommand whose --help page says in a line what it does and shows how it is used."""
+    return sub.add_parser(
+        name,
+        help=summary,
+        description=f"{summary[0].upper()}{summary[1:]}.",
+        epilog="\n  ".join(["examples:" if len(examples) > 1 else "example:", *examples]),
+        formatter_class=_HelpFormatter,
+        **options,
+    )
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help pages with their examples laid out as written.
+
+    Python 3.11 measures the command names of the main page without the indent they are printed
+    with, so the longest ("uninstall") had its description pushed onto a line of its own
+    (CPython gh-87041); this measures them where they stand.
+    """
+
+    def add_argument(self, action: argparse.Action) -> None:
+        super().add_argument(action)
+        if isinstance(action, argparse._SubParsersAction):
+            widest = max(map(len, action.choices)) + self._current_indent + self._indent_increment
+            self._action_max_length = max(self._action_max_length, widest)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("arbiterd")
+    except metadata.PackageNotFoundError:
+        # Imported from a source tree that pip never installed (PYTHONPATH=...): no metadata.
+        return f"{__version__} (source tree, not installed)"
 
 
 def _add_arena_option(parser: argparse.ArgumentParser) -> None:
@@ -95,10 +161,13 @@ def _dispatch(argv: list[str]) -> int:
         return tray_main(argv[1:])
     cmd: list[str] = []
     if argv[:1] == ["run"]:
-        if "--" not in argv:
+        # Only the runner's own options come before "--"; all after it is the command's, its
+        # --help included. Without "--", a help request is the one thing that makes sense.
+        if "--" in argv:
+            split = argv.index("--")
+            argv, cmd = argv[:split], argv[split + 1 :]
+        elif not {"-h", "--help"} & set(argv):
             raise UsageError(f"put '--' before the command: {RUN_USAGE}")
-        split = argv.index("--")
-        argv, cmd = argv[:split], argv[split + 1 :]
     args = _parser().parse_args(argv)
     if args.command == "run":
         return _run(args, cmd)

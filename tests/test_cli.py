@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 
+from arbiterd import __version__, cli
 from arbiterd.arena import Arena
 from tests.conftest import Processes
 from tests.support.waiting import wait_until
@@ -194,3 +197,90 @@ def test_the_tray_without_pyside6_is_one_clear_line(tmp_path: Path) -> None:
     assert done.returncode == 69
     assert done.stderr.count("\n") == 1
     assert "pip install 'arbiterd[gui]'" in done.stderr
+
+
+# Every subcommand whose --help page is arbiterd's own (`tray` has its own parser, in the gui).
+COMMANDS = [
+    ["run"],
+    ["arena", "status"],
+    ["daemon"],
+    ["status"],
+    ["events"],
+    ["warm"],
+    ["release"],
+    ["pin"],
+    ["unpin"],
+    ["hold"],
+    ["unhold"],
+    ["reload"],
+    ["demo"],
+    ["install"],
+    ["uninstall"],
+]
+
+
+def help_page(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    with pytest.raises(SystemExit) as exited:
+        cli.main([*args, "--help"])
+    assert exited.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_version_is_the_installed_distributions() -> None:
+    done = arbiterd("--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"arbiterd {metadata.version('arbiterd')}\n"
+
+
+def test_version_without_package_metadata_is_the_source_trees(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def not_installed(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"arbiterd {__version__} (source tree, not installed)\n"
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_every_command_help_page_says_what_it_does_and_shows_an_example(
+    command: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "100")
+    page = help_page(capsys, *command)
+    paragraphs = page.split("\n\n")
+    assert paragraphs[0].startswith(f"usage: arbiterd {' '.join(command)}")
+    description = paragraphs[1]
+    assert "\n" not in description, description
+    assert description.endswith("."), description
+    example = paragraphs[-1].splitlines()
+    assert example[0] in ("example:", "examples:")
+    assert len(example) > 1, page
+    assert all(line.startswith(f"  arbiterd {' '.join(command)}") for line in example[1:]), page
+
+
+def test_run_help_needs_no_double_dash(arena: Arena) -> None:
+    done = arbiterd("run", "--help")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: arbiterd run")
+    assert "--timeout S" in done.stdout
+    # After "--", --help is the command's own.
+    echo = [sys.executable, "-c", "import sys; print(*sys.argv[1:])"]
+    done = arbiterd("run", "--arena", str(arena.path), "--", *echo, "--help")
+    assert (done.returncode, done.stdout) == (0, "--help\n")
+
+
+def test_main_help_lists_each_command_with_its_description_on_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "100")
+    page = help_page(capsys)
+    # A command's line is indented by 4; a wrapped description's next line by more.
+    listed = {line.split()[0]: line for line in page.splitlines() if re.match(r"    [a-z]", line)}
+    assert {command[0] for command in COMMANDS} | {"tray"} <= set(listed)
+    for name, line in listed.items():
+        assert len(line.split()) > 1, f"{name}'s description is not on its line:\n{page}"
+    assert "--version" in page
