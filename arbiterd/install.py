@@ -3,9 +3,9 @@
 Owns the files arbiterd puts into the user's desktop session — the systemd user unit, the XDG
 autostart entry of the tray, the menu entry, the icon, a starter config — and the manifest of
 what it wrote, so that uninstall removes exactly that (a file the user changed since is kept,
-and said so). The templates live in the source tree's packaging/; @ARBITERD@ in them becomes
-the arbiterd that runs this. Never touches a file outside the user's XDG directories, never
-overwrites a config.toml.
+and said so). The templates are package data (see TEMPLATES); @ARBITERD@ on their command lines
+becomes the arbiterd that runs this. Never touches a file outside the user's XDG directories,
+never overwrites a config.toml.
 """
 
 from __future__ import annotations
@@ -18,13 +18,20 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from arbiterd.config import default_config_path, starter_config_text
 from arbiterd.errors import ArbiterError
 
-PACKAGING = Path(__file__).resolve().parent.parent / "packaging"
+# packaging/ at the top of the source tree holds the one copy of the templates; arbiterd/_packaging
+# links to it, so that a wheel carries them as package data and an editable install reads them
+# in place. (A package-dir mapping of packaging/ instead would need a packaging/__init__.py, and
+# that would shadow the `packaging` library for anything run from the checkout.)
+TEMPLATES = resources.files("arbiterd") / "_packaging"
 PLACEHOLDER = "@ARBITERD@"
+# The lines that run arbiterd; a comment that names the placeholder is kept as written.
+COMMAND_KEYS = ("ExecStart=", "ExecReload=", "Exec=")
 UNIT = "arbiterd.service"
 # Where users keep GGUFs, searched to fill the starter config.
 MODEL_DIRS = ("~/.cache/llama.cpp", "~/models", "~/.local/share/models", "~/.cache/lm-studio")
@@ -88,14 +95,17 @@ def arbiterd_command() -> str:
 
 
 def render(template: str, command: str) -> str:
-    path = PACKAGING / template
     try:
-        text = path.read_text()
+        text = (TEMPLATES / template).read_text()
     except OSError as exc:
         raise InstallError(
-            f"cannot read {path} ({exc.strerror}): install arbiterd from its source tree"
+            f"cannot read the template {template} ({exc.strerror}): this arbiterd was installed "
+            "without its packaging files; reinstall it"
         ) from None
-    return text.replace(PLACEHOLDER, command)
+    return "".join(
+        line.replace(PLACEHOLDER, command) if line.startswith(COMMAND_KEYS) else line
+        for line in text.splitlines(keepends=True)
+    )
 
 
 def find_models(env: Mapping[str, str]) -> list[Path]:
@@ -154,11 +164,24 @@ class Installer:
                 self._write(target, text)
             manifest[str(target)] = _digest(text)
         self._write_manifest(manifest)
-        self._systemd(["daemon-reload"], enable and ["enable", "--now", UNIT])
+        self._systemd(
+            ["daemon-reload"],
+            *([["enable", "--now", UNIT]] if enable else []),
+            otherwise="without a systemd user manager, start `arbiterd daemon` "
+            "(and `arbiterd tray`) yourself",
+        )
 
     def uninstall(self) -> None:
         manifest = self._read_manifest()
-        self._systemd(["disable", "--now", UNIT], ["daemon-reload"])
+        if not manifest:
+            self._say(f"nothing to undo: no record of an install in {manifest_path(self.env)}")
+            return
+        self._systemd(
+            ["disable", "--now", UNIT],
+            ["daemon-reload"],
+            otherwise="without a systemd user manager there is no service to stop (stop an "
+            "`arbiterd daemon` you started yourself); the files go all the same",
+        )
         for name, digest in sorted(manifest.items()):
             target = Path(name)
             if not target.exists():
@@ -198,8 +221,9 @@ class Installer:
     def _write_manifest(self, manifest: dict[str, str]) -> None:
         self._write(manifest_path(self.env), json.dumps(manifest, indent=2) + "\n")
 
-    def _systemd(self, *steps: list[str] | bool) -> None:
-        commands = [["systemctl", "--user", *step] for step in steps if isinstance(step, list)]
+    def _systemd(self, *steps: list[str], otherwise: str) -> None:
+        """Runs each `systemctl --user` step; at the first that fails, says why and `otherwise`."""
+        commands = [["systemctl", "--user", *step] for step in steps]
         if self.dry_run:
             for command in commands:
                 self._say(f"would run {' '.join(command)}")
@@ -209,10 +233,7 @@ class Installer:
             if done.returncode != 0:
                 lines = (done.stderr or done.stdout).strip().splitlines()
                 reason = lines[-1] if lines else "no systemd user manager"
-                self._say(
-                    f"note     `{' '.join(command)}` failed ({reason}): without a systemd user "
-                    "manager, start `arbiterd daemon` (and `arbiterd tray`) yourself"
-                )
+                self._say(f"note     `{' '.join(command)}` failed ({reason}): {otherwise}")
                 return
             self._say(f"ran      {' '.join(command)}")
 

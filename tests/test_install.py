@@ -14,6 +14,9 @@ import pytest
 from arbiterd.config import load_config
 from arbiterd.install import UNIT, Installer, autostart_path, manifest_path, placements
 
+# The templates as the source tree holds them.
+PACKAGING = Path(__file__).resolve().parents[1] / "packaging"
+
 
 class Systemctl:
     """Records `systemctl --user` calls and answers as a user manager would (or would not)."""
@@ -65,7 +68,9 @@ def test_install_writes_the_files_and_enables_the_service(home: dict[str, str]) 
     files = written(home)
     unit = Path(home["HOME"]) / ".config/systemd/user/arbiterd.service"
     assert unit in files
-    assert "@ARBITERD@" not in files[unit]
+    assert not [
+        line for line in files[unit].splitlines() if line.startswith("Exec") and "@" in line
+    ]
     assert f"ExecStart={Path(sys.executable).parent / 'arbiterd'} daemon" in files[unit]
     assert autostart_path(home) in files
     assert Path(home["HOME"]) / ".local/share/applications/arbiterd.desktop" in files
@@ -174,3 +179,39 @@ def test_the_unit_passes_systemd_analyze_verify(home: dict[str, str], tmp_path: 
         "WantedBy=default.target",
     ):
         assert line in text
+
+
+def test_the_units_comment_is_written_as_the_template_has_it(home: dict[str, str]) -> None:
+    installer(home, Systemctl())[0].install()
+    unit = next(p.target for p in placements(home) if p.target.name == UNIT)
+    template = PACKAGING / "systemd" / UNIT
+
+    def comments(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith("#")]
+
+    assert comments(unit.read_text()) == comments(template.read_text())
+    assert "`arbiterd install` writes this file, with @ARBITERD@\n" in unit.read_text()
+
+
+def test_uninstall_without_a_user_manager_says_there_is_no_service_to_stop(
+    home: dict[str, str],
+) -> None:
+    no_manager = Systemctl(1, "Failed to connect to bus: No medium found")
+    installer(home, no_manager)[0].install()
+    tool, lines = installer(home, no_manager)
+    tool.uninstall()
+    (note,) = [line for line in lines if line.startswith("note")]
+    assert "No medium found" in note
+    assert "no service to stop" in note
+    assert "start `arbiterd daemon`" not in note
+    assert written(home) == {}  # the files go all the same
+
+
+def test_uninstall_with_nothing_installed_says_so_and_runs_nothing(
+    home: dict[str, str],
+) -> None:
+    systemctl = Systemctl()
+    tool, lines = installer(home, systemctl)
+    tool.uninstall()
+    assert systemctl.calls == []
+    assert lines == [f"nothing to undo: no record of an install in {manifest_path(home)}"]
