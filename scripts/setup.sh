@@ -1,10 +1,19 @@
 # Sourced by scripts/test.sh and scripts/demo.sh: make .venv with everything arbiterd needs.
-# Idempotent and quiet when nothing changed; the first run builds llama-cpp-python from source
-# (~8 minutes on 2 cores; pip caches the wheel, so later runs take seconds).
+# Silent when nothing changed. The first run builds llama-cpp-python, the inference engine, from
+# source, and a progress line says so while it builds: the whole setup took 8 min 9 s on a fresh
+# 2-core machine. pip caches the wheel it built, so a later install takes about a minute (43 s
+# measured for engine,dev). pip's own output goes to $VENV/setup.log; its end is shown when pip
+# fails.
+#
+# Environment:
+#   ARBITERD_EXTRAS  the extras to install (default: engine,dev)
+#   ARBITERD_VENV    where the environment goes (default: .venv in the checkout). For trying this
+#                    script against a throwaway one: test.sh and demo.sh run from .venv.
+#   PYTHON           the interpreter that makes it (default: python3)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="$ROOT/.venv"
+VENV="${ARBITERD_VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
 
 need_system_packages() {
@@ -29,6 +38,72 @@ need_system_packages() {
     fi
 }
 
+duration() {
+    printf '%d min %02d s' $(($1 / 60)) $(($1 % 60))
+}
+
+watch_engine_build() {
+    # Says while pip builds the engine, and for how long, reading pip's log ($1): pip writes
+    # "Building wheel for NAME (pyproject.toml): started" when a build starts and "...: finished
+    # with status 'done'" when it ends (those words when its output is not a terminal). Runs in
+    # the background until the build ends, it is sent TERM, or the shell that started it is gone.
+    local log=$1 version started="" next=0 every=60 tty="" stop=""
+    local build="Building wheel for llama-cpp-python (pyproject.toml)"
+    version="$(grep -o 'llama-cpp-python==[0-9.]*' "$ROOT/pyproject.toml" | cut -d= -f3)" || true
+    if [[ -t 2 && -z ${CI:-} ]]; then
+        tty=1
+        every=5
+    fi
+    trap 'stop=1' TERM
+    while [[ -z $stop ]] && kill -0 $$ 2>/dev/null; do
+        if [[ -z $started ]]; then
+            if grep -qF "$build: started" "$log"; then
+                started=$SECONDS
+                echo "setup: building llama-cpp-python $version, the inference engine, from" \
+                    "source; the first setup takes ~8 min on 2 cores, later runs reuse pip's" \
+                    "cached wheel" >&2
+            fi
+        elif grep -qF "$build: finished" "$log"; then
+            break
+        elif ((SECONDS - started >= next)); then
+            if [[ $tty ]]; then
+                printf '\r\033[Ksetup: building llama-cpp-python: %s' \
+                    "$(duration $((SECONDS - started)))" >&2
+            elif ((next > 0)); then
+                echo "setup: still building llama-cpp-python: $(duration $((SECONDS - started)))" >&2
+            fi
+            next=$((next + every))
+        fi
+        sleep 1
+    done
+    [[ $started ]] || return 0
+    [[ -z $tty ]] || printf '\r\033[K' >&2
+    if grep -qF "$build: finished with status 'done'" "$log"; then
+        echo "setup: built llama-cpp-python in $(duration $((SECONDS - started)))" >&2
+    fi
+}
+
+install_into_venv() {
+    local log="$VENV/setup.log" began=$SECONDS watcher status=0
+    echo "setup: installing arbiterd and its dependencies into $VENV (pip's log: $log)" >&2
+    : >"$log"
+    watch_engine_build "$log" &
+    watcher=$!
+    {
+        "$VENV/bin/python" -m pip install --progress-bar off --upgrade pip \
+            && CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$VENV/bin/python" -m pip install \
+                --progress-bar off -e "$ROOT[${ARBITERD_EXTRAS:-engine,dev}]"
+    } >>"$log" 2>&1 || status=$?
+    kill "$watcher" 2>/dev/null || true
+    wait "$watcher" 2>/dev/null || true
+    if ((status)); then
+        echo "setup: pip failed (exit status $status); the end of $log:" >&2
+        tail -n 30 "$log" >&2
+        return "$status"
+    fi
+    echo "setup: ready in $(duration $((SECONDS - began)))" >&2
+}
+
 if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
     echo "setup: arbiterd needs Python >= 3.11 ($PYTHON is $("$PYTHON" --version 2>&1))" >&2
     exit 1
@@ -38,9 +113,6 @@ fi
 
 stamp="$VENV/.arbiterd-installed"
 if [[ ! -f "$stamp" || "$ROOT/pyproject.toml" -nt "$stamp" ]]; then
-    echo "setup: installing arbiterd and its dependencies into .venv" >&2
-    "$VENV/bin/python" -m pip install -q --upgrade pip
-    CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$VENV/bin/python" -m pip install -q \
-        -e "$ROOT[${ARBITERD_EXTRAS:-engine,dev}]"
+    install_into_venv
     touch "$stamp"
 fi
