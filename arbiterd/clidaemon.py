@@ -174,41 +174,10 @@ def show_events(args: argparse.Namespace) -> int:
 
 def render_status(status: dict[str, Any]) -> str:
     """The status as a table a person reads at a glance."""
-    rows = [
+    rows: list[tuple[str, ...]] = [
         ("MODEL", "STATE", "VRAM", "COLD", "HOST RAM", "QUEUE", "SERVED", "LAST HANDOFF", "NOTE")
     ]
-    for model in status.get("models", []):
-        handoff = model.get("last_handoff")
-        last = "-"
-        if handoff:
-            total = sum(float(handoff.get(k) or 0) for k in ("release_s", "wait_s", "restore_s"))
-            ago = time.time() - float(handoff.get("at", time.time()))
-            last = f"from {handoff['from']} {total:.2f} s, {_ago(ago)}"
-        note = []
-        if model.get("pinned"):
-            note.append("pinned")
-        if model.get("restarts"):
-            note.append(f"{model['restarts']} restarts")
-        if model.get("host_copy_shared_with"):
-            note.append("file copy shared with " + ", ".join(model["host_copy_shared_with"]))
-        if model.get("last_error"):
-            note.append(str(model["last_error"]))
-        vram = model.get("vram_bytes")
-        cold = model.get("cold_footprint_bytes")
-        host = model.get("host_ram_bytes")
-        rows.append(
-            (
-                str(model["name"]),
-                str(model["state"]),
-                "?" if vram is None else human_bytes(int(vram)),
-                "-" if cold is None else human_bytes(int(cold)),
-                "-" if host is None else human_bytes(int(host)),
-                str(model.get("queue", 0)),
-                str(model.get("served", 0)),
-                last,
-                "; ".join(note),
-            )
-        )
+    rows += [_status_row(model) for model in status.get("models", [])]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     lines = [
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1]
@@ -244,6 +213,38 @@ def render_status(status: dict[str, Any]) -> str:
     if status.get("hold"):
         lines.append("hold: the GPU is held for you (arbiterd unhold gives it back)")
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _status_row(model: dict[str, Any]) -> tuple[str, ...]:
+    handoff = model.get("last_handoff")
+    last = "-"
+    if handoff:
+        total = sum(float(handoff.get(k) or 0) for k in ("release_s", "wait_s", "restore_s"))
+        ago = time.time() - float(handoff.get("at", time.time()))
+        last = f"from {handoff['from']} {total:.2f} s, {_ago(ago)}"
+    note = []
+    if model.get("pinned"):
+        note.append("pinned")
+    if model.get("restarts"):
+        note.append(f"{model['restarts']} restarts")
+    if model.get("host_copy_shared_with"):
+        note.append("file copy shared with " + ", ".join(model["host_copy_shared_with"]))
+    if model.get("last_error"):
+        note.append(str(model["last_error"]))
+    vram = model.get("vram_bytes")
+    cold = model.get("cold_footprint_bytes")
+    host = model.get("host_ram_bytes")
+    return (
+        str(model["name"]),
+        str(model["state"]),
+        "?" if vram is None else human_bytes(int(vram)),
+        "-" if cold is None else human_bytes(int(cold)),
+        "-" if host is None else human_bytes(int(host)),
+        str(model.get("queue", 0)),
+        str(model.get("served", 0)),
+        last,
+        "; ".join(note),
+    )
 
 
 def human_bytes(count: int) -> str:

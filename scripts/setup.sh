@@ -1,9 +1,9 @@
 # Sourced by scripts/test.sh and scripts/demo.sh: make .venv with everything arbiterd needs.
 # Silent when nothing changed. The first run builds llama-cpp-python, the inference engine, from
 # source, and a progress line says so while it builds: the whole setup took 8 min 9 s on a fresh
-# 2-core machine. pip caches the wheel it built, so a later install takes about a minute (43 s
-# measured for engine,dev). pip's own output goes to $VENV/setup.log; its end is shown when pip
-# fails.
+# 2-core machine. The engine's wheel is kept in $ENGINE_CACHE under a key of its version and
+# build flags, so a later install takes about a minute (43 s measured for engine,dev). pip's own
+# output goes to $VENV/setup.log; its end is shown when pip fails.
 #
 # Environment:
 #   ARBITERD_EXTRAS  the extras to install (default: engine,dev)
@@ -15,6 +15,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${ARBITERD_VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
+EXTRAS="${ARBITERD_EXTRAS:-engine,dev}"
+ENGINE_VERSION="$(grep -o 'llama-cpp-python==[0-9.]*' "$ROOT/pyproject.toml" | cut -d= -f3)"
+ENGINE_CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/arbiterd/engine"
 
 need_system_packages() {
     # Debian packages the tests or the demo use, installed when missing and we may (root + apt).
@@ -47,9 +50,8 @@ watch_engine_build() {
     # "Building wheel for NAME (pyproject.toml): started" when a build starts and "...: finished
     # with status 'done'" when it ends (those words when its output is not a terminal). Runs in
     # the background until the build ends, it is sent TERM, or the shell that started it is gone.
-    local log=$1 version started="" next=0 every=60 tty="" stop=""
+    local log=$1 started="" next=0 every=60 tty="" stop=""
     local build="Building wheel for llama-cpp-python (pyproject.toml)"
-    version="$(grep -o 'llama-cpp-python==[0-9.]*' "$ROOT/pyproject.toml" | cut -d= -f3)" || true
     if [[ -t 2 && -z ${CI:-} ]]; then
         tty=1
         every=5
@@ -59,9 +61,9 @@ watch_engine_build() {
         if [[ -z $started ]]; then
             if grep -qF "$build: started" "$log"; then
                 started=$SECONDS
-                echo "setup: building llama-cpp-python $version, the inference engine, from" \
-                    "source; the first setup takes ~8 min on 2 cores, later runs reuse pip's" \
-                    "cached wheel" >&2
+                echo "setup: building llama-cpp-python $ENGINE_VERSION, the inference engine," \
+                    "from source; the first setup takes ~8 min on 2 cores, later runs reuse" \
+                    "the built wheel" >&2
             fi
         elif grep -qF "$build: finished" "$log"; then
             break
@@ -83,6 +85,38 @@ watch_engine_build() {
     fi
 }
 
+engine_cmake_args() {
+    # ggml's AMX matrix multiply segfaults on Q4_K weights (llama.cpp issue 20824; reproduced
+    # here with gemma-3-270m on a CPU with amx_int8): a native build on such a CPU crashes on
+    # the first prompt, so the engine is built without AMX wherever the compiler can say so.
+    local no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    # shellcheck disable=SC2086  # the flags are words on purpose
+    if [[ $(uname -m) == x86_64 ]] && echo 'int x;' | cc $no_amx -x c -c -o /dev/null - 2>/dev/null
+    then
+        echo "-DCMAKE_C_FLAGS='$no_amx' -DCMAKE_CXX_FLAGS='$no_amx'"
+    fi
+}
+
+engine_key() {
+    # What the built wheel depends on: a change to any of these builds it again.
+    printf '%s\n' "$ENGINE_VERSION" "$(engine_cmake_args)" "$(uname -m)" \
+        "$("$VENV/bin/python" -c 'import sys; print(sys.implementation.cache_tag)')" \
+        | sha256sum | cut -c1-16
+}
+
+install_engine() {
+    # The engine's wheel, built once per key into $ENGINE_CACHE (pip's own cache keys a built
+    # wheel by version only, and would hand back one built with other flags), then installed.
+    local dir
+    dir="$ENGINE_CACHE/$ENGINE_VERSION-$(engine_key)"
+    if ! compgen -G "$dir/llama_cpp_python-*.whl" >/dev/null; then
+        CMAKE_ARGS="$(engine_cmake_args)" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+            "$VENV/bin/python" -m pip wheel --progress-bar off --no-cache-dir --no-deps \
+            -w "$dir" "llama-cpp-python==$ENGINE_VERSION" || return
+    fi
+    "$VENV/bin/python" -m pip install --progress-bar off "$dir"/llama_cpp_python-*.whl
+}
+
 install_into_venv() {
     local log="$VENV/setup.log" began=$SECONDS watcher status=0
     echo "setup: installing arbiterd and its dependencies into $VENV (pip's log: $log)" >&2
@@ -91,8 +125,8 @@ install_into_venv() {
     watcher=$!
     {
         "$VENV/bin/python" -m pip install --progress-bar off --upgrade pip \
-            && CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$VENV/bin/python" -m pip install \
-                --progress-bar off -e "$ROOT[${ARBITERD_EXTRAS:-engine,dev}]"
+            && { [[ ,$EXTRAS, != *,engine,* ]] || install_engine; } \
+            && "$VENV/bin/python" -m pip install --progress-bar off -e "$ROOT[$EXTRAS]"
     } >>"$log" 2>&1 || status=$?
     kill "$watcher" 2>/dev/null || true
     wait "$watcher" 2>/dev/null || true
@@ -111,8 +145,17 @@ fi
 "$PYTHON" -c 'import venv, ensurepip' 2>/dev/null || need_system_packages python3-venv
 [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
 
+# The stamp says what is installed: the engine's key on its first line, the extras on its second
+# (test.sh and demo.sh ask for different ones; pip keeps what an earlier install added).
 stamp="$VENV/.arbiterd-installed"
-if [[ ! -f "$stamp" || "$ROOT/pyproject.toml" -nt "$stamp" ]]; then
+key="$(engine_key)"
+have=""
+[[ ! -f $stamp ]] || have="$(sed -n 2p "$stamp")"
+missing=""
+for extra in ${EXTRAS//,/ }; do
+    [[ " $have " == *" $extra "* ]] || missing+=" $extra"
+done
+if [[ -n $missing || "$ROOT/pyproject.toml" -nt "$stamp" || $(head -n 1 "$stamp") != "$key" ]]; then
     install_into_venv
-    touch "$stamp"
+    printf '%s\n%s\n' "$key" "$(echo $have ${EXTRAS//,/ } | tr ' ' '\n' | sort -u | xargs)" >"$stamp"
 fi

@@ -12,13 +12,15 @@ import pytest
 
 SETUP = Path(__file__).resolve().parents[1] / "scripts" / "setup.sh"
 
-# The venv's python as setup.sh drives it: `-m pip install ...`. The editable install of arbiterd
-# builds the engine for $BUILD_S seconds, printing what pip prints when its output is not a
-# terminal, then exits $PIP_STATUS.
-FAKE_PYTHON = """#!/bin/sh
+# The venv's python as setup.sh drives it: `-m pip wheel ... -w DIR llama-cpp-python==V` builds
+# the engine for $BUILD_S seconds, printing what pip prints when its output is not a terminal,
+# records the CMAKE_ARGS it was given, and leaves a wheel in DIR (or exits $PIP_STATUS);
+# `-m pip install` succeeds.
+FAKE_PYTHON = """#!/bin/bash
 echo "$*" >> "$(dirname "$0")/calls"
 case "$*" in
-*" -e "*)
+*" wheel "*)
+    echo "CMAKE_ARGS=$CMAKE_ARGS" >> "$(dirname "$0")/calls"
     echo "Collecting llama-cpp-python==0.3.36"
     echo "  Building wheel for llama-cpp-python (pyproject.toml): started"
     sleep "$BUILD_S"
@@ -28,7 +30,14 @@ case "$*" in
         exit "$PIP_STATUS"
     fi
     echo "  Building wheel for llama-cpp-python (pyproject.toml): finished with status 'done'"
-    echo "Successfully installed arbiterd-0.1.0 llama-cpp-python-0.3.36"
+    args=("$@")
+    for ((i = 0; i < ${#args[@]}; i++)); do
+        [ "${args[i]}" = -w ] && dir="${args[i + 1]}"
+    done
+    mkdir -p "$dir" && touch "$dir/llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl"
+    ;;
+*" -e "*)
+    echo "Successfully installed arbiterd-0.1.0"
     ;;
 esac
 """
@@ -45,10 +54,13 @@ def venv(tmp_path: Path) -> Path:
 
 
 def setup(
-    venv: Path, *, build_s: float = 0, pip_status: int = 0
+    venv: Path, *, build_s: float = 0, pip_status: int = 0, extras: str = "engine,dev"
 ) -> subprocess.CompletedProcess[str]:
     env = {
         "PATH": os.environ["PATH"],
+        "HOME": str(venv.parent),
+        "XDG_CACHE_HOME": str(venv.parent / "cache"),
+        "ARBITERD_EXTRAS": extras,
         "ARBITERD_VENV": str(venv),
         "BUILD_S": str(build_s),
         "PIP_STATUS": str(pip_status),
@@ -69,7 +81,7 @@ def test_setup_says_what_it_builds_and_that_later_runs_reuse_it(venv: Path) -> N
     assert done.returncode == 0, done.stderr
     assert re.search(
         r"^setup: building llama-cpp-python [0-9.]+, the inference engine, from source;.*"
-        r"later runs reuse pip's cached wheel",
+        r"later runs reuse the built wheel",
         done.stderr,
         re.M,
     ), done.stderr
@@ -87,9 +99,54 @@ def test_setup_that_fails_shows_the_end_of_pips_log(venv: Path) -> None:
     assert not (venv / ".arbiterd-installed").exists()
 
 
+def pip_calls(venv: Path) -> list[str]:
+    """What setup asked pip to do (it also asks the venv's python for its cache tag)."""
+    return [c for c in (venv / "bin" / "calls").read_text().splitlines() if "-m pip" in c]
+
+
 def test_setup_says_nothing_when_nothing_changed(venv: Path) -> None:
     assert setup(venv).returncode == 0
-    calls = (venv / "bin" / "calls").read_text()
+    calls = pip_calls(venv)
     done = setup(venv)
     assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
-    assert (venv / "bin" / "calls").read_text() == calls
+    assert pip_calls(venv) == calls
+
+
+def _fresh_venv(tmp_path: Path, name: str) -> Path:
+    path = tmp_path / name
+    (path / "bin").mkdir(parents=True)
+    python = path / "bin" / "python"
+    python.write_text(FAKE_PYTHON)
+    python.chmod(0o755)
+    return path
+
+
+def test_the_engine_is_built_once_and_reused_by_a_new_environment(
+    venv: Path, tmp_path: Path
+) -> None:
+    assert setup(venv).returncode == 0
+    other = _fresh_venv(tmp_path, "other")
+    done = setup(other)
+    assert done.returncode == 0, done.stderr
+    assert "building llama-cpp-python" not in done.stderr
+    calls = (other / "bin" / "calls").read_text()
+    assert " wheel " not in calls
+    assert "llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl" in calls
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="AMX is an x86-64 extension")
+def test_the_engine_is_built_without_amx(venv: Path) -> None:
+    assert setup(venv).returncode == 0
+    calls = (venv / "bin" / "calls").read_text()
+    assert "-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'" in calls
+
+
+def test_asking_for_more_extras_installs_them_and_fewer_installs_nothing(venv: Path) -> None:
+    assert setup(venv, extras="engine,dev,demo").returncode == 0
+    calls = pip_calls(venv)
+    fewer = setup(venv, extras="engine,demo")
+    assert (fewer.returncode, fewer.stderr) == (0, "")
+    assert pip_calls(venv) == calls
+    more = setup(venv, extras="engine,gui")
+    assert more.returncode == 0, more.stderr
+    assert "[engine,gui]" in (venv / "bin" / "calls").read_text()
