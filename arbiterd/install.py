@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from arbiterd.config import default_config_path, starter_config_text
+from arbiterd.config import APP_DIR, default_config_path, starter_config_text
 from arbiterd.errors import ArbiterError
+from arbiterd.paths import make_private_dirs
 
 # packaging/ at the top of the source tree holds the one copy of the templates; arbiterd/_packaging
 # links to it, so that a wheel carries them as package data and an editable install reads them
@@ -80,7 +81,7 @@ def autostart_path(env: Mapping[str, str]) -> Path:
 
 
 def manifest_path(env: Mapping[str, str]) -> Path:
-    return _xdg(env, "XDG_STATE_HOME", ".local/state") / "arbiterd" / "installed.json"
+    return _xdg(env, "XDG_STATE_HOME", ".local/state") / APP_DIR / "installed.json"
 
 
 def arbiterd_command() -> str:
@@ -200,6 +201,10 @@ class Installer:
     def _write(self, target: Path, text: str) -> None:
         if self.dry_run:
             return
+        if target.parent.name == APP_DIR:
+            # arbiterd's own folders (config, state) are private at every level; the desktop's
+            # (systemd/user, autostart, applications, icons) are made as the desktop makes them.
+            make_private_dirs(target.parent, InstallError)
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = target.with_name(f".{target.name}.tmp")

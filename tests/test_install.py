@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -215,3 +216,19 @@ def test_uninstall_with_nothing_installed_says_so_and_runs_nothing(
     tool.uninstall()
     assert systemctl.calls == []
     assert lines == [f"nothing to undo: no record of an install in {manifest_path(home)}"]
+
+
+def test_arbiterds_own_folders_are_private_under_umask_022(home: dict[str, str]) -> None:
+    models = Path(home["HOME"]) / "models"
+    models.mkdir()
+    (models / "m.gguf").write_bytes(b"GGUF")
+    old = os.umask(0o022)
+    try:
+        installer(home, Systemctl())[0].install()
+    finally:
+        os.umask(old)
+    root = Path(home["HOME"])
+    for folder in (".config/arbiterd", ".local/state", ".local/state/arbiterd"):
+        assert stat.S_IMODE((root / folder).stat().st_mode) == 0o700, folder
+    # The desktop's own folders are made as the desktop makes them.
+    assert stat.S_IMODE((root / ".config/autostart").stat().st_mode) == 0o755
