@@ -59,6 +59,12 @@ OUTBOX_MAX_LINES = 1000
 # discards until the peer closes, at most this long: closing a Unix socket with unread input
 # resets the peer, which could then lose the last line (unix_release_sock sets ECONNRESET).
 LINGER_S: Final = 2.0
+# A subscriber dropped for falling behind gets this long to read what it was sent, the overflow
+# line last, before its connection is cut: it is slow, so the usual linger would lose that line.
+OVERFLOW_GRACE_S: Final = 30.0
+# Pending connections the kernel queues before refusing more: a burst of clients (a tray per
+# login, scripts polling status) must not see ECONNREFUSED while the daemon is busy for a moment.
+LISTEN_BACKLOG: Final = 1024
 # How long `start` waits for a daemon found on the socket to accept a connection.
 PROBE_TIMEOUT_S: Final = 1.0
 CONNECT_TIMEOUT_S: Final = 5.0
@@ -188,9 +194,9 @@ def parse_request(line: bytes) -> Request:
 async def _clear_stale_socket(path: Path) -> None:
     """Remove a socket file left by a dead daemon; refuse if a daemon answers on it.
 
-    A race remains between two daemons starting at once on a stale file: both may find it dead
-    and the second may unlink the first's new socket. Only a lock held for the daemon's life
-    closes it (see the report on this module)."""
+    Two daemons starting at once on a stale file could both find it dead, and the second could
+    unlink the first's new socket: the daemon calls this only while it holds the socket's
+    single-instance lock (arbiterd.instance), so only the lock's owner ever replaces it."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -254,7 +260,7 @@ class ControlServer:
             st = os.stat(self.path)
             self._inode = (st.st_dev, st.st_ino)
             self._server = await asyncio.start_unix_server(
-                self._on_connect, sock=sock, limit=MAX_LINE_BYTES
+                self._on_connect, sock=sock, limit=MAX_LINE_BYTES, backlog=LISTEN_BACKLOG
             )
         except BaseException:
             sock.close()
@@ -365,7 +371,7 @@ class _Connection:
                 await _cancel(writing)
                 log.warning("control: dropped a subscriber that did not keep up with events")
                 self._writer.write(encode({"event": "overflow", "at": time.time()}))
-                await self._finish()
+                await self._finish(OVERFLOW_GRACE_S)
             elif not writing.done():
                 # The reader ended (EOF, an oversize line, a refused hello): send what is queued.
                 try:
@@ -393,12 +399,12 @@ class _Connection:
             except OSError:
                 return  # the peer is gone
 
-    async def _finish(self) -> None:
+    async def _finish(self, linger_s: float = LINGER_S) -> None:
         """Close after the last line: shut down our side for writing, then discard input until
-        the peer closes (bounded by LINGER_S), so the peer reads every line and then EOF."""
+        the peer closes (bounded by `linger_s`), so the peer reads every line and then EOF."""
         transport = self._writer.transport
         try:
-            async with asyncio.timeout(LINGER_S):
+            async with asyncio.timeout(linger_s):
                 if self._writer.can_write_eof():
                     self._writer.write_eof()  # sent once the buffered lines are
                 while await self._reader.read(DISCARD_BYTES):

@@ -24,6 +24,7 @@ from arbiterd.config import Config
 from arbiterd.control import ControlServer
 from arbiterd.errors import DaemonError, ListenError
 from arbiterd.httpapi import create_app
+from arbiterd.instance import InstanceLock
 from arbiterd.journal import Journal
 from arbiterd.modelfile import check_models
 from arbiterd.supervisor import Supervisor
@@ -80,14 +81,20 @@ def bind_http(host: str, port: int) -> socket.socket:
 
 async def serve(config: Config, reload_config: Callable[[], Config] | None = None) -> None:
     """Run until SIGTERM/SIGINT or the shutdown command."""
-    for warning in check_models(config):  # raises ConfigError before anything loads
-        log.warning("%s", warning)
     daemon = config.daemon
-    listening = bind_http(daemon.http_host, daemon.http_port)
+    where = f"{daemon.http_host}:{daemon.http_port}"
+    # First: a second daemon on this socket says who runs before it touches anything.
+    instance = InstanceLock.acquire(daemon.socket, {"http": where})
     try:
-        await _serve(config, reload_config, listening)
+        for warning in check_models(config):  # raises ConfigError before anything loads
+            log.warning("%s", warning)
+        listening = bind_http(daemon.http_host, daemon.http_port)
+        try:
+            await _serve(config, reload_config, listening)
+        finally:
+            listening.close()
     finally:
-        listening.close()
+        instance.release()
 
 
 async def _serve(

@@ -25,6 +25,7 @@
     ├── TelemetryError                a VRAM reader could not measure (69)
     └── DaemonError                   the daemon could not start, or talking to it failed
         ├── ListenError               the HTTP address is taken or cannot be bound (71)
+        ├── AlreadyRunningError       another daemon holds this control socket's lock (75)
         ├── DaemonNotRunningError     nothing listens on the control socket (69)
         ├── UnknownModelError         no model by that name (404 over HTTP)
         └── ControlError              the daemon answered a control command with an error
@@ -137,6 +138,10 @@ class DaemonError(ArbiterError):
 
 class ListenError(DaemonError):
     exit_code = 71  # sysexits EX_OSERR: the system refused the address
+
+
+class AlreadyRunningError(DaemonError):
+    exit_code = 75  # sysexits EX_TEMPFAIL: it can start once the other one has stopped
 
 
 class DaemonNotRunningError(DaemonError):
