@@ -16,6 +16,7 @@ import socket
 import stat
 import tempfile
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -500,6 +501,56 @@ def test_a_slow_subscriber_is_dropped_after_an_overflow_event(
     assert delivered == list(range(len(delivered)))  # in order, without gaps, then the end
     assert 0 < len(delivered) < published
     assert conns.client().call("status") == STATUS  # the daemon was never blocked
+
+
+def test_a_subscriber_slower_than_the_linger_still_reads_its_overflow_line(
+    served: Served, conns: Connections, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(control, "OUTBOX_MAX_LINES", 50)
+    raw = conns.raw()
+    assert raw.request(command="subscribe", request_id=1)["error"] == "success"
+    pad = "x" * 1024
+    published = 0
+    while served.subscribers():
+        served.publish(*({"event": "request", "at": 0.0, "pad": pad} for _ in range(20)))
+        published += 20
+    # The subscriber is slow on purpose: it comes back to read after the usual linger has
+    # passed (which cut the connection and lost its last lines, the overflow line among them).
+    time.sleep(control.LINGER_S + 1)
+    lines = []
+    while (message := raw._reader.read()) is not None:
+        lines.append(message)
+    assert lines[-1]["event"] == "overflow"
+    assert 0 < len(lines) - 1 < published
+
+
+def test_a_burst_of_connections_is_queued_not_refused(served: Served, conns: Connections) -> None:
+    # The server's loop is busy (blocked here on purpose) while 300 clients connect at once,
+    # more than the old backlog of 100: the kernel must queue them all, none refused (EAGAIN).
+    busy, release = threading.Event(), threading.Event()
+
+    def block() -> None:
+        busy.set()
+        release.wait(WAIT_S)
+
+    served.loop.loop.call_soon_threadsafe(block)
+    assert busy.wait(WAIT_S)
+    socks, refused = [], 0
+    try:
+        for _ in range(300):
+            sock = socket.socket(socket.AF_UNIX)
+            socks.append(sock)
+            sock.setblocking(False)
+            try:
+                sock.connect(str(served.path))
+            except BlockingIOError:
+                refused += 1
+    finally:
+        release.set()
+        for sock in socks:
+            sock.close()
+    assert refused == 0
+    assert conns.client().call("status") == STATUS
 
 
 def test_a_subscriber_whose_service_queue_filled_up_is_dropped(
