@@ -12,6 +12,7 @@ workers run in its own thread pool, and worker threads reach the loop only throu
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import logging
 import os
@@ -183,19 +184,23 @@ class Supervisor:
                 env=env,
                 keep_events=False,
             )
-        except ArbiterError as exc:
-            slot.last_error = str(exc)
+        except (ArbiterError, OSError) as exc:
+            # OSError: no fd for the socketpair (EMFILE), no memory to fork, ... — transient,
+            # like a copy or a hello that failed; each is said and retried with backoff.
+            reason = str(exc) if isinstance(exc, ArbiterError) else _os_reason(exc)
+            slot.last_error = f"could not start: {reason}"
+            delay = self._schedule_restart(slot)
+            log.warning("%s could not start (%s); retrying in %.0f s", name, reason, delay)
             self._publish(
                 {
                     "event": "worker",
                     "model": name,
                     "pid": None,
                     "code": None,
-                    "reason": f"could not start: {exc}",
-                    "restart_in_s": None,
+                    "reason": slot.last_error,
+                    "restart_in_s": delay,
                 }
             )
-            self._schedule_restart(slot)
             return
         worker.add_listener(self._from_thread(self._on_worker_event))
         slot.worker, slot.started_at = worker, time.monotonic()
@@ -239,12 +244,15 @@ class Supervisor:
         self._pool.submit(worker.kill)  # closes its socket; the process is already reaped
         self._schedule_restart(slot, delay)
 
-    def _schedule_restart(self, slot: _Slot, delay_s: float | None = None) -> None:
-        if self._stopping:
-            return
+    def _schedule_restart(self, slot: _Slot, delay_s: float | None = None) -> float:
+        """Spawn the slot's worker again after `delay_s` (default: the next backoff step);
+        returns the delay."""
         if delay_s is None:
             delay_s = RESTART_BACKOFF_S[min(slot.failures_in_row, len(RESTART_BACKOFF_S) - 1)]
             slot.failures_in_row += 1
+        if self._stopping:
+            return delay_s
+        slot.state = "restarting"
 
         async def restart() -> None:
             await asyncio.sleep(delay_s)
@@ -252,6 +260,7 @@ class Supervisor:
             await self._spawn(slot)
 
         slot.restart_task = asyncio.get_running_loop().create_task(restart())
+        return delay_s
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -668,6 +677,13 @@ class Supervisor:
         self, handler: Callable[[dict[str, Any]], None]
     ) -> Callable[[dict[str, Any]], None]:
         return lambda event: self._call_soon(handler, event)
+
+
+def _os_reason(exc: OSError) -> str:
+    """An OSError as one line: errno name and text ("EMFILE: Too many open files")."""
+    name = errno.errorcode.get(exc.errno or 0, "")
+    text = exc.strerror or str(exc)
+    return f"{name}: {text}" if name else text
 
 
 def _quietly(function: Callable[[str], None]) -> Callable[[str], None]:

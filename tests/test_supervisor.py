@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 
 from arbiterd.config import load_config
 from arbiterd.supervisor import Supervisor
 from arbiterd.telemetry import DeviceMemory, ProcessMemory, ReaderSet, Reading
+from arbiterd.workerclient import WorkerProcess
 
 GiB = 1 << 30
 
@@ -92,3 +95,40 @@ def test_a_release_that_does_not_free_vram_is_reported(tmp_path: Path, tiny_mode
     assert model["cold_footprint_bytes"] == GiB  # what users see: it still holds 1 GiB
     assert model["vram_bytes"] == GiB
     assert status["telemetry"]["source"] == "leaky-test-gpu"
+
+
+def test_a_spawn_that_fails_on_an_os_error_is_said_and_retried(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of file descriptors at the worst moment: socketpair raises EMFILE. The model must
+    not stay 'starting' for good: a `could not start` event, then a retry that works."""
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+    tmp_path.chmod(0o700)
+    config = load_config(write_config(tmp_path, tiny_model), env=env)
+    real_spawn = WorkerProcess.spawn
+    failures = iter([OSError(errno.EMFILE, "Too many open files")])
+
+    def spawn(*args: Any, **kwargs: Any) -> WorkerProcess:
+        for exc in failures:
+            raise exc
+        return real_spawn(*args, **kwargs)
+
+    monkeypatch.setattr(WorkerProcess, "spawn", spawn)
+
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any]]:
+        supervisor = Supervisor(config)
+        events = supervisor.subscribe()
+        await supervisor.start()
+        try:
+            failed = await next_event(events, "worker")
+            starting = (await supervisor.status())["models"][0]
+            await next_event(events, "residency")  # the retried worker loaded its model
+            return failed, starting
+        finally:
+            await supervisor.stop()
+
+    failed, starting = asyncio.run(scenario())
+    assert failed["reason"] == "could not start: EMFILE: Too many open files"
+    assert failed["restart_in_s"] == 1.0
+    assert starting["state"] == "restarting"
+    assert starting["last_error"] == failed["reason"]
