@@ -9,6 +9,9 @@
                                   #   $XDG_RUNTIME_DIR/arbiterd/arena/gpu0
     journal = "..."               # default $XDG_STATE_HOME/arbiterd/journal.sqlite3
     api_key = ""                  # bearer token the HTTP API requires; "" = none
+    allow_users = []              # other users the HTTP API serves (names or uids)
+    api_socket = "..."            # the HTTP API's Unix socket; default api.sock beside `socket`
+    header_timeout_s = 10         # how long a client may take to send a request head
     [models.NAME]                 # one table per model; NAME is what requests ask for
     path = "/models/x.gguf"       # required
     n_ctx = 4096, n_gpu_layers = -1, n_threads = 0, chat_format = "", mmproj = "",
@@ -17,7 +20,8 @@
 With no file at the default path the *embedded default* serves one demo model (gemma-3-270m).
 Every problem with a file is one `ConfigError` naming the file, the key path and what was
 expected; nothing is half-applied. This module never opens a model file (arbiterd.modelfile checks
-them before anything loads) and never creates a file or directory: it only resolves paths.
+them before anything loads) and never creates a file or directory: it only resolves paths (and
+the user names in allow_users).
 
 Importing this module must stay cheap: every `arbiterd` command imports it, including
 `arbiterd run -- GAME`, which must never load an inference library (arbiterd.spec is plain).
@@ -26,8 +30,10 @@ Importing this module must stay cheap: every `arbiterd` command imports it, incl
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import math
 import os
+import pwd
 import re
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
@@ -41,8 +47,11 @@ from arbiterd.spec import MAX_N_CTX, KvPolicy, ModelSpec, WorkerConfig
 APP_DIR = "arbiterd"
 CONFIG_FILE = "config.toml"
 SOCKET_FILE = "control.sock"
+API_SOCKET_FILE = "api.sock"
 JOURNAL_FILE = "journal.sqlite3"
 DEFAULT_HTTP = "127.0.0.1:8642"
+HEADER_TIMEOUT_S = 10.0
+MAX_UID = 2**32 - 2  # (uid_t)-1 means "no user"
 EMBEDDED_MODEL_NAME = "gemma-3-270m"
 # The demo GGUF has no chat template in its metadata; llama-cpp-python's "gemma" format fits it.
 EMBEDDED_CHAT_FORMAT = "gemma"
@@ -52,7 +61,16 @@ MODEL_NAME_RE = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_MODEL_NAME_CHARS}}}")
 MODEL_NAME_EXPECTED = f"a name of 1 to {MAX_MODEL_NAME_CHARS} characters from A-Z a-z 0-9 . _ -"
 # Keys in the order they are documented (and listed in error messages).
 TOP_KEYS = ("daemon", "models")
-DAEMON_KEYS = ("http", "socket", "arena", "journal", "api_key")
+DAEMON_KEYS = (
+    "http",
+    "socket",
+    "arena",
+    "journal",
+    "api_key",
+    "allow_users",
+    "api_socket",
+    "header_timeout_s",
+)
 MODEL_KEYS = (
     "path",
     "n_ctx",
@@ -80,6 +98,9 @@ class DaemonConfig:
     arena: Path
     journal: Path
     api_key: str  # "" = the HTTP API needs no bearer token
+    allow_uids: frozenset[int]  # users besides the owner whom the HTTP API serves without a key
+    api_socket: Path
+    header_timeout_s: float
 
 
 @dataclass(frozen=True)
@@ -198,6 +219,10 @@ def starter_config_text(found: list[Path]) -> str:
         "[daemon]",
         f'# http = "{DEFAULT_HTTP}"   # the OpenAI-compatible API, HOST:PORT',
         '# api_key = ""              # a bearer token the HTTP API requires; "" = none',
+        '# allow_users = []          # other users the HTTP API serves, e.g. ["alice", 1001];',
+        "#                           # by default it serves only you, and others need the key",
+        "# api_socket = PATH  the HTTP API on a Unix socket; default api.sock beside `socket`",
+        f"# header_timeout_s = {HEADER_TIMEOUT_S:g}     # a client's time to send a request head",
         "# socket = PATH   the control socket; default $XDG_RUNTIME_DIR/arbiterd/control.sock",
         "# arena = DIR     the GPU arena; default $XDG_RUNTIME_DIR/arbiterd/arena/gpu0",
         "# journal = PATH  the handoff history; default $XDG_STATE_HOME/arbiterd/journal.sqlite3",
@@ -413,18 +438,25 @@ class _DaemonValues:
     arena: Path | None
     journal: Path | None
     api_key: str
+    allow_uids: frozenset[int]
+    api_socket: Path | None
+    header_timeout_s: float
 
     def resolve(self, env: Mapping[str, str]) -> DaemonConfig:
         # Only defaults in use are resolved: they may need $XDG_RUNTIME_DIR, which the flags
         # or the file can make unnecessary.
         state_dir = _xdg_home(env, "XDG_STATE_HOME", ".local/state") / APP_DIR
+        socket = self.socket or runtime_dir(env) / SOCKET_FILE
         return DaemonConfig(
             http_host=self.http[0],
             http_port=self.http[1],
-            socket=self.socket or runtime_dir(env) / SOCKET_FILE,
+            socket=socket,
             arena=self.arena or default_arena(env),
             journal=self.journal or state_dir / JOURNAL_FILE,
             api_key=self.api_key,
+            allow_uids=self.allow_uids,
+            api_socket=self.api_socket or socket.parent / API_SOCKET_FILE,
+            header_timeout_s=self.header_timeout_s,
         )
 
 
@@ -445,6 +477,19 @@ def _daemon(src: _Source, raw: object, overrides: _Overrides) -> _DaemonValues:
         ok=lambda v: v.isascii() and v.isprintable() and " " not in v,
         secret=True,
     )
+    host = (overrides.http or http)[0]
+    if not api_key and not _is_loopback(host):
+        raise src.fail(
+            table.keys("api_key"),
+            f"expected a key: the HTTP API would listen on {host}, which is not a loopback "
+            "address, and the users of clients from other hosts cannot be known; set api_key "
+            "(clients send it as a bearer token), or listen on 127.0.0.1",
+        )
+    header_timeout_s = table.seconds("header_timeout_s", HEADER_TIMEOUT_S)
+    if not header_timeout_s:
+        raise src.expected(
+            table.keys("header_timeout_s"), "a number of seconds above 0", header_timeout_s
+        )
     socket, arena = table.optional_path("socket"), table.optional_path("arena")
     return _DaemonValues(
         http=overrides.http or http,
@@ -452,7 +497,44 @@ def _daemon(src: _Source, raw: object, overrides: _Overrides) -> _DaemonValues:
         arena=overrides.arena or arena,
         journal=table.optional_path("journal"),
         api_key=api_key,
+        allow_uids=_allow_users(table),
+        api_socket=table.optional_path("api_socket"),
+        header_timeout_s=header_timeout_s,
     )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False  # a host name: it may resolve to any address
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
+
+
+def _allow_users(table: _Table) -> frozenset[int]:
+    keys = table.keys("allow_users")
+    expected = 'an array of user names or uids, e.g. ["alice", 1001]'
+    value = table.values.get("allow_users", [])
+    if not isinstance(value, list):
+        raise table.src.expected(keys, expected, value)
+    uids = set()
+    for user in value:
+        if isinstance(user, str):
+            try:
+                uids.add(pwd.getpwnam(user).pw_uid)
+            except KeyError:
+                raise table.src.fail(
+                    keys, f"expected {expected}, got {_describe(user)}: no such user"
+                ) from None
+        elif isinstance(user, int) and not isinstance(user, bool) and 0 <= user <= MAX_UID:
+            uids.add(user)
+        else:
+            raise table.src.expected(keys, expected, user)
+    return frozenset(uids)
 
 
 def _models(src: _Source, raw: object) -> dict[str, ModelConfig]:

@@ -1,10 +1,10 @@
 """`arbiterd daemon`: wires config, journal, supervisor, HTTP API and control socket together.
 
-Owns the daemon's lifetime: check every model file, bind the HTTP port and the control socket,
-and only then start the workers (a mistake or a taken port costs no model load); tell systemd
-when serving (READY=1 to $NOTIFY_SOCKET, Type=notify); stop gracefully on SIGTERM/SIGINT or the
-`shutdown` command (in-flight requests finish, workers stop and release the GPU, the journal is
-closed).
+Owns the daemon's lifetime: check every model file, bind the HTTP port, the API's Unix socket and
+the control socket, and only then start the workers (a mistake or a taken port costs no model
+load); tell systemd when serving (READY=1 to $NOTIFY_SOCKET, Type=notify); stop gracefully on
+SIGTERM/SIGINT or the `shutdown` command (in-flight requests finish, workers stop and release the
+GPU, the journal is closed).
 """
 
 from __future__ import annotations
@@ -16,14 +16,13 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Callable, Generator
-
-import uvicorn
+from collections.abc import Callable
 
 from arbiterd.config import Config
 from arbiterd.control import ControlServer
 from arbiterd.errors import DaemonError, ListenError
 from arbiterd.httpapi import create_app
+from arbiterd.httpserver import HttpServer, UnixListener, connection_limit, raise_fd_limit
 from arbiterd.instance import InstanceLock
 from arbiterd.journal import Journal
 from arbiterd.modelfile import check_models
@@ -31,16 +30,7 @@ from arbiterd.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
-HTTP_SHUTDOWN_TIMEOUT_S = 30
 HTTP_BACKLOG = 2048  # uvicorn's own default
-
-
-class _HttpServer(uvicorn.Server):
-    """uvicorn, minus its own signal handling: the daemon owns SIGTERM/SIGINT."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
 
 
 def notify_ready(status: str) -> bool:
@@ -88,31 +78,30 @@ async def serve(config: Config, reload_config: Callable[[], Config] | None = Non
     try:
         for warning in check_models(config):  # raises ConfigError before anything loads
             log.warning("%s", warning)
-        listening = bind_http(daemon.http_host, daemon.http_port)
-        try:
-            await _serve(config, reload_config, listening)
-        finally:
-            listening.close()
+        with (
+            bind_http(daemon.http_host, daemon.http_port) as listening,
+            UnixListener.bind(daemon.api_socket) as api_listening,
+        ):
+            await _serve(config, reload_config, [listening, api_listening.sock])
     finally:
         instance.release()
 
 
 async def _serve(
-    config: Config, reload_config: Callable[[], Config] | None, listening: socket.socket
+    config: Config, reload_config: Callable[[], Config] | None, listeners: list[socket.socket]
 ) -> None:
     daemon = config.daemon
+    fd_limit = raise_fd_limit()  # before any worker starts: they inherit it
     journal = Journal(daemon.journal)
     supervisor = Supervisor(config, journal, reload_config)
     control = ControlServer(supervisor, daemon.socket)
-    http = _HttpServer(
-        uvicorn.Config(
-            create_app(supervisor, api_key=daemon.api_key),
-            host=daemon.http_host,
-            port=daemon.http_port,
-            log_level="warning",
-            lifespan="off",
-            timeout_graceful_shutdown=HTTP_SHUTDOWN_TIMEOUT_S,
-        )
+    http = HttpServer(
+        create_app(supervisor, api_key=daemon.api_key),
+        listeners,
+        allow_uids=daemon.allow_uids,
+        api_key=daemon.api_key,
+        max_connections=connection_limit(fd_limit),
+        header_timeout_s=daemon.header_timeout_s,
     )
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -121,9 +110,9 @@ async def _serve(
     try:
         await control.start()
         await supervisor.start()
-        http_task = loop.create_task(http.serve(sockets=[listening]))
+        http_task = loop.create_task(http.serve())
         while not http.started:
-            if http_task.done():  # uvicorn gave up on the socket it was handed
+            if http_task.done():  # the server failed before it started
                 await http_task
                 raise DaemonError(
                     f"the HTTP API could not listen on {daemon.http_host}:{daemon.http_port}"
@@ -131,7 +120,11 @@ async def _serve(
             await asyncio.sleep(0.01)
         url = f"http://{daemon.http_host}:{daemon.http_port}/v1"
         log.info(
-            "serving %s on %s, control socket %s", ", ".join(config.models), url, daemon.socket
+            "serving %s on %s and %s, control socket %s",
+            ", ".join(config.models),
+            url,
+            daemon.api_socket,
+            daemon.socket,
         )
         notify_ready(f"serving {len(config.models)} models on {url}")
         await supervisor.stopped.wait()

@@ -1,11 +1,12 @@
 """The OpenAI-compatible HTTP API: /v1/models, /v1/chat/completions, /v1/completions (streamed as
 server-sent events or not), /health and /metrics.
 
-Owns request validation, the bearer-token check, streaming, and the one mapping from arbiterd's
-errors to the OpenAI error envelope `{"error": {"message", "type", "code", "param"}}`. Talks to
-the daemon only through `Service`. Must never answer bad input with a 500 or a bare string, never
-leave a stream open after its client has gone, and never import the engine (llama_cpp loads
-native libraries the daemon process has no use for).
+Owns request validation, the bearer-token check, the refusal of users it does not serve (which
+connections those are, arbiterd.httpserver decides), streaming, and the one mapping from
+arbiterd's errors to the OpenAI error envelope `{"error": {"message", "type", "code", "param"}}`.
+Talks to the daemon only through `Service`. Must never answer bad input with a 500 or a bare
+string, never leave a stream open after its client has gone, and never import the engine
+(llama_cpp loads native libraries the daemon process has no use for).
 
 Guard ladder for a completion request: bearer token → body size (Content-Length, then the bytes
 actually read) → JSON → object → known keys → model → prompt/messages → each parameter →
@@ -27,9 +28,10 @@ import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from arbiterd.errors import (
     ArbiterError,
@@ -578,6 +580,31 @@ class EventStream(Response):
             return  # ASGI 2.4 servers report a gone client by failing `send`
 
 
+# -- who is served ----------------------------------------------------------------------------
+
+
+def _has_api_key(headers: Headers, api_key: str) -> bool:
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        token.strip().encode(), api_key.encode()
+    )
+
+
+def refuse_stranger(app: ASGIApp, *, api_key: str, reason: str) -> ASGIApp:
+    """`app` as served on a connection from a user it does not serve: a request that carries the
+    API key goes on to `app`; any other is a 403 before routing, `reason` its message, and the
+    connection is closed after it."""
+
+    async def gate(scope: Scope, receive: Receive, send: Send) -> None:
+        if api_key and _has_api_key(Headers(scope=scope), api_key):
+            await app(scope, receive, send)
+            return
+        refusal = ApiError(403, reason, code="user_not_allowed", headers={"connection": "close"})
+        await refusal.response()(scope, receive, send)
+
+    return gate
+
+
 # -- the app ----------------------------------------------------------------------------------
 
 
@@ -592,10 +619,7 @@ def create_app(
     async def authorize(request: Request) -> None:
         if not api_key:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), api_key.encode()
-        ):
+        if not _has_api_key(request.headers, api_key):
             raise ApiError(
                 401,
                 "missing or wrong API key: send 'Authorization: Bearer <key>'",

@@ -649,3 +649,100 @@ def test_importing_config_loads_no_inference_library() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert result.stdout.strip() == "[]"
+
+
+# -- who the HTTP API serves, and on what -------------------------------------------------------
+
+
+def test_allow_users_takes_user_names_and_uids(tmp_path: Path, env: dict[str, str]) -> None:
+    config = load_text(tmp_path, env, '[daemon]\nallow_users = ["root", 1001]\n' + MINIMAL)
+    assert config.daemon.allow_uids == frozenset({0, 1001})
+    assert load_text(tmp_path, env, MINIMAL).daemon.allow_uids == frozenset()
+
+
+def test_the_api_socket_is_beside_the_control_socket_unless_set(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    run = Path(env["XDG_RUNTIME_DIR"])
+    assert load_text(tmp_path, env, MINIMAL).daemon.api_socket == run / "arbiterd/api.sock"
+    moved = load_text(tmp_path, env, '[daemon]\nsocket = "/srv/ad/control.sock"\n' + MINIMAL)
+    assert moved.daemon.api_socket == Path("/srv/ad/api.sock")
+    path = write(tmp_path, '[daemon]\napi_socket = "x/api.sock"\n' + MINIMAL)
+    assert load_config(path, env=env).daemon.api_socket == path.parent / "x/api.sock"
+
+
+def test_the_header_timeout_defaults_to_ten_seconds(tmp_path: Path, env: dict[str, str]) -> None:
+    assert load_text(tmp_path, env, MINIMAL).daemon.header_timeout_s == 10.0
+    text = "[daemon]\nheader_timeout_s = 2.5\n" + MINIMAL
+    assert load_text(tmp_path, env, text).daemon.header_timeout_s == 2.5
+
+
+@pytest.mark.parametrize(
+    "http", ["127.0.0.1:1", "127.0.0.2:1", "localhost:1", "[::1]:1", "[::ffff:127.0.0.1]:1"]
+)
+def test_a_loopback_address_needs_no_api_key(
+    tmp_path: Path, env: dict[str, str], http: str
+) -> None:
+    assert load_text(tmp_path, env, f'[daemon]\nhttp = "{http}"\n' + MINIMAL).daemon.api_key == ""
+
+
+@pytest.mark.parametrize("http", ["0.0.0.0:1", "[::]:1", "192.0.2.7:1", "myhost:1"])
+def test_any_other_address_needs_an_api_key(tmp_path: Path, env: dict[str, str], http: str) -> None:
+    path = write(tmp_path, f'[daemon]\nhttp = "{http}"\n' + MINIMAL)
+    host = http.rpartition(":")[0].strip("[]")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, env=env)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: daemon.api_key: expected a key: "), message
+    assert f"listen on {host}, which is not a loopback address" in message
+    keyed = load_text(tmp_path, env, f'[daemon]\nhttp = "{http}"\napi_key = "k"\n' + MINIMAL)
+    assert keyed.daemon.api_key == "k"
+
+
+def test_the_http_flag_needs_an_api_key_off_loopback_too(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    path = write(tmp_path, MINIMAL)
+    with pytest.raises(ConfigError, match=r"daemon\.api_key: expected a key: .* on 0\.0\.0\.0"):
+        load_config(path, http="0.0.0.0:8642", env=env)
+
+
+@pytest.mark.parametrize(
+    ("text", "key_path", "expected"),
+    [
+        pytest.param(
+            'allow_users = "alice"', "daemon.allow_users", "an array of user names", id="str"
+        ),
+        pytest.param(
+            'allow_users = ["no-such-user-x"]',
+            "daemon.allow_users",
+            'got "no-such-user-x": no such user',
+            id="unknown",
+        ),
+        pytest.param("allow_users = [-1]", "daemon.allow_users", "got -1", id="negative"),
+        pytest.param("allow_users = [true]", "daemon.allow_users", "got true", id="bool"),
+        pytest.param("allow_users = [1.5]", "daemon.allow_users", "got 1.5", id="float"),
+        pytest.param(
+            "header_timeout_s = 0",
+            "daemon.header_timeout_s",
+            "a number of seconds above 0, got 0",
+            id="timeout_zero",
+        ),
+        pytest.param(
+            'header_timeout_s = "10"',
+            "daemon.header_timeout_s",
+            "a non-negative number of seconds",
+            id="timeout_string",
+        ),
+        pytest.param("api_socket = 5", "daemon.api_socket", "a path", id="api_socket_type"),
+    ],
+)
+def test_http_access_errors_name_the_key(
+    tmp_path: Path, env: dict[str, str], text: str, key_path: str, expected: str
+) -> None:
+    path = write(tmp_path, f"[daemon]\n{text}\n" + MINIMAL)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, env=env)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: {key_path}: "), message
+    assert expected in message, message

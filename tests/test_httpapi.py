@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
-from starlette.types import Message, Scope
+from starlette.types import ASGIApp, Message, Scope
 
 from arbiterd.errors import (
     ContextOverflowError,
@@ -27,7 +27,7 @@ from arbiterd.errors import (
     UnknownModelError,
     WorkerError,
 )
-from arbiterd.httpapi import ENGINE_CHECKS, create_app
+from arbiterd.httpapi import ENGINE_CHECKS, create_app, refuse_stranger
 from arbiterd.service import Service
 from arbiterd.spec import COMPLETION_PARAMS
 from tests.support.waiting import wait_until
@@ -134,7 +134,7 @@ def _chunk(kind: str, model: str, piece: str | None) -> dict[str, Any]:
 
 
 def call(
-    app: FastAPI,
+    app: ASGIApp,
     method: str,
     path: str,
     *,
@@ -774,3 +774,46 @@ def test_client_leaving_a_whole_completion_cancels_it(service: FakeService) -> N
         with pytest.raises(httpx.ReadTimeout):
             client.post("/v1/completions", json=COMPLETION)
         wait_until(service.cancelled.is_set, DEADLINE_S, "the completion to be cancelled")
+
+
+# -- users it does not serve ----------------------------------------------------------------------
+
+ROUTES = [
+    ("GET", "/health", None),
+    ("GET", "/metrics", None),
+    ("GET", "/v1/models", None),
+    ("GET", "/v1/nothing", None),
+    ("POST", "/v1/completions", COMPLETION),
+]
+
+
+def test_a_stranger_is_refused_with_the_envelope_before_routing(
+    app: FastAPI, service: FakeService
+) -> None:
+    gate = refuse_stranger(app, api_key="", reason="arbiterd serves uid 1000 only")
+    for method, path, body in ROUTES:
+        for headers in (None, {"authorization": f"Bearer {KEY}"}):  # no key is set
+            response = call(gate, method, path, body=body, headers=headers)
+            assert_error(
+                response,
+                403,
+                message="arbiterd serves uid 1000 only",
+                type="invalid_request_error",
+                code="user_not_allowed",
+            )
+            assert response.headers["connection"] == "close"
+    assert service.calls == []
+
+
+def test_the_api_key_takes_a_stranger_past_the_refusal(service: FakeService) -> None:
+    gate = refuse_stranger(create_app(service, api_key=KEY), api_key=KEY, reason="not yours")
+    good = {"authorization": f"Bearer {KEY}"}
+    for method, path, body in ROUTES:
+        assert_error(call(gate, method, path, body=body), 403, code="user_not_allowed")
+        wrong = {"authorization": "Bearer wrong"}
+        assert_error(call(gate, method, path, body=body, headers=wrong), 403)
+    assert service.calls == []
+    assert call(gate, "GET", "/health", headers=good).status_code == 200
+    assert call(gate, "GET", "/metrics", headers=good).content == METRICS
+    assert call(gate, "POST", "/v1/completions", body=COMPLETION, headers=good).status_code == 200
+    assert_error(call(gate, "GET", "/v1/nothing", headers=good), 404, code="not_found")

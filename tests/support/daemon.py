@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,25 +40,37 @@ class Daemon:
         api_key: str = "",
         env: dict[str, str] | None = None,
         port: int | None = None,
+        daemon_keys: dict[str, Any] | None = None,
+        open_files: tuple[int, int] | None = None,
     ) -> None:
+        """`daemon_keys` are more [daemon] keys; `open_files` the daemon's RLIMIT_NOFILE at start,
+        (soft, hard)."""
+        limit = None
+        if open_files is not None:
+            limit = partial(resource.setrlimit, resource.RLIMIT_NOFILE, open_files)
         self.dir = Path(tempfile.mkdtemp(prefix="ad-", dir="/tmp"))
         self.port = port or free_port()
         self.socket = self.dir / "control.sock"
+        self.api_socket = self.dir / "api.sock"  # the default: beside the control socket
         self.arena = self.dir / "arena"
         self.journal = self.dir / "journal.sqlite3"
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.log = self.dir / "daemon.log"
         self.config = self.dir / "config.toml"
-        self.config.write_text(self._toml(models, api_key))
+        self.config.write_text(self._toml(models, api_key, daemon_keys or {}))
         with self.log.open("w") as log:  # the child keeps its own copy of the fd
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "arbiterd", "daemon", "--config", str(self.config)],
                 stdout=subprocess.DEVNULL,
                 stderr=log,
                 env=env,
+                # One C call between fork and exec: it takes no lock another thread could hold.
+                preexec_fn=limit,  # noqa: PLW1509
             )
 
-    def _toml(self, models: dict[str, dict[str, Any]], api_key: str) -> str:
+    def _toml(
+        self, models: dict[str, dict[str, Any]], api_key: str, daemon_keys: dict[str, Any]
+    ) -> str:
         lines = [
             "[daemon]",
             f'http = "127.0.0.1:{self.port}"',
@@ -64,6 +78,7 @@ class Daemon:
             f'arena = "{self.arena}"',
             f'journal = "{self.journal}"',
             f'api_key = "{api_key}"',
+            *(f"{key} = {_toml_value(value)}" for key, value in daemon_keys.items()),
         ]
         for name, keys in models.items():
             lines += ["", f"[models.{name}]"]
@@ -116,6 +131,8 @@ def _toml_value(value: Any) -> str:
         return f'"{value}"'
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_toml_value, value)) + "]"
     return str(value)
 
 
