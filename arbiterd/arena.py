@@ -6,7 +6,8 @@ in short:
 
     token.lock   LOCK_EX by the holder: a program is resident on the GPU iff it holds this
     want.lock    LOCK_SH by every waiter while it waits; dropped only after the token is owned
-    holder.json  who holds the token (pid, name, model, since); informational, written by rename
+    holder.json  who holds the token (pid, name, model, since, command_pid); informational,
+                 written by rename
 
 Invariants kept here (each one cost a hang in an earlier design):
 - Lock files are created once and never unlinked: unlinking splits later lockers across two
@@ -16,15 +17,24 @@ Invariants kept here (each one cost a hang in an earlier design):
   already holds a lock converts that lock instead of conflicting with it.
 - EWOULDBLOCK/EAGAIN is contention, never an error.
 - A process that dies holds nothing: the kernel drops its locks, so nothing can go stale except
-  holder.json, which readers check against the live lock owner in /proc/locks.
+  holder.json, which readers check against the live lock owner in /proc/locks. (A process it
+  shared the locked description with, such as `arbiterd run`'s CMD, keeps the token alive.)
+- Whoever can write an arena file can take, block or fake the token (issue 10 item 6). Every
+  file is opened with O_NOFOLLOW and checked on the opened descriptor (fstat: no window between
+  check and use): ours, regular, not writable by group or others; a refusal names the file and
+  the one-line fix. Temp files are created with O_EXCL in the arena folder, which
+  paths.ensure_private_dir keeps ours and 0700.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import errno
 import fcntl
 import json
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -46,6 +56,11 @@ TOKEN_FILE = "token.lock"  # noqa: S105 (a file name, not a password)
 WANT_FILE = "want.lock"
 HOLDER_FILE = "holder.json"
 FILE_MODE = 0o600
+# Group or other write on an arena file lets another account take, block or fake the token.
+# Read bits are harmless: nobody else can reach a file in the arena folder (0700).
+_OTHERS_WRITE = 0o022
+# holder.json is under 200 bytes; one longer than this is malformed and is not read whole.
+HOLDER_FILE_MAX_BYTES = 64 * 1024
 PROC_LOCKS = Path("/proc/locks")
 # How often a cancellable wait looks at its cancel event. Granting the token is not delayed by
 # it: the waiting thread wakes as soon as the kernel grants the lock.
@@ -64,13 +79,24 @@ _NO_FLOCK_ERRNOS = {errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL, errno.ENOSYS}
 class HolderInfo:
     """What holder.json says about the holder."""
 
-    pid: int
+    pid: int  # the process that locked token.lock
     name: str
     model: str | None
     since: float  # seconds since the epoch
+    # A command the holder runs on its token (`arbiterd run`'s CMD). It inherited the locked
+    # open file description, so it keeps the token should the holder die first.
+    command_pid: int | None = None
 
     def to_json(self) -> dict[str, object]:
-        return {"pid": self.pid, "name": self.name, "model": self.model, "since": self.since}
+        data: dict[str, object] = {
+            "pid": self.pid,
+            "name": self.name,
+            "model": self.model,
+            "since": self.since,
+        }
+        if self.command_pid is not None:
+            data["command_pid"] = self.command_pid
+        return data
 
     @classmethod
     def from_json(cls, raw: bytes) -> HolderInfo | None:
@@ -86,7 +112,14 @@ class HolderInfo:
             return None
         if not isinstance(since, int | float):
             return None
-        return cls(pid, name, model if isinstance(model, str) else None, float(since))
+        command_pid = data.get("command_pid")
+        return cls(
+            pid,
+            name,
+            model if isinstance(model, str) else None,
+            float(since),
+            command_pid if isinstance(command_pid, int) else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -94,7 +127,7 @@ class ArenaState:
     """A snapshot of an arena, read without touching its locks."""
 
     path: Path
-    holder_pid: int | None  # the live owner of token.lock, from /proc/locks
+    holder_pid: int | None  # the owner of token.lock, from /proc/locks (see observe())
     holder: HolderInfo | None  # holder.json, only when it names the live owner
     stale_holder: HolderInfo | None  # holder.json naming a pid that does not hold the token
     waiter_pids: tuple[int, ...]  # pids holding (or queued for) LOCK_SH on want.lock
@@ -141,10 +174,10 @@ def _inode_key(st: os.stat_result) -> tuple[int, int, int]:
     return (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
 
 
-def _flock_holders(
+def _flock_records(
     records: Iterable[_LockRecord], inode: tuple[int, int, int]
 ) -> list[_LockRecord]:
-    return [r for r in records if r.kind == "FLOCK" and r.inode == inode and r.pid > 0]
+    return [r for r in records if r.kind == "FLOCK" and r.inode == inode]
 
 
 class Arena:
@@ -161,15 +194,25 @@ class Arena:
         ensure_private_dir(self.path, ArenaUnwritableError)
         for lock_path in (self._token_path, self._want_path):
             os.close(self._open(lock_path, create=True))
+        self.read_holder_file()  # refuses one that is not ours alone, as _open does
         self._check_flock()
 
     def _open(self, path: Path, *, create: bool = False) -> int:
-        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+        """Open a lock file read-write, refused unless it is ours alone (_check_arena_file)."""
+        # O_CREAT without O_TRUNC: creating is idempotent and never replaces the inode.
+        # O_NOFOLLOW: a symlink planted at the name is refused, never followed (nor created
+        # through, which O_CREAT on a dangling link would do).
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT if create else 0)
         try:
-            # O_CREAT without O_TRUNC: creating is idempotent and never replaces the inode.
-            return os.open(path, flags, FILE_MODE)
+            fd = os.open(path, flags, FILE_MODE)
         except OSError as exc:
-            raise ArenaUnwritableError(f"cannot open {path}: {exc.strerror}") from None
+            raise _open_error(path, exc) from None
+        try:
+            _check_arena_file(path, os.fstat(fd))
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def _check_flock(self) -> None:
         # Probe on the directory itself: nobody else ever locks it, so the probe cannot be
@@ -230,22 +273,24 @@ class Arena:
         records = parse_proc_locks(PROC_LOCKS.read_text(encoding="ascii", errors="replace"))
         token_ino = _inode_key(os.stat(self._token_path))
         want_ino = _inode_key(os.stat(self._want_path))
-        owners = [r.pid for r in _flock_holders(records, token_ino) if not r.blocked]
-        holder_pid = owners[0] if owners else None
-        waiters = sorted({r.pid for r in _flock_holders(records, want_ino) if r.mode == "READ"})
+        lockers = [r.pid for r in _flock_records(records, token_ino) if not r.blocked]
+        waiters = sorted(
+            {r.pid for r in _flock_records(records, want_ino) if r.mode == "READ" and r.pid > 0}
+        )
         info = self.read_holder_file()
-        fresh = info is not None and info.pid == holder_pid
-        # The kernel records the pid that *asked* for the lock. A shell script locks through
-        # flock(1) on an inherited fd: that pid is gone while the script, which holds the
-        # description open, lives on and names itself in holder.json.
-        if (
-            info is not None
-            and holder_pid is not None
-            and not fresh
-            and not _alive(holder_pid)
-            and _alive(info.pid)
-        ):
-            holder_pid, fresh = info.pid, True
+        holder_pid = lockers[0] if lockers else None
+        # The kernel records the pid that *asked* for the lock (0 once that pid is freed, seen
+        # from another pid namespace), but the lock lives as long as any process holds the
+        # locked description open: a shell script that locked through flock(1) on its own fd,
+        # the CMD of an `arbiterd run` killed with SIGKILL. holder.json names such processes;
+        # it is believed only for one that really holds the lock.
+        if holder_pid is not None and info is not None and not _alive(holder_pid):
+            heirs = (pid for pid in (info.command_pid, info.pid) if pid is not None)
+            holder_pid = next((p for p in heirs if _holds_flock(p, token_ino)), holder_pid)
+        if holder_pid == 0:
+            holder_pid = None  # held, by a process nobody can name
+        named = () if info is None else (info.pid, info.command_pid)
+        fresh = holder_pid is not None and holder_pid in named
         return ArenaState(
             path=self.path,
             holder_pid=holder_pid,
@@ -255,21 +300,58 @@ class Arena:
         )
 
     def read_holder_file(self) -> HolderInfo | None:
+        """holder.json; None when missing or malformed, refused like a lock file when it is not
+        ours alone (it names the process others wait for)."""
+        # O_NONBLOCK: opening a FIFO planted at the name would otherwise wait for a writer.
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
-            return HolderInfo.from_json(self._holder_path.read_bytes())
+            fd = os.open(self._holder_path, flags)
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            raise _open_error(self._holder_path, exc) from None
+        with open(fd, "rb") as file:
+            _check_arena_file(self._holder_path, os.fstat(fd))
+            raw = file.read(HOLDER_FILE_MAX_BYTES + 1)
+        return HolderInfo.from_json(raw)
 
     def _write_holder_file(self, info: HolderInfo | None) -> None:
-        # tmp + rename: a reader sees the old content or the new, never half of it.
+        # tmp + rename: a reader sees the old content or the new, never half of it. rename(2)
+        # replaces whatever is at holder.json, a symlink included, without following it.
         data = b"" if info is None else json.dumps(info.to_json()).encode()
-        tmp = self.path / f".{HOLDER_FILE}.{os.getpid()}.{threading.get_ident()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
+        tmp = self._holder_temp_path()
+        fd = self._create_temp(tmp)
         try:
             os.write(fd, data)
         finally:
             os.close(fd)
         os.replace(tmp, self._holder_path)
+
+    def _holder_temp_path(self) -> Path:
+        # One name per thread of a live process: two writers never share one.
+        return self.path / f".{HOLDER_FILE}.{os.getpid()}.{threading.get_ident()}.tmp"
+
+    def _create_temp(self, path: Path) -> int:
+        """Create `path` anew, 0600: O_EXCL never opens what is already there, a symlink
+        included (open(2)), so nothing is ever written through a planted one.
+
+        Only a crash of an earlier process with our pid and thread id, mid-write, leaves a file
+        at our name: such a file passes _check_arena_file and is removed. Anything else there
+        was put by someone else, and is refused."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            return os.open(path, flags, FILE_MODE)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise ArenaUnwritableError(f"cannot create {path}: {exc.strerror}") from None
+        with contextlib.suppress(FileNotFoundError):
+            _check_arena_file(path, os.lstat(path))
+            os.unlink(path)  # removes the name; unlink(2) never follows a symlink
+        try:
+            return os.open(path, flags, FILE_MODE)
+        except OSError as exc:
+            raise ArenaUnwritableError(f"cannot create {path}: {exc.strerror}") from None
 
 
 class Token:
@@ -290,6 +372,26 @@ class Token:
     @property
     def held(self) -> bool:
         return self._fd is not None
+
+    @property
+    def fd(self) -> int:
+        """The locked token.lock descriptor, for a command to inherit (subprocess's pass_fds).
+
+        flock locks belong to the open file description, and the kernel unlocks one only once
+        every process sharing it has closed it (flock(2)): the command keeps the token should
+        we die. release() still unlocks it at once, for everyone who shares it.
+        """
+        if self._fd is None:
+            raise ArenaError("fd of a released token")
+        return self._fd
+
+    def record_command(self, pid: int) -> None:
+        """Name in holder.json the command `pid` that inherited `fd`, so that observers can
+        name it once we are gone."""
+        if self._fd is None:
+            raise ArenaError("record_command() on a released token")
+        self.info = dataclasses.replace(self.info, command_pid=pid)
+        self.arena._write_holder_file(self.info)
 
     def wanted(self) -> bool:
         """True when some other program waits for the token (holds want.lock shared)."""
@@ -347,6 +449,8 @@ class Token:
 
 
 def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False  # kill(2) would take 0 and below for process groups
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -354,6 +458,66 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True  # exists, owned by someone else
     return True
+
+
+def _holds_flock(pid: int, inode: tuple[int, int, int]) -> bool:
+    """True when a descriptor of `pid` holds the exclusive flock on `inode`.
+
+    /proc/PID/fdinfo/FD lists, on `lock:` lines, the locks of that fd's own open file
+    description (proc(5)), whoever asked for them; /proc/locks names only the asker.
+    """
+    fdinfo = Path(f"/proc/{pid}/fdinfo")
+    try:
+        fds = os.listdir(fdinfo)
+    except OSError:  # gone, or not ours to read
+        return False
+    for fd in fds:
+        try:
+            text = (fdinfo / fd).read_text(encoding="ascii", errors="replace")
+        except OSError:
+            continue  # closed meanwhile
+        locks = [
+            line.removeprefix("lock:") for line in text.splitlines() if line.startswith("lock:")
+        ]
+        if any(
+            r.kind == "FLOCK" and r.mode == "WRITE" and r.inode == inode
+            for r in parse_proc_locks("\n".join(locks))
+        ):
+            return True
+    return False
+
+
+def _check_arena_file(path: Path, st: os.stat_result) -> None:
+    """Refuse an arena file that is not ours alone, with the one-line fix.
+
+    `st` is the fstat of the opened descriptor, so what is checked is what is used, or the
+    lstat of a name about to be removed.
+    """
+    if stat.S_ISLNK(st.st_mode):
+        raise ArenaUnwritableError(_symlink_refusal(path))
+    if not stat.S_ISREG(st.st_mode):
+        raise ArenaUnwritableError(f"{path} is not a regular file (rm -r {path})")
+    uid = os.getuid()
+    if st.st_uid != uid:
+        raise ArenaUnwritableError(
+            f"{path} is owned by uid {st.st_uid}, not by you (uid {uid}); "
+            f"remove it while nothing uses the arena (rm {path})"
+        )
+    if st.st_mode & _OTHERS_WRITE:
+        raise ArenaUnwritableError(
+            f"{path} has mode {stat.S_IMODE(st.st_mode):04o}; others could take or fake the "
+            f"GPU token through it (chmod 600 {path})"
+        )
+
+
+def _open_error(path: Path, exc: OSError) -> ArenaUnwritableError:
+    if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
+        return ArenaUnwritableError(_symlink_refusal(path))
+    return ArenaUnwritableError(f"cannot open {path}: {exc.strerror}")
+
+
+def _symlink_refusal(path: Path) -> str:
+    return f"{path} is a symbolic link; arbiterd follows none in an arena (rm {path})"
 
 
 def _contended(fd: int, operation: int) -> bool:

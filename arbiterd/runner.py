@@ -3,6 +3,31 @@
 Owns the child process: it is started only once the token is held, every forwarded signal goes to
 it, it is always reaped, and the token is released only after it exited. Must be called from the
 main thread (it installs signal handlers).
+
+The token outlives the runner for as long as CMD runs (issue 10 item 4). CMD inherits the
+token's open file description (pass_fds); flock locks belong to the description, and the kernel
+unlocks it only once every process sharing it has closed it (flock(2)). A runner killed with
+SIGKILL, which can release nothing, thus leaves the token held until CMD exits too, instead of
+letting the next holder onto the GPU beside a CMD still using it. holder.json names both: `pid`
+is the runner, `command_pid` CMD, whom observers name once the runner is gone. When CMD exits
+the runner releases as it always did: clear holder.json, unlock, which unlocks the description
+for every process that shares it.
+
+Not PR_SET_PDEATHSIG on CMD: it would turn the runner's death into CMD's, and the user would lose
+the game or the render because the process watching it died, which the shared lock avoids at no
+cost. (It is also set per thread, lost across a setuid exec, and racy against a parent that
+dies before the child sets it.)
+
+What sharing implies:
+- CMD's own children inherit the description too, unless CMD closes it for them (many launchers
+  do: Python's subprocess closes every fd it is not told to pass). After a SIGKILL of the runner,
+  the GPU therefore stays held until the last process of the tree that inherited it exits. That
+  is the safe side, and usually what the user wants: a launcher that starts the game and exits
+  leaves the game holding the token. A helper CMD left behind (a server it started and forgot)
+  holds it too; `fuser -v ARENA/token.lock` names it. Once CMD runs, nothing outside it can close
+  the descriptor in the processes it starts, so this is documented, not prevented.
+- On the normal path the token ends with CMD, as before: a launcher that exits at once ends the
+  hold while its game still runs. Run the game itself, or the launcher's "wait" mode.
 """
 
 from __future__ import annotations
@@ -18,9 +43,10 @@ from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
-from arbiterd.arena import Arena, ArenaState
+from arbiterd.arena import Arena, ArenaState, Token
 from arbiterd.errors import (
     AcquireCancelledError,
+    ArenaError,
     CommandNotExecutableError,
     CommandNotFoundError,
     UsageError,
@@ -87,12 +113,13 @@ def run_holding_token(
             print(
                 f"arbiterd run: got the GPU after {time.monotonic() - started:.1f} s", file=stderr
             )
-        return _run_child(executable, cmd)
+        return _run_child(token, executable, cmd, stderr)
 
 
-def _run_child(executable: str, cmd: Sequence[str]) -> int:
+def _run_child(token: Token, executable: str, cmd: Sequence[str], stderr: TextIO) -> int:
     try:
-        child = subprocess.Popen([executable, *cmd[1:]])
+        # CMD shares the locked description: the module docstring says why.
+        child = subprocess.Popen([executable, *cmd[1:]], pass_fds=(token.fd,))
     except FileNotFoundError:
         raise CommandNotFoundError(f"command not found: {cmd[0]}") from None
     except PermissionError:
@@ -105,6 +132,11 @@ def _run_child(executable: str, cmd: Sequence[str]) -> int:
 
     previous = _install(dict.fromkeys(FORWARDED_SIGNALS, forward))
     try:
+        try:
+            token.record_command(child.pid)
+        except (ArenaError, OSError) as exc:
+            # holder.json is informational; CMD runs and holds the token all the same.
+            print(f"arbiterd run: holder.json not updated: {exc}", file=stderr)
         status = child.wait()  # PEP 475: resumed after each forwarded signal
     finally:
         _install(previous)

@@ -25,6 +25,7 @@ from arbiterd.errors import (
     BadValueError,
 )
 from tests.conftest import Processes
+from tests.support.stamps import overlaps, read_holds
 from tests.support.waiting import wait_until
 
 
@@ -221,6 +222,23 @@ def test_killed_holder_frees_the_token_and_its_file_is_recognised_as_stale(
         assert arena.observe().holder_pid == os.getpid()
 
 
+def test_holder_is_named_when_proc_locks_has_lost_the_lockers_pid(
+    arena: Arena, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Seen from another pid namespace, /proc/locks shows pid 0 once the locker's pid is freed
+    # (fs/locks.c locks_translate_pid), while processes that share its description hold on.
+    with arena.acquire("heir"):
+        token_ino = arena_module._inode_key((arena.path / "token.lock").stat())
+        fake = tmp_path / "locks"
+        fake.write_text("1: FLOCK  ADVISORY  WRITE 0 {:02x}:{:02x}:{} 0 EOF\n".format(*token_ino))
+        monkeypatch.setattr(arena_module, "PROC_LOCKS", fake)
+        state = arena.observe()
+        assert state.holder_pid == os.getpid()  # holds it, as its fdinfo shows
+        assert state.holder is not None
+        assert state.holder.name == "heir"
+    assert arena.observe().holder_pid is None  # pid 0 and nobody named who holds it
+
+
 def test_holder_file_parse_ignores_garbage() -> None:
     assert HolderInfo.from_json(b"") is None
     assert HolderInfo.from_json(b"{not json") is None
@@ -254,32 +272,119 @@ def test_filesystem_without_flock_is_a_clear_error(
         Arena(tmp_path / "arena")
 
 
-def read_intervals(log: Path) -> list[tuple[int, int, int]]:
-    """(enter_ns, exit_ns, pid) per hold; an enter without exit (killed holder) is open-ended."""
-    open_: dict[int, int] = {}
-    killed = set()
-    intervals = []
-    for line in log.read_text().splitlines():
-        what, pid_text, ns_text = line.split()
-        pid, ns = int(pid_text), int(ns_text)
-        if what == "enter":
-            assert pid not in open_, f"pid {pid} entered twice"
-            open_[pid] = ns
-        elif what == "exit":
-            intervals.append((open_.pop(pid), ns, pid))
-        else:  # "kill", stamped just before SIGKILL: a hold in progress ended by then
-            killed.add(pid)
-            if pid in open_:
-                intervals.append((open_.pop(pid), ns, pid))
-    # A victim can still stamp "enter" between the kill stamp and its death; it died holding.
-    intervals += [(start, start, pid) for pid, start in open_.items() if pid in killed]
-    assert killed.issuperset(open_), f"holds never closed: {open_}"
-    return sorted(intervals)
+NOBODY = 65534
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a file away")
+ARENA_FILES = ["token.lock", "want.lock", "holder.json"]
 
 
-def assert_never_two_holders(intervals: list[tuple[int, int, int]]) -> None:
-    for (_, end, pid), (start, _, next_pid) in itertools.pairwise(intervals):
-        assert end <= start, f"pid {next_pid} entered while pid {pid} still held the token"
+def existing(path: Path) -> Path:
+    """`path`, created empty (0600) if missing: holder.json exists only once someone held."""
+    if not path.exists():
+        path.touch(mode=0o600)
+    return path
+
+
+def test_arena_folder_open_to_others_is_refused_with_the_fix(tmp_path: Path) -> None:
+    folder = tmp_path / "arena"
+    folder.mkdir()
+    folder.chmod(0o777)
+    with pytest.raises(
+        ArenaUnwritableError, match=rf"^{folder} has mode 0777.*\(chmod 700 {folder}\)$"
+    ):
+        Arena(folder)
+    assert list(folder.iterdir()) == []
+
+
+@needs_root
+def test_arena_folder_of_another_user_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "arena"
+    folder.mkdir(mode=0o700)
+    os.chown(folder, NOBODY, NOBODY)
+    with pytest.raises(
+        ArenaUnwritableError, match=f"^{folder} is owned by uid {NOBODY}, not by you"
+    ):
+        Arena(folder)
+    assert list(folder.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ARENA_FILES)
+def test_arena_file_writable_by_others_is_refused_with_the_fix(arena: Arena, name: str) -> None:
+    path = existing(arena.path / name)
+    path.chmod(0o666)
+    with pytest.raises(
+        ArenaUnwritableError, match=rf"^{path} has mode 0666; .*\(chmod 600 {path}\)$"
+    ):
+        Arena(arena.path)
+
+
+@needs_root
+@pytest.mark.parametrize("name", ARENA_FILES)
+def test_arena_file_of_another_user_is_refused_with_the_fix(arena: Arena, name: str) -> None:
+    path = existing(arena.path / name)
+    os.chown(path, NOBODY, NOBODY)
+    with pytest.raises(
+        ArenaUnwritableError,
+        match=rf"^{path} is owned by uid {NOBODY}, not by you \(uid 0\); .*\(rm {path}\)$",
+    ):
+        Arena(arena.path)
+
+
+def test_lock_file_loosened_after_the_arena_was_checked_is_refused_at_acquire(
+    arena: Arena,
+) -> None:
+    # Checked on the descriptor of every open, not once by path when the arena was made.
+    (arena.path / "token.lock").chmod(0o666)
+    with pytest.raises(ArenaUnwritableError, match="chmod 600"):
+        arena.acquire("me")
+    assert arena.observe().waiter_pids == ()  # the announcement was withdrawn
+
+
+@pytest.mark.parametrize("name", ARENA_FILES)
+def test_symlink_at_an_arena_files_name_is_refused_and_not_followed(
+    tmp_path: Path, name: str
+) -> None:
+    folder = tmp_path / "arena"
+    folder.mkdir(mode=0o700)
+    elsewhere = tmp_path / "elsewhere"
+    (folder / name).symlink_to(elsewhere)
+    path = folder / name
+    with pytest.raises(
+        ArenaUnwritableError, match=rf"^{path} is a symbolic link; .*\(rm {path}\)$"
+    ):
+        Arena(folder)
+    assert not elsewhere.exists()  # O_CREAT through the link would have made it
+
+
+def test_symlink_at_the_holder_files_temp_name_is_refused_and_not_written_through(
+    arena: Arena, tmp_path: Path
+) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    temp = arena._holder_temp_path()
+    temp.symlink_to(victim)
+    with pytest.raises(
+        ArenaUnwritableError, match=rf"^{temp} is a symbolic link; .*\(rm {temp}\)$"
+    ):
+        arena.acquire("me")
+    assert victim.read_text() == "precious"
+    assert arena.observe().holder_pid is None  # the token was given back
+
+
+def test_stale_holder_temp_file_from_a_crash_is_replaced_not_written_in_place(
+    arena: Arena, tmp_path: Path
+) -> None:
+    temp = arena._holder_temp_path()  # what a crashed process with our pid left
+    temp.write_text('{"pid": 1, "na')
+    temp.chmod(0o600)
+    other_name = tmp_path / "other-name"  # a second name for its inode
+    os.link(temp, other_name)
+    with arena.acquire("me"):
+        info = arena.read_holder_file()
+        assert info is not None
+        assert info.name == "me"
+    assert not temp.exists()
+    assert other_name.read_text() == '{"pid": 1, "na'
+    assert stat.S_IMODE((arena.path / "holder.json").stat().st_mode) == 0o600
 
 
 def test_sixty_alternating_handoffs_between_two_processes(
@@ -290,11 +395,11 @@ def test_sixty_alternating_handoffs_between_two_processes(
     actors = [procs.actor(arena, "cycle", str(log), str(rounds)) for _ in range(2)]
     codes = [a.wait(timeout=60) for a in actors]
     assert codes == [0, 0], "an actor was stranded (3) or crashed"
-    intervals = read_intervals(log)
-    assert len(intervals) == 2 * rounds
-    assert_never_two_holders(intervals)
+    holds = read_holds(log)
+    assert len(holds) == 2 * rounds
+    assert overlaps(holds) == []
     # hand_over() makes two busy contenders strictly alternate: 61 handoffs in 62 holds.
-    handoffs = sum(1 for a, b in itertools.pairwise(intervals) if a[2] != b[2])
+    handoffs = sum(1 for a, b in itertools.pairwise(holds) if a.pid != b.pid)
     assert handoffs == 2 * rounds - 1
 
 
@@ -324,13 +429,13 @@ def test_random_kill_fuzz_strands_nobody(arena: Arena, procs: Processes, tmp_pat
     codes = [p.wait(timeout=30) for p in live]  # a stranded contender would hang here
     os.close(log_fd)
     assert codes == [0] * contenders
-    intervals = read_intervals(log)
-    assert_never_two_holders(intervals)
-    served = {pid for _, _, pid in intervals}
+    holds = read_holds(log)
+    assert overlaps(holds) == []
+    served = {hold.pid for hold in holds}
     assert all(p.pid in served for p in live), "a survivor was never served"
-    holds_after = sum(1 for start, _, _ in intervals if start > last_spawn_ns)
+    holds_after = sum(1 for hold in holds if hold.start_ns > last_spawn_ns)
     print(
-        f"fuzz: {len(intervals)} holds, {kills} kills, {respawns} respawns, "
+        f"fuzz: {len(holds)} holds, {kills} kills, {respawns} respawns, "
         f"{holds_after} holds after the last kill, 0 stranded"
     )
     assert kills >= 40

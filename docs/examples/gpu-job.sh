@@ -6,6 +6,11 @@ set -eu
 arena="${ARBITERD_ARENA:-${XDG_RUNTIME_DIR:?XDG_RUNTIME_DIR is not set}/arbiterd/arena/gpu0}"
 mkdir -p -m 700 "$arena"
 
+# Files this script creates are the user's alone (0600): arbiterd refuses arena files that
+# others could write. The job gets the caller's umask back.
+job_umask=$(umask)
+umask 077
+
 # Open both lock files without truncating them (>> creates them if missing). Never delete them.
 exec 8>>"$arena/want.lock" 9>>"$arena/token.lock"
 
@@ -20,8 +25,10 @@ mv -f "$tmp" "$arena/holder.json"   # 3. say who holds it, atomically (rename)
 flock -u 8   # 4. stop wanting, only now that the token is ours
 exec 8>&-
 
+# The job inherits fd 9, the locked description: killed, this script cannot release, and the
+# kernel then keeps the token until the job (and whatever inherited fd 9 from it) exits too.
 status=0
-"$@" 9>&- || status=$?   # the job must not inherit the token's fd (it could outlive us)
+(umask "$job_umask" && exec "$@") || status=$?
 
 : >"$tmp"
 mv -f "$tmp" "$arena/holder.json"   # 5. clear holder.json, then release the token

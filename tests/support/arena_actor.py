@@ -4,9 +4,9 @@
     arena_actor.py ARENA cycle LOG N        N rounds: acquire, stamp, hold until wanted, hand over
     arena_actor.py ARENA fuzz LOG STOPFILE  like cycle with random holds, until STOPFILE
 
-Stamps are lines `enter|exit PID MONOTONIC_NS` appended with O_APPEND to LOG (one write each,
-so lines from several processes never interleave); `enter` is written after the token is held
-and `exit` before it is released, so overlapping intervals would mean two holders at once.
+Stamps are lines `enter|exit PID MONOTONIC_NS` appended to LOG in the format of
+tests/support/stamps.py: `enter` is written after the token is held and `exit` before it is
+released, so overlapping intervals would mean two holders at once.
 Exit status 3 means "stranded": a holder waited STRANDED_S for a waiter it was told exists.
 """
 
