@@ -7,9 +7,14 @@ Two threads:
 - the **engine thread** (the main thread) owns the llama objects, the residency state machine
   and the token. It serves requests one at a time, and between requests — and every
   PROBE_INTERVAL_S while idle — it probes `wanted()` itself and goes cold when the policy says so.
-  The decision reads live lock state, never a flag set by another thread.
+  The decision reads live lock state, never a flag set by another thread. A request is
+  prepared (sized, rendered, tokenized: CPU work with the vocabulary alone) before the worker
+  asks for the GPU; a warm model preparing one probes between the tokenizer's pieces, so a
+  waiter never waits for our tokenizing (issue 10).
 - the **io thread** reads the socket: it answers `status` and `cancel` at once (also during a
   decode: ctypes releases the GIL in llama_decode) and queues everything else for the engine.
+  When the daemon's end closes, it stops the worker: the current request is cancelled before
+  its next decode, the token released, the process exits.
 
 Message protocol (JSON lines, `arbiterd.wire`), version WORKER_PROTOCOL:
     worker → daemon  {"hello": {"protocol", "model", "pid"}}          first line
@@ -35,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from arbiterd.arena import Arena, Token
-from arbiterd.engine import Backend, Generation, Moved, select_backend
+from arbiterd.engine import Backend, ChunkSink, Generation, Moved, select_backend
 from arbiterd.errors import (
     AcquireCancelledError,
     ArbiterError,
@@ -90,6 +95,7 @@ class Worker:
         self._cancel_lock = threading.Lock()
         self._wake = threading.Event()  # interrupts a wait for the token
         self._stopping = threading.Event()
+        self._orphaned = threading.Event()  # the daemon is gone: nobody reads our answers
         # Published by the engine thread (one reference assignment), read by the io thread.
         self._status: dict[str, Any] = {}
         self._served = 0
@@ -111,7 +117,8 @@ class Worker:
                 continue
             except OSError:
                 message = None
-            if message is None:  # the daemon is gone: stop, whatever is queued
+            if message is None:  # the daemon is gone: stop, whatever is queued or running
+                self._orphaned.set()
                 self._request_stop()
                 return
             self._dispatch(message)
@@ -167,7 +174,12 @@ class Worker:
         return 0
 
     def _load(self) -> bool:
-        # The token first: loading can then never push a resident model out of VRAM.
+        try:
+            self._backend.open()  # what needs no GPU (host copy, vocabulary): before asking
+        except EngineError as exc:
+            self._fail(exc)
+            return False
+        # The token before the weights: loading can then never push a resident model out of VRAM.
         try:
             self._token = self._arena.acquire(self.name, model=self.name, cancel=self._stopping)
         except AcquireCancelledError:
@@ -177,14 +189,17 @@ class Worker:
         try:
             moved = self._backend.load()
         except EngineError as exc:
-            self._last_error = str(exc)
-            failed = self._residency.transition(State.LOADING, State.FAILED, reason=str(exc))
-            self._give_up_token()  # before telling anyone: a failed model holds nothing
-            self._emit(failed)
+            self._fail(exc)
             return False
         self._moved(State.LOADING, State.WARM, moved)
         self._warm_since = self._idle_since = time.monotonic()
         return True
+
+    def _fail(self, exc: EngineError) -> None:
+        self._last_error = str(exc)
+        failed = self._residency.transition(State.LOADING, State.FAILED, reason=str(exc))
+        self._give_up_token()  # before telling anyone: a failed model holds nothing
+        self._emit(failed)
 
     def _serve_forever(self) -> None:
         while not self._stopping.is_set():
@@ -230,13 +245,18 @@ class Worker:
         if self._is_cancelled(command.id):
             self._error(command.id, RequestError("cancelled before it started"))
             return
+        self._current = command.id
+        self._publish()
         try:
+            request = self._backend.prepare(
+                command.kind, command.body, lambda: self._between_pieces(command.id)
+            )
             if self._residency.state is State.COLD:
                 self._warm_up(command.id)
-            self._current = command.id
-            self._publish()
             started = time.monotonic()
-            result = self._backend.generate(command.kind, command.body, self._sink(command))
+            result = self._backend.run(
+                request, self._sink(command), lambda: self._stops(command.id)
+            )
         except ArbiterError as exc:
             self._error(command.id, exc)
             return
@@ -261,13 +281,25 @@ class Worker:
         )
         self._publish()
 
-    def _sink(self, command: Command) -> Any:
-        def sink(chunk: dict[str, Any]) -> bool:
-            if command.stream:
-                self._out.send({"id": command.id, "chunk": chunk})
-            return not self._is_cancelled(command.id)
+    def _sink(self, command: Command) -> ChunkSink | None:
+        if not command.stream:
+            return None
+
+        def sink(chunk: dict[str, Any]) -> None:
+            self._out.send({"id": command.id, "chunk": chunk})  # a gone daemon stops us anyway
 
         return sink
+
+    def _between_pieces(self, request_id: str) -> bool:
+        """Between two pieces of a request's tokenizing, which needs no GPU: a waiter gets the
+        GPU now, not after us; and whether the request stops."""
+        self._maybe_release()
+        return self._stops(request_id)
+
+    def _stops(self, request_id: str) -> bool:
+        """The request was cancelled, or the daemon is gone: nobody waits for its answer. (A
+        shutdown the daemon asks for lets the current request finish.)"""
+        return self._orphaned.is_set() or self._is_cancelled(request_id)
 
     def _maybe_release(self) -> None:
         if self._residency.state is not State.WARM or self._token is None:
@@ -277,7 +309,7 @@ class Worker:
             wanted=self._token.wanted(),  # live lock state, probed here where we decide
             held_s=now - self._warm_since,
             idle_s=now - self._idle_since,
-            busy=not self._inbox.empty(),
+            busy=self._current is not None or not self._inbox.empty(),
             pinned=self._pinned,
         )
         reason = release_reason(

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from arbiterd.arena import Arena
-from arbiterd.engine import Generation, Moved
-from arbiterd.errors import RestoreError
+from arbiterd.engine import Generation, Moved, Prepared
+from arbiterd.errors import RequestError, RestoreError
 from arbiterd.spec import KvPolicy, ModelSpec, WorkerConfig
 from arbiterd.wire import LineReader, LineWriter
 from arbiterd.worker import Worker
@@ -224,6 +224,24 @@ def test_shutdown_releases_the_token_and_exits_cleanly(workers: Workers) -> None
     assert Arena(workers.arena).observe().holder_pid is None
 
 
+def test_shutdown_lets_the_current_request_finish(workers: Workers) -> None:
+    worker = workers.spawn("m")
+    first_chunk = threading.Event()
+    results: list[dict[str, Any]] = []
+    body = {"prompt": "the fox", "max_tokens": 200, "temperature": 0}
+    thread = threading.Thread(
+        target=lambda: results.append(
+            worker.generate("completion", body, on_chunk=lambda _: first_chunk.set())
+        )
+    )
+    thread.start()
+    assert first_chunk.wait(30)
+    assert worker.shutdown() == 0  # the daemon is still there: it gets the whole answer
+    thread.join(timeout=30)
+    assert results[0]["cancelled"] is False
+    assert results[0]["completion_tokens"] == 200
+
+
 class FlakyRestore:
     """A backend whose restore fails: the worker must roll back to cold and free the token."""
 
@@ -233,6 +251,9 @@ class FlakyRestore:
     def __init__(self) -> None:
         self.spec = ModelSpec(name="flaky", path=Path("/nonexistent"))
         self.warm = False
+
+    def open(self) -> None:
+        pass
 
     def load(self) -> Moved:
         self.warm = True
@@ -245,7 +266,10 @@ class FlakyRestore:
     def restore(self) -> Moved:
         raise RestoreError("out of device memory")
 
-    def generate(self, kind: str, body: dict[str, Any], sink: Any) -> Generation:
+    def prepare(self, kind: str, body: dict[str, Any], cancelled: Any) -> Prepared:
+        return Prepared(kind, {"prompt": [1]})
+
+    def run(self, request: Prepared, sink: Any, cancelled: Any) -> Generation:
         return Generation({"choices": []}, 1, 1, 1)
 
     def resident_bytes(self) -> int:
@@ -308,3 +332,56 @@ def test_a_pinned_model_keeps_the_gpu_until_unpinned(workers: Workers) -> None:
     assert pinned.request("unpin") == {"pinned": False}
     wait_state(other, "warm")
     assert pinned.status()["state"] == "cold"
+
+
+class SlowToPrepare(FlakyRestore):
+    """A backend whose requests take as long to tokenize as nobody cancels them (its restore
+    works): it calls back between pieces, as the real tokenizer does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pieces = 0
+
+    def restore(self) -> Moved:
+        self.warm = True
+        return Moved(0.0, 100, 10, 0)
+
+    def prepare(self, kind: str, body: dict[str, Any], cancelled: Any) -> Prepared:
+        while not cancelled():
+            self.pieces += 1
+            time.sleep(0.002)  # tokenizing one piece
+        raise RequestError("cancelled while its prompt was tokenized")
+
+
+def test_a_warm_worker_tokenizing_lets_a_waiter_in_and_stops_on_cancel(tmp_path: Path) -> None:
+    ours, theirs = socket.socketpair()
+    config = WorkerConfig(spec=ModelSpec(name="slow", path=Path("/x")), arena=tmp_path / "arena")
+    backend = SlowToPrepare()
+    thread = threading.Thread(target=Worker(config, backend, theirs).run, daemon=True)
+    thread.start()
+    reader, writer = LineReader(ours), LineWriter(ours)
+
+    def until(predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        while True:
+            message = reader.read()
+            assert message is not None
+            if predicate(message):
+                return message
+
+    until(lambda m: m.get("to") == "warm")
+    writer.send({"op": "generate", "id": "big", "kind": "chat", "body": {}})
+    wait_until(lambda: backend.pieces > 0, 10, "the tokenizing to begin")
+    started = time.monotonic()
+    with Arena(tmp_path / "arena").acquire("game", timeout_s=10):
+        waited_s = time.monotonic() - started
+        writer.send({"op": "cancel", "id": "c", "target": "big"})
+        reply = until(lambda m: m.get("id") == "big")
+    assert waited_s < 1.0  # the worker's 0.1 s minimum hold, then the next piece
+    assert reply["error"] == {
+        "type": "RequestError",
+        "message": "cancelled while its prompt was tokenized",
+    }
+    ours.close()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    theirs.close()
