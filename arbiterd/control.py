@@ -15,13 +15,10 @@ subscriber that cannot keep up is dropped rather than waited for.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import errno
 import itertools
 import logging
 import os
 import socket
-import stat
 import struct
 import time
 from collections import deque
@@ -32,6 +29,7 @@ from types import TracebackType
 from typing import Any, Final
 
 import arbiterd
+from arbiterd import socketfile
 from arbiterd.errors import (
     ArbiterError,
     ControlError,
@@ -65,8 +63,6 @@ OVERFLOW_GRACE_S: Final = 30.0
 # Pending connections the kernel queues before refusing more: a burst of clients (a tray per
 # login, scripts polling status) must not see ECONNREFUSED while the daemon is busy for a moment.
 LISTEN_BACKLOG: Final = 1024
-# How long `start` waits for a daemon found on the socket to accept a connection.
-PROBE_TIMEOUT_S: Final = 1.0
 CONNECT_TIMEOUT_S: Final = 5.0
 DISCARD_BYTES: Final = 65536
 
@@ -191,50 +187,6 @@ def parse_request(line: bytes) -> Request:
     return Request(request_id, command, args)
 
 
-async def _clear_stale_socket(path: Path) -> None:
-    """Remove a socket file left by a dead daemon; refuse if a daemon answers on it.
-
-    Two daemons starting at once on a stale file could both find it dead, and the second could
-    unlink the first's new socket: the daemon calls this only while it holds the socket's
-    single-instance lock (arbiterd.instance), so only the lock's owner ever replaces it."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise DaemonError(f"{path} exists and is not a socket; move it away")
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(path)), PROBE_TIMEOUT_S)
-    except (ConnectionRefusedError, FileNotFoundError):
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        return
-    except TimeoutError:
-        # Its backlog is full: something is alive there.
-        raise DaemonError(f"another arbiterd is already running on {path}") from None
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    raise DaemonError(f"another arbiterd is already running on {path}")
-
-
-def _listen_socket(path: Path) -> socket.socket:
-    """Bind `path` ourselves: asyncio.start_unix_server(path=...) silently unlinks any socket
-    already there, live or not. The mode is set before listen(2), so no one can connect while
-    the file still has the umask's mode."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(str(path))
-        os.chmod(path, SOCKET_MODE)
-        sock.setblocking(False)
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise DaemonError(f"another arbiterd is already running on {path}") from None
-        raise DaemonError(f"cannot listen on {path}: {exc.strerror or exc}") from None
-    return sock
-
-
 class ControlServer:
     """Serves the control protocol for `service` on the Unix socket `path`."""
 
@@ -254,17 +206,17 @@ class ControlServer:
         # Anyone who can write the folder could replace the socket with their own and read
         # our commands.
         ensure_private_dir(self.path.parent, DaemonError)
-        await _clear_stale_socket(self.path)
-        sock = _listen_socket(self.path)
+        live = f"another arbiterd is already running on {self.path}"
+        await asyncio.to_thread(socketfile.clear_stale, self.path, DaemonError, live)
+        sock, self._inode = socketfile.bind(self.path, SOCKET_MODE, DaemonError, live)
         try:
-            st = os.stat(self.path)
-            self._inode = (st.st_dev, st.st_ino)
+            sock.setblocking(False)
             self._server = await asyncio.start_unix_server(
                 self._on_connect, sock=sock, limit=MAX_LINE_BYTES, backlog=LISTEN_BACKLOG
             )
         except BaseException:
             sock.close()
-            self._unlink_own_socket()
+            socketfile.unlink_own(self.path, self._inode)
             raise
         log.info("control socket listening on %s", self.path)
 
@@ -288,16 +240,7 @@ class ControlServer:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await server.wait_closed()
-        self._unlink_own_socket()
-
-    def _unlink_own_socket(self) -> None:
-        # Never remove a socket that another daemon has since bound at the same path.
-        try:
-            st = os.lstat(self.path)
-        except FileNotFoundError:
-            return
-        if (st.st_dev, st.st_ino) == self._inode:
-            self.path.unlink()
+        socketfile.unlink_own(self.path, self._inode)
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._closed:  # accepted in the same loop turn as close()

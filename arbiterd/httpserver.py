@@ -29,7 +29,6 @@ import logging
 import os
 import resource
 import socket
-import stat
 import time
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
@@ -42,6 +41,7 @@ from starlette.types import ASGIApp
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
+from arbiterd import socketfile
 from arbiterd.errors import ListenError
 from arbiterd.httpapi import refuse_stranger
 from arbiterd.paths import ensure_private_dir
@@ -59,7 +59,6 @@ MAX_CONNECTIONS = 4096
 ACCEPT_RETRY_S = 0.25
 UNIX_BACKLOG = 2048  # as the TCP port's
 UNIX_SOCKET_MODE = 0o600
-PROBE_TIMEOUT_S = 1.0
 
 
 def raise_fd_limit() -> int:
@@ -101,27 +100,20 @@ class UnixListener:
         """Listen on `path`. Replaces a stale socket file there (the daemon calls this while it
         holds its single-instance lock); ListenError if a live server answers on it."""
         ensure_private_dir(path.parent, ListenError)
-        _clear_stale_socket(path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        live = f"another server is listening on {path}; stop it or set [daemon] api_socket"
+        socketfile.clear_stale(path, ListenError, live)
+        sock, inode = socketfile.bind(path, UNIX_SOCKET_MODE, ListenError, live)
         try:
-            sock.bind(str(path))
-            # Before listen(2): until then a connect is refused, whatever the umask made the mode.
-            os.chmod(path, UNIX_SOCKET_MODE)
-            st = os.stat(path)
             sock.listen(UNIX_BACKLOG)
         except OSError as exc:
             sock.close()
+            socketfile.unlink_own(path, inode)
             raise ListenError(f"cannot listen on {path}: {exc.strerror or exc}") from None
-        return cls(path, sock, (st.st_dev, st.st_ino))
+        return cls(path, sock, inode)
 
     def close(self) -> None:
         self.sock.close()
-        try:
-            st = os.lstat(self.path)
-        except FileNotFoundError:
-            return
-        if (st.st_dev, st.st_ino) == self._inode:
-            self.path.unlink()
+        socketfile.unlink_own(self.path, self._inode)
 
     def __enter__(self) -> UnixListener:
         return self
@@ -133,25 +125,6 @@ class UnixListener:
         traceback: TracebackType | None,
     ) -> None:
         self.close()
-
-
-def _clear_stale_socket(path: Path) -> None:
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise ListenError(f"{path} exists and is not a socket; move it away")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as probe:
-        probe.settimeout(PROBE_TIMEOUT_S)
-        try:
-            probe.connect(str(path))
-        except (ConnectionRefusedError, FileNotFoundError):
-            path.unlink(missing_ok=True)  # nobody listens: left by a daemon that died
-            return
-        except TimeoutError:
-            pass  # its backlog is full: something is alive there
-    raise ListenError(f"another server is listening on {path}; stop it or set [daemon] api_socket")
 
 
 class _AcceptFailures:
