@@ -475,16 +475,13 @@ def test_a_subscriber_that_reads_keeps_up_with_bursts(served: Served, conns: Con
     assert served.subscribers() == 1
 
 
-def test_a_slow_subscriber_is_dropped_after_an_overflow_event(
-    served: Served, conns: Connections, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(control, "OUTBOX_MAX_LINES", 50)
-    raw = conns.raw()
+def _flood_until_dropped(served: Served, raw: Raw) -> int:
+    """Subscribe `raw`, which then reads nothing, and publish numbered 1 KiB events until the
+    server drops it: once the kernel's buffer, the transport's and the outbox are full (a few
+    hundred of these) it must, rather than queue without bound. Returns how many were sent."""
     assert raw.request(command="subscribe", request_id=1)["error"] == "success"
     pad = "x" * 1024
     published = 0
-    # The subscriber reads nothing: once the kernel's buffer, the transport's and the outbox are
-    # full (a few hundred of these), the server must drop it rather than queue without bound.
     for _ in range(100):
         if served.subscribers() == 0:
             break
@@ -493,9 +490,23 @@ def test_a_slow_subscriber_is_dropped_after_an_overflow_event(
         )
         published += 20
     wait_until(lambda: served.subscribers() == 0, WAIT_S, "the slow subscriber to be dropped")
+    return published
+
+
+def _read_to_the_end(raw: Raw) -> list[dict[str, Any]]:
     lines = []
     while (message := raw._reader.read()) is not None:
         lines.append(message)
+    return lines
+
+
+def test_a_slow_subscriber_is_dropped_after_an_overflow_event(
+    served: Served, conns: Connections, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(control, "OUTBOX_MAX_LINES", 50)
+    raw = conns.raw()
+    published = _flood_until_dropped(served, raw)
+    lines = _read_to_the_end(raw)
     assert lines[-1]["event"] == "overflow"
     delivered = [line["n"] for line in lines[:-1]]
     assert delivered == list(range(len(delivered)))  # in order, without gaps, then the end
@@ -508,18 +519,11 @@ def test_a_subscriber_slower_than_the_linger_still_reads_its_overflow_line(
 ) -> None:
     monkeypatch.setattr(control, "OUTBOX_MAX_LINES", 50)
     raw = conns.raw()
-    assert raw.request(command="subscribe", request_id=1)["error"] == "success"
-    pad = "x" * 1024
-    published = 0
-    while served.subscribers():
-        served.publish(*({"event": "request", "at": 0.0, "pad": pad} for _ in range(20)))
-        published += 20
+    published = _flood_until_dropped(served, raw)
     # The subscriber is slow on purpose: it comes back to read after the usual linger has
     # passed (which cut the connection and lost its last lines, the overflow line among them).
     time.sleep(control.LINGER_S + 1)
-    lines = []
-    while (message := raw._reader.read()) is not None:
-        lines.append(message)
+    lines = _read_to_the_end(raw)
     assert lines[-1]["event"] == "overflow"
     assert 0 < len(lines) - 1 < published
 
