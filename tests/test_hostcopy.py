@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,18 @@ from arbiterd.hostcopy import HostCopies
 
 
 @pytest.fixture
-def copies() -> HostCopies:
-    return HostCopies()
+def copies() -> Iterator[HostCopies]:
+    held = HostCopies()
+    yield held
+    held.close()
+
+
+@pytest.fixture
+def own_model(tmp_path: Path, tiny_model: Path) -> Path:
+    """A model file of the test's own, which it may delete or rewrite."""
+    path = tmp_path / "m.gguf"
+    path.write_bytes(tiny_model.read_bytes())
+    return path
 
 
 def _open_fd(fd: int) -> bool:
@@ -34,7 +45,6 @@ def test_two_models_on_one_file_share_one_copy_counted_once(
     assert a.copy.models() == ["a", "b"]
     assert copies.total_bytes() == tiny_model.stat().st_size
     assert os.pread(a.copy.fd, 4, 0) == b"GGUF"
-    copies.close()
 
 
 def test_the_last_release_frees_the_copy(copies: HostCopies, tiny_model: Path) -> None:
@@ -49,37 +59,30 @@ def test_the_last_release_frees_the_copy(copies: HostCopies, tiny_model: Path) -
 
 
 def test_a_changed_model_keeps_the_copy_across_its_old_and_new_slot(
-    copies: HostCopies, tmp_path: Path, tiny_model: Path
+    copies: HostCopies, own_model: Path
 ) -> None:
-    path = tmp_path / "m.gguf"
-    path.write_bytes(tiny_model.read_bytes())
+    path = own_model
     old = copies.acquire(path, "m")
     path.unlink()  # the file vanished meanwhile
     new = copies.acquire(path, "m")  # the changed model's new slot, before the old one goes
     copies.release(old)
     assert new.copy is old.copy
     assert _open_fd(new.copy.fd)
-    copies.close()
 
 
-def test_a_file_gone_from_disk_is_served_from_its_copy(
-    copies: HostCopies, tmp_path: Path, tiny_model: Path
-) -> None:
-    path = tmp_path / "m.gguf"
-    path.write_bytes(tiny_model.read_bytes())
+def test_a_file_gone_from_disk_is_served_from_its_copy(copies: HostCopies, own_model: Path) -> None:
+    path = own_model
     first = copies.acquire(path, "m")
     path.unlink()
     assert copies.holds(path)
     again = copies.acquire(path, "restarted")
     assert again.copy is first.copy
-    copies.close()
 
 
 def test_a_new_version_of_the_file_gets_a_fresh_copy(
-    copies: HostCopies, tmp_path: Path, tiny_model: Path
+    copies: HostCopies, own_model: Path, tiny_model: Path
 ) -> None:
-    path = tmp_path / "m.gguf"
-    path.write_bytes(tiny_model.read_bytes())
+    path = own_model
     old = copies.acquire(path, "a")
     path.write_bytes(tiny_model.read_bytes() + b"\0" * 4096)
     new = copies.acquire(path, "b")
@@ -87,7 +90,6 @@ def test_a_new_version_of_the_file_gets_a_fresh_copy(
     assert copies.total_bytes() == old.copy.size + new.copy.size  # until "a" lets go
     copies.release(old)
     assert copies.total_bytes() == new.copy.size
-    copies.close()
 
 
 def test_a_missing_file_without_a_copy_names_the_users_path(
