@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import os
 import signal
@@ -20,17 +19,21 @@ from collections.abc import Callable
 
 from arbiterd.config import Config
 from arbiterd.control import ControlServer
-from arbiterd.errors import DaemonError, ListenError
+from arbiterd.errors import DaemonError
 from arbiterd.httpapi import create_app
-from arbiterd.httpserver import HttpServer, UnixListener, connection_limit, raise_fd_limit
+from arbiterd.httpserver import (
+    HttpServer,
+    UnixListener,
+    bind_http,
+    connection_limit,
+    raise_fd_limit,
+)
 from arbiterd.instance import InstanceLock
 from arbiterd.journal import Journal
 from arbiterd.modelfile import check_models
 from arbiterd.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
-
-HTTP_BACKLOG = 2048  # uvicorn's own default
 
 
 def notify_ready(status: str) -> bool:
@@ -43,30 +46,6 @@ def notify_ready(status: str) -> bool:
         sock.connect(address)
         sock.sendall(f"READY=1\nSTATUS={status}\n".encode())
     return True
-
-
-def bind_http(host: str, port: int) -> socket.socket:
-    """The HTTP API's listening socket, bound before anything else starts."""
-    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    except socket.gaierror as exc:
-        raise ListenError(f"cannot listen on {where}: {exc.strerror}") from None
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        # As uvicorn does: a restart may bind while the old daemon's connections linger.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(HTTP_BACKLOG)
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise ListenError(
-                f"{where} is already in use (another arbiterd or server?); pick a free port "
-                "with http = HOST:PORT in the config's [daemon] table or --http HOST:PORT"
-            ) from None
-        raise ListenError(f"cannot listen on {where}: {exc.strerror}") from None
-    return sock
 
 
 async def serve(config: Config, reload_config: Callable[[], Config] | None = None) -> None:

@@ -1,6 +1,7 @@
-"""The HTTP server under the API: owns the connections on the daemon's listening sockets (the TCP
-port and the Unix socket `api.sock`): who may use each one, how many may be open, how long a
-client may take to send a request head, and the process's file-descriptor limit they live under.
+"""The HTTP server under the API: owns the daemon's listening sockets (the TCP port and the Unix
+socket `api.sock`, both bound before any model loads) and the connections on them: who may use
+each, how many may be open, how long a client may take to send a request head, and the process's
+file-descriptor limit they live under.
 
 uvicorn speaks HTTP/1.1 (its h11 protocol, one instance per connection); the accept loop is ours,
 because asyncio's (behind uvicorn's `create_server`) can neither wait for a free slot nor stay
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import resource
@@ -57,7 +59,7 @@ SHUTDOWN_TIMEOUT_S = 30  # for requests in flight when the daemon stops
 FD_RESERVE = 256
 MAX_CONNECTIONS = 4096
 ACCEPT_RETRY_S = 0.25
-UNIX_BACKLOG = 2048  # as the TCP port's
+BACKLOG = 2048  # uvicorn's own default, for the TCP port and the Unix socket alike
 UNIX_SOCKET_MODE = 0o600
 
 
@@ -75,6 +77,30 @@ def raise_fd_limit() -> int:
         log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
         return soft
     return hard
+
+
+def bind_http(host: str, port: int) -> socket.socket:
+    """The HTTP API's listening socket, bound before anything else starts."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as exc:
+        raise ListenError(f"cannot listen on {where}: {exc.strerror}") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # As uvicorn does: a restart may bind while the old daemon's connections linger.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(BACKLOG)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ListenError(
+                f"{where} is already in use (another arbiterd or server?); pick a free port "
+                "with http = HOST:PORT in the config's [daemon] table or --http HOST:PORT"
+            ) from None
+        raise ListenError(f"cannot listen on {where}: {exc.strerror}") from None
+    return sock
 
 
 def connection_limit(fd_limit: int) -> int:
@@ -104,7 +130,7 @@ class UnixListener:
         socketfile.clear_stale(path, ListenError, live)
         sock, inode = socketfile.bind(path, UNIX_SOCKET_MODE, ListenError, live)
         try:
-            sock.listen(UNIX_BACKLOG)
+            sock.listen(BACKLOG)
         except OSError as exc:
             sock.close()
             socketfile.unlink_own(path, inode)

@@ -84,7 +84,7 @@ class _Slot:
     last_error: str = ""
     last_handoff: dict[str, Any] | None = None  # the last time it took the GPU from a model
     restart_task: asyncio.Task[None] | None = None
-    host_copy: Lease | None = None  # on the daemon's memfd of the model file; kept across restarts
+    copy_lease: Lease | None = None  # on the daemon's memfd of its model file; kept across restarts
 
 
 @dataclass
@@ -161,16 +161,16 @@ class Supervisor:
 
     async def _hold_copy(self, slot: _Slot) -> HostCopy:
         """The slot's host copy of its model file (shared with every slot on that file)."""
-        if slot.host_copy is None:
-            slot.host_copy = await self._run(
+        if slot.copy_lease is None:
+            slot.copy_lease = await self._run(
                 self._host_copies.acquire, slot.config.path, slot.config.name
             )
-        return slot.host_copy.copy
+        return slot.copy_lease.copy
 
     def _drop_copy(self, slot: _Slot) -> None:
-        if slot.host_copy is not None:
-            self._host_copies.release(slot.host_copy)
-            slot.host_copy = None
+        if slot.copy_lease is not None:
+            self._host_copies.release(slot.copy_lease)
+            slot.copy_lease = None
 
     async def _spawn(self, slot: _Slot) -> None:
         name = slot.config.name
@@ -444,7 +444,7 @@ class Supervisor:
     def _host_ram(self, slot: _Slot, *, host_kv_bytes: int) -> dict[str, Any]:
         """The model's host RAM: its share of the file's copy (split between the models that
         use it, so the shares add up to the total) plus the KV cache it keeps on the host."""
-        lease = slot.host_copy
+        lease = slot.copy_lease
         if lease is None:
             return {"host_ram_bytes": host_kv_bytes or None, "host_kv_bytes": host_kv_bytes}
         models = lease.copy.models()
