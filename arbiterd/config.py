@@ -42,7 +42,7 @@ from pathlib import Path
 
 from arbiterd.errors import BadValueError, ConfigError
 from arbiterd.paths import default_arena, runtime_dir
-from arbiterd.spec import MAX_N_CTX, KvPolicy, ModelSpec, WorkerConfig
+from arbiterd.spec import MAX_N_CTX, KvPolicy, ModelSpec, Residency, WorkerConfig
 
 APP_DIR = "arbiterd"
 CONFIG_FILE = "config.toml"
@@ -79,6 +79,7 @@ MODEL_KEYS = (
     "chat_format",
     "mmproj",
     "kv_on_release",
+    "residency",
     "min_hold_s",
     "idle_release_s",
 )
@@ -115,6 +116,7 @@ class ModelConfig:
     chat_format: str | None  # None = the GGUF's own chat template
     mmproj: Path | None
     kv_on_release: KvPolicy
+    residency: Residency
     min_hold_s: float
     idle_release_s: float  # 0 = release only when someone else wants the GPU
 
@@ -128,6 +130,7 @@ class ModelConfig:
             n_gpu_layers=self.n_gpu_layers,
             n_threads=self.n_threads,
             chat_format=self.chat_format,
+            residency=self.residency,
             host_copy=True,
             host_copy_fd=host_copy_fd,
         )
@@ -236,6 +239,7 @@ def starter_config_text(found: list[Path]) -> str:
         '#   chat_format = ""          e.g. "chatml", for a GGUF without a chat template',
         '#   mmproj = ""               a multimodal projector GGUF',
         '#   kv_on_release = "host"    the KV cache on release: "host", "device" or "drop"',
+        '#   residency = "auto"        "in-place" (the arbiterd engine), "reload" or "auto"',
         "#   min_hold_s = 0.1          hold the GPU at least this long once warm",
         "#   idle_release_s = 0        release after idling this long; 0 = only when wanted",
     ]
@@ -269,6 +273,7 @@ _PATH_EXPECTED = "the GGUF file's path, a non-empty string"
 _OPTIONAL_PATH_EXPECTED = 'a path (a string; "" = the default)'
 _MODELS_EXPECTED = 'at least one [models.NAME] table with a path, e.g. [models.qwen] path = "..."'
 _KV_EXPECTED = 'one of "host", "device", "drop"'
+_RESIDENCY_EXPECTED = 'one of "auto", "in-place", "reload"'
 
 
 @dataclass(frozen=True)
@@ -567,6 +572,11 @@ def _model(src: _Source, name: str, raw: object) -> ModelConfig:
         kv_on_release = KvPolicy(kv_text)
     except ValueError:
         raise src.expected(table.keys("kv_on_release"), _KV_EXPECTED, kv_text) from None
+    residency_text = table.string("residency", Residency.AUTO.value, _RESIDENCY_EXPECTED)
+    try:
+        residency = Residency(residency_text)
+    except ValueError:
+        raise src.expected(table.keys("residency"), _RESIDENCY_EXPECTED, residency_text) from None
     n_ctx = table.integer(
         "n_ctx",
         STARTER_N_CTX,
@@ -598,6 +608,7 @@ def _model(src: _Source, name: str, raw: object) -> ModelConfig:
         chat_format=chat_format or None,
         mmproj=mmproj,
         kv_on_release=kv_on_release,
+        residency=residency,
         min_hold_s=table.seconds("min_hold_s", 0.1),
         idle_release_s=table.seconds("idle_release_s", 0.0, note=" (0 = only when wanted)"),
     )

@@ -42,8 +42,9 @@ from arbiterd.errors import (
     RestoreError,
 )
 from arbiterd.hostcopy import copy_into_memfd
-from arbiterd.native.libllama import ResidencyApi, probe_residency_api
-from arbiterd.spec import COMPLETION_PARAMS, MAX_N_CTX, KvPolicy, ModelSpec
+from arbiterd.native import ggml, libllama
+from arbiterd.native.libllama import ResidencyApi, ResidencyCallError, probe_residency_api
+from arbiterd.spec import COMPLETION_PARAMS, MAX_N_CTX, KvPolicy, ModelSpec, Residency
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,8 @@ class Backend(Protocol):
     inside its `cancelled` callback."""
 
     spec: ModelSpec
+    kind: str  # "in-place" or "reload", as status, /metrics and the tray name it
+    fallback_reason: str  # why not in-place, when that was looked for and not found; else ""
     keeps_kv_on_device: bool  # whether release(KvPolicy.DEVICE) is possible
     prompt_tokens_evaluated_total: int
 
@@ -179,10 +182,13 @@ class _Run:
 class ReloadBackend:
     """Portable residency: free everything on release, reload from the host copy on restore."""
 
+    kind = "reload"
     keeps_kv_on_device = False
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, fallback_reason: str = "") -> None:
         self.spec = spec
+        self.fallback_reason = fallback_reason  # why not in-place, when that was looked for
+        self._use_mmap = True
         self._llm: llama_cpp.Llama | None = None
         self._host_fd: int | None = None
         self._vocab: _Vocab | None = None
@@ -447,6 +453,7 @@ class ReloadBackend:
             "n_ctx": spec.n_ctx,
             "n_gpu_layers": spec.n_gpu_layers,
             "seed": spec.seed,
+            "use_mmap": self._use_mmap,
             "verbose": False,
         }
         if spec.n_threads:
@@ -465,30 +472,56 @@ class ReloadBackend:
 
 
 class InPlaceBackend(ReloadBackend):
-    """Residency through a patched llama.cpp (arbiterd.native): the model and context stay
-    alive and only their device buffers go, so nothing is re-parsed; the KV may even stay on
-    the device. Loading and generation are the reload backend's."""
+    """Residency through the arbiterd engine build (arbiterd/native/llama-residency.patch): the
+    model and context stay alive and only their buffers' bytes move, so nothing is re-parsed or
+    re-read; the KV may even stay on the device. Loading and generation are the reload
+    backend's.
 
+    KV policies: `device` keeps the KV buffers where they are; `host` saves the KV with the state
+    API (only the cells in use, with their tokens) before the release and sets it back after the
+    restore; `drop` clears it. A model that runs on the CPU (n_gpu_layers = 0, or an engine that
+    cannot offload) is loaded without mmap and releases its host buffers too, so the same
+    mechanism frees its RAM: the weights' copy then lives in a memory file outside the worker's
+    mappings."""
+
+    kind = "in-place"
     keeps_kv_on_device = True
 
     def __init__(self, spec: ModelSpec, api: ResidencyApi) -> None:
         super().__init__(spec)
         self._api = api
         self._released = False
+        self._host_buffers = spec.n_gpu_layers == 0 or not llama_cpp.llama_supports_gpu_offload()
+        self._use_mmap = not self._host_buffers  # mapped weights live in the file, not in buffers
+        self._kept_kv_bytes = 0  # KV left on the device by a `device` release
 
     def release(self, kv: KvPolicy) -> Moved:
         llm = self._require_llm()
+        if self._released:
+            raise RequestError(f"{self.spec.name} is already cold")
         started = time.monotonic()
+        ctx = _context_pointer(llm)
+        flags = self._flags(kv)
         if kv is KvPolicy.DROP:
             llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
             llm.n_tokens = 0
-        kv_bytes = 0 if kv is KvPolicy.DROP else int(llama_cpp.llama_state_get_size(llm.ctx))
-        self._api.release_device(_context_pointer(llm), keep_kv=kv is KvPolicy.DEVICE)
+        self._kv = _save_kv(llm) if kv is KvPolicy.HOST and llm.n_tokens > 0 else None
+        self._kept_kv_bytes = (
+            self._api.stats(ctx, self._flags(KvPolicy.HOST)).kv_bytes
+            if (kv is KvPolicy.DEVICE)
+            else 0
+        )
+        try:
+            self._api.release_device(ctx, flags)
+        except ResidencyCallError as exc:
+            self._kv = None
+            raise EngineError(str(exc)) from None
+        stats = self._api.stats(ctx, flags)
         self._released = True
         return Moved(
             duration_s=time.monotonic() - started,
-            weights_bytes=self._weights_bytes(),
-            kv_bytes=0 if kv is KvPolicy.DEVICE else kv_bytes,
+            weights_bytes=stats.weights_bytes,
+            kv_bytes=len(self._kv.data) if self._kv else 0,
             disk_read_bytes=0,
         )
 
@@ -496,38 +529,99 @@ class InPlaceBackend(ReloadBackend):
         llm = self._require_llm()
         if not self._released:
             raise RestoreError(f"{self.spec.name} is already warm")
-        started = time.monotonic()
+        started, read_before = time.monotonic(), disk_read_bytes()
+        ctx = _context_pointer(llm)
+        weights = self._api.stats(ctx, 0).weights_bytes
         try:
-            self._api.restore_device(_context_pointer(llm))
-        except EngineError as exc:
-            raise RestoreError(str(exc)) from None
+            self._api.restore_device(ctx)
+        except ResidencyCallError as exc:
+            # Still released, the weights' copy intact, the saved KV kept: the next warm-up
+            # tries again.
+            raise RestoreError(f"restore failed: {exc}") from None
         self._released = False
+        kv_bytes = 0
+        if self._kv is not None:
+            try:
+                _load_kv(llm, self._kv)
+            except RestoreError:
+                self._api.release_device(ctx, self._flags(KvPolicy.HOST))  # stay cold, KV kept
+                self._released = True
+                raise
+            kv_bytes = len(self._kv.data)
+            self._kv = None
+        elif self._kept_kv_bytes == 0:
+            llm.n_tokens = 0  # the cache came back empty
+        self._kept_kv_bytes = 0
         llm._requires_eval = True  # decode one token again rather than trust kept logits
         return Moved(
             duration_s=time.monotonic() - started,
-            weights_bytes=self._weights_bytes(),
-            kv_bytes=int(llama_cpp.llama_state_get_size(llm.ctx)) if llm.n_tokens else 0,
-            disk_read_bytes=0,
+            weights_bytes=weights,
+            kv_bytes=kv_bytes,
+            disk_read_bytes=disk_read_bytes() - read_before,
         )
 
     def resident_bytes(self) -> int:
-        return 0 if self._released else super().resident_bytes()
+        """Device bytes (host bytes for a CPU model) by the engine's own figures: weights, KV
+        and compute buffers while warm; the KV kept by a `device` release while cold."""
+        llm = self._llm
+        if llm is None:
+            return 0
+        if self._released:
+            return self._kept_kv_bytes
+        return self._api.stats(_context_pointer(llm), self._flags(KvPolicy.HOST)).device_bytes
+
+    def host_shadow_bytes(self) -> int:
+        """Host memory holding the released weights (0 while warm)."""
+        llm = self._llm
+        if llm is None or not self._released:
+            return 0
+        return self._api.stats(_context_pointer(llm), 0).host_bytes
 
     def run(self, request: Prepared, sink: ChunkSink | None, cancelled: Cancelled) -> Generation:
         if self._released:
             raise RequestError(f"{self.spec.name} is not warm")
         return super().run(request, sink, cancelled)
 
+    def _flags(self, kv: KvPolicy) -> int:
+        flags = libllama.KEEP_KV if kv is KvPolicy.DEVICE else 0
+        return flags | (libllama.HOST_BUFFERS if self._host_buffers else 0)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the loaded engine can do: offload to a GPU or not, and on which devices."""
+
+    offload: bool  # llama_supports_gpu_offload
+    devices: tuple[str, ...]  # "CPU: <model name>", "CUDA0: NVIDIA H200", ...
+
+    def to_json(self) -> dict[str, Any]:
+        return {"offload": self.offload, "devices": list(self.devices)}
+
+
+def engine_info() -> EngineInfo:
+    """The loaded llama_cpp's abilities; the device list is empty when libggml cannot be read."""
+    try:
+        found = tuple(device.label for device in ggml.devices(libllama.loaded_libllama()))
+    except (EngineError, OSError, AttributeError) as exc:
+        log.warning("cannot list the engine's devices: %s", exc)
+        found = ()
+    return EngineInfo(offload=bool(llama_cpp.llama_supports_gpu_offload()), devices=found)
+
 
 def select_backend(spec: ModelSpec) -> Backend:
     """The in-place backend when the loaded libllama has the residency API, else reload (and
-    the reason is logged, once per worker)."""
+    the reason is logged, once per worker, and kept as the backend's fallback_reason), as
+    spec.residency allows: "reload" never probes, "in-place" fails without the API."""
+    if spec.residency is Residency.RELOAD:
+        return ReloadBackend(spec)
     probed = probe_residency_api()
     if isinstance(probed, ResidencyApi):
         log.info("%s: in-place residency through %s", spec.name, probed.library)
         return InPlaceBackend(spec, probed)
+    if spec.residency is Residency.IN_PLACE:
+        raise ModelLoadError(f'{spec.name} asks for residency = "in-place": {probed.reason}')
     log.info("%s: %s", spec.name, probed.reason)
-    return ReloadBackend(spec)
+    return ReloadBackend(spec, fallback_reason=probed.reason)
 
 
 def _context_pointer(llm: llama_cpp.Llama) -> int:

@@ -40,6 +40,14 @@ class KvPolicy(enum.StrEnum):
     DROP = "drop"  # discarded: the next request re-processes its prompt
 
 
+class Residency(enum.StrEnum):
+    """Which residency backend a worker uses (engine.select_backend)."""
+
+    AUTO = "auto"  # in-place when the engine has it, else reload
+    IN_PLACE = "in-place"  # in-place or the worker does not start
+    RELOAD = "reload"  # always reload (e.g. to compare, or to free the host copy on release)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """How to load one model. Cold and warm contexts are built from the same spec, so their
@@ -52,6 +60,7 @@ class ModelSpec:
     n_threads: int | None = None
     chat_format: str | None = None
     seed: int = 0
+    residency: Residency = Residency.AUTO
     host_copy: bool = True  # keep the GGUF in a memfd: restores read nothing from disk
     # A memfd the daemon filled and passed down (one per file, shared by its workers); None:
     # the worker makes its own copy when host_copy is set.
@@ -86,6 +95,7 @@ class WorkerConfig:
         raw = json.loads(text)
         spec = dict(raw["spec"])
         spec["path"] = Path(spec["path"])
+        spec["residency"] = Residency(spec.get("residency", Residency.AUTO))
         return cls(
             spec=ModelSpec(**spec),
             arena=Path(raw["arena"]),

@@ -1,25 +1,34 @@
 """Finding the libllama that llama_cpp loaded, and probing it for the in-place residency API.
 
 Owns every ctypes handle arbiterd opens on libllama itself. Stock llama.cpp frees device memory
-only by freeing the model and context, so the portable backend reloads (engine.py). A patched
-llama.cpp can instead drop a live context's device buffers and bring them back in place; this
-module binds that API when the library exports it. The assumed C ABI:
+only by freeing the model and context, so the portable backend reloads (engine.py). The arbiterd
+engine build - llama-cpp-python with `llama-residency.patch` (README.md beside this file) - can
+instead move a live context's buffers to host memory and back in place; this module binds that
+API when the library exports it. The C ABI, version `ABI` (include/llama-residency.h of the
+patched llama.cpp):
 
-    int32_t llama_context_release_device(struct llama_context * ctx, bool keep_kv);
-        Frees the context's device buffers: the weights and, unless keep_kv, the KV cache.
-        Host copies are kept, so nothing is re-read from disk. Returns 0 on success.
+    int32_t llama_residency_abi(void);
+    int32_t llama_context_release_device(struct llama_context * ctx, uint32_t flags);
+        Copies the weights to host memory and frees their buffers, frees the compute buffers,
+        and frees the KV cache's buffers unless KEEP_KV (their contents are then gone: the
+        caller saves them first). HOST_BUFFERS releases host (CPU) buffers too.
     int32_t llama_context_restore_device(struct llama_context * ctx);
-        Allocates the device buffers again and copies the host copies back. Returns 0 on
-        success.
+        Allocates the buffers again, copies the weights back, clears a released KV cache,
+        reserves the compute buffers; on failure the context stays released, copies intact.
+    int32_t llama_context_residency_stats(const struct llama_context * ctx, uint32_t flags,
+                                          struct llama_residency_stats * out);
+        The bytes released (or that a release with these flags would free), by kind.
 
-Both must be called from the engine thread only (never while the context decodes), like every
-other call on a llama.cpp context. Only `loaded_libllama` imports llama_cpp, and only when
-called, so the probe works on any library path, including test doubles.
+Each returns 0 or a `Status` code. All must be called from the engine thread only (never while
+the context decodes), like every other call on a llama.cpp context. Only `loaded_libllama`
+imports llama_cpp, and only when called, so the probe works on any library path, including
+test doubles.
 """
 
 from __future__ import annotations
 
 import ctypes
+import enum
 import os
 import re
 from dataclasses import dataclass, field
@@ -27,9 +36,15 @@ from pathlib import Path
 
 from arbiterd.errors import EngineError
 
+ABI = 1
+ABI_SYMBOL = "llama_residency_abi"
 RELEASE_SYMBOL = "llama_context_release_device"
 RESTORE_SYMBOL = "llama_context_restore_device"
-RESIDENCY_SYMBOLS = (RELEASE_SYMBOL, RESTORE_SYMBOL)
+STATS_SYMBOL = "llama_context_residency_stats"
+RESIDENCY_SYMBOLS = (ABI_SYMBOL, RELEASE_SYMBOL, RESTORE_SYMBOL, STATS_SYMBOL)
+# Flags of llama_context_release_device.
+KEEP_KV = 1 << 0  # the KV cache stays where it is
+HOST_BUFFERS = 1 << 1  # host (CPU) buffers are released too: a CPU-only engine's whole model
 FALLBACK = "using the reload backend"
 PROC_MAPS = Path("/proc/self/maps")
 # The basename of libllama itself (libllama.so, libllama.so.0, ...), not libllama-common.so.
@@ -80,6 +95,64 @@ def _mapped_libllama() -> Path | None:
     return None
 
 
+class Status(enum.IntEnum):
+    """What the residency calls return (enum llama_residency_status)."""
+
+    OK = 0
+    STATE = 1  # release while released, restore while resident
+    HOST_ALLOC = 2  # release: no host memory for the copies; nothing was freed
+    DEVICE_ALLOC = 3  # restore: a buffer could not be allocated; still released
+    UNSUPPORTED = 4  # release: this model's memory cannot free its KV buffers; nothing freed
+    COMPUTE = 5  # restore: the compute buffers could not be reserved; still released
+
+
+STATUS_TEXT = {
+    Status.STATE: "the context is not in the state this call needs",
+    Status.HOST_ALLOC: "not enough host memory for the weights' copies (nothing was released)",
+    Status.DEVICE_ALLOC: "out of device memory",
+    Status.UNSUPPORTED: "this model's KV cache cannot leave the device (keep it there instead)",
+    Status.COMPUTE: "out of device memory for the compute buffers",
+}
+
+
+class _Stats(ctypes.Structure):
+    _fields_ = [
+        ("released", ctypes.c_int32),
+        ("weights_bytes", ctypes.c_uint64),
+        ("kv_bytes", ctypes.c_uint64),
+        ("compute_bytes", ctypes.c_uint64),
+        ("host_bytes", ctypes.c_uint64),
+    ]
+
+
+@dataclass(frozen=True)
+class ResidencyStats:
+    """Bytes by kind that a context has released, or that a release would free."""
+
+    released: bool
+    weights_bytes: int
+    kv_bytes: int
+    compute_bytes: int
+    host_bytes: int  # host memory holding released weights
+
+    @property
+    def device_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes + self.compute_bytes
+
+
+class ResidencyCallError(EngineError):
+    """A residency call returned a non-zero status."""
+
+    def __init__(self, symbol: str, status: Status | int, library: Path) -> None:
+        self.status = status
+        text = (
+            STATUS_TEXT.get(status, f"status {int(status)}")
+            if isinstance(status, Status)
+            else (f"status {status}")
+        )
+        super().__init__(f"{symbol} failed: {text} (libllama at {library})")
+
+
 @dataclass(frozen=True)
 class ProbeMiss:
     """Why the in-place residency API is unavailable; the caller falls back to reloading."""
@@ -98,27 +171,44 @@ class ResidencyApi:
     def __post_init__(self) -> None:
         # Without argtypes ctypes would pass a Python int as a C int, truncating the pointer.
         release = getattr(self._lib, RELEASE_SYMBOL)
-        release.argtypes = [ctypes.c_void_p, ctypes.c_bool]
+        release.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
         release.restype = ctypes.c_int32
         restore = getattr(self._lib, RESTORE_SYMBOL)
         restore.argtypes = [ctypes.c_void_p]
         restore.restype = ctypes.c_int32
+        stats = getattr(self._lib, STATS_SYMBOL)
+        stats.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.POINTER(_Stats)]
+        stats.restype = ctypes.c_int32
 
-    def release_device(self, ctx: int, keep_kv: bool) -> None:
-        """Free ctx's device buffers (weights, and the KV cache unless keep_kv)."""
+    def release_device(self, ctx: int, flags: int) -> None:
+        """Free ctx's buffers as `flags` (KEEP_KV, HOST_BUFFERS) say; raises ResidencyCallError."""
         _check_ctx(RELEASE_SYMBOL, ctx)
-        code = int(getattr(self._lib, RELEASE_SYMBOL)(ctx, keep_kv))
-        self._check(RELEASE_SYMBOL, code)
+        self._check(RELEASE_SYMBOL, int(getattr(self._lib, RELEASE_SYMBOL)(ctx, flags)))
 
     def restore_device(self, ctx: int) -> None:
-        """Bring back the device buffers release_device freed."""
+        """Bring back the buffers release_device freed; raises ResidencyCallError."""
         _check_ctx(RESTORE_SYMBOL, ctx)
-        code = int(getattr(self._lib, RESTORE_SYMBOL)(ctx))
-        self._check(RESTORE_SYMBOL, code)
+        self._check(RESTORE_SYMBOL, int(getattr(self._lib, RESTORE_SYMBOL)(ctx)))
+
+    def stats(self, ctx: int, flags: int) -> ResidencyStats:
+        """What ctx has released, or what a release with `flags` would free."""
+        _check_ctx(STATS_SYMBOL, ctx)
+        out = _Stats()
+        self._check(
+            STATS_SYMBOL, int(getattr(self._lib, STATS_SYMBOL)(ctx, flags, ctypes.byref(out)))
+        )
+        return ResidencyStats(
+            released=bool(out.released),
+            weights_bytes=int(out.weights_bytes),
+            kv_bytes=int(out.kv_bytes),
+            compute_bytes=int(out.compute_bytes),
+            host_bytes=int(out.host_bytes),
+        )
 
     def _check(self, symbol: str, code: int) -> None:
         if code != 0:
-            raise EngineError(f"{symbol} failed with code {code} (libllama at {self.library})")
+            status: Status | int = Status(code) if code in Status._value2member_map_ else code
+            raise ResidencyCallError(symbol, status, self.library)
 
 
 def _check_ctx(symbol: str, ctx: int) -> None:
@@ -155,4 +245,13 @@ def probe_residency_api(library: Path | None = None) -> ResidencyApi | ProbeMiss
         symbols = " or ".join(missing)
         stock = " (a stock build)" if len(missing) == len(RESIDENCY_SYMBOLS) else ""
         return ProbeMiss(path, f"libllama at {path} does not export {symbols}{stock}: {FALLBACK}")
+    abi = getattr(lib, ABI_SYMBOL)
+    abi.argtypes = []
+    abi.restype = ctypes.c_int32
+    version = int(abi())
+    if version != ABI:
+        return ProbeMiss(
+            path,
+            f"libllama at {path} has residency ABI {version}, arbiterd speaks {ABI}: {FALLBACK}",
+        )
     return ResidencyApi(path, lib)
