@@ -16,7 +16,7 @@ from arbiterd.config import (
     starter_config_text,
 )
 from arbiterd.errors import BadValueError, ConfigError, RuntimeDirError
-from arbiterd.spec import KvPolicy, WorkerConfig
+from arbiterd.spec import KvPolicy, Residency, WorkerConfig
 
 FULL = """\
 [daemon]
@@ -34,6 +34,7 @@ n_threads = 6
 chat_format = "chatml"
 mmproj = ""
 kv_on_release = "drop"
+residency = "reload"
 min_hold_s = 0.5
 idle_release_s = 30
 
@@ -110,6 +111,7 @@ def test_absent_keys_take_their_defaults(tmp_path: Path, env: dict[str, str]) ->
     assert model.chat_format is None
     assert model.mmproj is None
     assert model.kv_on_release is KvPolicy.HOST
+    assert model.residency is Residency.AUTO
     assert (model.min_hold_s, model.idle_release_s) == (0.1, 0.0)
 
 
@@ -316,6 +318,7 @@ def test_worker_config_carries_the_model(tmp_path: Path, env: dict[str, str]) ->
     assert spec.host_copy_fd == 7
     assert worker.arena == tmp_path / "arena"
     assert worker.kv_on_release is KvPolicy.DROP
+    assert spec.residency is Residency.RELOAD
     assert (worker.min_hold_s, worker.idle_release_s) == (0.5, 30.0)
     assert WorkerConfig.from_json(worker.to_json()) == worker
 
@@ -382,6 +385,12 @@ ERRORS = [
         M + 'kv_on_release = "HOST"', "models.qwen.kv_on_release", 'got "HOST"', id="kv_policy_case"
     ),
     pytest.param(
+        M + 'residency = "inplace"',
+        "models.qwen.residency",
+        'expected one of "auto", "in-place", "reload", got "inplace"',
+        id="residency",
+    ),
+    pytest.param(
         M + "min_hold_s = -0.1",
         "models.qwen.min_hold_s",
         "expected a non-negative number of seconds, got -0.1",
@@ -434,7 +443,7 @@ ERRORS = [
         M + "n_ctxx = 8",
         "models.qwen.n_ctxx",
         "unknown key; expected one of: path, n_ctx, n_gpu_layers, n_threads, chat_format, "
-        "mmproj, kv_on_release, min_hold_s, idle_release_s (did you mean n_ctx?)",
+        "mmproj, kv_on_release, residency, min_hold_s, idle_release_s (did you mean n_ctx?)",
         id="unknown_model_key",
     ),
     pytest.param(

@@ -1,4 +1,5 @@
-"""Raw symbols of the libllama that llama_cpp loaded (the in-place residency API of issue 3).
+"""ctypes handles on the engine's own libraries, worker side only.
 
-`libllama` finds that library and probes it, or any other path, for the residency API.
-Nothing else in arbiterd opens ctypes handles of libllama itself."""
+`libllama` finds the libllama llama_cpp loaded and probes it, or any other path, for the in-place
+residency API that llama-residency.patch adds (README.md beside this file); `ggml` lists the
+devices of the ggml it links against. Nothing else in arbiterd opens ctypes handles of them."""
