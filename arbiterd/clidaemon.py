@@ -14,6 +14,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -174,15 +175,37 @@ def show_events(args: argparse.Namespace) -> int:
 
 def render_status(status: dict[str, Any]) -> str:
     """The status as a table a person reads at a glance."""
+    models = status.get("models", [])
     rows: list[tuple[str, ...]] = [
-        ("MODEL", "STATE", "VRAM", "COLD", "HOST RAM", "QUEUE", "SERVED", "LAST HANDOFF", "NOTE")
+        (
+            "MODEL",
+            "STATE",
+            "BACKEND",
+            "VRAM",
+            "COLD",
+            "HOST RAM",
+            "QUEUE",
+            "SERVED",
+            "LAST HANDOFF",
+            "NOTE",
+        )
     ]
-    rows += [_status_row(model) for model in status.get("models", [])]
+    rows += [_status_row(model) for model in models]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     lines = [
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1]
         for row in rows
     ]
+    engine = status.get("engine")
+    if engine:
+        offload, devices = engine.get("offload") is True, engine.get("devices") or []
+        lines.append("engine: " + describe_engine(offload, devices))
+    # Every worker loads the same engine: a reason or a warning usually holds for all models.
+    reasons = ((m["name"], m.get("fallback_reason") or "") for m in models)
+    for names, reason in grouped(reasons):
+        lines.append(f"backend reload ({', '.join(names)}): {reason}")
+    for names, warning in grouped((m["name"], m.get("warning") or "") for m in models):
+        lines.append(f"warning ({', '.join(names)}): {warning}")
     if status.get("host_ram_bytes") is not None:
         lines.append(
             f"host RAM: {human_bytes(int(status['host_ram_bytes']))} "
@@ -237,6 +260,7 @@ def _status_row(model: dict[str, Any]) -> tuple[str, ...]:
     return (
         str(model["name"]),
         str(model["state"]),
+        str(model.get("backend") or "-"),
         "?" if vram is None else human_bytes(int(vram)),
         "-" if cold is None else human_bytes(int(cold)),
         "-" if host is None else human_bytes(int(host)),
@@ -245,6 +269,25 @@ def _status_row(model: dict[str, Any]) -> tuple[str, ...]:
         last,
         "; ".join(note),
     )
+
+
+def describe_engine(offload: bool, devices: Sequence[str]) -> str:
+    """What the engine runs on, in a few words (the CLI's status and the tray say it so)."""
+    if not offload:
+        return "CPU only (this engine cannot offload to a GPU)"
+    # The CPU is always one of the devices: name those that take the offloaded layers.
+    gpus = [device for device in devices if not device.startswith("CPU")]
+    return f"{', '.join(gpus)} (GPU offload)" if gpus else "GPU offload"
+
+
+def grouped(pairs: Iterable[tuple[str, str]]) -> list[tuple[list[str], str]]:
+    """(names, text) for each distinct non-empty text of (name, text) pairs, in the order each
+    text first comes: the same warning for several models is said once, naming them all."""
+    names_of: dict[str, list[str]] = {}
+    for name, text in pairs:
+        if text:
+            names_of.setdefault(text, []).append(name)
+    return [(names, text) for text, names in names_of.items()]
 
 
 def human_bytes(count: int) -> str:

@@ -1,7 +1,8 @@
-"""The daemon's Prometheus metrics, derived from its events and nothing else.
+"""The daemon's Prometheus metrics, derived from its events and the workers' hellos.
 
 Owns a private CollectorRegistry (so several daemons in one test process do not collide) and
-the meaning of each figure; the supervisor feeds it every event it sees.
+the meaning of each figure; the supervisor feeds it every event it sees, and the backend each
+worker says it uses.
 """
 
 from __future__ import annotations
@@ -51,6 +52,13 @@ class Metrics:
                 registry=self.registry,
             )
         )
+        self.backend = Gauge(
+            "arbiterd_backend",
+            "1 for the residency backend the model's worker uses (in-place or reload)",
+            ["model", "backend"],
+            registry=self.registry,
+        )
+        self._backends: dict[str, str] = {}  # model -> the backend label it has a series for
         self.worker_restarts = Counter(
             "arbiterd_worker_restarts",
             "Worker processes restarted",
@@ -62,6 +70,14 @@ class Metrics:
         """Make a model's series exist (at 0) before its first event."""
         self.resident.labels(model=model).set(0)
         self.prompt_tokens_evaluated.labels(model=model)
+
+    def set_backend(self, model: str, backend: str) -> None:
+        """The model's worker uses `backend`: one series per model, at 1."""
+        previous = self._backends.get(model)
+        if previous is not None and previous != backend:
+            self.backend.remove(model, previous)
+        self._backends[model] = backend
+        self.backend.labels(model=model, backend=backend).set(1)
 
     def observe(self, event: dict[str, Any]) -> None:
         kind, model = event.get("event"), str(event.get("model", ""))

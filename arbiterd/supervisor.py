@@ -4,9 +4,11 @@ Owns the worker processes (spawn, restart with backoff, graceful stop), the rout
 to them, the user's hold on the GPU ("game mode"), the VRAM telemetry (a sampler thread, and a
 verified teardown after every release), and the event stream: every event from a worker or
 from here is stamped, turned into handoffs, counted in the metrics, written to the journal and
-fanned out to subscribers. Runs on the daemon's asyncio loop; blocking calls to
-workers run in its own thread pool, and worker threads reach the loop only through
-`call_soon_threadsafe`.
+fanned out to subscribers. It also keeps what each worker's hello says runs its model (the
+residency backend, and what the engine can do), and says once per worker start when a model
+asks for GPU layers an engine that cannot offload will not give (issue 15). Runs on the
+daemon's asyncio loop; blocking calls to workers run in its own thread pool, and worker threads
+reach the loop only through `call_soon_threadsafe`.
 """
 
 from __future__ import annotations
@@ -50,7 +52,13 @@ from arbiterd.telemetry import (
     device_for_arena,
     select_readers,
 )
-from arbiterd.workerclient import RemoteError, WorkerGoneError, WorkerProcess
+from arbiterd.workerclient import (
+    EngineReport,
+    RemoteError,
+    WorkerGoneError,
+    WorkerHello,
+    WorkerProcess,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +75,20 @@ _REQUEST_ERRORS: dict[str, type[RequestError]] = {
     "RequestError": RequestError,
 }
 _ENGINE_ERRORS = frozenset({"EngineError", "ModelLoadError", "RestoreError"})
+# How to get an engine that offloads (scripts/setup.sh builds llama-cpp-python for it).
+ENGINE_REBUILD_HINT = "rebuild it with ARBITERD_ENGINE=cuda|rocm|vulkan ./scripts/setup.sh"
+
+
+def offload_warning(n_gpu_layers: int, engine: EngineReport) -> str:
+    """What to tell the user about a model that asks for `n_gpu_layers` on `engine`: "" when
+    the engine gives what is asked; else one line (llama.cpp then quietly runs every layer on
+    the CPU, which looks like a very slow GPU)."""
+    if n_gpu_layers == 0 or engine.offload:
+        return ""
+    return (
+        f"asks for n_gpu_layers={n_gpu_layers} but this engine cannot offload to a GPU "
+        f"(a CPU-only build, or no GPU it can use): it runs on the CPU; {ENGINE_REBUILD_HINT}"
+    )
 
 
 @dataclass
@@ -85,6 +107,8 @@ class _Slot:
     last_handoff: dict[str, Any] | None = None  # the last time it took the GPU from a model
     restart_task: asyncio.Task[None] | None = None
     copy_lease: Lease | None = None  # on the daemon's memfd of its model file; kept across restarts
+    hello: WorkerHello | None = None  # its last worker's: what runs it; kept across restarts
+    warning: str = ""  # offload_warning for that worker; "" when none
 
 
 @dataclass
@@ -118,6 +142,7 @@ class Supervisor:
         # Read by the sampler's thread: replaced whole on every change, never mutated.
         self._accounted: dict[int, int] = {}  # worker pid -> device bytes by its own account
         self._model_pids: dict[str, int] = {}
+        self._engine: EngineReport | None = None  # as the latest worker's hello says
         self._device = device_for_arena(config.daemon.arena)
         self._readers = readers or select_readers(lambda: self._accounted)
         self._sampler = Sampler(
@@ -204,6 +229,8 @@ class Supervisor:
             return
         worker.add_listener(self._from_thread(self._on_worker_event))
         slot.worker, slot.started_at = worker, time.monotonic()
+        assert worker.hello is not None  # spawn returns once the hello is read
+        self._on_hello(slot, worker.hello)
         self._model_pids = {**self._model_pids, name: worker.pid}
         if slot.pinned:
             await self._run(worker.request, "pin")
@@ -211,6 +238,19 @@ class Supervisor:
         threading.Thread(
             target=self._watch, args=(slot, worker), name=f"watch-{name}", daemon=True
         ).start()
+
+    def _on_hello(self, slot: _Slot, hello: WorkerHello) -> None:
+        """Keep what runs the model, and say once per worker start what it will not get."""
+        slot.hello = hello
+        if hello.engine != self._engine:  # every worker loads the same llama.cpp: said once
+            devices = ", ".join(hello.engine.devices) or "none listed"
+            offload = "can" if hello.engine.offload else "cannot"
+            log.info("engine: %s offload to a GPU; devices: %s", offload, devices)
+        self._engine = hello.engine
+        self.metrics.set_backend(slot.config.name, hello.backend)
+        slot.warning = offload_warning(slot.config.n_gpu_layers, hello.engine)
+        if slot.warning:
+            log.warning("%s %s", slot.config.name, slot.warning)
 
     def _watch(self, slot: _Slot, worker: WorkerProcess) -> None:
         """Waits for the worker to exit (runs in its own thread)."""
@@ -401,6 +441,7 @@ class Supervisor:
             # Each copy once, however many models share it.
             "host_ram_bytes": self._host_copies.total_bytes()
             + sum(int(r.get("host_kv_bytes") or 0) for r in reports),
+            "engine": None if self._engine is None else self._engine.to_json(),
         }
 
     async def _slot_status(self, slot: _Slot, snapshot: TelemetrySnapshot | None) -> dict[str, Any]:
@@ -419,6 +460,10 @@ class Supervisor:
             "vram_bytes": None,  # measured by the telemetry readers; None = cannot be told
             "cold_footprint_bytes": self._footprints.footprint(slot.config.name),
             **self._host_ram(slot, host_kv_bytes=0),
+            # None until its first worker said hello.
+            "backend": slot.hello.backend if slot.hello is not None else None,
+            "fallback_reason": slot.hello.fallback_reason if slot.hello is not None else "",
+            "warning": slot.warning,
         }
         if snapshot is not None:
             report["vram_bytes"] = snapshot.model_bytes(slot.config.name, self._device)

@@ -17,7 +17,14 @@ Two threads:
   its next decode, the token released, the process exits.
 
 Message protocol (JSON lines, `arbiterd.wire`), version WORKER_PROTOCOL:
-    worker → daemon  {"hello": {"protocol", "model", "pid"}}          first line
+    worker → daemon  {"hello": {"protocol", "model", "pid",                first line
+                                "backend", "fallback_reason", "engine"}}
+                     backend: "in-place" | "reload", the residency mechanism this worker uses;
+                     fallback_reason: "" for in-place, else one line saying why in-place was
+                     not available; engine: {"offload": bool, "devices": [str, ...]}, what the
+                     loaded llama.cpp can do (engine.EngineInfo; offload false = CPU only).
+                     The daemon reads all six; fields are only ever added to the hello, and
+                     WORKER_PROTOCOL changes when one changes meaning or goes (issue 15).
     daemon → worker  {"op": "generate", "id", "kind": "completion"|"chat", "body", "stream"}
                      {"op": "status"|"release"|"warm"|"pin"|"unpin"|"shutdown", "id"}
                      {"op": "cancel", "id", "target": request id}
@@ -40,7 +47,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from arbiterd.arena import Arena, Token
-from arbiterd.engine import Backend, ChunkSink, Generation, Moved, select_backend
+from arbiterd.engine import (
+    Backend,
+    Cancelled,
+    ChunkSink,
+    EngineInfo,
+    Generation,
+    Moved,
+    Prepared,
+    engine_info,
+    select_backend,
+)
 from arbiterd.errors import (
     AcquireCancelledError,
     ArbiterError,
@@ -52,7 +69,7 @@ from arbiterd.errors import (
 from arbiterd.policy import HoldView, ReleaseReason, release_reason
 from arbiterd.residency import Residency as ResidencyMachine
 from arbiterd.residency import ResidencyEvent, State
-from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, WorkerConfig
+from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, ModelSpec, Residency, WorkerConfig
 from arbiterd.wire import LineReader, LineWriter
 
 log = logging.getLogger(__name__)
@@ -74,10 +91,13 @@ class Command:
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig, backend: Backend, sock: socket.socket) -> None:
+    def __init__(
+        self, config: WorkerConfig, backend: Backend, sock: socket.socket, engine: EngineInfo
+    ) -> None:
         self.config = config
         self.name = config.spec.name
         self._backend = backend
+        self._engine = engine
         self._kv_policy = config.kv_on_release
         if self._kv_policy is KvPolicy.DEVICE and not backend.keeps_kv_on_device:
             log.warning(
@@ -161,7 +181,14 @@ class Worker:
 
     def run(self) -> int:
         self._out.send(
-            {"hello": {"protocol": WORKER_PROTOCOL, "model": self.name, "pid": os.getpid()}}
+            {
+                "hello": {
+                    "protocol": WORKER_PROTOCOL,
+                    "model": self.name,
+                    "pid": os.getpid(),
+                    **self._backend_json(),
+                }
+            }
         )
         threading.Thread(target=self._io_loop, name="worker-io", daemon=True).start()
         try:
@@ -410,6 +437,15 @@ class Worker:
             "host_kv_bytes": self._backend.host_kv_bytes(),
             "prompt_tokens_evaluated": self._backend.prompt_tokens_evaluated_total,
             "last_error": self._last_error,
+            **self._backend_json(),
+        }
+
+    def _backend_json(self) -> dict[str, Any]:
+        """What runs this model, as the hello and the status say it."""
+        return {
+            "backend": self._backend.kind,
+            "fallback_reason": self._backend.fallback_reason,
+            "engine": self._engine.to_json(),
         }
 
     def _reply(self, request_id: str, result: dict[str, Any]) -> None:
@@ -419,6 +455,51 @@ class Worker:
         self._out.send(
             {"id": request_id, "error": {"type": type(exc).__name__, "message": str(exc)}}
         )
+
+
+class Unavailable:
+    """Stands in for a backend that cannot be made (residency = "in-place" on an engine without
+    the residency API): the worker still says hello, then fails its load with `error`, like a
+    model whose file cannot load, and answers every request with that reason. Without it the
+    worker would die before its hello, and the daemon would retry it for ever, knowing nothing.
+    """
+
+    keeps_kv_on_device = False
+    prompt_tokens_evaluated_total = 0
+    fallback_reason = ""
+
+    def __init__(self, spec: ModelSpec, error: EngineError) -> None:
+        self.spec = spec
+        # What the config asked for, as the status shows it (only "in-place" can fail so).
+        self.kind = "in-place" if spec.residency is Residency.IN_PLACE else "reload"
+        self._error = error
+
+    def open(self) -> None:
+        raise self._error
+
+    def load(self) -> Moved:
+        raise self._error
+
+    def release(self, kv: KvPolicy) -> Moved:
+        raise self._error
+
+    def restore(self) -> Moved:
+        raise self._error
+
+    def prepare(self, kind: str, body: dict[str, Any], cancelled: Cancelled) -> Prepared:
+        raise self._error
+
+    def run(self, request: Prepared, sink: ChunkSink | None, cancelled: Cancelled) -> Generation:
+        raise self._error
+
+    def resident_bytes(self) -> int:
+        return 0
+
+    def host_kv_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        return None
 
 
 def _result_json(result: Generation) -> dict[str, Any]:
@@ -442,7 +523,12 @@ def main(argv: list[str] | None = None) -> int:
     config = WorkerConfig.from_json(args.config)
     sock = socket.socket(fileno=args.fd)
     try:
-        return Worker(config, select_backend(config.spec), sock).run()
+        backend: Backend
+        try:
+            backend = select_backend(config.spec)
+        except EngineError as exc:
+            backend = Unavailable(config.spec, exc)
+        return Worker(config, backend, sock, engine_info()).run()
     finally:
         sock.close()
 

@@ -2,7 +2,8 @@
 
 Owns the worker process, its socket and a reader thread that routes every message: replies and
 chunks to the caller waiting for that request id, events to `events` (and any listener).
-Blocking API, safe to call from several threads at once.
+Blocking API, safe to call from several threads at once. The worker's hello, read into a
+`WorkerHello`, says what runs the model: its residency backend and what the engine can do.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from arbiterd.errors import ProtocolError, WorkerError
@@ -26,6 +28,62 @@ HELLO_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 30.0
 
 EventListener = Callable[[dict[str, Any]], None]
+_GONE = object()  # what the hello queue gets when the socket closes first
+# The residency backends a worker may name (engine.py's Backend.kind).
+BACKENDS = frozenset({"in-place", "reload"})
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    """What a worker's engine can do (engine.EngineInfo as the hello carries it; the daemon
+    never imports the engine)."""
+
+    offload: bool  # False: everything runs on the CPU, whatever n_gpu_layers asks
+    devices: tuple[str, ...]  # "CPU: Intel Xeon", "CUDA0: NVIDIA H200", ...; may be empty
+
+    @classmethod
+    def read(cls, raw: object) -> EngineReport:
+        if not isinstance(raw, Mapping):
+            raise ProtocolError(f"hello: engine is not an object: {raw!r}")
+        offload, devices = raw.get("offload"), raw.get("devices")
+        if not isinstance(offload, bool):
+            raise ProtocolError(f"hello: engine.offload is not a boolean: {offload!r}")
+        if not isinstance(devices, list) or not all(isinstance(d, str) for d in devices):
+            raise ProtocolError(f"hello: engine.devices is not a list of strings: {devices!r}")
+        return cls(offload, tuple(devices))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"offload": self.offload, "devices": list(self.devices)}
+
+
+@dataclass(frozen=True)
+class WorkerHello:
+    """A worker's first line (the protocol in arbiterd/worker.py's docstring)."""
+
+    protocol: int
+    model: str
+    pid: int
+    backend: str  # one of BACKENDS
+    fallback_reason: str  # "" for in-place; else why in-place was not available
+    engine: EngineReport
+
+    @classmethod
+    def read(cls, raw: object) -> WorkerHello:
+        """Check the hello field by field; the first problem is a ProtocolError that names it."""
+        if not isinstance(raw, Mapping):
+            raise ProtocolError(f"hello is not an object: {raw!r}")
+        protocol = raw.get("protocol")
+        if protocol != WORKER_PROTOCOL:
+            raise ProtocolError(f"worker speaks protocol {protocol}, not {WORKER_PROTOCOL}")
+        model, pid = raw.get("model"), raw.get("pid")
+        if not isinstance(model, str) or isinstance(pid, bool) or not isinstance(pid, int):
+            raise ProtocolError(f"hello: model and pid must be a string and an integer: {raw}")
+        backend, reason = raw.get("backend"), raw.get("fallback_reason")
+        if backend not in BACKENDS:
+            raise ProtocolError(f"hello: unknown backend {backend!r}")
+        if not isinstance(reason, str):
+            raise ProtocolError(f"hello: fallback_reason is not a string: {reason!r}")
+        return cls(protocol, model, pid, str(backend), reason, EngineReport.read(raw.get("engine")))
 
 
 class WorkerGoneError(WorkerError):
@@ -63,7 +121,8 @@ class WorkerProcess:
         self._lock = threading.Lock()
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self._listeners: list[EventListener] = []
-        self._hello: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._hello: queue.Queue[object] = queue.Queue()
+        self.hello: WorkerHello | None = None  # set by `spawn` once the worker said it
         self._reader_thread = threading.Thread(
             target=self._read_loop, name=f"worker-client-{model}", daemon=True
         )
@@ -77,8 +136,10 @@ class WorkerProcess:
         env: dict[str, str] | None = None,
         keep_events: bool = True,
     ) -> WorkerProcess:
-        """Start a worker and wait for its hello (the model may still be loading then).
-        With keep_events=False, events reach only the listeners, not `events`."""
+        """Start a worker and wait for its hello (the model may still be loading then); a
+        worker that exits first is a WorkerError at once, one whose hello is not ours is killed
+        (ProtocolError). With keep_events=False, events reach only the listeners, not
+        `events`."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         # The host copy keeps its number in the child (pass_fds), where the spec names it.
         shared = [] if config.spec.host_copy_fd is None else [config.spec.host_copy_fd]
@@ -103,13 +164,19 @@ class WorkerProcess:
             theirs.close()
         worker = cls(process, ours, config.spec.name, keep_events=keep_events)
         try:
-            hello = worker._hello.get(timeout=HELLO_TIMEOUT_S)
+            said = worker._hello.get(timeout=HELLO_TIMEOUT_S)
         except queue.Empty:
             worker.kill()
             raise WorkerError(f"worker for {config.spec.name} did not say hello") from None
-        if hello.get("protocol") != WORKER_PROTOCOL:
+        if said is _GONE:  # its stderr (the daemon's) says why
+            worker.kill()  # reaps it
+            code = worker.process.returncode
+            raise WorkerError(f"worker for {config.spec.name} exited ({code}) before its hello")
+        try:
+            worker.hello = WorkerHello.read(said)
+        except ProtocolError:
             worker.kill()
-            raise ProtocolError(f"worker speaks protocol {hello.get('protocol')}")
+            raise
         return worker
 
     @property
@@ -247,6 +314,7 @@ class WorkerProcess:
                     waiting = list(self._pending.values())
                 for replies in waiting:
                     replies.put({"gone": True})
+                self._hello.put(_GONE)  # a worker that died before its hello: spawn stops waiting
                 return
             if "hello" in message:
                 self._hello.put(message["hello"])

@@ -16,6 +16,7 @@ import pytest
 
 from arbiterd import __version__, cli
 from arbiterd.arena import Arena
+from arbiterd.clidaemon import describe_engine, render_status
 from tests.conftest import Processes
 from tests.support.waiting import wait_until
 
@@ -284,3 +285,70 @@ def test_main_help_lists_each_command_with_its_description_on_one_line(
     for name, line in listed.items():
         assert len(line.split()) > 1, f"{name}'s description is not on its line:\n{page}"
     assert "--version" in page
+
+
+# -- arbiterd status: what runs each model (issue 15) -------------------------------------------
+
+STOCK = "libllama at /x/libllama.so does not export llama_context_release_device (a stock build)"
+CPU_WARNING = "asks for n_gpu_layers=-1 but this engine cannot offload to a GPU: rebuild it"
+
+
+def status_model(name: str, **fields: object) -> dict[str, object]:
+    return {"name": name, "state": "cold", "queue": 0, "served": 0, **fields}
+
+
+def test_status_shows_each_backend_the_engine_and_each_reason_and_warning_once() -> None:
+    text = render_status(
+        {
+            "models": [
+                status_model("story", backend="reload", fallback_reason=STOCK, warning=CPU_WARNING),
+                status_model("chat", backend="reload", fallback_reason=STOCK, warning=CPU_WARNING),
+                status_model("tiny", backend="reload", fallback_reason=STOCK, warning=""),
+            ],
+            "engine": {"offload": False, "devices": ["CPU: test cpu"]},
+        }
+    )
+    lines = text.splitlines()
+    header = lines[0].split()
+    assert header[:3] == ["MODEL", "STATE", "BACKEND"]
+    assert [line.split()[:3] for line in lines[1:4]] == [
+        ["story", "cold", "reload"],
+        ["chat", "cold", "reload"],
+        ["tiny", "cold", "reload"],
+    ]
+    assert lines[4:7] == [
+        "engine: CPU only (this engine cannot offload to a GPU)",
+        f"backend reload (story, chat, tiny): {STOCK}",
+        f"warning (story, chat): {CPU_WARNING}",
+    ]
+
+
+def test_status_of_in_place_models_on_a_gpu_has_no_reason_or_warning() -> None:
+    text = render_status(
+        {
+            "models": [status_model("chat", backend="in-place", fallback_reason="", warning="")],
+            "engine": {"offload": True, "devices": ["CPU: test cpu", "CUDA0: NVIDIA H200"]},
+        }
+    )
+    lines = text.splitlines()
+    assert lines[1].split()[:3] == ["chat", "cold", "in-place"]
+    assert lines[2] == "engine: CUDA0: NVIDIA H200 (GPU offload)"
+    assert not any(line.startswith(("backend", "warning")) for line in lines)
+
+
+def test_status_of_a_daemon_whose_workers_did_not_say_hello_yet() -> None:
+    lines = render_status({"models": [status_model("chat", backend=None)]}).splitlines()
+    assert lines[1].split()[:3] == ["chat", "cold", "-"]
+    assert not any(line.startswith("engine") for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("offload", "devices", "said"),
+    [
+        (False, ["CPU: x"], "CPU only (this engine cannot offload to a GPU)"),
+        (True, ["CPU: x", "CUDA0: a", "CUDA1: b"], "CUDA0: a, CUDA1: b (GPU offload)"),
+        (True, [], "GPU offload"),
+    ],
+)
+def test_the_engine_in_a_few_words(offload: bool, devices: list[str], said: str) -> None:
+    assert describe_engine(offload, devices) == said

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from arbiterd.arena import Arena
 from arbiterd.journal import Journal
@@ -106,6 +107,15 @@ def test_alternating_requests_hand_the_gpu_over_and_keep_the_prompt_cache(
     assert 'arbiterd_requests_total{model="alpha",status="ok"}' in metrics
     assert "arbiterd_handoff_seconds_bucket" in metrics
     assert 'arbiterd_prompt_tokens_evaluated_total{model="beta"}' in metrics
+    backends = {
+        sample.labels["model"]: sample.labels["backend"]
+        for family in text_string_to_metric_families(metrics)
+        if family.name == "arbiterd_backend"
+        for sample in family.samples
+        if sample.value == 1
+    }
+    assert set(backends) == {"alpha", "beta"}
+    assert set(backends.values()) <= {"in-place", "reload"}
 
 
 def test_unknown_model_is_a_404_listing_the_models(api: openai.OpenAI) -> None:
@@ -128,6 +138,18 @@ def test_cli_status_and_commands(daemon: Daemon) -> None:
     assert "STATE" in status.stdout
     report = json.loads(arbiterd("status", "--json", *socket_arg).stdout)
     assert [m["name"] for m in report["models"]] == ["alpha", "beta"]
+    # What runs each model, as its worker said; they ask for no GPU layers: no warning.
+    backends = {m["name"]: (m["backend"], m["warning"]) for m in report["models"]}
+    assert backends["alpha"] == backends["beta"]
+    assert backends["alpha"][0] in {"in-place", "reload"}
+    assert backends["alpha"][1] == ""
+    assert set(report["engine"]) == {"offload", "devices"}
+    lines = status.stdout.splitlines()
+    assert lines[0].split()[:3] == ["MODEL", "STATE", "BACKEND"]
+    name, _state, backend = lines[1].split()[:3]
+    assert (name, backend) == ("alpha", backends["alpha"][0])
+    assert any(line.startswith("engine: ") for line in lines)
+    assert not any(line.startswith("warning") for line in lines)
     assert arbiterd("warm", "alpha", *socket_arg).stdout.strip() == "alpha: warm"
     assert arbiterd("release", "alpha", *socket_arg).stdout.strip() == "alpha: cold"
     assert "pinned" in arbiterd("pin", "beta", *socket_arg).stdout

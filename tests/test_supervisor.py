@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from arbiterd import supervisor as supervisor_module
 from arbiterd.config import load_config
-from arbiterd.supervisor import Supervisor
+from arbiterd.metrics import Metrics
+from arbiterd.supervisor import ENGINE_REBUILD_HINT, Supervisor, offload_warning
 from arbiterd.telemetry import DeviceMemory, ProcessMemory, ReaderSet, Reading
-from arbiterd.workerclient import WorkerProcess
+from arbiterd.workerclient import BACKENDS, EngineReport, WorkerProcess
 
 GiB = 1 << 30
 
@@ -132,3 +137,93 @@ def test_a_spawn_that_fails_on_an_os_error_is_said_and_retried(
     assert failed["restart_in_s"] == 1.0
     assert starting["state"] == "restarting"
     assert starting["last_error"] == failed["reason"]
+
+
+# -- what runs each model (issue 15) -----------------------------------------------------------
+
+CPU_ONLY = EngineReport(offload=False, devices=("CPU: test cpu",))
+WITH_GPU = EngineReport(offload=True, devices=("CPU: test cpu", "CUDA0: test gpu"))
+
+
+@pytest.mark.parametrize(
+    ("n_gpu_layers", "engine", "warned"),
+    [(-1, CPU_ONLY, True), (12, CPU_ONLY, True), (0, CPU_ONLY, False), (-1, WITH_GPU, False)],
+)
+def test_only_gpu_layers_asked_of_an_engine_that_cannot_offload_are_warned(
+    n_gpu_layers: int, engine: EngineReport, warned: bool
+) -> None:
+    warning = offload_warning(n_gpu_layers, engine)
+    assert bool(warning) is warned
+    if warned:
+        assert warning.startswith(f"asks for n_gpu_layers={n_gpu_layers} but this engine cannot")
+        assert warning.endswith(ENGINE_REBUILD_HINT)
+
+
+def backend_series(text: str) -> dict[tuple[str, str], float]:
+    return {
+        (sample.labels["model"], sample.labels["backend"]): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "arbiterd_backend"
+        for sample in family.samples
+    }
+
+
+def test_a_models_backend_metric_follows_its_latest_worker() -> None:
+    metrics = Metrics()
+    metrics.set_backend("m", "reload")
+    metrics.set_backend("n", "reload")
+    metrics.set_backend("m", "in-place")
+    assert backend_series(metrics.text().decode()) == {("m", "in-place"): 1.0, ("n", "reload"): 1.0}
+
+
+def test_each_model_says_its_backend_and_gpu_layers_an_engine_cannot_give_warn_once_per_start(
+    tmp_path: Path,
+    tiny_model: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`gpu` asks for every layer on the GPU, `cpu` for none. On an engine that cannot offload
+    (this machine's stock CPU build), `gpu` gets a warning in its status and one log line each
+    time its worker starts; on one that can (a GPU machine), neither model gets one."""
+    monkeypatch.setattr(supervisor_module, "RESTART_BACKOFF_S", (0.05,))
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+    tmp_path.chmod(0o700)
+    path = write_config(tmp_path, tiny_model)
+    text = path.read_text().replace("[models.m]", "[models.cpu]")
+    path.write_text(f'{text}[models.gpu]\npath = "{tiny_model}"\nn_gpu_layers = -1\n')
+    config = load_config(path, env=env)
+    caplog.set_level(logging.WARNING, logger="arbiterd.supervisor")
+
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any], str]:
+        supervisor = Supervisor(config)
+        events = supervisor.subscribe()
+        await supervisor.start()
+        try:
+            first = await supervisor.status()
+            await supervisor.status()  # the status says it again; the log does not
+            os.kill(pid_of(first, "gpu"), signal.SIGKILL)
+            await next_event(events, "worker")
+            await supervisor.command("warm", "gpu")  # waits for the restarted worker
+            again = await supervisor.status()
+            return first, again, supervisor.metrics_text().decode()
+        finally:
+            await supervisor.stop()
+
+    first, again, metrics = asyncio.run(scenario())
+    engine = EngineReport(first["engine"]["offload"], tuple(first["engine"]["devices"]))
+    expected = offload_warning(-1, engine)  # "" where the engine offloads
+    for status in (first, again):
+        models = {m["name"]: m for m in status["models"]}
+        assert models["gpu"]["backend"] in BACKENDS
+        assert models["gpu"]["backend"] == models["cpu"]["backend"]  # one engine for both
+        assert (models["gpu"]["warning"], models["cpu"]["warning"]) == (expected, "")
+    assert pid_of(again, "gpu") != pid_of(first, "gpu")
+    said = [r.getMessage() for r in caplog.records if "n_gpu_layers" in r.getMessage()]
+    assert said == ([] if engine.offload else [f"gpu {expected}"] * 2)  # two starts
+    backend = first["models"][0]["backend"]
+    assert backend_series(metrics) == {("cpu", backend): 1.0, ("gpu", backend): 1.0}
+
+
+def pid_of(status: dict[str, Any], name: str) -> int:
+    pid: int = {m["name"]: m["pid"] for m in status["models"]}[name]
+    return pid

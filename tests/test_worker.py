@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import threading
@@ -14,15 +15,23 @@ from typing import Any
 import pytest
 
 from arbiterd.arena import Arena
-from arbiterd.engine import Generation, Moved, Prepared
-from arbiterd.errors import RequestError, RestoreError
-from arbiterd.spec import KvPolicy, ModelSpec, WorkerConfig
+from arbiterd.engine import EngineInfo, Generation, Moved, Prepared, engine_info
+from arbiterd.errors import ModelLoadError, ProtocolError, RequestError, RestoreError, WorkerError
+from arbiterd.spec import KvPolicy, ModelSpec, Residency, WorkerConfig
 from arbiterd.wire import LineReader, LineWriter
-from arbiterd.worker import Worker
-from arbiterd.workerclient import RemoteError, WorkerProcess
+from arbiterd.worker import Unavailable, Worker
+from arbiterd.workerclient import (
+    HELLO_TIMEOUT_S,
+    EngineReport,
+    RemoteError,
+    WorkerHello,
+    WorkerProcess,
+)
 from tests.support.waiting import wait_until
 
 PREFIX = " ".join(f"the fox {w} is not a dog" for w in ("one", "two", "three", "four") * 8)
+# What the doubles' engine says it is: no llama.cpp is asked.
+FAKE_ENGINE = EngineInfo(offload=True, devices=("CPU: test cpu", "CUDA0: test gpu"))
 
 
 class Workers:
@@ -245,6 +254,8 @@ def test_shutdown_lets_the_current_request_finish(workers: Workers) -> None:
 class FlakyRestore:
     """A backend whose restore fails: the worker must roll back to cold and free the token."""
 
+    kind = "reload"
+    fallback_reason = "test double: no residency API"
     keeps_kv_on_device = False
     prompt_tokens_evaluated_total = 0
 
@@ -285,7 +296,7 @@ class FlakyRestore:
 def test_a_failed_restore_rolls_back_to_cold_without_the_token(tmp_path: Path) -> None:
     ours, theirs = socket.socketpair()
     config = WorkerConfig(spec=ModelSpec(name="flaky", path=Path("/x")), arena=tmp_path / "arena")
-    worker = Worker(config, FlakyRestore(), theirs)
+    worker = Worker(config, FlakyRestore(), theirs, FAKE_ENGINE)
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     reader, writer = LineReader(ours), LineWriter(ours)
@@ -357,7 +368,7 @@ def test_a_warm_worker_tokenizing_lets_a_waiter_in_and_stops_on_cancel(tmp_path:
     ours, theirs = socket.socketpair()
     config = WorkerConfig(spec=ModelSpec(name="slow", path=Path("/x")), arena=tmp_path / "arena")
     backend = SlowToPrepare()
-    thread = threading.Thread(target=Worker(config, backend, theirs).run, daemon=True)
+    thread = threading.Thread(target=Worker(config, backend, theirs, FAKE_ENGINE).run, daemon=True)
     thread.start()
     reader, writer = LineReader(ours), LineWriter(ours)
 
@@ -385,3 +396,125 @@ def test_a_warm_worker_tokenizing_lets_a_waiter_in_and_stops_on_cancel(tmp_path:
     thread.join(timeout=10)
     assert not thread.is_alive()
     theirs.close()
+
+
+# -- what runs the model (issue 15) --------------------------------------------------------------
+
+
+def test_the_hello_and_the_status_say_the_backend_and_the_engine(workers: Workers) -> None:
+    worker = workers.spawn("m")
+    hello = worker.hello
+    assert hello is not None
+    assert (hello.model, hello.pid) == ("m", worker.pid)
+    # This machine's engine, as the worker's own llama.cpp reports it.
+    assert hello.engine.to_json() == engine_info().to_json()
+    # A reason exactly when the worker fell back to reload.
+    assert (hello.backend, bool(hello.fallback_reason)) in {("in-place", False), ("reload", True)}
+    status = worker.status()
+    assert (status["backend"], status["fallback_reason"], status["engine"]) == (
+        hello.backend,
+        hello.fallback_reason,
+        hello.engine.to_json(),
+    )
+
+
+class InPlaceDouble(FlakyRestore):
+    kind = "in-place"
+    fallback_reason = ""
+
+
+def test_the_hello_carries_the_backends_kind_and_reason_and_the_engine(tmp_path: Path) -> None:
+    ours, theirs = socket.socketpair()
+    config = WorkerConfig(spec=ModelSpec(name="gpu", path=Path("/x")), arena=tmp_path / "arena")
+    thread = threading.Thread(
+        target=Worker(config, InPlaceDouble(), theirs, FAKE_ENGINE).run, daemon=True
+    )
+    thread.start()
+    first = LineReader(ours).read()
+    ours.close()  # the daemon is gone: the worker stops
+    thread.join(timeout=10)
+    theirs.close()
+    assert first is not None
+    assert first["hello"] == {
+        "protocol": 1,
+        "model": "gpu",
+        "pid": os.getpid(),
+        "backend": "in-place",
+        "fallback_reason": "",
+        "engine": {"offload": True, "devices": ["CPU: test cpu", "CUDA0: test gpu"]},
+    }
+    hello = WorkerHello.read(first["hello"])
+    assert hello.engine == EngineReport(True, ("CPU: test cpu", "CUDA0: test gpu"))
+
+
+GOOD_HELLO: dict[str, Any] = {
+    "protocol": 1,
+    "model": "m",
+    "pid": 42,
+    "backend": "reload",
+    "fallback_reason": "a stock build",
+    "engine": {"offload": False, "devices": ["CPU: test cpu"]},
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        ({"protocol": 2}, "protocol 2"),
+        ({"pid": "42"}, "pid"),
+        ({"backend": "magic"}, "unknown backend 'magic'"),
+        ({"backend": None}, "unknown backend None"),
+        ({"fallback_reason": None}, "fallback_reason"),
+        ({"engine": None}, "engine is not an object"),
+        ({"engine": {"offload": 1, "devices": []}}, "engine.offload"),
+        ({"engine": {"offload": False, "devices": "CPU"}}, "engine.devices"),
+    ],
+)
+def test_a_hello_that_is_not_ours_names_its_first_problem(
+    change: dict[str, Any], problem: str
+) -> None:
+    assert WorkerHello.read(GOOD_HELLO).backend == "reload"
+    with pytest.raises(ProtocolError, match=re.escape(problem)):
+        WorkerHello.read({**GOOD_HELLO, **change})
+
+
+def test_a_backend_that_cannot_be_made_is_a_failed_model_that_says_why(tmp_path: Path) -> None:
+    """residency = "in-place" on an engine without the API: the worker says hello, fails its
+    load with the reason and keeps answering with it (not a crash the daemon retries for ever)."""
+    ours, theirs = socket.socketpair()
+    spec = ModelSpec(name="strict", path=Path("/x"), residency=Residency.IN_PLACE)
+    refused = ModelLoadError('strict asks for residency = "in-place": a stock build')
+    worker = Worker(
+        WorkerConfig(spec=spec, arena=tmp_path / "arena"),
+        Unavailable(spec, refused),
+        theirs,
+        FAKE_ENGINE,
+    )
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    reader, writer = LineReader(ours), LineWriter(ours)
+    hello = WorkerHello.read((reader.read() or {}).get("hello"))
+    assert (hello.backend, hello.fallback_reason) == ("in-place", "")
+    failed = reader.read()
+    assert failed is not None
+    assert (failed["to"], failed["reason"]) == ("failed", str(refused))
+    writer.send({"op": "generate", "id": "1", "kind": "completion", "body": {"prompt": "x"}})
+    reply = reader.read()
+    assert reply is not None
+    assert reply["error"]["message"] == f"strict failed to load: {refused}"
+    assert Arena(tmp_path / "arena").observe().holder_pid is None
+    ours.close()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    theirs.close()
+
+
+def test_a_worker_that_dies_before_its_hello_fails_its_spawn_at_once(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    config = WorkerConfig(spec=ModelSpec(name="m", path=tiny_model), arena=tmp_path / "arena")
+    env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(tmp_path / "nowhere")}  # no engine to import
+    started = time.monotonic()
+    with pytest.raises(WorkerError, match=r"worker for m exited \(1\) before its hello"):
+        WorkerProcess.spawn(config, env=env)
+    assert time.monotonic() - started < HELLO_TIMEOUT_S / 2  # not the hello's whole timeout

@@ -1,10 +1,11 @@
 """The dashboard window: who holds the GPU, VRAM by owner over time, every handoff, each model.
 
-    header     holder · VRAM used/total · host RAM · waiters   [Hold GPU (game mode)] [Start daemon]
+    header     holder · VRAM used/total · host RAM · waiters · engine
+               [Hold GPU (game mode)] [Start daemon]
     banners    warnings (amber), daemon unreachable (red), the last command's error
     timeline   timeline.TimelineWidget
-    cards      one per model: state, VRAM, host RAM, queue, pinned, last error; Warm / Release /
-               Pin; "unknown" while the daemon cannot be reached
+    cards      one per model: state, VRAM, host RAM, queue, pinned, backend, its warning and
+               last error; Warm / Release / Pin; "unknown" while the daemon cannot be reached
     table      handoffs: time, from → to, release / wait / restore / total, bytes, tokens
 
 Owns the window's widgets and how a `TrayState` shows in them. It sends nothing itself: its
@@ -136,9 +137,15 @@ class ModelCard(QFrame):
             extra.append("pinned")
         if model.restarts:
             extra.append(f"{model.restarts} restart{'s' if model.restarts != 1 else ''}")
+        if model.backend:
+            extra.append(f"{model.backend} backend")
         self.queue.setText(" · ".join(extra))
-        self.error.setText(f"last error: {model.last_error}" if model.last_error else "")
-        self.error.setVisible(bool(model.last_error))
+        self.queue.setToolTip(model.fallback_reason)
+        problems = [f"⚠ {model.warning}"] if model.warning else []
+        if model.last_error:
+            problems.append(f"last error: {model.last_error}")
+        self.error.setText("\n".join(problems))
+        self.error.setVisible(bool(problems))
         self.pin.setChecked(model.pinned)
         self.pin.setText("Pinned" if model.pinned else "Pin")
         for button in (self.warm, self.release, self.pin):
@@ -243,8 +250,9 @@ class DashboardWindow(QWidget):
         status = state.status
         self.headline.setText(state.holder_text())
         if status is not None and state.reachable:
-            host_ram = state.host_ram_text()
+            host_ram, engine = state.host_ram_text(), state.engine_text()
             parts = [state.vram_text(), *([host_ram] if host_ram else []), state.waiters_text()]
+            parts += [engine] if engine else []
             self.details.setText("   ·   ".join(parts))
         else:
             self.details.setText("")

@@ -9,6 +9,11 @@ Warnings (the icon turns amber while one is active):
     vram_not_freed                              WARNING_HOLD_S, or until that model is warm again
     worker (a crash or a failed start)          WARNING_HOLD_S, or until that model is warm again
     residency to failed                         WARNING_HOLD_S, or until that model is warm again
+
+Notices (shown in the tooltip, the menu and the cards; the icon stays as it is, because they
+describe the setup, not something that just went wrong):
+    a model's `warning` in the status            while the status says so (e.g. it asks for GPU
+                                                 layers but the engine cannot offload, issue 15)
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from arbiterd.clidaemon import human_bytes
+from arbiterd.clidaemon import describe_engine, grouped, human_bytes
 from arbiterd.gui import palette
 from arbiterd.gui.history import DEFAULT_WINDOW_S, History
 from arbiterd.gui.palette import RGB, ModelColours
@@ -131,6 +136,20 @@ class TrayState:
                 texts.insert(0, line)
         return texts
 
+    def notices(self) -> list[str]:
+        """The models' warnings, each text once with the models it holds for."""
+        if self.status is None:
+            return []
+        pairs = ((m.name, m.warning) for m in self.status.models)
+        return [f"{', '.join(names)}: {text}" for names, text in grouped(pairs)]
+
+    def engine_text(self) -> str | None:
+        """What the daemon's engine runs on, or None when it does not say."""
+        engine = self.status.engine if self.status is not None else None
+        if engine is None:
+            return None
+        return "engine: " + describe_engine(engine.offload, engine.devices)
+
     def colours(self) -> ModelColours:
         """Each model's colour: the daemon's models pick first, in its order (history lists
         them first once a status came), then any other owner the history holds."""
@@ -209,5 +228,5 @@ class TrayState:
         if host_ram is not None:
             lines.append(host_ram)
         lines.append(self.waiters_text())
-        lines += [f"⚠ {w}" for w in self.warnings(now)]
+        lines += [f"⚠ {w}" for w in self.warnings(now) + self.notices()]
         return "\n".join(lines)

@@ -3,8 +3,9 @@
 Owns the tolerant reading of the status shape (arbiterd/service.py's docstring): a key that is
 missing or of the wrong type gets a neutral default instead of an exception, so a newer or older
 daemon never crashes the tray. Knows the optional keys that telemetry adds later (`devices`,
-`others`) and the host RAM figures (`host_ram_bytes`, per model and in all), and works without
-them. Never imports Qt.
+`others`), the host RAM figures (`host_ram_bytes`, per model and in all) and what runs the
+models (each one's `backend` and `warning`, the top-level `engine`), and works without them.
+Never imports Qt.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class ModelStatus:
     last_error: str
     restarts: int
     last_handoff: Mapping[str, Any] | None
+    backend: str = ""  # "in-place" | "reload"; "" when the daemon does not say (yet)
+    fallback_reason: str = ""  # why not in-place
+    warning: str = ""  # e.g. it asks for GPU layers an engine that cannot offload will not give
 
     @classmethod
     def read(cls, raw: Mapping[str, Any]) -> ModelStatus:
@@ -74,6 +78,9 @@ class ModelStatus:
             last_error=_str(raw.get("last_error")),
             restarts=_int(raw.get("restarts")),
             last_handoff=handoff if isinstance(handoff, Mapping) else None,
+            backend=_str(raw.get("backend")),
+            fallback_reason=_str(raw.get("fallback_reason")),
+            warning=_str(raw.get("warning")),
         )
 
 
@@ -101,6 +108,22 @@ class OtherProcess:
 
 
 @dataclass(frozen=True)
+class Engine:
+    """What the daemon's engine (llama.cpp, as its workers load it) can do."""
+
+    offload: bool  # False: CPU only
+    devices: tuple[str, ...]
+
+    @classmethod
+    def read(cls, raw: object) -> Engine | None:
+        if not isinstance(raw, Mapping):
+            return None
+        devices = raw.get("devices")
+        names = devices if isinstance(devices, list) else []
+        return cls(raw.get("offload") is True, tuple(d for d in names if isinstance(d, str)))
+
+
+@dataclass(frozen=True)
 class Status:
     models: tuple[ModelStatus, ...]
     holder: Holder | None
@@ -109,6 +132,7 @@ class Status:
     devices: tuple[Device, ...] = ()
     others: tuple[OtherProcess, ...] = ()
     host_ram_bytes: int | None = None  # the daemon's in all, each shared host copy once
+    engine: Engine | None = None  # None until a worker said it (or an older daemon)
 
     @classmethod
     def read(cls, raw: Mapping[str, Any]) -> Status:
@@ -148,6 +172,7 @@ class Status:
                 for o in _dicts(telemetry.get("others"))
             ),
             host_ram_bytes=_optional_int(raw.get("host_ram_bytes")),
+            engine=Engine.read(raw.get("engine")),
         )
 
     def model(self, name: str) -> ModelStatus | None:

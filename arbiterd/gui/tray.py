@@ -304,7 +304,17 @@ class TrayApp(QObject):
         state, status = self.state, self.state.status
         colours = state.colours()
         models = tuple(
-            (m.name, colours.of(m.name), m.state, m.pinned, human_bytes(m.resident_bytes), m.queue)
+            (
+                m.name,
+                colours.of(m.name),
+                m.state,
+                m.pinned,
+                human_bytes(m.resident_bytes),
+                m.queue,
+                m.backend,
+                m.fallback_reason,
+                m.warning,
+            )
             for m in (status.models if status is not None else ())
         )
         return (
@@ -313,6 +323,7 @@ class TrayApp(QObject):
             state.holder_text(),
             state.vram_text(),
             state.waiters_text(),
+            state.engine_text(),
             models,
             status.hold if status is not None else False,
             autostart_on,
@@ -346,6 +357,9 @@ class TrayApp(QObject):
             add("headline", state.holder_text(), enabled=False)
             add("vram", state.vram_text(), enabled=False)
             add("waiters", state.waiters_text(), enabled=False)
+            engine = state.engine_text()
+            if engine is not None:
+                add("engine", engine, enabled=False)
             menu.addSeparator()
             for model in status.models:
                 self._add_model_menu(model)
@@ -372,9 +386,25 @@ class TrayApp(QObject):
             title += " · pinned"
         if model.queue:
             title += f" · {model.queue} queued"
+        if model.backend:
+            title += f" · {model.backend}"
+        if model.warning:
+            title += " · ⚠"
         submenu = self.menu.addMenu(_swatch(self.state.colours().of(name)), title)
         submenu.menuAction().setObjectName(f"model:{name}")
         self.actions[f"model:{name}"] = submenu.menuAction()
+        notes = []  # what runs the model, as lines to read above its actions
+        if model.fallback_reason:
+            notes.append(("backend", f"backend {model.backend}: {model.fallback_reason}"))
+        if model.warning:
+            notes.append(("warning", f"⚠ {model.warning}"))
+        for kind, text in notes:
+            note = submenu.addAction(text)
+            note.setObjectName(f"{kind}:{name}")
+            note.setEnabled(False)
+            self.actions[f"{kind}:{name}"] = note
+        if notes:
+            submenu.addSeparator()
         for command, text in (("warm", "Warm"), ("release", "Release")):
             action = submenu.addAction(text)
             action.setObjectName(f"{command}:{name}")

@@ -297,3 +297,43 @@ def test_owners_stack_in_the_daemons_order_whatever_came_first() -> None:
     state.apply_event(residency(T + 1, "gamma", "loading", "warm", weights_bytes=GiB))
     state.apply_status(status(model("alpha"), model("beta")), T + 2)
     assert state.history.models == ["alpha", "beta", "gamma"]
+
+
+# -- what runs each model (issue 15) -------------------------------------------------------------
+
+CPU_WARNING = "asks for n_gpu_layers=-1 but this engine cannot offload to a GPU"
+CPU_ENGINE = {"offload": False, "devices": ["CPU: test cpu"]}
+
+
+def test_backend_warning_and_engine_are_read_and_absent_from_an_older_daemon() -> None:
+    read = Status.read(
+        status(
+            model("a", backend="reload", fallback_reason="a stock build", warning=CPU_WARNING),
+            engine=CPU_ENGINE,
+        )
+    )
+    a = read.models[0]
+    assert (a.backend, a.fallback_reason, a.warning) == ("reload", "a stock build", CPU_WARNING)
+    assert read.engine is not None
+    assert (read.engine.offload, read.engine.devices) == (False, ("CPU: test cpu",))
+    older = Status.read({"models": [{"name": "a", "backend": 3}], "engine": "gpu"})
+    assert (older.models[0].backend, older.models[0].warning, older.engine) == ("", "", None)
+
+
+def test_a_models_warning_is_in_the_tooltip_once_for_all_and_leaves_the_icon_alone() -> None:
+    state = TrayState()
+    state.apply_status(
+        status(
+            model("a", "warm", backend="reload", warning=CPU_WARNING),
+            model("b", backend="reload", warning=CPU_WARNING),
+            model("c", backend="reload"),
+            holder="a",
+            engine=CPU_ENGINE,
+        ),
+        T,
+    )
+    assert state.notices() == [f"a, b: {CPU_WARNING}"]
+    assert state.tooltip(T).splitlines()[-1] == f"⚠ a, b: {CPU_WARNING}"
+    assert state.engine_text() == "engine: CPU only (this engine cannot offload to a GPU)"
+    look = state.icon_look(T)
+    assert (look.frame, look.warning) == (state.colours().of("a"), False)

@@ -320,6 +320,41 @@ def test_with_a_tray_closing_the_dashboard_keeps_running(
     assert desktop.quits == 0
 
 
+def test_the_menu_names_each_models_backend_its_warning_and_the_engine(
+    qtbot: QtBot, make_app: AppFactory, server: FakeControlServer
+) -> None:
+    warning = "asks for n_gpu_layers=-1 but this engine cannot offload to a GPU"
+    server.status = status(
+        model("alpha", "warm", backend="in-place", resident_bytes=GiB),
+        model("beta", backend="reload", fallback_reason="a stock build", warning=warning),
+        holder="alpha",
+        engine={"offload": False, "devices": ["CPU: test cpu"]},
+    )
+    app = make_app()
+    wait_for_text(qtbot, app, "model:alpha", "alpha — warm, 1.0 GiB · in-place")
+    assert text_of(app, "model:beta") == "beta — cold, 0 B · reload · ⚠"
+    assert text_of(app, "engine") == "engine: CPU only (this engine cannot offload to a GPU)"
+    beta = app.actions["model:beta"].menu()
+    assert isinstance(beta, QMenu)
+    assert [a.text() for a in beta.actions() if not a.isSeparator()] == [
+        "backend reload: a stock build",
+        f"⚠ {warning}",
+        "Warm",
+        "Release",
+        "Pin",
+    ]
+    assert not app.actions["warning:beta"].isEnabled()  # a line to read, not an action
+    alpha = app.actions["model:alpha"].menu()
+    assert isinstance(alpha, QMenu)
+    assert [a.text() for a in alpha.actions()] == ["Warm", "Release", "Pin"]
+    dashboard = app.show_dashboard()
+    qtbot.waitUntil(lambda: set(dashboard.cards) == {"alpha", "beta"}, timeout=WAIT_MS)
+    card = dashboard.cards["beta"]
+    assert card.queue.text() == "queue: 0 · reload backend"
+    assert card.queue.toolTip() == "a stock build"
+    assert card.error.text() == f"⚠ {warning}"
+
+
 # -- the dashboard ---------------------------------------------------------------------------------
 
 
