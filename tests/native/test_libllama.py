@@ -1,12 +1,13 @@
-"""The libllama probe against the stock build llama_cpp loaded and against fakes built with gcc.
+"""The libllama probe against the engine llama_cpp loaded and against fakes built with gcc.
 
-The fakes export the residency symbols and record every call in globals, read back through
-exported getters, so the tests see exactly what crossed the C ABI. Each test compiles its own
-copy into tmp_path: a fresh file is a fresh dlopen, so no state leaks between tests.
+The fakes speak residency ABI 1 and record every call in globals, read back through exported
+getters, so the tests see exactly what crossed the C ABI. Each test compiles its own copy into
+tmp_path: a fresh file is a fresh dlopen, so no state leaks between tests.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,14 +15,32 @@ import pytest
 from arbiterd.errors import EngineError
 from arbiterd.native import libllama
 from arbiterd.native.libllama import (
+    ABI,
+    ABI_SYMBOL,
+    HOST_BUFFERS,
+    KEEP_KV,
     RELEASE_SYMBOL,
+    RESIDENCY_SYMBOLS,
     RESTORE_SYMBOL,
+    STATS_SYMBOL,
+    STATUS_TEXT,
     ProbeMiss,
     ResidencyApi,
+    ResidencyCallError,
+    ResidencyStats,
+    Status,
     loaded_libllama,
     probe_residency_api,
 )
-from tests.support.fake_libllama import CTX, Fake, compile_fake
+from tests.support.fake_libllama import CTX, Calls, Fake, compile_fake
+
+# Which -D switch of the fake leaves out which symbol.
+OMIT = {
+    ABI_SYMBOL: "NO_ABI",
+    RELEASE_SYMBOL: "NO_RELEASE",
+    RESTORE_SYMBOL: "NO_RESTORE",
+    STATS_SYMBOL: "NO_STATS",
+}
 
 
 def mapped_paths() -> set[Path]:
@@ -36,25 +55,27 @@ def fake_path(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def api(fake_path: Path) -> ResidencyApi:
-    probed = probe_residency_api(fake_path)
+def fake(fake_path: Path) -> Fake:
+    return Fake(fake_path)
+
+
+@pytest.fixture
+def api(fake: Fake) -> ResidencyApi:
+    probed = probe_residency_api(fake.path)
     assert isinstance(probed, ResidencyApi), probed
     return probed
 
 
-# -- the stock libllama llama_cpp loaded -----------------------------------------------------
+# -- the engine llama_cpp loaded -------------------------------------------------------------
 
 
-def test_loaded_libllama_is_found() -> None:
+def test_loaded_libllama_is_found_and_is_the_arbiterd_build() -> None:
     path = loaded_libllama()
     assert path.is_file()
     assert "llama" in path.name
     probed = probe_residency_api()
-    assert isinstance(probed, ProbeMiss)
+    assert isinstance(probed, ResidencyApi), f"{probed}: run ./scripts/setup.sh"
     assert probed.library == path
-    assert RELEASE_SYMBOL in probed.reason
-    assert RESTORE_SYMBOL in probed.reason
-    assert "stock build" in probed.reason
 
 
 def test_loaded_libllama_falls_back_to_proc_maps(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -77,7 +98,7 @@ def test_loaded_libllama_not_found_raises(monkeypatch: pytest.MonkeyPatch, tmp_p
         loaded_libllama()
 
 
-# -- fakes built with gcc --------------------------------------------------------------------
+# -- fakes built with gcc: the calls ---------------------------------------------------------
 
 
 def test_probe_finds_the_api(fake_path: Path) -> None:
@@ -86,62 +107,122 @@ def test_probe_finds_the_api(fake_path: Path) -> None:
     assert probed.library == fake_path
 
 
-def test_release_passes_pointer_and_flag_through(fake_path: Path, api: ResidencyApi) -> None:
-    fake = Fake(fake_path)
-    api.release_device(CTX, keep_kv=True)
-    assert (fake.last_ctx, fake.last_keep_kv, fake.release_calls) == (CTX, 1, 1)
-    api.release_device(CTX + 16, keep_kv=False)
-    assert (fake.last_ctx, fake.last_keep_kv, fake.release_calls) == (CTX + 16, 0, 2)
-    assert fake.restore_calls == 0
+def test_release_passes_pointer_and_flags_through(fake: Fake, api: ResidencyApi) -> None:
+    assert fake.last_flags == -1
+    api.release_device(CTX, KEEP_KV | HOST_BUFFERS)
+    assert (fake.last_ctx, fake.last_flags) == (CTX, 3)
+    api.release_device(CTX + 16, 0)
+    assert (fake.last_ctx, fake.last_flags) == (CTX + 16, 0)
+    # uint32_t: the top bit arrives as a flag, not as a sign.
+    api.release_device(CTX, 0x8000_0000 | HOST_BUFFERS)
+    assert fake.last_flags == 0x8000_0002
+    assert fake.calls == Calls(release=3, restore=0, stats=0)
 
 
-def test_restore_passes_pointer_through(fake_path: Path, api: ResidencyApi) -> None:
-    fake = Fake(fake_path)
+def test_restore_passes_pointer_through(fake: Fake, api: ResidencyApi) -> None:
     api.restore_device(CTX)
-    assert (fake.last_ctx, fake.restore_calls, fake.release_calls) == (CTX, 1, 0)
+    assert fake.last_ctx == CTX
+    assert fake.calls == Calls(release=0, restore=1, stats=0)
 
 
-@pytest.mark.parametrize(("symbol", "code"), [(RELEASE_SYMBOL, 7), (RESTORE_SYMBOL, -3)])
-def test_nonzero_code_raises(fake_path: Path, api: ResidencyApi, symbol: str, code: int) -> None:
-    fake = Fake(fake_path)
-    fake.set_result(code)
-    calls = {
-        RELEASE_SYMBOL: lambda: api.release_device(CTX, keep_kv=False),
-        RESTORE_SYMBOL: lambda: api.restore_device(CTX),
-    }
-    with pytest.raises(EngineError) as raised:
-        calls[symbol]()
-    assert symbol in str(raised.value)
-    assert f"code {code}" in str(raised.value)
-    assert fake.release_calls + fake.restore_calls == 1
-
-
-def test_null_context_is_refused_before_the_call(fake_path: Path, api: ResidencyApi) -> None:
-    fake = Fake(fake_path)
-    with pytest.raises(EngineError, match="NULL"):
-        api.release_device(0, keep_kv=True)
-    with pytest.raises(EngineError, match="NULL"):
-        api.restore_device(0)
-    assert fake.release_calls + fake.restore_calls == 0
-
-
-@pytest.mark.parametrize(
-    ("define", "missing", "present"),
-    [
-        ("NO_RELEASE", RELEASE_SYMBOL, RESTORE_SYMBOL),
-        ("NO_RESTORE", RESTORE_SYMBOL, RELEASE_SYMBOL),
-    ],
-)
-def test_one_symbol_missing_is_a_miss(
-    tmp_path: Path, define: str, missing: str, present: str
+def test_stats_round_trip_through_the_struct_with_64_bit_values(
+    fake: Fake, api: ResidencyApi
 ) -> None:
-    path = compile_fake(tmp_path, "libhalf", define)
+    # Values above 32 bits in every field, the last one with its top bit set: a field that is
+    # too narrow, misaligned or signed would show.
+    fake.set_stats(
+        released=1,
+        weights=(1 << 40) + 1,
+        kv=(1 << 33) + 2,
+        compute=(1 << 32) + 3,
+        host=(1 << 63) + 4,
+    )
+    stats = api.stats(CTX, KEEP_KV)
+    assert stats == ResidencyStats(
+        released=True,
+        weights_bytes=(1 << 40) + 1,
+        kv_bytes=(1 << 33) + 2,
+        compute_bytes=(1 << 32) + 3,
+        host_bytes=(1 << 63) + 4,
+    )
+    assert stats.device_bytes == (1 << 40) + (1 << 33) + (1 << 32) + 6
+    assert (fake.last_ctx, fake.last_stats_flags) == (CTX, KEEP_KV)
+    fake.set_stats(released=0, weights=5, kv=0, compute=0, host=0)
+    assert api.stats(CTX, 0) == ResidencyStats(False, 5, 0, 0, 0)
+    assert fake.calls == Calls(release=0, restore=0, stats=2)
+
+
+def calls_of(api: ResidencyApi, ctx: int = CTX) -> dict[str, Callable[[], object]]:
+    """Each residency call of `api` on ctx, by the symbol it calls."""
+    return {
+        RELEASE_SYMBOL: lambda: api.release_device(ctx, KEEP_KV),
+        RESTORE_SYMBOL: lambda: api.restore_device(ctx),
+        STATS_SYMBOL: lambda: api.stats(ctx, 0),
+    }
+
+
+@pytest.mark.parametrize("symbol", [RELEASE_SYMBOL, RESTORE_SYMBOL, STATS_SYMBOL])
+@pytest.mark.parametrize("status", [s for s in Status if s is not Status.OK])
+def test_a_status_raises_with_its_text(
+    fake: Fake, api: ResidencyApi, symbol: str, status: Status
+) -> None:
+    fake.set_result(status)
+    with pytest.raises(ResidencyCallError) as raised:
+        calls_of(api)[symbol]()
+    assert raised.value.status is status
+    assert isinstance(raised.value, EngineError)  # the engine's own errors map it
+    assert str(raised.value) == f"{symbol} failed: {STATUS_TEXT[status]} (libllama at {fake.path})"
+
+
+@pytest.mark.parametrize("code", [6, 1000, -1])
+def test_an_unknown_status_raises_with_its_number(fake: Fake, api: ResidencyApi, code: int) -> None:
+    fake.set_result(code)
+    for symbol, call in calls_of(api).items():
+        with pytest.raises(ResidencyCallError) as raised:
+            call()
+        assert raised.value.status == code
+        assert not isinstance(raised.value.status, Status)
+        assert f"{symbol} failed: status {code} (libllama at {fake.path})" == str(raised.value)
+    assert fake.calls == Calls(release=1, restore=1, stats=1)
+
+
+def test_null_context_is_refused_before_the_call(fake: Fake, api: ResidencyApi) -> None:
+    for symbol, call in calls_of(api, ctx=0).items():
+        with pytest.raises(EngineError, match=f"{symbol} needs a llama_context pointer, got NULL"):
+            call()
+    assert fake.calls == Calls(release=0, restore=0, stats=0)
+
+
+# -- fakes built with gcc: the probe's misses ------------------------------------------------
+
+
+@pytest.mark.parametrize("version", [0, 2, -1])
+def test_another_abi_version_is_a_miss_naming_both(fake: Fake, version: int) -> None:
+    fake.set_abi(version)
+    probed = probe_residency_api(fake.path)
+    assert isinstance(probed, ProbeMiss)
+    assert probed.library == fake.path
+    assert f"has residency ABI {version}, arbiterd speaks {ABI}" in probed.reason
+    assert "reload backend" in probed.reason
+
+
+@pytest.mark.parametrize("missing", RESIDENCY_SYMBOLS)
+def test_one_symbol_missing_is_a_miss(tmp_path: Path, missing: str) -> None:
+    path = compile_fake(tmp_path, "libpartial", OMIT[missing])
     probed = probe_residency_api(path)
     assert isinstance(probed, ProbeMiss)
     assert probed.library == path
     assert f"does not export {missing}:" in probed.reason
-    assert present not in probed.reason
+    assert all(other not in probed.reason for other in RESIDENCY_SYMBOLS if other != missing)
     assert "stock build" not in probed.reason
+
+
+def test_a_library_without_any_symbol_is_a_stock_build(tmp_path: Path) -> None:
+    path = compile_fake(tmp_path, "libstock", *OMIT.values())
+    probed = probe_residency_api(path)
+    assert isinstance(probed, ProbeMiss)
+    assert all(symbol in probed.reason for symbol in RESIDENCY_SYMBOLS)
+    assert "(a stock build): using the reload backend" in probed.reason
 
 
 def test_missing_file_is_a_miss(tmp_path: Path) -> None:

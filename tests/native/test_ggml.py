@@ -1,0 +1,41 @@
+"""The engine's devices, read from the registry of the libggml llama_cpp loaded (no GPU needed:
+every build has its CPU device)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from arbiterd.errors import EngineError
+from arbiterd.native import ggml
+from arbiterd.native.libllama import loaded_libllama
+from tests.native.test_libllama import mapped_paths
+from tests.support.fake_libllama import compile_fake
+
+
+def test_the_loaded_engine_lists_its_cpu() -> None:
+    found = ggml.devices(loaded_libllama())
+    cpus = [device for device in found if device.kind == "cpu"]
+    assert cpus, found
+    cpu = cpus[0]
+    assert cpu.name
+    assert cpu.label.startswith(cpu.name)
+    assert 0 < cpu.free_bytes <= cpu.total_bytes
+    assert all(device.kind != "unknown" for device in found), found
+
+
+def test_a_libllama_without_libggml_beside_it_is_an_engine_error(tmp_path: Path) -> None:
+    lonely = tmp_path / "libllama.so"
+    with pytest.raises(EngineError, match=f"no libggml beside {lonely} is loaded"):
+        ggml.devices(lonely)
+
+
+def test_a_libggml_that_is_not_loaded_is_never_opened(tmp_path: Path) -> None:
+    # A libggml.so beside the library, but not the one this process loaded: listing devices
+    # must not dlopen a second ggml (RTLD_NOLOAD), so this is an error, not its devices.
+    stranger = compile_fake(tmp_path, "libggml")
+    assert stranger.name == "libggml.so"
+    with pytest.raises(EngineError, match="no libggml beside"):
+        ggml.devices(tmp_path / "libllama.so")
+    assert stranger not in mapped_paths()
