@@ -47,6 +47,7 @@ from arbiterd.native.libllama import ResidencyApi, ResidencyCallError, probe_res
 from arbiterd.spec import COMPLETION_PARAMS, MAX_N_CTX, KvPolicy, ModelSpec, Residency
 
 log = logging.getLogger(__name__)
+_LIBC = ctypes.CDLL(None)  # this process's C library (malloc_trim, where it is glibc)
 
 # One llama_tokenize call takes time quadratic in the special tokens its text holds (llama.cpp's
 # special-token partition walks its fragment list from the start at every match: a chat request
@@ -516,6 +517,8 @@ class InPlaceBackend(ReloadBackend):
         except ResidencyCallError as exc:
             self._kv = None
             raise EngineError(str(exc)) from None
+        if self._host_buffers:
+            _return_freed_heap()
         stats = self._api.stats(ctx, flags)
         self._released = True
         return Moved(
@@ -622,6 +625,15 @@ def select_backend(spec: ModelSpec) -> Backend:
         raise ModelLoadError(f'{spec.name} asks for residency = "in-place": {probed.reason}')
     log.info("%s: %s", spec.name, probed.reason)
     return ReloadBackend(spec, fallback_reason=probed.reason)
+
+
+def _return_freed_heap() -> None:
+    """Hand the heap pages freed host buffers leave back to the system. glibc keeps freed blocks
+    below its mmap threshold (which grows up to 32 MiB as a process frees large blocks) in its
+    arenas, so without this a CPU model's release would not lower the worker's RSS."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def _context_pointer(llm: llama_cpp.Llama) -> int:
