@@ -20,6 +20,7 @@ from arbiterd.demo import smollm_model_path
 from arbiterd.engine import TOKENIZE_PIECE_BYTES, ReloadBackend, disk_read_bytes
 from arbiterd.errors import ContextOverflowError, ModelLoadError, RequestError
 from arbiterd.spec import KvPolicy, ModelSpec
+from tests.support.pagecache import drop_page_cache
 
 PREFIX = " ".join(f"the fox {w} is not a dog" for w in ("one", "two", "three", "four") * 8)
 SUFFIX = " and the cat is quick"
@@ -106,7 +107,7 @@ def test_dropping_the_kv_means_a_full_prefill(backend: ReloadBackend) -> None:
 def test_restore_reads_nothing_from_disk_with_the_host_copy(backend: ReloadBackend) -> None:
     backend.generate("completion", greedy(PREFIX), None)
     backend.release(KvPolicy.HOST)
-    _drop_page_cache(backend.spec.path)
+    drop_page_cache(backend.spec.path)
     before = disk_read_bytes()
     moved = backend.restore()
     assert moved.disk_read_bytes == 0
@@ -121,7 +122,7 @@ def test_without_the_host_copy_a_restore_reads_the_file_again(tiny_model: Path) 
     engine.load()
     try:
         engine.release(KvPolicy.HOST)
-        _drop_page_cache(tiny_model)
+        drop_page_cache(tiny_model)
         assert engine.restore().disk_read_bytes > 0
     finally:
         engine.close()
@@ -397,7 +398,7 @@ def test_gemma_round_trip_keeps_the_prompt_cache_and_the_output(gemma_model: Pat
         first = engine.generate("completion", greedy(PREFIX, 8), None)
         assert first.prompt_tokens >= 200
         engine.release(KvPolicy.HOST)
-        _drop_page_cache(gemma_model)
+        drop_page_cache(gemma_model)
         restored = engine.restore()
         assert restored.disk_read_bytes == 0
         again = engine.generate("completion", greedy(PREFIX, 8), None)
@@ -408,13 +409,3 @@ def test_gemma_round_trip_keeps_the_prompt_cache_and_the_output(gemma_model: Pat
         assert follow_up.prompt_tokens_evaluated <= suffix_tokens + 1
     finally:
         engine.close()
-
-
-def _drop_page_cache(path: Path) -> None:
-    """Evict the file from the page cache, so that reading it would have to hit the disk."""
-    os.sync()  # dirty pages are not dropped
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)

@@ -19,6 +19,7 @@ from arbiterd.engine import Generation, InPlaceBackend, ReloadBackend, select_ba
 from arbiterd.errors import ModelLoadError, RequestError, RestoreError
 from arbiterd.native.libllama import ProbeMiss, ResidencyApi, probe_residency_api
 from arbiterd.spec import KvPolicy, ModelSpec, Residency
+from tests.support.pagecache import drop_page_cache
 from tests.support.tiny_gguf import TinyModelSpec, write_tiny_llama
 
 PROMPT = " ".join(["the quick brown fox is not a dog"] * 10)
@@ -150,7 +151,7 @@ def test_a_restore_reads_nothing_from_disk_even_without_the_host_copy(tiny_model
     try:
         chosen.load()
         chosen.release(KvPolicy.HOST)
-        _drop_page_cache(tiny_model)
+        drop_page_cache(tiny_model)
         before = engine.disk_read_bytes()
         assert chosen.restore().disk_read_bytes == 0
         assert engine.disk_read_bytes() == before
@@ -256,13 +257,3 @@ def test_gemma_round_trip_in_place_frees_its_weights_and_keeps_its_kv(gemma_mode
         assert again.prompt_tokens_evaluated == 1
     finally:
         chosen.close()
-
-
-def _drop_page_cache(path: Path) -> None:
-    """Evict the file from the page cache, so that reading it would have to hit the disk."""
-    os.sync()  # dirty pages are not dropped
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
