@@ -507,11 +507,8 @@ class InPlaceBackend(ReloadBackend):
             llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
             llm.n_tokens = 0
         self._kv = _save_kv(llm) if kv is KvPolicy.HOST and llm.n_tokens > 0 else None
-        self._kept_kv_bytes = (
-            self._api.stats(ctx, self._flags(KvPolicy.HOST)).kv_bytes
-            if (kv is KvPolicy.DEVICE)
-            else 0
-        )
+        kept = self._api.stats(ctx, self._flags(KvPolicy.HOST)).kv_bytes
+        self._kept_kv_bytes = kept if kv is KvPolicy.DEVICE else 0
         try:
             self._api.release_device(ctx, flags)
         except ResidencyCallError as exc:
