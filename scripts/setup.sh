@@ -21,6 +21,9 @@
 #   ARBITERD_VENV          where the environment goes (default: .venv in the checkout). For trying
 #                          this script against a throwaway one: test.sh and demo.sh run from .venv.
 #   ARBITERD_ENGINE        the engine's backend: cpu, cuda, rocm or vulkan (default: detected)
+#   ARBITERD_CUDA_ARCHITECTURES
+#                          the CUDA architectures to build for (e.g. 90, or "86;89"); default:
+#                          the GPU present (a machine without one must name them)
 #   ARBITERD_ENGINE_PATCH  the patch applied inside vendor/llama.cpp (default:
 #                          arbiterd/native/llama-residency.patch; tests pass a small one)
 #   PYTHON                 the interpreter that makes it (default: python3)
@@ -165,6 +168,9 @@ engine_cmake_args() {
         # CMake looks for nvcc on PATH; the toolkit's own folder is often not on it.
         nvcc="$(find_tool nvcc /usr/local/cuda/bin/nvcc)" || true
         [[ -z $nvcc || $nvcc == "$(command -v nvcc)" ]] || args+=("-DCMAKE_CUDA_COMPILER=$nvcc")
+        # ggml builds for the GPU present by default, which fails where there is none.
+        [[ -z ${ARBITERD_CUDA_ARCHITECTURES:-} ]] ||
+            args+=("-DCMAKE_CUDA_ARCHITECTURES='$ARBITERD_CUDA_ARCHITECTURES'")
         ;;
     rocm) args+=(-DGGML_HIP=on) ;;
     vulkan) args+=(-DGGML_VULKAN=on) ;;

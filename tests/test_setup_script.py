@@ -128,6 +128,7 @@ def setup(
     extras: str = "engine,dev",
     engine: str | None = "cpu",
     path: str | None = None,
+    more_env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     env = {
         "PATH": path or os.environ["PATH"],
@@ -143,6 +144,7 @@ def setup(
     }
     if engine is not None:
         env["ARBITERD_ENGINE"] = engine
+    env.update(more_env or {})
     return subprocess.run(
         ["bash", "-c", f"source {SETUP}"],
         cwd=venv.parent,
@@ -314,6 +316,16 @@ def test_another_backend_builds_the_engine_again_for_it(venv: Path, engine: str,
     assert builds(venv)[2].startswith(f"CMAKE_ARGS={flag}")
     first, second = installed_wheels(venv)
     assert Path(first).parent != Path(second).parent
+
+
+def test_cuda_builds_for_the_architectures_named(venv: Path) -> None:
+    # A machine without a GPU (a build host, a container) must name them: ggml's default is
+    # the GPU present.
+    done = setup(venv, engine="cuda", more_env={"ARBITERD_CUDA_ARCHITECTURES": "86;90"})
+    assert done.returncode == 0, done.stderr
+    assert "-DCMAKE_CUDA_ARCHITECTURES='86;90'" in builds(venv)[0]
+    assert setup(venv, engine="cuda").returncode == 0
+    assert "CMAKE_CUDA_ARCHITECTURES" not in builds(venv)[2]  # another key, built again
 
 
 GPU_DEVICES = ["/proc/driver/nvidia/gpus/*", "/dev/nvidia0", "/dev/kfd", "/dev/dri/renderD*"]
