@@ -279,7 +279,11 @@ install_engine() {
         ((status == 0)) || return "$status"
         [[ ! -f $patched/$ENGINE_NOT_PATCHED ]] || dir=$stock
     fi
-    "$VENV/bin/python" -m pip install --progress-bar off "$dir"/llama_cpp_python-*.whl
+    # The same version may be installed already, built from another patch or for another
+    # backend, and pip keeps an installed version: the engine goes in by force. Its dependencies
+    # come with arbiterd's, next.
+    "$VENV/bin/python" -m pip install --progress-bar off --force-reinstall --no-deps \
+        "$dir"/llama_cpp_python-*.whl
 }
 
 install_into_venv() {

@@ -144,6 +144,50 @@ def test_a_release_frees_the_weights_from_the_process_and_a_restore_takes_them_b
         chosen.close()
 
 
+def mapped_memfd_bytes() -> int:
+    """Bytes of this process's mappings of the engine's memory files (/proc/self/maps)."""
+    total = 0
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if "memfd:llama-residency" in line:
+            start, end = line.split()[0].split("-")
+            total += int(end, 16) - int(start, 16)
+    return total
+
+
+def io_bytes() -> tuple[int, int]:
+    """Bytes this process read and wrote through system calls (rchar, wchar of /proc/self/io):
+    a copy into or out of a memory file counts there, a mapping's pages do not."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["rchar"]), int(fields["wchar"])
+
+
+def test_a_restored_cpu_model_runs_on_its_memfd_so_later_round_trips_copy_nothing(
+    releasable_model: Path,
+) -> None:
+    chosen = in_place(releasable_model)
+    try:
+        chosen.load()
+        first = text_of(chosen.generate("completion", greedy(), None))
+        assert mapped_memfd_bytes() == 0  # loaded into ordinary memory
+        for round_trip in range(3):
+            warm_rss = rss_bytes()
+            read_before, written_before = io_bytes()
+            weights = chosen.release(KvPolicy.DEVICE).weights_bytes
+            assert warm_rss - rss_bytes() >= RSS_SHARE * weights  # unmapped: out of the RSS
+            assert mapped_memfd_bytes() == 0
+            chosen.restore()
+            read, written = io_bytes()
+            if round_trip == 0:
+                assert written - written_before >= weights  # the first release copies
+            else:
+                assert written - written_before < weights / 100  # later ones only unmap
+            assert read - read_before < weights / 100  # a restore maps, it never reads back
+            assert mapped_memfd_bytes() >= weights
+            assert text_of(chosen.generate("completion", greedy(), None)) == first
+    finally:
+        chosen.close()
+
+
 def test_a_restore_reads_nothing_from_disk_even_without_the_host_copy(tiny_model: Path) -> None:
     # The reload backend reads the file again here (test_engine.py shows the counter-check):
     # in place, the bytes come from the memfd the release wrote.

@@ -244,6 +244,9 @@ def test_a_changed_patch_builds_the_engine_again(venv: Path) -> None:
     assert builds(venv)[3] == PATCHED_V2_SOURCE
     first, second = installed_wheels(venv)
     assert Path(first).parent != Path(second).parent
+    # pip keeps an installed version: the same version, rebuilt, goes in by force
+    engine_installs = [c for c in pip_calls(venv) if c.endswith(".whl")]
+    assert all("--force-reinstall --no-deps" in c for c in engine_installs)
 
 
 def test_a_patch_that_does_not_apply_builds_the_stock_engine_and_says_so(
