@@ -90,7 +90,7 @@ def _drive(base: Path, port: int, screenshot: Path | None) -> int:
     import openai  # noqa: PLC0415 (a demo-only dependency)
 
     control = base / "control.sock"
-    client_control = _wait_for_daemon(control)
+    client_control, backends = _wait_for_daemon(control)
     events: queue.Queue[dict[str, Any]] = queue.Queue()
     listener = ControlClient.connect(control)
     listener.call("subscribe")
@@ -123,7 +123,7 @@ def _drive(base: Path, port: int, screenshot: Path | None) -> int:
             for event in _drain(events, lambda e: e.get("event") == "request"):
                 if event.get("event") == "handoff":
                     handoffs.append(event)
-                    print(_handoff_line(event))
+                    print(_handoff_line(event, backends))
                 elif event.get("event") == "request":
                     requests.append(event)
                     print(
@@ -164,7 +164,8 @@ def _screenshot(base: Path, target: Path) -> None:
     print(f"dashboard: {done.stdout.strip() or done.stderr.strip()}")
 
 
-def _wait_for_daemon(control: Path) -> ControlClient:
+def _wait_for_daemon(control: Path) -> tuple[ControlClient, dict[str, str]]:
+    """The control connection once every model is loaded, and each model's residency backend."""
     deadline = time.monotonic() + START_TIMEOUT_S
     print("starting the daemon and loading both models ...")
     while True:
@@ -175,10 +176,15 @@ def _wait_for_daemon(control: Path) -> ControlClient:
                 raise
             time.sleep(0.2)
             continue
-        states = {m["name"]: m["state"] for m in client.call("status")["models"]}
+        models = client.call("status")["models"]
+        states = {m["name"]: m["state"] for m in models}
         if all(s in ("warm", "cold") for s in states.values()):
-            print("ready: " + ", ".join(f"{n} {s}" for n, s in states.items()))
-            return client
+            backends = {m["name"]: m["backend"] or "unknown" for m in models}
+            print("ready: " + ", ".join(f"{n} {s} ({backends[n]})" for n, s in states.items()))
+            for m in models:
+                if m["fallback_reason"]:
+                    print(f"  {m['name']} reloads on each warm-up: {m['fallback_reason']}")
+            return client, backends
         client.close()
         if time.monotonic() > deadline or "failed" in states.values():
             raise DaemonNotRunningError(f"the models did not load: {states}")
@@ -208,10 +214,11 @@ def _shown(text: str, width: int = 60) -> str:
     return repr(line if len(line) <= width else line[: width - 3] + "...")
 
 
-def _handoff_line(event: dict[str, Any]) -> str:
+def _handoff_line(event: dict[str, Any], backends: dict[str, str]) -> str:
     total = event["release_s"] + event["wait_s"] + event["restore_s"]
     return (
-        f"  ⇄ handoff {event['from']} → {event['to']}: release {event['release_s']:.2f} s, "
+        f"  ⇄ handoff {event['from']} → {event['to']} ({backends.get(event['to'], 'unknown')}): "
+        f"release {event['release_s']:.2f} s, "
         f"wait {event['wait_s']:.2f} s, restore {event['restore_s']:.2f} s "
         f"(total {total:.2f} s)"
     )
