@@ -1,0 +1,560 @@
+"""The daemon's events as typed records: one frozen dataclass per kind, read tolerantly.
+
+Owns the shape of every event the daemon publishes on the control socket and keeps in its
+journal (docs/control-protocol.md, "Events"), and the one way to read one: `parse_event(obj)`.
+Reading never raises: a field that is missing or of the wrong type reads as None (or empty),
+extra fields are ignored, so a journal an older daemon wrote and a line a newer one sends both
+read; a kind this module does not know reads as an `OtherEvent` that keeps its fields.
+`to_json()` gives the object as the daemon sends it, and `parse_event(e.to_json()) == e`.
+
+Shared by every process (worker, daemon, CLI, tray): imports nothing of arbiterd's, and never Qt.
+
+    residency       a model's residency state changed (the worker's state machine)
+    request         a request ended
+    handoff         the GPU went from one model to another, measured by the model that got it
+    wait            a model waited for the GPU behind a program that is not one of our models
+    worker          a worker exited, or could not start
+    reload          the config was read again
+    hold            the user took or gave back the GPU (game mode)
+    vram            live VRAM figures (~1 Hz to subscribers; never journaled)
+    vram_not_freed  a release did not give the VRAM back
+    overflow        the control socket dropped a subscriber that fell behind
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Self
+
+
+def _float(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _int(value: object) -> int | None:
+    number = _float(value)
+    return None if number is None else int(number)
+
+
+def _str(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _text(value: object) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _names(value: object) -> tuple[str, ...]:
+    if not isinstance(value, list | tuple):
+        return ()
+    return tuple(item for item in value if isinstance(item, str))
+
+
+def _mappings(value: object) -> list[Mapping[str, Any]]:
+    if not isinstance(value, list | tuple):
+        return []
+    return [item for item in value if isinstance(item, Mapping)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """What every event has: its kind and `at`, seconds since the epoch (None: it did not say)."""
+
+    KIND: ClassVar[str] = ""
+
+    at: float | None = None
+
+    @property
+    def kind(self) -> str:
+        return self.KIND
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> Self:
+        """The record of `obj`; never raises (see the module's docstring)."""
+        return cls(at=_float(obj.get("at")))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"event": self.kind, "at": self.at, **self._fields()}
+
+    def _fields(self) -> dict[str, Any]:
+        return {}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResidencyEvent(Event):
+    """A model's residency changed: `duration_s` is how long the state it left lasted; the bytes
+    are what the change moved (weights and KV) and what it read from disk. A load or warm-up that
+    ends warm also says how its worker got the token: it asked at `waited_from`, waited `wait_s`,
+    and `holder_pid` / `holder_name` held the token then (None: it was free)."""
+
+    KIND: ClassVar[str] = "residency"
+
+    model: str | None = None
+    from_state: str | None = None
+    to_state: str | None = None
+    duration_s: float | None = None
+    weights_bytes: int | None = None
+    kv_bytes: int | None = None
+    disk_read_bytes: int | None = None
+    reason: str = ""
+    waited_from: float | None = None
+    wait_s: float | None = None
+    holder_pid: int | None = None
+    holder_name: str | None = None
+
+    @property
+    def moved_bytes(self) -> int:
+        """Weights and KV together; 0 when the event did not say."""
+        return (self.weights_bytes or 0) + (self.kv_bytes or 0)
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> ResidencyEvent:
+        return cls(
+            at=_float(obj.get("at")),
+            model=_str(obj.get("model")),
+            from_state=_str(obj.get("from")),
+            to_state=_str(obj.get("to")),
+            duration_s=_float(obj.get("duration_s")),
+            weights_bytes=_int(obj.get("weights_bytes")),
+            kv_bytes=_int(obj.get("kv_bytes")),
+            disk_read_bytes=_int(obj.get("disk_read_bytes")),
+            reason=_text(obj.get("reason")),
+            waited_from=_float(obj.get("waited_from")),
+            wait_s=_float(obj.get("wait_s")),
+            holder_pid=_int(obj.get("holder_pid")),
+            holder_name=_str(obj.get("holder_name")),
+        )
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "from": self.from_state,
+            "to": self.to_state,
+            "duration_s": self.duration_s,
+            "weights_bytes": self.weights_bytes,
+            "kv_bytes": self.kv_bytes,
+            "disk_read_bytes": self.disk_read_bytes,
+            "reason": self.reason,
+            "waited_from": self.waited_from,
+            "wait_s": self.wait_s,
+            "holder_pid": self.holder_pid,
+            "holder_name": self.holder_name,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestEvent(Event):
+    """A request ended; `status` is "ok", "error" or "cancelled" (None from an older daemon,
+    which said only `cancelled`), and `error` says what went wrong."""
+
+    KIND: ClassVar[str] = "request"
+
+    model: str | None = None
+    request_id: str | None = None
+    duration_s: float | None = None
+    prompt_tokens: int | None = None
+    prompt_tokens_evaluated: int | None = None
+    completion_tokens: int | None = None
+    cancelled: bool = False
+    status: str | None = None
+    error: str = ""
+
+    @property
+    def outcome(self) -> str | None:
+        return self.status or ("cancelled" if self.cancelled else None)
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> RequestEvent:
+        return cls(
+            at=_float(obj.get("at")),
+            model=_str(obj.get("model")),
+            request_id=_str(obj.get("id")),
+            duration_s=_float(obj.get("duration_s")),
+            prompt_tokens=_int(obj.get("prompt_tokens")),
+            prompt_tokens_evaluated=_int(obj.get("prompt_tokens_evaluated")),
+            completion_tokens=_int(obj.get("completion_tokens")),
+            cancelled=obj.get("cancelled") is True,
+            status=_str(obj.get("status")),
+            error=_text(obj.get("error")),
+        )
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "id": self.request_id,
+            "duration_s": self.duration_s,
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens_evaluated": self.prompt_tokens_evaluated,
+            "completion_tokens": self.completion_tokens,
+            "cancelled": self.cancelled,
+            "status": self.status,
+            "error": self.error,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class HandoffEvent(Event):
+    """The GPU went from `from_model` to `to_model`, as the model that got it measured: it began
+    waiting at `waited_from`, waited `wait_s` for the token (held by `holder_pid`; the release
+    of `from_model`, `release_s` when known, happened within that wait), then restored for
+    `restore_s`, moving `restored_bytes` onto the device.
+
+    An older daemon inferred handoffs and said only from, to, release_s, wait_s and restore_s,
+    its wait_s counted from the end of the release: those read with the new fields None."""
+
+    KIND: ClassVar[str] = "handoff"
+
+    from_model: str | None = None
+    to_model: str | None = None
+    holder_pid: int | None = None
+    waited_from: float | None = None
+    wait_s: float | None = None
+    release_s: float | None = None
+    restore_s: float | None = None
+    restored_bytes: int | None = None
+
+    @property
+    def total_s(self) -> float:
+        """From the first moment of the handoff to `to_model` being warm."""
+        parts = [self.wait_s, self.restore_s]
+        if self.waited_from is None:  # an older daemon's: the release came before the wait
+            parts.append(self.release_s)
+        return sum(part for part in parts if part is not None)
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> HandoffEvent:
+        return cls(
+            at=_float(obj.get("at")),
+            from_model=_str(obj.get("from")),
+            to_model=_str(obj.get("to")),
+            holder_pid=_int(obj.get("holder_pid")),
+            waited_from=_float(obj.get("waited_from")),
+            wait_s=_float(obj.get("wait_s")),
+            release_s=_float(obj.get("release_s")),
+            restore_s=_float(obj.get("restore_s")),
+            restored_bytes=_int(obj.get("restored_bytes")),
+        )
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "from": self.from_model,
+            "to": self.to_model,
+            "holder_pid": self.holder_pid,
+            "waited_from": self.waited_from,
+            "wait_s": self.wait_s,
+            "release_s": self.release_s,
+            "restore_s": self.restore_s,
+            "restored_bytes": self.restored_bytes,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class WaitEvent(Event):
+    """`model` waited `wait_s` from `waited_from` for the GPU, held by a program that is not one
+    of the daemon's models: a game, `arbiterd run CMD`, another daemon's model. Not a handoff."""
+
+    KIND: ClassVar[str] = "wait"
+
+    model: str | None = None
+    holder_pid: int | None = None
+    holder_name: str = ""
+    waited_from: float | None = None
+    wait_s: float | None = None
+
+    @property
+    def total_s(self) -> float:
+        return self.wait_s or 0.0
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> WaitEvent:
+        return cls(
+            at=_float(obj.get("at")),
+            model=_str(obj.get("model")),
+            holder_pid=_int(obj.get("holder_pid")),
+            holder_name=_text(obj.get("holder_name")),
+            waited_from=_float(obj.get("waited_from")),
+            wait_s=_float(obj.get("wait_s")),
+        )
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "holder_pid": self.holder_pid,
+            "holder_name": self.holder_name,
+            "waited_from": self.waited_from,
+            "wait_s": self.wait_s,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerEvent(Event):
+    """A model's worker exited with `code` (negative: killed by that signal), or could not start
+    (`code` and maybe `pid` None); it is started again in `restart_in_s`."""
+
+    KIND: ClassVar[str] = "worker"
+
+    model: str | None = None
+    pid: int | None = None
+    code: int | None = None
+    reason: str = ""
+    restart_in_s: float | None = None
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> WorkerEvent:
+        return cls(
+            at=_float(obj.get("at")),
+            model=_str(obj.get("model")),
+            pid=_int(obj.get("pid")),
+            code=_int(obj.get("code")),
+            reason=_text(obj.get("reason")),
+            restart_in_s=_float(obj.get("restart_in_s")),
+        )
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "pid": self.pid,
+            "code": self.code,
+            "reason": self.reason,
+            "restart_in_s": self.restart_in_s,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReloadEvent(Event):
+    """The config was read again: the models added, removed and changed, and its warnings."""
+
+    KIND: ClassVar[str] = "reload"
+
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    changed: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> ReloadEvent:
+        return cls(
+            at=_float(obj.get("at")),
+            added=_names(obj.get("added")),
+            removed=_names(obj.get("removed")),
+            changed=_names(obj.get("changed")),
+            warnings=_names(obj.get("warnings")),
+        )
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "added": list(self.added),
+            "removed": list(self.removed),
+            "changed": list(self.changed),
+            "warnings": list(self.warnings),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class HoldEvent(Event):
+    """The user took the GPU (`held`, game mode: every model goes cold) or gave it back."""
+
+    KIND: ClassVar[str] = "hold"
+
+    held: bool = False
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> HoldEvent:
+        return cls(at=_float(obj.get("at")), held=obj.get("held") is True)
+
+    def _fields(self) -> dict[str, Any]:
+        return {"held": self.held}
+
+
+@dataclass(frozen=True)
+class VramDevice:
+    device: str | None
+    name: str | None
+    total_bytes: int | None
+    used_bytes: int | None
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> VramDevice:
+        return cls(
+            device=_str(obj.get("device")),
+            name=_str(obj.get("name")),
+            total_bytes=_int(obj.get("total_bytes")),
+            used_bytes=_int(obj.get("used_bytes")),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "name": self.name,
+            "total_bytes": self.total_bytes,
+            "used_bytes": self.used_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class VramProcess:
+    """A GPU program that is not one of the daemon's models (a game, a browser, the desktop)."""
+
+    pid: int | None
+    device: str | None
+    used_bytes: int | None  # None: the driver lists it but does not say how much
+    name: str | None
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> VramProcess:
+        return cls(
+            pid=_int(obj.get("pid")),
+            device=_str(obj.get("device")),
+            used_bytes=_int(obj.get("used_bytes")),
+            name=_str(obj.get("name")),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "device": self.device,
+            "used_bytes": self.used_bytes,
+            "name": self.name,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class VramEvent(Event):
+    """Live VRAM figures, the status's `telemetry` object: each device, each model's bytes
+    (None: cannot be told), every other GPU program, and what could not be read."""
+
+    KIND: ClassVar[str] = "vram"
+
+    source: str | None = None
+    devices: tuple[VramDevice, ...] = ()
+    models: tuple[tuple[str, int | None], ...] = ()
+    others: tuple[VramProcess, ...] = ()
+    errors: tuple[str, ...] = ()
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> VramEvent:
+        models = obj.get("models")
+        return cls(
+            at=_float(obj.get("at")),
+            source=_str(obj.get("source")),
+            devices=tuple(VramDevice.from_json(d) for d in _mappings(obj.get("devices"))),
+            models=tuple(
+                (name, _int(value))
+                for name, value in (models.items() if isinstance(models, Mapping) else ())
+                if isinstance(name, str)
+            ),
+            others=tuple(VramProcess.from_json(p) for p in _mappings(obj.get("others"))),
+            errors=_names(obj.get("errors")),
+        )
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "devices": [device.to_json() for device in self.devices],
+            "models": dict(self.models),
+            "others": [process.to_json() for process in self.others],
+            "errors": list(self.errors),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class VramNotFreedEvent(Event):
+    """`model`'s worker released the GPU but still held `bytes_after` on `device` after
+    `waited_s`, where its cold footprint is `expected_bytes`."""
+
+    KIND: ClassVar[str] = "vram_not_freed"
+
+    model: str | None = None
+    pid: int | None = None
+    device: str | None = None
+    bytes_before: int | None = None
+    bytes_after: int | None = None
+    expected_bytes: int | None = None
+    waited_s: float | None = None
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> VramNotFreedEvent:
+        return cls(
+            at=_float(obj.get("at")),
+            model=_str(obj.get("model")),
+            pid=_int(obj.get("pid")),
+            device=_str(obj.get("device")),
+            bytes_before=_int(obj.get("bytes_before")),
+            bytes_after=_int(obj.get("bytes_after")),
+            expected_bytes=_int(obj.get("expected_bytes")),
+            waited_s=_float(obj.get("waited_s")),
+        )
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "pid": self.pid,
+            "device": self.device,
+            "bytes_before": self.bytes_before,
+            "bytes_after": self.bytes_after,
+            "expected_bytes": self.expected_bytes,
+            "waited_s": self.waited_s,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class OverflowEvent(Event):
+    """Sent by the control socket, not the daemon's core: this subscriber fell behind, missed
+    events and is being dropped."""
+
+    KIND: ClassVar[str] = "overflow"
+
+
+@dataclass(frozen=True, kw_only=True)
+class OtherEvent(Event):
+    """An event of a kind this module does not know (a newer daemon's), kept as it came:
+    `name` is its kind ("" when it had none), `fields` everything but "event" and "at"."""
+
+    name: str = ""
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        return self.name
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> OtherEvent:
+        return cls(
+            at=_float(obj.get("at")),
+            name=_text(obj.get("event")),
+            fields={k: v for k, v in obj.items() if k not in {"event", "at"}},
+        )
+
+    def _fields(self) -> dict[str, Any]:
+        return dict(self.fields)
+
+
+KINDS: dict[str, type[Event]] = {
+    kind.KIND: kind
+    for kind in (
+        ResidencyEvent,
+        RequestEvent,
+        HandoffEvent,
+        WaitEvent,
+        WorkerEvent,
+        ReloadEvent,
+        HoldEvent,
+        VramEvent,
+        VramNotFreedEvent,
+        OverflowEvent,
+    )
+}
+
+
+def parse_event(obj: object) -> Event:
+    """The record for one event object; never raises (anything that is not an object, or has
+    no kind this module knows, is an `OtherEvent`)."""
+    if not isinstance(obj, Mapping):
+        return OtherEvent()
+    name = obj.get("event")
+    kind = KINDS.get(name, OtherEvent) if isinstance(name, str) else OtherEvent
+    return kind.from_json(obj)
