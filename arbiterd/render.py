@@ -1,0 +1,312 @@
+"""Human output shared by the CLI and the tray: bytes, durations, processes, the engine, and the
+line (or notification) for each event.
+
+Owns every phrase a person reads about the daemon's figures and events, so `arbiterd status`,
+`arbiterd events`, the tray's tooltip, its handoff table and its notifications say the same
+thing the same way. Pure: no I/O and no clock of its own (callers pass times); imports only the
+event records, never the daemon, the CLI or Qt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import time
+from collections.abc import Iterable, Sequence
+
+from arbiterd.events import (
+    Event,
+    HandoffEvent,
+    HoldEvent,
+    OverflowEvent,
+    ReloadEvent,
+    RequestEvent,
+    ResidencyEvent,
+    VramEvent,
+    VramNotFreedEvent,
+    WaitEvent,
+    WorkerEvent,
+)
+
+NONE = "—"  # what a missing name or figure shows as
+KIND_WIDTH = 9  # "residency": the kinds line up in `arbiterd events`; longer ones push the text
+
+
+# -- figures -------------------------------------------------------------------------------------
+
+
+def format_bytes(count: float) -> str:
+    """1536 → "1.5 KiB": binary units, as the GPU's memory is counted."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
+
+
+def format_seconds(seconds: float | None) -> str:
+    """0.4213 → "0.42 s"; None (not measured) → "—"."""
+    return NONE if seconds is None else f"{seconds:.2f} s"
+
+
+def format_ago(seconds: float) -> str:
+    """How long ago, roughly: "12 s ago", "5 min ago", "2.5 h ago"."""
+    if seconds < 60:
+        return f"{seconds:.0f} s ago"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f} min ago"
+    return f"{seconds / 3600:.1f} h ago"
+
+
+def clock(at: float) -> str:
+    """The local time of day of `at` (seconds since the epoch): "14:03:07"."""
+    return time.strftime("%H:%M:%S", time.localtime(at))
+
+
+def clock_ms(at: float) -> str:
+    """The local time of day of `at` to the millisecond: "14:03:07.120"."""
+    # Round once, in integer milliseconds: (at % 1) * 1000 turns .120 into 119.99….
+    seconds, millis = divmod(round(at * 1000), 1000)
+    return f"{clock(seconds)}.{millis:03d}"
+
+
+# -- who holds the GPU, who waits ----------------------------------------------------------------
+
+
+def process(name: str | None, pid: int | None) -> str:
+    """A process as a person knows it: "steam (pid 4242)"; "pid 4242" without a name."""
+    if pid is None:
+        return name or "?"
+    return f"{name} (pid {pid})" if name else f"pid {pid}"
+
+
+def waiters_line(waiters: Sequence[tuple[str | None, int | None]]) -> str:
+    """Who waits for the GPU, each as (name, pid): "waiting: beta (pid 77)"."""
+    if not waiters:
+        return "waiting: nobody"
+    return "waiting: " + ", ".join(process(name, pid) for name, pid in waiters)
+
+
+def describe_engine(offload: bool, devices: Sequence[str]) -> str:
+    """What the engine runs on, in a few words (the CLI's status and the tray say it so)."""
+    if not offload:
+        return "CPU only (this engine cannot offload to a GPU)"
+    # The CPU is always one of the devices: name those that take the offloaded layers.
+    gpus = [device for device in devices if not device.startswith("CPU")]
+    return f"{', '.join(gpus)} (GPU offload)" if gpus else "GPU offload"
+
+
+def grouped(pairs: Iterable[tuple[str, str]]) -> list[tuple[list[str], str]]:
+    """(names, text) for each distinct non-empty text of (name, text) pairs, in the order each
+    text first comes: the same warning for several models is said once, naming them all."""
+    names_of: dict[str, list[str]] = {}
+    for name, text in pairs:
+        if text:
+            names_of.setdefault(text, []).append(name)
+    return [(names, text) for text, names in names_of.items()]
+
+
+# -- events --------------------------------------------------------------------------------------
+
+
+def event_line(event: Event) -> str:
+    """One line for `arbiterd events`: local time to the millisecond, the kind, what happened."""
+    stamp = "--:--:--.---" if event.at is None else clock_ms(event.at)
+    return f"{stamp}  {event.kind:<{KIND_WIDTH}} {event_detail(event)}".rstrip()
+
+
+def event_detail(event: Event) -> str:  # noqa: PLR0911 (one return per kind)
+    """What happened, in a line, without the time and the kind."""
+    match event:
+        case ResidencyEvent():
+            return _residency(event)
+        case HandoffEvent():
+            return _handoff(event)
+        case WaitEvent():
+            return _wait(event)
+        case RequestEvent():
+            return _request(event)
+        case WorkerEvent():
+            return _worker(event)
+        case ReloadEvent():
+            return _reload(event)
+        case HoldEvent():
+            return _hold(event)
+        case VramEvent():
+            return _vram(event)
+        case VramNotFreedEvent():
+            return _vram_not_freed(event)
+        case OverflowEvent():
+            return "this client fell behind and missed events; the daemon dropped it"
+        case _:
+            return _fields(event)
+
+
+def handoff_title(event: HandoffEvent | WaitEvent) -> str:
+    """How the GPU came to a model: "alpha → beta", or "beta waited behind steam (pid 9)"."""
+    if isinstance(event, HandoffEvent):
+        return f"{_name(event.from_model)} → {_name(event.to_model)}"
+    return f"{_name(event.model)} waited behind {process(event.holder_name, event.holder_pid)}"
+
+
+def handoff_label(event: HandoffEvent | WaitEvent) -> str:
+    """The short form, for a marker on the timeline: "→ beta 1.40 s", "→ beta 3.20 s after
+    steam"."""
+    if isinstance(event, HandoffEvent):
+        return f"→ {_name(event.to_model)} {format_seconds(event.total_s)}"
+    behind = event.holder_name or process(None, event.holder_pid)
+    return f"→ {_name(event.model)} {format_seconds(event.total_s)} after {behind}"
+
+
+def failure(event: Event) -> tuple[str, str] | None:
+    """(summary, body) when `event` reports a failure worth interrupting someone for: VRAM not
+    freed, a model that failed, a worker that crashed or could not start. Else None."""
+    if isinstance(event, VramNotFreedEvent):
+        held = f"{format_bytes(event.bytes_after)} are" if event.bytes_after else "its memory is"
+        where = f" on {event.device}" if event.device else ""
+        model = event.model or "a model"
+        return ("VRAM not freed", f"{model} released the GPU but {held} still in use{where}")
+    if isinstance(event, ResidencyEvent) and event.to_state == "failed":
+        reason = event.reason or "no reason given"
+        return ("Model failed", f"{event.model or 'a model'} failed: {reason}")
+    if isinstance(event, WorkerEvent):
+        then = "" if event.restart_in_s is None else f"; restarting in {event.restart_in_s:.0f} s"
+        body = f"{event.model or 'a model'}: {event.reason or 'exited'}{then}"
+        if event.code is None:
+            return ("Worker failed to start", body)
+        return ("Worker crashed", body)
+    return None
+
+
+def _name(value: str | None) -> str:
+    return value or NONE
+
+
+def _residency(event: ResidencyEvent) -> str:
+    left = _name(event.from_state)
+    line = f"{_name(event.model)} {left} → {_name(event.to_state)}"
+    if event.reason:
+        line += f" ({event.reason})"
+    parts = [line]
+    if event.duration_s is not None:  # how long the state it left lasted
+        parts.append(f"{left} for {format_seconds(event.duration_s)}")
+    for size, label in (
+        (event.weights_bytes, "weights"),
+        (event.kv_bytes, "kv"),
+        (event.disk_read_bytes, "read"),
+    ):
+        if size:
+            parts.append(f"{label} {format_bytes(size)}")
+    return "  ".join(parts)
+
+
+def _handoff(event: HandoffEvent) -> str:
+    parts = [handoff_title(event)]
+    for seconds, label in (
+        (event.release_s, "release"),
+        (event.wait_s, "wait"),
+        (event.restore_s, "restore"),
+    ):
+        if seconds is not None:
+            parts.append(f"{label} {format_seconds(seconds)}")
+    if event.restored_bytes:
+        parts.append(f"restored {format_bytes(event.restored_bytes)}")
+    return "  ".join(parts)
+
+
+def _wait(event: WaitEvent) -> str:
+    parts = [handoff_title(event)]
+    if event.wait_s is not None:
+        parts.append(f"wait {format_seconds(event.wait_s)}")
+    return "  ".join(parts)
+
+
+def _request(event: RequestEvent) -> str:
+    line = _name(event.model)
+    if event.prompt_tokens is not None:
+        line += f" {event.prompt_tokens} tokens"
+        if event.prompt_tokens_evaluated is not None:
+            line += f" ({event.prompt_tokens_evaluated} evaluated)"
+    if event.completion_tokens is not None:
+        line += f", {event.completion_tokens} generated"
+    if event.duration_s is not None:
+        line += f" {format_seconds(event.duration_s)}"
+    if event.outcome:
+        line += f" {event.outcome}"
+    if event.error:
+        line += f": {event.error}"
+    if event.request_id:
+        line += f"  {event.request_id}"
+    return line
+
+
+def _worker(event: WorkerEvent) -> str:
+    line = _name(event.model)
+    if event.pid is not None:
+        line += f" pid {event.pid}"
+    if event.code is None:
+        line += " started"
+    else:
+        line += f" exited code {event.code}"
+        if event.code < 0:
+            with contextlib.suppress(ValueError):  # not a signal this system names
+                line += f" ({signal.Signals(-event.code).name})"
+    if event.reason:
+        line += f": {event.reason}"
+    if event.restart_in_s is not None:
+        line += f", restarting in {event.restart_in_s:.1f} s"
+    return line
+
+
+def _reload(event: ReloadEvent) -> str:
+    parts = [
+        f"{label} {', '.join(names)}"
+        for label, names in (
+            ("added", event.added),
+            ("removed", event.removed),
+            ("changed", event.changed),
+        )
+        if names
+    ]
+    parts += [f"warning: {warning}" for warning in event.warnings]
+    return "  ".join(parts) or "nothing changed"
+
+
+def _hold(event: HoldEvent) -> str:
+    return "GPU held by the user" if event.held else "GPU given back by the user"
+
+
+def _vram(event: VramEvent) -> str:
+    parts = []
+    for device in event.devices:
+        used = NONE if device.used_bytes is None else format_bytes(device.used_bytes)
+        total = NONE if device.total_bytes is None else format_bytes(device.total_bytes)
+        parts.append(f"{_name(device.device)} {used} used of {total}")
+    for model, size in event.models:
+        parts.append(f"{model} {NONE if size is None else format_bytes(size)}")
+    return "  ".join(parts)
+
+
+def _vram_not_freed(event: VramNotFreedEvent) -> str:
+    line = _name(event.model)
+    if event.pid is not None:
+        line += f" pid {event.pid}"
+    after = NONE if event.bytes_after is None else format_bytes(event.bytes_after)
+    line += f" still holds {after}"
+    if event.device:
+        line += f" on {event.device}"
+    if event.waited_s is not None:
+        line += f" {format_seconds(event.waited_s)} after its release"
+    if event.expected_bytes is not None:
+        line += f" (cold footprint {format_bytes(event.expected_bytes)})"
+    return line
+
+
+def _fields(event: Event) -> str:
+    fields = {k: v for k, v in event.to_json().items() if k not in {"event", "at", "seq"}}
+    return " ".join(
+        f"{key}={json.dumps(value, ensure_ascii=False, default=str)}"
+        for key, value in fields.items()
+    )

@@ -1,0 +1,283 @@
+"""Human output: figures, processes, the engine, one line per event, and failure notices."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from arbiterd import render
+from arbiterd.events import (
+    KINDS,
+    Event,
+    HandoffEvent,
+    OtherEvent,
+    WaitEvent,
+    parse_event,
+)
+from tests.test_events import SAMPLES
+
+AT = 1_718_020_803.12  # a time with milliseconds that binary floats cannot hold exactly
+GiB = 1 << 30
+
+
+@pytest.mark.parametrize(
+    ("count", "said"),
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1536, "1.5 KiB"),
+        (300 << 20, "300.0 MiB"),
+        (3 * GiB, "3.0 GiB"),
+        (2048 * GiB, "2048.0 GiB"),
+        (-1536, "-1.5 KiB"),
+    ],
+)
+def test_bytes_in_binary_units(count: int, said: str) -> None:
+    assert render.format_bytes(count) == said
+
+
+def test_seconds_and_how_long_ago() -> None:
+    assert render.format_seconds(0.4213) == "0.42 s"
+    assert render.format_seconds(None) == "—"
+    assert [render.format_ago(s) for s in (12, 300, 9000)] == [
+        "12 s ago",
+        "5 min ago",
+        "2.5 h ago",
+    ]
+
+
+def test_clock_rounds_to_the_millisecond_once() -> None:
+    assert render.clock_ms(AT) == time.strftime("%H:%M:%S", time.localtime(int(AT))) + ".120"
+
+
+@pytest.mark.parametrize(
+    ("name", "pid", "said"),
+    [("steam", 9, "steam (pid 9)"), (None, 9, "pid 9"), ("", 9, "pid 9"), ("x", None, "x")],
+)
+def test_a_process_by_name_and_pid(name: str | None, pid: int | None, said: str) -> None:
+    assert render.process(name, pid) == said
+
+
+def test_the_waiters_line() -> None:
+    assert render.waiters_line([]) == "waiting: nobody"
+    assert render.waiters_line([("beta", 77), (None, 78)]) == "waiting: beta (pid 77), pid 78"
+
+
+@pytest.mark.parametrize(
+    ("offload", "devices", "said"),
+    [
+        (False, ["CPU: x"], "CPU only (this engine cannot offload to a GPU)"),
+        (True, ["CPU: x", "CUDA0: a", "CUDA1: b"], "CUDA0: a, CUDA1: b (GPU offload)"),
+        (True, [], "GPU offload"),
+    ],
+)
+def test_the_engine_in_a_few_words(offload: bool, devices: list[str], said: str) -> None:
+    assert render.describe_engine(offload, devices) == said
+
+
+def test_the_same_text_for_several_names_is_said_once() -> None:
+    pairs = [("a", "slow"), ("b", ""), ("c", "slow"), ("d", "odd")]
+    assert render.grouped(pairs) == [(["a", "c"], "slow"), (["d"], "odd")]
+
+
+# -- one line per event ------------------------------------------------------------------------
+
+
+def line(body: dict[str, Any]) -> str:
+    """event_line's line without its local-time prefix, after checking that prefix."""
+    text = render.event_line(parse_event({"at": AT, **body}))
+    stamp = time.strftime("%H:%M:%S", time.localtime(int(AT))) + ".120  "
+    assert text.startswith(stamp)
+    return text.removeprefix(stamp)
+
+
+def test_a_handoff_line_from_an_older_and_a_measuring_daemon() -> None:
+    old = {
+        "event": "handoff",
+        "from": "gemma",
+        "to": "tiny",
+        "release_s": 0.11,
+        "wait_s": 0.02,
+        "restore_s": 0.92,
+    }
+    assert line(old) == "handoff   gemma → tiny  release 0.11 s  wait 0.02 s  restore 0.92 s"
+    measured = {
+        **old,
+        "release_s": None,
+        "holder_pid": 42,
+        "waited_from": AT - 1,
+        "restored_bytes": GiB,
+    }
+    assert line(measured) == "handoff   gemma → tiny  wait 0.02 s  restore 0.92 s  restored 1.0 GiB"
+    assert line({"event": "handoff", "from": None, "to": "tiny", "restore_s": 1.5}) == (
+        "handoff   — → tiny  restore 1.50 s"
+    )
+
+
+def test_a_wait_behind_another_program_is_not_a_handoff() -> None:
+    body = {"event": "wait", "model": "tiny", "holder_pid": 777, "holder_name": "steam",
+            "waited_from": AT - 30, "wait_s": 29.5}  # fmt: skip
+    assert line(body) == "wait      tiny waited behind steam (pid 777)  wait 29.50 s"
+    assert line({"event": "wait", "model": "tiny", "holder_name": "render"}) == (
+        "wait      tiny waited behind render"
+    )
+
+
+def test_a_residency_line() -> None:
+    body = {
+        "event": "residency",
+        "model": "gemma",
+        "from": "warm",
+        "to": "cooling",
+        "duration_s": 12.5,
+        "weights_bytes": 300 * 2**20,
+        "kv_bytes": 12 * 2**20,
+        "disk_read_bytes": 0,
+        "reason": "wanted",
+    }
+    assert line(body) == (
+        "residency gemma warm → cooling (wanted)  warm for 12.50 s  weights 300.0 MiB  kv 12.0 MiB"
+    )
+    body.update({"from": "cold", "to": "warming", "reason": "", "disk_read_bytes": 3 * 2**30})
+    assert line(body) == (
+        "residency gemma cold → warming  cold for 12.50 s  weights 300.0 MiB  kv 12.0 MiB"
+        "  read 3.0 GiB"
+    )
+
+
+def test_a_request_line() -> None:
+    body = {
+        "event": "request",
+        "model": "gemma",
+        "id": "cmpl-1",
+        "duration_s": 0.531,
+        "prompt_tokens": 212,
+        "prompt_tokens_evaluated": 12,
+        "completion_tokens": 40,
+        "cancelled": False,
+        "status": "ok",
+    }
+    assert line(body) == "request   gemma 212 tokens (12 evaluated), 40 generated 0.53 s ok  cmpl-1"
+    body.update({"status": None, "cancelled": True, "id": None})
+    assert line(body).endswith("0.53 s cancelled")
+    failed = {"event": "request", "model": "gemma", "id": "r2", "status": "error", "error": "busy"}
+    assert line(failed) == "request   gemma error: busy  r2"
+
+
+def test_a_worker_line() -> None:
+    body = {
+        "event": "worker",
+        "model": "gemma",
+        "pid": 4242,
+        "code": -9,
+        "reason": "out of memory",
+        "restart_in_s": 1.0,
+    }
+    assert line(body) == (
+        "worker    gemma pid 4242 exited code -9 (SIGKILL): out of memory, restarting in 1.0 s"
+    )
+    assert line({"event": "worker", "model": "gemma", "pid": 4243, "code": None}) == (
+        "worker    gemma pid 4243 started"
+    )
+    assert line({"event": "worker", "model": "gemma", "code": 3}) == "worker    gemma exited code 3"
+
+
+def test_hold_reload_and_vram_lines() -> None:
+    assert line({"event": "hold", "held": True}) == "hold      GPU held by the user"
+    assert line({"event": "hold", "held": False}) == "hold      GPU given back by the user"
+    reload = {"event": "reload", "added": ["a", "b"], "removed": [], "warnings": ["a: slow"]}
+    assert line(reload) == "reload    added a, b  warning: a: slow"
+    assert line({"event": "reload"}) == "reload    nothing changed"
+    not_freed = {"event": "vram_not_freed", "model": "gemma", "pid": 9, "device": "gpu0",
+                 "bytes_after": GiB, "expected_bytes": 64 << 20, "waited_s": 2}  # fmt: skip
+    assert line(not_freed) == (
+        "vram_not_freed gemma pid 9 still holds 1.0 GiB on gpu0 2.00 s after its release"
+        " (cold footprint 64.0 MiB)"
+    )
+    vram = {"event": "vram", "devices": [{"device": "gpu0", "used_bytes": GiB,
+            "total_bytes": 8 * GiB}], "models": {"gemma": GiB, "tiny": None}}  # fmt: skip
+    assert line(vram) == "vram      gpu0 1.0 GiB used of 8.0 GiB  gemma 1.0 GiB  tiny —"
+
+
+def test_an_unknown_kind_shows_its_fields() -> None:
+    body = {"event": "thermal", "devices": ["gpu0", "gpu1"], "hot": True, "seq": 7}
+    assert line(body) == 'thermal   devices=["gpu0", "gpu1"] hot=true'
+
+
+def test_a_malformed_body_still_gives_a_line() -> None:
+    body = {"event": "request", "model": ["not", "a", "name"], "prompt_tokens": "many"}
+    assert line(body) == "request   —"
+
+
+def test_an_event_without_a_time_says_so() -> None:
+    assert render.event_line(OtherEvent(name="x")) == "--:--:--.---  x"
+
+
+@pytest.mark.parametrize("event", SAMPLES, ids=lambda e: e.kind)
+def test_every_known_kind_has_its_own_words(event: Event) -> None:
+    # The generic key=value form is for kinds this arbiterd does not know.
+    assert "=" not in render.event_detail(event)
+    assert event.kind in KINDS
+
+
+def test_handoffs_and_waits_as_the_tray_titles_and_labels_them() -> None:
+    handoff = HandoffEvent(from_model="a", to_model="b", wait_s=0.5, restore_s=0.9)
+    wait = WaitEvent(model="b", holder_name="steam", holder_pid=9, wait_s=3.2)
+    assert render.handoff_title(handoff) == "a → b"
+    assert render.handoff_title(wait) == "b waited behind steam (pid 9)"
+    assert render.handoff_label(handoff) == "→ b 1.40 s"
+    assert render.handoff_label(wait) == "→ b 3.20 s after steam"
+    assert render.handoff_label(WaitEvent(model="b", holder_pid=9)) == "→ b 0.00 s after pid 9"
+
+
+# -- failures worth a notification -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("event", "summary", "body"),
+    [
+        (
+            {"event": "vram_not_freed", "model": "a", "bytes_after": GiB, "device": "gpu0"},
+            "VRAM not freed",
+            "a released the GPU but 1.0 GiB are still in use on gpu0",
+        ),
+        (
+            {"event": "vram_not_freed"},
+            "VRAM not freed",
+            "a model released the GPU but its memory is still in use",
+        ),
+        (
+            {"event": "residency", "model": "a", "to": "failed", "reason": "no file"},
+            "Model failed",
+            "a failed: no file",
+        ),
+        (
+            {"event": "worker", "model": "a", "code": 1, "reason": "exited", "restart_in_s": 2},
+            "Worker crashed",
+            "a: exited; restarting in 2 s",
+        ),
+        (
+            {"event": "worker", "model": "a", "code": None, "reason": "no such file"},
+            "Worker failed to start",
+            "a: no such file",
+        ),
+    ],
+)
+def test_failures_worth_a_notification(event: dict[str, Any], summary: str, body: str) -> None:
+    assert render.failure(parse_event(event)) == (summary, body)
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"event": "residency", "model": "a", "to": "cold"},
+        {"event": "handoff", "from": "a", "to": "b"},
+        {"event": "wait", "model": "a", "holder_name": "steam", "wait_s": 600},
+        {"event": "hold", "held": True},
+        {"event": "request", "model": "a", "status": "error"},
+    ],
+)
+def test_ordinary_events_are_not_failures(event: dict[str, Any]) -> None:
+    assert render.failure(parse_event(event)) is None
