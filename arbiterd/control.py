@@ -2,9 +2,10 @@
 
 Owns the socket file and its directory, the protocol (docs/control-protocol.md) on the daemon's
 side (`ControlServer`, on the daemon's event loop) and on the client's (`ControlClient`, blocking,
-for the CLI, the tray and the tests). It asks the daemon only what `arbiterd.service.Service`
-offers, and never blocks the event loop: every connection has its own bounded outbox, and a
-subscriber that cannot keep up is dropped rather than waited for.
+for the CLI and the tests). It asks the daemon only what `arbiterd.service.Service` offers, and
+answers `events` from the `History` it is given (the journal's query); it never blocks the event
+loop: every connection has its own bounded outbox, a subscriber that cannot keep up is dropped
+rather than waited for, and the history is read in a thread.
 
     client → daemon  {"command": NAME, "request_id": SCALAR, ...args}
     daemon → client  {"request_id", "error": "success", "data": {...}}
@@ -17,16 +18,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import os
 import socket
 import struct
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import arbiterd
 from arbiterd import socketfile
@@ -63,6 +65,10 @@ OVERFLOW_GRACE_S: Final = 30.0
 # Pending connections the kernel queues before refusing more: a burst of clients (a tray per
 # login, scripts polling status) must not see ECONNREFUSED while the daemon is busy for a moment.
 LISTEN_BACKLOG: Final = 1024
+# The most events one `events` reply carries; a client asks on from the last seq while the reply
+# says "more". A journaled event is a few hundred bytes: a page stays far below the 16 MiB a
+# client accepts in a line (wire.MAX_MESSAGE_BYTES).
+EVENTS_PAGE_MAX: Final = 500
 CONNECT_TIMEOUT_S: Final = 5.0
 DISCARD_BYTES: Final = 65536
 
@@ -77,16 +83,36 @@ CODE_INTERNAL: Final = "internal"  # a bug in the daemon; logged with its traceb
 
 _RESERVED_KEYS = frozenset({"command", "request_id"})
 # Each command's arguments: name -> (type, required). Unknown arguments are refused, so a typo
-# ("modle") is an error rather than a command applied to no model.
+# ("modle") is an error rather than a command applied to no model. A float argument takes any
+# finite JSON number.
 _ARGS: dict[str, dict[str, tuple[type, bool]]] = {
     "hello": {"protocol": (int, False)},
     "status": {},
     "subscribe": {},
     "unsubscribe": {},
+    "events": {"since": (float, False), "after_seq": (int, False), "limit": (int, False)},
     **{name: {"model": (str, True)} for name in MODEL_COMMANDS},
     **{name: {} for name in COMMANDS - MODEL_COMMANDS},
 }
 CONTROL_COMMANDS: Final = tuple(sorted(_ARGS))
+# The values an integer argument may take, by name (a seq is an SQLite integer).
+_RANGES: Final = {"limit": (1, EVENTS_PAGE_MAX), "after_seq": (0, 2**63 - 1)}
+
+
+class StoredEvent(Protocol):
+    def to_json(self) -> dict[str, Any]:
+        """The event object as stored, with its "seq"."""
+        ...
+
+
+class History(Protocol):
+    """What answers `events`: the stored events at or after `since` (seconds since the epoch)
+    with a seq above `after_seq`, oldest first, the first `limit` of them (`Journal.read` fits).
+    It blocks on a file, so the server calls it in a thread."""
+
+    def __call__(
+        self, *, since: float | None, after_seq: int | None, limit: int
+    ) -> Sequence[StoredEvent]: ...
 
 
 def default_socket_path(env: Mapping[str, str] | None = None) -> Path:
@@ -115,7 +141,15 @@ def _is_scalar(value: object) -> bool:
 
 
 def _type_name(kind: type) -> str:
-    return {int: "an integer", str: "a string"}.get(kind, kind.__name__)
+    return {int: "an integer", str: "a string", float: "a number"}.get(kind, kind.__name__)
+
+
+def _is_a(value: object, kind: type) -> bool:
+    if isinstance(value, bool):  # bool is an int to Python, never to a client
+        return False
+    if kind is float:
+        return isinstance(value, int | float) and math.isfinite(value)
+    return isinstance(value, kind)
 
 
 def _check_args(command: str, args: dict[str, Any]) -> str | None:
@@ -131,11 +165,14 @@ def _check_args(command: str, args: dict[str, Any]) -> str | None:
                 return f"{command}: missing argument {name!r} ({_type_name(kind)})"
             continue
         value = args[name]
-        # bool is an int to Python, never to a client.
-        if not isinstance(value, kind) or isinstance(value, bool):
+        if not _is_a(value, kind):
             return f"{command}: argument {name!r} must be {_type_name(kind)}, not {value!r}"
         if kind is str and not value:
             return f"{command}: argument {name!r} must not be empty"
+        bounds = _RANGES.get(name)
+        if bounds is not None and not bounds[0] <= value <= bounds[1]:
+            low, high = bounds
+            return f"{command}: argument {name!r} must be from {low} to {high}, not {value!r}"
     return None
 
 
@@ -188,11 +225,13 @@ def parse_request(line: bytes) -> Request:
 
 
 class ControlServer:
-    """Serves the control protocol for `service` on the Unix socket `path`."""
+    """Serves the control protocol for `service` on the Unix socket `path`; `history` answers
+    `events`."""
 
-    def __init__(self, service: Service, path: Path) -> None:
+    def __init__(self, service: Service, path: Path, *, history: History) -> None:
         self.service = service
         self.path = path
+        self.history = history
         self._server: asyncio.Server | None = None
         self._inode: tuple[int, int] | None = None
         self._connections: set[asyncio.Task[None]] = set()
@@ -249,7 +288,8 @@ class ControlServer:
         # close() cancels this inner task, never the one asyncio runs this callback in: asyncio
         # 3.11 logs "Exception in callback" for a connection task that ends cancelled.
         task = asyncio.create_task(
-            _Connection(self.service, reader, writer).serve(), name="control-connection"
+            _Connection(self.service, self.history, reader, writer).serve(),
+            name="control-connection",
         )
         self._connections.add(task)
         try:
@@ -270,9 +310,14 @@ class _Connection:
     outbox, and, while subscribed, a pump moving the service's events into the outbox."""
 
     def __init__(
-        self, service: Service, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self,
+        service: Service,
+        history: History,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
     ) -> None:
         self._service = service
+        self._history = history
         self._reader = reader
         self._writer = writer
         # None asks the writer task to stop once everything before it is written.
@@ -432,7 +477,24 @@ class _Connection:
         if command == "unsubscribe":
             await self._stop_events()
             return {"subscribed": False}
+        if command == "events":
+            return await self._history_page(args)
         return await self._service.command(command, args.get("model"))
+
+    async def _history_page(self, args: dict[str, Any]) -> dict[str, Any]:
+        limit: int = args.get("limit", EVENTS_PAGE_MAX)
+        since = args.get("since")
+        # One more than asked for: whether more follow is then known, not guessed.
+        stored = await asyncio.to_thread(
+            self._history,
+            since=None if since is None else float(since),
+            after_seq=args.get("after_seq"),
+            limit=limit + 1,
+        )
+        return {
+            "events": [event.to_json() for event in stored[:limit]],
+            "more": len(stored) > limit,
+        }
 
     async def _stop_events(self) -> None:
         pump, self._pump = self._pump, None
@@ -533,6 +595,23 @@ class ControlClient:
                 raise ControlReplyError(str(error), str(message.get("code", "")))
             data = message.get("data")
             return data if isinstance(data, dict) else {}
+
+    def history(
+        self, *, since: float | None = None, after_seq: int | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """The daemon's journal (`events`): the events stored at or after `since` (seconds since
+        the epoch) with a seq above `after_seq`, oldest first, as stored, each with its "seq".
+        Asks page after page until the last; ControlReplyError from a daemon without `events`."""
+        while True:
+            args = {"since": since, "after_seq": after_seq}
+            page = self.call("events", **{k: v for k, v in args.items() if v is not None})
+            stored = page.get("events")
+            events = [e for e in stored if isinstance(e, dict)] if isinstance(stored, list) else []
+            yield from events
+            seqs = [e["seq"] for e in events if isinstance(e.get("seq"), int)]
+            if page.get("more") is not True or not seqs:
+                return
+            after_seq = seqs[-1]
 
     def events(self, timeout_s: float | None = None) -> Iterator[dict[str, Any]]:
         """The events after `call("subscribe")`, those that came before a reply first. Ends when

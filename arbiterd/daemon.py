@@ -73,7 +73,7 @@ async def _serve(
     fd_limit = raise_fd_limit()  # before any worker starts: they inherit it
     journal = Journal(daemon.journal)
     supervisor = Supervisor(config, journal, reload_config)
-    control = ControlServer(supervisor, daemon.socket)
+    control = ControlServer(supervisor, daemon.socket, history=journal.read)
     http = HttpServer(
         create_app(supervisor, api_key=daemon.api_key),
         listeners,

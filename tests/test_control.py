@@ -1,4 +1,5 @@
-"""The control socket against a Service double: a real ControlServer on a real Unix socket.
+"""The control socket against a Service double: a real ControlServer on a real Unix socket,
+answering `events` from a real journal.
 
 The server runs on an asyncio loop in a background thread; the tests talk to it with the
 blocking ControlClient or with raw lines, as any other client would.
@@ -29,10 +30,12 @@ from arbiterd import control
 from arbiterd.control import (
     CONTROL_COMMANDS,
     CONTROL_PROTOCOL,
+    EVENTS_PAGE_MAX,
     MAX_LINE_BYTES,
     ControlClient,
     ControlReplyError,
     ControlServer,
+    StoredEvent,
     default_socket_path,
     peer_uid,
 )
@@ -42,6 +45,7 @@ from arbiterd.errors import (
     DaemonNotRunningError,
     UnknownModelError,
 )
+from arbiterd.journal import Journal
 from arbiterd.service import COMMANDS, MODEL_COMMANDS
 from arbiterd.wire import LineReader
 from tests.support.waiting import wait_until
@@ -56,6 +60,12 @@ STATUS = {
     "waiters": [],
     "hold": False,
 }
+AT = 1_718_000_000.5  # a time events happened at
+
+
+def no_history(*, since: float | None, after_seq: int | None, limit: int) -> list[StoredEvent]:
+    """The history of a daemon whose journal is empty."""
+    return []
 
 
 class FakeService:
@@ -144,6 +154,7 @@ class Served:
     server: ControlServer
     path: Path
     loop: LoopThread
+    journal: Journal  # what `events` answers from
 
     def publish(self, *events: dict[str, Any]) -> None:
         self.loop.call(lambda: self.service.publish(*events))
@@ -230,13 +241,15 @@ def loop() -> Iterator[LoopThread]:
 
 
 @pytest.fixture
-def served(loop: LoopThread, sock_dir: Path) -> Iterator[Served]:
+def served(loop: LoopThread, sock_dir: Path, tmp_path: Path) -> Iterator[Served]:
     service = FakeService()
     path = sock_dir / "arbiterd" / "control.sock"
-    server = ControlServer(service, path)
+    journal = Journal(tmp_path / "journal.sqlite3")
+    server = ControlServer(service, path, history=journal.read)  # as the daemon wires it
     loop.run(server.start())
-    yield Served(service, server, path, loop)
+    yield Served(service, server, path, loop, journal)
     loop.run(server.close())
+    journal.close()
     assert not path.exists()
     assert service.subscribers == []
 
@@ -257,7 +270,7 @@ def test_client_says_hello_and_learns_the_protocol_and_commands(conns: Connectio
         "protocol": CONTROL_PROTOCOL,
         "server": "arbiterd",
         "version": arbiterd.__version__,
-        "commands": sorted(COMMANDS | {"hello", "status", "subscribe", "unsubscribe"}),
+        "commands": sorted(COMMANDS | {"hello", "status", "subscribe", "unsubscribe", "events"}),
     }
 
 
@@ -608,7 +621,7 @@ def test_a_directory_others_can_enter_is_refused(loop: LoopThread, sock_dir: Pat
     directory = sock_dir / "open"
     directory.mkdir()
     directory.chmod(0o755)
-    server = ControlServer(FakeService(), directory / "control.sock")
+    server = ControlServer(FakeService(), directory / "control.sock", history=no_history)
     with pytest.raises(DaemonError, match=r"has mode 0755; it must be 0700"):
         loop.run(server.start())
     assert not (directory / "control.sock").exists()
@@ -619,14 +632,14 @@ def test_a_directory_owned_by_another_user_is_refused(loop: LoopThread, sock_dir
     directory = sock_dir / "theirs"
     directory.mkdir(mode=0o700)
     os.chown(directory, 65534, 65534)
-    server = ControlServer(FakeService(), directory / "control.sock")
+    server = ControlServer(FakeService(), directory / "control.sock", history=no_history)
     with pytest.raises(DaemonError, match="is owned by uid 65534, not by you"):
         loop.run(server.start())
 
 
 def test_a_second_server_on_a_live_socket_is_refused(served: Served, conns: Connections) -> None:
     inode = served.path.stat().st_ino
-    second = ControlServer(FakeService(), served.path)
+    second = ControlServer(FakeService(), served.path, history=no_history)
     with pytest.raises(DaemonError) as caught:
         served.loop.run(second.start())
     assert str(caught.value) == f"another arbiterd is already running on {served.path}"
@@ -639,7 +652,7 @@ def test_a_stale_socket_file_is_replaced(loop: LoopThread, sock_dir: Path) -> No
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
         dead.bind(str(path))  # a daemon that died: the file stays, nobody listens
     service = FakeService()
-    server = ControlServer(service, path)
+    server = ControlServer(service, path, history=no_history)
     loop.run(server.start())
     try:
         with ControlClient.connect(path, timeout_s=WAIT_S) as client:
@@ -653,8 +666,77 @@ def test_a_file_that_is_not_a_socket_is_left_alone(loop: LoopThread, sock_dir: P
     path = sock_dir / "control.sock"
     path.write_text("notes")
     with pytest.raises(DaemonError, match="exists and is not a socket"):
-        loop.run(ControlServer(FakeService(), path).start())
+        loop.run(ControlServer(FakeService(), path, history=no_history).start())
     assert path.read_text() == "notes"
+
+
+# history: the events command
+
+
+def hold(at: float, held: bool = True) -> dict[str, Any]:
+    return {"event": "hold", "at": at, "held": held}
+
+
+def test_events_answers_from_the_history_since_a_time(served: Served, conns: Connections) -> None:
+    for at in (AT, AT + 1, AT + 2):
+        served.journal.append(hold(at))
+    assert conns.client().call("events", since=AT + 1) == {
+        "events": [{**hold(AT + 1), "seq": 2}, {**hold(AT + 2), "seq": 3}],
+        "more": False,
+    }
+    assert conns.client().call("events", since=AT + 3) == {"events": [], "more": False}
+
+
+def test_events_come_in_pages_by_seq_and_the_client_reads_every_page(
+    served: Served, conns: Connections, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seqs = [served.journal.append(hold(AT + i, i % 2 == 0)) for i in range(5)]
+    raw = conns.raw()
+    first = raw.request(command="events", limit=2, request_id=1)["data"]
+    assert ([e["seq"] for e in first["events"]], first["more"]) == (seqs[:2], True)
+    rest = raw.request(command="events", after_seq=seqs[1], limit=3, request_id=2)["data"]
+    assert ([e["seq"] for e in rest["events"]], rest["more"]) == (seqs[2:], False)
+    # Pages of two by default: the client must ask three times to read all five.
+    monkeypatch.setattr(control, "EVENTS_PAGE_MAX", 2)
+    client = conns.client()
+    assert [e["seq"] for e in client.history()] == seqs
+    assert list(client.history(since=AT + 3)) == [
+        {**hold(AT + 3, False), "seq": seqs[3]},
+        {**hold(AT + 4), "seq": seqs[4]},
+    ]
+    assert list(client.history(after_seq=seqs[-1])) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        ({"limit": 0}, f"'limit' must be from 1 to {EVENTS_PAGE_MAX}, not 0"),
+        ({"limit": EVENTS_PAGE_MAX + 1}, f"'limit' must be from 1 to {EVENTS_PAGE_MAX}"),
+        ({"limit": 2.5}, "'limit' must be an integer, not 2.5"),
+        ({"after_seq": -1}, "'after_seq' must be from 0 to"),
+        ({"since": "1h"}, "'since' must be a number, not '1h'"),
+        ({"since": True}, "'since' must be a number, not True"),
+        ({"kinds": ["hold"]}, "unknown argument 'kinds'"),
+    ],
+)
+def test_bad_events_arguments_are_refused(
+    served: Served, conns: Connections, args: dict[str, Any], problem: str
+) -> None:
+    served.journal.append(hold(AT))
+    reply = conns.raw().request(command="events", request_id=4, **args)
+    assert (reply["request_id"], reply["code"]) == (4, "invalid_args")
+    assert problem in reply["error"]
+
+
+def test_a_since_that_is_not_a_finite_number_is_refused(conns: Connections) -> None:
+    raw = conns.raw()
+    raw.send_line(b'{"command": "events", "since": NaN, "request_id": 1}')
+    reply = raw.read()
+    assert (reply["code"], reply["error"]) == (
+        "invalid_args",
+        "events: argument 'since' must be a number, not nan",
+    )
+    assert raw.request(command="events", request_id=2)["data"] == {"events": [], "more": False}
 
 
 # the client
