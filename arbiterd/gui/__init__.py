@@ -1,5 +1,7 @@
 """The tray app and dashboard (PySide6). Only a client of the control socket: the daemon never
-imports this package, and nothing outside it imports Qt.
+imports this package, and nothing outside it imports Qt. Of arbiterd's own modules it imports
+only the event records and their rendering (events, render), errors, config and paths, and the
+control protocol (control, wire): never the CLI or the daemon (tests/gui/test_imports.py).
 
     app          `arbiterd tray`: main(argv), the QApplication, --screenshot
     tray         TrayApp: icon, menu, dashboard and notifications wired to a connection
@@ -13,7 +15,7 @@ Without Qt (pure, tested without a display):
 
     state        TrayState: what every view shows, from statuses and events
     status       the daemon's status object, read tolerantly
-    history      VRAM samples and handoff records of the last minutes; the journal reader
+    history      VRAM samples, handoffs and waits of the last minutes (events, no I/O)
     palette      a stable colour per model; red, amber, grey
     replay       recorded sessions (JSON lines) for --screenshot --replay
     autostart    the XDG autostart entry behind "Start at login"

@@ -2,8 +2,8 @@
 that Qt can start on the desktop, before it), and the one-shot `--screenshot` render; the
 running app itself is `tray.TrayApp`.
 
-    arbiterd tray [--socket PATH] [--journal PATH] [--config PATH] [-v]
-    arbiterd tray --screenshot FILE.png [--replay FILE] [--socket PATH] [--journal PATH]
+    arbiterd tray [--socket PATH] [--config PATH] [-v]
+    arbiterd tray --screenshot FILE.png [--replay FILE] [--socket PATH] [--config PATH]
 
 `main(argv)` takes the arguments after "tray" and returns the exit status; an ArbiterError is
 one line on stderr and its exit status, as everywhere in the CLI.
@@ -27,9 +27,10 @@ from PySide6.QtWidgets import QApplication
 
 from arbiterd.config import load_daemon_config
 from arbiterd.errors import ArbiterError, DaemonNotRunningError, UsageError
+from arbiterd.events import Event
 from arbiterd.gui.connection import DaemonConnection
 from arbiterd.gui.dashboard import SCREENSHOT_SIZE, DashboardWindow
-from arbiterd.gui.history import JOURNAL_LEAD_S, read_journal
+from arbiterd.gui.history import HISTORY_LEAD_S
 from arbiterd.gui.launch import daemon_start_command
 from arbiterd.gui.notify import BusNotifications
 from arbiterd.gui.replay import apply_replay, load_replay
@@ -38,7 +39,7 @@ from arbiterd.gui.tray import TrayApp
 
 log = logging.getLogger(__name__)
 
-# How long --screenshot waits for a running daemon's first status.
+# How long --screenshot waits for a running daemon's first status and its history.
 SCREENSHOT_CONNECT_S: Final = 5.0
 # Python runs its signal handlers only between bytecodes: while Qt's loop waits in C++, a timer
 # lets Ctrl-C and SIGTERM through.
@@ -110,8 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="The tray icon and dashboard: who holds the GPU, who waits, every handoff.",
     )
     parser.add_argument("--socket", type=Path, metavar="PATH", help="control socket path")
-    parser.add_argument("--journal", type=Path, metavar="PATH", help="journal file (history)")
-    parser.add_argument("--config", type=Path, metavar="PATH", help="config naming both")
+    parser.add_argument("--config", type=Path, metavar="PATH", help="config naming the socket")
     parser.add_argument(
         "--screenshot", type=Path, metavar="FILE.png", help="render the dashboard to a PNG, exit"
     )
@@ -149,16 +149,6 @@ def _socket_path(args: argparse.Namespace) -> Path:
     if args.socket is not None:
         return Path(args.socket)
     return load_daemon_config(args.config).socket
-
-
-def _journal_path(args: argparse.Namespace) -> Path | None:
-    if args.journal is not None:
-        return Path(args.journal)
-    try:
-        return load_daemon_config(args.config).journal
-    except ArbiterError as exc:
-        log.warning("no history: %s", exc)
-        return None
 
 
 def _application() -> QApplication:
@@ -219,7 +209,6 @@ def run_tray(args: argparse.Namespace) -> int:
         )
     check_qt_platform(os.environ)
     socket = _socket_path(args)
-    journal = _journal_path(args)
     app = _application()
     if pyside_leaks_none():
         raise BrokenQtError(
@@ -231,7 +220,6 @@ def run_tray(args: argparse.Namespace) -> int:
     connection = DaemonConnection(socket)
     tray = TrayApp(
         connection,
-        journal_path=journal,
         notifications=BusNotifications.find(),
         daemon_command=lambda: daemon_start_command(args.socket, args.config),
     )
@@ -268,7 +256,7 @@ def screenshot(args: argparse.Namespace) -> int:
     if args.replay is not None:
         now = apply_replay(state, load_replay(args.replay))
     else:
-        now = _fetch_live(state, _socket_path(args), _journal_path(args))
+        now = _fetch_live(state, _socket_path(args))
     dashboard = DashboardWindow()
     try:
         # Never shown: grab() lays out and paints a hidden widget at its size.
@@ -289,25 +277,28 @@ def screenshot(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fetch_live(state: TrayState, socket: Path, journal: Path | None) -> float:
-    """Fill `state` from the journal and one status of the running daemon; returns now.
+def _fetch_live(state: TrayState, socket: Path) -> float:
+    """Fill `state` from the running daemon's history and one status of it; returns now.
     DaemonNotRunningError when no daemon answers within SCREENSHOT_CONNECT_S."""
-    now = time.time()
-    if journal is not None:
-        try:
-            events = read_journal(journal, now - state.history.window_s - JOURNAL_LEAD_S)
-        except ArbiterError as exc:
-            log.info("no history: %s", exc)
-        else:
-            for event in events:
-                state.apply_event(event)
     connection = DaemonConnection(socket)
     loop = QEventLoop()
     failure: list[str] = []
+    statuses: list[dict[str, object]] = []
+    histories: list[list[Event]] = []
+
+    def on_connected(_hello: object) -> None:
+        since = time.time() - state.history.window_s - HISTORY_LEAD_S
+        connection.request_history(since)
 
     def on_status(status: dict[str, object]) -> None:
-        state.apply_status(status, time.time())
-        loop.quit()
+        statuses.append(status)
+        if histories:
+            loop.quit()
+
+    def on_history(events: list[Event]) -> None:
+        histories.append(events)
+        if statuses:
+            loop.quit()
 
     def on_disconnected(reason: str) -> None:
         failure.append(reason)
@@ -317,7 +308,9 @@ def _fetch_live(state: TrayState, socket: Path, journal: Path | None) -> float:
         failure.append(f"no answer within {SCREENSHOT_CONNECT_S:.0f} s")
         loop.quit()
 
+    connection.connected.connect(on_connected)
     connection.status_received.connect(on_status)
+    connection.history_received.connect(on_history)
     connection.disconnected.connect(on_disconnected)
     timer = QTimer()
     timer.setSingleShot(True)
@@ -325,12 +318,16 @@ def _fetch_live(state: TrayState, socket: Path, journal: Path | None) -> float:
     timer.start(int(SCREENSHOT_CONNECT_S * 1000))
     try:
         connection.start()
-        if not failure and state.status is None:  # a refused connect may fail at once
+        if not failure:  # a refused connect may fail at once
             loop.exec()
     finally:
         timer.stop()
         connection.stop()
         connection.deleteLater()
+    for event in histories[0] if histories else []:
+        state.apply_event(event)
+    if statuses:  # after the history, which is older
+        state.apply_status(statuses[0], time.time())
     if state.status is None:
         reason = failure[0] if failure else "no status"
         raise DaemonNotRunningError(

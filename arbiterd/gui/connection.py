@@ -1,9 +1,10 @@
 """The tray's connection to the daemon: the control protocol (docs/control-protocol.md) over
 QLocalSocket, driven by the Qt event loop, never blocking it.
 
-Owns every socket the GUI opens. One long-lived connection says `hello`, `subscribe`s to events
-and polls `status` (one request in flight at a time, at most once a second); when it drops — the
-daemon restarted, or dropped us with `overflow` — it reconnects with a doubling backoff.
+Owns every socket the GUI opens. One long-lived connection says `hello`, `subscribe`s to events,
+polls `status` (one request in flight at a time, at most once a second) and, when asked, pages
+through the daemon's journal (`events`); when it drops — the daemon restarted, or dropped us
+with `overflow` — it reconnects with a doubling backoff.
 Commands (warm, release, pin, …) each get a short-lived connection of their own: the daemon
 answers a connection's requests in order, and a `warm` that loads a model for minutes must not
 hold up the status and events of the long-lived one.
@@ -11,7 +12,9 @@ hold up the status and events of the long-lived one.
     DaemonConnection.connected(hello data)      after each successful hello
     DaemonConnection.disconnected(reason)       the connection dropped, or an attempt failed
     DaemonConnection.status_received(status)    one status object, about once a second
-    DaemonConnection.event_received(event)      each event, in order
+    DaemonConnection.event_received(event)      each event (an arbiterd.events record), in order
+    DaemonConnection.history_received(events)   the journal's events `request_history` asked for,
+                                                oldest first, once every page is in
     DaemonConnection.command_finished(id, command, data)
     DaemonConnection.command_failed(id, command, message, code)
 """
@@ -27,8 +30,9 @@ from typing import Any, Final
 from PySide6.QtCore import QObject, QTimer, Signal
 from PySide6.QtNetwork import QLocalSocket
 
-from arbiterd.control import CONTROL_PROTOCOL
+from arbiterd.control import CONTROL_PROTOCOL, EVENTS_PAGE_MAX
 from arbiterd.errors import ProtocolError
+from arbiterd.events import Event, OverflowEvent, parse_event
 from arbiterd.wire import MAX_MESSAGE_BYTES, decode, encode
 
 log = logging.getLogger(__name__)
@@ -200,6 +204,7 @@ class DaemonConnection(QObject):
     disconnected = Signal(str)
     status_received = Signal(object)
     event_received = Signal(object)
+    history_received = Signal(object)  # list[Event]
     command_finished = Signal(int, str, object)
     command_failed = Signal(int, str, str, str)
 
@@ -223,6 +228,7 @@ class DaemonConnection(QObject):
         self._running = False
         self._pending: dict[int, str] = {}  # request id -> command, on the long-lived connection
         self._status_sent_at: float | None = None  # time.monotonic of the status in flight
+        self._history: list[Event] | None = None  # the pages read so far of a history asked for
         self._calls: dict[int, _CommandCall] = {}
         self._first_s = reconnect_first_s
         self._max_s = reconnect_max_s
@@ -283,22 +289,46 @@ class DaemonConnection(QObject):
         lines, self._lines = self._lines, None
         self._pending.clear()
         self._status_sent_at = None
+        self._history = None  # lost with the connection; the tray asks again once connected
         if lines is not None:
             lines.close("replaced")  # _on_closed ignores it: it is no longer self._lines
             lines.deleteLater()
 
-    def _send(self, command: str) -> None:
+    def _send(self, command: str, **args: Any) -> None:
         if self._lines is None:
             return
         request_id = next(self._ids)
         self._pending[request_id] = command
-        message: dict[str, Any] = {"command": command, "request_id": request_id}
-        if command == "hello":
-            message["protocol"] = CONTROL_PROTOCOL
-        self._lines.send(message)
+        self._lines.send({**args, "command": command, "request_id": request_id})
 
     def _on_open(self) -> None:
-        self._send("hello")
+        self._send("hello", protocol=CONTROL_PROTOCOL)
+
+    def request_history(self, since: float) -> None:
+        """Ask for the journal's events at or after `since` (seconds since the epoch), for
+        `history_received`; nothing when not connected, or while a history is on its way."""
+        if not self._connected or self._history is not None:
+            return
+        self._history = []
+        self._send("events", since=since, limit=EVENTS_PAGE_MAX)
+
+    def _on_history_page(self, data: dict[str, Any]) -> None:
+        collected = self._history
+        if collected is None:
+            return
+        stored = data.get("events")
+        page = [e for e in stored if isinstance(e, dict)] if isinstance(stored, list) else []
+        collected += (parse_event(e) for e in page)
+        seqs = [e["seq"] for e in page if isinstance(e.get("seq"), int)]
+        if data.get("more") is True and seqs:
+            self._send("events", after_seq=seqs[-1], limit=EVENTS_PAGE_MAX)
+        else:
+            self._finish_history()
+
+    def _finish_history(self) -> None:
+        collected, self._history = self._history, None
+        if collected is not None:
+            self.history_received.emit(collected)
 
     def request_status(self) -> None:
         """Ask for a status now, unless one is already on its way (then at most wait for it)."""
@@ -313,11 +343,12 @@ class DaemonConnection(QObject):
 
     def _on_message(self, message: dict[str, Any]) -> None:
         if "event" in message:
-            if message.get("event") == "overflow":
+            event = parse_event(message)
+            if isinstance(event, OverflowEvent):
                 # Events were lost: start over with a fresh subscription and status.
                 self._lost("arbiterd dropped the tray for reading events too slowly", retry_s=0)
             else:
-                self.event_received.emit(message)
+                self.event_received.emit(event)
             return
         request_id = message.get("request_id")
         command = self._pending.pop(request_id, None) if isinstance(request_id, int) else None
@@ -329,6 +360,8 @@ class DaemonConnection(QObject):
                 self._lost(f"arbiterd refused the tray: {error}")
             elif command == "status":
                 self._status_sent_at = None
+            elif command == "events":  # an older daemon, or its journal failed: no history
+                self._finish_history()
             return
         data = message.get("data")
         data = data if isinstance(data, dict) else {}
@@ -343,6 +376,8 @@ class DaemonConnection(QObject):
         elif command == "status":
             self._status_sent_at = None
             self.status_received.emit(data)
+        elif command == "events":
+            self._on_history_page(data)
 
     def _on_closed(self, lines: _LineSocket, reason: str) -> None:
         if lines is self._lines:

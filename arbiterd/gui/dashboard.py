@@ -6,7 +6,8 @@
     timeline   timeline.TimelineWidget
     cards      one per model: state, VRAM, host RAM, queue, pinned, backend, its warning and
                last error; Warm / Release / Pin; "unknown" while the daemon cannot be reached
-    table      handoffs: time, from → to, release / wait / restore / total, bytes, tokens
+    table      handoffs and waits behind other programs: time, from → to, release / wait /
+               restore / total, bytes, tokens
 
 Owns the window's widgets and how a `TrayState` shows in them. It sends nothing itself: its
 buttons emit `command_requested(command, model)` and `start_daemon_requested()`, and the tray
@@ -34,7 +35,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from arbiterd.clidaemon import human_bytes
+from arbiterd import render
 from arbiterd.gui import palette
 from arbiterd.gui.history import HandoffRecord
 from arbiterd.gui.palette import RGB, hex_colour
@@ -75,10 +76,6 @@ QTableWidget {{ background: #26292e; color: {hex_colour(palette.TEXT)};
 QHeaderView::section {{ background: #3a3f47; color: {hex_colour(palette.TEXT)}; border: none;
                         padding: 3px; }}
 """
-
-
-def _seconds(value: float | None) -> str:
-    return "—" if value is None else f"{value:.2f} s"
 
 
 class ModelCard(QFrame):
@@ -127,10 +124,10 @@ class ModelCard(QFrame):
         self.stripe.setStyleSheet(f"background: {hex_colour(colour)}; border-radius: 2px;")
         state = model.state + (" · holds the GPU" if holder else "")
         self.state.setText(f"state: {state}")
-        self.vram.setText(f"VRAM: {human_bytes(model.resident_bytes)}")
+        self.vram.setText(f"VRAM: {render.format_bytes(model.resident_bytes)}")
         host_ram = model.host_ram_bytes
         self.host_ram.setText(
-            "host RAM: " + ("not reported" if host_ram is None else human_bytes(host_ram))
+            "host RAM: " + ("not reported" if host_ram is None else render.format_bytes(host_ram))
         )
         extra = [f"queue: {model.queue}"]
         if model.pinned:
@@ -302,14 +299,14 @@ class DashboardWindow(QWidget):
         self.table.setRowCount(len(rows))
         for row, record in enumerate(rows):
             cells = (
-                time.strftime("%H:%M:%S", time.localtime(record.at)),
-                f"{record.from_model} → {record.to_model}",
-                _seconds(record.release_s),
-                _seconds(record.wait_s),
-                _seconds(record.restore_s),
-                _seconds(record.total_s),
-                "—" if record.bytes_ is None else human_bytes(record.bytes_),
-                "—" if record.tokens_evaluated is None else str(record.tokens_evaluated),
+                render.clock(record.at),
+                record.title,
+                render.format_seconds(record.release_s),
+                render.format_seconds(record.wait_s),
+                render.format_seconds(record.restore_s),
+                render.format_seconds(record.total_s),
+                render.NONE if record.bytes_ is None else render.format_bytes(record.bytes_),
+                render.NONE if record.tokens_evaluated is None else str(record.tokens_evaluated),
             )
             for column, text in enumerate(cells):
                 item = QTableWidgetItem(text)

@@ -1,10 +1,12 @@
 """What happened on the GPU lately: VRAM by owner over time, and every handoff with its cost.
 
 Owns the dashboard's memory of the last minutes, fed from three sources that may overlap: the
-journal (read once when a window opens), live events, and status snapshots. Status snapshots
-are the truth about bytes when there are any; between them (and in the journal, which has no
-snapshots) residency events move a model's bytes: to `warm` with the bytes the move reported,
-to `cold`/`failed`/`stopped` to zero. An event seen twice (journal and live) counts once.
+daemon's journal (asked for over the control socket when the tray connects and when a window
+opens), live events, and status snapshots. Status snapshots are the truth about bytes when there
+are any; between them (and in the journal, which has no snapshots) residency events move a
+model's bytes: to `warm` with the bytes the move reported, to `cold`/`failed`/`stopped` to zero.
+Handoffs and waits are the daemon's own `handoff` and `wait` events, as measured by the model
+that got the GPU; nothing here infers one. An event seen twice (journal and live) counts once.
 
 Pure bookkeeping, no Qt, no clock of its own: callers pass the times.
 """
@@ -12,26 +14,26 @@ Pure bookkeeping, no Qt, no clock of its own: callers pass the times.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping
+import json
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
+from arbiterd import render
+from arbiterd.events import (
+    Event,
+    HandoffEvent,
+    HoldEvent,
+    RequestEvent,
+    ResidencyEvent,
+    WaitEvent,
+)
 from arbiterd.gui.status import Status
-from arbiterd.journal import Journal
 
 DEFAULT_WINDOW_S = 600.0
-# A residency event and the handoff it belongs to are published within moments of each other
-# (supervisor._on_residency publishes the handoff, then the event that caused it).
-HANDOFF_MATCH_S = 5.0
+# How far before the window the tray asks for history, so the window starts with each model's
+# bytes (its last residency event may be older than the window).
+HISTORY_LEAD_S = 3600.0
 MAX_HANDOFFS = 500
 _EMPTY_STATES = frozenset({"cold", "failed", "stopped"})
-
-
-def _number(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -49,24 +51,53 @@ class Sample:
 
 @dataclass
 class HandoffRecord:
-    """One handoff: `at` is when the new holder was warm; it began `total_s` before."""
+    """The GPU came to `to_model`: from another model (a `handoff` event), or after it waited
+    behind a program that is not a model (a `wait` event). `at` is when the daemon said so."""
 
+    event: HandoffEvent | WaitEvent
     at: float
-    from_model: str
     to_model: str
-    release_s: float | None
-    wait_s: float | None
-    restore_s: float | None
-    bytes_: int | None = None  # what the restore moved onto the device (weights + KV)
     tokens_evaluated: int | None = None  # prompt tokens the next request of to_model evaluated
 
     @property
+    def from_model(self) -> str | None:
+        """The model that held the GPU; None after a wait behind another program."""
+        return self.event.from_model if isinstance(self.event, HandoffEvent) else None
+
+    @property
+    def title(self) -> str:
+        return render.handoff_title(self.event)
+
+    @property
+    def label(self) -> str:
+        return render.handoff_label(self.event)
+
+    @property
+    def release_s(self) -> float | None:
+        return self.event.release_s if isinstance(self.event, HandoffEvent) else None
+
+    @property
+    def wait_s(self) -> float | None:
+        return self.event.wait_s
+
+    @property
+    def restore_s(self) -> float | None:
+        return self.event.restore_s if isinstance(self.event, HandoffEvent) else None
+
+    @property
+    def bytes_(self) -> int | None:
+        """What the restore moved onto the device (weights + KV), when the daemon said."""
+        return self.event.restored_bytes if isinstance(self.event, HandoffEvent) else None
+
+    @property
     def total_s(self) -> float:
-        return sum(s for s in (self.release_s, self.wait_s, self.restore_s) if s is not None)
+        return self.event.total_s
 
     @property
     def started_at(self) -> float:
-        return self.at - self.total_s
+        """When the model began waiting: measured, or (an older daemon's) `at` less the total."""
+        waited_from = self.event.waited_from
+        return self.at - self.total_s if waited_from is None else waited_from
 
 
 @dataclass
@@ -75,12 +106,6 @@ class HoldSpan:
 
     start: float
     end: float | None = None
-
-
-@dataclass
-class _WarmMove:
-    at: float
-    bytes_: int
 
 
 @dataclass
@@ -93,8 +118,7 @@ class History:
     total_bytes: int | None = None  # the devices' memory, once a status reported it
     _bytes: dict[str, int] = field(default_factory=dict)
     _others: int = 0
-    _seen: dict[tuple[object, ...], float] = field(default_factory=dict)
-    _warm_moves: dict[str, _WarmMove] = field(default_factory=dict)
+    _seen: dict[str, float] = field(default_factory=dict)  # each event's JSON -> its time
 
     # -- feeding -------------------------------------------------------------------------------
 
@@ -110,24 +134,26 @@ class History:
         self._hold(status.hold, at)
         self._sample(at)
 
-    def add_event(self, event: Mapping[str, Any]) -> bool:
+    def add_event(self, event: Event) -> bool:
         """Apply one event; False when it was seen before (or has no time) and changed nothing."""
-        at = _number(event.get("at"))
-        kind = event.get("event")
-        if at is None or not isinstance(kind, str):
+        at = event.at
+        if at is None:
             return False
-        key = (kind, round(at, 6), event.get("model"), event.get("from"), event.get("to"))
+        # The whole event is its identity: the journal's copy and the live one are the same
+        # object, and two events alike in every field are one.
+        key = json.dumps(event.to_json(), sort_keys=True, default=str)
         if key in self._seen:
             return False
         self._seen[key] = at
-        if kind == "residency":
-            self._on_residency(event, at)
-        elif kind == "handoff":
-            self._on_handoff(event, at)
-        elif kind == "request":
-            self._on_request(event, at)
-        elif kind == "hold":
-            self._hold(event.get("held") is True, at)
+        match event:
+            case ResidencyEvent():
+                self._on_residency(event, at)
+            case HandoffEvent() | WaitEvent():
+                self._on_arrival(event, at)
+            case RequestEvent():
+                self._on_request(event, at)
+            case HoldEvent():
+                self._hold(event.held, at)
         return True
 
     def _hold(self, held: bool, at: float) -> None:
@@ -141,62 +167,38 @@ class History:
         if model not in self.models:
             self.models.append(model)
 
-    def _on_residency(self, event: Mapping[str, Any], at: float) -> None:
-        model, to = event.get("model"), event.get("to")
-        if not isinstance(model, str) or not isinstance(to, str):
+    def _on_residency(self, event: ResidencyEvent, at: float) -> None:
+        model, to = event.model, event.to_state
+        if model is None or to is None:
             return
         self._know(model)
-        weights, kv = _number(event.get("weights_bytes")), _number(event.get("kv_bytes"))
-        moved = int((weights or 0) + (kv or 0))
         if to == "warm":
-            if moved > 0:
-                self._bytes[model] = moved
-            self._warm_moves[model] = _WarmMove(at, moved)
-            record = self._handoff_to(model, at)
-            if record is not None and record.bytes_ is None and moved > 0:
-                record.bytes_ = moved
+            if event.moved_bytes > 0:
+                self._bytes[model] = event.moved_bytes
         elif to in _EMPTY_STATES:
             self._bytes[model] = 0
         else:
             return  # loading, warming, cooling: the bytes move at the end
         self._sample(at)
 
-    def _on_handoff(self, event: Mapping[str, Any], at: float) -> None:
-        source, target = event.get("from"), event.get("to")
-        if not isinstance(source, str) or not isinstance(target, str):
+    def _on_arrival(self, event: HandoffEvent | WaitEvent, at: float) -> None:
+        model = event.to_model if isinstance(event, HandoffEvent) else event.model
+        if model is None:
             return
-        record = HandoffRecord(
-            at=at,
-            from_model=source,
-            to_model=target,
-            release_s=_number(event.get("release_s")),
-            wait_s=_number(event.get("wait_s")),
-            restore_s=_number(event.get("restore_s")),
-        )
-        move = self._warm_moves.get(target)
-        if move is not None and abs(move.at - at) <= HANDOFF_MATCH_S and move.bytes_ > 0:
-            record.bytes_ = move.bytes_
-        bisect.insort(self.handoffs, record, key=lambda h: h.at)
+        bisect.insort(self.handoffs, HandoffRecord(event, at, model), key=lambda h: h.at)
         del self.handoffs[:-MAX_HANDOFFS]
 
-    def _handoff_to(self, model: str, at: float) -> HandoffRecord | None:
-        for record in reversed(self.handoffs):
-            if record.to_model == model and abs(record.at - at) <= HANDOFF_MATCH_S:
-                return record
-        return None
-
-    def _on_request(self, event: Mapping[str, Any], at: float) -> None:
-        model = event.get("model")
-        evaluated = _number(event.get("prompt_tokens_evaluated"))
-        if not isinstance(model, str) or evaluated is None:
+    def _on_request(self, event: RequestEvent, at: float) -> None:
+        evaluated = event.prompt_tokens_evaluated
+        if event.model is None or evaluated is None:
             return
-        # The first request of the model to end after its latest handoff is the one whose
-        # prompt the restored KV cache served (or not): its evaluated tokens are the handoff's.
+        # The first request of the model to end after it got the GPU is the one whose prompt
+        # the restored KV cache served (or not): its evaluated tokens are the handoff's.
         for record in reversed(self.handoffs):
-            if record.to_model != model:
+            if record.to_model != event.model:
                 continue
             if record.at <= at and record.tokens_evaluated is None:
-                record.tokens_evaluated = int(evaluated)
+                record.tokens_evaluated = evaluated
             return
 
     def _sample(self, at: float) -> None:
@@ -215,7 +217,7 @@ class History:
         del self.samples[: max(0, first - 1)]
         self.handoffs = [h for h in self.handoffs if h.at >= start]
         self.holds = [s for s in self.holds if s.end is None or s.end >= start]
-        self._seen = {k: t for k, t in self._seen.items() if t >= start - HANDOFF_MATCH_S}
+        self._seen = {k: t for k, t in self._seen.items() if t >= start}
 
     def visible(self, now: float) -> list[Sample]:
         """The samples that cover [now - window_s, now], the one before the window included."""
@@ -241,19 +243,3 @@ class History:
     def handoffs_in_window(self, now: float) -> list[HandoffRecord]:
         start = now - self.window_s
         return [h for h in self.handoffs if start <= h.at <= now]
-
-
-# How far before the window the journal is read, so the window starts with each model's bytes
-# (its last residency event may be older than the window).
-JOURNAL_LEAD_S = 3600.0
-JOURNAL_KINDS = ("residency", "handoff", "request", "worker", "hold", "vram_not_freed")
-
-
-def read_journal(path: Path, since: float) -> list[dict[str, Any]]:
-    """The journal's events since `since` (read-only; the daemon may be writing). DaemonError
-    when there is no journal or it cannot be read."""
-    journal = Journal.open_readonly(path)
-    try:
-        return [event.body for event in journal.read(since=since, kinds=JOURNAL_KINDS)]
-    finally:
-        journal.close()

@@ -1,6 +1,6 @@
 """Desktop notifications for failures: org.freedesktop.Notifications, one bubble replacing the last.
 
-Owns the notification call and its bookkeeping: which events notify (`state.failure_of` decides),
+Owns the notification call and its bookkeeping: which events notify (`render.failure` decides),
 and the id of the bubble on screen, passed as `replaces_id` so a new failure replaces it instead
 of stacking (the Desktop Notifications Specification: Notify returns the id, and a non-zero
 `replaces_id` replaces that notification in place).
@@ -24,11 +24,12 @@ import re
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Final, Protocol
 
 from PySide6.QtCore import QObject, QProcess, QTimer
 
-from arbiterd.gui.state import failure_of
+from arbiterd import render
+from arbiterd.events import Event
 
 log = logging.getLogger(__name__)
 
@@ -167,9 +168,9 @@ class FailureNotifier:
         """Whether a call is on its way (the next one waits for its id)."""
         return self._busy
 
-    def event(self, event: Mapping[str, Any]) -> bool:
+    def event(self, event: Event) -> bool:
         """Notify if `event` is a failure; True when it was one."""
-        failure = failure_of(event)
+        failure = render.failure(event)
         if failure is None:
             return False
         summary, body = failure

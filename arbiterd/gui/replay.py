@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from arbiterd.errors import BadValueError
+from arbiterd.events import Event, parse_event
 from arbiterd.gui.state import TrayState
 
 
@@ -30,7 +31,7 @@ class ReplayError(BadValueError):
 class ReplayItem:
     at: float
     status: Mapping[str, Any] | None = None
-    event: Mapping[str, Any] | None = None
+    event: Event | None = None
 
 
 def _time(value: object) -> float | None:
@@ -61,7 +62,7 @@ def parse_line(line: str) -> ReplayItem | None:
     at = _time(event.get("at"))
     if at is None:
         raise ValueError('an event needs "at", seconds since the epoch')
-    return ReplayItem(at=at, event=event)
+    return ReplayItem(at=at, event=parse_event(event))
 
 
 def load_replay(path: Path) -> list[ReplayItem]:

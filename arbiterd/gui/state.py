@@ -22,23 +22,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from arbiterd.clidaemon import describe_engine, grouped, human_bytes
+from arbiterd import render
+from arbiterd.events import Event, ResidencyEvent, VramNotFreedEvent, WorkerEvent
 from arbiterd.gui import palette
 from arbiterd.gui.history import DEFAULT_WINDOW_S, History
 from arbiterd.gui.palette import RGB, ModelColours
 from arbiterd.gui.status import HOLD_HOLDER_NAME, Status
 
 WARNING_HOLD_S = 300.0
-
-
-def _text(value: object, default: str = "?") -> str:
-    return value if isinstance(value, str) and value else default
-
-
-def _number(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -61,35 +52,9 @@ class IconLook:
     warning: bool = False
 
 
-def failure_of(event: Mapping[str, Any]) -> tuple[str, str] | None:
-    """(summary, body) when `event` reports a failure worth interrupting the user for: VRAM not
-    freed, a model that failed, a worker that crashed or could not start. Else None."""
-    kind = event.get("event")
-    model = _text(event.get("model"), "a model")
-    if kind == "vram_not_freed":
-        figure = _number(event.get("bytes"))
-        if figure is None:
-            figure = _number(event.get("used_bytes"))
-        where = f" on {event['device']}" if isinstance(event.get("device"), str) else ""
-        held = f"{human_bytes(int(figure))} are" if figure else "its memory is"
-        return ("VRAM not freed", f"{model} released the GPU but {held} still in use{where}")
-    if kind == "residency" and event.get("to") == "failed":
-        reason = _text(event.get("reason"), "no reason given")
-        return ("Model failed", f"{model} failed: {reason}")
-    if kind == "worker":
-        reason = _text(event.get("reason"), "exited")
-        restart = _number(event.get("restart_in_s"))
-        then = f"; restarting in {restart:.0f} s" if restart is not None else ""
-        if event.get("code") is None:
-            return ("Worker failed to start", f"{model}: {reason}{then}")
-        return ("Worker crashed", f"{model}: {reason}{then}")
-    return None
-
-
 class TrayState:
     def __init__(self, window_s: float = DEFAULT_WINDOW_S) -> None:
         self.status: Status | None = None
-        self.status_at: float | None = None
         self.reachable = False
         self.unreachable_reason = "connecting to arbiterd…"
         self.history = History(window_s=window_s)
@@ -99,21 +64,21 @@ class TrayState:
 
     def apply_status(self, raw: Mapping[str, Any], at: float) -> None:
         self.status = Status.read(raw)
-        self.status_at = at
         self.reachable = True
         self.history.add_status(self.status, at)
 
-    def apply_event(self, event: Mapping[str, Any]) -> bool:
+    def apply_event(self, event: Event) -> bool:
         """Apply one event; False when it was already seen (a journal event that also came live)."""
         if not self.history.add_event(event):
             return False
-        at = _number(event.get("at")) or 0.0
-        kind = event.get("event")
-        model = event.get("model") if isinstance(event.get("model"), str) else None
-        if kind == "residency" and event.get("to") == "warm" and model is not None:
+        at = event.at or 0.0
+        # The kinds that may warn (render.failure) are each about one model.
+        about = ResidencyEvent | WorkerEvent | VramNotFreedEvent
+        model = event.model if isinstance(event, about) else None
+        if isinstance(event, ResidencyEvent) and event.to_state == "warm" and model is not None:
             # Warm again: whatever went wrong with it before is over.
             self._warnings = {k: w for k, w in self._warnings.items() if w.model != model}
-        failure = failure_of(event)
+        failure = render.failure(event)
         if failure is not None:
             summary, body = failure
             self._warnings[(summary, model)] = ActiveWarning(f"{summary}: {body}", at, model)
@@ -141,14 +106,14 @@ class TrayState:
         if self.status is None:
             return []
         pairs = ((m.name, m.warning) for m in self.status.models)
-        return [f"{', '.join(names)}: {text}" for names, text in grouped(pairs)]
+        return [f"{', '.join(names)}: {text}" for names, text in render.grouped(pairs)]
 
     def engine_text(self) -> str | None:
         """What the daemon's engine runs on, or None when it does not say."""
         engine = self.status.engine if self.status is not None else None
         if engine is None:
             return None
-        return "engine: " + describe_engine(engine.offload, engine.devices)
+        return "engine: " + render.describe_engine(engine.offload, engine.devices)
 
     def colours(self) -> ModelColours:
         """Each model's colour: the daemon's models pick first, in its order (history lists
@@ -194,31 +159,28 @@ class TrayState:
         if status.holder_model is not None:
             return f"GPU: {status.holder_model}"
         holder = status.holder
-        return f"GPU: {holder.name or 'another program'} (pid {holder.pid})"
+        return f"GPU: {render.process(holder.name or 'another program', holder.pid)}"
 
     def vram_text(self) -> str:
         status = self.status
         if status is None:
             return "VRAM: unknown"
-        used = human_bytes(status.used_bytes)
+        used = render.format_bytes(status.used_bytes)
         total = status.total_bytes
         if total is None:
             return f"VRAM: {used} (models' own count)"
-        return f"VRAM: {used} / {human_bytes(total)}"
+        return f"VRAM: {used} / {render.format_bytes(total)}"
 
     def host_ram_text(self) -> str | None:
         """The host RAM the daemon keeps (host copies and KV), or None when it does not say."""
         status = self.status
         if status is None or status.host_ram_bytes is None:
             return None
-        return f"host RAM: {human_bytes(status.host_ram_bytes)}"
+        return f"host RAM: {render.format_bytes(status.host_ram_bytes)}"
 
     def waiters_text(self) -> str:
-        status = self.status
-        if status is None or not status.waiters:
-            return "waiting: nobody"
-        names = [w.name or f"pid {w.pid}" for w in status.waiters]
-        return "waiting: " + ", ".join(names)
+        waiters = self.status.waiters if self.status is not None else ()
+        return render.waiters_line([(w.name, w.pid) for w in waiters])
 
     def tooltip(self, now: float) -> str:
         if not self.reachable:

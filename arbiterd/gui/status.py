@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from arbiterd.events import HandoffEvent
+
 # States in which a model is in trouble: the tray turns amber while one lasts.
 TROUBLE_STATES = frozenset({"failed", "restarting"})
 # The name the daemon's own hold (game mode) takes the arena token under (supervisor._take_hold).
@@ -59,7 +61,7 @@ class ModelStatus:
     host_ram_bytes: int | None  # its host copy of the weights (its share) and KV kept on the host
     last_error: str
     restarts: int
-    last_handoff: Mapping[str, Any] | None
+    last_handoff: HandoffEvent | None
     backend: str = ""  # "in-place" | "reload"; "" when the daemon does not say (yet)
     fallback_reason: str = ""  # why not in-place
     warning: str = ""  # e.g. it asks for GPU layers an engine that cannot offload will not give
@@ -77,7 +79,7 @@ class ModelStatus:
             host_ram_bytes=_optional_int(raw.get("host_ram_bytes")),
             last_error=_str(raw.get("last_error")),
             restarts=_int(raw.get("restarts")),
-            last_handoff=handoff if isinstance(handoff, Mapping) else None,
+            last_handoff=HandoffEvent.from_json(handoff) if isinstance(handoff, Mapping) else None,
             backend=_str(raw.get("backend")),
             fallback_reason=_str(raw.get("fallback_reason")),
             warning=_str(raw.get("warning")),

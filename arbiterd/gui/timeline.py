@@ -1,7 +1,8 @@
 """The dashboard's timeline: VRAM by owner over the last minutes, stacked, with handoff markers.
 
     legend   ■ alpha  ■ beta  ■ other processes                 device total 23.5 GiB ↑ off scale
-    markers        ▼            ▼                  one per handoff, in the new holder's colour
+    markers        ▼            ▼                  one per handoff (or wait behind another
+                                                   program), in the new holder's colour
     labels         → beta 0.42 s                   in up to LABEL_ROWS rows, never overlapping
     plot     ░░░░░░│▒▒▒▒▒▒▒▒▒▒▒▒│░░░░░░            a band for each owner (models in the daemon's
              ░░░░░░│▒▒▒▒▒▒▒▒▒▒▒▒│░░░░░░            order, other processes grey on top); a shaded
@@ -35,7 +36,7 @@ from PySide6.QtGui import (
 )
 from PySide6.QtWidgets import QWidget
 
-from arbiterd.clidaemon import human_bytes
+from arbiterd import render
 from arbiterd.gui import palette
 from arbiterd.gui.history import HandoffRecord, History, Sample
 from arbiterd.gui.icon import qcolor
@@ -87,7 +88,7 @@ class Axis:
         """What the legend says of the device, or None when its total is not known."""
         if self.device_bytes is None:
             return None
-        total = f"device total {human_bytes(self.device_bytes)}"
+        total = f"device total {render.format_bytes(self.device_bytes)}"
         return total if self.device_in_view else f"{total} ↑ off scale"
 
 
@@ -237,7 +238,7 @@ class TimelineWidget(QWidget):
         plot = self.plot_rect()
         row_height = self._row_height()
         bounds = QRectF(plot.left() + 2, plot.top() + 1, plot.width() - 4, row_height * LABEL_ROWS)
-        wanted = [(x, metrics.horizontalAdvance(_label(record))) for x, record in markers]
+        wanted = [(x, metrics.horizontalAdvance(record.label)) for x, record in markers]
         spots = place_labels(wanted, bounds, row_height, self.hold_strips())
         return [
             (spot, record)
@@ -301,7 +302,7 @@ class TimelineWidget(QWidget):
             painter.setPen(QPen(qcolor(palette.GRID), 1))
             painter.drawLine(QPointF(plot.left(), y), QPointF(plot.right(), y))
             if not axis.device_in_view or abs(y - plot.top()) >= metrics.height():
-                self._axis_label(painter, y, human_bytes(int(value)))
+                self._axis_label(painter, y, render.format_bytes(value))
             value += axis.step_bytes
         window = self.span_s
         tick_s = _tick_step(window, (5, 10, 30, 60, 120, 300, 600, 1800, 3600), 6)
@@ -372,7 +373,7 @@ class TimelineWidget(QWidget):
         y = y_on(axis, plot, axis.device_bytes)
         painter.setPen(QPen(qcolor(palette.TEXT), 1.5, Qt.PenStyle.DashLine))
         painter.drawLine(QPointF(plot.left(), y), QPointF(plot.right(), y))
-        self._axis_label(painter, y, human_bytes(axis.device_bytes))
+        self._axis_label(painter, y, render.format_bytes(axis.device_bytes))
 
     def _paint_holds(self, painter: QPainter) -> None:
         metrics = QFontMetricsF(painter.font())
@@ -414,7 +415,7 @@ class TimelineWidget(QWidget):
             # On a backing of the panel's colour: a label may lie over a band or a line.
             painter.fillRect(rect, qcolor(palette.PANEL, 210))
             painter.setPen(qcolor(palette.TEXT))
-            painter.drawText(rect, Qt.AlignmentFlag.AlignCenter, _label(record))
+            painter.drawText(rect, Qt.AlignmentFlag.AlignCenter, record.label)
 
     def _paint_legend(self, painter: QPainter, plot: QRectF, axis: Axis) -> None:
         metrics = QFontMetricsF(painter.font())
@@ -447,7 +448,3 @@ class TimelineWidget(QWidget):
             painter.setPen(qcolor(palette.TEXT))
             painter.drawText(QPointF(x + box + 4, y + metrics.ascent()), name)
             x += width + 16
-
-
-def _label(record: HandoffRecord) -> str:
-    return f"→ {record.to_model} {record.total_s:.2f} s"

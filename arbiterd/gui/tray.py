@@ -4,7 +4,7 @@ Owns the app's one `TrayState` and everything that shows it. Status and events u
 state at once; what shows it (icon, tooltip, menu, dashboard) is redrawn at most once a second
 (`REFRESH_INTERVAL_S`), and the menu only when what it lists changed and it is not open.
 
-    connection ─ status/events ─► TrayState ─► icon, tooltip, menu, dashboard   (≤ 1 Hz)
+    connection ─ status/events/history ─► TrayState ─► icon, tooltip, menu, dashboard   (≤ 1 Hz)
                         events ─► FailureNotifier ─► desktop notification
     menu / dashboard ─ commands ─► connection (one short connection per command)
 
@@ -20,19 +20,18 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, Final
 
 from PySide6.QtCore import QObject, QProcess, QTimer
 from PySide6.QtGui import QAction, QIcon, QPixmap
 from PySide6.QtWidgets import QApplication, QMenu, QSystemTrayIcon
 
-from arbiterd.clidaemon import human_bytes
-from arbiterd.errors import ArbiterError
+from arbiterd import render
+from arbiterd.events import Event
 from arbiterd.gui import autostart, palette
 from arbiterd.gui.connection import DaemonConnection
 from arbiterd.gui.dashboard import DashboardWindow
-from arbiterd.gui.history import JOURNAL_LEAD_S, read_journal
+from arbiterd.gui.history import HISTORY_LEAD_S
 from arbiterd.gui.icon import make_icon, qcolor
 from arbiterd.gui.launch import daemon_start_command
 from arbiterd.gui.notify import FailureNotifier, NotificationSink
@@ -62,7 +61,6 @@ class TrayApp(QObject):
         self,
         connection: DaemonConnection,
         *,
-        journal_path: Path | None = None,
         notifications: NotificationSink | None = None,
         tray_available: Callable[[], bool] = QSystemTrayIcon.isSystemTrayAvailable,
         start_detached: Callable[[str, list[str]], bool] = _start_detached,
@@ -76,7 +74,6 @@ class TrayApp(QObject):
     ) -> None:
         super().__init__(parent)
         self.connection = connection
-        self.journal_path = journal_path
         self.state = TrayState()
         self.notifier = FailureNotifier(notifications)
         self.tray: QSystemTrayIcon | None = None
@@ -108,13 +105,13 @@ class TrayApp(QObject):
         connection.disconnected.connect(self._on_disconnected)
         connection.status_received.connect(self._on_status)
         connection.event_received.connect(self._on_event)
+        connection.history_received.connect(self._on_history)
         connection.command_finished.connect(self._on_command_finished)
         connection.command_failed.connect(self._on_command_failed)
 
     # -- lifetime ------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self.load_history()
         if self._tray_available():
             self._add_tray()
         else:
@@ -172,17 +169,13 @@ class TrayApp(QObject):
 
     # -- from the daemon -----------------------------------------------------------------------
 
-    def load_history(self) -> None:
-        """Read the journal's last minutes, so a fresh window is not empty; events already
-        seen are skipped."""
-        if self.journal_path is None:
-            return
-        since = self._clock() - self.state.history.window_s - JOURNAL_LEAD_S
-        try:
-            events = read_journal(self.journal_path, since)
-        except ArbiterError as exc:
-            log.info("tray: no history: %s", exc)
-            return
+    def request_history(self) -> None:
+        """Ask the daemon for its journal's last minutes, so a fresh window is not empty; events
+        already seen are skipped when they come."""
+        since = self._clock() - self.state.history.window_s - HISTORY_LEAD_S
+        self.connection.request_history(since)
+
+    def _on_history(self, events: list[Event]) -> None:
         for event in events:
             self.state.apply_event(event)
         self.state.history.trim(self._clock())
@@ -190,6 +183,7 @@ class TrayApp(QObject):
 
     def _on_connected(self, _hello: dict[str, Any]) -> None:
         log.info("tray: connected to arbiterd on %s", self.connection.path)
+        self.request_history()
 
     def _on_disconnected(self, reason: str) -> None:
         self.state.set_unreachable(reason)
@@ -199,7 +193,7 @@ class TrayApp(QObject):
         self.state.apply_status(status, self._clock())
         self.schedule_refresh()
 
-    def _on_event(self, event: dict[str, Any]) -> None:
+    def _on_event(self, event: Event) -> None:
         if self.state.apply_event(event):
             self.notifier.event(event)
             self.schedule_refresh()
@@ -233,7 +227,7 @@ class TrayApp(QObject):
             dashboard.closed.connect(self._on_dashboard_closed)
             self.dashboard = dashboard
         else:
-            self.load_history()
+            self.request_history()
         self.dashboard.show_message(self.message)
         self.dashboard.refresh(self.state, self._clock())
         self.dashboard.show()
@@ -276,6 +270,7 @@ class TrayApp(QObject):
     def refresh_now(self) -> None:
         self._last_refresh = time.monotonic()
         now = self._clock()
+        self.state.history.trim(now)  # also while no window shows it: the tray runs for days
         look = self.state.icon_look(now)
         look = replace(look, fill=round(look.fill * FILL_STEPS) / FILL_STEPS)
         if self.tray is not None:
@@ -309,7 +304,7 @@ class TrayApp(QObject):
                 colours.of(m.name),
                 m.state,
                 m.pinned,
-                human_bytes(m.resident_bytes),
+                render.format_bytes(m.resident_bytes),
                 m.queue,
                 m.backend,
                 m.fallback_reason,
@@ -381,7 +376,7 @@ class TrayApp(QObject):
 
     def _add_model_menu(self, model: ModelStatus) -> None:
         name = model.name
-        title = f"{name} — {model.state}, {human_bytes(model.resident_bytes)}"
+        title = f"{name} — {model.state}, {render.format_bytes(model.resident_bytes)}"
         if model.pinned:
             title += " · pinned"
         if model.queue:

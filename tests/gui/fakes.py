@@ -3,8 +3,9 @@ sink that records its calls.
 
 The fake server speaks the control protocol (docs/control-protocol.md) from threads: `hello`,
 `status` (whatever `status` holds now), `subscribe` (then `push_event` reaches the connection),
-and the steering commands, which it records and answers (or refuses, per `refuse`). `stop`
-closes every socket and joins every thread.
+`events` (from what `journal` put in its history, `page_size` at a time), and the steering
+commands, which it records and answers. It refuses any command `refuse` names. `stop` closes
+every socket and joins every thread.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from arbiterd.control import CONTROL_PROTOCOL
+from arbiterd.control import CONTROL_PROTOCOL, EVENTS_PAGE_MAX
 from arbiterd.errors import ProtocolError
 from arbiterd.gui.notify import OnId
 from arbiterd.service import COMMANDS, MODEL_COMMANDS
@@ -97,6 +98,8 @@ class FakeControlServer:
         self.commands: list[tuple[str, str | None]] = []  # (command, model), in arrival order
         self.requests: list[dict[str, Any]] = []  # every request line, hello and status too
         self.refuse: dict[str, tuple[str, str]] = {}  # command -> (message, code)
+        self.history: list[dict[str, Any]] = []  # what `events` answers from, each with a seq
+        self.page_size = EVENTS_PAGE_MAX  # the most events one reply carries
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._connections: list[_Connection] = []
@@ -142,6 +145,12 @@ class FakeControlServer:
         thread.start()
 
     # -- what the tests drive ------------------------------------------------------------------
+
+    def journal(self, *events: dict[str, Any]) -> None:
+        """Add events to the history `events` answers from, as the daemon's journal would."""
+        with self._lock:
+            for event in events:
+                self.history.append({**event, "seq": len(self.history) + 1})
 
     def push_event(self, event: dict[str, Any]) -> None:
         with self._lock:
@@ -220,18 +229,33 @@ class FakeControlServer:
         if command == "subscribe":
             connection.subscribed = True
             return ok({"subscribed": True})
-        if command in COMMANDS:
-            name = message.get("model")
-            with self._lock:
+        name = message.get("model")
+        with self._lock:
+            if command in COMMANDS:
                 self.commands.append((str(command), name if isinstance(name, str) else None))
-                refused = self.refuse.get(str(command))
-            if refused is not None:
-                text, code = refused
-                return {"request_id": request_id, "error": text, "code": code}
+            refused = self.refuse.get(str(command))
+        if refused is not None:
+            text, code = refused
+            return {"request_id": request_id, "error": text, "code": code}
+        if command == "events":
+            return ok(self._history_page(message))
+        if command in COMMANDS:
             if command in MODEL_COMMANDS:
                 return ok({"model": name, "state": "warm"})
             return ok({"hold": command == "hold"})
         return {"request_id": request_id, "error": f"unknown {command}", "code": "unknown_command"}
+
+    def _history_page(self, message: dict[str, Any]) -> dict[str, Any]:
+        since, after = message.get("since"), message.get("after_seq")
+        limit = min(message.get("limit", EVENTS_PAGE_MAX), self.page_size)
+        with self._lock:
+            found = [
+                copy.deepcopy(event)
+                for event in self.history
+                if (since is None or event["at"] >= since)
+                and (after is None or event["seq"] > after)
+            ]
+        return {"events": found[:limit], "more": len(found) > limit}
 
 
 class RecordingSink:

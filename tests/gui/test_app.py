@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import time
 from pathlib import Path
 
 import PySide6
@@ -12,9 +13,11 @@ from PySide6.QtGui import QImage
 from pytestqt.qtbot import QtBot
 
 from arbiterd.gui import palette
-from arbiterd.gui.app import main, pyside_leaks_none, uses_xcb
+from arbiterd.gui.app import _fetch_live, main, pyside_leaks_none, uses_xcb
 from arbiterd.gui.dashboard import SCREENSHOT_SIZE
+from arbiterd.gui.history import HISTORY_LEAD_S
 from arbiterd.gui.replay import load_replay
+from arbiterd.gui.state import TrayState
 from tests.gui.conftest import LARGE_MODEL_REPLAY, SAMPLE_REPLAY, SMALL_MODELS_REPLAY
 from tests.gui.fakes import FakeControlServer
 
@@ -49,10 +52,29 @@ def test_a_screenshot_of_the_running_daemon(
     qtbot: QtBot, server: FakeControlServer, tmp_path: Path
 ) -> None:
     out = tmp_path / "live.png"
-    journal = tmp_path / "no-journal.sqlite3"  # none yet: the picture still comes
-    argv = ["--screenshot", str(out), "--socket", str(server.path), "--journal", str(journal)]
-    assert main(argv) == 0
+    assert main(["--screenshot", str(out), "--socket", str(server.path)]) == 0
     assert palette.model_colours(["alpha", "beta"]).of("alpha") in colours(QImage(str(out)))
+    # Its history came from the daemon it pictures (an empty one here): no file was read.
+    assert any(r["command"] == "events" for r in server.requests_seen())
+
+
+def test_a_screenshot_shows_the_history_of_the_daemon_it_is_connected_to(
+    qtbot: QtBot, server: FakeControlServer
+) -> None:
+    now = time.time()
+    handoff = {"event": "handoff", "at": now - 60, "from": "beta", "to": "alpha",
+               "waited_from": now - 61, "wait_s": 0.5, "restore_s": 0.5}  # fmt: skip
+    old = {**handoff, "at": now - 7200}  # before the window and its lead: not asked for
+    server.journal(old, handoff)
+    state = TrayState()
+    _fetch_live(state, server.path)
+    (record,) = state.history.handoffs
+    assert (record.at, record.title) == (now - 60, "beta → alpha")
+    assert state.status is not None
+    assert state.status.holder_model == "alpha"
+    (asked,) = [r for r in server.requests_seen() if r["command"] == "events"]
+    window_start = now - state.history.window_s - HISTORY_LEAD_S
+    assert window_start - 5 <= asked["since"] <= window_start + 5
 
 
 def test_no_daemon_and_no_replay_is_a_clear_error(
@@ -60,7 +82,7 @@ def test_no_daemon_and_no_replay_is_a_clear_error(
 ) -> None:
     out = tmp_path / "none.png"
     socket = short_dir / "nobody.sock"
-    argv = ["--screenshot", str(out), "--socket", str(socket), "--journal", str(tmp_path / "j")]
+    argv = ["--screenshot", str(out), "--socket", str(socket)]
     assert main(argv) == 69
     error = capsys.readouterr().err
     assert error.startswith(f"arbiterd tray: cannot reach arbiterd on {socket}")

@@ -10,6 +10,7 @@ import pytest
 from pytestqt.qtbot import QtBot
 
 from arbiterd.control import CONTROL_PROTOCOL
+from arbiterd.events import Event, HoldEvent, parse_event
 from arbiterd.gui.connection import CODE_UNREACHABLE, DaemonConnection
 from tests.gui.fakes import FakeControlServer, model, status
 
@@ -57,14 +58,48 @@ def test_it_says_hello_subscribes_and_polls_status(
 def test_events_arrive_in_order(
     qtbot: QtBot, server: FakeControlServer, connection: DaemonConnection
 ) -> None:
-    received: list[dict[str, Any]] = []
+    received: list[Event] = []
     connection.event_received.connect(received.append)
     connection.start()
     qtbot.waitUntil(lambda: server.subscribers == 1, timeout=WAIT_MS)
     for n in range(5):
         server.push_event({"event": "hold", "at": float(n), "held": n % 2 == 0})
     qtbot.waitUntil(lambda: len(received) == 5, timeout=WAIT_MS)
-    assert [e["at"] for e in received] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert received == [HoldEvent(at=float(n), held=n % 2 == 0) for n in range(5)]
+
+
+def hold(at: float) -> dict[str, Any]:
+    return {"event": "hold", "at": at, "held": True}
+
+
+def test_the_history_comes_once_every_page_is_in(
+    qtbot: QtBot, server: FakeControlServer, connection: DaemonConnection
+) -> None:
+    server.journal(*(hold(float(n)) for n in range(6)))
+    server.page_size = 2
+    connection.start()
+    qtbot.waitUntil(lambda: connection.is_connected, timeout=WAIT_MS)
+    with qtbot.waitSignal(connection.history_received, timeout=WAIT_MS) as history:
+        connection.request_history(1.0)
+    assert history.args == [[parse_event(hold(float(n))) for n in range(1, 6)]]
+    asked = [r for r in server.requests_seen() if r["command"] == "events"]
+    assert [(r.get("since"), r.get("after_seq")) for r in asked] == [
+        (1.0, None),
+        (None, 3),
+        (None, 5),
+    ]
+
+
+def test_a_daemon_that_refuses_history_gives_an_empty_one(
+    qtbot: QtBot, server: FakeControlServer, connection: DaemonConnection
+) -> None:
+    server.refuse["events"] = ("unknown command 'events'", "unknown_command")
+    connection.start()
+    qtbot.waitUntil(lambda: connection.is_connected, timeout=WAIT_MS)
+    with qtbot.waitSignal(connection.history_received, timeout=WAIT_MS) as history:
+        connection.request_history(0.0)
+    assert history.args == [[]]
+    assert connection.is_connected  # and it goes on with what comes live
 
 
 def test_commands_go_on_their_own_connection_with_request_ids(
@@ -135,10 +170,10 @@ def test_it_reconnects_after_the_daemon_restarts(
     assert reply.args is not None
     assert reply.args[0]["holder"]["name"] == "beta"
     qtbot.waitUntil(lambda: server.subscribers == 1, timeout=WAIT_MS)  # subscribed again
-    received: list[dict[str, Any]] = []
+    received: list[Event] = []
     connection.event_received.connect(received.append)
-    server.push_event({"event": "hold", "at": 1.0, "held": True})
-    qtbot.waitUntil(lambda: received == [{"event": "hold", "at": 1.0, "held": True}])
+    server.push_event(hold(1.0))
+    qtbot.waitUntil(lambda: received == [HoldEvent(at=1.0, held=True)])
 
 
 def test_an_overflow_starts_over_at_once(

@@ -9,6 +9,7 @@ import pytest
 from PySide6.QtGui import QImage
 from pytestqt.qtbot import QtBot
 
+from arbiterd.events import parse_event
 from arbiterd.gui import palette
 from arbiterd.gui.icon import fill_rect, frame_width, make_icon, render_icon
 from arbiterd.gui.palette import RGB
@@ -34,7 +35,7 @@ def look_for(raw_status: dict[str, Any] | None, *, event: dict[str, Any] | None 
     if raw_status is not None:
         state.apply_status(raw_status, T)
     if event is not None:
-        state.apply_event(event)
+        state.apply_event(parse_event(event))
     return state.icon_look(T + 1)
 
 
@@ -83,7 +84,7 @@ def test_another_program_holding_the_gpu_is_grey(qtbot: QtBot) -> None:
 def test_a_warning_turns_the_frame_amber(qtbot: QtBot) -> None:
     look = look_for(
         status(model("alpha", "warm", resident_bytes=GiB), holder="alpha"),
-        event={"event": "vram_not_freed", "at": T, "model": "beta", "bytes": GiB},
+        event={"event": "vram_not_freed", "at": T, "model": "beta", "bytes_after": GiB},
     )
     image = render_icon(look, SIZE)
     assert frame_pixel(image) == palette.AMBER
@@ -117,10 +118,14 @@ def timeline(qtbot: QtBot) -> TimelineWidget:
         status(model("alpha", "warm", resident_bytes=2 * GiB), model("beta"), holder="alpha"), T
     )
     state.apply_event(
-        {"event": "residency", "at": T + 299, "model": "alpha", "from": "cooling", "to": "cold"}
+        parse_event(
+            {"event": "residency", "at": T + 299, "model": "alpha", "from": "cooling", "to": "cold"}
+        )
     )
     state.apply_event(
-        {"event": "handoff", "at": T + 300, "from": "alpha", "to": "beta", "release_s": 0.5}
+        parse_event(
+            {"event": "handoff", "at": T + 300, "from": "alpha", "to": "beta", "release_s": 0.5}
+        )
     )
     state.apply_status(
         status(
@@ -174,7 +179,7 @@ def test_a_short_history_is_drawn_over_its_own_span(qtbot: QtBot) -> None:
     """A demo's burst of handoffs in its first seconds fills the plot, not its last pixels."""
     state = TrayState(window_s=600)
     state.apply_status(status(model("alpha", "warm", resident_bytes=GiB), holder="alpha"), T)
-    state.apply_event({"event": "handoff", "at": T + 5, "from": "alpha", "to": "beta"})
+    state.apply_event(parse_event({"event": "handoff", "at": T + 5, "from": "alpha", "to": "beta"}))
     widget = TimelineWidget()
     qtbot.addWidget(widget)
     widget.resize(700, 320)
@@ -241,9 +246,10 @@ def test_handoff_labels_never_overlap(qtbot: QtBot) -> None:
     state.apply_status(status(model("alpha", "warm", resident_bytes=GiB), holder="alpha"), T)
     for k in range(12):
         source, target = ("alpha", "beta") if k % 2 == 0 else ("beta", "alpha")
-        state.apply_event({"event": "handoff", "at": T + 5 + 0.6 * k, "from": source,
-                           "to": target, "release_s": 0.1, "restore_s": 0.2})  # fmt: skip
-    state.apply_event({"event": "hold", "at": T + 13, "held": True})
+        handoff = {"event": "handoff", "at": T + 5 + 0.6 * k, "from": source, "to": target,
+                   "release_s": 0.1, "restore_s": 0.2}  # fmt: skip
+        state.apply_event(parse_event(handoff))
+    state.apply_event(parse_event({"event": "hold", "at": T + 13, "held": True}))
     widget = timeline_of(qtbot, state, T + 20)
     labels = widget.label_rects()
     assert len(labels) >= 3  # stacked in rows, not all but one left out
@@ -259,10 +265,10 @@ def test_handoff_labels_never_overlap(qtbot: QtBot) -> None:
 def test_the_legend_lists_the_models_of_the_daemon_it_is_connected_to(qtbot: QtBot) -> None:
     state = TrayState()
     # A shared journal: another daemon's model, warm and cold again before the window.
-    state.apply_event({"event": "residency", "at": T - 3000, "model": "theirs", "from":
-                       "warming", "to": "warm", "weights_bytes": GiB})  # fmt: skip
-    state.apply_event({"event": "residency", "at": T - 2900, "model": "theirs", "from":
-                       "cooling", "to": "cold"})  # fmt: skip
+    for at, source, target in ((T - 3000, "warming", "warm"), (T - 2900, "cooling", "cold")):
+        residency = {"event": "residency", "at": at, "model": "theirs", "from": source,
+                     "to": target, "weights_bytes": GiB}  # fmt: skip
+        state.apply_event(parse_event(residency))
     state.apply_status(
         status(model("alpha", "warm", resident_bytes=GiB), model("beta"), holder="alpha"), T
     )

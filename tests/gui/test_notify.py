@@ -9,12 +9,14 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from pytestqt.qtbot import QtBot
 
+from arbiterd.events import HandoffEvent, ResidencyEvent, VramNotFreedEvent, WorkerEvent
 from arbiterd.gui.notify import (
     SIGNATURE,
     BusNotifications,
@@ -27,8 +29,8 @@ from tests.gui.fakes import RecordingSink
 from tests.support.waiting import wait_until
 
 SERVER = Path(__file__).parent / "notification_server.py"
-CRASH = {"event": "worker", "at": 1.0, "model": "a", "code": 1, "reason": "exited with code 1"}
-NOT_FREED = {"event": "vram_not_freed", "at": 2.0, "model": "b"}
+CRASH = WorkerEvent(at=1.0, model="a", code=1, reason="exited with code 1")
+NOT_FREED = VramNotFreedEvent(at=2.0, model="b")
 
 
 def test_the_first_failure_replaces_nothing_the_next_replaces_it() -> None:
@@ -42,8 +44,8 @@ def test_the_first_failure_replaces_nothing_the_next_replaces_it() -> None:
 def test_ordinary_events_do_not_notify() -> None:
     sink = RecordingSink()
     notifier = FailureNotifier(sink)
-    assert not notifier.event({"event": "handoff", "at": 1.0, "from": "a", "to": "b"})
-    assert not notifier.event({"event": "residency", "at": 1.0, "model": "a", "to": "cold"})
+    assert not notifier.event(HandoffEvent(at=1.0, from_model="a", to_model="b"))
+    assert not notifier.event(ResidencyEvent(at=1.0, model="a", to_state="cold"))
     assert sink.calls == []
 
 
@@ -52,7 +54,7 @@ def test_failures_during_a_call_fold_into_one_that_replaces_it() -> None:
     notifier = FailureNotifier(sink)
     notifier.event(CRASH)
     notifier.event(NOT_FREED)  # the first call has no id yet: this one waits for it
-    notifier.event({**CRASH, "model": "c"})
+    notifier.event(replace(CRASH, model="c"))
     assert len(sink.calls) == 1
     sink.answer(41)
     summary, body, replaces = sink.calls[1]

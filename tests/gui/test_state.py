@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
+from arbiterd.events import Event, HandoffEvent, WaitEvent, parse_event
 from arbiterd.gui import palette
 from arbiterd.gui.replay import ReplayError, apply_replay, load_replay
-from arbiterd.gui.state import WARNING_HOLD_S, TrayState, failure_of
+from arbiterd.gui.state import WARNING_HOLD_S, TrayState
 from arbiterd.gui.status import Status
 from tests.gui.conftest import SAMPLE_REPLAY
 from tests.gui.fakes import GiB, model, status
@@ -18,7 +19,8 @@ from tests.gui.fakes import GiB, model, status
 T = 1_718_000_000.0
 
 
-def handoff(at: float, source: str, target: str) -> dict[str, Any]:
+def handoff_json(at: float, source: str, target: str, **fields: Any) -> dict[str, Any]:
+    """A handoff as an older daemon sent it (it inferred handoffs; no waited_from)."""
     return {
         "event": "handoff",
         "at": at,
@@ -27,22 +29,35 @@ def handoff(at: float, source: str, target: str) -> dict[str, Any]:
         "release_s": 0.4,
         "wait_s": 0.1,
         "restore_s": 0.9,
+        **fields,
     }
 
 
-def residency(at: float, name: str, source: str, target: str, **fields: Any) -> dict[str, Any]:
-    return {"event": "residency", "at": at, "model": name, "from": source, "to": target, **fields}
+def handoff(at: float, source: str, target: str, **fields: Any) -> Event:
+    return parse_event(handoff_json(at, source, target, **fields))
 
 
-def request(at: float, name: str, evaluated: int) -> dict[str, Any]:
-    return {
-        "event": "request",
-        "at": at,
-        "model": name,
-        "prompt_tokens": 900,
-        "prompt_tokens_evaluated": evaluated,
-        "status": "ok",
-    }
+def residency(at: float, name: str, source: str, target: str, **fields: Any) -> Event:
+    return parse_event(
+        {"event": "residency", "at": at, "model": name, "from": source, "to": target, **fields}
+    )
+
+
+def request(at: float, name: str, evaluated: int) -> Event:
+    return parse_event(
+        {
+            "event": "request",
+            "at": at,
+            "model": name,
+            "prompt_tokens": 900,
+            "prompt_tokens_evaluated": evaluated,
+            "status": "ok",
+        }
+    )
+
+
+def event(**fields: Any) -> Event:
+    return parse_event(fields)
 
 
 # -- status ------------------------------------------------------------------------------------
@@ -122,7 +137,7 @@ def test_a_restarting_worker_is_a_warning_while_it_lasts() -> None:
 def test_vram_not_freed_warns_until_the_model_is_warm_again() -> None:
     state = TrayState()
     state.apply_status(status(model("a", "cold"), model("b", "warm"), holder="b"), T)
-    state.apply_event({"event": "vram_not_freed", "at": T, "model": "a", "bytes": GiB})
+    state.apply_event(event(event="vram_not_freed", at=T, model="a", bytes_after=GiB))
     assert state.icon_look(T + 1).warning
     assert "a released the GPU but 1.0 GiB are still in use" in state.tooltip(T + 1)
     state.apply_event(residency(T + 2, "a", "warming", "warm"))
@@ -132,40 +147,9 @@ def test_vram_not_freed_warns_until_the_model_is_warm_again() -> None:
 def test_a_warning_from_an_event_expires() -> None:
     state = TrayState()
     state.apply_status(status(model("a", "warm"), holder="a"), T)
-    state.apply_event({"event": "worker", "at": T, "model": "b", "code": -9, "reason": "killed"})
+    state.apply_event(event(event="worker", at=T, model="b", code=-9, reason="killed"))
     assert state.icon_look(T + 1).warning
     assert not state.icon_look(T + WARNING_HOLD_S + 1).warning
-
-
-@pytest.mark.parametrize(
-    ("event", "summary"),
-    [
-        ({"event": "vram_not_freed", "model": "a"}, "VRAM not freed"),
-        ({"event": "residency", "model": "a", "to": "failed", "reason": "no file"}, "Model failed"),
-        ({"event": "worker", "model": "a", "code": 1, "reason": "exited"}, "Worker crashed"),
-        (
-            {"event": "worker", "model": "a", "code": None, "reason": "no such file"},
-            "Worker failed",
-        ),
-    ],
-)
-def test_failures_worth_a_notification(event: dict[str, Any], summary: str) -> None:
-    failure = failure_of(event)
-    assert failure is not None
-    assert failure[0].startswith(summary)
-
-
-@pytest.mark.parametrize(
-    "event",
-    [
-        {"event": "residency", "model": "a", "to": "cold"},
-        {"event": "handoff", "from": "a", "to": "b"},
-        {"event": "hold", "held": True},
-        {"event": "request", "model": "a", "status": "error"},
-    ],
-)
-def test_ordinary_events_are_not_failures(event: dict[str, Any]) -> None:
-    assert failure_of(event) is None
 
 
 def test_the_tooltip_names_holder_vram_and_waiters() -> None:
@@ -183,7 +167,7 @@ def test_the_tooltip_names_holder_vram_and_waiters() -> None:
     assert state.tooltip(T).splitlines() == [
         "arbiterd — GPU: a",
         "VRAM: 4.0 GiB / 8.0 GiB",
-        "waiting: b",
+        "waiting: b (pid 7)",
     ]
     assert state.fill(T) == pytest.approx(0.5)
 
@@ -202,25 +186,71 @@ def test_the_tooltip_names_the_host_ram_when_the_daemon_says_it() -> None:
 # -- history -------------------------------------------------------------------------------------
 
 
-def test_a_handoff_gets_the_bytes_restored_and_the_tokens_of_the_next_request() -> None:
+def test_a_handoff_shows_what_its_model_measured_and_the_tokens_of_the_next_request() -> None:
     state = TrayState()
-    state.apply_event(handoff(T, "a", "b"))
-    state.apply_event(residency(T - 0.01, "b", "warming", "warm", weights_bytes=GiB, kv_bytes=5))
+    measured = HandoffEvent(
+        at=T,
+        from_model="a",
+        to_model="b",
+        holder_pid=4242,
+        waited_from=T - 2,
+        wait_s=0.6,
+        release_s=0.4,
+        restore_s=0.9,
+        restored_bytes=GiB + 5,
+    )
+    state.apply_event(measured)
     state.apply_event(request(T + 3, "a", 700))  # another model's request does not count
     state.apply_event(request(T + 4, "b", 12))
     state.apply_event(request(T + 9, "b", 300))  # only the first request after the handoff
     (record,) = state.history.handoffs
-    assert (record.from_model, record.to_model) == ("a", "b")
+    assert (record.from_model, record.to_model, record.title) == ("a", "b", "a → b")
     assert record.bytes_ == GiB + 5
     assert record.tokens_evaluated == 12
+    assert record.total_s == pytest.approx(1.5)  # the release lies within the wait
+    assert record.started_at == T - 2
+
+
+def test_a_handoff_from_an_older_daemon_adds_up_its_parts_and_has_no_bytes() -> None:
+    state = TrayState()
+    state.apply_event(residency(T - 0.01, "b", "warming", "warm", weights_bytes=GiB))
+    state.apply_event(handoff(T, "a", "b"))
+    (record,) = state.history.handoffs
+    assert record.bytes_ is None  # no longer matched to a residency event by its time
     assert record.total_s == pytest.approx(1.4)
+    assert record.started_at == pytest.approx(T - 1.4)
+
+
+def test_no_handoff_is_inferred_from_a_release_and_a_warm_up() -> None:
+    state = TrayState()
+    state.apply_event(residency(T, "a", "cooling", "cold", reason="wanted", duration_s=0.4))
+    state.apply_event(residency(T + 1, "b", "warming", "warm", weights_bytes=GiB))
+    assert state.history.handoffs == []
+    assert [dict(s.models) for s in state.history.samples] == [{"a": 0}, {"a": 0, "b": GiB}]
+
+
+def test_a_wait_behind_another_program_is_not_a_handoff_between_models() -> None:
+    state = TrayState()
+    state.apply_event(
+        WaitEvent(
+            at=T, model="b", holder_pid=9, holder_name="steam", waited_from=T - 30, wait_s=29.5
+        )
+    )
+    state.apply_event(request(T + 2, "b", 40))
+    (record,) = state.history.handoffs
+    assert (record.from_model, record.to_model) == (None, "b")
+    assert record.title == "b waited behind steam (pid 9)"
+    assert (record.wait_s, record.release_s, record.restore_s) == (29.5, None, None)
+    assert (record.total_s, record.started_at) == (29.5, T - 30)
+    assert record.tokens_evaluated == 40
 
 
 def test_an_event_seen_in_the_journal_and_live_counts_once() -> None:
     state = TrayState()
     assert state.apply_event(handoff(T, "a", "b"))
     assert not state.apply_event(handoff(T, "a", "b"))
-    assert len(state.history.handoffs) == 1
+    assert state.apply_event(handoff(T, "a", "b", wait_s=0.2))  # another one at the same time
+    assert len(state.history.handoffs) == 2
 
 
 def test_residency_events_move_the_bytes_between_snapshots() -> None:
@@ -241,8 +271,8 @@ def test_history_keeps_the_window_and_the_sample_before_it() -> None:
 
 def test_hold_spans_come_from_events_and_statuses() -> None:
     state = TrayState()
-    state.apply_event({"event": "hold", "at": T, "held": True})
-    state.apply_event({"event": "hold", "at": T + 30, "held": False})
+    state.apply_event(event(event="hold", at=T, held=True))
+    state.apply_event(event(event="hold", at=T + 30, held=False))
     state.apply_status(status(model("a"), hold=True), T + 40)
     spans = [(s.start - T, None if s.end is None else s.end - T) for s in state.history.holds]
     assert spans == [(0, 30), (40, None)]
@@ -264,8 +294,8 @@ def test_a_replay_takes_bare_events_too(tmp_path: Path) -> None:
     path = tmp_path / "log.jsonl"
     lines = [
         {"at": T, "status": status(model("a", "warm"), holder="a")},
-        handoff(T + 1, "b", "a"),
-        {"event": handoff(T + 2, "a", "b")},
+        handoff_json(T + 1, "b", "a"),
+        {"event": handoff_json(T + 2, "a", "b")},
         {},
     ]
     path.write_text("\n".join(json.dumps(line) for line in lines[:3]) + "\n\n")

@@ -18,7 +18,6 @@ from arbiterd.gui.connection import DaemonConnection
 from arbiterd.gui.dashboard import DashboardWindow
 from arbiterd.gui.launch import daemon_start_command
 from arbiterd.gui.tray import TrayApp
-from arbiterd.journal import Journal
 from tests.gui.fakes import FakeControlServer, GiB, RecordingSink, model, status
 
 WAIT_MS = 5000
@@ -109,7 +108,7 @@ def test_the_menu_lists_each_model_with_its_state_and_vram(
     wait_for_text(qtbot, app, "model:alpha", "alpha — warm, 3.0 GiB · pinned")
     assert text_of(app, "model:beta") == "beta — cold, 0 B · 2 queued"
     assert text_of(app, "headline") == "GPU: alpha"
-    assert text_of(app, "waiters") == "waiting: beta"
+    assert text_of(app, "waiters") == "waiting: beta (pid 77)"
     assert app.actions["pin:alpha"].isChecked()
     assert not app.actions["pin:beta"].isChecked()
     assert not app.actions["hold"].isChecked()
@@ -217,7 +216,7 @@ def test_the_icon_and_tooltip_show_the_holder(qtbot: QtBot, make_app: AppFactory
     assert icon_colour(tray) == palette.model_colours(["alpha", "beta"]).of("alpha")
     assert tray.toolTip().splitlines()[1:] == [
         "VRAM: 3.0 GiB (models' own count)",
-        "waiting: beta",
+        "waiting: beta (pid 77)",
     ]
 
 
@@ -377,33 +376,41 @@ def test_the_dashboard_shows_cards_and_steers_the_daemon(
     )
 
 
-def test_a_fresh_dashboard_shows_the_journals_history(
-    qtbot: QtBot, make_app: AppFactory, tmp_path: Path
+def test_the_dashboard_shows_the_history_of_the_daemon_it_is_connected_to(
+    qtbot: QtBot, make_app: AppFactory, server: FakeControlServer
 ) -> None:
     now = time.time()
-    path = tmp_path / "journal.sqlite3"
-    with Journal(path) as journal:
-        journal.append({"event": "residency", "at": now - 61, "model": "alpha", "from": "warm",
-                        "to": "cooling"})  # fmt: skip
-        journal.append({"event": "handoff", "at": now - 60, "from": "alpha", "to": "beta",
-                        "release_s": 0.3, "wait_s": 0.1, "restore_s": 0.6})  # fmt: skip
-        journal.append({"event": "residency", "at": now - 60.01, "model": "beta", "from":
-                        "warming", "to": "warm", "weights_bytes": GiB, "kv_bytes": 0})  # fmt: skip
-        journal.append({"event": "request", "at": now - 55, "model": "beta",
-                        "prompt_tokens_evaluated": 17})  # fmt: skip
-        journal.append({"event": "handoff", "at": now - 7200, "from": "beta", "to": "alpha"})
-    app = make_app(journal_path=path)
+    handoff = {"event": "handoff", "at": now - 60, "from": "alpha", "to": "beta",
+               "holder_pid": 41, "waited_from": now - 61, "wait_s": 0.4, "release_s": 0.3,
+               "restore_s": 0.6, "restored_bytes": GiB}  # fmt: skip
+    wait = {"event": "wait", "at": now - 30, "model": "alpha", "holder_pid": 9,
+            "holder_name": "steam", "waited_from": now - 42, "wait_s": 12.0}  # fmt: skip
+    server.journal(
+        {**handoff, "at": now - 7200},  # two hours ago: out of the window
+        handoff,
+        {"event": "request", "at": now - 55, "model": "beta", "prompt_tokens_evaluated": 17},
+        wait,
+    )
+    app = make_app()
+    qtbot.waitUntil(lambda: len(app.state.history.handoffs) == 2, timeout=WAIT_MS)
     dashboard: DashboardWindow = app.show_dashboard()
-    assert dashboard.table.rowCount() == 1  # the one of two hours ago is out of the window
-    items = [dashboard.table.item(0, c) for c in range(dashboard.table.columnCount())]
-    cells = [item.text() if item is not None else "" for item in items]
-    assert cells[1:] == ["alpha → beta", "0.30 s", "0.10 s", "0.60 s", "1.00 s", "1.0 GiB", "17"]
-    ((_x, record),) = dashboard.timeline.marker_positions()
-    assert record.to_model == "beta"
+
+    def row(index: int) -> list[str]:
+        items = [dashboard.table.item(index, c) for c in range(dashboard.table.columnCount())]
+        return [item.text() if item is not None else "" for item in items][1:]
+
+    assert dashboard.table.rowCount() == 2  # newest first
+    assert row(0) == ["alpha waited behind steam (pid 9)", "—", "12.00 s", "—", "12.00 s", "—",
+                      "—"]  # fmt: skip
+    assert row(1) == ["alpha → beta", "0.30 s", "0.40 s", "0.60 s", "1.00 s", "1.0 GiB", "17"]
+    markers = dashboard.timeline.marker_positions()
+    assert [record.to_model for _x, record in markers] == ["beta", "alpha"]
     # The same handoff arriving live (the daemon publishes what it journals) is not doubled.
-    app.state.apply_event({"event": "handoff", "at": now - 60, "from": "alpha", "to": "beta"})
+    server.push_event(handoff)
+    server.push_event({"event": "hold", "at": now, "held": True})  # after it, on the same line
+    qtbot.waitUntil(lambda: len(app.state.history.holds) == 1, timeout=WAIT_MS)
     dashboard.refresh(app.state)
-    assert dashboard.table.rowCount() == 1
+    assert dashboard.table.rowCount() == 2
 
 
 # -- notifications ---------------------------------------------------------------------------------
@@ -416,7 +423,7 @@ def test_failures_notify_each_replacing_the_last(
     app = make_app(notifications=sink)
     qtbot.waitUntil(lambda: server.subscribers == 1, timeout=WAIT_MS)
     server.push_event({"event": "handoff", "at": 1.0, "from": "alpha", "to": "beta"})
-    server.push_event({"event": "vram_not_freed", "at": 2.0, "model": "alpha", "bytes": GiB})
+    server.push_event({"event": "vram_not_freed", "at": 2.0, "model": "alpha", "bytes_after": GiB})
     server.push_event({"event": "worker", "at": 3.0, "model": "beta", "pid": 9, "code": -9,
                        "reason": "killed by signal 9", "restart_in_s": 1.0})  # fmt: skip
     server.push_event({"event": "residency", "at": 4.0, "model": "beta", "from": "loading",
