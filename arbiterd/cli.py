@@ -10,14 +10,13 @@ import argparse
 import json
 import math
 import sys
-import time
 from collections.abc import Sequence
 from functools import partial
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from arbiterd import __version__, clidaemon
+from arbiterd import __version__, clidaemon, render
 from arbiterd.arena import Arena, ArenaState
 from arbiterd.demo import main as run_demo
 from arbiterd.errors import ArbiterError, BadValueError, MissingPartError, UsageError
@@ -226,13 +225,13 @@ def _arena_status(args: argparse.Namespace) -> int:
     if holder is None:
         print("holder   none (the GPU is free)")
     else:
-        line = f"holder   pid {holder} {holder_name(state) or '?'}"
+        line = f"holder   {render.process(holder_name(state), holder)}"
         if state.holder is not None:
-            line += f" since {time.strftime('%H:%M:%S', time.localtime(state.holder.since))}"
+            line += f" since {render.clock(state.holder.since)}"
             if state.holder.model:
                 line += f" (model {state.holder.model})"
         print(line)
-    waiters = ", ".join(f"pid {pid} {process_name(pid) or '?'}" for pid in state.waiter_pids)
+    waiters = ", ".join(render.process(process_name(pid), pid) for pid in state.waiter_pids)
     print(f"waiters  {waiters or 'none'}")
     if state.stale_holder is not None:
         print(

@@ -1,9 +1,10 @@
 """The CLI commands that start or talk to the daemon: daemon, status, warm, release, pin,
 unpin, hold, unhold, reload, events.
 
-Owns their arguments and their human output. Talks to a running daemon only through the
-control socket (control.ControlClient), and reads the journal file directly for `events`, so
-history is readable while the daemon is down.
+Owns their arguments and how their output is laid out (its phrases come from arbiterd.render).
+Talks to a running daemon only through the control socket (control.ControlClient); `events` asks
+the daemon for its journal, and reads the journal file itself only when told which (--journal)
+or when the daemon its config names is not running, so history is readable while it is down.
 """
 
 from __future__ import annotations
@@ -14,16 +15,21 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
+from arbiterd import render
 from arbiterd.config import Config, load_config, load_daemon_config
 from arbiterd.control import ControlClient
-from arbiterd.journal import Journal, format_event, parse_since
+from arbiterd.errors import DaemonNotRunningError
+from arbiterd.events import HandoffEvent, parse_event
+from arbiterd.journal import Journal, parse_since
 
 # warm may load a model and hold may wait for every model to release: minutes, not seconds.
 COMMAND_TIMEOUT_S = 600.0
+# How often `events --follow` asks for what is new (as the journal's follow polls its file).
+FOLLOW_POLL_S: Final = 0.2
 
 
 class AddCommand(Protocol):
@@ -85,8 +91,10 @@ def add_commands(command: AddCommand) -> None:
     )
     events.add_argument("--since", metavar="T", help="epoch, ISO time, or 10m / 2h / 1d ago")
     events.add_argument("--json", action="store_true", help="one JSON object per line")
-    events.add_argument("--journal", type=Path, metavar="PATH", help="journal file")
-    events.add_argument("--config", type=Path, help="config file naming the journal")
+    events.add_argument(
+        "--journal", type=Path, metavar="PATH", help="read this journal file, not the daemon"
+    )
+    _client_options(events)
     events.set_defaults(handler=show_events)
 
 
@@ -150,24 +158,61 @@ def plain_command(args: argparse.Namespace) -> int:
 
 
 def show_events(args: argparse.Namespace) -> int:
-    journal_path = args.journal or load_daemon_config(args.config).journal
     since = parse_since(args.since) if args.since else None
     if since is None and args.follow:
         since = time.time()  # like tail -f: what happens from now on
-    journal = Journal.open_readonly(journal_path)
     try:
-        stream = (
-            journal.follow(since=since, stop=threading.Event())
-            if args.follow
-            else iter(journal.read(since=since))
-        )
-        for event in stream:
-            print(json.dumps(event.to_json()) if args.json else format_event(event), flush=True)
+        for stored in _stored_events(args, since):
+            line = json.dumps(stored) if args.json else render.event_line(parse_event(stored))
+            print(line, flush=True)
     except KeyboardInterrupt:
         return 130
+    return 0
+
+
+def _stored_events(args: argparse.Namespace, since: float | None) -> Iterator[dict[str, Any]]:
+    """The journal's events from `since` (with --follow, then each new one), as stored: from
+    the daemon, or from the file --journal names or, when the daemon of --config is not
+    running, the one its config names."""
+    if args.journal is not None:
+        return _from_journal(args.journal, since, follow=args.follow)
+    if args.socket is not None:
+        return _from_daemon(ControlClient.connect(args.socket), since, follow=args.follow)
+    daemon = load_daemon_config(args.config)
+    try:
+        client = ControlClient.connect(daemon.socket)
+    except DaemonNotRunningError:
+        return _from_journal(daemon.journal, since, follow=args.follow)
+    return _from_daemon(client, since, follow=args.follow)
+
+
+def _from_daemon(
+    client: ControlClient, since: float | None, *, follow: bool
+) -> Iterator[dict[str, Any]]:
+    with client:
+        last: int | None = None
+        while True:
+            for stored in client.history(since=since if last is None else None, after_seq=last):
+                yield stored
+                seq = stored.get("seq")
+                last = seq if isinstance(seq, int) else last
+            if not follow:
+                return
+            time.sleep(FOLLOW_POLL_S)
+
+
+def _from_journal(path: Path, since: float | None, *, follow: bool) -> Iterator[dict[str, Any]]:
+    journal = Journal.open_readonly(path)
+    try:
+        stream = (
+            journal.follow(since=since, poll_s=FOLLOW_POLL_S, stop=threading.Event())
+            if follow
+            else iter(journal.read(since=since))
+        )
+        for stored in stream:
+            yield stored.to_json()
     finally:
         journal.close()
-    return 0
 
 
 # -- rendering --------------------------------------------------------------------------------
@@ -199,52 +244,51 @@ def render_status(status: dict[str, Any]) -> str:
     engine = status.get("engine")
     if engine:
         offload, devices = engine.get("offload") is True, engine.get("devices") or []
-        lines.append("engine: " + describe_engine(offload, devices))
+        lines.append("engine: " + render.describe_engine(offload, devices))
     # Every worker loads the same engine: a reason or a warning usually holds for all models.
     reasons = ((m["name"], m.get("fallback_reason") or "") for m in models)
-    for names, reason in grouped(reasons):
+    for names, reason in render.grouped(reasons):
         lines.append(f"backend reload ({', '.join(names)}): {reason}")
-    for names, warning in grouped((m["name"], m.get("warning") or "") for m in models):
+    for names, warning in render.grouped((m["name"], m.get("warning") or "") for m in models):
         lines.append(f"warning ({', '.join(names)}): {warning}")
     if status.get("host_ram_bytes") is not None:
         lines.append(
-            f"host RAM: {human_bytes(int(status['host_ram_bytes']))} "
+            f"host RAM: {render.format_bytes(int(status['host_ram_bytes']))} "
             "(model file copies, each counted once, and KV caches kept on the host)"
         )
     telemetry = status.get("telemetry") or {}
     for device in telemetry.get("devices", []):
         lines.append(
-            f"{device['device']}: {human_bytes(int(device['used_bytes']))} used of "
-            f"{human_bytes(int(device['total_bytes']))} ({telemetry.get('source', '?')})"
+            f"{device['device']}: {render.format_bytes(int(device['used_bytes']))} used of "
+            f"{render.format_bytes(int(device['total_bytes']))} ({telemetry.get('source', '?')})"
         )
     for other in telemetry.get("others", []):
         if other.get("used_bytes"):
             lines.append(
-                f"  also on {other['device']}: {other.get('name') or '?'} "
-                f"(pid {other['pid']}) {human_bytes(int(other['used_bytes']))}"
+                f"  also on {other['device']}: {render.process(other.get('name'), other['pid'])} "
+                f"{render.format_bytes(int(other['used_bytes']))}"
             )
     holder = status.get("holder")
     if holder:
-        lines.append(f"GPU held by pid {holder['pid']} ({holder.get('name') or '?'})")
+        lines.append(f"GPU held by {render.process(holder.get('name'), holder['pid'])}")
     else:
         lines.append("GPU free")
     waiters = status.get("waiters") or []
     if waiters:
-        lines.append(
-            "waiting: " + ", ".join(f"{w.get('name') or '?'} ({w['pid']})" for w in waiters)
-        )
+        lines.append(render.waiters_line([(w.get("name"), w["pid"]) for w in waiters]))
     if status.get("hold"):
         lines.append("hold: the GPU is held for you (arbiterd unhold gives it back)")
     return "\n".join(line.rstrip() for line in lines)
 
 
 def _status_row(model: dict[str, Any]) -> tuple[str, ...]:
-    handoff = model.get("last_handoff")
+    raw = model.get("last_handoff")
+    handoff = HandoffEvent.from_json(raw) if isinstance(raw, dict) else None
     last = "-"
-    if handoff:
-        total = sum(float(handoff.get(k) or 0) for k in ("release_s", "wait_s", "restore_s"))
-        ago = time.time() - float(handoff.get("at", time.time()))
-        last = f"from {handoff['from']} {total:.2f} s, {_ago(ago)}"
+    if handoff is not None and handoff.from_model is not None:
+        ago = time.time() - (handoff.at or time.time())
+        last = f"from {handoff.from_model} {render.format_seconds(handoff.total_s)}, "
+        last += render.format_ago(ago)
     note = []
     if model.get("pinned"):
         note.append("pinned")
@@ -261,50 +305,14 @@ def _status_row(model: dict[str, Any]) -> tuple[str, ...]:
         str(model["name"]),
         str(model["state"]),
         str(model.get("backend") or "-"),
-        "?" if vram is None else human_bytes(int(vram)),
-        "-" if cold is None else human_bytes(int(cold)),
-        "-" if host is None else human_bytes(int(host)),
+        "?" if vram is None else render.format_bytes(int(vram)),
+        "-" if cold is None else render.format_bytes(int(cold)),
+        "-" if host is None else render.format_bytes(int(host)),
         str(model.get("queue", 0)),
         str(model.get("served", 0)),
         last,
         "; ".join(note),
     )
-
-
-def describe_engine(offload: bool, devices: Sequence[str]) -> str:
-    """What the engine runs on, in a few words (the CLI's status and the tray say it so)."""
-    if not offload:
-        return "CPU only (this engine cannot offload to a GPU)"
-    # The CPU is always one of the devices: name those that take the offloaded layers.
-    gpus = [device for device in devices if not device.startswith("CPU")]
-    return f"{', '.join(gpus)} (GPU offload)" if gpus else "GPU offload"
-
-
-def grouped(pairs: Iterable[tuple[str, str]]) -> list[tuple[list[str], str]]:
-    """(names, text) for each distinct non-empty text of (name, text) pairs, in the order each
-    text first comes: the same warning for several models is said once, naming them all."""
-    names_of: dict[str, list[str]] = {}
-    for name, text in pairs:
-        if text:
-            names_of.setdefault(text, []).append(name)
-    return [(names, text) for text, names in names_of.items()]
-
-
-def human_bytes(count: int) -> str:
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GiB"
-
-
-def _ago(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.0f} s ago"
-    if seconds < 3600:
-        return f"{seconds / 60:.0f} min ago"
-    return f"{seconds / 3600:.1f} h ago"
 
 
 def _describe(command: str, result: dict[str, Any]) -> str:

@@ -1,8 +1,9 @@
 """The daemon's durable event journal: one SQLite file in WAL mode, bounded in size.
 
-Owns the journal database (its schema, its version, its trimming) and the human rendering of
-events (`format_event`) and of `--since` values (`parse_since`). It never decides what an event
-means: it stores the daemon's event objects (service.py's docstring lists them) as they come.
+Owns the journal database (its schema, its version, its trimming) and the reading of `--since`
+values (`parse_since`). It never decides what an event means: it stores the daemon's event
+objects (arbiterd/events.py lists them) as they come, and reads them back as stored; their
+records (`JournalEvent.event`) come from arbiterd.events, their human lines from arbiterd.render.
 
 Invariants kept here:
 - One writer connection per Journal, shared between threads (`check_same_thread=False`) and used
@@ -19,16 +20,14 @@ Invariants kept here:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import re
-import signal
 import sqlite3
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 from datetime import time as dt_time
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from arbiterd.errors import BadValueError, DaemonError
+from arbiterd.events import Event, parse_event
 from arbiterd.paths import make_private_dirs
 
 SCHEMA_VERSION = 1  # kept in PRAGMA user_version; a newer file is refused, never rewritten
@@ -66,6 +66,11 @@ class JournalEvent:
     kind: str
     model: str | None
     body: dict[str, Any]
+
+    @property
+    def event(self) -> Event:
+        """The body as its record (arbiterd.events); a malformed body reads as far as it can."""
+        return parse_event(self.body)
 
     def to_json(self) -> dict[str, Any]:
         return {**self.body, "seq": self.seq}
@@ -182,16 +187,17 @@ class Journal:
 
     # -- writing -------------------------------------------------------------------------------
 
-    def append(self, event: dict[str, Any]) -> int:
-        """Store one event object; returns its seq. Fills in "at" (now) when it is missing.
+    def append(self, event: Event | Mapping[str, Any]) -> int:
+        """Store one event (a record, or its object); returns its seq. Fills in "at" (now) when
+        it is missing.
 
         A value JSON cannot hold is stored as its str(): the journal is a record, and never a
         reason to lose an event.
         """
-        kind = event.get("event")
+        body = event.to_json() if isinstance(event, Event) else dict(event)
+        kind = body.get("event")
         if not isinstance(kind, str) or not kind:
             raise BadValueError(f"a journal event needs an 'event' kind string, got {kind!r}")
-        body = dict(event)
         at = body.get("at")
         if isinstance(at, bool) or not isinstance(at, int | float) or not math.isfinite(at):
             at = time.time()
@@ -395,135 +401,6 @@ def _create_private_file(path: Path) -> None:
         os.fchmod(fd, 0o600)  # a umask cannot have widened it, but one may have narrowed it
     finally:
         os.close(fd)
-
-
-# -- human rendering ---------------------------------------------------------------------------
-
-KIND_WIDTH = 9  # "residency", the longest kind
-
-
-def format_event(event: JournalEvent) -> str:
-    """One line for a human: local time to the millisecond, the kind, then what happened."""
-    # Round once, in integer milliseconds: (at % 1) * 1000 turns .120 into 119.99….
-    seconds, millis = divmod(round(event.at * 1000), 1000)
-    stamp = time.strftime("%H:%M:%S", time.localtime(seconds))
-    formatter = _FORMATTERS.get(event.kind, _format_other)
-    try:
-        detail = formatter(event.body)
-    except (TypeError, ValueError, KeyError):  # a malformed body still gets a line
-        detail = _format_other(event.body)
-    return f"{stamp}.{millis:03d}  {event.kind:<{KIND_WIDTH}} {detail}".rstrip()
-
-
-def _format_residency(body: dict[str, Any]) -> str:
-    line = f"{_name(body.get('model'))} {_name(body.get('from'))} → {_name(body.get('to'))}"
-    if body.get("reason"):
-        line += f" ({body['reason']})"
-    parts = [line]
-    duration = _number(body.get("duration_s"))  # how long the state it left lasted
-    if duration is not None:
-        parts.append(f"{_name(body.get('from'))} for {duration:.2f} s")
-    for key, label in (
-        ("weights_bytes", "weights"),
-        ("kv_bytes", "kv"),
-        ("disk_read_bytes", "read"),
-    ):
-        size = _number(body.get(key))
-        if size:
-            parts.append(f"{label} {format_bytes(size)}")
-    return "  ".join(parts)
-
-
-def _format_handoff(body: dict[str, Any]) -> str:
-    parts = [f"{_name(body.get('from'))} → {_name(body.get('to'))}"]
-    for key, label in (("release_s", "release"), ("wait_s", "wait"), ("restore_s", "restore")):
-        seconds = _number(body.get(key))
-        if seconds is not None:
-            parts.append(f"{label} {seconds:.2f} s")
-    return "  ".join(parts)
-
-
-def _format_request(body: dict[str, Any]) -> str:
-    line = _name(body.get("model"))
-    prompt = _number(body.get("prompt_tokens"))
-    if prompt is not None:
-        line += f" {int(prompt)} tokens"
-        evaluated = _number(body.get("prompt_tokens_evaluated"))
-        if evaluated is not None:
-            line += f" ({int(evaluated)} evaluated)"
-    completion = _number(body.get("completion_tokens"))
-    if completion is not None:
-        line += f", {int(completion)} generated"
-    duration = _number(body.get("duration_s"))
-    if duration is not None:
-        line += f" {duration:.2f} s"
-    status = body.get("status") or ("cancelled" if body.get("cancelled") else None)
-    if status:
-        line += f" {status}"
-    if body.get("id"):
-        line += f"  {body['id']}"
-    return line
-
-
-def _format_worker(body: dict[str, Any]) -> str:
-    line = _name(body.get("model"))
-    if body.get("pid") is not None:
-        line += f" pid {body['pid']}"
-    code = body.get("code")
-    if code is None:
-        line += " started"
-    else:
-        line += f" exited code {code}"
-        if isinstance(code, int) and code < 0:
-            with contextlib.suppress(ValueError):  # not a signal this system names
-                line += f" ({signal.Signals(-code).name})"
-    if body.get("reason"):
-        line += f": {body['reason']}"
-    restart_in = _number(body.get("restart_in_s"))
-    if restart_in is not None:
-        line += f", restarting in {restart_in:.1f} s"
-    return line
-
-
-def _format_hold(body: dict[str, Any]) -> str:
-    return "GPU held by the user" if body.get("held") else "GPU given back by the user"
-
-
-def _format_other(body: dict[str, Any]) -> str:
-    fields = {k: v for k, v in body.items() if k not in {"event", "at", "seq"}}
-    parts = [
-        f"{key}={json.dumps(value, ensure_ascii=False, default=str)}"
-        for key, value in fields.items()
-    ]
-    return " ".join(parts)
-
-
-_FORMATTERS = {
-    "residency": _format_residency,
-    "handoff": _format_handoff,
-    "request": _format_request,
-    "worker": _format_worker,
-    "hold": _format_hold,
-}
-
-
-def _name(value: object) -> str:
-    return "—" if value is None or value == "" else str(value)
-
-
-def _number(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
-
-
-def format_bytes(size: float) -> str:
-    """1536 → "1.5 KiB"; binary units, as the GPU's memory is counted."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(size) < 1024 or unit == "GiB":
-            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
 
 
 # -- --since values ----------------------------------------------------------------------------

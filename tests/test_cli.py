@@ -1,24 +1,35 @@
-"""`arbiterd run` and `arbiterd arena status`, as other programs will drive them: real processes."""
+"""`arbiterd run`, `arena status` and `events`, as other programs will drive them: real processes
+(and, for `events`, a real control server answering from a real journal)."""
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+import threading
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from arbiterd import __version__, cli
+from arbiterd import __version__, cli, render
 from arbiterd.arena import Arena
-from arbiterd.clidaemon import describe_engine, render_status
+from arbiterd.clidaemon import render_status
+from arbiterd.control import ControlServer
+from arbiterd.events import parse_event
+from arbiterd.journal import Journal
 from tests.conftest import Processes
 from tests.support.waiting import wait_until
+from tests.test_control import FakeService, LoopThread
 
 ARBITERD = [sys.executable, "-m", "arbiterd"]
 
@@ -137,7 +148,7 @@ def test_arena_status_json_shows_the_live_holder_and_waiters(
     assert [w["pid"] for w in report["waiters"]] == want
     assert all(w["name"] for w in report["waiters"])
     text = arbiterd("arena", "status", "--arena", str(arena.path))
-    assert f"holder   pid {holder.pid} comfyui since" in text.stdout
+    assert f"holder   comfyui (pid {holder.pid}) since" in text.stdout
 
 
 def test_arena_status_of_a_free_arena(arena: Arena) -> None:
@@ -342,13 +353,127 @@ def test_status_of_a_daemon_whose_workers_did_not_say_hello_yet() -> None:
     assert not any(line.startswith("engine") for line in lines)
 
 
-@pytest.mark.parametrize(
-    ("offload", "devices", "said"),
-    [
-        (False, ["CPU: x"], "CPU only (this engine cannot offload to a GPU)"),
-        (True, ["CPU: x", "CUDA0: a", "CUDA1: b"], "CUDA0: a, CUDA1: b (GPU offload)"),
-        (True, [], "GPU offload"),
-    ],
-)
-def test_the_engine_in_a_few_words(offload: bool, devices: list[str], said: str) -> None:
-    assert describe_engine(offload, devices) == said
+# -- arbiterd events: the daemon's journal, over its socket ----------------------------------------
+
+AT = 1_718_000_000.5
+WAIT_S = 30.0
+
+
+def handoff(at: float, source: str, target: str) -> dict[str, Any]:
+    return {"event": "handoff", "at": at, "from": source, "to": target, "holder_pid": 7,
+            "waited_from": at - 1, "wait_s": 0.5, "release_s": 0.4, "restore_s": 0.5}  # fmt: skip
+
+
+def human(*bodies: dict[str, Any]) -> list[str]:
+    return [render.event_line(parse_event(body)) for body in bodies]
+
+
+class Daemon:
+    """A control server on `socket` whose history is `journal`, on a loop of its own."""
+
+    def __init__(self, socket: Path, journal: Journal) -> None:
+        self.socket = socket
+        self.journal = journal
+        self.loop = LoopThread()
+        self.server = ControlServer(FakeService(), socket, history=journal.read)
+        self.loop.run(self.server.start())
+
+    def close(self) -> None:
+        self.loop.run(self.server.close())
+        self.loop.close()
+
+
+@pytest.fixture
+def places(tmp_path: Path) -> Iterator[dict[str, Path]]:
+    """Where the daemon's journal is, and what a config names: another socket and journal."""
+    short = Path(tempfile.mkdtemp(prefix="ae", dir="/tmp"))  # a socket path fits in 108 bytes
+    config = tmp_path / "config.toml"
+    config.write_text(
+        f'[daemon]\nsocket = "{short / "arbiterd" / "control.sock"}"\n'
+        f'arena = "{short / "arena"}"\njournal = "{tmp_path / "named.sqlite3"}"\n'
+        '[models.qwen]\npath = "/m/q.gguf"\n'
+    )
+    yield {
+        "socket": short / "arbiterd" / "control.sock",
+        "daemon journal": tmp_path / "elsewhere.sqlite3",
+        "named journal": tmp_path / "named.sqlite3",
+        "config": config,
+    }
+    shutil.rmtree(short, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(places: dict[str, Path]) -> Iterator[Daemon]:
+    with Journal(places["daemon journal"]) as journal:
+        running = Daemon(places["socket"], journal)
+        yield running
+        running.close()
+
+
+def test_events_come_from_the_daemon_whatever_journal_the_config_names(
+    daemon: Daemon, places: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with Journal(places["named journal"]) as named:
+        named.append({"event": "hold", "at": AT, "held": True})  # not the daemon's
+    daemon.journal.append(handoff(AT, "a", "b"))
+    daemon.journal.append({"event": "wait", "at": AT + 9, "model": "a", "holder_name": "steam"})
+    assert cli.main(["events", "--config", str(places["config"])]) == 0
+    assert capsys.readouterr().out.splitlines() == human(
+        handoff(AT, "a", "b"), {"event": "wait", "at": AT + 9, "model": "a", "holder_name": "steam"}
+    )
+    assert cli.main(["events", "--socket", str(daemon.socket), "--since", str(AT + 1)]) == 0
+    assert capsys.readouterr().out.splitlines() == human(
+        {"event": "wait", "at": AT + 9, "model": "a", "holder_name": "steam"}
+    )
+
+
+def test_events_json_is_each_stored_object_with_its_seq(
+    daemon: Daemon, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seq = daemon.journal.append(handoff(AT, "a", "b"))
+    assert cli.main(["events", "--json", "--socket", str(daemon.socket)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [json.loads(line) for line in lines] == [{**handoff(AT, "a", "b"), "seq": seq}]
+
+
+def test_events_while_the_daemon_is_down_read_the_journal_its_config_names(
+    places: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with Journal(places["named journal"]) as named:
+        named.append(handoff(AT, "a", "b"))
+    assert cli.main(["events", "--config", str(places["config"])]) == 0
+    assert capsys.readouterr().out.splitlines() == human(handoff(AT, "a", "b"))
+    # A socket named on its own has no journal beside it: nothing is guessed.
+    assert cli.main(["events", "--socket", str(places["socket"])]) == 69
+    assert "arbiterd is not running" in capsys.readouterr().err
+
+
+def test_events_reads_the_journal_file_it_is_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "journal.sqlite3"
+    with Journal(path) as journal:
+        journal.append(handoff(AT, "a", "b"))
+    assert cli.main(["events", "--journal", str(path)]) == 0
+    assert capsys.readouterr().out.splitlines() == human(handoff(AT, "a", "b"))
+
+
+def test_events_follow_prints_each_new_event_as_the_daemon_journals_it(
+    daemon: Daemon, procs: Processes
+) -> None:
+    daemon.journal.append(handoff(AT, "a", "b"))
+    follower = procs.start(
+        [*ARBITERD, "events", "--follow", "--since", str(AT - 1), "--socket", str(daemon.socket)]
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    stdout = follower.stdout
+    assert stdout is not None
+
+    def pump() -> None:
+        for line in stdout:
+            lines.put(line.rstrip("\n"))
+
+    threading.Thread(target=pump, name="follower-stdout", daemon=True).start()
+    assert lines.get(timeout=WAIT_S) == human(handoff(AT, "a", "b"))[0]
+    daemon.journal.append(handoff(AT + 5, "b", "a"))  # after the follower has read the first
+    assert lines.get(timeout=WAIT_S) == human(handoff(AT + 5, "b", "a"))[0]

@@ -1,4 +1,5 @@
-"""The event journal: storage, bounds, privacy, readers in other processes, and its human lines."""
+"""The event journal: storage, bounds, privacy, readers in other processes, typed records back,
+and `--since` values."""
 
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ from typing import Any
 import pytest
 
 from arbiterd.errors import BadValueError, DaemonError
+from arbiterd.events import HandoffEvent, HoldEvent, RequestEvent
 from arbiterd.journal import (
     JOURNAL_SIZE_LIMIT_BYTES,
     SCHEMA_VERSION,
     Journal,
     JournalEvent,
-    format_event,
     parse_since,
 )
 from tests.conftest import Processes
@@ -130,6 +131,39 @@ def test_append_refuses_an_event_without_a_kind(journal: Journal) -> None:
     with pytest.raises(BadValueError, match="'event' kind"):
         journal.append({"event": 3})
     assert journal.read() == []
+
+
+def test_stored_events_read_back_as_records(journal: Journal) -> None:
+    journal.append(request("gemma", 100.0, prompt_tokens=5))
+    journal.append({"event": "handoff", "at": 101.0, "from": "gemma", "to": "tiny",
+                    "release_s": 0.1, "wait_s": 0.0, "restore_s": 0.9})  # fmt: skip
+    records = [stored.event for stored in journal.read()]
+    assert records == [
+        RequestEvent(at=100.0, model="gemma", prompt_tokens=5, status="ok"),
+        HandoffEvent(
+            at=101.0, from_model="gemma", to_model="tiny", release_s=0.1, wait_s=0.0, restore_s=0.9
+        ),
+    ]
+
+
+def test_a_record_is_stored_as_its_object_and_gets_a_time(journal: Journal) -> None:
+    before = time.time()
+    journal.append(HoldEvent(held=True))
+    (stored,) = journal.read()
+    assert stored.kind == "hold"
+    assert before <= stored.at <= time.time()
+    assert stored.body == {"event": "hold", "at": stored.at, "held": True}
+    assert stored.event == HoldEvent(at=stored.at, held=True)
+
+
+def test_a_hand_edited_row_still_reads_as_a_record(journal: Journal) -> None:
+    journal.append({"event": "hold", "at": 5.0, "held": True})
+    with sqlite3.connect(journal.path) as conn:
+        conn.execute("UPDATE events SET body = 'not json'")
+    conn.close()
+    (stored,) = journal.read()
+    assert stored.body == {"event": "hold", "at": 5.0, "raw": "not json"}
+    assert stored.event == HoldEvent(at=5.0)
 
 
 def test_a_value_json_cannot_hold_is_stored_as_text(journal: Journal) -> None:
@@ -383,114 +417,6 @@ def test_appends_from_many_threads_all_land(journal: Journal) -> None:
     assert sorted(seq for mine in seqs for seq in mine) == [e.seq for e in stored]
     for t in range(threads):
         assert [e.body["i"] for e in stored if e.body["thread"] == t] == list(range(per_thread))
-
-
-# -- human lines ---------------------------------------------------------------------------------
-
-AT = 1_718_020_803.12  # a time with milliseconds that binary floats cannot hold exactly
-
-
-def line(body: dict[str, Any]) -> str:
-    """format_event's line without its local-time prefix, after checking that prefix."""
-    text = format_event(
-        JournalEvent(seq=7, at=AT, kind=body["event"], model=body.get("model"), body=body)
-    )
-    stamp = time.strftime("%H:%M:%S", time.localtime(int(AT))) + ".120  "
-    assert text.startswith(stamp)
-    return text.removeprefix(stamp)
-
-
-def test_format_handoff() -> None:
-    body = {
-        "event": "handoff",
-        "at": AT,
-        "from": "gemma",
-        "to": "tiny",
-        "release_s": 0.11,
-        "wait_s": 0.02,
-        "restore_s": 0.92,
-    }
-    assert line(body) == "handoff   gemma → tiny  release 0.11 s  wait 0.02 s  restore 0.92 s"
-    assert line({"event": "handoff", "from": None, "to": "tiny", "restore_s": 1.5}) == (
-        "handoff   — → tiny  restore 1.50 s"
-    )
-
-
-def test_format_residency() -> None:
-    body = {
-        "event": "residency",
-        "at": AT,
-        "model": "gemma",
-        "from": "warm",
-        "to": "cooling",
-        "duration_s": 12.5,
-        "weights_bytes": 300 * 2**20,
-        "kv_bytes": 12 * 2**20,
-        "disk_read_bytes": 0,
-        "reason": "wanted",
-    }
-    assert line(body) == (
-        "residency gemma warm → cooling (wanted)  warm for 12.50 s  weights 300.0 MiB  kv 12.0 MiB"
-    )
-    body.update({"from": "cold", "to": "warming", "reason": "", "disk_read_bytes": 3 * 2**30})
-    assert line(body) == (
-        "residency gemma cold → warming  cold for 12.50 s  weights 300.0 MiB  kv 12.0 MiB"
-        "  read 3.0 GiB"
-    )
-
-
-def test_format_request() -> None:
-    body = {
-        "event": "request",
-        "at": AT,
-        "model": "gemma",
-        "id": "cmpl-1",
-        "duration_s": 0.531,
-        "prompt_tokens": 212,
-        "prompt_tokens_evaluated": 12,
-        "completion_tokens": 40,
-        "cancelled": False,
-        "status": "ok",
-    }
-    assert line(body) == "request   gemma 212 tokens (12 evaluated), 40 generated 0.53 s ok  cmpl-1"
-    body.update({"status": None, "cancelled": True, "id": None})
-    assert line(body).endswith("0.53 s cancelled")
-
-
-def test_format_worker() -> None:
-    body = {
-        "event": "worker",
-        "at": AT,
-        "model": "gemma",
-        "pid": 4242,
-        "code": -9,
-        "reason": "out of memory",
-        "restart_in_s": 1.0,
-    }
-    assert line(body) == (
-        "worker    gemma pid 4242 exited code -9 (SIGKILL): out of memory, restarting in 1.0 s"
-    )
-    assert line({"event": "worker", "model": "gemma", "pid": 4243, "code": None}) == (
-        "worker    gemma pid 4243 started"
-    )
-    assert line({"event": "worker", "model": "gemma", "code": 3}) == "worker    gemma exited code 3"
-
-
-def test_format_hold() -> None:
-    assert line({"event": "hold", "at": AT, "held": True}) == "hold      GPU held by the user"
-    assert (
-        line({"event": "hold", "at": AT, "held": False}) == "hold      GPU given back by the user"
-    )
-
-
-def test_format_an_unknown_kind_shows_its_fields() -> None:
-    body = {"event": "reload", "at": AT, "models": ["gemma", "tiny"], "ok": True}
-    assert line(body) == 'reload    models=["gemma", "tiny"] ok=true'
-
-
-def test_format_a_malformed_body_still_gives_a_line() -> None:
-    body = {"event": "request", "model": ["not", "a", "name"], "prompt_tokens": "many"}
-    assert line(body) == "request   ['not', 'a', 'name']"
 
 
 # -- --since -------------------------------------------------------------------------------------
