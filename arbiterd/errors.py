@@ -1,156 +1,307 @@
-"""The exception tree of arbiterd; every edge (CLI, later HTTP and the control socket) maps it once.
+"""The exception tree of arbiterd, its stable codes, and what each code means at every edge.
 
     ArbiterError                      anything arbiterd reports on purpose
-    ├── UsageError                    the caller asked for something malformed (64)
-    │   └── BadValueError             a value out of range, e.g. a negative timeout (65)
-    ├── RuntimeDirError               XDG_RUNTIME_DIR missing or insecure (78)
+    ├── UsageError                    the caller asked for something malformed
+    │   └── BadValueError             a value out of range, e.g. a negative timeout
+    ├── RuntimeDirError               XDG_RUNTIME_DIR missing or insecure
     ├── ArenaError                    the arena directory cannot be used
-    │   ├── ArenaUnwritableError      cannot create or open its files (73)
-    │   └── ArenaUnsupportedError     the filesystem does not support flock (69)
+    │   ├── ArenaUnwritableError      cannot create or open its files
+    │   └── ArenaUnsupportedError     the filesystem does not support flock
     ├── AcquireError                  the token was not obtained
-    │   ├── AcquireTimeoutError       the timeout ran out (75, EX_TEMPFAIL)
-    │   └── AcquireCancelledError     the caller gave up (130, as for SIGINT)
+    │   ├── AcquireTimeoutError       the timeout ran out
+    │   └── AcquireCancelledError     the caller gave up
     ├── CommandError                  `arbiterd run` could not start CMD
-    │   ├── CommandNotFoundError      no such program (127, as a shell)
-    │   └── CommandNotExecutableError found but not runnable (126, as a shell)
+    │   ├── CommandNotFoundError      no such program
+    │   └── CommandNotExecutableError found but not runnable
     ├── EngineError                   a model could not do what was asked
     │   ├── ModelLoadError            missing, unreadable or corrupt GGUF; context too large
     │   ├── RestoreError              warming a cold model failed (it stays cold)
+    │   ├── ResidencyCallError        the engine build's residency call returned a status
     │   └── RequestError              one request is bad; the model keeps serving
     │       └── ContextOverflowError  the prompt (plus max_tokens) exceeds the context
     ├── WorkerError                   the worker process or its protocol failed
+    │   ├── WorkerGoneError           the worker was gone before a request reached it
+    │   ├── InvalidTransitionError    a transition a state table forbids (a bug)
     │   └── ProtocolError             a malformed or unexpected message
-    ├── ConfigError                   config.toml is wrong: file, key path, what was expected (78)
-    ├── MissingPartError              an optional part (the tray's PySide6) is not installed (69)
-    ├── TelemetryError                a VRAM reader could not measure (69)
+    ├── ConfigError                   config.toml is wrong: file, key path, what was expected
+    ├── MissingPartError              an optional part (the tray's PySide6) is not installed
+    ├── TelemetryError                a VRAM reader could not measure
+    ├── InstallError                  `arbiterd install` cannot write its files
     └── DaemonError                   the daemon could not start, or talking to it failed
-        ├── ListenError               the HTTP address is taken or cannot be bound (71)
-        ├── AlreadyRunningError       another daemon holds this control socket's lock (75)
-        ├── DaemonNotRunningError     nothing listens on the control socket (69)
-        ├── UnknownModelError         no model by that name (404 over HTTP)
+        ├── ListenError               the HTTP address is taken or cannot be bound
+        ├── AlreadyRunningError       another daemon holds this control socket's lock
+        ├── DaemonNotRunningError     nothing listens on the control socket
+        ├── UnknownModelError         no model by that name
         └── ControlError              the daemon answered a control command with an error
 
-Each class carries the exit status the CLI uses, so every failure has its own distinct code.
+Each class has a `code` (ErrorCode), the string that crosses process boundaries (a worker's
+error reply, the control socket) in place of a class name; `OUTCOMES` maps each code, in this
+one place, to the HTTP status the API answers and the exit status the CLI ends with. Exit
+statuses follow sysexits(3) and the shell's conventions, so codes of one kind share one (every
+bad value exits 65); `error_from_wire` turns a code back into its class.
 """
 
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+class ErrorCode(enum.StrEnum):
+    ERROR = "error"
+    USAGE = "usage"
+    BAD_VALUE = "bad_value"
+    RUNTIME_DIR = "runtime_dir"
+    ARENA = "arena"
+    ARENA_UNWRITABLE = "arena_unwritable"
+    ARENA_UNSUPPORTED = "arena_unsupported"
+    ACQUIRE = "acquire"
+    ACQUIRE_TIMEOUT = "acquire_timeout"
+    ACQUIRE_CANCELLED = "acquire_cancelled"
+    COMMAND = "command"
+    COMMAND_NOT_FOUND = "command_not_found"
+    COMMAND_NOT_EXECUTABLE = "command_not_executable"
+    ENGINE = "engine"
+    MODEL_LOAD = "model_load"
+    RESTORE = "restore"
+    BAD_REQUEST = "bad_request"
+    CONTEXT_OVERFLOW = "context_overflow"
+    WORKER = "worker"
+    WORKER_GONE = "worker_gone"
+    PROTOCOL = "bad_message"
+    CONFIG = "config"
+    MISSING_PART = "missing_part"
+    TELEMETRY = "telemetry"
+    DAEMON = "daemon"
+    LISTEN = "listen"
+    ALREADY_RUNNING = "already_running"
+    DAEMON_NOT_RUNNING = "daemon_not_running"
+    UNKNOWN_MODEL = "unknown_model"
+    CONTROL = "control"
+    INSTALL = "install"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    http_status: int
+    exit_code: int
+
+
+# sysexits(3): 64 EX_USAGE, 65 EX_DATAERR, 69 EX_UNAVAILABLE, 70 EX_SOFTWARE, 71 EX_OSERR,
+# 73 EX_CANTCREAT, 74 EX_IOERR, 75 EX_TEMPFAIL (try again later), 78 EX_CONFIG; a shell's 126
+# (not executable), 127 (not found) and 130 (128 + SIGINT, interrupted).
+OUTCOMES: dict[ErrorCode, Outcome] = {
+    ErrorCode.ERROR: Outcome(500, 1),
+    ErrorCode.USAGE: Outcome(400, 64),
+    ErrorCode.BAD_VALUE: Outcome(400, 65),
+    ErrorCode.RUNTIME_DIR: Outcome(500, 78),
+    ErrorCode.ARENA: Outcome(500, 74),
+    ErrorCode.ARENA_UNWRITABLE: Outcome(500, 73),
+    ErrorCode.ARENA_UNSUPPORTED: Outcome(500, 69),
+    ErrorCode.ACQUIRE: Outcome(503, 75),
+    ErrorCode.ACQUIRE_TIMEOUT: Outcome(503, 75),
+    ErrorCode.ACQUIRE_CANCELLED: Outcome(503, 130),
+    ErrorCode.COMMAND: Outcome(500, 126),
+    ErrorCode.COMMAND_NOT_FOUND: Outcome(500, 127),
+    ErrorCode.COMMAND_NOT_EXECUTABLE: Outcome(500, 126),
+    ErrorCode.ENGINE: Outcome(503, 70),
+    ErrorCode.MODEL_LOAD: Outcome(503, 70),
+    ErrorCode.RESTORE: Outcome(503, 70),
+    ErrorCode.BAD_REQUEST: Outcome(400, 65),
+    ErrorCode.CONTEXT_OVERFLOW: Outcome(400, 65),
+    ErrorCode.WORKER: Outcome(503, 70),
+    ErrorCode.WORKER_GONE: Outcome(503, 70),
+    ErrorCode.PROTOCOL: Outcome(503, 70),
+    ErrorCode.CONFIG: Outcome(500, 78),
+    ErrorCode.MISSING_PART: Outcome(500, 69),
+    ErrorCode.TELEMETRY: Outcome(500, 69),
+    ErrorCode.DAEMON: Outcome(500, 1),
+    ErrorCode.LISTEN: Outcome(500, 71),
+    ErrorCode.ALREADY_RUNNING: Outcome(500, 75),
+    ErrorCode.DAEMON_NOT_RUNNING: Outcome(503, 69),
+    ErrorCode.UNKNOWN_MODEL: Outcome(404, 65),
+    ErrorCode.CONTROL: Outcome(400, 1),
+    ErrorCode.INSTALL: Outcome(500, 73),
+}
+
+_BY_CODE: dict[ErrorCode, type[ArbiterError]] = {}
+
 
 class ArbiterError(Exception):
-    """Base of every error arbiterd raises on purpose; its message is one line for a human."""
+    """Base of every error arbiterd raises on purpose; its message is one line for a human.
+    A subclass that names its own `code` is the class that code stands for on the wire; one
+    that does not shares its parent's."""
 
-    exit_code = 1
+    code: ClassVar[ErrorCode] = ErrorCode.ERROR
+    exit_code: int = OUTCOMES[ErrorCode.ERROR].exit_code  # an instance may say more exactly
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "code" in cls.__dict__:
+            if cls.code in _BY_CODE:
+                raise TypeError(f"{cls.code} already stands for {_BY_CODE[cls.code].__name__}")
+            _BY_CODE[cls.code] = cls
+        if "exit_code" not in cls.__dict__:
+            cls.exit_code = OUTCOMES[cls.code].exit_code
+
+    @property
+    def http_status(self) -> int:
+        return OUTCOMES[self.code].http_status
+
+    def to_wire(self) -> dict[str, str]:
+        return {"code": self.code.value, "message": str(self)}
+
+
+_BY_CODE[ErrorCode.ERROR] = ArbiterError
+
+
+def error_from_wire(raw: object) -> ArbiterError:
+    """The error a `to_wire` dict stands for, as its own class; an unknown code (or a garbled
+    dict) is a WorkerError carrying whatever message came."""
+    if not isinstance(raw, dict):
+        return WorkerError(f"a malformed error: {raw!r}")
+    message = str(raw.get("message", ""))
+    try:
+        kind = _BY_CODE[ErrorCode(str(raw.get("code")))]
+    except ValueError:
+        return WorkerError(message or f"an error of unknown code {raw.get('code')!r}")
+    return kind(message)
 
 
 class UsageError(ArbiterError):
-    exit_code = 64  # sysexits EX_USAGE
+    code = ErrorCode.USAGE
 
 
 class BadValueError(UsageError):
-    exit_code = 65  # sysexits EX_DATAERR
+    code = ErrorCode.BAD_VALUE
 
 
 class RuntimeDirError(ArbiterError):
-    exit_code = 78  # sysexits EX_CONFIG
+    code = ErrorCode.RUNTIME_DIR
 
 
 class ArenaError(ArbiterError):
-    exit_code = 74  # sysexits EX_IOERR
+    code = ErrorCode.ARENA
 
 
 class ArenaUnwritableError(ArenaError):
-    exit_code = 73  # sysexits EX_CANTCREAT
+    code = ErrorCode.ARENA_UNWRITABLE
 
 
 class ArenaUnsupportedError(ArenaError):
-    exit_code = 69  # sysexits EX_UNAVAILABLE
+    code = ErrorCode.ARENA_UNSUPPORTED
 
 
 class AcquireError(ArbiterError):
-    exit_code = 75
+    code = ErrorCode.ACQUIRE
 
 
 class AcquireTimeoutError(AcquireError):
-    exit_code = 75  # sysexits EX_TEMPFAIL: try again later
+    code = ErrorCode.ACQUIRE_TIMEOUT
 
 
 class AcquireCancelledError(AcquireError):
-    exit_code = 130  # 128 + SIGINT, what a shell reports for an interrupted command
+    code = ErrorCode.ACQUIRE_CANCELLED
 
 
 class CommandError(ArbiterError):
-    exit_code = 126
+    code = ErrorCode.COMMAND
 
 
 class CommandNotFoundError(CommandError):
-    exit_code = 127
+    code = ErrorCode.COMMAND_NOT_FOUND
 
 
 class CommandNotExecutableError(CommandError):
-    exit_code = 126
+    code = ErrorCode.COMMAND_NOT_EXECUTABLE
 
 
 class EngineError(ArbiterError):
-    exit_code = 70  # sysexits EX_SOFTWARE
+    code = ErrorCode.ENGINE
 
 
 class ModelLoadError(EngineError):
-    pass
+    code = ErrorCode.MODEL_LOAD
 
 
 class RestoreError(EngineError):
-    pass
+    code = ErrorCode.RESTORE
+
+
+class ResidencyCallError(EngineError):
+    """A residency call of the engine build (native/libllama.py) returned non-zero `status`
+    (a libllama.Status when the ABI names it)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class RequestError(EngineError):
-    exit_code = 65
+    code = ErrorCode.BAD_REQUEST
 
 
 class ContextOverflowError(RequestError):
-    pass
+    code = ErrorCode.CONTEXT_OVERFLOW
 
 
 class WorkerError(ArbiterError):
-    exit_code = 70
+    code = ErrorCode.WORKER
+
+
+class WorkerGoneError(WorkerError):
+    """Nothing of the request ran: it may be sent again to the worker's successor."""
+
+    code = ErrorCode.WORKER_GONE
+
+
+class InvalidTransitionError(WorkerError):
+    """A transition a state table (a model's residency, a daemon's slot) does not allow: a bug,
+    never a user error."""
 
 
 class ProtocolError(WorkerError):
-    pass
+    code = ErrorCode.PROTOCOL
 
 
 class ConfigError(ArbiterError):
-    exit_code = 78  # sysexits EX_CONFIG
+    code = ErrorCode.CONFIG
 
 
 class MissingPartError(ArbiterError):
-    exit_code = 69  # sysexits EX_UNAVAILABLE
+    code = ErrorCode.MISSING_PART
 
 
 class TelemetryError(ArbiterError):
     """A reader could not measure: the driver went away, a file vanished, NVML failed."""
 
-    exit_code = 69  # sysexits EX_UNAVAILABLE
+    code = ErrorCode.TELEMETRY
+
+
+class InstallError(ArbiterError):
+    code = ErrorCode.INSTALL
 
 
 class DaemonError(ArbiterError):
-    exit_code = 1
+    code = ErrorCode.DAEMON
 
 
 class ListenError(DaemonError):
-    exit_code = 71  # sysexits EX_OSERR: the system refused the address
+    code = ErrorCode.LISTEN
 
 
 class AlreadyRunningError(DaemonError):
-    exit_code = 75  # sysexits EX_TEMPFAIL: it can start once the other one has stopped
+    code = ErrorCode.ALREADY_RUNNING
 
 
 class DaemonNotRunningError(DaemonError):
-    exit_code = 69  # sysexits EX_UNAVAILABLE
+    code = ErrorCode.DAEMON_NOT_RUNNING
 
 
 class UnknownModelError(DaemonError):
-    exit_code = 65
+    code = ErrorCode.UNKNOWN_MODEL
 
 
 class ControlError(DaemonError):
-    exit_code = 1
+    code = ErrorCode.CONTROL

@@ -33,14 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from arbiterd.errors import (
-    ArbiterError,
-    ContextOverflowError,
-    EngineError,
-    RequestError,
-    UnknownModelError,
-    WorkerError,
-)
+from arbiterd.errors import ArbiterError, ErrorCode, UnknownModelError
 from arbiterd.service import Service
 from arbiterd.spec import COMPLETION_PARAMS
 
@@ -433,14 +426,9 @@ def _unknown_model(model: str, names: list[str]) -> ApiError:
     )
 
 
-# The Service's errors (arbiterd/service.py has the table), most specific first: RequestError is an
-# EngineError, and one bad request is the caller's fault, not the model's.
-SERVICE_ERRORS: tuple[tuple[type[Exception], int, str, str], ...] = (
-    (ContextOverflowError, 400, INVALID_REQUEST, "context_length_exceeded"),
-    (RequestError, 400, INVALID_REQUEST, "invalid_value"),
-    (EngineError, 503, SERVER_ERROR, "model_unavailable"),
-    (WorkerError, 503, SERVER_ERROR, "model_unavailable"),
-)
+# OpenAI's error codes for ours; any other is "invalid_value" below 500, "model_unavailable" above.
+# The HTTP status of every arbiterd error is errors.OUTCOMES's.
+OPENAI_CODES: dict[ErrorCode, str] = {ErrorCode.CONTEXT_OVERFLOW: "context_length_exceeded"}
 
 
 def _api_error(exc: Exception, names: Callable[[], list[str]]) -> ApiError:
@@ -454,9 +442,15 @@ def _api_error(exc: Exception, names: Callable[[], list[str]]) -> ApiError:
         return ApiError(
             404, f"{exc}; available models: {available}", code="model_not_found", param="model"
         )
-    for kind, status, type_, code in SERVICE_ERRORS:
-        if isinstance(exc, kind):
-            return ApiError(status, str(exc), type_=type_, code=code)
+    if isinstance(exc, ArbiterError):
+        status = exc.http_status
+        fallback = "invalid_value" if status < 500 else "model_unavailable"
+        return ApiError(
+            status,
+            str(exc),
+            type_=INVALID_REQUEST if status < 500 else SERVER_ERROR,
+            code=OPENAI_CODES.get(exc.code, fallback),
+        )
     log.error("unexpected error serving a request", exc_info=exc)
     return _internal_error()
 
@@ -668,7 +662,7 @@ def create_app(
 
     @app.get("/metrics", dependencies=guarded)
     async def metrics() -> Response:
-        return Response(service.metrics_text(), media_type=METRICS_CONTENT_TYPE)
+        return Response(await service.metrics_text(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models", dependencies=guarded)
     async def list_models() -> dict[str, Any]:

@@ -22,7 +22,7 @@ from importlib import resources
 from pathlib import Path
 
 from arbiterd.config import APP_DIR, default_config_path, starter_config_text
-from arbiterd.errors import ArbiterError
+from arbiterd.errors import InstallError
 from arbiterd.paths import make_private_dirs
 
 # packaging/ at the top of the source tree holds the one copy of the templates; arbiterd/_packaging
@@ -39,10 +39,6 @@ MODEL_DIRS = ("~/.cache/llama.cpp", "~/models", "~/.local/share/models", "~/.cac
 MAX_FOUND_MODELS = 20
 
 Runner = Callable[[list[str]], subprocess.CompletedProcess[str]]
-
-
-class InstallError(ArbiterError):
-    exit_code = 73  # sysexits EX_CANTCREAT
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,15 @@
 """The daemon's Prometheus metrics, derived from its events and the workers' hellos.
 
 Owns a private CollectorRegistry (so several daemons in one test process do not collide) and
-the meaning of each figure; the supervisor feeds it every event it sees, and the backend each
-worker says it uses.
+the meaning of each figure; the event bus feeds it every event published, the supervisor the
+backend each worker says it uses and a fresh VRAM reading at each scrape.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from arbiterd.events import Event, HandoffEvent, RequestEvent, ResidencyEvent, WorkerEvent
 from arbiterd.telemetry import TelemetrySnapshot, VramGauge
 
 # Handoffs on a desktop GPU: from ~1 ms (in place) to tens of seconds (a large reload).
@@ -25,7 +24,7 @@ class Metrics:
         )
         self.handoff_seconds = Histogram(
             "arbiterd_handoff_seconds",
-            "From the releasing model's release to the next model being warm",
+            "From the moment a model asked for the GPU held by another to it being warm",
             buckets=HANDOFF_BUCKETS_S,
             registry=self.registry,
         )
@@ -79,21 +78,23 @@ class Metrics:
         self._backends[model] = backend
         self.backend.labels(model=model, backend=backend).set(1)
 
-    def observe(self, event: dict[str, Any]) -> None:
-        kind, model = event.get("event"), str(event.get("model", ""))
-        if kind == "residency":
-            self.resident.labels(model=model).set(1 if event.get("to") == "warm" else 0)
-        elif kind == "request":
-            self.requests.labels(model=model, status=str(event.get("status", "ok"))).inc()
-            evaluated = event.get("prompt_tokens_evaluated")
-            if isinstance(evaluated, int) and evaluated > 0:
-                self.prompt_tokens_evaluated.labels(model=model).inc(evaluated)
-        elif kind == "handoff":
+    def observe(self, event: Event) -> None:
+        if isinstance(event, ResidencyEvent) and event.model is not None:
+            self.resident.labels(model=event.model).set(1 if event.to_state == "warm" else 0)
+        elif isinstance(event, RequestEvent) and event.model is not None:
+            self.requests.labels(model=event.model, status=event.outcome or "ok").inc()
+            evaluated = event.prompt_tokens_evaluated
+            if evaluated is not None and evaluated > 0:
+                self.prompt_tokens_evaluated.labels(model=event.model).inc(evaluated)
+        elif isinstance(event, HandoffEvent):
             self.handoffs.inc()
-            total = sum(float(event.get(k) or 0.0) for k in ("release_s", "wait_s", "restore_s"))
-            self.handoff_seconds.observe(total)
-        elif kind == "worker" and event.get("restart_in_s") is not None:
-            self.worker_restarts.labels(model=model).inc()
+            self.handoff_seconds.observe(event.total_s)
+        elif (
+            isinstance(event, WorkerEvent)
+            and event.model is not None
+            and event.restart_in_s is not None
+        ):
+            self.worker_restarts.labels(model=event.model).inc()
 
     def observe_vram(self, snapshot: TelemetrySnapshot) -> None:
         self.vram.update(snapshot)

@@ -17,7 +17,7 @@ import enum
 import time
 from dataclasses import dataclass
 
-from arbiterd.errors import WorkerError
+from arbiterd.errors import InvalidTransitionError
 
 
 class State(enum.StrEnum):
@@ -46,8 +46,28 @@ HOLDS_TOKEN = frozenset({State.LOADING, State.WARM, State.COOLING, State.WARMING
 
 
 @dataclass(frozen=True)
+class Wait:
+    """How a model got the token for a load or a warm-up, measured by its worker: when it began
+    to ask, how long it waited, and who held the token then (None: it was free)."""
+
+    since: float  # seconds since the epoch
+    wait_s: float
+    holder_pid: int | None
+    holder_name: str | None
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "waited_from": self.since,
+            "wait_s": round(self.wait_s, 6),
+            "holder_pid": self.holder_pid,
+            "holder_name": self.holder_name,
+        }
+
+
+@dataclass(frozen=True)
 class ResidencyEvent:
-    """One transition: `duration_s` is how long the state it left lasted."""
+    """One transition: `duration_s` is how long the state it left lasted; a load or warm-up
+    that ends warm also says how the token was had (`wait`)."""
 
     model: str
     from_state: State
@@ -58,8 +78,10 @@ class ResidencyEvent:
     kv_bytes: int = 0
     disk_read_bytes: int = 0
     reason: str = ""
+    wait: Wait | None = None
 
     def to_json(self) -> dict[str, object]:
+        waited = {} if self.wait is None else self.wait.to_json()
         return {
             "event": "residency",
             "model": self.model,
@@ -71,11 +93,8 @@ class ResidencyEvent:
             "kv_bytes": self.kv_bytes,
             "disk_read_bytes": self.disk_read_bytes,
             "reason": self.reason,
+            **waited,
         }
-
-
-class InvalidTransitionError(WorkerError):
-    """A transition the table does not allow: a bug in the worker, never a user error."""
 
 
 class Residency:
@@ -95,6 +114,7 @@ class Residency:
         kv_bytes: int = 0,
         disk_read_bytes: int = 0,
         reason: str = "",
+        wait: Wait | None = None,
     ) -> ResidencyEvent:
         """Move from `expected` to `new`, or raise if we are not in `expected` or the table
         forbids it. Returns the event describing the move."""
@@ -115,6 +135,7 @@ class Residency:
             kv_bytes=kv_bytes,
             disk_read_bytes=disk_read_bytes,
             reason=reason,
+            wait=wait,
         )
         self.state, self._entered = new, now
         return event

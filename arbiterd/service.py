@@ -37,14 +37,18 @@ Status (`await status()`), one JSON object:
 
 Events (from `subscribe()`), JSON objects with "event" and "at" (seconds since the epoch):
     residency   a model's state changed: model, from, to, duration_s, weights_bytes, kv_bytes,
-                disk_read_bytes, reason
+                disk_read_bytes, reason; ending a load or warm-up also waited_from, wait_s,
+                holder_pid, holder_name
     request     a request ended: model, id, duration_s, prompt_tokens, prompt_tokens_evaluated,
                 completion_tokens, cancelled, status ("ok" | "error" | "cancelled")
-    handoff     the GPU changed hands between models: from, to, release_s, wait_s, restore_s
+    handoff     the GPU changed hands between models, as the model that got it measured:
+                from, to, holder_pid, waited_from, wait_s, release_s (when "from" released
+                during the wait), restore_s, restored_bytes
+    wait        a model waited behind a program that is not one of ours: model, holder_pid,
+                holder_name, waited_from, wait_s
     worker      a worker exited or restarted: model, pid, code, reason, restart_in_s
     reload      the config was read again: added, removed, changed, warnings
     hold        the user took (held=true) or gave back (held=false) the GPU
-    reload      the config was re-read: added, removed, changed (model names)
     vram_not_freed  a release did not give the VRAM back: model, pid, device, bytes_before,
                 bytes_after, expected_bytes, waited_s
     vram        live figures, ~1 Hz while someone subscribes (the "telemetry" object of
@@ -92,6 +96,6 @@ class Service(Protocol):
         object (e.g. {"model": ..., "state": ...})."""
         ...
 
-    def metrics_text(self) -> bytes:
-        """The Prometheus text exposition of the daemon's metrics."""
+    async def metrics_text(self) -> bytes:
+        """The Prometheus text exposition of the daemon's metrics, VRAM read for the scrape."""
         ...

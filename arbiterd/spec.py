@@ -13,7 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-WORKER_PROTOCOL = 1
+# 2: error replies carry a stable code (errors.ErrorCode), not an exception class name.
+WORKER_PROTOCOL = 2
 
 # Request parameters passed through to llama-cpp-python, with the type each must have.
 COMPLETION_PARAMS: dict[str, tuple[type, ...]] = {

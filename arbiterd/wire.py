@@ -1,11 +1,13 @@
 """JSON-lines framing for arbiterd's sockets: one JSON object per line, bounded in size.
 
 Owns encoding, decoding and the guard ladder every incoming line goes through (size → UTF-8 →
-JSON → object); callers check the keys they need. Never blocks on anything but its socket.
+JSON → object); callers check the keys they need. The blocking reader and writer never block on
+anything but their socket; the asyncio reader is the daemon's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -39,29 +41,67 @@ def decode(line: bytes) -> dict[str, Any]:
     return message
 
 
+class Framer:
+    """Cuts a byte stream into messages: the ladder for each whole line, and a bound on a line
+    that has not ended yet."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self._buffer += data
+
+    def next(self) -> dict[str, Any] | None:
+        """The next whole message, or None until more bytes come. Raises ProtocolError for a
+        bad line (the line is consumed, so the caller may answer and go on)."""
+        end = self._buffer.find(b"\n")
+        if end >= 0:
+            line = bytes(self._buffer[:end])
+            del self._buffer[: end + 1]
+            return decode(line)
+        if len(self._buffer) > MAX_MESSAGE_BYTES:
+            self._buffer.clear()
+            raise ProtocolError(f"message exceeds {MAX_MESSAGE_BYTES} bytes")
+        return None
+
+
 class LineReader:
     """Reads newline-terminated messages from a stream socket it does not own."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
-        self._buffer = bytearray()
+        self._framer = Framer()
 
     def read(self) -> dict[str, Any] | None:
         """The next message, or None at end of stream. Raises ProtocolError for a bad line
         (the line is consumed, so the caller may answer and go on)."""
         while True:
-            end = self._buffer.find(b"\n")
-            if end >= 0:
-                line = bytes(self._buffer[:end])
-                del self._buffer[: end + 1]
-                return decode(line)
-            if len(self._buffer) > MAX_MESSAGE_BYTES:
-                self._buffer.clear()
-                raise ProtocolError(f"message exceeds {MAX_MESSAGE_BYTES} bytes")
+            message = self._framer.next()
+            if message is not None:
+                return message
             data = self._sock.recv(RECV_BYTES)
             if not data:
                 return None
-            self._buffer += data
+            self._framer.feed(data)
+
+
+class AsyncLineReader:
+    """Reads newline-terminated messages from an asyncio stream, as LineReader does."""
+
+    def __init__(self, stream: asyncio.StreamReader) -> None:
+        self._stream = stream
+        self._framer = Framer()
+
+    async def read(self) -> dict[str, Any] | None:
+        """The next message, or None at end of stream (ProtocolError as LineReader.read)."""
+        while True:
+            message = self._framer.next()
+            if message is not None:
+                return message
+            data = await self._stream.read(RECV_BYTES)
+            if not data:
+                return None
+            self._framer.feed(data)
 
 
 class LineWriter:

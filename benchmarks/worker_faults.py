@@ -37,9 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from arbiterd.arena import Arena
+from arbiterd.errors import ContextOverflowError
 from arbiterd.spec import ModelSpec, WorkerConfig
 from arbiterd.wire import LineReader, LineWriter
-from arbiterd.workerclient import RemoteError, WorkerProcess
+from arbiterd.workerclient import BlockingWorker
 from benchmarks.common import report, summary
 from benchmarks.worker_handoff import CpuMeter
 
@@ -91,7 +92,7 @@ def worker_config(arena: Path, model: Path, name: str) -> WorkerConfig:
     return WorkerConfig(spec=spec, arena=arena)
 
 
-def timed_completion(worker: WorkerProcess, since: float) -> float:
+def timed_completion(worker: BlockingWorker, since: float) -> float:
     worker.generate("completion", ONE_TOKEN, timeout_s=REQUEST_TIMEOUT_S)
     return time.monotonic() - since
 
@@ -125,7 +126,7 @@ def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) 
         time.sleep(0.005)
 
 
-def huge_request(a: WorkerProcess, b: WorkerProcess, rounds: int) -> dict[str, Any]:
+def huge_request(a: BlockingWorker, b: BlockingWorker, rounds: int) -> dict[str, Any]:
     baseline, huge, refused = [], [], []
     for _ in range(rounds):
         a.generate("completion", ONE_TOKEN, timeout_s=REQUEST_TIMEOUT_S)  # a warm, b cold
@@ -135,7 +136,7 @@ def huge_request(a: WorkerProcess, b: WorkerProcess, rounds: int) -> dict[str, A
         sender = Background(partial(a.generate, "chat", HUGE_CHAT, timeout_s=REQUEST_TIMEOUT_S))
         huge.append(timed_completion(b, started))
         error = sender.join().error
-        if not (isinstance(error, RemoteError) and error.kind == "ContextOverflowError"):
+        if not isinstance(error, ContextOverflowError):
             raise RuntimeError(f"the huge request was not refused: {error!r}")
         refused.append(sender.finished_at - started)
     baseline_s, huge_s = summary(baseline, "s")["median_s"], summary(huge, "s")["median_s"]
@@ -149,7 +150,7 @@ def huge_request(a: WorkerProcess, b: WorkerProcess, rounds: int) -> dict[str, A
 
 
 def cancelled_prefill(
-    a: WorkerProcess, b: WorkerProcess, arena: Arena, rounds: int
+    a: BlockingWorker, b: BlockingWorker, arena: Arena, rounds: int
 ) -> dict[str, Any]:
     stopped, served = [], []
     for i in range(rounds):
@@ -176,7 +177,7 @@ def cancelled_prefill(
     }
 
 
-def current_is(worker: WorkerProcess, request_id: str) -> bool:
+def current_is(worker: BlockingWorker, request_id: str) -> bool:
     return bool(worker.status()["current"] == request_id)
 
 
@@ -237,8 +238,8 @@ def main() -> None:
     result["vocabulary"] = vocabulary(model)
     with tempfile.TemporaryDirectory(prefix="arbiterd-faults-") as folder:
         arena = Path(folder) / "arena"
-        a = WorkerProcess.spawn(worker_config(arena, model, "a"))
-        b = WorkerProcess.spawn(worker_config(arena, model, "b"))
+        a = BlockingWorker.spawn(worker_config(arena, model, "a"))
+        b = BlockingWorker.spawn(worker_config(arena, model, "b"))
         try:
             result["huge_request"] = huge_request(a, b, args.rounds)
             result["cancelled_prefill"] = cancelled_prefill(a, b, Arena(arena), args.rounds)

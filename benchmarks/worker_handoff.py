@@ -92,7 +92,7 @@ from arbiterd.engine import ReloadBackend, select_backend
 from arbiterd.errors import ModelLoadError, TelemetryError, WorkerError
 from arbiterd.spec import KvPolicy, ModelSpec, Residency, WorkerConfig
 from arbiterd.telemetry.nvml import NvmlReader
-from arbiterd.workerclient import WorkerProcess
+from arbiterd.workerclient import BlockingWorker
 from benchmarks.common import host_copy_bandwidth, proc_memory, report, summary
 
 N_THREADS = 2
@@ -384,7 +384,7 @@ class Setup:
         )
 
 
-def stop(worker: WorkerProcess) -> None:
+def stop(worker: BlockingWorker) -> None:
     """Shut a worker down; kill it if that fails. Never raises for a worker that is gone."""
     try:
         worker.shutdown(timeout_s=30.0)
@@ -395,7 +395,7 @@ def stop(worker: WorkerProcess) -> None:
 class EventLog:
     """Reads a worker's events in order, keeping every one, so no transition is skipped unseen."""
 
-    def __init__(self, worker: WorkerProcess) -> None:
+    def __init__(self, worker: BlockingWorker) -> None:
         self.worker = worker
         self.seen: list[dict[str, Any]] = []
 
@@ -424,7 +424,7 @@ class Timed:
     result: dict[str, Any]
 
 
-def timed_generate(worker: WorkerProcess, prompt: str, max_tokens: int) -> Timed:
+def timed_generate(worker: BlockingWorker, prompt: str, max_tokens: int) -> Timed:
     first: list[float] = []
 
     def on_chunk(_chunk: dict[str, Any]) -> None:
@@ -439,7 +439,7 @@ def timed_generate(worker: WorkerProcess, prompt: str, max_tokens: int) -> Timed
     return Timed(sent, first[0], result)
 
 
-def worker_backend(worker: WorkerProcess, wanted: str) -> dict[str, Any]:
+def worker_backend(worker: BlockingWorker, wanted: str) -> dict[str, Any]:
     """What the worker says runs its model (its status's backend and engine; None from a worker
     that does not say); a worker that names another backend than `wanted` is an error."""
     status = worker.status()
@@ -468,12 +468,12 @@ def measure_handoffs(
                 tempfile.TemporaryDirectory(prefix="arbiterd-bench-", dir=setup.arena_dir)
             )
         )
-        workers: list[WorkerProcess] = []
+        workers: list[BlockingWorker] = []
         logs: list[EventLog] = []
         loads: list[dict[str, Any]] = []
         for name in names:
             cfg = setup.config(name, arena, residency=residency, host_copy=True)
-            worker = WorkerProcess.spawn(cfg)
+            worker = BlockingWorker.spawn(cfg)
             stack.callback(stop, worker)
             workers.append(worker)
             logs.append(EventLog(worker))
@@ -545,13 +545,13 @@ def handoff_row(
     }
 
 
-def memory_sample(worker: WorkerProcess, device: DeviceMeter) -> dict[str, int | None]:
+def memory_sample(worker: BlockingWorker, device: DeviceMeter) -> dict[str, int | None]:
     """The worker's resident memory and the devices' used memory, now."""
     return {**proc_memory(worker.pid), "device_used_bytes": device.used_bytes()}
 
 
 def measure_releases(
-    worker: WorkerProcess, log: EventLog, cycles: int, device: DeviceMeter
+    worker: BlockingWorker, log: EventLog, cycles: int, device: DeviceMeter
 ) -> list[dict[str, Any]]:
     """`cycles` times: read memory, release (the op answers once the worker is cold, and the
     other worker is cold too, so nothing else moves meanwhile), read it again, warm up."""
@@ -584,7 +584,7 @@ def measure_baseline(setup: Setup, iterations: int, *, drop_cache: bool) -> list
             if drop_cache:
                 drop_page_cache(setup.path)
             started = time.time()
-            worker = WorkerProcess.spawn(cfg)
+            worker = BlockingWorker.spawn(cfg)
             try:
                 spawned = time.time()
                 timed = timed_generate(worker, prompt, setup.max_tokens)

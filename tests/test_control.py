@@ -110,7 +110,7 @@ class FakeService:
             raise UnknownModelError(f"no model named {model!r} (models: alpha, beta)")
         return {"command": name, "model": model}
 
-    def metrics_text(self) -> bytes:
+    async def metrics_text(self) -> bytes:
         return b""
 
     def publish(self, *events: dict[str, Any]) -> None:
@@ -307,7 +307,7 @@ def test_each_command_reaches_the_service(name: str, served: Served, conns: Conn
     assert served.service.commands == [(name, model)]
 
 
-def test_unknown_model_is_an_error_reply_named_by_its_class(
+def test_unknown_model_is_an_error_reply_with_its_stable_code_raised_as_its_class(
     served: Served, conns: Connections
 ) -> None:
     raw = conns.raw()
@@ -315,13 +315,12 @@ def test_unknown_model_is_an_error_reply_named_by_its_class(
     assert reply == {
         "request_id": 9,
         "error": "no model named 'gamma' (models: alpha, beta)",
-        "code": "UnknownModelError",
+        "code": "unknown_model",
     }
     client = conns.client()
-    with pytest.raises(ControlReplyError, match="no model named 'gamma'") as caught:
+    with pytest.raises(UnknownModelError, match="no model named 'gamma'") as caught:
         client.call("pin", model="gamma")
-    assert caught.value.code == "UnknownModelError"
-    assert isinstance(caught.value, ControlError)
+    assert caught.value.exit_code == 65  # the CLI's status for it, as errors.OUTCOMES says
     assert client.call("status") == STATUS  # still usable
 
 
@@ -330,7 +329,7 @@ def test_a_command_that_cannot_be_done_now_is_a_control_error(
 ) -> None:
     served.service.failure = ControlError("the GPU is already held")
     reply = conns.raw().request(command="hold", request_id="x")
-    assert (reply["error"], reply["code"]) == ("the GPU is already held", "ControlError")
+    assert (reply["error"], reply["code"]) == ("the GPU is already held", "control")
 
 
 def test_an_unexpected_failure_is_internal_logged_and_survived(
@@ -607,8 +606,9 @@ def test_a_peer_with_another_uid_is_refused(
     )
     assert raw.at_eof()
     assert served.service.commands == []
-    with pytest.raises(ControlReplyError, match="permission denied"):
+    with pytest.raises(ControlReplyError, match="permission denied") as refused:
         conns.client()
+    assert refused.value.reply_code == control.CODE_PERMISSION
 
 
 def test_socket_is_0600_in_a_0700_directory(served: Served) -> None:
@@ -789,8 +789,8 @@ def test_the_protocol_document_covers_every_command_and_code() -> None:
         control.CODE_TOO_LARGE,
         control.CODE_PERMISSION,
         control.CODE_INTERNAL,
-        "UnknownModelError",
-        "ControlError",
+        "unknown_model",
+        "control",
     ):
         assert f"`{code}`" in text, code
     assert f"{MAX_LINE_BYTES:,}".replace(",", " ") in text or str(MAX_LINE_BYTES) in text

@@ -114,7 +114,7 @@ MISUSE = """
 import llama_cpp
 
 from arbiterd.engine import _context_pointer
-from arbiterd.native.libllama import ResidencyCallError
+from arbiterd.errors import ResidencyCallError
 
 
 def status_of(call):

@@ -18,9 +18,10 @@ import httpx
 import pytest
 
 from arbiterd.arena import Arena
+from arbiterd.errors import ContextOverflowError
 from arbiterd.spec import ModelSpec, WorkerConfig
 from arbiterd.wire import LineReader, LineWriter
-from arbiterd.workerclient import RemoteError, WorkerProcess
+from arbiterd.workerclient import BlockingWorker
 from tests.support.daemon import Daemon
 from tests.support.waiting import wait_until
 
@@ -37,11 +38,11 @@ def config(arena: Path, model: Path, name: str, n_ctx: int = 2048) -> WorkerConf
 
 
 @pytest.fixture
-def spawn(tmp_path: Path, tiny_model: Path) -> Iterator[Callable[[str], WorkerProcess]]:
-    started: list[WorkerProcess] = []
+def spawn(tmp_path: Path, tiny_model: Path) -> Iterator[Callable[[str], BlockingWorker]]:
+    started: list[BlockingWorker] = []
 
-    def start(name: str) -> WorkerProcess:
-        worker = WorkerProcess.spawn(config(tmp_path / "arena", tiny_model, name))
+    def start(name: str) -> BlockingWorker:
+        worker = BlockingWorker.spawn(config(tmp_path / "arena", tiny_model, name))
         started.append(worker)
         return worker
 
@@ -50,13 +51,13 @@ def spawn(tmp_path: Path, tiny_model: Path) -> Iterator[Callable[[str], WorkerPr
         worker.kill()
 
 
-def complete(worker: WorkerProcess, prompt: str) -> dict[str, Any]:
+def complete(worker: BlockingWorker, prompt: str) -> dict[str, Any]:
     body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
     return worker.generate("completion", body, timeout_s=30)
 
 
 def test_a_huge_chat_request_is_refused_while_another_model_is_served(
-    spawn: Callable[[str], WorkerProcess],
+    spawn: Callable[[str], BlockingWorker],
 ) -> None:
     a, b = spawn("a"), spawn("b")
     for worker in (a, b, a):  # both loaded; a warm and holding the GPU
@@ -66,7 +67,7 @@ def test_a_huge_chat_request_is_refused_while_another_model_is_served(
     def send_huge() -> None:
         try:
             a.generate("chat", HUGE_CHAT, timeout_s=30)
-        except RemoteError as exc:
+        except ContextOverflowError as exc:
             refused.append(exc)
 
     sender = threading.Thread(target=send_huge)
@@ -77,8 +78,6 @@ def test_a_huge_chat_request_is_refused_while_another_model_is_served(
     sender.join(timeout=30)
     assert served_s < SERVED_WITHIN_S, f"b waited {served_s:.2f} s behind a's huge request"
     assert len(refused) == 1
-    assert isinstance(refused[0], RemoteError)
-    assert refused[0].kind == "ContextOverflowError"
     assert "100000 messages" in str(refused[0])
     assert complete(a, "the cat")["completion_tokens"] >= 1  # a still serves
 

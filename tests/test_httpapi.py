@@ -111,7 +111,7 @@ class FakeService:
     async def command(self, name: str, model: str | None = None) -> dict[str, Any]:
         return {}
 
-    def metrics_text(self) -> bytes:
+    async def metrics_text(self) -> bytes:
         return METRICS
 
 
@@ -570,7 +570,7 @@ def test_service_checking_eagerly_before_streaming_gets_the_same_mapping(
 
 
 def test_a_bug_outside_the_completion_routes_is_a_500_envelope(service: FakeService) -> None:
-    def broken() -> bytes:
+    async def broken() -> bytes:
         raise RuntimeError("a bug")
 
     service.metrics_text = broken  # type: ignore[method-assign]

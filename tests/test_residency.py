@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from arbiterd.residency import TRANSITIONS, InvalidTransitionError, Residency, State
+from arbiterd.errors import InvalidTransitionError
+from arbiterd.residency import TRANSITIONS, Residency, State
 
 
 def test_the_round_trip_walks_the_table() -> None:

@@ -14,12 +14,12 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from arbiterd import supervisor as supervisor_module
+from arbiterd import lifecycle
 from arbiterd.config import load_config
 from arbiterd.metrics import Metrics
 from arbiterd.supervisor import ENGINE_REBUILD_HINT, Supervisor, offload_warning
 from arbiterd.telemetry import DeviceMemory, ProcessMemory, ReaderSet, Reading
-from arbiterd.workerclient import BACKENDS, EngineReport, WorkerProcess
+from arbiterd.workerclient import BACKENDS, EngineReport, WorkerClient
 
 GiB = 1 << 30
 
@@ -110,15 +110,15 @@ def test_a_spawn_that_fails_on_an_os_error_is_said_and_retried(
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
     tmp_path.chmod(0o700)
     config = load_config(write_config(tmp_path, tiny_model), env=env)
-    real_spawn = WorkerProcess.spawn
+    real_spawn = WorkerClient.spawn
     failures = iter([OSError(errno.EMFILE, "Too many open files")])
 
-    def spawn(*args: Any, **kwargs: Any) -> WorkerProcess:
+    async def spawn(*args: Any, **kwargs: Any) -> WorkerClient:
         for exc in failures:
             raise exc
-        return real_spawn(*args, **kwargs)
+        return await real_spawn(*args, **kwargs)
 
-    monkeypatch.setattr(WorkerProcess, "spawn", spawn)
+    monkeypatch.setattr(WorkerClient, "spawn", spawn)
 
     async def scenario() -> tuple[dict[str, Any], dict[str, Any]]:
         supervisor = Supervisor(config)
@@ -185,7 +185,7 @@ def test_each_model_says_its_backend_and_gpu_layers_an_engine_cannot_give_warn_o
     """`gpu` asks for every layer on the GPU, `cpu` for none. On an engine that cannot offload
     (this machine's stock CPU build), `gpu` gets a warning in its status and one log line each
     time its worker starts; on one that can (a GPU machine), neither model gets one."""
-    monkeypatch.setattr(supervisor_module, "RESTART_BACKOFF_S", (0.05,))
+    monkeypatch.setattr(lifecycle, "RESTART_BACKOFF_S", (0.05,))
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
     tmp_path.chmod(0o700)
     path = write_config(tmp_path, tiny_model)
@@ -205,7 +205,7 @@ def test_each_model_says_its_backend_and_gpu_layers_an_engine_cannot_give_warn_o
             await next_event(events, "worker")
             await supervisor.command("warm", "gpu")  # waits for the restarted worker
             again = await supervisor.status()
-            return first, again, supervisor.metrics_text().decode()
+            return first, again, (await supervisor.metrics_text()).decode()
         finally:
             await supervisor.stop()
 

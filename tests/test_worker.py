@@ -16,16 +16,23 @@ import pytest
 
 from arbiterd.arena import Arena
 from arbiterd.engine import EngineInfo, Generation, Moved, Prepared, engine_info
-from arbiterd.errors import ModelLoadError, ProtocolError, RequestError, RestoreError, WorkerError
-from arbiterd.spec import KvPolicy, ModelSpec, Residency, WorkerConfig
+from arbiterd.errors import (
+    ContextOverflowError,
+    EngineError,
+    ModelLoadError,
+    ProtocolError,
+    RequestError,
+    RestoreError,
+    WorkerError,
+)
+from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, ModelSpec, Residency, WorkerConfig
 from arbiterd.wire import LineReader, LineWriter
 from arbiterd.worker import Unavailable, Worker
 from arbiterd.workerclient import (
     HELLO_TIMEOUT_S,
+    BlockingWorker,
     EngineReport,
-    RemoteError,
     WorkerHello,
-    WorkerProcess,
 )
 from tests.support.waiting import wait_until
 
@@ -40,16 +47,16 @@ class Workers:
     def __init__(self, arena: Path, model: Path) -> None:
         self.arena = arena
         self.model = model
-        self.started: list[WorkerProcess] = []
+        self.started: list[BlockingWorker] = []
 
-    def spawn(self, name: str, **config: Any) -> WorkerProcess:
+    def spawn(self, name: str, **config: Any) -> BlockingWorker:
         spec = ModelSpec(
             name=name,
             path=config.pop("path", self.model),
             n_ctx=config.pop("n_ctx", 2048),
             n_gpu_layers=0,
         )
-        worker = WorkerProcess.spawn(WorkerConfig(spec=spec, arena=self.arena, **config))
+        worker = BlockingWorker.spawn(WorkerConfig(spec=spec, arena=self.arena, **config))
         self.started.append(worker)
         return worker
 
@@ -65,16 +72,16 @@ def workers(tmp_path: Path, tiny_model: Path) -> Iterator[Workers]:
     group.close()
 
 
-def complete(worker: WorkerProcess, prompt: str, max_tokens: int = 4) -> dict[str, Any]:
+def complete(worker: BlockingWorker, prompt: str, max_tokens: int = 4) -> dict[str, Any]:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     return worker.generate("completion", body, timeout_s=60)
 
 
-def wait_state(worker: WorkerProcess, state: str) -> None:
+def wait_state(worker: BlockingWorker, state: str) -> None:
     wait_until(lambda: worker.status()["state"] == state, 30, f"{worker.model} {state}")
 
 
-def residency_events(worker: WorkerProcess) -> list[dict[str, Any]]:
+def residency_events(worker: BlockingWorker) -> list[dict[str, Any]]:
     events = []
     while not worker.events.empty():
         event = worker.events.get_nowait()
@@ -144,7 +151,7 @@ def test_a_killed_warm_worker_frees_the_gpu_and_can_be_restarted(workers: Worker
     wait_state(a, "warm")
     assert b.status()["state"] == "loading"  # it waits for the token before loading
     os.kill(a.pid, signal.SIGKILL)
-    a.process.wait(timeout=10)
+    a.wait(10)
     wait_state(b, "warm")
     assert complete(b, "the fox")["completion_tokens"] >= 1
     restarted = workers.spawn("a")
@@ -163,8 +170,29 @@ def test_a_worker_loads_only_once_it_holds_the_token(workers: Workers) -> None:
             False,
             0,
         )
+        held_until = time.time()
     wait_state(worker, "warm")
     assert worker.status()["resident_bytes"] > 0
+    # The load's event says who it waited for, measured by the worker itself.
+    loaded = next(e for e in residency_events(worker) if e["from"] == "loading")
+    assert (loaded["holder_pid"], loaded["holder_name"]) == (os.getpid(), "game")
+    assert loaded["waited_from"] + loaded["wait_s"] >= held_until - 0.01
+
+
+def test_a_warm_up_says_which_model_held_the_gpu_and_how_long_it_waited(
+    workers: Workers,
+) -> None:
+    a, b = workers.spawn("a"), workers.spawn("b")
+    complete(a, "the fox")
+    complete(b, "the dog")  # b waits for a, which releases because b wants the GPU
+    warmed = [e for e in residency_events(b) if e["to"] == "warm"][-1]
+    assert (warmed["holder_pid"], warmed["holder_name"]) == (a.pid, "a")
+    assert warmed["wait_s"] >= 0
+    released = [e for e in residency_events(a) if e["to"] == "cold"][-1]
+    got_token_at = warmed["waited_from"] + warmed["wait_s"]
+    assert warmed["waited_from"] <= released["at"] <= got_token_at + 0.05  # two clocks
+    complete(b, "the cat")  # already warm: no wait at all
+    assert [e for e in residency_events(b) if e["to"] == "warm"] == []
 
 
 def test_cancel_stops_a_streaming_request(workers: Workers) -> None:
@@ -207,9 +235,8 @@ def test_a_prompt_longer_than_the_context_is_refused_and_the_worker_lives(
     workers: Workers,
 ) -> None:
     worker = workers.spawn("m", n_ctx=64)
-    with pytest.raises(RemoteError, match="context window") as caught:
+    with pytest.raises(ContextOverflowError, match="context window"):
         complete(worker, PREFIX)
-    assert caught.value.kind == "ContextOverflowError"
     assert complete(worker, "the fox")["completion_tokens"] >= 1
 
 
@@ -220,7 +247,7 @@ def test_a_model_that_cannot_load_fails_with_its_reason(workers: Workers, tmp_pa
     status = worker.status()
     assert status["state"] == "failed"
     assert "missing.gguf" in status["last_error"]
-    with pytest.raises(RemoteError, match="failed to load"):
+    with pytest.raises(EngineError, match="failed to load"):
         complete(worker, "the fox")
     assert Arena(workers.arena).observe().holder_pid is None  # the token was given back
     assert worker.shutdown() == 0
@@ -315,7 +342,7 @@ def test_a_failed_restore_rolls_back_to_cold_without_the_token(tmp_path: Path) -
     until(lambda m: m.get("id") == "1")
     writer.send({"op": "generate", "id": "2", "kind": "completion", "body": {"prompt": "x"}})
     reply = until(lambda m: m.get("id") == "2")
-    assert reply["error"]["type"] == "RestoreError"
+    assert reply["error"]["code"] == "restore"
     assert "out of device memory" in reply["error"]["message"]
     rollback = [m for m in messages if m.get("from") == "warming"]
     assert [m["to"] for m in rollback] == ["cold"]
@@ -389,7 +416,7 @@ def test_a_warm_worker_tokenizing_lets_a_waiter_in_and_stops_on_cancel(tmp_path:
         reply = until(lambda m: m.get("id") == "big")
     assert waited_s < 1.0  # the worker's 0.1 s minimum hold, then the next piece
     assert reply["error"] == {
-        "type": "RequestError",
+        "code": "bad_request",
         "message": "cancelled while its prompt was tokenized",
     }
     ours.close()
@@ -436,7 +463,7 @@ def test_the_hello_carries_the_backends_kind_and_reason_and_the_engine(tmp_path:
     theirs.close()
     assert first is not None
     assert first["hello"] == {
-        "protocol": 1,
+        "protocol": WORKER_PROTOCOL,
         "model": "gpu",
         "pid": os.getpid(),
         "backend": "in-place",
@@ -448,7 +475,7 @@ def test_the_hello_carries_the_backends_kind_and_reason_and_the_engine(tmp_path:
 
 
 GOOD_HELLO: dict[str, Any] = {
-    "protocol": 1,
+    "protocol": WORKER_PROTOCOL,
     "model": "m",
     "pid": 42,
     "backend": "reload",
@@ -460,7 +487,7 @@ GOOD_HELLO: dict[str, Any] = {
 @pytest.mark.parametrize(
     ("change", "problem"),
     [
-        ({"protocol": 2}, "protocol 2"),
+        ({"protocol": 1}, "protocol 1"),
         ({"pid": "42"}, "pid"),
         ({"backend": "magic"}, "unknown backend 'magic'"),
         ({"backend": None}, "unknown backend None"),
@@ -516,5 +543,5 @@ def test_a_worker_that_dies_before_its_hello_fails_its_spawn_at_once(
     env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(tmp_path / "nowhere")}  # no engine to import
     started = time.monotonic()
     with pytest.raises(WorkerError, match=r"worker for m exited \(1\) before its hello"):
-        WorkerProcess.spawn(config, env=env)
+        BlockingWorker.spawn(config, env=env)
     assert time.monotonic() - started < HELLO_TIMEOUT_S / 2  # not the hello's whole timeout

@@ -34,7 +34,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from arbiterd.errors import EngineError
+from arbiterd.errors import EngineError, ResidencyCallError
 
 ABI = 1
 ABI_SYMBOL = "llama_residency_abi"
@@ -140,19 +140,6 @@ class ResidencyStats:
         return self.weights_bytes + self.kv_bytes + self.compute_bytes
 
 
-class ResidencyCallError(EngineError):
-    """A residency call returned a non-zero status."""
-
-    def __init__(self, symbol: str, status: Status | int, library: Path) -> None:
-        self.status = status
-        text = (
-            STATUS_TEXT.get(status, f"status {int(status)}")
-            if isinstance(status, Status)
-            else (f"status {status}")
-        )
-        super().__init__(f"{symbol} failed: {text} (libllama at {library})")
-
-
 @dataclass(frozen=True)
 class ProbeMiss:
     """Why the in-place residency API is unavailable; the caller falls back to reloading."""
@@ -208,7 +195,14 @@ class ResidencyApi:
     def _check(self, symbol: str, code: int) -> None:
         if code != 0:
             status: Status | int = Status(code) if code in Status._value2member_map_ else code
-            raise ResidencyCallError(symbol, status, self.library)
+            text = (
+                STATUS_TEXT.get(status, f"status {int(status)}")
+                if isinstance(status, Status)
+                else f"status {status}"
+            )
+            raise ResidencyCallError(
+                f"{symbol} failed: {text} (libllama at {self.library})", status
+            )
 
 
 def _check_ctx(symbol: str, ctx: int) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from arbiterd.errors import EngineError
+from arbiterd.errors import EngineError, ResidencyCallError
 from arbiterd.native import libllama
 from arbiterd.native.libllama import (
     ABI,
@@ -26,7 +26,6 @@ from arbiterd.native.libllama import (
     STATUS_TEXT,
     ProbeMiss,
     ResidencyApi,
-    ResidencyCallError,
     ResidencyStats,
     Status,
     loaded_libllama,
