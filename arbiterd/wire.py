@@ -47,6 +47,9 @@ class Framer:
 
     def __init__(self) -> None:
         self._buffer = bytearray()
+        # Refused for its size before it ended: the rest of that line is dropped as it comes,
+        # never read as a message of its own.
+        self._skipping = False
 
     def feed(self, data: bytes) -> None:
         self._buffer += data
@@ -55,12 +58,20 @@ class Framer:
         """The next whole message, or None until more bytes come. Raises ProtocolError for a
         bad line (the line is consumed, so the caller may answer and go on)."""
         end = self._buffer.find(b"\n")
+        if self._skipping:
+            if end < 0:
+                self._buffer.clear()
+                return None
+            del self._buffer[: end + 1]
+            self._skipping = False
+            end = self._buffer.find(b"\n")
         if end >= 0:
             line = bytes(self._buffer[:end])
             del self._buffer[: end + 1]
             return decode(line)
         if len(self._buffer) > MAX_MESSAGE_BYTES:
             self._buffer.clear()
+            self._skipping = True
             raise ProtocolError(f"message exceeds {MAX_MESSAGE_BYTES} bytes")
         return None
 
