@@ -24,7 +24,7 @@ import socket
 import struct
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -35,12 +35,13 @@ from arbiterd import socketfile
 from arbiterd.errors import (
     ArbiterError,
     ControlError,
+    ControlReplyError,
     DaemonError,
     DaemonNotRunningError,
     ProtocolError,
     error_from_wire,
 )
-from arbiterd.paths import ensure_private_dir, runtime_dir
+from arbiterd.paths import ensure_private_dir
 from arbiterd.service import COMMANDS, MODEL_COMMANDS, Service
 from arbiterd.wire import LineReader, LineWriter, decode, encode
 
@@ -48,7 +49,6 @@ log = logging.getLogger(__name__)
 
 CONTROL_PROTOCOL: Final = 1
 SERVER_NAME: Final = "arbiterd"
-SOCKET_NAME: Final = "control.sock"
 SOCKET_MODE: Final = 0o600
 # A request is a command and a model name; a line this long is a bug or abuse (not counting the
 # newline). The daemon's own lines (status, events) are not bounded by it.
@@ -127,11 +127,6 @@ class History(Protocol):
     def __call__(
         self, *, since: float | None, after_seq: int | None, limit: int
     ) -> Sequence[StoredEvent]: ...
-
-
-def default_socket_path(env: Mapping[str, str] | None = None) -> Path:
-    """`$XDG_RUNTIME_DIR/arbiterd/control.sock` (RuntimeDirError if the runtime dir is unsafe)."""
-    return runtime_dir(env) / SOCKET_NAME
 
 
 def peer_uid(sock: socket.socket) -> int:
@@ -539,16 +534,6 @@ class _Connection:
                 return
 
 
-class ControlReplyError(ControlError):
-    """The daemon refused a request for a reason of the protocol's own: `reply_code` is one of
-    the CODE_* strings (docs/control-protocol.md). An error of arbiterd's (a code of
-    errors.ErrorCode) is raised as its own class instead."""
-
-    def __init__(self, message: str, reply_code: str) -> None:
-        super().__init__(message)
-        self.reply_code = reply_code
-
-
 def _reply_error(message: str, code: str) -> ArbiterError:
     if code in PROTOCOL_CODES:
         return ControlReplyError(message, code)
@@ -595,8 +580,9 @@ class ControlClient:
         return client
 
     def call(self, command: str, /, **args: Any) -> dict[str, Any]:
-        """Send one request and return its reply's data; ControlReplyError for an error reply,
-        DaemonError if the daemon goes away or does not answer within `timeout_s`."""
+        """Send one request and return its reply's data. An error reply raises the class its
+        code names (UnknownModelError, ...), or ControlReplyError for a refusal of the
+        protocol's own; DaemonError if the daemon goes away or does not answer in `timeout_s`."""
         request_id = next(self._ids)
         if not self._writer.send({**args, "command": command, "request_id": request_id}):
             raise DaemonError(f"arbiterd closed the connection on {self.path}")

@@ -3,6 +3,7 @@
     ArbiterError                      anything arbiterd reports on purpose
     ├── UsageError                    the caller asked for something malformed
     │   └── BadValueError             a value out of range, e.g. a negative timeout
+    │       └── ReplayError           the tray's replay file cannot be read
     ├── RuntimeDirError               XDG_RUNTIME_DIR missing or insecure
     ├── ArenaError                    the arena directory cannot be used
     │   ├── ArenaUnwritableError      cannot create or open its files
@@ -27,12 +28,18 @@
     ├── MissingPartError              an optional part (the tray's PySide6) is not installed
     ├── TelemetryError                a VRAM reader could not measure
     ├── InstallError                  `arbiterd install` cannot write its files
+    ├── TrayError                     the tray cannot show itself here
+    │   ├── NoDisplayError            no X11 or Wayland display to show it on
+    │   ├── BrokenQtError             Qt cannot start (its message says why)
+    │   └── MissingQtPlatformError    Qt's xcb plugin lacks a system library (names the package)
+    ├── ScreenshotError               the tray cannot write its screenshot
     └── DaemonError                   the daemon could not start, or talking to it failed
         ├── ListenError               the HTTP address is taken or cannot be bound
         ├── AlreadyRunningError       another daemon holds this control socket's lock
         ├── DaemonNotRunningError     nothing listens on the control socket
         ├── UnknownModelError         no model by that name
         └── ControlError              the daemon answered a control command with an error
+            └── ControlReplyError     ... for a reason of the control protocol's own
 
 Each class has a `code` (ErrorCode), the string that crosses process boundaries (a worker's
 error reply, the control socket) in place of a class name; `OUTCOMES` maps each code, in this
@@ -80,6 +87,8 @@ class ErrorCode(enum.StrEnum):
     UNKNOWN_MODEL = "unknown_model"
     CONTROL = "control"
     INSTALL = "install"
+    TRAY = "tray"
+    SCREENSHOT = "screenshot"
 
 
 @dataclass(frozen=True)
@@ -123,6 +132,8 @@ OUTCOMES: dict[ErrorCode, Outcome] = {
     ErrorCode.UNKNOWN_MODEL: Outcome(404, 65),
     ErrorCode.CONTROL: Outcome(400, 1),
     ErrorCode.INSTALL: Outcome(500, 73),
+    ErrorCode.TRAY: Outcome(500, 69),
+    ErrorCode.SCREENSHOT: Outcome(500, 73),
 }
 
 _BY_CODE: dict[ErrorCode, type[ArbiterError]] = {}
@@ -142,8 +153,7 @@ class ArbiterError(Exception):
             if cls.code in _BY_CODE:
                 raise TypeError(f"{cls.code} already stands for {_BY_CODE[cls.code].__name__}")
             _BY_CODE[cls.code] = cls
-        if "exit_code" not in cls.__dict__:
-            cls.exit_code = OUTCOMES[cls.code].exit_code
+        cls.exit_code = OUTCOMES[cls.code].exit_code
 
     @property
     def http_status(self) -> int:
@@ -175,6 +185,10 @@ class UsageError(ArbiterError):
 
 class BadValueError(UsageError):
     code = ErrorCode.BAD_VALUE
+
+
+class ReplayError(BadValueError):
+    """A replay file that cannot be read; the message names the file and line."""
 
 
 class RuntimeDirError(ArbiterError):
@@ -283,6 +297,26 @@ class InstallError(ArbiterError):
     code = ErrorCode.INSTALL
 
 
+class TrayError(ArbiterError):
+    code = ErrorCode.TRAY
+
+
+class NoDisplayError(TrayError):
+    pass
+
+
+class BrokenQtError(TrayError):
+    pass
+
+
+class MissingQtPlatformError(TrayError):
+    pass
+
+
+class ScreenshotError(ArbiterError):
+    code = ErrorCode.SCREENSHOT
+
+
 class DaemonError(ArbiterError):
     code = ErrorCode.DAEMON
 
@@ -305,3 +339,13 @@ class UnknownModelError(DaemonError):
 
 class ControlError(DaemonError):
     code = ErrorCode.CONTROL
+
+
+class ControlReplyError(ControlError):
+    """The daemon refused a request for a reason of the control protocol's own: `reply_code` is
+    one of control.py's CODE_* strings (docs/control-protocol.md). An error of arbiterd's (a
+    code of ErrorCode) is raised as its own class instead."""
+
+    def __init__(self, message: str, reply_code: str) -> None:
+        super().__init__(message)
+        self.reply_code = reply_code

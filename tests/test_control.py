@@ -33,14 +33,13 @@ from arbiterd.control import (
     EVENTS_PAGE_MAX,
     MAX_LINE_BYTES,
     ControlClient,
-    ControlReplyError,
     ControlServer,
     StoredEvent,
-    default_socket_path,
     peer_uid,
 )
 from arbiterd.errors import (
     ControlError,
+    ControlReplyError,
     DaemonError,
     DaemonNotRunningError,
     UnknownModelError,
@@ -771,10 +770,6 @@ def test_events_end_when_none_comes_in_time(served: Served, conns: Connections) 
     client = conns.client()
     client.call("subscribe")
     assert list(client.events(timeout_s=0.05)) == []
-
-
-def test_default_socket_path_is_in_the_runtime_dir(runtime_dir: Path) -> None:
-    assert default_socket_path() == runtime_dir / "arbiterd" / "control.sock"
 
 
 def test_the_protocol_document_covers_every_command_and_code() -> None:

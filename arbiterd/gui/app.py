@@ -26,7 +26,15 @@ from PySide6.QtCore import QEventLoop, QTimer
 from PySide6.QtWidgets import QApplication
 
 from arbiterd.config import load_daemon_config
-from arbiterd.errors import ArbiterError, DaemonNotRunningError, UsageError
+from arbiterd.errors import (
+    ArbiterError,
+    BrokenQtError,
+    DaemonNotRunningError,
+    MissingQtPlatformError,
+    NoDisplayError,
+    ScreenshotError,
+    UsageError,
+)
 from arbiterd.events import Event
 from arbiterd.gui.connection import DaemonConnection
 from arbiterd.gui.dashboard import SCREENSHOT_SIZE, DashboardWindow
@@ -44,18 +52,6 @@ SCREENSHOT_CONNECT_S: Final = 5.0
 # Python runs its signal handlers only between bytecodes: while Qt's loop waits in C++, a timer
 # lets Ctrl-C and SIGTERM through.
 SIGNAL_POLL_MS: Final = 200
-
-
-class NoDisplayError(ArbiterError):
-    exit_code = 69  # sysexits EX_UNAVAILABLE
-
-
-class BrokenQtError(ArbiterError):
-    exit_code = 69  # sysexits EX_UNAVAILABLE
-
-
-class MissingQtPlatformError(ArbiterError):
-    exit_code = 69  # sysexits EX_UNAVAILABLE
 
 
 # What Qt's xcb platform plugin (libqxcb.so and libQt6XcbQpa.so.6, their DT_NEEDED) loads from
@@ -99,10 +95,6 @@ def pyside_leaks_none() -> bool:
     for _ in range(8):
         timer.setInterval(1)
     return sys.getrefcount(None) < before
-
-
-class ScreenshotError(ArbiterError):
-    exit_code = 73  # sysexits EX_CANTCREAT
 
 
 def build_parser() -> argparse.ArgumentParser:

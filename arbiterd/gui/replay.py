@@ -18,13 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from arbiterd.errors import BadValueError
+from arbiterd.errors import ReplayError
 from arbiterd.events import Event, parse_event
 from arbiterd.gui.state import TrayState
-
-
-class ReplayError(BadValueError):
-    """A replay file that cannot be read; the message names the file and line."""
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
+from arbiterd.errors import ReplayError
 from arbiterd.events import Event, HandoffEvent, WaitEvent, parse_event
 from arbiterd.gui import palette
-from arbiterd.gui.replay import ReplayError, apply_replay, load_replay
+from arbiterd.gui.replay import apply_replay, load_replay
 from arbiterd.gui.state import WARNING_HOLD_S, TrayState
 from arbiterd.gui.status import Status
 from tests.gui.conftest import SAMPLE_REPLAY
