@@ -41,9 +41,6 @@ TRANSITIONS: dict[State, frozenset[State]] = {
     State.STOPPED: frozenset(),
 }
 
-# States in which the model holds the arena token.
-HOLDS_TOKEN = frozenset({State.LOADING, State.WARM, State.COOLING, State.WARMING})
-
 
 @dataclass(frozen=True)
 class Wait:

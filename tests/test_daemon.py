@@ -215,11 +215,17 @@ def test_a_client_that_disconnects_cancels_its_request(daemon: Daemon) -> None:
         with httpx.stream("POST", daemon.url + "/completions", json=body, timeout=30) as reply:
             for _line in reply.iter_lines():
                 break  # hang up after the first chunk
-        for event in listener.events(timeout_s=30):
-            if event["event"] == "request" and event.get("model") == "beta":
-                assert event["cancelled"]
-                assert event["completion_tokens"] < 5000
-                break
+        ended = next(
+            (
+                e
+                for e in listener.events(timeout_s=30)
+                if e["event"] == "request" and e.get("model") == "beta"
+            ),
+            None,
+        )
+    assert ended is not None, "no request event within 30 s"
+    assert ended["cancelled"]
+    assert ended["completion_tokens"] < 5000
 
 
 def test_a_model_that_fails_to_load_is_shown_and_the_others_serve(

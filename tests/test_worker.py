@@ -147,8 +147,10 @@ def test_status_is_answered_during_a_long_decode(workers: Workers) -> None:
 
 def test_a_killed_warm_worker_frees_the_gpu_and_can_be_restarted(workers: Workers) -> None:
     a = workers.spawn("a")
-    b = workers.spawn("b")
     wait_state(a, "warm")
+    a.request("pin")  # it keeps the GPU, however long b waits
+    b = workers.spawn("b")
+    wait_until(lambda: Arena(workers.arena).observe().waiter_pids == (b.pid,), 30, "b to wait")
     assert b.status()["state"] == "loading"  # it waits for the token before loading
     os.kill(a.pid, signal.SIGKILL)
     a.wait(10)
