@@ -2,8 +2,8 @@
 
 `WorkerClient` lives on the daemon's asyncio loop: one reader task routes every message —
 replies and chunks to the request waiting on that id, events to the `on_event` callback — and
-the process's exit is awaited, not watched by a thread (a pidfd child watcher, see
-`use_pidfd_child_watcher`). The worker's hello, read into a `WorkerHello`, says what runs the
+the process's exit is awaited, not watched by a thread (`spawn` installs a pidfd child watcher,
+see `use_pidfd_child_watcher`). The worker's hello, read into a `WorkerHello`, says what runs the
 model: its residency backend and what the engine can do.
 
 `BlockingWorker` drives a `WorkerClient` from ordinary threads, on a private loop; tests and
@@ -192,6 +192,9 @@ class WorkerClient:
         """Start a worker and wait for its hello (the model may still be loading then). A
         worker that exits first is a WorkerError at once; one whose hello is not ours is killed
         (ProtocolError)."""
+        # Here, not left to the daemon's setup: whoever spawns a worker learns of its exit on
+        # the loop, never through a waiting thread per worker (Python 3.11's default).
+        use_pidfd_child_watcher()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         # The host copy keeps its number in the child (pass_fds), where the spec names it.
         shared = [] if config.spec.host_copy_fd is None else [config.spec.host_copy_fd]
@@ -436,12 +439,10 @@ class BlockingWorker:
         worker = cls(loop, thread)
         worker._keep_events = keep_events
 
-        async def start() -> WorkerClient:
-            use_pidfd_child_watcher()
-            return await WorkerClient.spawn(config, env=env, on_event=worker._on_event)
-
         try:
-            worker._client = worker._call(start())
+            worker._client = worker._call(
+                WorkerClient.spawn(config, env=env, on_event=worker._on_event)
+            )
         except BaseException:
             worker._stop_loop()
             raise
