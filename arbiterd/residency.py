@@ -2,7 +2,8 @@
 
 Owns the model's residency state and the record of every transition (with how long the state
 it left lasted, and the bytes moved). Pure bookkeeping: it moves nothing itself and is owned by
-the worker's engine thread; other threads read the immutable `ResidencyEvent`s it returns.
+the worker's engine thread; other threads read the immutable event records it returns
+(events.ResidencyEvent, the record every process reads them as).
 
     loading ──► warm ──► cooling ──► cold ──► warming ──► warm
        │          ▲                    ▲         │
@@ -18,6 +19,7 @@ import time
 from dataclasses import dataclass
 
 from arbiterd.errors import InvalidTransitionError
+from arbiterd.events import ResidencyEvent
 
 
 class State(enum.StrEnum):
@@ -52,47 +54,6 @@ class Wait:
     holder_pid: int | None
     holder_name: str | None
 
-    def to_json(self) -> dict[str, object]:
-        return {
-            "waited_from": self.since,
-            "wait_s": round(self.wait_s, 6),
-            "holder_pid": self.holder_pid,
-            "holder_name": self.holder_name,
-        }
-
-
-@dataclass(frozen=True)
-class ResidencyEvent:
-    """One transition: `duration_s` is how long the state it left lasted; a load or warm-up
-    that ends warm also says how the token was had (`wait`)."""
-
-    model: str
-    from_state: State
-    to_state: State
-    at: float  # seconds since the epoch
-    duration_s: float
-    weights_bytes: int = 0
-    kv_bytes: int = 0
-    disk_read_bytes: int = 0
-    reason: str = ""
-    wait: Wait | None = None
-
-    def to_json(self) -> dict[str, object]:
-        waited = {} if self.wait is None else self.wait.to_json()
-        return {
-            "event": "residency",
-            "model": self.model,
-            "from": self.from_state.value,
-            "to": self.to_state.value,
-            "at": self.at,
-            "duration_s": round(self.duration_s, 6),
-            "weights_bytes": self.weights_bytes,
-            "kv_bytes": self.kv_bytes,
-            "disk_read_bytes": self.disk_read_bytes,
-            "reason": self.reason,
-            **waited,
-        }
-
 
 class Residency:
     """The current state of one model and the clock of how long it has been in it."""
@@ -123,16 +84,19 @@ class Residency:
             raise InvalidTransitionError(f"{self.model}: {expected.value} → {new.value}")
         now = time.monotonic()
         event = ResidencyEvent(
-            model=self.model,
-            from_state=expected,
-            to_state=new,
             at=time.time(),
-            duration_s=now - self._entered,
+            model=self.model,
+            from_state=expected.value,
+            to_state=new.value,
+            duration_s=round(now - self._entered, 6),
             weights_bytes=weights_bytes,
             kv_bytes=kv_bytes,
             disk_read_bytes=disk_read_bytes,
             reason=reason,
-            wait=wait,
+            waited_from=None if wait is None else wait.since,
+            wait_s=None if wait is None else round(wait.wait_s, 6),
+            holder_pid=None if wait is None else wait.holder_pid,
+            holder_name=None if wait is None else wait.holder_name,
         )
         self.state, self._entered = new, now
         return event

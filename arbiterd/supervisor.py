@@ -27,7 +27,6 @@ from arbiterd.events import (
     HandoffEvent,
     HoldEvent,
     ReloadEvent,
-    RequestEvent,
     ResidencyEvent,
     VramEvent,
     parse_event,
@@ -345,10 +344,6 @@ class Supervisor:
     def _on_worker_event(self, slot: Slot, raw: dict[str, Any]) -> None:
         """An event from `slot`'s worker: what it means for the slot, then published."""
         event = parse_event(raw)
-        if isinstance(event, RequestEvent) and event.status is None:
-            event = RequestEvent.from_json(
-                {**raw, "status": "cancelled" if event.cancelled else "ok"}
-            )
         if isinstance(event, ResidencyEvent):
             self._on_residency(slot, event)
             return

@@ -70,10 +70,11 @@ from arbiterd.errors import (
     RequestError,
     RestoreError,
 )
+from arbiterd.events import RequestEvent, ResidencyEvent
 from arbiterd.policy import HoldView, ReleaseReason, release_reason
 from arbiterd.procs import holder_name
 from arbiterd.residency import Residency as ResidencyMachine
-from arbiterd.residency import ResidencyEvent, State, Wait
+from arbiterd.residency import State, Wait
 from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, ModelSpec, Residency, WorkerConfig
 from arbiterd.wire import LineReader, LineWriter
 
@@ -304,16 +305,17 @@ class Worker:
         self._served += 1
         self._reply(command.id, _result_json(result))
         self._out.send(
-            {
-                "event": "request",
-                "model": self.name,
-                "id": command.id,
-                "duration_s": round(time.monotonic() - started, 6),
-                "prompt_tokens": result.prompt_tokens,
-                "prompt_tokens_evaluated": result.prompt_tokens_evaluated,
-                "completion_tokens": result.completion_tokens,
-                "cancelled": result.cancelled,
-            }
+            RequestEvent(
+                at=time.time(),
+                model=self.name,
+                request_id=command.id,
+                duration_s=round(time.monotonic() - started, 6),
+                prompt_tokens=result.prompt_tokens,
+                prompt_tokens_evaluated=result.prompt_tokens_evaluated,
+                completion_tokens=result.completion_tokens,
+                cancelled=result.cancelled,
+                status="cancelled" if result.cancelled else "ok",
+            ).to_json()
         )
         self._publish()
 
