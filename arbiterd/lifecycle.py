@@ -59,26 +59,32 @@ class Lifecycle:
         env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
         try:
             copy = await self.hold_copy(slot)
+            if self._retired(slot):
+                self._let_go(slot)
+                return
             worker = await WorkerClient.spawn(
                 slot.config.worker_config(self._arena, copy.fd),
                 env=env,
                 on_event=lambda event: self._on_worker_event(slot, event),
             )
-        except PERMANENT as exc:
-            slot.move(SlotState.FAILED, reason=f"could not start: {exc}")
-            log.error("%s could not start: %s", name, exc)
-            self._publish(WorkerEvent(model=name, reason=slot.last_error))
-            return
         except (ArbiterError, OSError) as exc:
-            # OSError: no fd for the socketpair (EMFILE), no memory to fork, ... — transient,
-            # like a copy or a hello that failed; each is said and retried with backoff.
-            reason = str(exc) if isinstance(exc, ArbiterError) else _os_reason(exc)
-            delay = self._restart_later(slot, f"could not start: {reason}")
-            log.warning("%s could not start (%s); retrying in %.0f s", name, reason, delay)
-            self._publish(WorkerEvent(model=name, reason=slot.last_error, restart_in_s=delay))
+            if self._retired(slot):  # its failure is news to nobody, and it is stopped already
+                self._let_go(slot)
+            elif isinstance(exc, PERMANENT):
+                slot.move(SlotState.FAILED, reason=f"could not start: {exc}")
+                log.error("%s could not start: %s", name, exc)
+                self._publish(WorkerEvent(model=name, reason=slot.last_error))
+            else:
+                # OSError: no fd for the socketpair (EMFILE), no memory to fork, ... —
+                # transient, like a copy or a hello that failed; said and retried with backoff.
+                reason = str(exc) if isinstance(exc, ArbiterError) else _os_reason(exc)
+                delay = self._restart_later(slot, f"could not start: {reason}")
+                log.warning("%s could not start (%s); retrying in %.0f s", name, reason, delay)
+                self._publish(WorkerEvent(model=name, reason=slot.last_error, restart_in_s=delay))
             return
-        if self._stopping or slot.state is not SlotState.STARTING:  # stopped or retired meanwhile
+        if self._retired(slot):
             await worker.shutdown()
+            self._let_go(slot)
             return
         slot.started_at = time.monotonic()
         slot.move(SlotState.READY, worker=worker)
@@ -121,6 +127,21 @@ class Lifecycle:
         if slot.copy_lease is not None:
             self.host_copies.release(slot.copy_lease)
             slot.copy_lease = None
+
+    def _retired(self, slot: Slot) -> bool:
+        """Whether `retire` or `stop` came while `start` awaited (only `start` moves a slot
+        out of starting otherwise)."""
+        return self._stopping or slot.state is not SlotState.STARTING
+
+    def _let_go(self, slot: Slot) -> None:
+        """A start that found its slot retired gives back the host copy it took meanwhile
+        (retire could not: the lease was not the slot's yet)."""
+        if self._stopping:
+            # stop() closes every copy, perhaps already this one: releasing it again would
+            # close its fd twice. The daemon is going away.
+            slot.copy_lease = None
+        else:
+            self.drop_copy(slot)
 
     async def _watch(self, slot: Slot, worker: WorkerClient) -> None:
         code = await worker.wait()
