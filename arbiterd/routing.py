@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from arbiterd.errors import (
@@ -46,7 +46,7 @@ class Router:
 
     async def stream(
         self, model: str, kind: str, body: dict[str, Any]
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any]]:
         request_id = self._request_id()
         chunks: asyncio.Queue[object] = asyncio.Queue()
 
@@ -109,7 +109,11 @@ class Router:
 
     async def _successor(self, model: str, gone: WorkerClient) -> WorkerClient:
         """The worker that replaces `gone` once it is restarted."""
-        await gone.wait()
+        try:
+            async with asyncio.timeout(READY_TIMEOUT_S):
+                await gone.wait()  # a worker that closed its socket is about to exit
+        except TimeoutError:
+            raise WorkerError(f"{model}'s worker closed its socket but keeps running") from None
         slot = self._slots.get(model)
         while slot is not None and slot.worker is gone:  # the lifecycle's watch of its exit
             await asyncio.sleep(0)  # runs next and detaches it

@@ -284,6 +284,8 @@ class Worker:
             return
         self._current = command.id
         self._publish()
+        result: Generation | None = None
+        failure: ArbiterError | None = None
         try:
             request = self._backend.prepare(
                 command.kind, command.body, lambda: self._between_pieces(command.id)
@@ -295,14 +297,19 @@ class Worker:
                 request, self._sink(command), lambda: self._stops(command.id)
             )
         except ArbiterError as exc:
-            self._error(command.id, exc)
-            return
+            failure = exc
         finally:
+            # Published before the reply: a status asked right after it agrees with it.
+            self._served += result is not None
             self._current = None
             self._idle_since = time.monotonic()
             with self._cancel_lock:
                 self._cancelled.discard(command.id)
-        self._served += 1
+            self._publish()
+        if result is None:
+            assert failure is not None  # run returned nothing only by raising
+            self._error(command.id, failure)
+            return
         self._reply(command.id, _result_json(result))
         self._out.send(
             RequestEvent(
@@ -317,7 +324,6 @@ class Worker:
                 status="cancelled" if result.cancelled else "ok",
             ).to_json()
         )
-        self._publish()
 
     def _sink(self, command: Command) -> ChunkSink | None:
         if not command.stream:
