@@ -2,6 +2,6 @@
 
 import sys
 
-from arbiterd.cli import main
+from arbiterd.cli.main import main
 
 sys.exit(main())

@@ -19,9 +19,9 @@
 
 With no file at the default path the *embedded default* serves one demo model (gemma-3-270m).
 Every problem with a file is one `ConfigError` naming the file, the key path and what was
-expected; nothing is half-applied. This module never opens a model file (arbiterd.modelfile checks
-them before anything loads) and never creates a file or directory: it only resolves paths (and
-the user names in allow_users).
+expected; nothing is half-applied. This module never opens a model file (daemon/modelfile.py
+checks them before anything loads) and never creates a file or directory: it only resolves
+paths (and the user names in allow_users).
 
 Importing this module must stay cheap: every `arbiterd` command imports it, including
 `arbiterd run -- GAME`, which must never load an inference library (arbiterd.spec is plain).

@@ -27,8 +27,8 @@ from typing import Any
 
 import httpx
 
-from arbiterd.control import ControlClient
-from arbiterd.demo import smollm_model_path
+from arbiterd.cli.controlclient import ControlClient
+from arbiterd.cli.demo import smollm_model_path
 from arbiterd.errors import ArbiterError
 from benchmarks.common import report
 

@@ -42,10 +42,10 @@ from typing import Any
 
 import llama_cpp
 
-from arbiterd import engine
-from arbiterd.engine import InPlaceBackend, ReloadBackend, select_backend
 from arbiterd.native import libllama
 from arbiterd.spec import KvPolicy, ModelSpec, Residency
+from arbiterd.worker import engine
+from arbiterd.worker.engine import InPlaceBackend, ReloadBackend, select_backend
 from benchmarks.common import report, summary
 
 MAX_TOKENS = 16

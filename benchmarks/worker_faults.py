@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from arbiterd.arena import Arena
+from arbiterd.daemon.workerclient import BlockingWorker
 from arbiterd.errors import ContextOverflowError
 from arbiterd.spec import ModelSpec, WorkerConfig
 from arbiterd.wire import LineReader, LineWriter
-from arbiterd.workerclient import BlockingWorker
 from benchmarks.common import report, summary
 from benchmarks.worker_handoff import CpuMeter
 
@@ -56,7 +56,7 @@ import json, sys, time
 from pathlib import Path
 from llama_cpp._internals import LlamaModel
 import llama_cpp
-from arbiterd.engine import _Vocab
+from arbiterd.worker.engine import _Vocab
 
 def rss_bytes():
     for line in Path("/proc/self/status").read_text().splitlines():

@@ -88,11 +88,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from arbiterd.engine import ReloadBackend, select_backend
+from arbiterd.daemon.telemetry.nvml import NvmlReader
+from arbiterd.daemon.workerclient import BlockingWorker
 from arbiterd.errors import ModelLoadError, TelemetryError, WorkerError
 from arbiterd.spec import KvPolicy, ModelSpec, Residency, WorkerConfig
-from arbiterd.telemetry.nvml import NvmlReader
-from arbiterd.workerclient import BlockingWorker
+from arbiterd.worker.engine import ReloadBackend, select_backend
 from benchmarks.common import host_copy_bandwidth, proc_memory, report, summary
 
 N_THREADS = 2

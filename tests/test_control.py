@@ -27,16 +27,18 @@ import pytest
 
 import arbiterd
 from arbiterd import control
+from arbiterd.cli.controlclient import ControlClient
 from arbiterd.control import (
+    COMMANDS,
     CONTROL_COMMANDS,
     CONTROL_PROTOCOL,
     EVENTS_PAGE_MAX,
     MAX_LINE_BYTES,
-    ControlClient,
-    ControlServer,
-    StoredEvent,
-    peer_uid,
+    MODEL_COMMANDS,
 )
+from arbiterd.daemon import controlserver
+from arbiterd.daemon.controlserver import ControlServer, StoredEvent, peer_uid
+from arbiterd.daemon.journal import Journal
 from arbiterd.errors import (
     ControlError,
     ControlReplyError,
@@ -44,8 +46,6 @@ from arbiterd.errors import (
     DaemonNotRunningError,
     UnknownModelError,
 )
-from arbiterd.journal import Journal
-from arbiterd.service import COMMANDS, MODEL_COMMANDS
 from arbiterd.wire import LineReader
 from tests.support.waiting import wait_until
 
@@ -514,7 +514,7 @@ def _read_to_the_end(raw: Raw) -> list[dict[str, Any]]:
 def test_a_slow_subscriber_is_dropped_after_an_overflow_event(
     served: Served, conns: Connections, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(control, "OUTBOX_MAX_LINES", 50)
+    monkeypatch.setattr(controlserver, "OUTBOX_MAX_LINES", 50)
     raw = conns.raw()
     published = _flood_until_dropped(served, raw)
     lines = _read_to_the_end(raw)
@@ -528,12 +528,12 @@ def test_a_slow_subscriber_is_dropped_after_an_overflow_event(
 def test_a_subscriber_slower_than_the_linger_still_reads_its_overflow_line(
     served: Served, conns: Connections, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(control, "OUTBOX_MAX_LINES", 50)
+    monkeypatch.setattr(controlserver, "OUTBOX_MAX_LINES", 50)
     raw = conns.raw()
     published = _flood_until_dropped(served, raw)
     # The subscriber is slow on purpose: it comes back to read after the usual linger has
     # passed (which cut the connection and lost its last lines, the overflow line among them).
-    time.sleep(control.LINGER_S + 1)
+    time.sleep(controlserver.LINGER_S + 1)
     lines = _read_to_the_end(raw)
     assert lines[-1]["event"] == "overflow"
     assert 0 < len(lines) - 1 < published
@@ -594,7 +594,7 @@ def test_peer_uid_is_ours_on_our_own_socket() -> None:
 def test_a_peer_with_another_uid_is_refused(
     served: Served, conns: Connections, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(control, "peer_uid", lambda sock: os.getuid() + 1)
+    monkeypatch.setattr(controlserver, "peer_uid", lambda sock: os.getuid() + 1)
     raw = conns.raw()
     raw.send(command="shutdown", request_id=1)
     reply = raw.read()
@@ -696,7 +696,7 @@ def test_events_come_in_pages_by_seq_and_the_client_reads_every_page(
     rest = raw.request(command="events", after_seq=seqs[1], limit=3, request_id=2)["data"]
     assert ([e["seq"] for e in rest["events"]], rest["more"]) == (seqs[2:], False)
     # Pages of two by default: the client must ask three times to read all five.
-    monkeypatch.setattr(control, "EVENTS_PAGE_MAX", 2)
+    monkeypatch.setattr(controlserver, "EVENTS_PAGE_MAX", 2)
     client = conns.client()
     assert [e["seq"] for e in client.history()] == seqs
     assert list(client.history(since=AT + 3)) == [

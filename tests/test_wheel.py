@@ -85,7 +85,7 @@ def test_install_works_from_the_wheel_outside_the_source_tree(wheel: Wheel, tmp_
             check=False,
         )
 
-    where = python("-c", "import arbiterd.install; print(arbiterd.install.__file__)")
+    where = python("-c", "import arbiterd.cli.install; print(arbiterd.cli.install.__file__)")
     assert where.stdout.startswith(str(wheel.unpacked)), where.stdout + where.stderr
     done = python("-m", "arbiterd", "install", "--no-enable")
     assert done.returncode == 0, done.stdout + done.stderr

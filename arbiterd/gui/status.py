@@ -1,10 +1,11 @@
 """The daemon's `status` object, read into frozen records the tray can rely on.
 
-Owns the tolerant reading of the status shape (arbiterd/service.py's docstring): a key that is
-missing or of the wrong type gets a neutral default instead of an exception, so a newer or older
-daemon never crashes the tray. Knows the optional keys that telemetry adds later (`devices`,
-`others`), the host RAM figures (`host_ram_bytes`, per model and in all) and what runs the
-models (each one's `backend` and `warning`, the top-level `engine`), and works without them.
+Owns the tolerant reading of the status shape (arbiterd/daemon/service.py's docstring): a key
+that is missing or of the wrong type gets a neutral default instead of an exception, so a newer
+or older daemon never crashes the tray. Knows the optional keys that telemetry adds later
+(`devices`, `others`), the host RAM figures (`host_ram_bytes`, per model and in all) and what
+runs the models (each one's `backend` and `warning`, the top-level `engine`), and works without
+them.
 Never imports Qt.
 """
 

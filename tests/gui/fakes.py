@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from arbiterd.control import CONTROL_PROTOCOL, EVENTS_PAGE_MAX
+from arbiterd.control import COMMANDS, CONTROL_PROTOCOL, EVENTS_PAGE_MAX, MODEL_COMMANDS
 from arbiterd.errors import ProtocolError
 from arbiterd.gui.notify import OnId
-from arbiterd.service import COMMANDS, MODEL_COMMANDS
 from arbiterd.wire import LineReader, encode
 
 ACCEPT_POLL_S = 0.05  # how often the accept thread looks at its stop flag

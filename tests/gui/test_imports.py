@@ -41,18 +41,18 @@ def arbiterd_imports(source: str) -> set[str]:
 
 def test_the_check_sees_every_kind_of_import() -> None:
     source = (
-        "import arbiterd.cli\n"
-        "from arbiterd import clidaemon, render\n"
+        "import arbiterd.cli.main\n"
+        "from arbiterd import events, render\n"
         "from arbiterd.gui import palette\n"
         "def later():\n"
-        "    from arbiterd.supervisor import Supervisor\n"
+        "    from arbiterd.daemon.supervisor import Supervisor\n"
     )
     assert arbiterd_imports(source) == {
-        "arbiterd.cli",
-        "arbiterd.clidaemon",
+        "arbiterd.cli.main",
+        "arbiterd.events",
         "arbiterd.render",
         "arbiterd.gui",
-        "arbiterd.supervisor",
+        "arbiterd.daemon.supervisor",
     }
 
 

@@ -454,7 +454,12 @@ def test_the_daemon_starts_through_its_unit_when_one_is_installed(
     unit = tmp_path / "config" / "systemd" / "user" / "arbiterd.service"
     unit.parent.mkdir(parents=True)
     unit.write_text("[Service]\n")
-    assert daemon_start_command(env=env) == [str(systemctl), "--user", "start", "arbiterd.service"]
+    assert daemon_start_command(env=env) == [
+        str(systemctl),
+        "--user",
+        "start",
+        "arbiterd.service",
+    ]
     # A tray pointed at its own socket or config starts a daemon with them, not the unit.
     socket, config = tmp_path / "s.sock", tmp_path / "c.toml"
     argv = daemon_start_command(socket, config, env=env)

@@ -15,7 +15,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from arbiterd.control import ControlClient
+from arbiterd.cli.controlclient import ControlClient
 from arbiterd.errors import DaemonNotRunningError
 
 START_TIMEOUT_S = 60.0

@@ -1,7 +1,7 @@
 """Hold intervals stamped by real processes into one log, and the check that no two overlap.
 
 The writers are processes that cannot import this module (tests/support/arena_actor.py, the
-commands of tests/test_runner.py), so the format is the interface. A line is
+commands of tests/cli/test_runner.py), so the format is the interface. A line is
 `enter|exit|kill PID MONOTONIC_NS [TAG]`, appended with O_APPEND in one write (so lines from
 several processes never interleave). `enter` is written once the token is held, `exit` before
 it is released, `kill` by the test just before it SIGKILLs PID; TAG is free text a writer may

@@ -1,0 +1,12 @@
+"""The `arbiterd` command: what runs in the user's shell, never llama.cpp.
+
+    main          the command line: parsing, the shared subcommands, exit statuses
+    commands      the subcommands that talk to a running daemon (status, warm, events, ...)
+    controlclient the control socket's client side (blocking)
+    runner        `arbiterd run CMD`: CMD holds the GPU token while it runs
+    install       `arbiterd install` / `uninstall`: the user unit and desktop entries
+    demo          `arbiterd demo`: a real daemon, two models, live handoffs
+
+May start the daemon (`arbiterd daemon` runs arbiterd.daemon.serve) and the tray; never
+imports the worker (ruff's banned-api rule in this folder's ruff.toml says so).
+"""

@@ -1,0 +1,334 @@
+"""The CLI commands that start or talk to the daemon: daemon, status, warm, release, pin,
+unpin, hold, unhold, reload, events.
+
+Owns their arguments and how their output is laid out (its phrases come from arbiterd.render).
+Talks to a running daemon only through the control socket (cli/controlclient.py); `events` asks
+the daemon for its journal, and reads the journal file itself only when told which (--journal)
+or when the daemon its config names is not running, so history is readable while it is down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Final, Protocol
+
+from arbiterd import render
+from arbiterd.cli.controlclient import ControlClient
+from arbiterd.config import Config, load_config, load_daemon_config
+from arbiterd.daemon.journal import Journal, parse_since
+from arbiterd.errors import DaemonNotRunningError
+from arbiterd.events import HandoffEvent, parse_event
+
+# warm may load a model and hold may wait for every model to release: minutes, not seconds.
+COMMAND_TIMEOUT_S = 600.0
+# How often `events --follow` asks for what is new (as the journal's follow polls its file).
+FOLLOW_POLL_S: Final = 0.2
+
+
+class AddCommand(Protocol):
+    """Adds a subcommand whose --help page says what it does (`summary`) and shows examples."""
+
+    def __call__(self, name: str, summary: str, *examples: str) -> argparse.ArgumentParser: ...
+
+
+def add_commands(command: AddCommand) -> None:
+    daemon = command(
+        "daemon",
+        "run the daemon (models, OpenAI API, control socket)",
+        "arbiterd daemon --config ~/models/arbiterd.toml --verbose",
+    )
+    daemon.add_argument("--config", type=Path, help="config file (default: the XDG one)")
+    daemon.add_argument("--http", metavar="HOST:PORT", help="OpenAI API listen address")
+    daemon.add_argument("--socket", type=Path, metavar="PATH", help="control socket path")
+    daemon.add_argument("--arena", type=Path, metavar="DIR", help="arena directory")
+    daemon.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+    daemon.set_defaults(handler=run_daemon)
+
+    status = command(
+        "status",
+        "show each model's state and memory, and who holds the GPU",
+        "arbiterd status",
+        "arbiterd status --json",
+    )
+    _client_options(status)
+    status.add_argument("--json", action="store_true", help="print the status object")
+    status.set_defaults(handler=show_status)
+
+    for name, text in (
+        ("warm", "load a model onto the GPU now"),
+        ("release", "move a model off the GPU now (it stays resident in RAM)"),
+        ("pin", "keep a model on the GPU whoever waits"),
+        ("unpin", "let a pinned model release again"),
+    ):
+        model_parser = command(name, text, f"arbiterd {name} chat")
+        model_parser.add_argument("model", metavar="NAME")
+        _client_options(model_parser)
+        model_parser.set_defaults(handler=model_command)
+    for name, text in (
+        ("hold", "take the GPU for something else (game mode): every model goes cold"),
+        ("unhold", "give the GPU back to the models"),
+        ("reload", "re-read the config file"),
+    ):
+        plain_parser = command(name, text, f"arbiterd {name}")
+        _client_options(plain_parser)
+        plain_parser.set_defaults(handler=plain_command)
+
+    events = command(
+        "events",
+        "show the journal of handoffs, requests and failures",
+        "arbiterd events --since 1h",
+        "arbiterd events --follow --json",
+    )
+    events.add_argument(
+        "--follow", "-f", action="store_true", help="print new events as they happen"
+    )
+    events.add_argument("--since", metavar="T", help="epoch, ISO time, or 10m / 2h / 1d ago")
+    events.add_argument("--json", action="store_true", help="one JSON object per line")
+    events.add_argument(
+        "--journal", type=Path, metavar="PATH", help="read this journal file, not the daemon"
+    )
+    _client_options(events)
+    events.set_defaults(handler=show_events)
+
+
+def _client_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--socket", type=Path, metavar="PATH", help="control socket path")
+    parser.add_argument("--config", type=Path, help="config file naming the socket")
+
+
+def _socket(args: argparse.Namespace) -> Path:
+    if args.socket is not None:
+        return Path(args.socket)
+    return load_daemon_config(args.config).socket
+
+
+# -- handlers ---------------------------------------------------------------------------------
+
+
+def run_daemon(args: argparse.Namespace) -> int:
+    # Lazily: the client commands (and `arbiterd run` for a game) need none of the server's.
+    from arbiterd.daemon.serve import serve  # noqa: PLC0415
+
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="arbiterd %(levelname)s %(name)s: %(message)s",
+    )
+
+    def load() -> Config:
+        return load_config(args.config, http=args.http, socket=args.socket, arena=args.arena)
+
+    config = load()
+    if config.source is None:
+        logging.getLogger("arbiterd").info("no config file: serving the embedded default model")
+    asyncio.run(serve(config, load if config.source is not None else None))
+    return 0
+
+
+def show_status(args: argparse.Namespace) -> int:
+    with ControlClient.connect(_socket(args)) as client:
+        status = client.call("status")
+    if args.json:
+        print(json.dumps(status))
+    else:
+        print(render_status(status))
+    return 0
+
+
+def model_command(args: argparse.Namespace) -> int:
+    with ControlClient.connect(_socket(args)) as client:
+        client.timeout_s = COMMAND_TIMEOUT_S
+        result = client.call(args.command, model=args.model)
+    print(_describe(args.command, result))
+    return 0
+
+
+def plain_command(args: argparse.Namespace) -> int:
+    with ControlClient.connect(_socket(args)) as client:
+        client.timeout_s = COMMAND_TIMEOUT_S
+        result = client.call(args.command)
+    print(_describe(args.command, result))
+    return 0
+
+
+def show_events(args: argparse.Namespace) -> int:
+    since = parse_since(args.since) if args.since else None
+    if since is None and args.follow:
+        since = time.time()  # like tail -f: what happens from now on
+    try:
+        for stored in _stored_events(args, since):
+            line = json.dumps(stored) if args.json else render.event_line(parse_event(stored))
+            print(line, flush=True)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _stored_events(args: argparse.Namespace, since: float | None) -> Iterator[dict[str, Any]]:
+    """The journal's events from `since` (with --follow, then each new one), as stored: from
+    the daemon, or from the file --journal names or, when the daemon of --config is not
+    running, the one its config names."""
+    if args.journal is not None:
+        return _from_journal(args.journal, since, follow=args.follow)
+    if args.socket is not None:
+        return _from_daemon(ControlClient.connect(args.socket), since, follow=args.follow)
+    daemon = load_daemon_config(args.config)
+    try:
+        client = ControlClient.connect(daemon.socket)
+    except DaemonNotRunningError:
+        return _from_journal(daemon.journal, since, follow=args.follow)
+    return _from_daemon(client, since, follow=args.follow)
+
+
+def _from_daemon(
+    client: ControlClient, since: float | None, *, follow: bool
+) -> Iterator[dict[str, Any]]:
+    with client:
+        last: int | None = None
+        while True:
+            for stored in client.history(since=since if last is None else None, after_seq=last):
+                yield stored
+                seq = stored.get("seq")
+                last = seq if isinstance(seq, int) else last
+            if not follow:
+                return
+            time.sleep(FOLLOW_POLL_S)
+
+
+def _from_journal(path: Path, since: float | None, *, follow: bool) -> Iterator[dict[str, Any]]:
+    journal = Journal.open_readonly(path)
+    try:
+        stream = (
+            journal.follow(since=since, poll_s=FOLLOW_POLL_S, stop=threading.Event())
+            if follow
+            else iter(journal.read(since=since))
+        )
+        for stored in stream:
+            yield stored.to_json()
+    finally:
+        journal.close()
+
+
+# -- rendering --------------------------------------------------------------------------------
+
+
+def render_status(status: dict[str, Any]) -> str:
+    """The status as a table a person reads at a glance."""
+    models = status.get("models", [])
+    rows: list[tuple[str, ...]] = [
+        (
+            "MODEL",
+            "STATE",
+            "BACKEND",
+            "VRAM",
+            "COLD",
+            "HOST RAM",
+            "QUEUE",
+            "SERVED",
+            "LAST HANDOFF",
+            "NOTE",
+        )
+    ]
+    rows += [_status_row(model) for model in models]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1]
+        for row in rows
+    ]
+    engine = status.get("engine")
+    if engine:
+        offload, devices = engine.get("offload") is True, engine.get("devices") or []
+        lines.append("engine: " + render.describe_engine(offload, devices))
+    # Every worker loads the same engine: a reason or a warning usually holds for all models.
+    reasons = ((m["name"], m.get("fallback_reason") or "") for m in models)
+    for names, reason in render.grouped(reasons):
+        lines.append(f"backend reload ({', '.join(names)}): {reason}")
+    for names, warning in render.grouped((m["name"], m.get("warning") or "") for m in models):
+        lines.append(f"warning ({', '.join(names)}): {warning}")
+    if status.get("host_ram_bytes") is not None:
+        lines.append(
+            f"host RAM: {render.format_bytes(int(status['host_ram_bytes']))} "
+            "(model file copies, each counted once, and KV caches kept on the host)"
+        )
+    telemetry = status.get("telemetry") or {}
+    for device in telemetry.get("devices", []):
+        lines.append(
+            f"{device['device']}: {render.format_bytes(int(device['used_bytes']))} used of "
+            f"{render.format_bytes(int(device['total_bytes']))} ({telemetry.get('source', '?')})"
+        )
+    for other in telemetry.get("others", []):
+        if other.get("used_bytes"):
+            lines.append(
+                f"  also on {other['device']}: {render.process(other.get('name'), other['pid'])} "
+                f"{render.format_bytes(int(other['used_bytes']))}"
+            )
+    holder = status.get("holder")
+    if holder:
+        lines.append(f"GPU held by {render.process(holder.get('name'), holder['pid'])}")
+    else:
+        lines.append("GPU free")
+    waiters = status.get("waiters") or []
+    if waiters:
+        lines.append(render.waiters_line([(w.get("name"), w["pid"]) for w in waiters]))
+    if status.get("hold"):
+        lines.append("hold: the GPU is held for you (arbiterd unhold gives it back)")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _status_row(model: dict[str, Any]) -> tuple[str, ...]:
+    raw = model.get("last_handoff")
+    handoff = HandoffEvent.from_json(raw) if isinstance(raw, dict) else None
+    last = "-"
+    if handoff is not None and handoff.from_model is not None:
+        ago = time.time() - (handoff.at or time.time())
+        last = f"from {handoff.from_model} {render.format_seconds(handoff.total_s)}, "
+        last += render.format_ago(ago)
+    note = []
+    if model.get("pinned"):
+        note.append("pinned")
+    if model.get("restarts"):
+        note.append(f"{model['restarts']} restarts")
+    if model.get("host_copy_shared_with"):
+        note.append("file copy shared with " + ", ".join(model["host_copy_shared_with"]))
+    if model.get("last_error"):
+        note.append(str(model["last_error"]))
+    vram = model.get("vram_bytes")
+    cold = model.get("cold_footprint_bytes")
+    host = model.get("host_ram_bytes")
+    return (
+        str(model["name"]),
+        str(model["state"]),
+        str(model.get("backend") or "-"),
+        "?" if vram is None else render.format_bytes(int(vram)),
+        "-" if cold is None else render.format_bytes(int(cold)),
+        "-" if host is None else render.format_bytes(int(host)),
+        str(model.get("queue", 0)),
+        str(model.get("served", 0)),
+        last,
+        "; ".join(note),
+    )
+
+
+def _describe(command: str, result: dict[str, Any]) -> str:
+    if "model" in result and "state" in result:
+        return f"{result['model']}: {result['state']}"
+    if "pinned" in result:
+        return f"{result.get('model', '')}: {'pinned' if result['pinned'] else 'unpinned'}"
+    if "hold" in result:
+        return "GPU held for you" if result["hold"] else "GPU given back to the models"
+    if command == "reload":
+        parts = [
+            f"{key}: {', '.join(result[key])}"
+            for key in ("added", "removed", "changed")
+            if result.get(key)
+        ]
+        lines = ["reloaded" + (" (" + "; ".join(parts) + ")" if parts else ", nothing changed")]
+        lines += [f"warning: {warning}" for warning in result.get("warnings", [])]
+        return "\n".join(lines)
+    return json.dumps(result)

@@ -1,0 +1,242 @@
+"""The `arbiterd` command line. Owns argument parsing and the mapping of errors to exit statuses.
+
+Every ArbiterError becomes one line on stderr and the exit status its class names (errors.py);
+nothing below this module prints a traceback for an expected failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from functools import partial
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from arbiterd import __version__, render
+from arbiterd.arena import Arena, ArenaState
+from arbiterd.cli import commands
+from arbiterd.cli.demo import main as run_demo
+from arbiterd.cli.install import Installer
+from arbiterd.cli.runner import run_holding_token
+from arbiterd.errors import ArbiterError, BadValueError, MissingPartError, UsageError
+from arbiterd.paths import resolve_arena
+from arbiterd.procs import holder_name, process_name
+
+RUN_USAGE = "arbiterd run [--arena DIR] [--name NAME] [--timeout S] -- CMD [ARG...]"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="arbiterd",
+        description="Share one GPU between resident llama.cpp models and programs.",
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"arbiterd {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    command = partial(_add_command, sub)
+    run = command(
+        "run",
+        "run a program while it holds the GPU token",
+        "arbiterd run -- blender --background scene.blend --render-frame 1",
+        "arbiterd run --name comfyui --timeout 600 -- python main.py",
+        usage=RUN_USAGE,
+    )
+    _add_arena_option(run)
+    run.add_argument("--name", help="how the holder is shown (default: the program's name)")
+    run.add_argument("--timeout", type=float, metavar="S", help="give up waiting after S seconds")
+
+    arena = command("arena", "inspect an arena", "arbiterd arena status")
+    arena_sub = arena.add_subparsers(dest="arena_command", required=True, metavar="COMMAND")
+    status = _add_command(
+        arena_sub, "status", "who holds the GPU token and who waits", "arbiterd arena status --json"
+    )
+    _add_arena_option(status)
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    commands.add_commands(command)
+    demo = command(
+        "demo",
+        "run two models on real requests and show every handoff live",
+        "arbiterd demo --screenshot dashboard.png",
+    )
+    demo.add_argument(
+        "--screenshot", type=Path, metavar="FILE.png", help="also render the dashboard of it"
+    )
+    demo.set_defaults(handler=lambda args: run_demo(args.screenshot))
+    sub.add_parser(
+        "tray", help="the tray icon and dashboard (arbiterd tray --help)", add_help=False
+    )
+    install = command(
+        "install",
+        "start the daemon and the tray at login",
+        "arbiterd install --dry-run",
+        "arbiterd install",
+    )
+    install.add_argument("--no-enable", action="store_true", help="write files, start nothing")
+    install.add_argument("--dry-run", action="store_true", help="only say what would be done")
+    install.set_defaults(handler=_install)
+    uninstall = command(
+        "uninstall", "undo exactly what install did", "arbiterd uninstall --dry-run"
+    )
+    uninstall.add_argument("--dry-run", action="store_true", help="only say what would be done")
+    uninstall.set_defaults(handler=_uninstall)
+    return parser
+
+
+def _add_command(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    summary: str,
+    *examples: str,
+    **options: Any,
+) -> argparse.ArgumentParser:
+    """A subcommand whose --help page says in a line what it does and shows how it is used."""
+    return sub.add_parser(
+        name,
+        help=summary,
+        description=f"{summary[0].upper()}{summary[1:]}.",
+        epilog="\n  ".join(["examples:" if len(examples) > 1 else "example:", *examples]),
+        formatter_class=_HelpFormatter,
+        **options,
+    )
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help pages with their examples laid out as written.
+
+    Python 3.11 measures the command names of the main page without the indent they are printed
+    with, so the longest ("uninstall") had its description pushed onto a line of its own
+    (CPython gh-87041); this measures them where they stand.
+    """
+
+    def add_argument(self, action: argparse.Action) -> None:
+        super().add_argument(action)
+        if isinstance(action, argparse._SubParsersAction):
+            widest = max(map(len, action.choices)) + self._current_indent + self._indent_increment
+            self._action_max_length = max(self._action_max_length, widest)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("arbiterd")
+    except metadata.PackageNotFoundError:
+        # Imported from a source tree that pip never installed (PYTHONPATH=...): no metadata.
+        return f"{__version__} (source tree, not installed)"
+
+
+def _add_arena_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--arena",
+        metavar="DIR",
+        help="arena directory (default: $ARBITERD_ARENA, else "
+        "$XDG_RUNTIME_DIR/arbiterd/arena/gpu0)",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    prefix = "arbiterd"
+    if args_list and not args_list[0].startswith("-"):
+        prefix += f" {args_list[0]}"
+    try:
+        return _dispatch(args_list)
+    except ArbiterError as exc:
+        print(f"{prefix}: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+def _dispatch(argv: list[str]) -> int:
+    if argv[:1] == ["tray"]:
+        # Its own parser, and Qt is loaded only for it (never by the daemon or `run`).
+        try:
+            from arbiterd.gui.app import main as tray_main  # noqa: PLC0415
+        except ImportError as exc:
+            raise MissingPartError(
+                f"the tray needs PySide6, which is not installed ({exc.msg}): "
+                "pip install 'arbiterd[gui]'"
+            ) from None
+        return tray_main(argv[1:])
+    cmd: list[str] = []
+    if argv[:1] == ["run"]:
+        # Only the runner's own options come before "--"; all after it is the command's, its
+        # --help included. Without "--", a help request is the one thing that makes sense.
+        if "--" in argv:
+            split = argv.index("--")
+            argv, cmd = argv[:split], argv[split + 1 :]
+        elif not {"-h", "--help"} & set(argv):
+            raise UsageError(f"put '--' before the command: {RUN_USAGE}")
+    args = _parser().parse_args(argv)
+    if args.command == "run":
+        return _run(args, cmd)
+    if args.command == "arena":
+        return _arena_status(args)
+    code: int = args.handler(args)
+    return code
+
+
+def _run(args: argparse.Namespace, cmd: list[str]) -> int:
+    timeout_s: float | None = args.timeout
+    if timeout_s is not None and (timeout_s < 0 or not math.isfinite(timeout_s)):
+        raise BadValueError(f"--timeout must be a non-negative number of seconds, got {timeout_s}")
+    if not cmd:
+        raise UsageError(f"no command after '--': {RUN_USAGE}")
+    arena = Arena(resolve_arena(args.arena))
+    return run_holding_token(arena, cmd, name=args.name, timeout_s=timeout_s)
+
+
+def _install(args: argparse.Namespace) -> int:
+    Installer(dry_run=args.dry_run).install(enable=not args.no_enable)
+    return 0
+
+
+def _uninstall(args: argparse.Namespace) -> int:
+    Installer(dry_run=args.dry_run).uninstall()
+    return 0
+
+
+def arena_status_json(state: ArenaState) -> dict[str, object]:
+    """The `arena status --json` object; its keys are a public interface."""
+    holder: dict[str, object] | None = None
+    if state.holder_pid is not None:
+        holder = {
+            "pid": state.holder_pid,
+            "name": holder_name(state),
+            "since": state.holder.since if state.holder else None,
+            "model": state.holder.model if state.holder else None,
+        }
+    return {
+        "arena": str(state.path),
+        "holder": holder,
+        "waiters": [{"pid": pid, "name": process_name(pid)} for pid in state.waiter_pids],
+        "stale_holder_file": state.stale_holder.to_json() if state.stale_holder else None,
+    }
+
+
+def _arena_status(args: argparse.Namespace) -> int:
+    state = Arena(resolve_arena(args.arena)).observe()
+    report = arena_status_json(state)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"arena    {report['arena']}")
+    holder = state.holder_pid
+    if holder is None:
+        print("holder   none (the GPU is free)")
+    else:
+        line = f"holder   {render.process(holder_name(state), holder)}"
+        if state.holder is not None:
+            line += f" since {render.clock(state.holder.since)}"
+            if state.holder.model:
+                line += f" (model {state.holder.model})"
+        print(line)
+    waiters = ", ".join(render.process(process_name(pid), pid) for pid in state.waiter_pids)
+    print(f"waiters  {waiters or 'none'}")
+    if state.stale_holder is not None:
+        print(
+            f"note     holder.json names pid {state.stale_holder.pid} "
+            f"({state.stale_holder.name}), which does not hold the token: stale"
+        )
+    return 0

@@ -1,0 +1,719 @@
+"""The OpenAI-compatible HTTP API: /v1/models, /v1/chat/completions, /v1/completions (streamed as
+server-sent events or not), /health and /metrics.
+
+Owns request validation, the bearer-token check, the refusal of users it does not serve (which
+connections those are, arbiterd.daemon.httpserver decides), streaming, and the one mapping from
+arbiterd's errors to the OpenAI error envelope `{"error": {"message", "type", "code", "param"}}`.
+Talks to the daemon only through `Service`. Must never answer bad input with a 500 or a bare
+string, never leave a stream open after its client has gone, and never import the engine
+(llama_cpp loads native libraries the daemon process has no use for).
+
+Guard ladder for a completion request: bearer token → body size (Content-Length, then the bytes
+actually read) → JSON → object → known keys → model → prompt/messages → each parameter →
+model exists. The service gets `prompt` or `messages` plus only the engine's parameters.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import anyio
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from arbiterd.daemon.service import Service
+from arbiterd.errors import ArbiterError, ErrorCode, UnknownModelError
+from arbiterd.spec import COMPLETION_PARAMS
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+MAX_TOKENS_LIMIT = 1_000_000
+MAX_STOP_SEQUENCES = 4  # as OpenAI
+MAX_TOP_K = 1_000_000  # above any vocabulary size
+MAX_REPEAT_PENALTY = 10.0
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # OpenAI's seed is an int64
+# How long closing an abandoned stream may take (the service cancels the request in its worker).
+STREAM_CLOSE_TIMEOUT_S = 10.0
+# The text format prometheus_client.generate_latest() writes. prometheus_client >= 0.22 points
+# CONTENT_TYPE_LATEST at version=1.0.0, which is only right after content negotiation.
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+MAX_SHOWN_CHARS = 40  # of a rejected value, in an error message
+SSE_DONE = b"data: [DONE]\n\n"
+# "developer" is OpenAI's newer name for the system role; chat templates know only "system".
+ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
+MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id"})
+
+# Error types and codes of the envelope, as OpenAI spells them where it has one.
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+
+
+class ApiError(Exception):
+    """An HTTP error answered with the OpenAI envelope."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = INVALID_REQUEST,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+        self.param = param
+        self.headers = headers
+
+    def envelope(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "code": self.code,
+                "param": self.param,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.envelope(), status_code=self.status, headers=self.headers)
+
+
+# -- validation -------------------------------------------------------------------------------
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _wrong_type(key: str, expected: str, value: object) -> ApiError:
+    return ApiError(
+        400, f"'{key}' must be {expected}, got {_json_type(value)}", code="invalid_type", param=key
+    )
+
+
+def _out_of_range(key: str, expected: str, value: object) -> ApiError:
+    shown = repr(value)
+    if len(shown) > MAX_SHOWN_CHARS:  # JSON integers may run to 4300 digits
+        shown = shown[: MAX_SHOWN_CHARS - 3] + "..."
+    return ApiError(
+        400, f"'{key}' must be {expected}, got {shown}", code="invalid_value", param=key
+    )
+
+
+def _integer(key: str, value: object, lo: int, hi: int) -> int:
+    expected = f"an integer from {lo} to {hi}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _wrong_type(key, expected, value)
+    if not lo <= value <= hi:
+        raise _out_of_range(key, expected, value)
+    return value
+
+
+def _number(key: str, value: object, lo: float, hi: float, *, above_lo: bool = False) -> float:
+    expected = (
+        f"a number {'above' if above_lo else 'from'} {lo:g} {'up ' if above_lo else ''}to {hi:g}"
+    )
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _wrong_type(key, expected, value)
+    # Written so that NaN fails too (json.loads is told to refuse it, but be sure).
+    if not (lo < value <= hi if above_lo else lo <= value <= hi):
+        raise _out_of_range(key, expected, value)
+    return value
+
+
+def _stop(key: str, value: object) -> list[str]:
+    stops = [value] if isinstance(value, str) else value
+    expected = f"a string or an array of at most {MAX_STOP_SEQUENCES} non-empty strings"
+    if not isinstance(stops, list) or len(stops) > MAX_STOP_SEQUENCES:
+        raise ApiError(400, f"'{key}' must be {expected}", code="invalid_value", param=key)
+    for stop in stops:
+        # An empty stop string matches at once: every completion would come back empty.
+        if not isinstance(stop, str) or not stop:
+            raise ApiError(400, f"'{key}' must be {expected}", code="invalid_value", param=key)
+    return stops
+
+
+# A check for each of the engine's parameters (arbiterd.spec.COMPLETION_PARAMS, whose types
+# these ranges refine); a test keeps the two in step.
+ENGINE_CHECKS: dict[str, Callable[[str, object], object]] = {
+    "max_tokens": partial(_integer, lo=1, hi=MAX_TOKENS_LIMIT),
+    "temperature": partial(_number, lo=0.0, hi=2.0),
+    "top_p": partial(_number, lo=0.0, hi=1.0),
+    "top_k": partial(_integer, lo=0, hi=MAX_TOP_K),
+    "min_p": partial(_number, lo=0.0, hi=1.0),
+    # The penalty divides positive logits: zero would make them infinite.
+    "repeat_penalty": partial(_number, lo=0.0, hi=MAX_REPEAT_PENALTY, above_lo=True),
+    "presence_penalty": partial(_number, lo=-2.0, hi=2.0),
+    "frequency_penalty": partial(_number, lo=-2.0, hi=2.0),
+    "seed": partial(_integer, lo=SEED_MIN, hi=SEED_MAX),
+    "stop": _stop,
+}
+
+
+@dataclass(frozen=True)
+class _Ignored:
+    """An OpenAI field arbiterd does not implement, accepted only with a value that changes
+    nothing (OpenAI clients send some of them by default)."""
+
+    harmless: Callable[[object], bool]
+    expected: str
+
+
+def _is_empty_dict(value: object) -> bool:
+    return isinstance(value, dict) and not value
+
+
+IGNORED_ANY = {
+    "user": _Ignored(lambda v: isinstance(v, str), "a string"),
+    "logit_bias": _Ignored(_is_empty_dict, "an empty object"),
+    "stream_options": _Ignored(lambda v: isinstance(v, dict), "an object"),
+    "logprobs": _Ignored(lambda v: v is False, "false"),
+}
+IGNORED_CHAT = {
+    **IGNORED_ANY,
+    "response_format": _Ignored(lambda v: v == {"type": "text"}, '{"type": "text"}'),
+    "top_logprobs": _Ignored(lambda v: v == 0 and not isinstance(v, bool), "0"),
+    "tools": _Ignored(lambda v: v == [], "an empty array"),
+    "tool_choice": _Ignored(lambda v: v == "none", '"none"'),
+    "parallel_tool_calls": _Ignored(lambda v: isinstance(v, bool), "a boolean"),
+}
+IGNORED_COMPLETION = {
+    **IGNORED_ANY,
+    "echo": _Ignored(lambda v: v is False, "false"),
+    "best_of": _Ignored(lambda v: v == 1 and not isinstance(v, bool), "1"),
+    "suffix": _Ignored(lambda v: v == "", "an empty string"),
+}
+COMMON_KEYS = frozenset({"model", "stream", "n", *ENGINE_CHECKS})
+CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens", *IGNORED_CHAT}
+COMPLETION_KEYS = COMMON_KEYS | {"prompt", *IGNORED_COMPLETION}
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A validated request: what the service is asked, and how to answer."""
+
+    model: str
+    kind: str  # "chat" | "completion", as Service names them
+    stream: bool
+    body: dict[str, Any]  # prompt or messages, plus engine parameters only
+
+
+def _text_content(where: str, content: object) -> str:
+    """A message's content: a string, or an array of text parts joined by newlines."""
+    if isinstance(content, str):
+        return content
+    expected = 'a string or a non-empty array of {"type": "text", "text": ...} parts'
+    if not isinstance(content, list) or not content:
+        raise _wrong_type(f"{where}.content", expected, content)
+    texts = []
+    for index, part in enumerate(content):
+        key = f"{where}.content[{index}]"
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else None
+            detail = f" (arbiterd serves text only, not {kind!r})" if isinstance(kind, str) else ""
+            raise ApiError(
+                400, f"'{key}' must be a text part{detail}", code="invalid_value", param=key
+            )
+        if set(part) - {"type", "text"} or not isinstance(part.get("text"), str):
+            raise ApiError(
+                400,
+                f'\'{key}\' must be {{"type": "text", "text": <string>}}',
+                code="invalid_value",
+                param=key,
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _messages(value: object) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise _wrong_type("messages", "a non-empty array of message objects", value)
+    messages = []
+    for index, message in enumerate(value):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise _wrong_type(where, "an object", message)
+        unknown = sorted(set(message) - MESSAGE_KEYS)
+        if unknown:
+            raise ApiError(
+                400,
+                f"'{where}' has unsupported key {unknown[0]!r}; arbiterd accepts "
+                + ", ".join(sorted(MESSAGE_KEYS)),
+                code="invalid_value",
+                param=f"{where}.{unknown[0]}",
+            )
+        role = message.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise ApiError(
+                400,
+                f"'{where}.role' must be one of {', '.join(map(repr, ROLES))}, got "
+                + (repr(role) if isinstance(role, str) else _json_type(role)),
+                code="invalid_value",
+                param=f"{where}.role",
+            )
+        normal = {"role": ROLES[role], "content": _text_content(where, message.get("content"))}
+        for key in ("name", "tool_call_id"):
+            if message.get(key) is not None:
+                if not isinstance(message[key], str):
+                    raise _wrong_type(f"{where}.{key}", "a string", message[key])
+                normal[key] = message[key]
+        messages.append(normal)
+    return messages
+
+
+def _prompt(value: object) -> str:
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, str):
+        raise ApiError(
+            400,
+            "'prompt' must be a string or an array of exactly one string "
+            "(arbiterd does not batch prompts)",
+            code="invalid_value",
+            param="prompt",
+        )
+    return value
+
+
+def _max_completion_tokens(given: dict[str, Any]) -> None:
+    """Fold chat's newer name for max_tokens into it."""
+    alias = given.pop("max_completion_tokens", None)
+    if alias is None:
+        return
+    ENGINE_CHECKS["max_tokens"]("max_completion_tokens", alias)
+    if "max_tokens" in given and given["max_tokens"] != alias:
+        raise ApiError(
+            400,
+            "'max_tokens' and 'max_completion_tokens' disagree; give one",
+            code="invalid_value",
+            param="max_completion_tokens",
+        )
+    given["max_tokens"] = alias
+
+
+def _stream_option(given: dict[str, Any], ignored: dict[str, _Ignored]) -> bool:
+    """Check the fields that shape the answer rather than the generation; True to stream."""
+    for key, rule in ignored.items():
+        if key in given and not rule.harmless(given[key]):
+            raise ApiError(
+                400,
+                f"'{key}' is not supported: arbiterd accepts only {rule.expected} (or null)",
+                code="unsupported_value",
+                param=key,
+            )
+    if "n" in given and (isinstance(given["n"], bool) or given["n"] != 1):
+        raise ApiError(
+            400, "'n' must be 1: arbiterd returns one choice", code="invalid_value", param="n"
+        )
+    stream = given.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _wrong_type("stream", "a boolean", stream)
+    return stream
+
+
+def parse_request(kind: str, payload: object) -> CompletionRequest:
+    """Validate one /v1/chat/completions ("chat") or /v1/completions ("completion") body."""
+    if not isinstance(payload, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {_json_type(payload)}")
+    allowed, ignored = (
+        (CHAT_KEYS, IGNORED_CHAT) if kind == "chat" else (COMPLETION_KEYS, IGNORED_COMPLETION)
+    )
+    unknown = sorted(set(payload) - allowed)
+    if unknown:
+        # OpenAI's wording, so clients that match on it keep working.
+        raise ApiError(
+            400, f"Unrecognized request argument supplied: {', '.join(unknown)}", param=unknown[0]
+        )
+    # A null optional field is an absent one, as in OpenAI's API.
+    given = {key: value for key, value in payload.items() if value is not None}
+    model = given.get("model")
+    if not isinstance(model, str) or not model:
+        raise _wrong_type("model", "a model name (a non-empty string)", model)
+    body: dict[str, Any] = {}
+    if kind == "chat":
+        body["messages"] = _messages(given.get("messages"))
+        _max_completion_tokens(given)
+    else:
+        body["prompt"] = _prompt(given.get("prompt"))
+    for key in COMPLETION_PARAMS:  # only what the engine takes is passed on
+        if key in given:
+            body[key] = ENGINE_CHECKS[key](key, given[key])
+    if body.get("stop") == []:
+        del body["stop"]
+    stream = _stream_option(given, ignored)
+    return CompletionRequest(model=model, kind=kind, stream=stream, body=body)
+
+
+def _reject_constant(name: str) -> object:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _parse_json(raw: bytes) -> object:
+    if not raw.strip():
+        raise ApiError(400, "the request body is empty; expected a JSON object")
+    try:
+        return json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON: nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError both are
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+async def _read_body(request: Request, limit_bytes: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed `limit_bytes`."""
+    too_large = ApiError(
+        413, f"the request body exceeds {limit_bytes} bytes", code="request_too_large"
+    )
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise ApiError(400, "the Content-Length header is not a number")
+        if int(declared) > limit_bytes:
+            raise too_large
+    body = bytearray()
+    # Checked again while reading: a chunked body has no Content-Length, and one may lie.
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit_bytes:
+            raise too_large
+    return bytes(body)
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+def _unknown_model(model: str, names: list[str]) -> ApiError:
+    available = ", ".join(names) if names else "none"
+    return ApiError(
+        404,
+        f"The model {model!r} does not exist; available models: {available}",
+        code="model_not_found",
+        param="model",
+    )
+
+
+# OpenAI's error codes for ours; any other is "invalid_value" below 500, "model_unavailable" above.
+# The HTTP status of every arbiterd error is errors.OUTCOMES's.
+OPENAI_CODES: dict[ErrorCode, str] = {ErrorCode.CONTEXT_OVERFLOW: "context_length_exceeded"}
+
+
+def _api_error(exc: Exception, names: Callable[[], list[str]]) -> ApiError:
+    """The one mapping from an exception to an HTTP error; unexpected ones are logged."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, ClientDisconnect):
+        return _client_left()
+    if isinstance(exc, UnknownModelError):
+        available = ", ".join(names()) or "none"
+        return ApiError(
+            404, f"{exc}; available models: {available}", code="model_not_found", param="model"
+        )
+    if isinstance(exc, ArbiterError):
+        status = exc.http_status
+        fallback = "invalid_value" if status < 500 else "model_unavailable"
+        return ApiError(
+            status,
+            str(exc),
+            type_=INVALID_REQUEST if status < 500 else SERVER_ERROR,
+            code=OPENAI_CODES.get(exc.code, fallback),
+        )
+    log.error("unexpected error serving a request", exc_info=exc)
+    return _internal_error()
+
+
+def _internal_error() -> ApiError:
+    return ApiError(500, "internal error; the daemon's log has the details", type_=SERVER_ERROR)
+
+
+def _client_left() -> ApiError:
+    # Nobody reads this; the status is for the access log (nginx's "client closed request").
+    return ApiError(499, "the client closed the request")
+
+
+# -- streaming --------------------------------------------------------------------------------
+
+
+def _sse(data: dict[str, Any]) -> bytes:
+    return (
+        b"data: "
+        + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode(errors="replace")
+        + b"\n\n"
+    )
+
+
+async def _unless_disconnected(receive: Receive, work: Callable[[], Awaitable[None]]) -> bool:
+    """Run `work` (which must not raise) until it returns, or until the client disconnects, when
+    it is cancelled. True if the client left first.
+
+    Needed because uvicorn (ASGI spec 2.3) neither cancels a handler nor fails a send when the
+    client goes away: only `receive()` tells, and only if someone is waiting on it. The body has
+    been read by then, so the next message is the disconnect."""
+    left = False
+    async with anyio.create_task_group() as group:
+
+        async def watch() -> None:
+            nonlocal left
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            left = True
+            group.cancel_scope.cancel()
+
+        group.start_soon(watch)
+        await work()
+        group.cancel_scope.cancel()
+    return left
+
+
+async def _close(chunks: AsyncIterator[dict[str, Any]]) -> None:
+    """Close the service's iterator, so it cancels the request in its worker; shielded, as this
+    runs while the response is being cancelled, and bounded."""
+    aclose = getattr(chunks, "aclose", None)
+    if aclose is None:
+        return
+    with anyio.move_on_after(STREAM_CLOSE_TIMEOUT_S, shield=True) as scope:
+        try:
+            await aclose()
+        except Exception:
+            log.exception("closing the service's chunk iterator failed")
+    if scope.cancelled_caught:
+        log.warning("closing the service's chunk iterator took over %s s", STREAM_CLOSE_TIMEOUT_S)
+
+
+class EventStream(Response):
+    """A streamed completion as server-sent events, owning the service's chunk iterator from
+    opening to closing.
+
+    The first chunk is awaited before the status line is sent, so an error raised before it is
+    an ordinary HTTP error. A later error becomes one `data: {"error": ...}` event, then
+    `data: [DONE]`. If the client disconnects at any point, the pending read is cancelled and
+    the iterator closed (the Service contract: closing early cancels the request)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self, chunks: Callable[[], AsyncIterator[dict[str, Any]]], names: Callable[[], list[str]]
+    ) -> None:
+        # Not Response.__init__: it would render an empty body with Content-Length: 0.
+        self.status_code = 200
+        self.background = None
+        self._open = chunks
+        self._names = names
+        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            chunks = self._open()
+        except Exception as exc:  # a service may check eagerly, before its iterator runs
+            await _api_error(exc, self._names).response()(scope, receive, send)
+            return
+        try:
+            await _unless_disconnected(receive, partial(self._relay, chunks, scope, receive, send))
+        finally:
+            await _close(chunks)
+
+    async def _relay(
+        self, chunks: AsyncIterator[dict[str, Any]], scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        try:
+            try:
+                first: bytes | None = _sse(await anext(chunks))
+            except StopAsyncIteration:
+                first = None
+            except Exception as exc:
+                await _api_error(exc, self._names).response()(scope, receive, send)
+                return
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            if first is not None:
+                await send({"type": "http.response.body", "body": first, "more_body": True})
+            while True:
+                try:
+                    event = _sse(await anext(chunks))
+                except StopAsyncIteration:
+                    break
+                except Exception as exc:
+                    error = _sse(_api_error(exc, self._names).envelope())
+                    await send({"type": "http.response.body", "body": error, "more_body": True})
+                    break
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": SSE_DONE, "more_body": False})
+        except OSError:
+            return  # ASGI 2.4 servers report a gone client by failing `send`
+
+
+# -- who is served ----------------------------------------------------------------------------
+
+
+def _has_api_key(headers: Headers, api_key: str) -> bool:
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        token.strip().encode(), api_key.encode()
+    )
+
+
+def refuse_stranger(app: ASGIApp, *, api_key: str, reason: str) -> ASGIApp:
+    """`app` as served on a connection from a user it does not serve: a request that carries the
+    API key goes on to `app`; any other is a 403 before routing, `reason` its message, and the
+    connection is closed after it."""
+
+    async def gate(scope: Scope, receive: Receive, send: Send) -> None:
+        if api_key and _has_api_key(Headers(scope=scope), api_key):
+            await app(scope, receive, send)
+            return
+        refusal = ApiError(403, reason, code="user_not_allowed", headers={"connection": "close"})
+        await refusal.response()(scope, receive, send)
+
+    return gate
+
+
+# -- the app ----------------------------------------------------------------------------------
+
+
+def create_app(
+    service: Service, *, api_key: str = "", max_body_bytes: int = MAX_BODY_BYTES
+) -> FastAPI:
+    """The HTTP API over `service`. With `api_key`, every route but /health requires
+    `Authorization: Bearer <api_key>`."""
+    created = int(time.time())
+    app = FastAPI(title="arbiterd", docs_url=None, redoc_url=None, openapi_url=None)
+
+    async def authorize(request: Request) -> None:
+        if not api_key:
+            return
+        if not _has_api_key(request.headers, api_key):
+            raise ApiError(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    guarded = [Depends(authorize)]
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        return _api_error(exc, names).response()
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        return ApiError(
+            exc.status_code,
+            str(exc.detail),
+            code=codes.get(exc.status_code),
+            headers=dict(exc.headers or {}),
+        ).response()
+
+    async def on_validation_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        return ApiError(400, f"invalid request: {exc.errors()}").response()
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        # Starlette's ServerErrorMiddleware calls this, then re-raises for the server to log.
+        return _internal_error().response()
+
+    app.add_exception_handler(ApiError, on_api_error)
+    app.add_exception_handler(ArbiterError, on_api_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(Exception, on_unexpected)
+
+    def names() -> list[str]:
+        return list(service.model_names())
+
+    def model_object(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": created, "owned_by": "arbiterd"}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics", dependencies=guarded)
+    async def metrics() -> Response:
+        return Response(await service.metrics_text(), media_type=METRICS_CONTENT_TYPE)
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_object(name) for name in names()]}
+
+    @app.get("/v1/models/{model:path}", dependencies=guarded)
+    async def get_model(model: str) -> dict[str, Any]:
+        if model not in names():
+            raise _unknown_model(model, names())
+        return model_object(model)
+
+    async def serve(request: Request, kind: str) -> Response:
+        try:
+            parsed = parse_request(kind, _parse_json(await _read_body(request, max_body_bytes)))
+            if parsed.model not in names():
+                raise _unknown_model(parsed.model, names())
+        except Exception as exc:
+            return _api_error(exc, names).response()
+        if parsed.stream:
+            return EventStream(
+                partial(service.stream, parsed.model, parsed.kind, parsed.body), names
+            )
+        return await _complete(service, parsed, request.receive, names)
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat_completions(request: Request) -> Response:
+        return await serve(request, "chat")
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(request: Request) -> Response:
+        return await serve(request, "completion")
+
+    return app
+
+
+async def _complete(
+    service: Service, parsed: CompletionRequest, receive: Receive, names: Callable[[], list[str]]
+) -> Response:
+    """A non-streamed completion, cancelled if the client leaves before it ends: a long
+    generation nobody will read must not hold the model."""
+    outcome: dict[str, Any] | Exception = ApiError(500, "the request did not run")
+
+    async def work() -> None:
+        nonlocal outcome
+        try:
+            outcome = await service.complete(parsed.model, parsed.kind, parsed.body)
+        except Exception as exc:
+            outcome = exc
+
+    if await _unless_disconnected(receive, work):
+        return _client_left().response()
+    if isinstance(outcome, Exception):
+        return _api_error(outcome, names).response()
+    return JSONResponse(outcome)

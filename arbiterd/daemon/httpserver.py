@@ -1,0 +1,367 @@
+"""The HTTP server under the API: owns the daemon's listening sockets (the TCP port and the Unix
+socket `api.sock`, both bound before any model loads) and the connections on them: who may use
+each, how many may be open, how long a client may take to send a request head, and the process's
+file-descriptor limit they live under.
+
+uvicorn speaks HTTP/1.1 (its h11 protocol, one instance per connection); the accept loop is ours,
+because asyncio's (behind uvicorn's `create_server`) can neither wait for a free slot nor stay
+quiet when accept(2) fails: out of file descriptors (Python 3.11) it goes on trying up to the
+backlog's length (2,048) in one pass, logging a traceback and scheduling a retry for each try
+(129,140 lines in 40 s in issue 10).
+
+- Who: each connection's peer is identified once, when it is accepted (arbiterd.daemon.peers). The
+  owner and the users in `[daemon] allow_users` get the API; anyone else (another user, or a
+  peer that cannot be identified) gets a 403 on every request without the API key
+  (arbiterd.daemon.httpapi.refuse_stranger), before routing.
+- How many: at most `max_connections` open at once, chosen below the fd limit; beyond them the
+  accept loop waits and new clients wait in the kernel's listen backlog, nothing fails.
+- How long: a request head must be complete `header_timeout_s` after the connection opens or
+  after its first byte; an idle connection between requests is closed after KEEP_ALIVE_S. A
+  head is at most MAX_HEAD_BYTES (uvicorn answers 400 past it).
+
+Must never log once per connection or per failed accept: a flood must not become a flood of log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import resource
+import socket
+import time
+from collections.abc import Callable, Generator, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import h11
+import uvicorn
+from starlette.types import ASGIApp
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.server import ServerState
+
+from arbiterd.daemon import socketfile
+from arbiterd.daemon.httpapi import refuse_stranger
+from arbiterd.daemon.peers import Peer, peer_of
+from arbiterd.errors import ListenError
+from arbiterd.paths import ensure_private_dir
+
+log = logging.getLogger(__name__)
+
+KEEP_ALIVE_S = 5  # uvicorn's default, named here because it is part of the bound
+MAX_HEAD_BYTES = 16 * 1024  # h11's default
+SHUTDOWN_TIMEOUT_S = 30  # for requests in flight when the daemon stops
+# Kept free for the rest of the daemon: workers' sockets, model copies, the journal, the
+# control socket and its clients.
+FD_RESERVE = 256
+MAX_CONNECTIONS = 4096
+ACCEPT_RETRY_S = 0.25
+BACKLOG = 2048  # uvicorn's own default, for the TCP port and the Unix socket alike
+UNIX_SOCKET_MODE = 0o600
+
+
+def raise_fd_limit() -> int:
+    """Lift the soft RLIMIT_NOFILE to the hard limit, and return the soft limit now in force.
+
+    systemd starts services with 1024 soft (and 524288 hard) only for the sake of programs that
+    still call select(2), which arbiterd's code never does; 1024 is few for a server."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:  # an unlimited hard limit is above fs.nr_open
+        log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
+        return soft
+    return hard
+
+
+def bind_http(host: str, port: int) -> socket.socket:
+    """The HTTP API's listening socket, bound before anything else starts."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as exc:
+        raise ListenError(f"cannot listen on {where}: {exc.strerror}") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # As uvicorn does: a restart may bind while the old daemon's connections linger.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(BACKLOG)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ListenError(
+                f"{where} is already in use (another arbiterd or server?); pick a free port "
+                "with http = HOST:PORT in the config's [daemon] table or --http HOST:PORT"
+            ) from None
+        raise ListenError(f"cannot listen on {where}: {exc.strerror}") from None
+    return sock
+
+
+def connection_limit(fd_limit: int) -> int:
+    """How many HTTP connections may be open at once under the soft fd limit `fd_limit`:
+    FD_RESERVE descriptors stay for the rest of the daemon (never fewer than half of them),
+    and at most MAX_CONNECTIONS."""
+    return min(MAX_CONNECTIONS, max(fd_limit - FD_RESERVE, fd_limit // 2))
+
+
+class UnixListener:
+    """The API's Unix socket: mode 0600 in a folder only the user can enter, so the file mode
+    already keeps other users out; the server still checks each peer (SO_PEERCRED), for when
+    the owner opens the file up. The file is removed on close unless another daemon has bound
+    the path since."""
+
+    def __init__(self, path: Path, sock: socket.socket, inode: tuple[int, int]) -> None:
+        self.path = path
+        self.sock = sock
+        self._inode = inode
+
+    @classmethod
+    def bind(cls, path: Path) -> UnixListener:
+        """Listen on `path`. Replaces a stale socket file there (the daemon calls this while it
+        holds its single-instance lock); ListenError if a live server answers on it."""
+        ensure_private_dir(path.parent, ListenError)
+        live = f"another server is listening on {path}; stop it or set [daemon] api_socket"
+        socketfile.clear_stale(path, ListenError, live)
+        sock, inode = socketfile.bind(path, UNIX_SOCKET_MODE, ListenError, live)
+        try:
+            sock.listen(BACKLOG)
+        except OSError as exc:
+            sock.close()
+            socketfile.unlink_own(path, inode)
+            raise ListenError(f"cannot listen on {path}: {exc.strerror or exc}") from None
+        return cls(path, sock, inode)
+
+    def close(self) -> None:
+        self.sock.close()
+        socketfile.unlink_own(self.path, self._inode)
+
+    def __enter__(self) -> UnixListener:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class _AcceptFailures:
+    """accept(2) failures, logged once per burst: the first, then one line when accepting works
+    again, with how many there were and for how long."""
+
+    def __init__(self, where: str) -> None:
+        self._where = where
+        self._count = 0
+        self._since = 0.0
+
+    def failed(self, exc: OSError) -> None:
+        if self._count == 0:
+            self._since = time.monotonic()
+            log.warning(
+                "HTTP accept on %s failed: %s; retrying every %s s (not logged again until it "
+                "works)",
+                self._where,
+                exc,
+                ACCEPT_RETRY_S,
+            )
+        self._count += 1
+
+    def ended(self) -> None:
+        if self._count:
+            log.warning(
+                "HTTP accept on %s works again, after %d failed attempts in %.1f s",
+                self._where,
+                self._count,
+                time.monotonic() - self._since,
+            )
+            self._count = 0
+
+
+class _Connection(H11Protocol):
+    """One HTTP connection: uvicorn's h11 protocol serving the app chosen for its peer, with a
+    deadline on each request head. uvicorn bounds only the idle time between requests, and stops
+    that clock at the first byte: a head that starts and never ends would hold the connection,
+    and its file descriptor, for good."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        *,
+        app: ASGIApp,
+        header_timeout_s: float,
+        on_lost: Callable[[], None],
+    ) -> None:
+        super().__init__(config, server_state, app_state)
+        self.app = app
+        self._header_timeout_s = header_timeout_s
+        self._on_lost = on_lost
+        self._head_deadline: asyncio.TimerHandle | None = None
+        self.made = False  # once connection_made has run, the transport owns the socket
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self.made = True
+        super().connection_made(transport)
+        self._head_deadline = self.loop.call_later(self._header_timeout_s, self._head_timed_out)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch_head()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._watch_head()  # a pipelined request may have begun
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head_deadline()
+        super().connection_lost(exc)
+        self._on_lost()
+
+    def _watch_head(self) -> None:
+        """Keep the deadline running while part of a request head has come (h11 holds it,
+        waiting for more), stop it once a head is complete."""
+        if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:
+            if self._head_deadline is None:
+                self._head_deadline = self.loop.call_later(
+                    self._header_timeout_s, self._head_timed_out
+                )
+        else:
+            self._stop_head_deadline()
+
+    def _stop_head_deadline(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def _head_timed_out(self) -> None:
+        self._head_deadline = None
+        self.transport.close()
+
+
+class HttpServer(uvicorn.Server):
+    """Serves `app` on `listeners` (bound by the daemon, which closes them) until `should_exit`.
+    Signals are left to the daemon."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        listeners: Sequence[socket.socket],
+        *,
+        allow_uids: frozenset[int],
+        api_key: str,
+        max_connections: int,
+        header_timeout_s: float,
+        identify: Callable[[socket.socket], Peer] = peer_of,
+    ) -> None:
+        super().__init__(
+            uvicorn.Config(
+                app,
+                lifespan="off",
+                log_level="warning",
+                # Nothing stands in front of the daemon: a client must not be able to
+                # rewrite the address that logs show with X-Forwarded-For.
+                proxy_headers=False,
+                timeout_keep_alive=KEEP_ALIVE_S,
+                h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+                timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S,
+            )
+        )
+        self._listeners = list(listeners)
+        self._owner = os.getuid()
+        self._allowed = allow_uids | {self._owner}
+        self._api_key = api_key
+        self._header_timeout_s = header_timeout_s
+        self._identify = identify
+        self._slots = asyncio.Semaphore(max_connections)  # one per open connection
+        self._accepting: list[asyncio.Task[None]] = []
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        # With an empty list uvicorn binds nothing of its own and only marks itself started.
+        await super().startup(sockets=[])
+        loop = asyncio.get_running_loop()
+        for listener in self._listeners:
+            listener.setblocking(False)
+            self._accepting.append(
+                loop.create_task(self._accept(listener), name=f"http-accept-{listener.fileno()}")
+            )
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for task in self._accepting:
+            task.cancel()
+        await asyncio.gather(*self._accepting, return_exceptions=True)
+        await super().shutdown(sockets=None)
+
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        failures = _AcceptFailures(_where(listener))
+        while True:
+            await self._slots.acquire()  # given back when the connection is lost
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except BaseException as exc:
+                self._slots.release()
+                if not isinstance(exc, OSError):
+                    raise  # cancelled: the server is stopping
+                # ECONNABORTED: the client left before its turn; nothing is wrong here.
+                if not isinstance(exc, ConnectionAbortedError):
+                    failures.failed(exc)
+                    await asyncio.sleep(ACCEPT_RETRY_S)
+                continue
+            failures.ended()
+            await self._connect(loop, conn)
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
+        connection = _Connection(
+            self.config,
+            self.server_state,
+            self.lifespan.state,
+            # Once per connection: every request on it is served alike.
+            app=self._app_for(self._identify(conn)),
+            header_timeout_s=self._header_timeout_s,
+            on_lost=self._slots.release,
+        )
+        try:
+            await loop.connect_accepted_socket(lambda: connection, conn)
+        except BaseException:
+            if not connection.made:  # the socket and the slot are still ours
+                conn.close()
+                self._slots.release()
+            raise
+
+    def _app_for(self, peer: Peer) -> ASGIApp:
+        app: ASGIApp = self.config.loaded_app
+        if peer.uid is not None and peer.uid in self._allowed:
+            return app
+        who = (
+            f"this connection is from uid {peer.uid}"
+            if peer.uid is not None
+            else f"it cannot tell who opened this connection ({peer.unknown_because})"
+        )
+        # uids only: naming users would ask NSS (perhaps LDAP) from the event loop.
+        reason = (
+            f"this arbiterd serves its owner (uid {self._owner}) only, and {who}; the owner can "
+            "add you to [daemon] allow_users, or give you the API key "
+            "(sent as 'Authorization: Bearer <key>')"
+        )
+        return refuse_stranger(app, api_key=self._api_key, reason=reason)
+
+
+def _where(listener: socket.socket) -> str:
+    name = listener.getsockname()
+    if listener.family == socket.AF_UNIX:
+        return str(name)
+    host = f"[{name[0]}]" if listener.family == socket.AF_INET6 else name[0]
+    return f"{host}:{name[1]}"

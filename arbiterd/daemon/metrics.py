@@ -1,0 +1,103 @@
+"""The daemon's Prometheus metrics, derived from its events and the workers' hellos.
+
+Owns a private CollectorRegistry (so several daemons in one test process do not collide) and
+the meaning of each figure; the event bus feeds it every event published, the supervisor the
+backend each worker says it uses and a fresh VRAM reading at each scrape.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from arbiterd.daemon.telemetry import TelemetrySnapshot, VramGauge
+from arbiterd.events import Event, HandoffEvent, RequestEvent, ResidencyEvent, WorkerEvent
+
+# Handoffs on a desktop GPU: from ~1 ms (in place) to tens of seconds (a large reload).
+HANDOFF_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.handoffs = Counter(
+            "arbiterd_handoffs", "GPU handoffs between models", registry=self.registry
+        )
+        self.handoff_seconds = Histogram(
+            "arbiterd_handoff_seconds",
+            "From the moment a model asked for the GPU held by another to it being warm",
+            buckets=HANDOFF_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.resident = Gauge(
+            "arbiterd_model_resident",
+            "1 while the model is warm (holds the GPU), else 0",
+            ["model"],
+            registry=self.registry,
+        )
+        self.prompt_tokens_evaluated = Counter(
+            "arbiterd_prompt_tokens_evaluated",
+            "Prompt tokens run through llama_decode (prompt-cache hits excluded)",
+            ["model"],
+            registry=self.registry,
+        )
+        self.requests = Counter(
+            "arbiterd_requests", "Requests by outcome", ["model", "status"], registry=self.registry
+        )
+        self.vram = VramGauge(
+            Gauge(
+                "arbiterd_vram_bytes",
+                "Device memory by owner: a model's name, or another process's name",
+                ["device", "owner"],  # this order: VramGauge removes series by it
+                registry=self.registry,
+            )
+        )
+        self.backend = Gauge(
+            "arbiterd_backend",
+            "1 for the residency backend the model's worker uses (in-place or reload)",
+            ["model", "backend"],
+            registry=self.registry,
+        )
+        self._backends: dict[str, str] = {}  # model -> the backend label it has a series for
+        self.worker_restarts = Counter(
+            "arbiterd_worker_restarts",
+            "Worker processes restarted",
+            ["model"],
+            registry=self.registry,
+        )
+
+    def add_model(self, model: str) -> None:
+        """Make a model's series exist (at 0) before its first event."""
+        self.resident.labels(model=model).set(0)
+        self.prompt_tokens_evaluated.labels(model=model)
+
+    def set_backend(self, model: str, backend: str) -> None:
+        """The model's worker uses `backend`: one series per model, at 1."""
+        previous = self._backends.get(model)
+        if previous is not None and previous != backend:
+            self.backend.remove(model, previous)
+        self._backends[model] = backend
+        self.backend.labels(model=model, backend=backend).set(1)
+
+    def observe(self, event: Event) -> None:
+        if isinstance(event, ResidencyEvent) and event.model is not None:
+            self.resident.labels(model=event.model).set(1 if event.to_state == "warm" else 0)
+        elif isinstance(event, RequestEvent) and event.model is not None:
+            self.requests.labels(model=event.model, status=event.outcome or "ok").inc()
+            evaluated = event.prompt_tokens_evaluated
+            if evaluated is not None and evaluated > 0:
+                self.prompt_tokens_evaluated.labels(model=event.model).inc(evaluated)
+        elif isinstance(event, HandoffEvent):
+            self.handoffs.inc()
+            self.handoff_seconds.observe(event.total_s)
+        elif (
+            isinstance(event, WorkerEvent)
+            and event.model is not None
+            and event.restart_in_s is not None
+        ):
+            self.worker_restarts.labels(model=event.model).inc()
+
+    def observe_vram(self, snapshot: TelemetrySnapshot) -> None:
+        self.vram.update(snapshot)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,123 @@
+"""Routes each request to its model's worker, with one retry rule for plain and streamed requests.
+
+Owns the request ids and the rule: a request that finds its worker gone before it could be sent
+(nothing of it ran) goes once more to the worker that replaces it; any other failure is the
+request's. A client that goes away (its task cancelled) cancels the request in the worker.
+Every failure is published as a `request` event and raised as the error the edges map.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+from arbiterd.daemon.slots import Slot, SlotState
+from arbiterd.daemon.workerclient import WorkerClient
+from arbiterd.errors import (
+    ArbiterError,
+    EngineError,
+    UnknownModelError,
+    WorkerError,
+    WorkerGoneError,
+)
+from arbiterd.events import Event, RequestEvent
+
+READY_TIMEOUT_S = 120.0  # how long a request waits for its worker to (re)start
+_T = TypeVar("_T")
+_DONE = object()  # what a stream's queue gets once its request ended
+
+
+class Router:
+    def __init__(self, slots: Mapping[str, Slot], publish: Callable[[Event], object]) -> None:
+        self._slots = slots
+        self._publish = publish
+        self._ids = itertools.count(1)
+
+    async def complete(self, model: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+        request_id = self._request_id()
+        result = await self._send(
+            model, request_id, lambda worker: worker.generate(kind, body, request_id=request_id)
+        )
+        response: dict[str, Any] = result["response"]
+        return response
+
+    async def stream(
+        self, model: str, kind: str, body: dict[str, Any]
+    ) -> AsyncGenerator[dict[str, Any]]:
+        request_id = self._request_id()
+        chunks: asyncio.Queue[object] = asyncio.Queue()
+
+        def generate(worker: WorkerClient) -> Awaitable[dict[str, Any]]:
+            return worker.generate(kind, body, on_chunk=chunks.put_nowait, request_id=request_id)
+
+        await self.worker_of(model)  # an unknown or failed model fails here, before any chunk
+        sending = asyncio.get_running_loop().create_task(self._send(model, request_id, generate))
+        sending.add_done_callback(lambda _: chunks.put_nowait(_DONE))
+        try:
+            while True:
+                chunk = await chunks.get()
+                if chunk is _DONE:
+                    sending.result()  # raises the request's error, if it failed
+                    return
+                yield chunk  # type: ignore[misc]  # everything but _DONE is a chunk
+        finally:
+            if not sending.done():  # closed or cancelled: the client went away
+                sending.cancel()
+
+    async def worker_of(self, model: str) -> WorkerClient:
+        """The model's worker once it is ready; at once UnknownModelError or EngineError for a
+        model that does not exist or cannot serve."""
+        slot = self._slots.get(model)
+        if slot is None:
+            raise UnknownModelError(
+                f"no model named {model!r}; available: {', '.join(self._slots) or 'none'}"
+            )
+        if slot.state is SlotState.FAILED or slot.residency == "failed":
+            raise EngineError(f"{model} failed to load: {slot.last_error}")
+        try:
+            async with asyncio.timeout(READY_TIMEOUT_S):
+                await slot.ready.wait()
+        except TimeoutError:
+            raise WorkerError(f"{model} is not running ({slot.last_error})") from None
+        assert slot.worker is not None  # ready is set only while a worker is attached
+        return slot.worker
+
+    async def _send(
+        self,
+        model: str,
+        request_id: str,
+        send: Callable[[WorkerClient], Awaitable[_T]],
+    ) -> _T:
+        worker = await self.worker_of(model)
+        try:
+            try:
+                return await send(worker)
+            except WorkerGoneError:  # gone before the request reached it: nothing ran
+                worker = await self._successor(model, worker)
+                return await send(worker)
+        except asyncio.CancelledError:  # the client went away: stop the decode
+            worker.cancel(request_id)
+            raise
+        except ArbiterError as exc:
+            self._publish(
+                RequestEvent(model=model, request_id=request_id, status="error", error=str(exc))
+            )
+            raise
+
+    async def _successor(self, model: str, gone: WorkerClient) -> WorkerClient:
+        """The worker that replaces `gone` once it is restarted."""
+        try:
+            async with asyncio.timeout(READY_TIMEOUT_S):
+                await gone.wait()  # a worker that closed its socket is about to exit
+        except TimeoutError:
+            raise WorkerError(f"{model}'s worker closed its socket but keeps running") from None
+        slot = self._slots.get(model)
+        while slot is not None and slot.worker is gone:  # the lifecycle's watch of its exit
+            await asyncio.sleep(0)  # runs next and detaches it
+        return await self.worker_of(model)
+
+    def _request_id(self) -> str:
+        return f"req-{os.getpid()}-{next(self._ids)}"

@@ -1,0 +1,120 @@
+"""`arbiterd daemon`: wires config, journal, supervisor, HTTP API and control socket together.
+
+Owns the daemon's lifetime: check every model file, bind the HTTP port, the API's Unix socket and
+the control socket, and only then start the workers (a mistake or a taken port costs no model
+load); tell systemd when serving (READY=1 to $NOTIFY_SOCKET, Type=notify); stop gracefully on
+SIGTERM/SIGINT or the `shutdown` command (in-flight requests finish, workers stop and release the
+GPU, the journal is closed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+from collections.abc import Callable
+
+from arbiterd.config import Config
+from arbiterd.daemon.controlserver import ControlServer
+from arbiterd.daemon.httpapi import create_app
+from arbiterd.daemon.httpserver import (
+    HttpServer,
+    UnixListener,
+    bind_http,
+    connection_limit,
+    raise_fd_limit,
+)
+from arbiterd.daemon.instance import InstanceLock
+from arbiterd.daemon.journal import Journal
+from arbiterd.daemon.modelfile import check_models
+from arbiterd.daemon.supervisor import Supervisor
+from arbiterd.errors import DaemonError
+
+log = logging.getLogger(__name__)
+
+
+def notify_ready(status: str) -> bool:
+    """sd_notify(3) without libsystemd: one datagram to $NOTIFY_SOCKET. False if not asked."""
+    path = os.environ.get("NOTIFY_SOCKET", "")
+    if not path:
+        return False
+    address = "\0" + path[1:] if path.startswith("@") else path  # '@': abstract namespace
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+        sock.connect(address)
+        sock.sendall(f"READY=1\nSTATUS={status}\n".encode())
+    return True
+
+
+async def serve(config: Config, reload_config: Callable[[], Config] | None = None) -> None:
+    """Run until SIGTERM/SIGINT or the shutdown command."""
+    daemon = config.daemon
+    where = f"{daemon.http_host}:{daemon.http_port}"
+    # First: a second daemon on this socket says who runs before it touches anything.
+    instance = InstanceLock.acquire(daemon.socket, {"http": where})
+    try:
+        for warning in check_models(config):  # raises ConfigError before anything loads
+            log.warning("%s", warning)
+        with (
+            bind_http(daemon.http_host, daemon.http_port) as listening,
+            UnixListener.bind(daemon.api_socket) as api_listening,
+        ):
+            await _serve(config, reload_config, [listening, api_listening.sock])
+    finally:
+        instance.release()
+
+
+async def _serve(
+    config: Config, reload_config: Callable[[], Config] | None, listeners: list[socket.socket]
+) -> None:
+    daemon = config.daemon
+    fd_limit = raise_fd_limit()  # before any worker starts: they inherit it
+    journal = Journal(daemon.journal)
+    supervisor = Supervisor(config, journal, reload_config)
+    control = ControlServer(supervisor, daemon.socket, history=journal.read)
+    http = HttpServer(
+        create_app(supervisor, api_key=daemon.api_key),
+        listeners,
+        allow_uids=daemon.allow_uids,
+        api_key=daemon.api_key,
+        max_connections=connection_limit(fd_limit),
+        header_timeout_s=daemon.header_timeout_s,
+    )
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, supervisor.stopped.set)
+    http_task: asyncio.Task[None] | None = None
+    try:
+        await control.start()
+        await supervisor.start()
+        http_task = loop.create_task(http.serve())
+        while not http.started:
+            if http_task.done():  # the server failed before it started
+                await http_task
+                raise DaemonError(
+                    f"the HTTP API could not listen on {daemon.http_host}:{daemon.http_port}"
+                )
+            await asyncio.sleep(0.01)
+        url = f"http://{daemon.http_host}:{daemon.http_port}/v1"
+        log.info(
+            "serving %s on %s and %s, control socket %s",
+            ", ".join(config.models),
+            url,
+            daemon.api_socket,
+            daemon.socket,
+        )
+        notify_ready(f"serving {len(config.models)} models on {url}")
+        await supervisor.stopped.wait()
+        log.info("stopping")
+    finally:
+        http.should_exit = True
+        if http_task is not None:
+            with contextlib.suppress(Exception):
+                await http_task
+        await control.close()
+        await supervisor.stop()
+        journal.close()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)

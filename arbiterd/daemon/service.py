@@ -1,0 +1,97 @@
+"""What the daemon's edges (HTTP API, control socket) may ask of its core, and nothing more.
+
+The supervisor implements `Service`; the edges depend only on this protocol, so each edge is
+tested against a small double as well as against the real daemon. All methods are called on
+the daemon's asyncio event loop.
+
+Errors the methods raise (arbiterd.errors), which each edge maps once:
+    UnknownModelError      no model by that name               HTTP 404, listing the models
+    ContextOverflowError   prompt (+ max_tokens) > context     HTTP 400
+    RequestError           a bad parameter                     HTTP 400
+    WorkerError            the model's worker failed/restarts  HTTP 503
+    EngineError            the model failed to load/restore    HTTP 503
+    ControlError           a command that cannot be done now   control: error reply
+
+Status (`await status()`), one JSON object:
+    {"models": [{"name", "state", "pid", "pinned", "queue", "resident_bytes",
+                 "prompt_tokens_evaluated", "served", "restarts", "last_error",
+                 "last_handoff": handoff event | None,
+                 "vram_bytes": measured device bytes | None (cannot be told),
+                 "cold_footprint_bytes": what its worker holds while cold | None,
+                 "host_ram_bytes": its share of its file's host copy + host_kv_bytes | None,
+                 "host_kv_bytes": the KV cache it keeps on the host,
+                 "host_copy_bytes": the size of its file's host copy (when it has one),
+                 "host_copy_shared_with": [other models on the same copy],
+                 "backend": "in-place" | "reload" | None (no worker said hello yet),
+                 "fallback_reason": why not in-place ("" for in-place),
+                 "warning": "" | one line, e.g. GPU layers asked of an engine that cannot
+                            offload}, ...],
+     "arena": str, "holder": {"pid", "name", "since"} | None,
+     "waiters": [{"pid", "name"}, ...], "hold": bool,
+     "host_ram_bytes": every host copy once + every host KV cache,
+     "engine": {"offload": bool, "devices": [str, ...]} | None (no worker said hello yet),
+     "telemetry": {"at", "source", "readers", "device",
+                   "devices": [{"device", "name", "total_bytes", "used_bytes"}, ...],
+                   "models": {name: bytes | None}, "others": [{"pid", "device",
+                   "used_bytes", "name"}, ...], "errors": [...]}}
+
+Events (from `subscribe()`), JSON objects with "event" and "at" (seconds since the epoch):
+    residency   a model's state changed: model, from, to, duration_s, weights_bytes, kv_bytes,
+                disk_read_bytes, reason; ending a load or warm-up also waited_from, wait_s,
+                holder_pid, holder_name
+    request     a request ended: model, id, duration_s, prompt_tokens, prompt_tokens_evaluated,
+                completion_tokens, cancelled, status ("ok" | "error" | "cancelled")
+    handoff     the GPU changed hands between models, as the model that got it measured:
+                from, to, holder_pid, waited_from, wait_s, release_s (when "from" released
+                during the wait), restore_s, restored_bytes
+    wait        a model waited behind a program that is not one of ours: model, holder_pid,
+                holder_name, waited_from, wait_s
+    worker      a worker exited or restarted: model, pid, code, reason, restart_in_s
+    reload      the config was read again: added, removed, changed, warnings
+    hold        the user took (held=true) or gave back (held=false) the GPU
+    vram_not_freed  a release did not give the VRAM back: model, pid, device, bytes_before,
+                bytes_after, expected_bytes, waited_s
+    vram        live figures, ~1 Hz while someone subscribes (the "telemetry" object of
+                status); sent to subscribers only, never journaled
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+
+class Service(Protocol):
+    def model_names(self) -> list[str]:
+        """The configured models, in config order."""
+        ...
+
+    async def complete(self, model: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Run one request ("completion" with body["prompt"], or "chat" with
+        body["messages"]) to the end; returns the OpenAI response object."""
+        ...
+
+    def stream(self, model: str, kind: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Yield OpenAI chunk objects as they come. Errors are raised from the iterator, before
+        or during the stream; closing the iterator early or cancelling the task awaiting it
+        (the client went away) cancels the request in its worker. `complete` is cancelled the
+        same way."""
+        ...
+
+    async def status(self) -> dict[str, Any]: ...
+
+    def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
+        """A queue that receives every event from now on, until `unsubscribe`."""
+        ...
+
+    def unsubscribe(self, events: asyncio.Queue[dict[str, Any]]) -> None: ...
+
+    async def command(self, name: str, model: str | None = None) -> dict[str, Any]:
+        """One of COMMANDS; `model` is required for MODEL_COMMANDS. Returns a small result
+        object (e.g. {"model": ..., "state": ...})."""
+        ...
+
+    async def metrics_text(self) -> bytes:
+        """The Prometheus text exposition of the daemon's metrics, VRAM read for the scrape."""
+        ...

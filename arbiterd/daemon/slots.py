@@ -1,0 +1,90 @@
+"""A model slot: one configured model in the daemon, and its lifecycle as an Enum and a table.
+
+Owns what the daemon knows of one model between its workers: the lifecycle state, the worker
+that serves it now, what that worker's hello said, the residency it last reported, its
+restarts and its last error. Pure bookkeeping, mutated only on the daemon's event loop; the
+parts that act on it (lifecycle.py starts and restarts workers, routing.py sends requests)
+move it through `move`, which refuses a transition the table does not list.
+
+    starting ──► ready ──► restarting ──► starting
+        │  └──────────────────▲
+        └──► failed              (permanent: the reason is kept; `reload` starts it again)
+    any ──► stopped
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+
+from arbiterd.config import ModelConfig
+from arbiterd.daemon.workerclient import WorkerClient, WorkerHello
+from arbiterd.errors import InvalidTransitionError
+from arbiterd.hostcopy import Lease
+
+
+class SlotState(enum.StrEnum):
+    STARTING = "starting"  # its worker is being spawned
+    READY = "ready"  # a worker said hello and serves; `residency` says how
+    RESTARTING = "restarting"  # no worker; one is spawned again after a backoff
+    FAILED = "failed"  # cannot start until the config changes: `last_error` says why
+    STOPPED = "stopped"  # the daemon stopped it (shutdown, or removed by a reload)
+
+
+TRANSITIONS: dict[SlotState, frozenset[SlotState]] = {
+    SlotState.STARTING: frozenset(
+        {SlotState.READY, SlotState.RESTARTING, SlotState.FAILED, SlotState.STOPPED}
+    ),
+    SlotState.READY: frozenset({SlotState.RESTARTING, SlotState.STOPPED}),
+    SlotState.RESTARTING: frozenset({SlotState.STARTING, SlotState.STOPPED}),
+    SlotState.FAILED: frozenset({SlotState.STOPPED}),
+    SlotState.STOPPED: frozenset(),
+}
+
+
+@dataclass
+class Slot:
+    config: ModelConfig
+    state: SlotState = SlotState.STARTING
+    worker: WorkerClient | None = None  # set exactly while READY
+    residency: str | None = None  # the worker's residency state (residency.State's values)
+    hello: WorkerHello | None = None  # its last worker's: what runs it; kept across restarts
+    warning: str = ""  # e.g. GPU layers asked of an engine that cannot offload; "" when none
+    pinned: bool = False
+    restarts: int = 0
+    failures_in_row: int = 0
+    started_at: float = 0.0  # time.monotonic() of its worker's hello
+    last_error: str = ""
+    last_handoff: dict[str, object] | None = None  # the last time it took the GPU from a model
+    copy_lease: Lease | None = None  # on the daemon's memfd of its model file; kept across restarts
+    restart_task: asyncio.Task[None] | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)  # set exactly while READY
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def move(self, new: SlotState, *, worker: WorkerClient | None = None, reason: str = "") -> None:
+        """Go to `new` (with its worker when READY, with the reason when FAILED or RESTARTING);
+        raises InvalidTransitionError for a move the table does not list."""
+        if new not in TRANSITIONS[self.state]:
+            raise InvalidTransitionError(f"{self.name}: {self.state.value} → {new.value}")
+        if (new is SlotState.READY) != (worker is not None):
+            raise InvalidTransitionError(f"{self.name}: a worker belongs to ready, and only to it")
+        self.state, self.worker = new, worker
+        if new is not SlotState.READY:
+            self.residency = None
+        if reason:
+            self.last_error = reason
+        if new is SlotState.READY:
+            self.ready.set()
+        else:
+            self.ready.clear()
+
+    @property
+    def shown_state(self) -> str:
+        """What status shows: the worker's residency while ready, else the slot's state."""
+        if self.state is SlotState.READY and self.residency is not None:
+            return self.residency
+        return self.state.value

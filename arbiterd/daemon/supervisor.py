@@ -1,0 +1,373 @@
+"""The supervisor: one slot per configured model, and the daemon's `Service` (service.py).
+
+Composes the daemon's parts, each with one job, and keeps what ties them together:
+- `slots.Slot`, one per model, with its lifecycle state machine;
+- `lifecycle.Lifecycle` starts, restarts and stops the slots' workers;
+- `routing.Router` sends requests to them, with one retry rule;
+- `eventbus.EventBus` stamps, counts, journals and fans out every event;
+- `handoffs.Handoffs` turns the waits workers measured into handoffs and waits;
+- `vramwatch.VramWatch` reads VRAM, accounts the engines' figures, verifies teardowns.
+Here: what a worker's events mean for its slot, status, the commands (hold, reload, ...), and
+the metrics scrape. Everything runs on the daemon's asyncio loop; no request waits on a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from arbiterd.arena import Arena, Token
+from arbiterd.config import Config
+from arbiterd.control import MODEL_COMMANDS
+from arbiterd.daemon.eventbus import EventBus
+from arbiterd.daemon.handoffs import Handoffs
+from arbiterd.daemon.journal import Journal
+from arbiterd.daemon.lifecycle import Lifecycle
+from arbiterd.daemon.metrics import Metrics
+from arbiterd.daemon.modelfile import check_models
+from arbiterd.daemon.routing import Router
+from arbiterd.daemon.slots import Slot, SlotState
+from arbiterd.daemon.telemetry import ReaderSet, TelemetrySnapshot
+from arbiterd.daemon.vramwatch import VramWatch
+from arbiterd.daemon.workerclient import EngineReport, WorkerClient, WorkerHello
+from arbiterd.errors import ArbiterError, ControlError
+from arbiterd.events import (
+    Event,
+    HandoffEvent,
+    HoldEvent,
+    ReloadEvent,
+    ResidencyEvent,
+    VramEvent,
+    parse_event,
+)
+from arbiterd.procs import holder_name, process_name
+
+log = logging.getLogger(__name__)
+
+COMMAND_TIMEOUT_S = 300.0
+STATUS_TIMEOUT_S = 10.0
+# How to get an engine that offloads (scripts/setup.sh builds llama-cpp-python for it).
+ENGINE_REBUILD_HINT = "rebuild it with ARBITERD_ENGINE=cuda|rocm|vulkan ./scripts/setup.sh"
+
+
+def offload_warning(n_gpu_layers: int, engine: EngineReport) -> str:
+    """What to tell the user about a model that asks for `n_gpu_layers` on `engine`: "" when
+    the engine gives what is asked; else one line (llama.cpp then quietly runs every layer on
+    the CPU, which looks like a very slow GPU)."""
+    if n_gpu_layers == 0 or engine.offload:
+        return ""
+    return (
+        f"asks for n_gpu_layers={n_gpu_layers} but this engine cannot offload to a GPU "
+        f"(a CPU-only build, or no GPU it can use): it runs on the CPU; {ENGINE_REBUILD_HINT}"
+    )
+
+
+class Supervisor:
+    def __init__(
+        self,
+        config: Config,
+        journal: Journal | None = None,
+        reload_config: Callable[[], Config] | None = None,
+        readers: ReaderSet | None = None,
+    ) -> None:
+        self.config = config
+        self._reload_config = reload_config  # None: nothing to reload (embedded default)
+        self.metrics = Metrics()
+        self._arena = Arena(config.daemon.arena)
+        self._slots: dict[str, Slot] = {}
+        self._bus = EventBus(self.metrics, journal)
+        self._handoffs = Handoffs()
+        self._vram = VramWatch(
+            config.daemon.arena,
+            on_snapshot=self._on_snapshot,
+            on_leak=self._on_leak,
+            watched=lambda: self._bus.watched,
+            readers=readers,
+        )
+        self._lifecycle = Lifecycle(
+            config.daemon.arena,
+            publish=self._bus.publish,
+            on_worker_event=self._on_worker_event,
+            on_ready=self._on_ready,
+            on_gone=self._on_gone,
+        )
+        self._router = Router(self._slots, self._bus.publish)
+        self._hold: Token | None = None
+        self._engine: EngineReport | None = None  # as the latest worker's hello says
+        self.stopped = asyncio.Event()  # set by the shutdown command; the daemon awaits it
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for name, model in self.config.models.items():
+            self._slots[name] = Slot(model)
+            self.metrics.add_model(name)
+        await asyncio.gather(*(self._lifecycle.start(slot) for slot in self._slots.values()))
+        log.info("VRAM telemetry: %s", self._vram.readers.describe())
+        self._vram.start()
+
+    async def stop(self) -> None:
+        """Stop every worker (in-flight requests finish first) and release a user hold."""
+        await self._lifecycle.stop(list(self._slots.values()))
+        if self._hold is not None:
+            self._hold.release()
+            self._hold = None
+        await self._vram.stop()
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def model_names(self) -> list[str]:
+        return list(self.config.models)
+
+    async def complete(self, model: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._router.complete(model, kind, body)
+
+    def stream(self, model: str, kind: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        return self._router.stream(model, kind, body)
+
+    # -- status and commands ------------------------------------------------------------------
+
+    async def status(self) -> dict[str, Any]:
+        slots = list(self._slots.values())
+        # A fresh reading, not the last periodic one (up to 5 s old when nobody subscribes).
+        snapshot = await self._vram.fresh()
+        reports = await asyncio.gather(*(self._slot_status(s, snapshot) for s in slots))
+        arena = self._arena.observe()
+        holder = None
+        if arena.holder_pid is not None:
+            holder = {
+                "pid": arena.holder_pid,
+                "name": holder_name(arena),
+                "since": arena.holder.since if arena.holder else None,
+            }
+        return {
+            "models": reports,
+            "arena": str(arena.path),
+            "holder": holder,
+            "waiters": [{"pid": p, "name": process_name(p)} for p in arena.waiter_pids],
+            "hold": self._hold is not None,
+            "telemetry": self._vram.status(snapshot),
+            # Each copy once, however many models share it.
+            "host_ram_bytes": self._lifecycle.host_copies.total_bytes()
+            + sum(int(r.get("host_kv_bytes") or 0) for r in reports),
+            "engine": None if self._engine is None else self._engine.to_json(),
+        }
+
+    async def _slot_status(self, slot: Slot, snapshot: TelemetrySnapshot | None) -> dict[str, Any]:
+        report: dict[str, Any] = {
+            "name": slot.name,
+            "state": slot.shown_state,
+            "pid": None,
+            "pinned": slot.pinned,
+            "queue": 0,
+            "resident_bytes": 0,
+            "prompt_tokens_evaluated": 0,
+            "served": 0,
+            "restarts": slot.restarts,
+            "last_error": slot.last_error,
+            "last_handoff": slot.last_handoff,
+            "vram_bytes": self._vram.model_bytes(snapshot, slot.name),
+            "cold_footprint_bytes": self._vram.footprint(slot.name),
+            **self._host_ram(slot, host_kv_bytes=0),
+            # None until its first worker said hello.
+            "backend": slot.hello.backend if slot.hello is not None else None,
+            "fallback_reason": slot.hello.fallback_reason if slot.hello is not None else "",
+            "warning": slot.warning,
+        }
+        worker = slot.worker
+        if worker is not None:
+            try:
+                live = await worker.request("status", timeout_s=STATUS_TIMEOUT_S)
+            except ArbiterError:
+                return report
+            for key in ("state", "pid", "queue", "resident_bytes", "prompt_tokens_evaluated"):
+                report[key] = live.get(key, report[key])
+            report["served"] = live.get("served", 0)
+            report["last_error"] = live.get("last_error") or slot.last_error
+            report.update(self._host_ram(slot, host_kv_bytes=int(live.get("host_kv_bytes", 0))))
+        return report
+
+    def _host_ram(self, slot: Slot, *, host_kv_bytes: int) -> dict[str, Any]:
+        """The model's host RAM: its share of the file's copy (split between the models that
+        use it, so the shares add up to the total) plus the KV cache it keeps on the host."""
+        lease = slot.copy_lease
+        if lease is None:
+            return {"host_ram_bytes": host_kv_bytes or None, "host_kv_bytes": host_kv_bytes}
+        models = lease.copy.models()
+        return {
+            "host_ram_bytes": lease.copy.size // len(models) + host_kv_bytes,
+            "host_kv_bytes": host_kv_bytes,
+            "host_copy_bytes": lease.copy.size,
+            "host_copy_shared_with": [m for m in models if m != slot.name],
+        }
+
+    async def command(self, name: str, model: str | None = None) -> dict[str, Any]:
+        if name in MODEL_COMMANDS:
+            if not model:
+                raise ControlError(f"{name} needs a model name")
+            worker = await self._router.worker_of(model)
+            if name in ("pin", "unpin"):
+                self._slots[model].pinned = name == "pin"
+            result = await worker.request(name, timeout_s=COMMAND_TIMEOUT_S)
+            return {"model": model, **result}
+        if name == "hold":
+            return await self._take_hold()
+        if name == "unhold":
+            return self._give_back_hold()
+        if name == "reload":
+            return await self._reload()
+        if name == "shutdown":
+            self.stopped.set()
+            return {"stopping": True}
+        raise ControlError(f"unknown command {name!r}")
+
+    async def _reload(self) -> dict[str, Any]:
+        """Re-read the config file: start added models, stop removed ones, restart changed
+        ones (a failed one too); the others keep serving undisturbed. [daemon] changes need a
+        restart."""
+        if self._reload_config is None:
+            raise ControlError("running on the embedded default: there is no config to reload")
+        new = await asyncio.to_thread(self._reload_config)
+        # The whole new config is checked before anything changes: a bad file applies nothing.
+        warnings = await asyncio.to_thread(
+            check_models, new, copy_held=self._lifecycle.host_copies.holds
+        )
+        for warning in warnings:
+            log.warning("%s", warning)
+        old = self.config.models
+        added = [n for n in new.models if n not in old]
+        removed = [n for n in old if n not in new.models]
+        changed = [
+            n
+            for n in new.models
+            if n in old and (new.models[n] != old[n] or self._slots[n].state is SlotState.FAILED)
+        ]
+        fresh = {name: Slot(new.models[name]) for name in added + changed}
+        try:
+            # Before the old slots let theirs go: a changed model whose file is gone from disk
+            # restarts from the copy its old worker still holds.
+            await asyncio.gather(*(self._lifecycle.hold_copy(slot) for slot in fresh.values()))
+        except ArbiterError as exc:
+            for slot in fresh.values():
+                self._lifecycle.drop_copy(slot)
+            raise ControlError(f"reload applied nothing: {exc}") from None
+        for name in removed + changed:
+            retired = self._slots.pop(name)
+            self._vram.model_removed(name)
+            self._handoffs.forget(name)
+            await self._lifecycle.retire(retired)
+        self.config = Config(daemon=self.config.daemon, models=new.models, source=new.source)
+        for name, slot in fresh.items():
+            self._slots[name] = slot
+            self.metrics.add_model(name)
+        await asyncio.gather(*(self._lifecycle.start(slot) for slot in fresh.values()))
+        self._bus.publish(
+            ReloadEvent(
+                added=tuple(added),
+                removed=tuple(removed),
+                changed=tuple(changed),
+                warnings=tuple(warnings),
+            )
+        )
+        return {"added": added, "removed": removed, "changed": changed, "warnings": warnings}
+
+    async def _take_hold(self) -> dict[str, Any]:
+        """Game mode: every model goes cold (pinned or not) and the daemon keeps the token."""
+        if self._hold is not None:
+            return {"hold": True}
+        for slot in self._slots.values():
+            if slot.worker is not None:
+                await slot.worker.request("release", timeout_s=COMMAND_TIMEOUT_S)
+        self._hold = await asyncio.to_thread(
+            self._arena.acquire, "arbiterd hold", timeout_s=COMMAND_TIMEOUT_S
+        )
+        self._bus.publish(HoldEvent(held=True))
+        return {"hold": True}
+
+    def _give_back_hold(self) -> dict[str, Any]:
+        if self._hold is not None:
+            self._hold.release()
+            self._hold = None
+            self._bus.publish(HoldEvent(held=False))
+        return {"hold": False}
+
+    async def metrics_text(self) -> bytes:
+        """The metrics, with a VRAM reading taken for this scrape: the figures agree with the
+        residency gauges of the same scrape, however recent the last handoff."""
+        snapshot = await self._vram.fresh()
+        if snapshot is not None:
+            self.metrics.observe_vram(snapshot)
+        return self.metrics.text()
+
+    # -- events -------------------------------------------------------------------------------
+
+    def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
+        events = self._bus.subscribe()
+        self._vram.wake()  # a watcher wants fresh figures now, then every second
+        return events
+
+    def unsubscribe(self, events: asyncio.Queue[dict[str, Any]]) -> None:
+        self._bus.unsubscribe(events)
+
+    def _on_ready(self, slot: Slot) -> None:
+        """A worker said hello: keep what runs the model, and say once per worker start what
+        it will not get."""
+        worker = slot.worker
+        assert worker is not None  # ready: spawned
+        hello: WorkerHello | None = worker.hello
+        assert hello is not None  # spawn returns once the hello is read
+        slot.hello = hello
+        if hello.engine != self._engine:  # every worker loads the same llama.cpp: said once
+            devices = ", ".join(hello.engine.devices) or "none listed"
+            offload = "can" if hello.engine.offload else "cannot"
+            log.info("engine: %s offload to a GPU; devices: %s", offload, devices)
+        self._engine = hello.engine
+        self.metrics.set_backend(slot.name, hello.backend)
+        slot.warning = offload_warning(slot.config.n_gpu_layers, hello.engine)
+        if slot.warning:
+            log.warning("%s %s", slot.name, slot.warning)
+        self._vram.worker_started(slot.name, worker.pid)
+        if slot.pinned:  # a restarted worker of a pinned model is pinned too
+            asyncio.get_running_loop().create_task(self._pin_again(slot, worker))
+
+    async def _pin_again(self, slot: Slot, worker: WorkerClient) -> None:
+        try:
+            await worker.request("pin")
+        except ArbiterError as exc:
+            log.warning("%s: could not pin its new worker: %s", slot.name, exc)
+
+    def _on_gone(self, slot: Slot, worker: WorkerClient) -> None:
+        self._vram.worker_gone(slot.name, worker.pid)
+
+    def _on_worker_event(self, slot: Slot, raw: dict[str, Any]) -> None:
+        """An event from `slot`'s worker: what it means for the slot, then published."""
+        event = parse_event(raw)
+        if isinstance(event, ResidencyEvent):
+            self._on_residency(slot, event)
+            return
+        self._bus.publish(event)
+
+    def _on_residency(self, slot: Slot, event: ResidencyEvent) -> None:
+        worker = slot.worker
+        if worker is None or event.model != slot.name:
+            return
+        slot.residency = event.to_state
+        if event.to_state == "failed":
+            slot.last_error = event.reason
+        self._vram.residency(worker.pid, event)
+        self._bus.publish(event)
+        made = self._handoffs.observe(event, self._vram.models_by_pid)
+        if made is not None:
+            published = self._bus.publish(made)
+            if isinstance(published, HandoffEvent):
+                slot.last_handoff = published.to_json()
+
+    def _on_snapshot(self, snapshot: TelemetrySnapshot) -> None:
+        self.metrics.observe_vram(snapshot)
+        self._bus.live(VramEvent.from_json({"event": "vram", **snapshot.to_json()}))
+
+    def _on_leak(self, event: Event) -> None:
+        log.warning("VRAM not freed after release: %s", event.to_json())
+        self._bus.publish(event)

@@ -1,0 +1,148 @@
+"""Who holds how much device memory, as the daemon tells it: readings, accounting, teardowns.
+
+Owns the VRAM sampler (a telemetry thread that reads ~1 Hz while someone watches, every 5 s
+otherwise), the engines' own figures for machines without a GPU reader (the accounting reader:
+weights + KV while a model is warm, updated on each of its residency events), the verified
+teardown after every release (in a thread: it polls the driver for seconds) and each model's
+cold footprint. It reaches the event loop only through the callbacks it is given, hopping
+there from its threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from arbiterd.daemon.telemetry import (
+    ColdFootprints,
+    ReaderSet,
+    Sampler,
+    TeardownCheck,
+    TeardownResult,
+    TelemetrySnapshot,
+    device_for_arena,
+    select_readers,
+)
+from arbiterd.events import Event, ResidencyEvent, parse_event
+
+
+class VramWatch:
+    def __init__(
+        self,
+        arena: Path,
+        *,
+        on_snapshot: Callable[[TelemetrySnapshot], None],
+        on_leak: Callable[[Event], None],
+        watched: Callable[[], bool],
+        readers: ReaderSet | None = None,
+    ) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_snapshot = on_snapshot
+        self._on_leak = on_leak
+        # Read by the sampler's thread: replaced whole on every change, never mutated.
+        self._accounted: dict[int, int] = {}  # worker pid -> device bytes by its own account
+        self._model_pids: dict[str, int] = {}
+        self.device = device_for_arena(arena)
+        self.readers = readers or select_readers(lambda: self._accounted)
+        self._sampler = Sampler(
+            self.readers,
+            self._from_sampler,
+            model_pids=lambda: self._model_pids,
+            interested=watched,
+        )
+        self._teardown = TeardownCheck(self.readers)
+        self._footprints = ColdFootprints(self.readers.context_allowance_bytes)
+        self._checks: set[asyncio.Task[TeardownResult]] = set()
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._sampler.start()
+
+    async def stop(self) -> None:
+        self._teardown.cancel()
+        await asyncio.gather(*self._checks, return_exceptions=True)
+        await asyncio.to_thread(self._sampler.stop)
+        self.readers.close()
+
+    def wake(self) -> None:
+        """Someone started watching: a fresh reading now, then every second."""
+        self._sampler.wake()
+
+    # -- workers ------------------------------------------------------------------------------
+
+    def worker_started(self, model: str, pid: int) -> None:
+        self._model_pids = {**self._model_pids, model: pid}
+
+    def worker_gone(self, model: str, pid: int) -> None:
+        self._accounted = {p: b for p, b in self._accounted.items() if p != pid}
+        self._model_pids = {m: p for m, p in self._model_pids.items() if m != model}
+
+    def model_removed(self, model: str) -> None:
+        self._footprints.forget(model)
+
+    @property
+    def models_by_pid(self) -> dict[int, str]:
+        return {pid: model for model, pid in self._model_pids.items()}
+
+    def residency(self, pid: int, event: ResidencyEvent) -> None:
+        """Account the engine's own figure for `pid` (what the accounting reader reports):
+        weights + KV while warm, nothing once cold; after a release, verify the teardown."""
+        if event.to_state == "warm":
+            held = event.moved_bytes
+        elif event.to_state in ("cold", "failed", "stopped"):
+            held = 0
+        else:
+            return
+        self._accounted = {**self._accounted, pid: held}
+        if event.model is not None and (event.from_state, event.to_state) == ("cooling", "cold"):
+            self._verify_teardown(event.model, pid)
+
+    # -- readings -----------------------------------------------------------------------------
+
+    async def fresh(self) -> TelemetrySnapshot | None:
+        """A reading taken now (the periodic one may be 5 s old); the latest one if it fails."""
+        return await asyncio.to_thread(self._sampler.sample) or self._sampler.latest
+
+    def model_bytes(self, snapshot: TelemetrySnapshot | None, model: str) -> int | None:
+        return None if snapshot is None else snapshot.model_bytes(model, self.device)
+
+    def footprint(self, model: str) -> int | None:
+        return self._footprints.footprint(model)
+
+    def status(self, snapshot: TelemetrySnapshot | None) -> dict[str, Any]:
+        figures: dict[str, Any] = snapshot.to_json() if snapshot is not None else {}
+        return {**figures, "readers": self.readers.describe(), "device": self.device}
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def _verify_teardown(self, model: str, pid: int) -> None:
+        latest = self._sampler.latest
+        check = asyncio.get_running_loop().create_task(
+            asyncio.to_thread(
+                self._teardown.run,
+                model,
+                pid,
+                expected_bytes=self._footprints.expected(model),
+                bytes_before=latest.model_bytes(model, self.device) if latest else None,
+                device=self.device,
+            )
+        )
+        self._checks.add(check)
+        check.add_done_callback(self._checked)
+
+    def _checked(self, check: asyncio.Task[TeardownResult]) -> None:
+        self._checks.discard(check)
+        if check.cancelled() or check.exception() is not None:
+            return
+        result = check.result()
+        self._footprints.record(result)
+        event = result.event()
+        if event is not None:
+            self._on_leak(parse_event(event))
+
+    def _from_sampler(self, snapshot: TelemetrySnapshot) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._on_snapshot, snapshot)

@@ -1,0 +1,560 @@
+"""The daemon's side of a worker: spawns the process, talks its protocol, reaps it.
+
+`WorkerClient` lives on the daemon's asyncio loop: one reader task routes every message —
+replies and chunks to the request waiting on that id, events to the `on_event` callback — and
+the process's exit is awaited, not watched by a thread (`spawn` installs a pidfd child watcher,
+see `use_pidfd_child_watcher`). The worker's hello, read into a `WorkerHello`, says what runs the
+model: its residency backend and what the engine can do.
+
+`BlockingWorker` drives a `WorkerClient` from ordinary threads, on a private loop; tests and
+benchmarks use it, the daemon never does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+import warnings
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from arbiterd.errors import ProtocolError, WorkerError, WorkerGoneError, error_from_wire
+from arbiterd.spec import WORKER_PROTOCOL, WorkerConfig
+from arbiterd.wire import AsyncLineReader, encode
+
+HELLO_TIMEOUT_S = 30.0
+SHUTDOWN_TIMEOUT_S = 30.0
+# The residency backends a worker may name (engine.py's Backend.kind).
+BACKENDS = frozenset({"in-place", "reload"})
+
+EventListener = Callable[[dict[str, Any]], None]
+ChunkListener = Callable[[dict[str, Any]], None]
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    """What a worker's engine can do (engine.EngineInfo as the hello carries it; the daemon
+    never imports the engine)."""
+
+    offload: bool  # False: everything runs on the CPU, whatever n_gpu_layers asks
+    devices: tuple[str, ...]  # "CPU: Intel Xeon", "CUDA0: NVIDIA H200", ...; may be empty
+
+    @classmethod
+    def read(cls, raw: object) -> EngineReport:
+        if not isinstance(raw, Mapping):
+            raise ProtocolError(f"hello: engine is not an object: {raw!r}")
+        offload, devices = raw.get("offload"), raw.get("devices")
+        if not isinstance(offload, bool):
+            raise ProtocolError(f"hello: engine.offload is not a boolean: {offload!r}")
+        if not isinstance(devices, list) or not all(isinstance(d, str) for d in devices):
+            raise ProtocolError(f"hello: engine.devices is not a list of strings: {devices!r}")
+        return cls(offload, tuple(devices))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"offload": self.offload, "devices": list(self.devices)}
+
+
+@dataclass(frozen=True)
+class WorkerHello:
+    """A worker's first line (the protocol in arbiterd/worker/loop.py's docstring)."""
+
+    protocol: int
+    model: str
+    pid: int
+    backend: str  # one of BACKENDS
+    fallback_reason: str  # "" for in-place; else why in-place was not available
+    engine: EngineReport
+
+    @classmethod
+    def read(cls, raw: object) -> WorkerHello:
+        """Check the hello field by field; the first problem is a ProtocolError that names it."""
+        if not isinstance(raw, Mapping):
+            raise ProtocolError(f"hello is not an object: {raw!r}")
+        protocol = raw.get("protocol")
+        if protocol != WORKER_PROTOCOL:
+            raise ProtocolError(f"worker speaks protocol {protocol}, not {WORKER_PROTOCOL}")
+        model, pid = raw.get("model"), raw.get("pid")
+        if not isinstance(model, str) or isinstance(pid, bool) or not isinstance(pid, int):
+            raise ProtocolError(f"hello: model and pid must be a string and an integer: {raw}")
+        backend, reason = raw.get("backend"), raw.get("fallback_reason")
+        if backend not in BACKENDS:
+            raise ProtocolError(f"hello: unknown backend {backend!r}")
+        if not isinstance(reason, str):
+            raise ProtocolError(f"hello: fallback_reason is not a string: {reason!r}")
+        return cls(protocol, model, pid, str(backend), reason, EngineReport.read(raw.get("engine")))
+
+
+class _PidfdChildWatcher(asyncio.AbstractChildWatcher):
+    """Learns of a child's exit through its pidfd, on the loop that started the child, as
+    Python 3.12's own watcher does (3.11's default waits in one thread per child, and its
+    PidfdChildWatcher serves a single loop)."""
+
+    def __init__(self) -> None:
+        self._children: dict[int, tuple[asyncio.AbstractEventLoop, int]] = {}
+
+    def add_child_handler(  # type: ignore[override]  # typeshed's TypeVarTuple form
+        self, pid: int, callback: Callable[..., object], *args: Any
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        pidfd = os.pidfd_open(pid)
+        self._children[pid] = loop, pidfd
+        loop.add_reader(pidfd, self._reap, pid, callback, args)
+
+    def remove_child_handler(self, pid: int) -> bool:
+        child = self._children.pop(pid, None)
+        if child is None:
+            return False
+        loop, pidfd = child
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        return True
+
+    def _reap(self, pid: int, callback: Callable[..., object], args: tuple[Any, ...]) -> None:
+        self.remove_child_handler(pid)
+        try:
+            _, status = os.waitpid(pid, 0)
+        except ChildProcessError:  # reaped elsewhere: its status is lost
+            code = 255
+        else:
+            code = os.waitstatus_to_exitcode(status)
+        callback(pid, code, *args)
+
+    def attach_loop(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        pass  # every child is watched on the loop that started it
+
+    def close(self) -> None:
+        for pid in list(self._children):
+            self.remove_child_handler(pid)
+
+    def is_active(self) -> bool:
+        return True
+
+    def __enter__(self) -> _PidfdChildWatcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def use_pidfd_child_watcher() -> None:
+    """Have asyncio learn of child exits through pidfds, on the loop that started each child,
+    instead of Python 3.11's default of one waiting thread per child (3.12 does this itself)."""
+    if sys.version_info >= (3, 12):
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        if not isinstance(asyncio.get_event_loop_policy().get_child_watcher(), _PidfdChildWatcher):
+            asyncio.set_child_watcher(_PidfdChildWatcher())
+
+
+class WorkerClient:
+    """A running worker, driven from the asyncio loop it was spawned on. Create with `spawn`;
+    always `shutdown` or `kill` it."""
+
+    def __init__(
+        self,
+        process: asyncio.subprocess.Process,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        model: str,
+        on_event: EventListener | None,
+    ) -> None:
+        self.process = process
+        self.model = model
+        self._lines = AsyncLineReader(reader)
+        self._writer = writer
+        self._on_event = on_event
+        self._ids = itertools.count(1)
+        self._pending: dict[str, asyncio.Queue[dict[str, Any]]] = {}
+        self._hello: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        self.hello: WorkerHello | None = None  # set by `spawn` once the worker said it
+        self._reader = asyncio.get_running_loop().create_task(
+            self._read_loop(), name=f"worker-client-{model}"
+        )
+
+    @classmethod
+    async def spawn(
+        cls,
+        config: WorkerConfig,
+        *,
+        env: dict[str, str] | None = None,
+        on_event: EventListener | None = None,
+    ) -> WorkerClient:
+        """Start a worker and wait for its hello (the model may still be loading then). A
+        worker that exits first is a WorkerError at once; one whose hello is not ours is killed
+        (ProtocolError)."""
+        # Here, not left to the daemon's setup: whoever spawns a worker learns of its exit on
+        # the loop, never through a waiting thread per worker (Python 3.11's default).
+        use_pidfd_child_watcher()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # The host copy keeps its number in the child (pass_fds), where the spec names it.
+        shared = [] if config.spec.host_copy_fd is None else [config.spec.host_copy_fd]
+        try:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "arbiterd.worker",
+                "--fd",
+                str(theirs.fileno()),
+                "--config",
+                config.to_json(),
+                pass_fds=[theirs.fileno(), *shared],
+                env=env,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        try:
+            reader, writer = await asyncio.open_unix_connection(sock=ours)
+        except BaseException:
+            ours.close()
+            process.kill()
+            await process.wait()
+            raise
+        worker = cls(process, reader, writer, config.spec.name, on_event)
+        try:
+            async with asyncio.timeout(HELLO_TIMEOUT_S):
+                said = await asyncio.shield(worker._hello)
+            worker.hello = WorkerHello.read(said)
+        except TimeoutError:
+            worker._hello.cancel()
+            await worker.kill()
+            raise WorkerError(f"worker for {config.spec.name} did not say hello") from None
+        except WorkerGoneError:  # its stderr (the daemon's) says why
+            code = await worker.kill()
+            raise WorkerError(
+                f"worker for {config.spec.name} exited ({code}) before its hello"
+            ) from None
+        except BaseException:
+            await worker.kill()
+            raise
+        return worker
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def request(
+        self, op: str, *, timeout_s: float | None = 60.0, **fields: Any
+    ) -> dict[str, Any]:
+        """Send one op and wait for its result (chunks, if any, are ignored)."""
+        async with self._open() as (request_id, replies):
+            self._send({"op": op, "id": request_id, **fields})
+            while True:
+                message = await self._next(replies, request_id, timeout_s)
+                if "chunk" not in message:
+                    return _result(message)
+
+    async def generate(
+        self,
+        kind: str,
+        body: dict[str, Any],
+        *,
+        on_chunk: ChunkListener | None = None,
+        timeout_s: float | None = 600.0,
+        request_id: str | None = None,
+    ) -> dict[str, Any]:
+        """Run one request; with `on_chunk` (called on the loop), it streams. Returns the
+        worker's result; WorkerGoneError when the worker was gone before it was sent."""
+        async with self._open(request_id) as (opened, replies):
+            self._send(
+                {
+                    "op": "generate",
+                    "id": opened,
+                    "kind": kind,
+                    "body": body,
+                    "stream": on_chunk is not None,
+                }
+            )
+            while True:
+                message = await self._next(replies, opened, timeout_s)
+                if "chunk" in message:
+                    if on_chunk is not None:
+                        on_chunk(message["chunk"])
+                    continue
+                return _result(message)
+
+    def cancel(self, target: str) -> None:
+        """Ask the worker to stop request `target`; a gone worker has stopped it already."""
+        with contextlib.suppress(WorkerGoneError):
+            self._send({"op": "cancel", "id": f"cancel-{next(self._ids)}", "target": target})
+
+    async def status(self) -> dict[str, Any]:
+        return await self.request("status", timeout_s=10.0)
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    async def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> int:
+        """Ask the worker to stop (in-flight work finishes), wait, and reap it; a worker that
+        is already gone is just reaped."""
+        with contextlib.suppress(WorkerGoneError):
+            self._send({"op": "shutdown", "id": "shutdown"})
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.process.wait()
+        except TimeoutError:
+            return await self.kill()
+        await self._close()
+        return self._code()
+
+    async def kill(self) -> int:
+        """SIGKILL the worker (unless it is gone already) and reap it."""
+        if self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+        await self.process.wait()
+        await self._close()
+        return self._code()
+
+    async def wait(self) -> int:
+        """The worker's exit status, once it has exited (negative: killed by that signal)."""
+        await self.process.wait()
+        return self._code()
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _open(
+        self, request_id: str | None = None
+    ) -> AsyncIterator[tuple[str, asyncio.Queue[dict[str, Any]]]]:
+        request_id = request_id or f"r{next(self._ids)}"
+        replies: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._pending[request_id] = replies
+        try:
+            yield request_id, replies
+        finally:
+            self._pending.pop(request_id, None)
+
+    def _send(self, message: dict[str, Any]) -> None:
+        """Queue one line for the worker (the loop writes it; a worker that stopped reading
+        blocks nothing but its own socket buffer)."""
+        if self._writer.is_closing() or self._reader.done():
+            raise WorkerGoneError(f"worker for {self.model} is gone")
+        self._writer.write(encode(message))
+
+    async def _next(
+        self, replies: asyncio.Queue[dict[str, Any]], request_id: str, timeout_s: float | None
+    ) -> dict[str, Any]:
+        try:
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancel that comes
+            # as the awaited message does, and a client's hang-up would then not stop its decode.
+            async with asyncio.timeout(timeout_s):
+                message = await replies.get()
+        except TimeoutError:
+            raise WorkerError(f"no answer from {self.model} to {request_id}") from None
+        if message.get("gone"):
+            raise WorkerError(f"worker for {self.model} exited during {request_id}")
+        return message
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                try:
+                    message = await self._lines.read()
+                except ProtocolError:
+                    continue
+                except OSError:
+                    message = None
+                if message is None:
+                    return
+                self._route(message)
+        finally:
+            for replies in self._pending.values():
+                replies.put_nowait({"gone": True})
+            if not self._hello.done():  # a worker that died before its hello: spawn stops
+                self._hello.set_exception(WorkerGoneError(f"worker for {self.model} is gone"))
+
+    def _route(self, message: dict[str, Any]) -> None:
+        if "hello" in message:
+            if not self._hello.done():
+                self._hello.set_result(message["hello"])
+        elif "event" in message:
+            if self._on_event is not None:
+                self._on_event(message)
+        else:
+            replies = self._pending.get(str(message.get("id")))
+            if replies is not None:
+                replies.put_nowait(message)
+
+    async def _close(self) -> None:
+        self._writer.close()
+        with contextlib.suppress(OSError):
+            await self._writer.wait_closed()
+        await asyncio.gather(self._reader, return_exceptions=True)
+
+    def _code(self) -> int:
+        code = self.process.returncode
+        assert code is not None  # called once the process was awaited
+        return code
+
+
+def _result(message: dict[str, Any]) -> dict[str, Any]:
+    if "error" in message:
+        raise error_from_wire(message["error"])
+    result = message.get("result")
+    if not isinstance(result, dict):
+        raise ProtocolError(f"reply without a result: {message}")
+    return result
+
+
+class BlockingWorker:
+    """A `WorkerClient` on a private loop in its own thread, for tests and benchmarks that
+    drive a worker from plain threads. Events go to `events` (with keep_events) and to every
+    listener, which run on the private loop's thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+        self._loop = loop
+        self._thread = thread
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._keep_events = True
+        self._listeners: list[EventListener] = []
+        self._client: WorkerClient | None = None
+
+    @classmethod
+    def spawn(
+        cls, config: WorkerConfig, *, env: dict[str, str] | None = None, keep_events: bool = True
+    ) -> BlockingWorker:
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(
+            target=loop.run_forever, name=f"blocking-worker-{config.spec.name}", daemon=True
+        )
+        thread.start()
+        worker = cls(loop, thread)
+        worker._keep_events = keep_events
+
+        try:
+            worker._client = worker._call(
+                WorkerClient.spawn(config, env=env, on_event=worker._on_event)
+            )
+        except BaseException:
+            worker._stop_loop()
+            raise
+        return worker
+
+    @property
+    def client(self) -> WorkerClient:
+        assert self._client is not None  # set by spawn
+        return self._client
+
+    @property
+    def model(self) -> str:
+        return self.client.model
+
+    @property
+    def pid(self) -> int:
+        return self.client.pid
+
+    @property
+    def hello(self) -> WorkerHello | None:
+        return self.client.hello
+
+    @property
+    def returncode(self) -> int | None:
+        return self.client.returncode
+
+    def add_listener(self, listener: EventListener) -> None:
+        self._listeners.append(listener)
+
+    def request(self, op: str, *, timeout_s: float | None = 60.0, **fields: Any) -> dict[str, Any]:
+        return self._call(self.client.request(op, timeout_s=timeout_s, **fields))
+
+    def generate(
+        self,
+        kind: str,
+        body: dict[str, Any],
+        *,
+        on_chunk: ChunkListener | None = None,
+        timeout_s: float | None = 600.0,
+        request_id: str | None = None,
+    ) -> dict[str, Any]:
+        return self._call(
+            self.client.generate(
+                kind, body, on_chunk=on_chunk, timeout_s=timeout_s, request_id=request_id
+            )
+        )
+
+    def cancel(self, target: str) -> None:
+        self._loop.call_soon_threadsafe(self.client.cancel, target)
+
+    def status(self) -> dict[str, Any]:
+        return self._call(self.client.status())
+
+    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> int:
+        try:
+            return self._call(self.client.shutdown(timeout_s))
+        finally:
+            self._stop_loop()
+
+    def kill(self) -> int:
+        if self._loop.is_closed():
+            code = self.client.returncode
+            assert code is not None  # the loop closes only once the worker was reaped
+            return code
+        try:
+            return self._call(self.client.kill())
+        finally:
+            self._stop_loop()
+
+    def wait(self, timeout_s: float | None = None) -> int:
+        """The worker's exit status once it exits; WorkerError after `timeout_s`."""
+
+        async def wait() -> int:
+            async with asyncio.timeout(timeout_s):
+                return await self.client.wait()
+
+        try:
+            return self._call(wait())
+        except TimeoutError:
+            raise WorkerError(f"worker for {self.model} still runs after {timeout_s} s") from None
+
+    def wait_event(
+        self, predicate: Callable[[dict[str, Any]], bool], timeout_s: float = 30.0
+    ) -> dict[str, Any]:
+        """The next event (consumed from `events`) that matches `predicate`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WorkerError(f"no matching event from {self.model} within {timeout_s} s")
+            try:
+                event = self.events.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if predicate(event):
+                return event
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        if self._keep_events:
+            self.events.put(event)
+        for listener in self._listeners:
+            listener(event)
+
+    def _call(self, work: Awaitable[_T]) -> _T:
+        async def run() -> _T:
+            return await work
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result()
+
+    def _stop_loop(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()

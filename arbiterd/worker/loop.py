@@ -1,0 +1,576 @@
+"""One model's worker process: keeps the model resident and time-shares the GPU through the arena.
+
+    python -m arbiterd.worker --fd N --config JSON
+
+Owns the model (through a `Backend`), its residency state and its hold on the arena token.
+Two threads:
+- the **engine thread** (the main thread) owns the llama objects, the residency state machine
+  and the token. It serves requests one at a time, and between requests — and every
+  PROBE_INTERVAL_S while idle — it probes `wanted()` itself and goes cold when the policy says so.
+  The decision reads live lock state, never a flag set by another thread. A request is
+  prepared (sized, rendered, tokenized: CPU work with the vocabulary alone) before the worker
+  asks for the GPU; a warm model preparing one probes between the tokenizer's pieces, so a
+  waiter never waits for our tokenizing (issue 10).
+- the **io thread** reads the socket: it answers `status` and `cancel` at once (also during a
+  decode: ctypes releases the GIL in llama_decode) and queues everything else for the engine.
+  When the daemon's end closes, it stops the worker: the current request is cancelled before
+  its next decode, the token released, the process exits.
+
+Message protocol (JSON lines, `arbiterd.wire`), version WORKER_PROTOCOL:
+    worker → daemon  {"hello": {"protocol", "model", "pid",                first line
+                                "backend", "fallback_reason", "engine"}}
+                     backend: "in-place" | "reload", the residency mechanism this worker uses;
+                     fallback_reason: "" for in-place, else one line saying why in-place was
+                     not available; engine: {"offload": bool, "devices": [str, ...]}, what the
+                     loaded llama.cpp can do (engine.EngineInfo; offload false = CPU only).
+                     The daemon reads all six; fields are only ever added to the hello, and
+                     WORKER_PROTOCOL changes when one changes meaning or goes (issue 15).
+    daemon → worker  {"op": "generate", "id", "kind": "completion"|"chat", "body", "stream"}
+                     {"op": "status"|"release"|"warm"|"pin"|"unpin"|"shutdown", "id"}
+                     {"op": "cancel", "id", "target": request id}
+    worker → daemon  {"id", "chunk": {...}}  {"id", "result": {...}}
+                     {"id", "error": {"code", "message"}}: code is an errors.ErrorCode
+                     {"event": "residency", ...}  {"event": "request", ...}
+                     A residency event that ends a load or a warm-up (→ warm) also says how
+                     the token was had: "waited_from" (epoch s), "wait_s", and the holder when
+                     the wait began, "holder_pid" and "holder_name" (null: the token was free).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from arbiterd.arena import Arena, ArenaState, Token
+from arbiterd.errors import (
+    AcquireCancelledError,
+    ArbiterError,
+    EngineError,
+    ProtocolError,
+    RequestError,
+    RestoreError,
+)
+from arbiterd.events import RequestEvent, ResidencyEvent
+from arbiterd.procs import holder_name
+from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, ModelSpec, Residency, WorkerConfig
+from arbiterd.wire import LineReader, LineWriter
+from arbiterd.worker.engine import (
+    Backend,
+    Cancelled,
+    ChunkSink,
+    EngineInfo,
+    Generation,
+    Moved,
+    Prepared,
+    engine_info,
+    select_backend,
+)
+from arbiterd.worker.policy import HoldView, ReleaseReason, release_reason
+from arbiterd.worker.residency import Residency as ResidencyMachine
+from arbiterd.worker.residency import State, Wait
+
+log = logging.getLogger(__name__)
+
+# How often an idle warm model probes want.lock (a non-blocking flock: ~2 µs each).
+PROBE_INTERVAL_S = 0.01
+OPS = frozenset({"generate", "status", "release", "warm", "pin", "unpin", "shutdown", "cancel"})
+
+
+@dataclass(frozen=True)
+class Command:
+    """A message the engine thread must act on."""
+
+    op: str
+    id: str
+    kind: str = ""
+    body: dict[str, Any] = dataclasses.field(default_factory=dict)
+    stream: bool = False
+
+
+class Worker:
+    def __init__(
+        self, config: WorkerConfig, backend: Backend, sock: socket.socket, engine: EngineInfo
+    ) -> None:
+        self.config = config
+        self.name = config.spec.name
+        self._backend = backend
+        self._engine = engine
+        self._kv_policy = config.kv_on_release
+        if self._kv_policy is KvPolicy.DEVICE and not backend.keeps_kv_on_device:
+            log.warning(
+                "%s: kv_on_release=device needs the in-place backend; using host", self.name
+            )
+            self._kv_policy = KvPolicy.HOST
+        self._arena = Arena(config.arena)
+        self._reader = LineReader(sock)
+        self._out = LineWriter(sock)
+        self._inbox: queue.Queue[Command] = queue.Queue()
+        self._residency = ResidencyMachine(self.name)
+        self._token: Token | None = None
+        # Written by the io thread, read by the engine thread: sets and Events only.
+        self._cancelled: set[str] = set()
+        self._cancel_lock = threading.Lock()
+        self._wake = threading.Event()  # interrupts a wait for the token
+        self._stopping = threading.Event()
+        self._orphaned = threading.Event()  # the daemon is gone: nobody reads our answers
+        # Published by the engine thread (one reference assignment), read by the io thread.
+        self._status: dict[str, Any] = {}
+        self._served = 0
+        self._pinned = False
+        self._current: str | None = None
+        self._last_error = ""
+        self._warm_since = time.monotonic()
+        self._idle_since = time.monotonic()
+        self._publish()  # before the io thread can be asked for status
+
+    # -- io thread ----------------------------------------------------------------------------
+
+    def _io_loop(self) -> None:
+        while True:
+            try:
+                message = self._reader.read()
+            except ProtocolError as exc:
+                self._out.send({"error": {"type": "ProtocolError", "message": str(exc)}})
+                continue
+            except OSError:
+                message = None
+            if message is None:  # the daemon is gone: stop, whatever is queued or running
+                self._orphaned.set()
+                self._request_stop()
+                return
+            self._dispatch(message)
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        op, request_id = message.get("op"), message.get("id")
+        if not isinstance(request_id, str) or op not in OPS:
+            self._out.send(
+                {"id": request_id, "error": {"type": "ProtocolError", "message": f"bad op {op!r}"}}
+            )
+            return
+        if op == "status":
+            self._out.send({"id": request_id, "result": {**self._status, "queue": self._queued()}})
+        elif op == "cancel":
+            target = message.get("target")
+            with self._cancel_lock:
+                self._cancelled.add(str(target))
+            self._wake.set()
+            self._out.send({"id": request_id, "result": {"cancelled": target}})
+        elif op == "shutdown":
+            self._request_stop()
+        else:
+            body = message.get("body", {})
+            self._inbox.put(
+                Command(
+                    op,
+                    request_id,
+                    kind=str(message.get("kind", "")),
+                    body=body if isinstance(body, dict) else {},
+                    stream=bool(message.get("stream")),
+                )
+            )
+
+    def _request_stop(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+        self._inbox.put(Command("shutdown", ""))
+
+    # -- engine thread ------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self._out.send(
+            {
+                "hello": {
+                    "protocol": WORKER_PROTOCOL,
+                    "model": self.name,
+                    "pid": os.getpid(),
+                    **self._backend_json(),
+                }
+            }
+        )
+        threading.Thread(target=self._io_loop, name="worker-io", daemon=True).start()
+        try:
+            if self._load():
+                self._serve_forever()
+            else:
+                self._fail_forever()
+        finally:
+            self._stop()
+        return 0
+
+    def _load(self) -> bool:
+        try:
+            self._backend.open()  # what needs no GPU (host copy, vocabulary): before asking
+        except EngineError as exc:
+            self._fail(exc)
+            return False
+        # The token before the weights: loading can then never push a resident model out of VRAM.
+        waiting = _Waiting()
+        try:
+            self._token = self._arena.acquire(
+                self.name, model=self.name, cancel=self._stopping, on_wait=waiting.saw
+            )
+        except AcquireCancelledError:
+            return False
+        wait = waiting.done()
+        # Loading is timed from here: the wait for the token is not part of it.
+        self._residency = ResidencyMachine(self.name)
+        try:
+            moved = self._backend.load()
+        except EngineError as exc:
+            self._fail(exc)
+            return False
+        self._moved(State.LOADING, State.WARM, moved, wait=wait)
+        self._warm_since = self._idle_since = time.monotonic()
+        return True
+
+    def _fail(self, exc: EngineError) -> None:
+        self._last_error = str(exc)
+        failed = self._residency.transition(State.LOADING, State.FAILED, reason=str(exc))
+        self._give_up_token()  # before telling anyone: a failed model holds nothing
+        self._emit(failed)
+
+    def _serve_forever(self) -> None:
+        while not self._stopping.is_set():
+            state = self._residency.state
+            try:
+                command = self._inbox.get(timeout=PROBE_INTERVAL_S if state is State.WARM else None)
+            except queue.Empty:
+                self._maybe_release()
+                continue
+            if command.op == "shutdown":
+                return
+            if command.op == "release":
+                if self._residency.state is State.WARM:
+                    self._cool("command")
+                self._reply(command.id, {"state": self._residency.state.value})
+            elif command.op == "warm":
+                self._handle_warm(command)
+            elif command.op in ("pin", "unpin"):
+                self._pinned = command.op == "pin"
+                self._publish()
+                self._reply(command.id, {"pinned": self._pinned})
+            elif command.op == "generate":
+                self._handle_generate(command)
+                self._maybe_release()
+
+    def _fail_forever(self) -> None:
+        """A model that cannot load keeps answering, with its reason, until shut down."""
+        while True:
+            command = self._inbox.get()
+            if command.op == "shutdown":
+                return
+            self._error(command.id, EngineError(f"{self.name} failed to load: {self._last_error}"))
+
+    def _handle_warm(self, command: Command) -> None:
+        try:
+            if self._residency.state is State.COLD:
+                self._warm_up(command.id)
+            self._reply(command.id, {"state": self._residency.state.value})
+        except (AcquireCancelledError, RestoreError) as exc:
+            self._error(command.id, exc)
+
+    def _handle_generate(self, command: Command) -> None:
+        if self._is_cancelled(command.id):
+            self._error(command.id, RequestError("cancelled before it started"))
+            return
+        self._current = command.id
+        self._publish()
+        result: Generation | None = None
+        failure: ArbiterError | None = None
+        try:
+            request = self._backend.prepare(
+                command.kind, command.body, lambda: self._between_pieces(command.id)
+            )
+            if self._residency.state is State.COLD:
+                self._warm_up(command.id)
+            started = time.monotonic()
+            result = self._backend.run(
+                request, self._sink(command), lambda: self._stops(command.id)
+            )
+        except ArbiterError as exc:
+            failure = exc
+        finally:
+            # Published before the reply: a status asked right after it agrees with it.
+            self._served += result is not None
+            self._current = None
+            self._idle_since = time.monotonic()
+            with self._cancel_lock:
+                self._cancelled.discard(command.id)
+            self._publish()
+        if result is None:
+            assert failure is not None  # run returned nothing only by raising
+            self._error(command.id, failure)
+            return
+        self._reply(command.id, _result_json(result))
+        self._out.send(
+            RequestEvent(
+                at=time.time(),
+                model=self.name,
+                request_id=command.id,
+                duration_s=round(time.monotonic() - started, 6),
+                prompt_tokens=result.prompt_tokens,
+                prompt_tokens_evaluated=result.prompt_tokens_evaluated,
+                completion_tokens=result.completion_tokens,
+                cancelled=result.cancelled,
+                status="cancelled" if result.cancelled else "ok",
+            ).to_json()
+        )
+
+    def _sink(self, command: Command) -> ChunkSink | None:
+        if not command.stream:
+            return None
+
+        def sink(chunk: dict[str, Any]) -> None:
+            self._out.send({"id": command.id, "chunk": chunk})  # a gone daemon stops us anyway
+
+        return sink
+
+    def _between_pieces(self, request_id: str) -> bool:
+        """Between two pieces of a request's tokenizing, which needs no GPU: a waiter gets the
+        GPU now, not after us; and whether the request stops."""
+        self._maybe_release()
+        return self._stops(request_id)
+
+    def _stops(self, request_id: str) -> bool:
+        """The request was cancelled, or the daemon is gone: nobody waits for its answer. (A
+        shutdown the daemon asks for lets the current request finish.)"""
+        return self._orphaned.is_set() or self._is_cancelled(request_id)
+
+    def _maybe_release(self) -> None:
+        if self._residency.state is not State.WARM or self._token is None:
+            return
+        now = time.monotonic()
+        view = HoldView(
+            wanted=self._token.wanted(),  # live lock state, probed here where we decide
+            held_s=now - self._warm_since,
+            idle_s=now - self._idle_since,
+            busy=self._current is not None or not self._inbox.empty(),
+            pinned=self._pinned,
+        )
+        reason = release_reason(
+            view, min_hold_s=self.config.min_hold_s, idle_release_s=self.config.idle_release_s
+        )
+        if reason is not None:
+            self._cool(reason.value)
+
+    def _cool(self, reason: str) -> None:
+        """warm → cooling → cold: free the device first, then let go of the token."""
+        self._emit(self._residency.transition(State.WARM, State.COOLING, reason=reason))
+        self._moved(State.COOLING, State.COLD, self._backend.release(self._kv_policy), reason)
+        if reason == ReleaseReason.WANTED.value:
+            token, self._token = self._token, None
+            if token is not None:
+                token.hand_over()
+        else:
+            self._give_up_token()
+        self._publish()
+
+    def _warm_up(self, request_id: str) -> None:
+        """cold → warming → warm; waits for the token (interrupted by cancel or shutdown)."""
+        waiting = _Waiting()
+        while True:
+            self._wake.clear()
+            try:
+                self._token = self._arena.acquire(
+                    self.name, model=self.name, cancel=self._wake, on_wait=waiting.saw
+                )
+                break
+            except AcquireCancelledError:
+                if self._stopping.is_set() or self._is_cancelled(request_id):
+                    raise
+        wait = waiting.done()
+        self._emit(self._residency.transition(State.COLD, State.WARMING))
+        try:
+            moved = self._backend.restore()
+        except EngineError as exc:
+            # Roll back: a model that is not warm must not keep the token.
+            rolled_back = self._residency.transition(State.WARMING, State.COLD, reason=str(exc))
+            self._give_up_token()
+            self._emit(rolled_back)
+            raise RestoreError(f"{self.name} could not be restored: {exc}") from None
+        self._moved(State.WARMING, State.WARM, moved, wait=wait)
+        self._warm_since = self._idle_since = time.monotonic()
+
+    def _stop(self) -> None:
+        while True:  # nothing queued is dropped silently
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if command.id:
+                self._error(command.id, EngineError(f"{self.name} is shutting down"))
+        self._emit(self._residency.transition(self._residency.state, State.STOPPED))
+        self._backend.close()
+        self._give_up_token()
+        self._publish()
+
+    def _give_up_token(self) -> None:
+        token, self._token = self._token, None
+        if token is not None:
+            token.release()
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _queued(self) -> int:
+        return self._inbox.qsize()
+
+    def _is_cancelled(self, request_id: str) -> bool:
+        with self._cancel_lock:
+            return request_id in self._cancelled
+
+    def _moved(
+        self, expected: State, new: State, moved: Moved, reason: str = "", wait: Wait | None = None
+    ) -> None:
+        """A transition that moved weights and KV: the event carries what `moved` reports."""
+        self._emit(
+            self._residency.transition(
+                expected,
+                new,
+                weights_bytes=moved.weights_bytes,
+                kv_bytes=moved.kv_bytes,
+                disk_read_bytes=moved.disk_read_bytes,
+                reason=reason,
+                wait=wait,
+            )
+        )
+
+    def _emit(self, event: ResidencyEvent) -> None:
+        self._publish()  # first: whoever sees the event and asks for status sees it applied
+        self._out.send(event.to_json())
+
+    def _publish(self) -> None:
+        self._status = {
+            "model": self.name,
+            "pid": os.getpid(),
+            "state": self._residency.state.value,
+            "holds_token": self._token is not None,
+            "pinned": self._pinned,
+            "queue": self._queued(),
+            "current": self._current,
+            "served": self._served,
+            "resident_bytes": self._backend.resident_bytes(),
+            "host_kv_bytes": self._backend.host_kv_bytes(),
+            "prompt_tokens_evaluated": self._backend.prompt_tokens_evaluated_total,
+            "last_error": self._last_error,
+            **self._backend_json(),
+        }
+
+    def _backend_json(self) -> dict[str, Any]:
+        """What runs this model, as the hello and the status say it."""
+        return {
+            "backend": self._backend.kind,
+            "fallback_reason": self._backend.fallback_reason,
+            "engine": self._engine.to_json(),
+        }
+
+    def _reply(self, request_id: str, result: dict[str, Any]) -> None:
+        self._out.send({"id": request_id, "result": result})
+
+    def _error(self, request_id: str, exc: ArbiterError) -> None:
+        self._out.send({"id": request_id, "error": exc.to_wire()})
+
+
+class _Waiting:
+    """Measures one way to the token, however many tries it takes: from the first ask, with the
+    holder the first busy try saw (the arena calls `saw` when a wait begins)."""
+
+    def __init__(self) -> None:
+        self._since, self._started = time.time(), time.monotonic()
+        self._holder: ArenaState | None = None
+
+    def saw(self, state: ArenaState) -> None:
+        if self._holder is None:
+            self._holder = state
+
+    def done(self) -> Wait:
+        holder = self._holder
+        return Wait(
+            since=self._since,
+            wait_s=time.monotonic() - self._started,
+            holder_pid=None if holder is None else holder.holder_pid,
+            holder_name=None if holder is None else holder_name(holder),
+        )
+
+
+class Unavailable:
+    """Stands in for a backend that cannot be made (residency = "in-place" on an engine without
+    the residency API): the worker still says hello, then fails its load with `error`, like a
+    model whose file cannot load, and answers every request with that reason. Without it the
+    worker would die before its hello, and the daemon would retry it for ever, knowing nothing.
+    """
+
+    keeps_kv_on_device = False
+    prompt_tokens_evaluated_total = 0
+    fallback_reason = ""
+
+    def __init__(self, spec: ModelSpec, error: EngineError) -> None:
+        self.spec = spec
+        # What the config asked for, as the status shows it (only "in-place" can fail so).
+        self.kind = "in-place" if spec.residency is Residency.IN_PLACE else "reload"
+        self._error = error
+
+    def open(self) -> None:
+        raise self._error
+
+    def load(self) -> Moved:
+        raise self._error
+
+    def release(self, kv: KvPolicy) -> Moved:
+        raise self._error
+
+    def restore(self) -> Moved:
+        raise self._error
+
+    def prepare(self, kind: str, body: dict[str, Any], cancelled: Cancelled) -> Prepared:
+        raise self._error
+
+    def run(self, request: Prepared, sink: ChunkSink | None, cancelled: Cancelled) -> Generation:
+        raise self._error
+
+    def resident_bytes(self) -> int:
+        return 0
+
+    def host_kv_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        return None
+
+
+def _result_json(result: Generation) -> dict[str, Any]:
+    return {
+        "response": result.response,
+        "prompt_tokens": result.prompt_tokens,
+        "prompt_tokens_evaluated": result.prompt_tokens_evaluated,
+        "completion_tokens": result.completion_tokens,
+        "cancelled": result.cancelled,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="arbiterd-worker")
+    parser.add_argument("--fd", type=int, required=True, help="connected stream socket")
+    parser.add_argument("--config", required=True, help="WorkerConfig as JSON")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="arbiterd-worker[%(process)d] %(levelname)s %(message)s"
+    )
+    config = WorkerConfig.from_json(args.config)
+    sock = socket.socket(fileno=args.fd)
+    try:
+        backend: Backend
+        try:
+            backend = select_backend(config.spec)
+        except EngineError as exc:
+            backend = Unavailable(config.spec, exc)
+        return Worker(config, backend, sock, engine_info()).run()
+    finally:
+        sock.close()

@@ -1,0 +1,234 @@
+"""`arbiterd install` / `uninstall` into a temporary HOME, and the files validated by the tools
+the desktop uses (desktop-file-validate, systemd-analyze verify)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from arbiterd.cli.install import UNIT, Installer, autostart_path, manifest_path, placements
+from arbiterd.config import load_config
+
+# The templates as the source tree holds them.
+PACKAGING = Path(__file__).resolve().parents[2] / "packaging"
+
+
+class Systemctl:
+    """Records `systemctl --user` calls and answers as a user manager would (or would not)."""
+
+    def __init__(self, returncode: int = 0, stderr: str = "") -> None:
+        self.calls: list[list[str]] = []
+        self.returncode = returncode
+        self.stderr = stderr
+
+    def __call__(self, command: list[str]) -> subprocess.CompletedProcess[str]:
+        self.calls.append(command)
+        return subprocess.CompletedProcess(command, self.returncode, "", self.stderr)
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> dict[str, str]:
+    """A user with nothing installed: HOME and the XDG directories under tmp_path."""
+    home = tmp_path / "home"
+    home.mkdir()
+    return {"HOME": str(home), "PATH": os.environ["PATH"]}
+
+
+def installer(
+    env: dict[str, str], systemctl: Systemctl, **kwargs: bool
+) -> tuple[Installer, list[str]]:
+    lines: list[str] = []
+    return Installer(env, run=systemctl, say=lines.append, **kwargs), lines
+
+
+def written(env: dict[str, str]) -> dict[Path, str]:
+    root = Path(env["HOME"])
+    return {p: p.read_text() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_dry_run_writes_nothing_and_says_everything(home: dict[str, str]) -> None:
+    systemctl = Systemctl()
+    tool, lines = installer(home, systemctl, dry_run=True)
+    tool.install()
+    assert written(home) == {}
+    assert systemctl.calls == []
+    assert any(line.startswith("would write") and UNIT in line for line in lines)
+    assert "would run systemctl --user enable --now arbiterd.service" in lines
+
+
+def test_install_writes_the_files_and_enables_the_service(home: dict[str, str]) -> None:
+    systemctl = Systemctl()
+    tool, _ = installer(home, systemctl)
+    tool.install()
+    files = written(home)
+    unit = Path(home["HOME"]) / ".config/systemd/user/arbiterd.service"
+    assert unit in files
+    assert not [
+        line for line in files[unit].splitlines() if line.startswith("Exec") and "@" in line
+    ]
+    assert f"ExecStart={Path(sys.executable).parent / 'arbiterd'} daemon" in files[unit]
+    assert autostart_path(home) in files
+    assert Path(home["HOME"]) / ".local/share/applications/arbiterd.desktop" in files
+    assert Path(home["HOME"]) / ".local/share/icons/hicolor/scalable/apps/arbiterd.svg" in files
+    assert manifest_path(home) in files
+    assert systemctl.calls == [
+        ["systemctl", "--user", "daemon-reload"],
+        ["systemctl", "--user", "enable", "--now", UNIT],
+    ]
+
+
+def test_no_enable_writes_but_starts_nothing(home: dict[str, str]) -> None:
+    systemctl = Systemctl()
+    installer(home, systemctl)[0].install(enable=False)
+    assert systemctl.calls == [["systemctl", "--user", "daemon-reload"]]
+
+
+def test_install_twice_changes_nothing(home: dict[str, str]) -> None:
+    installer(home, Systemctl())[0].install()
+    first = written(home)
+    tool, lines = installer(home, Systemctl())
+    tool.install()
+    assert written(home) == first
+    assert all(not line.startswith("wrote") for line in lines)
+
+
+def test_uninstall_removes_exactly_what_install_wrote(home: dict[str, str]) -> None:
+    own = Path(home["HOME"]) / ".config/autostart/other-app.desktop"
+    own.parent.mkdir(parents=True)
+    own.write_text("[Desktop Entry]\nType=Application\nName=x\nExec=x\n")
+    installer(home, Systemctl())[0].install()
+    systemctl = Systemctl()
+    installer(home, systemctl)[0].uninstall()
+    assert list(written(home)) == [own]
+    assert systemctl.calls[0] == ["systemctl", "--user", "disable", "--now", UNIT]
+    installer(home, Systemctl())[0].uninstall()  # idempotent
+    assert list(written(home)) == [own]
+
+
+def test_a_config_found_models_are_served_and_it_is_never_overwritten(
+    home: dict[str, str],
+) -> None:
+    models = Path(home["HOME"]) / "models"
+    models.mkdir()
+    (models / "qwen-7b.gguf").write_bytes(b"GGUF")
+    (models / "qwen-7b-mmproj.gguf").write_bytes(b"GGUF")  # a projector is not a model
+    installer(home, Systemctl())[0].install()
+    config_file = Path(home["HOME"]) / ".config/arbiterd/config.toml"
+    env = {**home, "XDG_RUNTIME_DIR": str(Path(home["HOME"]))}
+    Path(home["HOME"]).chmod(0o700)
+    config = load_config(config_file, env=env)
+    assert list(config.models) == ["qwen-7b"]
+    config_file.write_text(config_file.read_text() + "\n# mine\n")
+    tool, lines = installer(home, Systemctl())
+    tool.install()
+    assert config_file.read_text().endswith("# mine\n")
+    assert any(line.startswith("kept") and "config.toml" in line for line in lines)
+    installer(home, Systemctl())[0].uninstall()
+    assert config_file.exists()  # changed by the user since install: kept
+
+
+def test_without_models_no_config_is_written(home: dict[str, str]) -> None:
+    tool, lines = installer(home, Systemctl())
+    tool.install()
+    assert not (Path(home["HOME"]) / ".config/arbiterd/config.toml").exists()
+    assert any("embedded default" in line for line in lines)
+
+
+def test_without_a_user_manager_it_says_what_to_do(home: dict[str, str]) -> None:
+    systemctl = Systemctl(1, "Failed to connect to bus: No medium found")
+    tool, lines = installer(home, systemctl)
+    tool.install()
+    assert len(systemctl.calls) == 1  # stops after the first failure
+    assert any("No medium found" in line and "arbiterd daemon" in line for line in lines)
+    assert autostart_path(home).exists()  # the files are written all the same
+
+
+def test_desktop_files_are_valid(home: dict[str, str]) -> None:
+    validate = shutil.which("desktop-file-validate")
+    assert validate is not None, "desktop-file-utils is installed by scripts/test.sh"
+    installer(home, Systemctl())[0].install()
+    for placement in placements(home):
+        if placement.target.suffix == ".desktop":
+            done = subprocess.run(
+                [validate, str(placement.target)], capture_output=True, text=True, check=False
+            )
+            assert done.returncode == 0, done.stdout + done.stderr
+            assert done.stdout == "", done.stdout  # not even a hint
+
+
+def test_the_unit_passes_systemd_analyze_verify(home: dict[str, str], tmp_path: Path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    assert analyze is not None, "systemd is installed by scripts/test.sh"
+    installer(home, Systemctl())[0].install()
+    unit = next(p.target for p in placements(home) if p.target.name == UNIT)
+    # System mode works without a running manager (--user needs one, which CI lacks).
+    done = subprocess.run(
+        [analyze, "verify", str(unit)], capture_output=True, text=True, check=False, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = unit.read_text()
+    for line in (
+        "Type=notify",
+        "Restart=on-failure",
+        "NoNewPrivileges=true",
+        "WantedBy=default.target",
+    ):
+        assert line in text
+
+
+def test_the_units_comment_is_written_as_the_template_has_it(home: dict[str, str]) -> None:
+    installer(home, Systemctl())[0].install()
+    unit = next(p.target for p in placements(home) if p.target.name == UNIT)
+    template = PACKAGING / "systemd" / UNIT
+
+    def comments(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith("#")]
+
+    assert comments(unit.read_text()) == comments(template.read_text())
+    assert "`arbiterd install` writes this file, with @ARBITERD@\n" in unit.read_text()
+
+
+def test_uninstall_without_a_user_manager_says_there_is_no_service_to_stop(
+    home: dict[str, str],
+) -> None:
+    no_manager = Systemctl(1, "Failed to connect to bus: No medium found")
+    installer(home, no_manager)[0].install()
+    tool, lines = installer(home, no_manager)
+    tool.uninstall()
+    (note,) = [line for line in lines if line.startswith("note")]
+    assert "No medium found" in note
+    assert "no service to stop" in note
+    assert "start `arbiterd daemon`" not in note
+    assert written(home) == {}  # the files go all the same
+
+
+def test_uninstall_with_nothing_installed_says_so_and_runs_nothing(
+    home: dict[str, str],
+) -> None:
+    systemctl = Systemctl()
+    tool, lines = installer(home, systemctl)
+    tool.uninstall()
+    assert systemctl.calls == []
+    assert lines == [f"nothing to undo: no record of an install in {manifest_path(home)}"]
+
+
+def test_arbiterds_own_folders_are_private_under_umask_022(home: dict[str, str]) -> None:
+    models = Path(home["HOME"]) / "models"
+    models.mkdir()
+    (models / "m.gguf").write_bytes(b"GGUF")
+    old = os.umask(0o022)
+    try:
+        installer(home, Systemctl())[0].install()
+    finally:
+        os.umask(old)
+    root = Path(home["HOME"])
+    for folder in (".config/arbiterd", ".local/state", ".local/state/arbiterd"):
+        assert stat.S_IMODE((root / folder).stat().st_mode) == 0o700, folder
+    # The desktop's own folders are made as the desktop makes them.
+    assert stat.S_IMODE((root / ".config/autostart").stat().st_mode) == 0o755

@@ -1,0 +1,480 @@
+"""`arbiterd run`, `arena status` and `events`, as other programs will drive them: real processes
+(and, for `events`, a real control server answering from a real journal)."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+from collections.abc import Iterator
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from arbiterd import __version__, render
+from arbiterd.arena import Arena
+from arbiterd.cli import main as cli
+from arbiterd.cli.commands import render_status
+from arbiterd.daemon.controlserver import ControlServer
+from arbiterd.daemon.journal import Journal
+from arbiterd.events import parse_event
+from tests.conftest import Processes
+from tests.support.waiting import wait_until
+from tests.test_control import FakeService, LoopThread
+
+ARBITERD = [sys.executable, "-m", "arbiterd"]
+
+# A child that reports the signals it receives and exits 7 after SIGTERM or SIGINT.
+TRAPPING_CHILD = textwrap.dedent(
+    """
+    import signal, sys
+    def on(signum, frame):
+        print("got", signum, flush=True)
+        sys.exit(7)
+    signal.signal(signal.SIGTERM, on)
+    signal.signal(signal.SIGINT, on)
+    print("ready", flush=True)
+    signal.pause()
+    """
+)
+
+
+def arbiterd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*ARBITERD, *args], capture_output=True, text=True, timeout=60, env=env, check=False
+    )
+
+
+def start_run(procs: Processes, arena: Arena, *args: str) -> subprocess.Popen[str]:
+    return procs.start([*ARBITERD, "run", "--arena", str(arena.path), *args])
+
+
+def test_run_exits_with_the_commands_status(arena: Arena) -> None:
+    done = arbiterd("run", "--arena", str(arena.path), "--", "sh", "-c", "exit 3")
+    assert done.returncode == 3
+    assert arena.observe().holder_pid is None
+
+
+def test_run_holds_the_token_while_the_command_runs(arena: Arena) -> None:
+    script = f"import json,sys; print(open('{arena.path}/holder.json').read())"
+    done = arbiterd(
+        "run", "--arena", str(arena.path), "--name", "blender", "--", sys.executable, "-c", script
+    )
+    assert done.returncode == 0, done.stderr
+    holder = json.loads(done.stdout)
+    assert holder["name"] == "blender"
+    assert holder["model"] is None
+
+
+def test_run_reports_a_command_killed_by_a_signal_as_128_plus_n(arena: Arena) -> None:
+    done = arbiterd("run", "--arena", str(arena.path), "--", "sh", "-c", "kill -9 $$")
+    assert done.returncode == 128 + signal.SIGKILL
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_run_forwards_signals_to_the_command(
+    arena: Arena, procs: Processes, signum: signal.Signals
+) -> None:
+    runner = start_run(procs, arena, "--", sys.executable, "-c", TRAPPING_CHILD)
+    assert runner.stdout is not None
+    assert runner.stdout.readline().strip() == "ready"
+    os.kill(runner.pid, signum)
+    assert runner.stdout.readline().split() == ["got", str(int(signum))]
+    assert runner.wait(timeout=10) == 7
+    assert arena.observe().holder_pid is None
+
+
+def test_run_waits_for_the_holder_and_says_who_it_is(arena: Arena, procs: Processes) -> None:
+    holder = start_run(procs, arena, "--name", "game", "--", sys.executable, "-c", TRAPPING_CHILD)
+    assert holder.stdout is not None
+    assert holder.stdout.readline().strip() == "ready"
+    waiter = start_run(procs, arena, "--", "true")
+    wait_until(lambda: waiter.pid in arena.observe().waiter_pids, 10, "the waiter")
+    os.kill(holder.pid, signal.SIGTERM)
+    assert holder.wait(timeout=10) == 7
+    assert waiter.wait(timeout=10) == 0
+    assert waiter.stderr is not None
+    stderr = waiter.stderr.read()
+    assert f"waiting for the GPU, held by pid {holder.pid} (game" in stderr
+    assert "got the GPU after" in stderr
+
+
+def test_run_times_out_with_status_75(arena: Arena, procs: Processes) -> None:
+    holder = start_run(procs, arena, "--name", "game", "--", "sleep", "30")
+    wait_until(lambda: arena.observe().holder_pid == holder.pid, 10, "the holder")
+    done = arbiterd("run", "--arena", str(arena.path), "--timeout", "0.2", "--", "true")
+    assert done.returncode == 75
+    assert "not free within 0.2 s" in done.stderr
+    assert arena.observe().waiter_pids == ()
+
+
+def test_run_interrupted_while_waiting_exits_130_and_withdraws(
+    arena: Arena, procs: Processes
+) -> None:
+    holder = start_run(procs, arena, "--", "sleep", "30")
+    wait_until(lambda: arena.observe().holder_pid == holder.pid, 10, "the holder")
+    waiter = start_run(procs, arena, "--", "true")
+    wait_until(lambda: waiter.pid in arena.observe().waiter_pids, 10, "the waiter")
+    os.kill(waiter.pid, signal.SIGINT)
+    assert waiter.wait(timeout=10) == 130
+    assert arena.observe().waiter_pids == ()
+    assert arena.observe().holder_pid == holder.pid
+
+
+def test_arena_status_json_shows_the_live_holder_and_waiters(
+    arena: Arena, procs: Processes
+) -> None:
+    holder = start_run(procs, arena, "--name", "comfyui", "--", "sleep", "30")
+    wait_until(lambda: arena.observe().holder_pid == holder.pid, 10, "the holder")
+    waiters = [start_run(procs, arena, "--", "true") for _ in range(2)]
+    want = sorted(w.pid for w in waiters)
+    wait_until(lambda: list(arena.observe().waiter_pids) == want, 10, "both waiters")
+    done = arbiterd("arena", "status", "--arena", str(arena.path), "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["arena"] == str(arena.path)
+    assert report["holder"]["pid"] == holder.pid
+    assert report["holder"]["name"] == "comfyui"
+    assert isinstance(report["holder"]["since"], float)
+    assert [w["pid"] for w in report["waiters"]] == want
+    assert all(w["name"] for w in report["waiters"])
+    text = arbiterd("arena", "status", "--arena", str(arena.path))
+    assert f"holder   comfyui (pid {holder.pid}) since" in text.stdout
+
+
+def test_arena_status_of_a_free_arena(arena: Arena) -> None:
+    report = json.loads(arbiterd("arena", "status", "--arena", str(arena.path), "--json").stdout)
+    assert report["holder"] is None
+    assert report["waiters"] == []
+
+
+def test_default_arena_lives_in_the_runtime_dir(runtime_dir: Path) -> None:
+    done = arbiterd("arena", "status", "--json", env=dict(os.environ))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["arena"] == str(runtime_dir / "arbiterd" / "arena" / "gpu0")
+    override = runtime_dir / "elsewhere"
+    env = dict(os.environ, ARBITERD_ARENA=str(override))
+    assert json.loads(arbiterd("arena", "status", "--json", env=env).stdout)["arena"] == str(
+        override
+    )
+
+
+def test_each_bad_input_has_its_own_exit_status_and_one_line(
+    arena: Arena, runtime_dir: Path, tmp_path: Path
+) -> None:
+    not_executable = tmp_path / "data.txt"
+    not_executable.write_text("x")
+    at = ["--arena", str(arena.path)]
+    cases = {
+        "missing --": (["run", *at, "true"], 64),
+        "negative timeout": (["run", *at, "--timeout", "-1", "--", "true"], 65),
+        "no command": (["run", *at, "--"], 64),
+        "not found": (["run", *at, "--", "no-such-program-xyz"], 127),
+        "not executable": (["run", *at, "--", str(not_executable)], 126),
+        "unwritable arena": (["run", "--arena", "/proc/no/arena", "--", "true"], 73),
+    }
+    for what, (args, code) in cases.items():
+        done = arbiterd(*args)
+        assert done.returncode == code, f"{what}: {done.returncode} {done.stderr}"
+        assert done.stderr.count("\n") == 1, f"{what}: not one line: {done.stderr!r}"
+        assert done.stderr.startswith("arbiterd run: ")
+    insecure = dict(os.environ)
+    runtime_dir.chmod(0o755)
+    done = arbiterd("arena", "status", env=insecure)
+    assert (done.returncode, done.stderr.count("\n")) == (78, 1)
+    assert "must be 0700" in done.stderr
+    del insecure["XDG_RUNTIME_DIR"]
+    done = arbiterd("arena", "status", env=insecure)
+    assert done.returncode == 78
+    assert "XDG_RUNTIME_DIR is not set" in done.stderr
+
+
+def test_the_tray_without_pyside6_is_one_clear_line(tmp_path: Path) -> None:
+    # A Python that cannot import PySide6 (a stand-in package shadows it), as with `pip
+    # install arbiterd` without the gui extra.
+    shadow = tmp_path / "PySide6"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('No module named PySide6')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    done = arbiterd("tray", "--screenshot", str(tmp_path / "x.png"), env=env)
+    assert done.returncode == 69
+    assert done.stderr.count("\n") == 1
+    assert "pip install 'arbiterd[gui]'" in done.stderr
+
+
+# Every subcommand whose --help page is arbiterd's own (`tray` has its own parser, in the gui).
+COMMANDS = [
+    ["run"],
+    ["arena", "status"],
+    ["daemon"],
+    ["status"],
+    ["events"],
+    ["warm"],
+    ["release"],
+    ["pin"],
+    ["unpin"],
+    ["hold"],
+    ["unhold"],
+    ["reload"],
+    ["demo"],
+    ["install"],
+    ["uninstall"],
+]
+
+
+def help_page(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    with pytest.raises(SystemExit) as exited:
+        cli.main([*args, "--help"])
+    assert exited.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_version_is_the_installed_distributions() -> None:
+    done = arbiterd("--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"arbiterd {metadata.version('arbiterd')}\n"
+
+
+def test_version_without_package_metadata_is_the_source_trees(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def not_installed(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"arbiterd {__version__} (source tree, not installed)\n"
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_every_command_help_page_says_what_it_does_and_shows_an_example(
+    command: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "100")
+    page = help_page(capsys, *command)
+    paragraphs = page.split("\n\n")
+    assert paragraphs[0].startswith(f"usage: arbiterd {' '.join(command)}")
+    description = paragraphs[1]
+    assert "\n" not in description, description
+    assert description.endswith("."), description
+    example = paragraphs[-1].splitlines()
+    assert example[0] in ("example:", "examples:")
+    assert len(example) > 1, page
+    assert all(line.startswith(f"  arbiterd {' '.join(command)}") for line in example[1:]), page
+
+
+def test_run_help_needs_no_double_dash(arena: Arena) -> None:
+    done = arbiterd("run", "--help")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: arbiterd run")
+    assert "--timeout S" in done.stdout
+    # After "--", --help is the command's own.
+    echo = [sys.executable, "-c", "import sys; print(*sys.argv[1:])"]
+    done = arbiterd("run", "--arena", str(arena.path), "--", *echo, "--help")
+    assert (done.returncode, done.stdout) == (0, "--help\n")
+
+
+def test_main_help_lists_each_command_with_its_description_on_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "100")
+    page = help_page(capsys)
+    # A command's line is indented by 4; a wrapped description's next line by more.
+    listed = {line.split()[0]: line for line in page.splitlines() if re.match(r"    [a-z]", line)}
+    assert {command[0] for command in COMMANDS} | {"tray"} <= set(listed)
+    for name, line in listed.items():
+        assert len(line.split()) > 1, f"{name}'s description is not on its line:\n{page}"
+    assert "--version" in page
+
+
+# -- arbiterd status: what runs each model (issue 15) -------------------------------------------
+
+STOCK = "libllama at /x/libllama.so does not export llama_context_release_device (a stock build)"
+CPU_WARNING = "asks for n_gpu_layers=-1 but this engine cannot offload to a GPU: rebuild it"
+
+
+def status_model(name: str, **fields: object) -> dict[str, object]:
+    return {"name": name, "state": "cold", "queue": 0, "served": 0, **fields}
+
+
+def test_status_shows_each_backend_the_engine_and_each_reason_and_warning_once() -> None:
+    text = render_status(
+        {
+            "models": [
+                status_model("story", backend="reload", fallback_reason=STOCK, warning=CPU_WARNING),
+                status_model("chat", backend="reload", fallback_reason=STOCK, warning=CPU_WARNING),
+                status_model("tiny", backend="reload", fallback_reason=STOCK, warning=""),
+            ],
+            "engine": {"offload": False, "devices": ["CPU: test cpu"]},
+        }
+    )
+    lines = text.splitlines()
+    header = lines[0].split()
+    assert header[:3] == ["MODEL", "STATE", "BACKEND"]
+    assert [line.split()[:3] for line in lines[1:4]] == [
+        ["story", "cold", "reload"],
+        ["chat", "cold", "reload"],
+        ["tiny", "cold", "reload"],
+    ]
+    assert lines[4:7] == [
+        "engine: CPU only (this engine cannot offload to a GPU)",
+        f"backend reload (story, chat, tiny): {STOCK}",
+        f"warning (story, chat): {CPU_WARNING}",
+    ]
+
+
+def test_status_of_in_place_models_on_a_gpu_has_no_reason_or_warning() -> None:
+    text = render_status(
+        {
+            "models": [status_model("chat", backend="in-place", fallback_reason="", warning="")],
+            "engine": {"offload": True, "devices": ["CPU: test cpu", "CUDA0: NVIDIA H200"]},
+        }
+    )
+    lines = text.splitlines()
+    assert lines[1].split()[:3] == ["chat", "cold", "in-place"]
+    assert lines[2] == "engine: CUDA0: NVIDIA H200 (GPU offload)"
+    assert not any(line.startswith(("backend", "warning")) for line in lines)
+
+
+def test_status_of_a_daemon_whose_workers_did_not_say_hello_yet() -> None:
+    lines = render_status({"models": [status_model("chat", backend=None)]}).splitlines()
+    assert lines[1].split()[:3] == ["chat", "cold", "-"]
+    assert not any(line.startswith("engine") for line in lines)
+
+
+# -- arbiterd events: the daemon's journal, over its socket ----------------------------------------
+
+AT = 1_718_000_000.5
+WAIT_S = 30.0
+
+
+def handoff(at: float, source: str, target: str) -> dict[str, Any]:
+    return {"event": "handoff", "at": at, "from": source, "to": target, "holder_pid": 7,
+            "waited_from": at - 1, "wait_s": 0.5, "release_s": 0.4, "restore_s": 0.5}  # fmt: skip
+
+
+def human(*bodies: dict[str, Any]) -> list[str]:
+    return [render.event_line(parse_event(body)) for body in bodies]
+
+
+class Daemon:
+    """A control server on `socket` whose history is `journal`, on a loop of its own."""
+
+    def __init__(self, socket: Path, journal: Journal) -> None:
+        self.socket = socket
+        self.journal = journal
+        self.loop = LoopThread()
+        self.server = ControlServer(FakeService(), socket, history=journal.read)
+        self.loop.run(self.server.start())
+
+    def close(self) -> None:
+        self.loop.run(self.server.close())
+        self.loop.close()
+
+
+@pytest.fixture
+def places(tmp_path: Path) -> Iterator[dict[str, Path]]:
+    """Where the daemon's journal is, and what a config names: another socket and journal."""
+    short = Path(tempfile.mkdtemp(prefix="ae", dir="/tmp"))  # a socket path fits in 108 bytes
+    config = tmp_path / "config.toml"
+    config.write_text(
+        f'[daemon]\nsocket = "{short / "arbiterd" / "control.sock"}"\n'
+        f'arena = "{short / "arena"}"\njournal = "{tmp_path / "named.sqlite3"}"\n'
+        '[models.qwen]\npath = "/m/q.gguf"\n'
+    )
+    yield {
+        "socket": short / "arbiterd" / "control.sock",
+        "daemon journal": tmp_path / "elsewhere.sqlite3",
+        "named journal": tmp_path / "named.sqlite3",
+        "config": config,
+    }
+    shutil.rmtree(short, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(places: dict[str, Path]) -> Iterator[Daemon]:
+    with Journal(places["daemon journal"]) as journal:
+        running = Daemon(places["socket"], journal)
+        yield running
+        running.close()
+
+
+def test_events_come_from_the_daemon_whatever_journal_the_config_names(
+    daemon: Daemon, places: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with Journal(places["named journal"]) as named:
+        named.append({"event": "hold", "at": AT, "held": True})  # not the daemon's
+    daemon.journal.append(handoff(AT, "a", "b"))
+    daemon.journal.append({"event": "wait", "at": AT + 9, "model": "a", "holder_name": "steam"})
+    assert cli.main(["events", "--config", str(places["config"])]) == 0
+    assert capsys.readouterr().out.splitlines() == human(
+        handoff(AT, "a", "b"), {"event": "wait", "at": AT + 9, "model": "a", "holder_name": "steam"}
+    )
+    assert cli.main(["events", "--socket", str(daemon.socket), "--since", str(AT + 1)]) == 0
+    assert capsys.readouterr().out.splitlines() == human(
+        {"event": "wait", "at": AT + 9, "model": "a", "holder_name": "steam"}
+    )
+
+
+def test_events_json_is_each_stored_object_with_its_seq(
+    daemon: Daemon, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seq = daemon.journal.append(handoff(AT, "a", "b"))
+    assert cli.main(["events", "--json", "--socket", str(daemon.socket)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [json.loads(line) for line in lines] == [{**handoff(AT, "a", "b"), "seq": seq}]
+
+
+def test_events_while_the_daemon_is_down_read_the_journal_its_config_names(
+    places: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with Journal(places["named journal"]) as named:
+        named.append(handoff(AT, "a", "b"))
+    assert cli.main(["events", "--config", str(places["config"])]) == 0
+    assert capsys.readouterr().out.splitlines() == human(handoff(AT, "a", "b"))
+    # A socket named on its own has no journal beside it: nothing is guessed.
+    assert cli.main(["events", "--socket", str(places["socket"])]) == 69
+    assert "arbiterd is not running" in capsys.readouterr().err
+
+
+def test_events_reads_the_journal_file_it_is_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "journal.sqlite3"
+    with Journal(path) as journal:
+        journal.append(handoff(AT, "a", "b"))
+    assert cli.main(["events", "--journal", str(path)]) == 0
+    assert capsys.readouterr().out.splitlines() == human(handoff(AT, "a", "b"))
+
+
+def test_events_follow_prints_each_new_event_as_the_daemon_journals_it(
+    daemon: Daemon, procs: Processes
+) -> None:
+    daemon.journal.append(handoff(AT, "a", "b"))
+    follower = procs.start(
+        [*ARBITERD, "events", "--follow", "--since", str(AT - 1), "--socket", str(daemon.socket)]
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    stdout = follower.stdout
+    assert stdout is not None
+
+    def pump() -> None:
+        for line in stdout:
+            lines.put(line.rstrip("\n"))
+
+    threading.Thread(target=pump, name="follower-stdout", daemon=True).start()
+    assert lines.get(timeout=WAIT_S) == human(handoff(AT, "a", "b"))[0]
+    daemon.journal.append(handoff(AT + 5, "b", "a"))  # after the follower has read the first
+    assert lines.get(timeout=WAIT_S) == human(handoff(AT + 5, "b", "a"))[0]

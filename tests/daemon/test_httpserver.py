@@ -1,0 +1,333 @@
+"""The HTTP server's connections: who gets the app, how long a request head may take, how many
+connections may be open, how accept failures are logged, the fd limit and the Unix socket.
+
+In this process with a trivial app and a chosen peer (the real lookup is
+tests/daemon/test_peers.py's), and in a process of its own where a low fd limit is needed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import resource
+import selectors
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from arbiterd.daemon.httpserver import (
+    FD_RESERVE,
+    MAX_CONNECTIONS,
+    HttpServer,
+    UnixListener,
+    connection_limit,
+)
+from arbiterd.daemon.peers import Peer, peer_of
+from arbiterd.errors import ListenError
+from tests.support.http_server import hello
+from tests.support.waiting import wait_until
+
+SCRIPT = Path(__file__).parents[1] / "support" / "http_server.py"
+DEADLINE_S = 10.0
+KEY = "sekrit"
+STRANGER = os.getuid() + 1
+SHORT_TIMEOUT_S = 0.5
+
+
+@dataclass
+class Served:
+    server: HttpServer
+    port: int  # of the loopback listener, when the test did not bring its own
+    peers: list[Peer] = field(default_factory=list)  # given to each connection, in order
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@contextlib.contextmanager
+def serving(
+    *,
+    peer: Peer | None = None,
+    listeners: list[socket.socket] | None = None,
+    allow_uids: frozenset[int] = frozenset(),
+    api_key: str = "",
+    max_connections: int = 100,
+    header_timeout_s: float = DEADLINE_S,
+) -> Iterator[Served]:
+    """An HttpServer on a loopback port (or `listeners`) in a thread; every connection's peer is
+    `peer`, or the real one when None."""
+    owned = listeners is None
+    sockets = [socket.create_server(("127.0.0.1", 0))] if listeners is None else listeners
+    seen: list[Peer] = []
+
+    def identify(sock: socket.socket) -> Peer:
+        seen.append(peer_of(sock) if peer is None else peer)
+        return seen[-1]
+
+    server = HttpServer(
+        hello,
+        sockets,
+        allow_uids=allow_uids,
+        api_key=api_key,
+        max_connections=max_connections,
+        header_timeout_s=header_timeout_s,
+        identify=identify,
+    )
+    thread = threading.Thread(target=asyncio.run, args=(server.serve(),), name="test-http")
+    thread.start()
+    try:
+        wait_until(lambda: server.started or not thread.is_alive(), DEADLINE_S, "the server")
+        assert server.started, "the server stopped before it started"
+        yield Served(server, sockets[0].getsockname()[1] if owned else 0, seen)
+    finally:
+        server.should_exit = True
+        thread.join(DEADLINE_S)
+        assert not thread.is_alive(), "the server did not stop"
+        if owned:
+            for sock in sockets:
+                sock.close()
+
+
+def closed_within(sock: socket.socket, timeout_s: float) -> float | None:
+    """Seconds until the server closed `sock` (EOF), or None if it stayed open `timeout_s`."""
+    start = time.monotonic()
+    sock.settimeout(timeout_s)
+    try:
+        data = sock.recv(1024)
+    except TimeoutError:
+        return None
+    assert data == b"", data
+    return time.monotonic() - start
+
+
+def read_answer(sock: socket.socket) -> bytes:
+    """One whole answer from the trivial app (it ends with its body, "hello")."""
+    sock.settimeout(DEADLINE_S)
+    answer = b""
+    while not answer.endswith(b"hello"):
+        chunk = sock.recv(1024)
+        assert chunk, f"closed after {answer!r}"
+        answer += chunk
+    return answer
+
+
+def envelope(response: httpx.Response) -> dict[str, Any]:
+    payload = response.json()
+    assert set(payload) == {"error"}
+    error: dict[str, Any] = payload["error"]
+    assert set(error) == {"message", "type", "code", "param"}
+    return error
+
+
+# -- who gets the app -----------------------------------------------------------------------------
+
+
+def test_the_owner_gets_the_app_and_is_looked_up_once_per_connection() -> None:
+    with serving(peer=Peer(os.getuid())) as served, httpx.Client(base_url=served.url) as c:
+        assert [c.get("/").status_code for _ in range(3)] == [200, 200, 200]
+        assert c.get("/nothing").status_code == 404
+    assert len(served.peers) == 1  # four requests, one keep-alive connection
+
+
+def test_another_user_is_refused_before_routing() -> None:
+    with serving(peer=Peer(STRANGER)) as served, httpx.Client(base_url=served.url) as c:
+        for path in ("/", "/nothing", "/health"):
+            response = c.get(path)
+            assert response.status_code == 403
+            error = envelope(response)
+            assert error["code"] == "user_not_allowed"
+            assert f"from uid {STRANGER}" in error["message"]
+            assert f"(uid {os.getuid()})" in error["message"]
+            assert "allow_users" in error["message"]
+            assert response.headers["connection"] == "close"
+
+
+def test_a_peer_that_cannot_be_identified_is_refused_with_the_reason() -> None:
+    peer = Peer(None, "203.0.113.9 is not a loopback address")
+    with serving(peer=peer) as served:
+        response = httpx.get(served.url)
+    assert response.status_code == 403
+    assert "cannot tell who opened this connection (203.0.113.9" in envelope(response)["message"]
+
+
+def test_allow_users_lets_another_user_in() -> None:
+    allowed = frozenset({STRANGER})
+    with serving(peer=Peer(STRANGER), allow_uids=allowed) as served:
+        assert httpx.get(served.url).status_code == 200
+
+
+def test_the_api_key_lets_another_user_in() -> None:
+    with serving(peer=Peer(STRANGER), api_key=KEY) as served:
+        assert httpx.get(served.url, headers={"authorization": f"Bearer {KEY}"}).text == "hello"
+        wrong = httpx.get(served.url, headers={"authorization": "Bearer nope"})
+        assert wrong.status_code == 403
+        assert httpx.get(served.url).status_code == 403
+
+
+def test_the_unix_socket_serves_its_owner_by_credentials(tmp_path: Path) -> None:
+    with UnixListener.bind(tmp_path / "api.sock") as api, serving(listeners=[api.sock]) as served:
+        transport = httpx.HTTPTransport(uds=str(api.path))
+        with httpx.Client(transport=transport, base_url="http://arbiterd") as client:
+            assert client.get("/").text == "hello"
+    assert served.peers == [Peer(os.getuid())]
+
+
+# -- how long a client may take -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "sent", [b"", b"GET / HTTP/1.1\r\nHost: x\r\n"], ids=["nothing", "half-a-head"]
+)
+def test_an_unfinished_request_head_is_closed_after_the_header_timeout(sent: bytes) -> None:
+    with (
+        serving(header_timeout_s=SHORT_TIMEOUT_S) as served,
+        socket.create_connection(("127.0.0.1", served.port)) as client,
+    ):
+        client.sendall(sent)
+        elapsed = closed_within(client, DEADLINE_S)
+    assert elapsed is not None, "the connection stayed open"
+    assert elapsed >= SHORT_TIMEOUT_S * 0.8
+
+
+def test_a_head_begun_after_a_response_is_timed_too() -> None:
+    # uvicorn stops its keep-alive clock (5 s) at the first byte of the next request.
+    with (
+        serving(header_timeout_s=SHORT_TIMEOUT_S) as served,
+        socket.create_connection(("127.0.0.1", served.port)) as client,
+    ):
+        client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_answer(client).startswith(b"HTTP/1.1 200")
+        client.sendall(b"GET / HTTP/1.1\r\n")
+        elapsed = closed_within(client, DEADLINE_S)
+    assert elapsed is not None, "the connection stayed open"
+    assert elapsed < 5 * 0.8
+
+
+def test_a_slow_but_complete_head_is_served() -> None:
+    with (
+        serving(header_timeout_s=1.0) as served,
+        socket.create_connection(("127.0.0.1", served.port)) as client,
+    ):
+        for piece in (b"GET / HTTP/1.1\r\n", b"Host: x\r\n", b"\r\n"):
+            client.sendall(piece)
+            time.sleep(0.2)  # pacing the client is the point; no condition to wait on
+        assert read_answer(client).startswith(b"HTTP/1.1 200")
+
+
+# -- how many -------------------------------------------------------------------------------------
+
+
+def test_connections_beyond_the_limit_wait_in_the_backlog() -> None:
+    with serving(max_connections=2) as served:
+        connections = served.server.server_state.connections
+        address = ("127.0.0.1", served.port)
+        first, second, third = (socket.create_connection(address) for _ in range(3))
+        with first, second, third:
+            wait_until(lambda: len(connections) == 2, DEADLINE_S, "two connections")
+            third.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            with selectors.DefaultSelector() as selector:
+                selector.register(third, selectors.EVENT_READ)
+                assert selector.select(SHORT_TIMEOUT_S) == [], "a third connection was served"
+            assert len(connections) == 2
+            first.close()
+            assert read_answer(third).startswith(b"HTTP/1.1 200")
+
+
+def test_the_connection_limit_stays_below_the_fd_limit() -> None:
+    assert connection_limit(1024) == 1024 - FD_RESERVE
+    assert connection_limit(300) == 150  # never fewer than half
+    assert connection_limit(1_048_576) == MAX_CONNECTIONS
+
+
+def test_accept_failures_are_logged_once_per_burst() -> None:
+    # 48 files: the server runs out of descriptors after a few dozen connections, and accepts
+    # the rest only as the header timeout closes the first ones.
+    clients = 80
+    server = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "48", "1000", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    sockets: list[socket.socket] = []
+    try:
+        assert server.stdout is not None
+        address = ("127.0.0.1", int(server.stdout.readline()))
+        sockets = [socket.create_connection(address, timeout=DEADLINE_S) for _ in range(clients)]
+        for sock in sockets:
+            sock.sendall(b"GET / HTTP/1.1\r\n")
+        start = time.monotonic()
+        closed = [closed_within(sock, DEADLINE_S) for sock in sockets]
+        elapsed = time.monotonic() - start
+    finally:
+        for sock in sockets:
+            sock.close()
+        server.send_signal(signal.SIGTERM)
+        _, log = server.communicate(timeout=DEADLINE_S)
+    assert None not in closed, "some connections were never closed"
+    assert elapsed < DEADLINE_S
+    lines = log.splitlines()
+    failed = [line for line in lines if " failed: " in line]
+    recovered = [line for line in lines if "works again, after" in line]
+    assert len(failed) >= 1, log
+    assert "Too many open files" in failed[0]
+    assert len(failed) == len(recovered), log
+    assert len(failed) <= 3, log  # a burst per round of header timeouts, not per attempt
+    assert len(lines) == len(failed) + len(recovered), log
+
+
+def test_the_soft_fd_limit_is_raised_to_the_hard_one() -> None:
+    code = (
+        "import resource\n"
+        "from arbiterd.daemon.httpserver import raise_fd_limit\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+        "print(raise_fd_limit(), *resource.getrlimit(resource.RLIMIT_NOFILE), hard)\n"
+    )
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] <= 256:
+        pytest.skip("the hard fd limit is too low to tell")
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    returned, soft, hard, before = map(int, out.split())
+    assert returned == soft == hard == before
+
+
+# -- the Unix socket ------------------------------------------------------------------------------
+
+
+def test_the_unix_socket_is_private_and_removed_on_close(tmp_path: Path) -> None:
+    path = tmp_path / "run" / "api.sock"
+    with UnixListener.bind(path):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert not path.exists()
+
+
+def test_a_stale_unix_socket_is_replaced(tmp_path: Path) -> None:
+    path = tmp_path / "api.sock"
+    with socket.socket(socket.AF_UNIX) as dead:
+        dead.bind(str(path))  # bound, never listening: what a killed daemon leaves
+    with UnixListener.bind(path) as api:
+        assert api.sock.getsockname() == str(path)
+
+
+def test_a_live_unix_socket_is_not_taken_over(tmp_path: Path) -> None:
+    path = tmp_path / "api.sock"
+    with UnixListener.bind(path), pytest.raises(ListenError, match="another server is listening"):
+        UnixListener.bind(path)
+    path.write_text("")
+    with pytest.raises(ListenError, match="is not a socket"):
+        UnixListener.bind(path)

@@ -1,0 +1,406 @@
+"""The lifecycle of model slots: start, restart with backoff, permanent failures, retire, stop.
+
+Real tiny-model workers where a worker must run; a patched `WorkerClient.spawn` where the test
+is about a spawn that fails."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import signal
+import threading
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from arbiterd.daemon import lifecycle
+from arbiterd.daemon.lifecycle import Lifecycle
+from arbiterd.daemon.slots import Slot, SlotState
+from arbiterd.daemon.workerclient import WorkerClient
+from arbiterd.errors import ConfigError, ProtocolError, WorkerError
+from arbiterd.events import Event, WorkerEvent
+from arbiterd.hostcopy import Lease
+from tests.support.models import model_config
+
+_T = TypeVar("_T")
+REAL_SPAWN = WorkerClient.spawn
+
+
+class Harness:
+    """A Lifecycle and what it told the daemon: events, ready slots, gone workers."""
+
+    def __init__(self, arena: Path, model: Path) -> None:
+        self.model = model
+        self.published: asyncio.Queue[Event] = asyncio.Queue()
+        self.readied: asyncio.Queue[tuple[Slot, int]] = asyncio.Queue()  # the slot, its pid
+        self.gone: list[tuple[str, int]] = []
+        self.worker_events: list[dict[str, Any]] = []
+        self.lifecycle = Lifecycle(
+            arena,
+            publish=self.published.put_nowait,
+            on_worker_event=lambda slot, event: self.worker_events.append(event),
+            on_ready=self.on_ready,
+            on_gone=lambda slot, worker: self.gone.append((slot.name, worker.pid)),
+        )
+
+    def on_ready(self, slot: Slot) -> None:
+        assert slot.worker is not None  # on_ready comes once the slot has its worker
+        self.readied.put_nowait((slot, slot.worker.pid))
+
+    def slot(self, name: str = "m") -> Slot:
+        return Slot(model_config(name, self.model, n_ctx=512))
+
+    def published_now(self) -> list[Event]:
+        events = []
+        while not self.published.empty():
+            events.append(self.published.get_nowait())
+        return events
+
+
+def run(scenario: Coroutine[Any, Any, _T]) -> _T:
+    async def bounded() -> _T:
+        async with asyncio.timeout(60):
+            return await scenario
+
+    return asyncio.run(bounded())
+
+
+@pytest.fixture
+def harness(tmp_path: Path, tiny_model: Path) -> Harness:
+    return Harness(tmp_path / "arena", tiny_model)
+
+
+@pytest.fixture
+def quick_backoff(monkeypatch: pytest.MonkeyPatch) -> tuple[float, ...]:
+    backoff = (0.01, 0.02, 0.04)
+    monkeypatch.setattr(lifecycle, "RESTART_BACKOFF_S", backoff)
+    return backoff
+
+
+def failing_spawns(monkeypatch: pytest.MonkeyPatch, *failures: BaseException) -> list[str]:
+    """Make the next spawns raise `failures` in turn, then spawn real workers; returns the
+    names of the models each spawn was asked for."""
+    asked: list[str] = []
+    left = iter(failures)
+
+    async def spawn(config: Any, **kwargs: Any) -> WorkerClient:
+        asked.append(config.spec.name)
+        for exc in left:
+            raise exc
+        return await REAL_SPAWN(config, **kwargs)
+
+    monkeypatch.setattr(WorkerClient, "spawn", spawn)
+    return asked
+
+
+def test_a_started_slot_is_ready_with_its_worker_and_the_daemon_is_told(
+    harness: Harness,
+) -> None:
+    async def scenario() -> tuple[Slot, int, int, list[Event]]:
+        slot = harness.slot()
+        await harness.lifecycle.start(slot)
+        readied, pid = harness.readied.get_nowait()  # before start returned
+        assert readied is slot
+        assert slot.worker is not None
+        worker = slot.worker
+        await harness.lifecycle.stop([slot])
+        assert worker.returncode is not None
+        return slot, pid, worker.returncode, harness.published_now()
+
+    slot, pid, code, published = run(scenario())
+    assert slot.hello is None  # the supervisor's on_ready keeps it; the lifecycle does not
+    assert pid > 0
+    assert code == 0  # stopped, not killed
+    assert slot.state is SlotState.STOPPED
+    assert published == []  # a stop is no crash
+    assert slot.copy_lease is None  # its host copy went with it
+
+
+def test_a_ready_slots_worker_loads_and_says_so(harness: Harness) -> None:
+    async def scenario() -> tuple[str | None, list[dict[str, Any]]]:
+        slot = harness.slot()
+        await harness.lifecycle.start(slot)
+        residency = slot.residency  # what the slot shows until the worker reports
+        assert slot.worker is not None
+        await slot.worker.request("warm")
+        await harness.lifecycle.stop([slot])
+        return residency, harness.worker_events
+
+    residency, events = run(scenario())
+    assert residency == "loading"
+    assert ("loading", "warm") in [(e.get("from"), e.get("to")) for e in events]
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        ConfigError("models.m.mmproj: this engine cannot load an mmproj yet"),
+        ProtocolError("worker speaks protocol 1, not 2"),
+    ],
+)
+def test_a_spawn_refused_for_good_fails_the_slot_with_its_reason_and_is_not_retried(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch, refusal: Exception
+) -> None:
+    asked = failing_spawns(monkeypatch, refusal)
+
+    async def scenario() -> tuple[Slot, list[Event]]:
+        slot = harness.slot()
+        await harness.lifecycle.start(slot)
+        assert slot.restart_task is None  # nothing scheduled: a retry is all restart tasks do
+        await harness.lifecycle.stop([slot])
+        return slot, harness.published_now()
+
+    slot, published = run(scenario())
+    reason = f"could not start: {refusal}"
+    assert slot.last_error == reason
+    assert published == [WorkerEvent(model="m", reason=reason)]  # no restart_in_s
+    assert asked == ["m"]
+    assert harness.readied.empty()
+
+
+def test_a_failed_slot_shows_failed_until_stopped(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    failing_spawns(monkeypatch, ConfigError("models.m.path: expected a file"))
+
+    async def scenario() -> tuple[SlotState, str, SlotState]:
+        slot = harness.slot()
+        await harness.lifecycle.start(slot)
+        failed = (slot.state, slot.shown_state)
+        await harness.lifecycle.stop([slot])
+        return failed[0], failed[1], slot.state
+
+    assert run(scenario()) == (SlotState.FAILED, "failed", SlotState.STOPPED)
+
+
+def test_a_spawn_that_fails_for_now_is_said_and_retried_after_backing_off(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch, quick_backoff: tuple[float, ...]
+) -> None:
+    asked = failing_spawns(
+        monkeypatch,
+        OSError(errno.EMFILE, "Too many open files"),
+        WorkerError("worker for m did not say hello"),
+    )
+
+    async def scenario() -> tuple[Slot, list[Event], SlotState]:
+        slot = harness.slot()
+        await harness.lifecycle.start(slot)
+        state_after_failure = slot.state
+        readied, _ = await harness.readied.get()  # the second retry spawns a real worker
+        assert readied is slot
+        published = harness.published_now()
+        await harness.lifecycle.stop([slot])
+        return slot, published, state_after_failure
+
+    slot, published, state_after_failure = run(scenario())
+    assert state_after_failure is SlotState.RESTARTING
+    assert published == [
+        WorkerEvent(
+            model="m",
+            reason="could not start: EMFILE: Too many open files",
+            restart_in_s=quick_backoff[0],
+        ),
+        WorkerEvent(
+            model="m",
+            reason="could not start: worker for m did not say hello",
+            restart_in_s=quick_backoff[1],  # one step further back
+        ),
+    ]
+    assert asked == ["m", "m", "m"]
+    assert slot.restarts == 2
+    assert slot.last_error == "could not start: worker for m did not say hello"
+
+
+def test_a_killed_worker_is_said_and_replaced_by_a_new_one(
+    harness: Harness, quick_backoff: tuple[float, ...]
+) -> None:
+    async def scenario() -> tuple[int, int, Event, Slot]:
+        slot = harness.slot()
+        await harness.lifecycle.start(slot)
+        _, first = harness.readied.get_nowait()
+        os.kill(first, signal.SIGKILL)
+        said = await harness.published.get()
+        _, second = await harness.readied.get()
+        await harness.lifecycle.stop([slot])
+        return first, second, said, slot
+
+    first, second, said, slot = run(scenario())
+    assert second != first
+    assert said == WorkerEvent(
+        at=said.at,
+        model="m",
+        pid=first,
+        code=-9,
+        reason="killed by signal 9",
+        # It lived less than STABLE_UPTIME_S: one more failure in a row, one step back.
+        restart_in_s=quick_backoff[1],
+    )
+    assert slot.restarts == 1
+    assert harness.gone == [("m", first), ("m", second)]  # the crash, then the stop
+
+
+def test_a_retired_slot_stops_its_worker_and_never_restarts(harness: Harness) -> None:
+    async def scenario() -> tuple[Slot, int | None, list[Event]]:
+        slot = harness.slot()
+        await harness.lifecycle.start(slot)
+        worker = slot.worker
+        assert worker is not None
+        await harness.lifecycle.retire(slot)
+        assert slot.restart_task is None
+        published = harness.published_now()
+        await harness.lifecycle.stop([])
+        return slot, worker.returncode, published
+
+    slot, code, published = run(scenario())
+    assert (slot.state, slot.worker, code) == (SlotState.STOPPED, None, 0)
+    assert published == []
+    assert slot.copy_lease is None
+    assert len(harness.gone) == 1
+
+
+def test_retiring_a_slot_that_waits_to_restart_cancels_the_restart(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lifecycle, "RESTART_BACKOFF_S", (3600.0,))
+    asked = failing_spawns(monkeypatch, OSError(errno.ENOMEM, "Cannot allocate memory"))
+
+    async def scenario() -> tuple[Slot, bool]:
+        slot = harness.slot()
+        await harness.lifecycle.start(slot)
+        restart = slot.restart_task
+        assert restart is not None
+        await harness.lifecycle.retire(slot)
+        await asyncio.wait([restart])
+        return slot, restart.cancelled()
+
+    slot, cancelled = run(scenario())
+    assert (slot.state, cancelled, asked) == (SlotState.STOPPED, True, ["m"])
+
+
+def test_stop_ends_every_worker_and_nothing_restarts_after_it(harness: Harness) -> None:
+    async def scenario() -> tuple[list[Slot], list[int | None], list[Event]]:
+        slots = [harness.slot("a"), harness.slot("b")]
+        await asyncio.gather(*(harness.lifecycle.start(slot) for slot in slots))
+        workers = [slot.worker for slot in slots]
+        await harness.lifecycle.stop(slots)
+        assert [slot.restart_task for slot in slots] == [None, None]
+        return slots, [w.returncode if w else None for w in workers], harness.published_now()
+
+    slots, codes, published = run(scenario())
+    assert [slot.state for slot in slots] == [SlotState.STOPPED] * 2
+    assert codes == [0, 0]
+    assert published == []
+    assert harness.lifecycle.host_copies.total_bytes() == 0
+
+
+def test_two_slots_on_one_file_share_its_host_copy(harness: Harness) -> None:
+    async def scenario() -> tuple[int, int, int]:
+        a, b = harness.slot("a"), harness.slot("b")
+        copy_a = await harness.lifecycle.hold_copy(a)
+        copy_b = await harness.lifecycle.hold_copy(b)
+        assert copy_a is copy_b
+        both = harness.lifecycle.host_copies.total_bytes()
+        harness.lifecycle.drop_copy(a)
+        one = harness.lifecycle.host_copies.total_bytes()
+        harness.lifecycle.drop_copy(b)
+        await harness.lifecycle.stop([])
+        return both, one, harness.lifecycle.host_copies.total_bytes()
+
+    both, one, none = run(scenario())
+    assert both == one == harness.model.stat().st_size
+    assert none == 0
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [ConfigError("models.m: refused"), OSError(errno.EMFILE, "Too many open files")],
+    ids=["permanent", "transient"],
+)
+def test_a_spawn_that_fails_after_its_slot_was_retired_leaves_it_stopped(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch, failure: Exception
+) -> None:
+    """A reload removed the model (or the daemon stops) while its worker was being spawned."""
+    spawning, fail = asyncio.Event(), asyncio.Event()
+
+    async def spawn(config: Any, **kwargs: Any) -> WorkerClient:
+        spawning.set()
+        await fail.wait()
+        raise failure
+
+    monkeypatch.setattr(WorkerClient, "spawn", spawn)
+
+    async def scenario() -> tuple[Slot, list[Event]]:
+        slot = harness.slot()
+        starting = asyncio.create_task(harness.lifecycle.start(slot))
+        await spawning.wait()
+        await harness.lifecycle.retire(slot)
+        fail.set()
+        await starting  # returns: a retired slot is no error
+        return slot, harness.published_now()
+
+    slot, published = run(scenario())
+    assert (slot.state, slot.restart_task) == (SlotState.STOPPED, None)
+    assert published == []
+
+
+def test_a_worker_that_says_hello_after_its_slot_was_retired_is_shut_down(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started, hello = asyncio.Event(), asyncio.Event()
+    spawned: list[WorkerClient] = []
+
+    async def spawn(config: Any, **kwargs: Any) -> WorkerClient:
+        worker = await REAL_SPAWN(config, **kwargs)
+        spawned.append(worker)
+        started.set()
+        await hello.wait()  # as if its hello were late
+        return worker
+
+    monkeypatch.setattr(WorkerClient, "spawn", spawn)
+
+    async def scenario() -> tuple[Slot, int | None, int]:
+        slot = harness.slot()
+        starting = asyncio.create_task(harness.lifecycle.start(slot))
+        await started.wait()
+        await harness.lifecycle.retire(slot)
+        hello.set()
+        await starting
+        return slot, spawned[0].returncode, harness.lifecycle.host_copies.total_bytes()
+
+    slot, code, copies = run(scenario())
+    assert (slot.state, slot.worker, code) == (SlotState.STOPPED, None, 0)
+    assert harness.readied.empty()
+    assert (slot.copy_lease, copies) == (None, 0)
+
+
+def test_a_slot_retired_while_its_model_file_is_copied_spawns_nothing_and_keeps_no_copy(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copying a large model file into memory takes seconds: a reload may remove the model
+    meanwhile. The copy must not stay in memory for a model that is gone."""
+    asked = failing_spawns(monkeypatch)
+    copying, copied = threading.Event(), threading.Event()
+    acquire = harness.lifecycle.host_copies.acquire
+
+    def slow_acquire(path: Path, model: str) -> Lease:
+        copying.set()
+        copied.wait(30)
+        return acquire(path, model)
+
+    monkeypatch.setattr(harness.lifecycle.host_copies, "acquire", slow_acquire)
+
+    async def scenario() -> tuple[Slot, int]:
+        slot = harness.slot()
+        starting = asyncio.create_task(harness.lifecycle.start(slot))
+        assert await asyncio.to_thread(copying.wait, 30)
+        await harness.lifecycle.retire(slot)
+        copied.set()
+        await starting
+        return slot, harness.lifecycle.host_copies.total_bytes()
+
+    slot, copies = run(scenario())
+    assert (slot.state, slot.copy_lease, copies) == (SlotState.STOPPED, None, 0)
+    assert asked == []

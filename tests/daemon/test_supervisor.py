@@ -1,0 +1,229 @@
+"""The supervisor in-process, with real tiny-model workers and a GPU reader that never frees."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from arbiterd.config import load_config
+from arbiterd.daemon import lifecycle
+from arbiterd.daemon.metrics import Metrics
+from arbiterd.daemon.supervisor import ENGINE_REBUILD_HINT, Supervisor, offload_warning
+from arbiterd.daemon.telemetry import DeviceMemory, ProcessMemory, ReaderSet, Reading
+from arbiterd.daemon.workerclient import BACKENDS, EngineReport, WorkerClient
+
+GiB = 1 << 30
+
+
+class LeakyGpu:
+    """A reader for a driver that never gives memory back: each of our worker processes holds
+    1 GiB on gpu0, warm or cold."""
+
+    source = "leaky-test-gpu"
+
+    def open(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def read(self) -> Reading:
+        workers = [
+            p.pid for p in psutil.Process().children() if "arbiterd.worker" in " ".join(p.cmdline())
+        ]
+        processes = tuple(ProcessMemory(pid, "gpu0", GiB, "python3") for pid in workers)
+        used = GiB * len(processes)
+        return Reading(
+            devices=(DeviceMemory("gpu0", "test gpu", 8 * GiB, used),),
+            processes=processes,
+            measured=frozenset({"gpu0"}),
+        )
+
+
+def write_config(tmp_path: Path, model: Path) -> Path:
+    config = tmp_path / "config.toml"
+    config.write_text(
+        "[daemon]\n"
+        f'socket = "{tmp_path / "c.sock"}"\n'
+        f'arena = "{tmp_path / "arena"}"\n'
+        f'journal = "{tmp_path / "journal.sqlite3"}"\n'
+        "[models.m]\n"
+        f'path = "{model}"\n'
+        "n_gpu_layers = 0\n"
+    )
+    return config
+
+
+async def next_event(events: asyncio.Queue[dict[str, Any]], kind: str) -> dict[str, Any]:
+    while True:
+        event = await asyncio.wait_for(events.get(), timeout=30)
+        if event["event"] == kind:
+            return event
+
+
+def test_a_release_that_does_not_free_vram_is_reported(tmp_path: Path, tiny_model: Path) -> None:
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+    tmp_path.chmod(0o700)
+    config = load_config(write_config(tmp_path, tiny_model), env=env)
+
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any]]:
+        supervisor = Supervisor(
+            config, readers=ReaderSet((LeakyGpu(),), (), context_allowance_bytes=0)
+        )
+        await supervisor.start()
+        try:
+            events = supervisor.subscribe()
+            await supervisor.command("warm", "m")
+            await supervisor.command("release", "m")
+            leak = await next_event(events, "vram_not_freed")
+            status = await supervisor.status()
+            return leak, status
+        finally:
+            await supervisor.stop()
+
+    leak, status = asyncio.run(scenario())
+    assert leak["model"] == "m"
+    assert leak["device"] == "gpu0"
+    assert leak["bytes_after"] == GiB
+    assert leak["expected_bytes"] == 0
+    model = status["models"][0]
+    assert model["state"] == "cold"
+    assert model["cold_footprint_bytes"] == GiB  # what users see: it still holds 1 GiB
+    assert model["vram_bytes"] == GiB
+    assert status["telemetry"]["source"] == "leaky-test-gpu"
+
+
+def test_a_spawn_that_fails_on_an_os_error_is_said_and_retried(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of file descriptors at the worst moment: socketpair raises EMFILE. The model must
+    not stay 'starting' for good: a `could not start` event, then a retry that works."""
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+    tmp_path.chmod(0o700)
+    config = load_config(write_config(tmp_path, tiny_model), env=env)
+    real_spawn = WorkerClient.spawn
+    failures = iter([OSError(errno.EMFILE, "Too many open files")])
+
+    async def spawn(*args: Any, **kwargs: Any) -> WorkerClient:
+        for exc in failures:
+            raise exc
+        return await real_spawn(*args, **kwargs)
+
+    monkeypatch.setattr(WorkerClient, "spawn", spawn)
+
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any]]:
+        supervisor = Supervisor(config)
+        events = supervisor.subscribe()
+        await supervisor.start()
+        try:
+            failed = await next_event(events, "worker")
+            starting = (await supervisor.status())["models"][0]
+            await next_event(events, "residency")  # the retried worker loaded its model
+            return failed, starting
+        finally:
+            await supervisor.stop()
+
+    failed, starting = asyncio.run(scenario())
+    assert failed["reason"] == "could not start: EMFILE: Too many open files"
+    assert failed["restart_in_s"] == 1.0
+    assert starting["state"] == "restarting"
+    assert starting["last_error"] == failed["reason"]
+
+
+# -- what runs each model (issue 15) -----------------------------------------------------------
+
+CPU_ONLY = EngineReport(offload=False, devices=("CPU: test cpu",))
+WITH_GPU = EngineReport(offload=True, devices=("CPU: test cpu", "CUDA0: test gpu"))
+
+
+@pytest.mark.parametrize(
+    ("n_gpu_layers", "engine", "warned"),
+    [(-1, CPU_ONLY, True), (12, CPU_ONLY, True), (0, CPU_ONLY, False), (-1, WITH_GPU, False)],
+)
+def test_only_gpu_layers_asked_of_an_engine_that_cannot_offload_are_warned(
+    n_gpu_layers: int, engine: EngineReport, warned: bool
+) -> None:
+    warning = offload_warning(n_gpu_layers, engine)
+    assert bool(warning) is warned
+    if warned:
+        assert warning.startswith(f"asks for n_gpu_layers={n_gpu_layers} but this engine cannot")
+        assert warning.endswith(ENGINE_REBUILD_HINT)
+
+
+def backend_series(text: str) -> dict[tuple[str, str], float]:
+    return {
+        (sample.labels["model"], sample.labels["backend"]): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "arbiterd_backend"
+        for sample in family.samples
+    }
+
+
+def test_a_models_backend_metric_follows_its_latest_worker() -> None:
+    metrics = Metrics()
+    metrics.set_backend("m", "reload")
+    metrics.set_backend("n", "reload")
+    metrics.set_backend("m", "in-place")
+    assert backend_series(metrics.text().decode()) == {("m", "in-place"): 1.0, ("n", "reload"): 1.0}
+
+
+def test_each_model_says_its_backend_and_gpu_layers_an_engine_cannot_give_warn_once_per_start(
+    tmp_path: Path,
+    tiny_model: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`gpu` asks for every layer on the GPU, `cpu` for none. On an engine that cannot offload
+    (this machine's stock CPU build), `gpu` gets a warning in its status and one log line each
+    time its worker starts; on one that can (a GPU machine), neither model gets one."""
+    monkeypatch.setattr(lifecycle, "RESTART_BACKOFF_S", (0.05,))
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+    tmp_path.chmod(0o700)
+    path = write_config(tmp_path, tiny_model)
+    text = path.read_text().replace("[models.m]", "[models.cpu]")
+    path.write_text(f'{text}[models.gpu]\npath = "{tiny_model}"\nn_gpu_layers = -1\n')
+    config = load_config(path, env=env)
+    caplog.set_level(logging.WARNING, logger="arbiterd.daemon.supervisor")
+
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any], str]:
+        supervisor = Supervisor(config)
+        events = supervisor.subscribe()
+        await supervisor.start()
+        try:
+            first = await supervisor.status()
+            await supervisor.status()  # the status says it again; the log does not
+            os.kill(pid_of(first, "gpu"), signal.SIGKILL)
+            await next_event(events, "worker")
+            await supervisor.command("warm", "gpu")  # waits for the restarted worker
+            again = await supervisor.status()
+            return first, again, (await supervisor.metrics_text()).decode()
+        finally:
+            await supervisor.stop()
+
+    first, again, metrics = asyncio.run(scenario())
+    engine = EngineReport(first["engine"]["offload"], tuple(first["engine"]["devices"]))
+    expected = offload_warning(-1, engine)  # "" where the engine offloads
+    for status in (first, again):
+        models = {m["name"]: m for m in status["models"]}
+        assert models["gpu"]["backend"] in BACKENDS
+        assert models["gpu"]["backend"] == models["cpu"]["backend"]  # one engine for both
+        assert (models["gpu"]["warning"], models["cpu"]["warning"]) == (expected, "")
+    assert pid_of(again, "gpu") != pid_of(first, "gpu")
+    said = [r.getMessage() for r in caplog.records if "n_gpu_layers" in r.getMessage()]
+    assert said == ([] if engine.offload else [f"gpu {expected}"] * 2)  # two starts
+    backend = first["models"][0]["backend"]
+    assert backend_series(metrics) == {("cpu", backend): 1.0, ("gpu", backend): 1.0}
+
+
+def pid_of(status: dict[str, Any], name: str) -> int:
+    pid: int = {m["name"]: m["pid"] for m in status["models"]}[name]
+    return pid

@@ -1,0 +1,303 @@
+"""The in-place backend on the real arbiterd engine build (llama-residency.patch), CPU only.
+
+No double: select_backend binds the residency API of the libllama llama_cpp loaded, and every
+release and restore moves real buffers. On a CPU-only engine the model is loaded without mmap
+and released with HOST_BUFFERS, so its weights' bytes go to a memfd, outside the process's
+mappings: the process's resident memory is what a release frees and a restore takes back.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from arbiterd.errors import ModelLoadError, RequestError, RestoreError
+from arbiterd.native.libllama import ProbeMiss, ResidencyApi, probe_residency_api
+from arbiterd.spec import KvPolicy, ModelSpec, Residency
+from arbiterd.worker import engine
+from arbiterd.worker.engine import Generation, InPlaceBackend, ReloadBackend, select_backend
+from tests.support.pagecache import drop_page_cache
+from tests.support.tiny_gguf import TinyModelSpec, write_tiny_llama
+
+PROMPT = " ".join(["the quick brown fox is not a dog"] * 10)
+# ~34 MB of F32 weights: a release's drop in RSS stands far out of the process's noise.
+RELEASABLE = TinyModelSpec(n_layer=2, n_embd=512, n_ff=1024, n_vocab=4096)
+# How much of the released weights' bytes must show in the RSS (the rest is slack for
+# allocations the release or restore makes around them: the saved KV, Python objects).
+RSS_SHARE = 0.9
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+SETUP_HINT = "the installed llama_cpp is not the arbiterd engine build: run ./scripts/setup.sh"
+
+
+def greedy(prompt: str = PROMPT, max_tokens: int = 8) -> dict[str, object]:
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+
+
+def text_of(generation: Generation) -> str:
+    return str(generation.response["choices"][0]["text"])
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (the second field of /proc/self/statm, in pages)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * PAGE_BYTES
+
+
+def in_place(
+    model: Path, *, host_copy: bool = True, n_threads: int | None = None
+) -> InPlaceBackend:
+    spec = ModelSpec(
+        name="m",
+        path=model,
+        n_ctx=512,
+        n_gpu_layers=0,
+        n_threads=n_threads,
+        residency=Residency.IN_PLACE,
+        host_copy=host_copy,
+    )
+    chosen = select_backend(spec)
+    assert isinstance(chosen, InPlaceBackend), SETUP_HINT
+    return chosen
+
+
+@pytest.fixture(scope="module")
+def releasable_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("models") / "releasable.gguf", RELEASABLE)
+
+
+@pytest.fixture
+def backend(tiny_model: Path) -> Iterator[InPlaceBackend]:
+    chosen = in_place(tiny_model)
+    chosen.load()
+    yield chosen
+    chosen.close()
+
+
+def test_the_installed_engine_is_the_arbiterd_build() -> None:
+    probed = probe_residency_api()
+    assert isinstance(probed, ResidencyApi), f"{SETUP_HINT} ({probed.reason})"
+
+
+# -- round trips -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv", list(KvPolicy))
+def test_a_round_trip_gives_the_same_text(backend: InPlaceBackend, kv: KvPolicy) -> None:
+    first = backend.generate("completion", greedy(), None)
+    assert first.prompt_tokens_evaluated == first.prompt_tokens > 50
+    warm_bytes = backend.resident_bytes()
+    assert warm_bytes > 0
+    released = backend.release(kv)
+    assert released.weights_bytes > 0
+    assert (released.kv_bytes > 0) is (kv is KvPolicy.HOST)  # only `host` saves it
+    cold_bytes = backend.resident_bytes()
+    if kv is KvPolicy.DEVICE:
+        assert 0 < cold_bytes < warm_bytes  # the KV cache stayed, the weights left
+    else:
+        assert cold_bytes == 0
+    restored = backend.restore()
+    assert (restored.weights_bytes, restored.kv_bytes) == (
+        released.weights_bytes,
+        released.kv_bytes,
+    )
+    assert restored.disk_read_bytes == 0
+    assert backend.resident_bytes() == warm_bytes
+    again = backend.generate("completion", greedy(), None)
+    assert text_of(again) == text_of(first)
+    # host and device kept the prompt's KV: only the last token is decoded again.
+    expected = first.prompt_tokens if kv is KvPolicy.DROP else 1
+    assert again.prompt_tokens_evaluated == expected
+
+
+def test_a_follow_up_after_a_round_trip_evaluates_only_its_suffix(backend: InPlaceBackend) -> None:
+    first = backend.generate("completion", greedy(), None)
+    backend.release(KvPolicy.HOST)
+    backend.restore()
+    follow_up = backend.generate("completion", greedy(PROMPT + " and the cat"), None)
+    suffix_tokens = follow_up.prompt_tokens - first.prompt_tokens
+    assert 0 < suffix_tokens < 10
+    assert follow_up.prompt_tokens_evaluated <= suffix_tokens + 1
+
+
+@pytest.mark.parametrize("kv", list(KvPolicy))
+def test_a_release_frees_the_weights_from_the_process_and_a_restore_takes_them_back(
+    releasable_model: Path, kv: KvPolicy
+) -> None:
+    chosen = in_place(releasable_model)
+    try:
+        chosen.load()
+        first = chosen.generate("completion", greedy(), None)
+        warm_rss = rss_bytes()
+        released = chosen.release(kv)
+        cold_rss = rss_bytes()
+        weights = released.weights_bytes
+        assert weights > 30_000_000  # the model's F32 weights, all of them
+        assert chosen.host_shadow_bytes() >= weights  # their copy, in the memfd
+        assert warm_rss - cold_rss >= RSS_SHARE * weights, (warm_rss, cold_rss, weights)
+        chosen.restore()
+        assert rss_bytes() - cold_rss >= RSS_SHARE * weights
+        assert chosen.host_shadow_bytes() == 0
+        assert text_of(chosen.generate("completion", greedy(), None)) == text_of(first)
+    finally:
+        chosen.close()
+
+
+def mapped_memfd_bytes() -> int:
+    """Bytes of this process's mappings of the engine's memory files (/proc/self/maps)."""
+    total = 0
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if "memfd:llama-residency" in line:
+            start, end = line.split()[0].split("-")
+            total += int(end, 16) - int(start, 16)
+    return total
+
+
+def io_bytes() -> tuple[int, int]:
+    """Bytes this process read and wrote through system calls (rchar, wchar of /proc/self/io):
+    a copy into or out of a memory file counts there, a mapping's pages do not."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["rchar"]), int(fields["wchar"])
+
+
+def test_a_restored_cpu_model_runs_on_its_memfd_so_later_round_trips_copy_nothing(
+    releasable_model: Path,
+) -> None:
+    chosen = in_place(releasable_model)
+    try:
+        chosen.load()
+        first = text_of(chosen.generate("completion", greedy(), None))
+        assert mapped_memfd_bytes() == 0  # loaded into ordinary memory
+        for round_trip in range(3):
+            warm_rss = rss_bytes()
+            read_before, written_before = io_bytes()
+            weights = chosen.release(KvPolicy.DEVICE).weights_bytes
+            assert warm_rss - rss_bytes() >= RSS_SHARE * weights  # unmapped: out of the RSS
+            assert mapped_memfd_bytes() == 0
+            chosen.restore()
+            read, written = io_bytes()
+            if round_trip == 0:
+                assert written - written_before >= weights  # the first release copies
+            else:
+                assert written - written_before < weights / 100  # later ones only unmap
+            assert read - read_before < weights / 100  # a restore maps, it never reads back
+            assert mapped_memfd_bytes() >= weights
+            assert text_of(chosen.generate("completion", greedy(), None)) == first
+    finally:
+        chosen.close()
+
+
+def test_a_restore_reads_nothing_from_disk_even_without_the_host_copy(tiny_model: Path) -> None:
+    # The reload backend reads the file again here (test_engine.py shows the counter-check):
+    # in place, the bytes come from the memfd the release wrote.
+    chosen = in_place(tiny_model, host_copy=False)
+    try:
+        chosen.load()
+        chosen.release(KvPolicy.HOST)
+        drop_page_cache(tiny_model)
+        before = engine.disk_read_bytes()
+        assert chosen.restore().disk_read_bytes == 0
+        assert engine.disk_read_bytes() == before
+    finally:
+        chosen.close()
+
+
+# -- misuse ----------------------------------------------------------------------------------
+
+
+def test_releasing_twice_is_refused_and_the_model_stays_cold(backend: InPlaceBackend) -> None:
+    backend.release(KvPolicy.HOST)
+    with pytest.raises(RequestError, match="m is already cold"):
+        backend.release(KvPolicy.HOST)
+    assert backend.resident_bytes() == 0
+    backend.restore()
+    assert backend.generate("completion", greedy(), None).completion_tokens > 0
+
+
+def test_restoring_a_warm_model_is_refused_and_it_keeps_serving(backend: InPlaceBackend) -> None:
+    first = backend.generate("completion", greedy(), None)
+    with pytest.raises(RestoreError, match="m is already warm"):
+        backend.restore()
+    again = backend.generate("completion", greedy(), None)
+    assert text_of(again) == text_of(first)
+    assert again.prompt_tokens_evaluated == 1  # nothing was released or cleared
+
+
+@pytest.mark.parametrize("kv", list(KvPolicy))
+def test_a_released_model_does_not_generate(backend: InPlaceBackend, kv: KvPolicy) -> None:
+    backend.release(kv)
+    with pytest.raises(RequestError, match="m is not warm"):
+        backend.generate("completion", greedy(), None)
+    backend.restore()
+    assert backend.generate("completion", greedy(), None).completion_tokens > 0
+
+
+# -- select_backend honours `residency` ------------------------------------------------------
+
+MISS = ProbeMiss(Path("/opt/stock/libllama.so"), "test: a stock build: using the reload backend")
+
+
+def test_reload_is_chosen_without_probing(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def probe() -> ProbeMiss:
+        raise AssertionError("residency = reload must not probe the engine")
+
+    monkeypatch.setattr(engine, "probe_residency_api", probe)
+    chosen = select_backend(ModelSpec(name="m", path=tiny_model, residency=Residency.RELOAD))
+    assert type(chosen) is ReloadBackend
+    assert (chosen.kind, chosen.fallback_reason) == ("reload", "")
+
+
+def test_in_place_without_the_api_is_a_load_error(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(engine, "probe_residency_api", lambda: MISS)
+    with pytest.raises(ModelLoadError) as raised:
+        select_backend(ModelSpec(name="m", path=tiny_model, residency=Residency.IN_PLACE))
+    assert str(raised.value) == f'm asks for residency = "in-place": {MISS.reason}'
+
+
+def test_auto_without_the_api_reloads_and_says_why(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="arbiterd.worker.engine")
+    monkeypatch.setattr(engine, "probe_residency_api", lambda: MISS)
+    chosen = select_backend(ModelSpec(name="m", path=tiny_model, residency=Residency.AUTO))
+    assert type(chosen) is ReloadBackend
+    assert (chosen.kind, chosen.fallback_reason) == ("reload", MISS.reason)
+    assert f"m: {MISS.reason}" in caplog.text
+
+
+def test_auto_with_the_arbiterd_build_is_in_place(tiny_model: Path) -> None:
+    chosen = select_backend(ModelSpec(name="m", path=tiny_model, residency=Residency.AUTO))
+    assert type(chosen) is InPlaceBackend, SETUP_HINT
+    assert (chosen.kind, chosen.fallback_reason, chosen.keeps_kv_on_device) == (
+        "in-place",
+        "",
+        True,
+    )
+
+
+# -- the demo's model ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_gemma_round_trip_in_place_frees_its_weights_and_keeps_its_kv(gemma_model: Path) -> None:
+    # One thread: llama.cpp's threads spin while they wait for each other, which costs more
+    # than it gains on a 2-core machine shared with builds (20 s with 2 threads, 8 s with 1).
+    chosen = in_place(gemma_model, n_threads=1)
+    try:
+        chosen.load()
+        first = chosen.generate("completion", greedy("The capital of France is", 6), None)
+        warm_rss = rss_bytes()
+        released = chosen.release(KvPolicy.HOST)
+        assert released.weights_bytes > 200_000_000
+        assert warm_rss - rss_bytes() >= RSS_SHARE * released.weights_bytes
+        assert chosen.restore().disk_read_bytes == 0
+        again = chosen.generate("completion", greedy("The capital of France is", 6), None)
+        assert text_of(again) == text_of(first)
+        assert again.prompt_tokens_evaluated == 1
+    finally:
+        chosen.close()

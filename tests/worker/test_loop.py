@@ -1,0 +1,549 @@
+"""Worker processes on one arena: handoffs, status during a decode, kills, cancels, failures."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from arbiterd.arena import Arena
+from arbiterd.daemon.workerclient import (
+    HELLO_TIMEOUT_S,
+    BlockingWorker,
+    EngineReport,
+    WorkerHello,
+)
+from arbiterd.errors import (
+    ContextOverflowError,
+    EngineError,
+    ModelLoadError,
+    ProtocolError,
+    RequestError,
+    RestoreError,
+    WorkerError,
+)
+from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, ModelSpec, Residency, WorkerConfig
+from arbiterd.wire import LineReader, LineWriter
+from arbiterd.worker.engine import EngineInfo, Generation, Moved, Prepared, engine_info
+from arbiterd.worker.loop import Unavailable, Worker
+from tests.support.waiting import wait_until
+
+PREFIX = " ".join(f"the fox {w} is not a dog" for w in ("one", "two", "three", "four") * 8)
+# What the doubles' engine says it is: no llama.cpp is asked.
+FAKE_ENGINE = EngineInfo(offload=True, devices=("CPU: test cpu", "CUDA0: test gpu"))
+
+
+class Workers:
+    """Spawns workers on one arena and always reaps them."""
+
+    def __init__(self, arena: Path, model: Path) -> None:
+        self.arena = arena
+        self.model = model
+        self.started: list[BlockingWorker] = []
+
+    def spawn(self, name: str, **config: Any) -> BlockingWorker:
+        spec = ModelSpec(
+            name=name,
+            path=config.pop("path", self.model),
+            n_ctx=config.pop("n_ctx", 2048),
+            n_gpu_layers=0,
+        )
+        worker = BlockingWorker.spawn(WorkerConfig(spec=spec, arena=self.arena, **config))
+        self.started.append(worker)
+        return worker
+
+    def close(self) -> None:
+        for worker in self.started:
+            worker.kill()
+
+
+@pytest.fixture
+def workers(tmp_path: Path, tiny_model: Path) -> Iterator[Workers]:
+    group = Workers(tmp_path / "arena", tiny_model)
+    yield group
+    group.close()
+
+
+def complete(worker: BlockingWorker, prompt: str, max_tokens: int = 4) -> dict[str, Any]:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    return worker.generate("completion", body, timeout_s=60)
+
+
+def wait_state(worker: BlockingWorker, state: str) -> None:
+    wait_until(lambda: worker.status()["state"] == state, 30, f"{worker.model} {state}")
+
+
+def residency_events(worker: BlockingWorker) -> list[dict[str, Any]]:
+    events = []
+    while not worker.events.empty():
+        event = worker.events.get_nowait()
+        if event["event"] == "residency":
+            events.append(event)
+    return events
+
+
+def token_intervals(events: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """When this worker held the token: from taking it (→loading/warming) to cooling → cold."""
+    intervals, start = [], 0.0
+    for event in events:
+        if event["to"] == "warming" or (event["from"] == "loading" and event["to"] == "warm"):
+            start = event["at"] if event["to"] == "warming" else event["at"] - event["duration_s"]
+        if event["from"] == "cooling" and event["to"] == "cold":
+            intervals.append((start, event["at"]))
+    return intervals
+
+
+def test_two_workers_alternate_sixty_times_and_keep_their_prompt_caches(
+    workers: Workers,
+) -> None:
+    a, b = workers.spawn("a"), workers.spawn("b")
+    prompts = {"a": PREFIX + " alpha", "b": PREFIX + " beta"}
+    answers = []
+    for i in range(62):
+        worker = (a, b)[i % 2]
+        answers.append(complete(worker, prompts[worker.model] + f" {i}"))
+    assert len(answers) == 62  # every request answered: 0 stranded
+    # After the first request of each, only the new suffix is evaluated, never the prefix.
+    assert all(r["prompt_tokens_evaluated"] <= 3 for r in answers[2:])
+    assert all(r["prompt_tokens"] > 200 for r in answers)
+    intervals_a = token_intervals(residency_events(a))
+    intervals_b = token_intervals(residency_events(b))
+    assert len(intervals_a) + len(intervals_b) >= 60
+    for start_a, end_a in intervals_a:
+        for start_b, end_b in intervals_b:
+            assert end_a <= start_b or end_b <= start_a, "both workers held the GPU at once"
+
+
+def test_status_is_answered_during_a_long_decode(workers: Workers) -> None:
+    worker = workers.spawn("long", n_ctx=4096)
+    done = threading.Event()
+
+    def long_decode() -> None:
+        complete(worker, "the fox", max_tokens=1500)
+        done.set()
+
+    thread = threading.Thread(target=long_decode)
+    thread.start()
+    wait_until(lambda: worker.status()["current"] is not None, 30, "the decode to start")
+    slowest = 0.0
+    for _ in range(20):
+        started = time.monotonic()
+        status = worker.status()
+        slowest = max(slowest, time.monotonic() - started)
+        if status["current"] is None:
+            break
+    assert slowest < 0.5, f"status took {slowest:.3f} s during a decode"
+    thread.join(timeout=120)
+    assert done.is_set()
+
+
+def test_a_killed_warm_worker_frees_the_gpu_and_can_be_restarted(workers: Workers) -> None:
+    a = workers.spawn("a")
+    wait_state(a, "warm")
+    a.request("pin")  # it keeps the GPU, however long b waits
+    b = workers.spawn("b")
+    wait_until(lambda: Arena(workers.arena).observe().waiter_pids == (b.pid,), 30, "b to wait")
+    assert b.status()["state"] == "loading"  # it waits for the token before loading
+    os.kill(a.pid, signal.SIGKILL)
+    a.wait(10)
+    wait_state(b, "warm")
+    assert complete(b, "the fox")["completion_tokens"] >= 1
+    restarted = workers.spawn("a")
+    assert complete(restarted, "the dog")["completion_tokens"] >= 1
+    assert complete(b, "the cat")["completion_tokens"] >= 1
+
+
+def test_a_worker_loads_only_once_it_holds_the_token(workers: Workers) -> None:
+    arena = Arena(workers.arena)
+    with arena.acquire("game") as token:
+        worker = workers.spawn("m")
+        wait_until(token.wanted, 10, "the worker to ask for the GPU")
+        status = worker.status()
+        assert (status["state"], status["holds_token"], status["resident_bytes"]) == (
+            "loading",
+            False,
+            0,
+        )
+        held_until = time.time()
+    wait_state(worker, "warm")
+    assert worker.status()["resident_bytes"] > 0
+    # The load's event says who it waited for, measured by the worker itself.
+    loaded = next(e for e in residency_events(worker) if e["from"] == "loading")
+    assert (loaded["holder_pid"], loaded["holder_name"]) == (os.getpid(), "game")
+    assert loaded["waited_from"] + loaded["wait_s"] >= held_until - 0.01
+
+
+def test_a_warm_up_says_which_model_held_the_gpu_and_how_long_it_waited(
+    workers: Workers,
+) -> None:
+    a, b = workers.spawn("a"), workers.spawn("b")
+    complete(a, "the fox")
+    complete(b, "the dog")  # b waits for a, which releases because b wants the GPU
+    warmed = [e for e in residency_events(b) if e["to"] == "warm"][-1]
+    assert (warmed["holder_pid"], warmed["holder_name"]) == (a.pid, "a")
+    assert warmed["wait_s"] >= 0
+    released = [e for e in residency_events(a) if e["to"] == "cold"][-1]
+    got_token_at = warmed["waited_from"] + warmed["wait_s"]
+    assert warmed["waited_from"] <= released["at"] <= got_token_at + 0.05  # two clocks
+    complete(b, "the cat")  # already warm: no wait at all
+    assert [e for e in residency_events(b) if e["to"] == "warm"] == []
+
+
+def test_cancel_stops_a_streaming_request(workers: Workers) -> None:
+    worker = workers.spawn("m")
+    chunks: list[dict[str, Any]] = []
+
+    def on_chunk(chunk: dict[str, Any]) -> None:
+        chunks.append(chunk)
+        if len(chunks) == 2:
+            worker.cancel("streamed")
+
+    body = {"prompt": "the fox", "max_tokens": 1000, "temperature": 0}
+    result = worker.generate("completion", body, on_chunk=on_chunk, request_id="streamed")
+    assert result["cancelled"]
+    assert result["completion_tokens"] < 1000
+    assert complete(worker, "the dog")["completion_tokens"] >= 1  # still serving
+
+
+def test_release_and_warm_on_command(workers: Workers) -> None:
+    worker = workers.spawn("m", kv_on_release=KvPolicy.HOST)
+    first = complete(worker, PREFIX)
+    assert worker.request("release")["state"] == "cold"
+    assert worker.status()["resident_bytes"] == 0
+    assert Arena(workers.arena).observe().holder_pid is None
+    assert worker.request("warm")["state"] == "warm"
+    follow_up = complete(worker, PREFIX + " more")
+    suffix_tokens = follow_up["prompt_tokens"] - first["prompt_tokens"]
+    assert follow_up["prompt_tokens_evaluated"] <= suffix_tokens + 1
+
+
+def test_idle_release_goes_cold_by_itself(workers: Workers) -> None:
+    worker = workers.spawn("m", idle_release_s=0.2)
+    complete(worker, "the fox")
+    event = worker.wait_event(lambda e: e.get("to") == "cold", timeout_s=10)
+    assert event["reason"] == "idle"
+    assert complete(worker, "the fox")["completion_tokens"] >= 1  # and warms on demand
+
+
+def test_a_prompt_longer_than_the_context_is_refused_and_the_worker_lives(
+    workers: Workers,
+) -> None:
+    worker = workers.spawn("m", n_ctx=64)
+    with pytest.raises(ContextOverflowError, match="context window"):
+        complete(worker, PREFIX)
+    assert complete(worker, "the fox")["completion_tokens"] >= 1
+
+
+def test_a_model_that_cannot_load_fails_with_its_reason(workers: Workers, tmp_path: Path) -> None:
+    worker = workers.spawn("broken", path=tmp_path / "missing.gguf")
+    event = worker.wait_event(lambda e: e.get("to") == "failed")
+    assert "missing.gguf" in event["reason"]
+    status = worker.status()
+    assert status["state"] == "failed"
+    assert "missing.gguf" in status["last_error"]
+    with pytest.raises(EngineError, match="failed to load"):
+        complete(worker, "the fox")
+    assert Arena(workers.arena).observe().holder_pid is None  # the token was given back
+    assert worker.shutdown() == 0
+
+
+def test_shutdown_releases_the_token_and_exits_cleanly(workers: Workers) -> None:
+    worker = workers.spawn("m")
+    wait_state(worker, "warm")
+    assert worker.shutdown() == 0
+    assert Arena(workers.arena).observe().holder_pid is None
+
+
+def test_shutdown_lets_the_current_request_finish(workers: Workers) -> None:
+    worker = workers.spawn("m")
+    first_chunk = threading.Event()
+    results: list[dict[str, Any]] = []
+    body = {"prompt": "the fox", "max_tokens": 200, "temperature": 0}
+    thread = threading.Thread(
+        target=lambda: results.append(
+            worker.generate("completion", body, on_chunk=lambda _: first_chunk.set())
+        )
+    )
+    thread.start()
+    assert first_chunk.wait(30)
+    assert worker.shutdown() == 0  # the daemon is still there: it gets the whole answer
+    thread.join(timeout=30)
+    assert results[0]["cancelled"] is False
+    assert results[0]["completion_tokens"] == 200
+
+
+class FlakyRestore:
+    """A backend whose restore fails: the worker must roll back to cold and free the token."""
+
+    kind = "reload"
+    fallback_reason = "test double: no residency API"
+    keeps_kv_on_device = False
+    prompt_tokens_evaluated_total = 0
+
+    def __init__(self) -> None:
+        self.spec = ModelSpec(name="flaky", path=Path("/nonexistent"))
+        self.warm = False
+
+    def open(self) -> None:
+        pass
+
+    def load(self) -> Moved:
+        self.warm = True
+        return Moved(0.0, 100, 0, 0)
+
+    def release(self, kv: KvPolicy) -> Moved:
+        self.warm = False
+        return Moved(0.0, 100, 10, 0)
+
+    def restore(self) -> Moved:
+        raise RestoreError("out of device memory")
+
+    def prepare(self, kind: str, body: dict[str, Any], cancelled: Any) -> Prepared:
+        return Prepared(kind, {"prompt": [1]})
+
+    def run(self, request: Prepared, sink: Any, cancelled: Any) -> Generation:
+        return Generation({"choices": []}, 1, 1, 1)
+
+    def resident_bytes(self) -> int:
+        return 100 if self.warm else 0
+
+    def host_kv_bytes(self) -> int:
+        return 0 if self.warm else 10
+
+    def close(self) -> None:
+        self.warm = False
+
+
+def test_a_failed_restore_rolls_back_to_cold_without_the_token(tmp_path: Path) -> None:
+    ours, theirs = socket.socketpair()
+    config = WorkerConfig(spec=ModelSpec(name="flaky", path=Path("/x")), arena=tmp_path / "arena")
+    worker = Worker(config, FlakyRestore(), theirs, FAKE_ENGINE)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    reader, writer = LineReader(ours), LineWriter(ours)
+    messages: list[dict[str, Any]] = []
+
+    def until(predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        while True:
+            message = reader.read()
+            assert message is not None
+            messages.append(message)
+            if predicate(message):
+                return message
+
+    until(lambda m: m.get("to") == "warm")
+    writer.send({"op": "release", "id": "1"})
+    until(lambda m: m.get("id") == "1")
+    writer.send({"op": "generate", "id": "2", "kind": "completion", "body": {"prompt": "x"}})
+    reply = until(lambda m: m.get("id") == "2")
+    assert reply["error"]["code"] == "restore"
+    assert "out of device memory" in reply["error"]["message"]
+    rollback = [m for m in messages if m.get("from") == "warming"]
+    assert [m["to"] for m in rollback] == ["cold"]
+    assert Arena(tmp_path / "arena").observe().holder_pid is None
+    writer.send({"op": "status", "id": "3"})
+    assert until(lambda m: m.get("id") == "3")["result"]["state"] == "cold"
+    ours.close()  # the daemon is gone: the worker stops
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    theirs.close()
+
+
+def test_a_pinned_model_keeps_the_gpu_until_unpinned(workers: Workers) -> None:
+    pinned = workers.spawn("pinned")
+    wait_state(pinned, "warm")
+    assert pinned.request("pin") == {"pinned": True}
+    other = workers.spawn("other")
+    arena = Arena(workers.arena)
+    wait_until(lambda: other.pid in arena.observe().waiter_pids, 10, "the other to wait")
+    # Far beyond its 0.1 s minimum hold, a pinned model still holds the GPU.
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        assert pinned.status()["state"] == "warm"
+    assert other.status()["state"] == "loading"
+    assert pinned.request("unpin") == {"pinned": False}
+    wait_state(other, "warm")
+    assert pinned.status()["state"] == "cold"
+
+
+class SlowToPrepare(FlakyRestore):
+    """A backend whose requests take as long to tokenize as nobody cancels them (its restore
+    works): it calls back between pieces, as the real tokenizer does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pieces = 0
+
+    def restore(self) -> Moved:
+        self.warm = True
+        return Moved(0.0, 100, 10, 0)
+
+    def prepare(self, kind: str, body: dict[str, Any], cancelled: Any) -> Prepared:
+        while not cancelled():
+            self.pieces += 1
+            time.sleep(0.002)  # tokenizing one piece
+        raise RequestError("cancelled while its prompt was tokenized")
+
+
+def test_a_warm_worker_tokenizing_lets_a_waiter_in_and_stops_on_cancel(tmp_path: Path) -> None:
+    ours, theirs = socket.socketpair()
+    config = WorkerConfig(spec=ModelSpec(name="slow", path=Path("/x")), arena=tmp_path / "arena")
+    backend = SlowToPrepare()
+    thread = threading.Thread(target=Worker(config, backend, theirs, FAKE_ENGINE).run, daemon=True)
+    thread.start()
+    reader, writer = LineReader(ours), LineWriter(ours)
+
+    def until(predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        while True:
+            message = reader.read()
+            assert message is not None
+            if predicate(message):
+                return message
+
+    until(lambda m: m.get("to") == "warm")
+    writer.send({"op": "generate", "id": "big", "kind": "chat", "body": {}})
+    wait_until(lambda: backend.pieces > 0, 10, "the tokenizing to begin")
+    started = time.monotonic()
+    with Arena(tmp_path / "arena").acquire("game", timeout_s=10):
+        waited_s = time.monotonic() - started
+        writer.send({"op": "cancel", "id": "c", "target": "big"})
+        reply = until(lambda m: m.get("id") == "big")
+    assert waited_s < 1.0  # the worker's 0.1 s minimum hold, then the next piece
+    assert reply["error"] == {
+        "code": "bad_request",
+        "message": "cancelled while its prompt was tokenized",
+    }
+    ours.close()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    theirs.close()
+
+
+# -- what runs the model (issue 15) --------------------------------------------------------------
+
+
+def test_the_hello_and_the_status_say_the_backend_and_the_engine(workers: Workers) -> None:
+    worker = workers.spawn("m")
+    hello = worker.hello
+    assert hello is not None
+    assert (hello.model, hello.pid) == ("m", worker.pid)
+    # This machine's engine, as the worker's own llama.cpp reports it.
+    assert hello.engine.to_json() == engine_info().to_json()
+    # A reason exactly when the worker fell back to reload.
+    assert (hello.backend, bool(hello.fallback_reason)) in {("in-place", False), ("reload", True)}
+    status = worker.status()
+    assert (status["backend"], status["fallback_reason"], status["engine"]) == (
+        hello.backend,
+        hello.fallback_reason,
+        hello.engine.to_json(),
+    )
+
+
+class InPlaceDouble(FlakyRestore):
+    kind = "in-place"
+    fallback_reason = ""
+
+
+def test_the_hello_carries_the_backends_kind_and_reason_and_the_engine(tmp_path: Path) -> None:
+    ours, theirs = socket.socketpair()
+    config = WorkerConfig(spec=ModelSpec(name="gpu", path=Path("/x")), arena=tmp_path / "arena")
+    thread = threading.Thread(
+        target=Worker(config, InPlaceDouble(), theirs, FAKE_ENGINE).run, daemon=True
+    )
+    thread.start()
+    first = LineReader(ours).read()
+    ours.close()  # the daemon is gone: the worker stops
+    thread.join(timeout=10)
+    theirs.close()
+    assert first is not None
+    assert first["hello"] == {
+        "protocol": WORKER_PROTOCOL,
+        "model": "gpu",
+        "pid": os.getpid(),
+        "backend": "in-place",
+        "fallback_reason": "",
+        "engine": {"offload": True, "devices": ["CPU: test cpu", "CUDA0: test gpu"]},
+    }
+    hello = WorkerHello.read(first["hello"])
+    assert hello.engine == EngineReport(True, ("CPU: test cpu", "CUDA0: test gpu"))
+
+
+GOOD_HELLO: dict[str, Any] = {
+    "protocol": WORKER_PROTOCOL,
+    "model": "m",
+    "pid": 42,
+    "backend": "reload",
+    "fallback_reason": "a stock build",
+    "engine": {"offload": False, "devices": ["CPU: test cpu"]},
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        ({"protocol": 1}, "protocol 1"),
+        ({"pid": "42"}, "pid"),
+        ({"backend": "magic"}, "unknown backend 'magic'"),
+        ({"backend": None}, "unknown backend None"),
+        ({"fallback_reason": None}, "fallback_reason"),
+        ({"engine": None}, "engine is not an object"),
+        ({"engine": {"offload": 1, "devices": []}}, "engine.offload"),
+        ({"engine": {"offload": False, "devices": "CPU"}}, "engine.devices"),
+    ],
+)
+def test_a_hello_that_is_not_ours_names_its_first_problem(
+    change: dict[str, Any], problem: str
+) -> None:
+    assert WorkerHello.read(GOOD_HELLO).backend == "reload"
+    with pytest.raises(ProtocolError, match=re.escape(problem)):
+        WorkerHello.read({**GOOD_HELLO, **change})
+
+
+def test_a_backend_that_cannot_be_made_is_a_failed_model_that_says_why(tmp_path: Path) -> None:
+    """residency = "in-place" on an engine without the API: the worker says hello, fails its
+    load with the reason and keeps answering with it (not a crash the daemon retries for ever)."""
+    ours, theirs = socket.socketpair()
+    spec = ModelSpec(name="strict", path=Path("/x"), residency=Residency.IN_PLACE)
+    refused = ModelLoadError('strict asks for residency = "in-place": a stock build')
+    worker = Worker(
+        WorkerConfig(spec=spec, arena=tmp_path / "arena"),
+        Unavailable(spec, refused),
+        theirs,
+        FAKE_ENGINE,
+    )
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    reader, writer = LineReader(ours), LineWriter(ours)
+    hello = WorkerHello.read((reader.read() or {}).get("hello"))
+    assert (hello.backend, hello.fallback_reason) == ("in-place", "")
+    failed = reader.read()
+    assert failed is not None
+    assert (failed["to"], failed["reason"]) == ("failed", str(refused))
+    writer.send({"op": "generate", "id": "1", "kind": "completion", "body": {"prompt": "x"}})
+    reply = reader.read()
+    assert reply is not None
+    assert reply["error"]["message"] == f"strict failed to load: {refused}"
+    assert Arena(tmp_path / "arena").observe().holder_pid is None
+    ours.close()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    theirs.close()
+
+
+def test_a_worker_that_dies_before_its_hello_fails_its_spawn_at_once(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    config = WorkerConfig(spec=ModelSpec(name="m", path=tiny_model), arena=tmp_path / "arena")
+    env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(tmp_path / "nowhere")}  # no engine to import
+    started = time.monotonic()
+    with pytest.raises(WorkerError, match=r"worker for m exited \(1\) before its hello"):
+        BlockingWorker.spawn(config, env=env)
+    assert time.monotonic() - started < HELLO_TIMEOUT_S / 2  # not the hello's whole timeout
