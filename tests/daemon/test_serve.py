@@ -381,6 +381,27 @@ def test_vram_is_measured_and_every_release_is_verified(daemon: Daemon, api: ope
         journal.close()
 
 
+def test_a_scrape_right_after_each_handoff_agrees_with_itself(
+    daemon: Daemon, api: openai.OpenAI
+) -> None:
+    # The VRAM figures are read for the scrape: they name the model that holds the GPU now,
+    # never the one that held it before (they lagged up to 5 s behind the residency gauges).
+    metrics_url = daemon.url.removesuffix("/v1") + "/metrics"
+    for model, other in (("alpha", "beta"), ("beta", "alpha"), ("alpha", "beta")):
+        api.completions.create(model=model, prompt="the fox", max_tokens=1)
+        samples = {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(httpx.get(metrics_url).text)
+            for sample in family.samples
+        }
+        assert samples[("arbiterd_model_resident", (("model", model),))] == 1
+        assert samples[("arbiterd_model_resident", (("model", other),))] == 0
+        vram = (("device", "gpu0"), ("owner", model))
+        assert samples[("arbiterd_vram_bytes", vram)] > 0
+        gone = (("device", "gpu0"), ("owner", other))
+        assert samples.get(("arbiterd_vram_bytes", gone), 0) == 0
+
+
 def test_reload_starts_added_models_and_stops_removed_ones(tiny_model: Path) -> None:
     running = Daemon({"keep": tiny(tiny_model), "drop": tiny(tiny_model)})
     try:
