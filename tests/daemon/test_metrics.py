@@ -1,0 +1,84 @@
+"""The daemon's Prometheus figures, as its events and its workers' hellos make them."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from arbiterd.daemon.metrics import Metrics
+from arbiterd.events import (
+    HandoffEvent,
+    HoldEvent,
+    RequestEvent,
+    ResidencyEvent,
+    WorkerEvent,
+)
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def samples(metrics: Metrics) -> Samples:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(metrics.text().decode())
+        for sample in family.samples
+    }
+
+
+def test_a_model_has_its_series_at_zero_before_its_first_event() -> None:
+    metrics = Metrics()
+    metrics.add_model("m")
+    figures = samples(metrics)
+    assert figures[("arbiterd_model_resident", (("model", "m"),))] == 0
+    assert figures[("arbiterd_prompt_tokens_evaluated_total", (("model", "m"),))] == 0
+
+
+def test_residency_sets_the_resident_gauge_by_the_state_it_reaches() -> None:
+    metrics = Metrics()
+    metrics.observe(ResidencyEvent(model="m", from_state="warming", to_state="warm"))
+    assert samples(metrics)[("arbiterd_model_resident", (("model", "m"),))] == 1
+    metrics.observe(ResidencyEvent(model="m", from_state="cooling", to_state="cold"))
+    assert samples(metrics)[("arbiterd_model_resident", (("model", "m"),))] == 0
+
+
+def test_requests_count_by_outcome_and_only_evaluated_prompt_tokens_add_up() -> None:
+    metrics = Metrics()
+    metrics.observe(RequestEvent(model="m", status="ok", prompt_tokens_evaluated=40))
+    metrics.observe(RequestEvent(model="m", cancelled=True, prompt_tokens_evaluated=2))
+    metrics.observe(RequestEvent(model="m", status="error"))
+    figures = samples(metrics)
+    for status in ("ok", "cancelled", "error"):
+        assert figures[("arbiterd_requests_total", (("model", "m"), ("status", status)))] == 1
+    assert figures[("arbiterd_prompt_tokens_evaluated_total", (("model", "m"),))] == 42
+
+
+def test_a_handoff_is_counted_with_its_measured_total() -> None:
+    metrics = Metrics()
+    handoff = HandoffEvent(
+        from_model="a", to_model="b", waited_from=100.0, wait_s=0.2, release_s=0.15, restore_s=0.3
+    )
+    metrics.observe(handoff)
+    figures = samples(metrics)
+    assert figures[("arbiterd_handoffs_total", ())] == 1
+    # wait + restore: the release happened within the wait, so it is not added again
+    assert figures[("arbiterd_handoff_seconds_sum", ())] == handoff.total_s == 0.5
+    assert figures[("arbiterd_handoff_seconds_bucket", (("le", "0.5"),))] == 1
+
+
+def test_only_a_worker_that_restarts_counts_as_a_restart() -> None:
+    metrics = Metrics()
+    metrics.observe(WorkerEvent(model="m", code=-9, reason="killed", restart_in_s=1.0))
+    metrics.observe(WorkerEvent(model="m", reason="could not start: bad config"))
+    metrics.observe(HoldEvent(held=True))  # not a figure of any kind
+    assert samples(metrics)[("arbiterd_worker_restarts_total", (("model", "m"),))] == 1
+
+
+def test_a_models_backend_series_follows_its_latest_worker() -> None:
+    metrics = Metrics()
+    metrics.set_backend("m", "reload")
+    metrics.set_backend("m", "in-place")
+    backends = {
+        labels: value
+        for (name, labels), value in samples(metrics).items()
+        if name == "arbiterd_backend"
+    }
+    assert backends == {(("backend", "in-place"), ("model", "m")): 1}
