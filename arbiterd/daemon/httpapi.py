@@ -200,11 +200,15 @@ def _is_empty_dict(value: object) -> bool:
 IGNORED_ANY = {
     "user": _Ignored(lambda v: isinstance(v, str), "a string"),
     "logit_bias": _Ignored(_is_empty_dict, "an empty object"),
-    "stream_options": _Ignored(lambda v: isinstance(v, dict), "an object"),
     "logprobs": _Ignored(lambda v: v is False, "false"),
+    # Bookkeeping of OpenAI's service: nothing to store or to file it under here.
+    "store": _Ignored(lambda v: isinstance(v, bool), "a boolean"),
+    "metadata": _Ignored(lambda v: isinstance(v, dict), "an object"),
 }
 IGNORED_CHAT = {
     **IGNORED_ANY,
+    # The models arbiterd runs reason as their template makes them; the effort asks nothing more.
+    "reasoning_effort": _Ignored(lambda v: isinstance(v, str), "a string"),
     "response_format": _Ignored(lambda v: v == {"type": "text"}, '{"type": "text"}'),
     "top_logprobs": _Ignored(lambda v: v == 0 and not isinstance(v, bool), "0"),
     "tools": _Ignored(lambda v: v == [], "an empty array"),
@@ -217,7 +221,7 @@ IGNORED_COMPLETION = {
     "best_of": _Ignored(lambda v: v == 1 and not isinstance(v, bool), "1"),
     "suffix": _Ignored(lambda v: v == "", "an empty string"),
 }
-COMMON_KEYS = frozenset({"model", "stream", "n", *ENGINE_CHECKS})
+COMMON_KEYS = frozenset({"model", "stream", "stream_options", "n", *ENGINE_CHECKS})
 CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens", *IGNORED_CHAT}
 COMPLETION_KEYS = COMMON_KEYS | {"prompt", *IGNORED_COMPLETION}
 
@@ -375,7 +379,21 @@ def parse_request(kind: str, payload: object) -> CompletionRequest:
     if body.get("stop") == []:
         del body["stop"]
     stream = _stream_option(given, ignored)
+    if stream and _include_usage(given.get("stream_options")):
+        body["stream_options"] = {"include_usage": True}  # a last chunk with the usage
     return CompletionRequest(model=model, kind=kind, stream=stream, body=body)
+
+
+def _include_usage(options: object) -> bool:
+    """`stream_options.include_usage`; the option's other keys change nothing here."""
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise _wrong_type("stream_options", "an object", options)
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise _wrong_type("stream_options.include_usage", "a boolean", include)
+    return include
 
 
 def _reject_constant(name: str) -> object:

@@ -89,6 +89,7 @@ class Prepared:
 
     kind: str  # "completion" or "chat"
     completion: dict[str, Any]
+    include_usage: bool = False  # a streamed request ends with a chunk of its usage
 
     @property
     def prompt_tokens(self) -> list[int]:
@@ -319,7 +320,7 @@ class ReloadBackend:
             completion = {"prompt": tokens, "stream": True, **kwargs}
         else:
             raise RequestError(f"unknown request kind {kind!r}")
-        request = Prepared(kind, completion)
+        request = Prepared(kind, completion, include_usage=_include_usage(body))
         if len(request.prompt_tokens) >= n_ctx:  # the test create_completion makes, made early
             raise ContextOverflowError(
                 f"Requested tokens ({len(request.prompt_tokens)}) exceed context window of {n_ctx}"
@@ -338,9 +339,25 @@ class ReloadBackend:
             if request.kind == "chat":
                 # The conversion Llama.create_chat_completion applies to the same stream.
                 chunks = llama_chat_format._convert_text_completion_chunks_to_chat(chunks)
-            return self._drain(request.kind, chunks, sink)
+            generation = self._drain(request.kind, chunks, sink)
         except ValueError as exc:  # llama-cpp-python reports bad arguments as ValueError
             raise RequestError(str(exc)) from None
+        if sink is not None and request.include_usage:
+            # OpenAI's last chunk of a stream that asked for it: no choices, the usage.
+            response = generation.response
+            sink(
+                {
+                    "id": response["id"],
+                    "object": "chat.completion.chunk"
+                    if request.kind == "chat"
+                    else response["object"],
+                    "created": response["created"],
+                    "model": response["model"],
+                    "choices": [],
+                    "usage": response["usage"],
+                }
+            )
+        return generation
 
     def generate(self, kind: str, body: dict[str, Any], sink: ChunkSink | None) -> Generation:
         """`prepare` and `run` in one call, never cancelled: for callers that drive a backend
@@ -418,6 +435,8 @@ class ReloadBackend:
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
+                # the prompt-cache hit: the prefix kept from earlier requests, not evaluated again
+                "prompt_tokens_details": {"cached_tokens": run.reused_prefix},
             },
         }
         return Generation(response, prompt_tokens, evaluated, completion_tokens, cancelled)
@@ -697,6 +716,15 @@ def _request_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     if "max_tokens" in kwargs and kwargs["max_tokens"] < 1:
         raise RequestError("'max_tokens' must be at least 1")
     return kwargs
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise RequestError("'stream_options' must be an object whose include_usage is a boolean")
+    return bool(options.get("include_usage", False))
 
 
 def _characters(messages: list[Any]) -> int:

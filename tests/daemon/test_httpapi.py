@@ -265,6 +265,9 @@ def test_chat_completion_gets_only_engine_parameters(app: FastAPI, service: Fake
         "logprobs": False,
         "tools": [],
         "tool_choice": "none",
+        "store": False,
+        "metadata": {"project": "notes"},
+        "reasoning_effort": "low",
     }
     response = call(app, "POST", "/v1/chat/completions", body=request)
     assert response.status_code == 200, response.text
@@ -625,6 +628,38 @@ def test_stream_sends_each_chunk_then_done(
     assert "stream" not in body
     assert body["max_tokens"] == 3
     assert not service.closed.is_set()
+
+
+@pytest.mark.parametrize(
+    ("path", "request_body"),
+    [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)],
+)
+def test_a_stream_that_asks_for_its_usage_passes_the_option_on(
+    app: FastAPI, service: FakeService, path: str, request_body: dict[str, Any]
+) -> None:
+    options = {"include_usage": True, "include_obfuscation": False}
+    body = {**request_body, "stream": True, "stream_options": options}
+    assert call(app, "POST", path, body=body).status_code == 200
+    plain = {**request_body, "stream_options": {"include_usage": True}}  # not streamed: no chunk
+    assert call(app, "POST", path, body=plain).status_code == 200
+    [(_, _, streamed), (_, _, answered)] = service.calls
+    assert streamed["stream_options"] == {"include_usage": True}
+    assert "stream_options" not in answered
+
+
+@pytest.mark.parametrize(
+    ("path", "request_body"),
+    [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)],
+)
+@pytest.mark.parametrize(
+    ("options", "param"),
+    [("yes", "stream_options"), ({"include_usage": "yes"}, "stream_options.include_usage")],
+)
+def test_malformed_stream_options_are_a_400(
+    app: FastAPI, path: str, request_body: dict[str, Any], options: object, param: str
+) -> None:
+    body = {**request_body, "stream": True, "stream_options": options}
+    assert_error(call(app, "POST", path, body=body), 400, code="invalid_type", param=param)
 
 
 @pytest.mark.parametrize(

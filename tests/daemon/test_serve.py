@@ -83,6 +83,33 @@ def test_chat_and_completions_through_the_openai_sdk(api: openai.OpenAI) -> None
     assert "".join(pieces)
 
 
+def test_the_openai_sdk_gets_the_usage_of_a_stream_and_the_prompt_cache_hit(
+    api: openai.OpenAI,
+) -> None:
+    chunks = list(
+        api.completions.create(
+            model="alpha",
+            prompt="the fox jumps over the lazy dog and",
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert usage.completion_tokens == 4
+    assert usage.total_tokens == usage.prompt_tokens + 4
+    again = api.completions.create(
+        model="alpha", prompt="the fox jumps over the lazy dog and then", max_tokens=1
+    )
+    assert again.usage is not None
+    details = again.usage.prompt_tokens_details
+    assert details is not None
+    assert details.cached_tokens is not None
+    assert details.cached_tokens >= usage.prompt_tokens - 1  # the earlier prompt, kept
+
+
 def test_alternating_requests_hand_the_gpu_over_and_keep_the_prompt_cache(
     daemon: Daemon, api: openai.OpenAI
 ) -> None:

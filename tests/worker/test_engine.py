@@ -58,6 +58,39 @@ def test_round_trip_reuses_the_prompt_cache(backend: ReloadBackend) -> None:
     assert follow_up.prompt_tokens_evaluated <= suffix_tokens + 1
 
 
+def test_usage_says_how_much_of_the_prompt_came_from_the_cache(backend: ReloadBackend) -> None:
+    first = backend.generate("completion", greedy(PREFIX), None).response["usage"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    again = backend.generate("completion", greedy(PREFIX + SUFFIX), None)
+    cached = again.response["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == again.prompt_tokens - again.prompt_tokens_evaluated
+    assert cached >= first["prompt_tokens"] - 1  # all of the first prompt but its last token
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_stream_that_asks_ends_with_a_chunk_of_its_usage(
+    backend: ReloadBackend, kind: str
+) -> None:
+    body: dict[str, Any] = {"max_tokens": 3, "temperature": 0}
+    if kind == "chat":
+        body["messages"] = [{"role": "user", "content": "the fox"}]
+    else:
+        body["prompt"] = "the fox"
+    chunks: list[dict[str, Any]] = []
+    plain = backend.generate(kind, body, chunks.append)
+    assert all(chunk["choices"] for chunk in chunks)  # not asked: no usage chunk
+    chunks.clear()
+    asked = backend.generate(
+        kind, {**body, "stream_options": {"include_usage": True}}, chunks.append
+    )
+    *text, last = chunks
+    assert all(chunk["choices"] for chunk in text)
+    assert last["choices"] == []
+    assert last["usage"] == asked.response["usage"]
+    assert last["usage"]["completion_tokens"] == plain.completion_tokens
+    assert last["object"] == ("chat.completion.chunk" if kind == "chat" else "text_completion")
+
+
 def test_greedy_output_is_identical_after_a_round_trip(backend: ReloadBackend) -> None:
     before = text_of(backend.generate("completion", greedy(PREFIX), None))
     backend.release(KvPolicy.HOST)
@@ -191,7 +224,11 @@ def test_prepared_chat_is_what_create_chat_completion_runs(
     finally:
         library.close()
     assert ours["choices"][0]["message"] == theirs["choices"][0]["message"]  # type: ignore[index]
-    assert ours["usage"] == theirs["usage"]  # type: ignore[index]
+    # The same counts; ours also says how much of the prompt the cache held (here: none).
+    assert ours["usage"] == {
+        **theirs["usage"],  # type: ignore[index]
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_a_chat_format_that_cannot_render_is_a_request_error(tiny_model: Path) -> None:
