@@ -209,7 +209,6 @@ IGNORED_CHAT = {
     **IGNORED_ANY,
     # The models arbiterd runs reason as their template makes them; the effort asks nothing more.
     "reasoning_effort": _Ignored(lambda v: isinstance(v, str), "a string"),
-    "response_format": _Ignored(lambda v: v == {"type": "text"}, '{"type": "text"}'),
     "top_logprobs": _Ignored(lambda v: v == 0 and not isinstance(v, bool), "0"),
     "tools": _Ignored(lambda v: v == [], "an empty array"),
     "tool_choice": _Ignored(lambda v: v == "none", '"none"'),
@@ -222,7 +221,7 @@ IGNORED_COMPLETION = {
     "suffix": _Ignored(lambda v: v == "", "an empty string"),
 }
 COMMON_KEYS = frozenset({"model", "stream", "stream_options", "n", *ENGINE_CHECKS})
-CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens", *IGNORED_CHAT}
+CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens", "response_format", *IGNORED_CHAT}
 COMPLETION_KEYS = COMMON_KEYS | {"prompt", *IGNORED_COMPLETION}
 
 
@@ -371,6 +370,9 @@ def parse_request(kind: str, payload: object) -> CompletionRequest:
     if kind == "chat":
         body["messages"] = _messages(given.get("messages"))
         _max_completion_tokens(given)
+        structured = _response_format(given.get("response_format"))
+        if structured is not None:
+            body["response_format"] = structured
     else:
         body["prompt"] = _prompt(given.get("prompt"))
     for key in COMPLETION_PARAMS:  # only what the engine takes is passed on
@@ -382,6 +384,32 @@ def parse_request(kind: str, payload: object) -> CompletionRequest:
     if stream and _include_usage(given.get("stream_options")):
         body["stream_options"] = {"include_usage": True}  # a last chunk with the usage
     return CompletionRequest(model=model, kind=kind, stream=stream, body=body)
+
+
+def _response_format(value: object) -> dict[str, Any] | None:
+    """OpenAI's response_format as the engine takes it: None for text; json_object as it is;
+    json_schema as json_object with its schema (a grammar made from it constrains the output,
+    so it always parses and follows the schema, "strict" or not)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if not isinstance(value, dict) or kind not in ("text", "json_object", "json_schema"):
+        raise ApiError(
+            400,
+            '\'response_format\' must be {"type": "text"}, {"type": "json_object"} or '
+            '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+            code="invalid_value",
+            param="response_format",
+        )
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    described = value.get("json_schema")
+    schema = described.get("schema") if isinstance(described, dict) else None
+    if not isinstance(schema, dict):
+        raise _wrong_type("response_format.json_schema.schema", "a JSON schema (an object)", schema)
+    return {"type": "json_object", "schema": schema}
 
 
 def _include_usage(options: object) -> bool:

@@ -21,6 +21,7 @@ worker's whole life, so a worker tokenizes while cold, before it asks for the GP
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import re
@@ -33,6 +34,7 @@ from typing import Any, Protocol, cast
 import llama_cpp
 from llama_cpp import llama_chat_format
 from llama_cpp._internals import LlamaModel
+from llama_cpp.llama_grammar import LlamaGrammar
 
 from arbiterd.errors import (
     ContextOverflowError,
@@ -310,6 +312,9 @@ class ReloadBackend:
                     f"{len(messages)} messages exceed the context window of {n_ctx} tokens"
                 )
             _check_characters(_characters(messages), max_chars)
+            response_format = _response_format(body)
+            if response_format is not None:  # the chat handler turns it into a grammar
+                kwargs = {**kwargs, "response_format": response_format}
             completion = self._chat_completion(vocab, messages, kwargs, cancelled)
         elif kind == "completion":
             prompt = body.get("prompt")
@@ -716,6 +721,27 @@ def _request_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     if "max_tokens" in kwargs and kwargs["max_tokens"] < 1:
         raise RequestError("'max_tokens' must be at least 1")
     return kwargs
+
+
+def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The chat request's structured output, as llama-cpp-python's chat handlers take it:
+    {"type": "json_object"}, with the JSON schema the output must follow when there is one
+    ("schema"); None for free text."""
+    wanted = body.get("response_format")
+    if wanted is None:
+        return None
+    if not isinstance(wanted, dict) or wanted.get("type") != "json_object":
+        raise RequestError('\'response_format\' must be {"type": "json_object"}, with a "schema"')
+    schema = wanted.get("schema")
+    if schema is None:
+        return {"type": "json_object"}
+    if not isinstance(schema, dict):
+        raise RequestError("'response_format.schema' must be a JSON schema (an object)")
+    try:  # llama-cpp-python's converter reports what it cannot follow in assorted exceptions
+        LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
+    except Exception as exc:
+        raise RequestError(f"the JSON schema cannot be followed: {exc}") from None
+    return {"type": "json_object", "schema": schema}
 
 
 def _include_usage(body: dict[str, Any]) -> bool:

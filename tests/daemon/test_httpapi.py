@@ -382,7 +382,6 @@ BAD_CHAT: list[tuple[str, dict[str, Any], str]] = [
     ("seed a float", {"seed": 1.5}, "seed"),
     ("seed beyond int64", {"seed": 2**64}, "seed"),
     ("logit_bias", {"logit_bias": {"50256": -100}}, "logit_bias"),
-    ("json mode", {"response_format": {"type": "json_object"}}, "response_format"),
     ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("prompt in chat", {"prompt": "x"}, "prompt"),
 ]
@@ -628,6 +627,52 @@ def test_stream_sends_each_chunk_then_done(
     assert "stream" not in body
     assert body["max_tokens"] == 3
     assert not service.closed.is_set()
+
+
+@pytest.mark.parametrize(
+    ("response_format", "passed"),
+    [
+        ({"type": "text"}, None),
+        ({"type": "json_object"}, {"type": "json_object"}),
+        (
+            {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}},
+            {"type": "json_object", "schema": {"type": "object"}},
+        ),
+        (
+            {
+                "type": "json_schema",
+                "json_schema": {"name": "n", "strict": True, "schema": {"type": "integer"}},
+            },
+            {"type": "json_object", "schema": {"type": "integer"}},
+        ),
+    ],
+)
+def test_a_response_format_goes_to_the_engine_as_a_json_object_with_its_schema(
+    app: FastAPI, service: FakeService, response_format: object, passed: object
+) -> None:
+    body = {**CHAT, "response_format": response_format}
+    assert call(app, "POST", "/v1/chat/completions", body=body).status_code == 200
+    [(_, _, sent)] = service.calls
+    assert sent.get("response_format") == passed
+
+
+@pytest.mark.parametrize(
+    ("response_format", "param"),
+    [
+        ({"type": "xml"}, "response_format"),
+        ("json", "response_format"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "n"}},
+            "response_format.json_schema.schema",
+        ),
+    ],
+)
+def test_a_response_format_arbiterd_cannot_follow_is_a_400(
+    app: FastAPI, response_format: object, param: str
+) -> None:
+    body = {**CHAT, "response_format": response_format}
+    response = call(app, "POST", "/v1/chat/completions", body=body)
+    assert_error(response, 400, param=param)
 
 
 @pytest.mark.parametrize(

@@ -110,6 +110,27 @@ def test_the_openai_sdk_gets_the_usage_of_a_stream_and_the_prompt_cache_hit(
     assert details.cached_tokens >= usage.prompt_tokens - 1  # the earlier prompt, kept
 
 
+def test_the_openai_sdk_gets_json_that_follows_its_schema(api: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "rank": {"type": "integer"}},
+        "required": ["city", "rank"],
+        "additionalProperties": False,
+    }
+    chat = api.chat.completions.create(
+        model="beta",
+        messages=[{"role": "user", "content": "Which city is first?"}],
+        max_tokens=60,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "answer", "schema": schema, "strict": True},
+        },
+    )
+    answer = json.loads(chat.choices[0].message.content or "")
+    assert set(answer) == {"city", "rank"}
+    assert isinstance(answer["rank"], int)
+
+
 def test_alternating_requests_hand_the_gpu_over_and_keep_the_prompt_cache(
     daemon: Daemon, api: openai.OpenAI
 ) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -89,6 +90,86 @@ def test_a_stream_that_asks_ends_with_a_chunk_of_its_usage(
     assert last["usage"] == asked.response["usage"]
     assert last["usage"]["completion_tokens"] == plain.completion_tokens
     assert last["object"] == ("chat.completion.chunk" if kind == "chat" else "text_completion")
+
+
+def random_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
+    """An object schema of 1-4 required properties: integers, booleans, bounded strings,
+    enums, short integer arrays and (twice at most) nested objects."""
+    kinds = ["integer", "boolean", "string", "enum", "array"] + (["object"] if depth < 2 else [])
+    properties: dict[str, Any] = {}
+    for index in range(rng.randint(1, 4)):
+        kind = rng.choice(kinds)
+        if kind == "string":
+            prop: dict[str, Any] = {"type": "string", "maxLength": rng.randint(1, 8)}
+        elif kind == "enum":
+            prop = {"enum": [f"v{n}" for n in range(rng.randint(1, 4))]}
+        elif kind == "array":
+            prop = {"type": "array", "items": {"type": "integer"}, "maxItems": 3}
+        elif kind == "object":
+            prop = random_schema(rng, depth + 1)
+        else:
+            prop = {"type": kind}
+        properties[f"p{index}"] = prop
+    return {"type": "object", "properties": properties, "required": sorted(properties)}
+
+
+def follows(value: Any, schema: dict[str, Any]) -> bool:
+    """Whether `value` follows one of random_schema's schemas."""
+    if "enum" in schema:
+        return value in schema["enum"]
+    kind = schema["type"]
+    if kind == "object":
+        return isinstance(value, dict) and all(
+            key in value and follows(value[key], sub) for key, sub in schema["properties"].items()
+        )
+    if kind == "array":
+        return (
+            isinstance(value, list)
+            and len(value) <= 3
+            and all(isinstance(item, int) and not isinstance(item, bool) for item in value)
+        )
+    if kind == "string":
+        return isinstance(value, str) and len(value) <= schema["maxLength"]
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, bool)
+
+
+def test_a_hundred_random_schemas_give_json_that_follows_each_of_them(
+    backend: ReloadBackend,
+) -> None:
+    # The tiny model's weights are random: only the grammar made from the schema makes it
+    # write JSON at all, so every output that parses and follows its schema is the grammar's.
+    rng = random.Random(17)
+    for _ in range(100):
+        schema = random_schema(rng)
+        body = {
+            "messages": [{"role": "user", "content": "answer in JSON"}],
+            "max_tokens": 400,
+            "temperature": 0,
+            "response_format": {"type": "json_object", "schema": schema},
+        }
+        result = backend.generate("chat", body, None).response["choices"][0]
+        assert result["finish_reason"] == "stop", (schema, result)
+        answer = json.loads(result["message"]["content"])
+        assert follows(answer, schema), (schema, answer)
+
+
+@pytest.mark.parametrize(
+    "response_format",
+    [
+        {"type": "json_object", "schema": {"type": "no such type"}},
+        {"type": "json_object", "schema": {"$ref": "#/nowhere"}},
+        {"type": "json_object", "schema": "an object"},
+        {"type": "xml"},
+    ],
+)
+def test_a_response_format_that_cannot_be_followed_is_a_request_error(
+    backend: ReloadBackend, response_format: dict[str, Any]
+) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "response_format": response_format}
+    with pytest.raises(RequestError, match=r"response_format|JSON schema"):
+        backend.generate("chat", body, None)
 
 
 def test_greedy_output_is_identical_after_a_round_trip(backend: ReloadBackend) -> None:
