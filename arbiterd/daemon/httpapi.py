@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from arbiterd.daemon import ollama
 from arbiterd.daemon.service import Service
 from arbiterd.errors import ArbiterError, ErrorCode, UnknownModelError
 from arbiterd.spec import COMPLETION_PARAMS
@@ -559,25 +560,39 @@ async def _close(chunks: AsyncIterator[dict[str, Any]]) -> None:
         log.warning("closing the service's chunk iterator took over %s s", STREAM_CLOSE_TIMEOUT_S)
 
 
+def _ndjson(data: dict[str, Any]) -> bytes:
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode("utf-8") + b"\n"
+
+
 class EventStream(Response):
-    """A streamed completion as server-sent events, owning the service's chunk iterator from
-    opening to closing.
+    """A streamed completion as server-sent events (or, for Ollama's routes, NDJSON lines),
+    owning the service's chunk iterator from opening to closing.
 
     The first chunk is awaited before the status line is sent, so an error raised before it is
     an ordinary HTTP error. A later error becomes one `data: {"error": ...}` event, then
-    `data: [DONE]`. If the client disconnects at any point, the pending read is cancelled and
-    the iterator closed (the Service contract: closing early cancels the request)."""
+    `data: [DONE]` (NDJSON: one `{"error": MESSAGE}` line). If the client disconnects at any
+    point, the pending read is cancelled and the iterator closed (the Service contract:
+    closing early cancels the request)."""
 
     media_type = "text/event-stream"
 
     def __init__(
-        self, chunks: Callable[[], AsyncIterator[dict[str, Any]]], names: Callable[[], list[str]]
+        self,
+        chunks: Callable[[], AsyncIterator[dict[str, Any]]],
+        names: Callable[[], list[str]],
+        *,
+        ndjson: bool = False,
     ) -> None:
         # Not Response.__init__: it would render an empty body with Content-Length: 0.
         self.status_code = 200
         self.background = None
         self._open = chunks
         self._names = names
+        self._line = _ndjson if ndjson else _sse
+        self._end = b"" if ndjson else SSE_DONE
+        self._ndjson = ndjson
+        if ndjson:
+            self.media_type = "application/x-ndjson"
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -596,7 +611,7 @@ class EventStream(Response):
     ) -> None:
         try:
             try:
-                first: bytes | None = _sse(await anext(chunks))
+                first: bytes | None = self._line(await anext(chunks))
             except StopAsyncIteration:
                 first = None
             except Exception as exc:
@@ -607,15 +622,20 @@ class EventStream(Response):
                 await send({"type": "http.response.body", "body": first, "more_body": True})
             while True:
                 try:
-                    event = _sse(await anext(chunks))
+                    event = self._line(await anext(chunks))
                 except StopAsyncIteration:
                     break
                 except Exception as exc:
-                    error = _sse(_api_error(exc, self._names).envelope())
+                    failed = _api_error(exc, self._names)
+                    error = (
+                        _ndjson({"error": failed.message})
+                        if self._ndjson
+                        else (_sse(failed.envelope()))
+                    )
                     await send({"type": "http.response.body", "body": error, "more_body": True})
                     break
                 await send({"type": "http.response.body", "body": event, "more_body": True})
-            await send({"type": "http.response.body", "body": SSE_DONE, "more_body": False})
+            await send({"type": "http.response.body", "body": self._end, "more_body": False})
         except OSError:
             return  # ASGI 2.4 servers report a gone client by failing `send`
 
@@ -741,7 +761,83 @@ def create_app(
     async def completions(request: Request) -> Response:
         return await serve(request, "completion")
 
+    _add_ollama_routes(app, service, guarded, names, max_body_bytes)
     return app
+
+
+def _add_ollama_routes(
+    app: FastAPI,
+    service: Service,
+    guarded: list[Any],
+    names: Callable[[], list[str]],
+    max_body_bytes: int,
+) -> None:
+    """Ollama's API on the same port (daemon/ollama.py translates), for apps that speak only it."""
+
+    @app.get("/api/version", dependencies=guarded)
+    async def ollama_version() -> dict[str, Any]:
+        return {"version": ollama.VERSION}
+
+    @app.get("/api/tags", dependencies=guarded)
+    async def ollama_tags() -> dict[str, Any]:
+        return ollama.tags((await service.status())["models"])
+
+    @app.get("/api/ps", dependencies=guarded)
+    async def ollama_ps() -> dict[str, Any]:
+        return ollama.ps((await service.status())["models"])
+
+    async def serve_ollama(request: Request, route: str) -> Response:
+        try:
+            payload = _parse_json(await _read_body(request, max_body_bytes))
+            translate = ollama.chat_request if route == "chat" else ollama.generate_request
+            kind, openai, stream = translate(payload)
+            parsed = parse_request(kind, openai)
+            if parsed.model not in names():
+                raise _unknown_model(parsed.model, names())
+        except Exception as exc:
+            return _api_error(exc, names).response()
+        started = time.monotonic()
+        if stream:
+            return EventStream(
+                partial(_ollama_lines, service, parsed, route, started), names, ndjson=True
+            )
+        response = await _complete(service, parsed, request.receive, names)
+        if not isinstance(response, JSONResponse) or response.status_code != 200:
+            return response
+        whole = json.loads(bytes(response.body))
+        return JSONResponse(ollama.answer(kind, route, whole, time.monotonic() - started))
+
+    @app.post("/api/chat", dependencies=guarded)
+    async def ollama_chat(request: Request) -> Response:
+        return await serve_ollama(request, "chat")
+
+    @app.post("/api/generate", dependencies=guarded)
+    async def ollama_generate(request: Request) -> Response:
+        return await serve_ollama(request, "generate")
+
+
+async def _ollama_lines(
+    service: Service, parsed: CompletionRequest, route: str, started: float
+) -> AsyncIterator[dict[str, Any]]:
+    """A streamed request's chunks as Ollama's lines, the counts in the last (the usage chunk
+    the engine sends when asked)."""
+    body = {**parsed.body, "stream_options": {"include_usage": True}}
+    chunks = service.stream(parsed.model, parsed.kind, body)
+    finish_reason, usage = None, None
+    try:
+        async for chunk in chunks:
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices") or []:
+                finish_reason = choice.get("finish_reason") or finish_reason
+            line = ollama.chunk(parsed.kind, route, chunk)
+            if line is not None:
+                yield line
+        yield ollama.last_line(
+            route, parsed.model, finish_reason, usage, time.monotonic() - started
+        )
+    finally:
+        await _close(chunks)
 
 
 async def _complete(

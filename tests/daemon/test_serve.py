@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import ollama
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -129,6 +130,57 @@ def test_the_openai_sdk_gets_json_that_follows_its_schema(api: openai.OpenAI) ->
     answer = json.loads(chat.choices[0].message.content or "")
     assert set(answer) == {"city", "rank"}
     assert isinstance(answer["rank"], int)
+
+
+@pytest.fixture
+def ollama_client(daemon: Daemon) -> Iterator[ollama.Client]:
+    client = ollama.Client(host=daemon.url.removesuffix("/v1"), timeout=60)
+    try:
+        yield client
+    finally:
+        client.close()  # type: ignore[no-untyped-call]  # ollama leaves it unannotated
+
+
+def test_an_app_that_speaks_only_ollama_works_through_the_ollama_client(
+    daemon: Daemon, ollama_client: ollama.Client
+) -> None:
+    client = ollama_client
+    assert {m.model for m in client.list().models} == {"alpha", "beta"}
+    assert {m.model for m in client.ps().models} == {"alpha", "beta"}  # all resident
+    messages = [{"role": "user", "content": "hello"}]
+    whole = client.chat(model="alpha", messages=messages, options={"num_predict": 5, "seed": 1})
+    assert whole.done
+    assert whole.message.role == "assistant"
+    assert whole.message.content
+    assert (whole.eval_count, whole.done_reason) == (5, "length")
+    assert whole.prompt_eval_count is not None
+    assert whole.prompt_eval_count > 0
+    lines = list(
+        client.chat(model="beta", messages=messages, stream=True, options={"num_predict": 4})
+    )
+    assert [line.done for line in lines] == [False] * (len(lines) - 1) + [True]
+    assert "".join(line.message.content or "" for line in lines)
+    assert lines[-1].eval_count == 4  # the counts come in the last line
+    generated = list(
+        client.generate(
+            model="alpha", prompt="the fox", raw=True, stream=True, options={"num_predict": 3}
+        )
+    )
+    assert generated[-1].done
+    assert "".join(g.response or "" for g in generated)
+    schema = {
+        "type": "object",
+        "properties": {"rank": {"type": "integer"}},
+        "required": ["rank"],
+    }
+    shaped = client.chat(
+        model="beta", messages=messages, format=schema, options={"num_predict": 40}
+    )
+    assert isinstance(json.loads(shaped.message.content or "")["rank"], int)
+    with pytest.raises(ollama.ResponseError) as missing:
+        client.chat(model="gamma", messages=messages)
+    assert missing.value.status_code == 404
+    assert httpx.get(daemon.url.removesuffix("/v1") + "/api/version").json()["version"]
 
 
 def test_alternating_requests_hand_the_gpu_over_and_keep_the_prompt_cache(

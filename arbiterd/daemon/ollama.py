@@ -1,0 +1,205 @@
+"""Ollama's API, translated: what an app that only speaks Ollama sends, as the OpenAI request the
+daemon serves, and the answers back in Ollama's shapes. Pure functions; httpapi.py serves them.
+
+    POST /api/chat      {model, messages, stream (default true), options, format, keep_alive}
+    POST /api/generate  {model, prompt, system, raw, stream, options, format, keep_alive}
+    GET  /api/tags, /api/ps, /api/version
+
+A streamed answer is NDJSON, one object per line, the last with "done": true and the counts.
+`options` maps to the sampling parameters the engine runs (num_predict → max_tokens); `format`
+"json" or a JSON schema constrains the output as response_format does; `keep_alive` is accepted
+and changes nothing (arbiterd keeps every model resident; the memory issue will map it).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from arbiterd.errors import BadValueError
+
+# Ollama's option name → the OpenAI parameter the engine runs.
+OPTIONS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "seed": "seed",
+    "stop": "stop",
+    "repeat_penalty": "repeat_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "num_predict": "max_tokens",
+}
+# Options that size or place the model, which the daemon's config owns: accepted, unchanged.
+CONFIG_OPTIONS = frozenset({"num_ctx", "num_gpu", "num_thread", "num_batch", "use_mmap"})
+# What Ollama's version check wants from a server: a version it knows to have these routes.
+VERSION = "0.6.3"
+
+
+def chat_request(payload: object) -> tuple[str, dict[str, Any], bool]:
+    """/api/chat's body as (kind, OpenAI payload, stream)."""
+    body = _object(payload)
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise BadValueError("'messages' must be a list of {role, content} objects")
+    for message in messages:
+        if isinstance(message, dict) and message.get("images"):
+            raise BadValueError("images are not supported yet: arbiterd serves text models")
+    openai = {
+        "model": body.get("model"),
+        "messages": [
+            {"role": m.get("role"), "content": m.get("content", "")}
+            for m in messages
+            if isinstance(m, dict)
+        ],
+    }
+    return "chat", _with_common(body, openai), _stream(body)
+
+
+def generate_request(payload: object) -> tuple[str, dict[str, Any], bool]:
+    """/api/generate's body as (kind, OpenAI payload, stream): a raw prompt is a completion,
+    any other goes through the model's chat template, as Ollama does."""
+    body = _object(payload)
+    prompt = body.get("prompt", "")
+    if not isinstance(prompt, str):
+        raise BadValueError("'prompt' must be a string")
+    if body.get("images"):
+        raise BadValueError("images are not supported yet: arbiterd serves text models")
+    if body.get("raw") is True:
+        return (
+            "completion",
+            _with_common(body, {"model": body.get("model"), "prompt": prompt}),
+            (_stream(body)),
+        )
+    messages = []
+    system = body.get("system")
+    if isinstance(system, str) and system:
+        messages.append({"role": "system", "content": system})
+    messages.append({"role": "user", "content": prompt})
+    openai = {"model": body.get("model"), "messages": messages}
+    return "chat", _with_common(body, openai), _stream(body)
+
+
+def answer(kind: str, route: str, response: dict[str, Any], total_s: float) -> dict[str, Any]:
+    """A whole OpenAI response as Ollama's final object for `route` ("chat" or "generate")."""
+    choice = response["choices"][0]
+    text = choice["message"]["content"] if kind == "chat" else choice["text"]
+    return {
+        **_piece(route, response["model"], text or ""),
+        **_done(choice.get("finish_reason"), response.get("usage"), total_s),
+    }
+
+
+def chunk(kind: str, route: str, openai_chunk: dict[str, Any]) -> dict[str, Any] | None:
+    """One streamed OpenAI chunk as an Ollama line; None for a chunk without text (a role, or
+    the usage chunk, whose figures go into the last line instead)."""
+    choices = openai_chunk.get("choices") or []
+    if not choices:
+        return None
+    choice = choices[0]
+    text = (choice.get("delta") or {}).get("content") if kind == "chat" else choice.get("text")
+    if not text:
+        return None
+    return _piece(route, str(openai_chunk.get("model", "")), text)
+
+
+def last_line(
+    route: str,
+    model: str,
+    finish_reason: str | None,
+    usage: dict[str, Any] | None,
+    total_s: float,
+) -> dict[str, Any]:
+    """The stream's closing line: no text, "done": true, the counts."""
+    return {**_piece(route, model, ""), **_done(finish_reason, usage, total_s)}
+
+
+def tags(models: list[dict[str, Any]]) -> dict[str, Any]:
+    """/api/tags from the daemon's status models."""
+    return {"models": [_model(m) for m in models]}
+
+
+def ps(models: list[dict[str, Any]]) -> dict[str, Any]:
+    """/api/ps: every model is loaded (resident in RAM); size_vram is what holds the GPU now."""
+    return {
+        "models": [
+            {**_model(m), "size_vram": m.get("vram_bytes") or 0, "expires_at": None}
+            for m in models
+            if m.get("state") not in ("failed", "stopped")
+        ]
+    }
+
+
+def _model(status: dict[str, Any]) -> dict[str, Any]:
+    name = str(status.get("name", ""))
+    return {
+        "name": name,
+        "model": name,
+        "size": status.get("host_copy_bytes") or 0,
+        "digest": "",
+        "details": {"format": "gguf", "family": "", "parameter_size": "", "quantization_level": ""},
+        "state": status.get("state"),
+        "backend": status.get("backend"),
+    }
+
+
+def _piece(route: str, model: str, text: str) -> dict[str, Any]:
+    now = datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
+    if route == "chat":
+        return {
+            "model": model,
+            "created_at": now,
+            "message": {"role": "assistant", "content": text},
+            "done": False,
+        }
+    return {"model": model, "created_at": now, "response": text, "done": False}
+
+
+def _done(
+    finish_reason: str | None, usage: dict[str, Any] | None, total_s: float
+) -> dict[str, Any]:
+    usage = usage or {}
+    return {
+        "done": True,
+        "done_reason": "length" if finish_reason == "length" else "stop",
+        "total_duration": int(total_s * 1e9),
+        "prompt_eval_count": usage.get("prompt_tokens", 0),
+        "eval_count": usage.get("completion_tokens", 0),
+    }
+
+
+def _object(payload: object) -> dict[str, Any]:
+    if not isinstance(payload, dict):
+        raise BadValueError("the request body must be a JSON object")
+    return payload
+
+
+def _stream(body: dict[str, Any]) -> bool:
+    stream = body.get("stream", True)
+    if not isinstance(stream, bool):
+        raise BadValueError("'stream' must be a boolean")
+    return stream
+
+
+def _with_common(body: dict[str, Any], openai: dict[str, Any]) -> dict[str, Any]:
+    options = body.get("options") or {}
+    if not isinstance(options, dict):
+        raise BadValueError("'options' must be an object")
+    for name, value in options.items():
+        if name in OPTIONS:
+            if not (name == "num_predict" and isinstance(value, int) and value < 0):
+                openai[OPTIONS[name]] = value  # -1: until the context is full, the default
+        elif name not in CONFIG_OPTIONS:
+            raise BadValueError(f"option {name!r} is not supported")
+    wanted = body.get("format")
+    if wanted == "json":
+        openai["response_format"] = {"type": "json_object"}
+    elif isinstance(wanted, dict):
+        openai["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "format", "schema": wanted},
+        }
+    elif wanted not in (None, ""):
+        raise BadValueError("'format' must be \"json\" or a JSON schema")
+    return openai
