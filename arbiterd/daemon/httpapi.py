@@ -205,7 +205,10 @@ IGNORED_ANY = {
     # Bookkeeping of OpenAI's service: nothing to store or to file it under here.
     "store": _Ignored(lambda v: isinstance(v, bool), "a boolean"),
     "metadata": _Ignored(lambda v: isinstance(v, dict), "an object"),
+    "service_tier": _Ignored(lambda v: isinstance(v, str), "a string"),
 }
+# The response header that names the fields a request sent which changed nothing here.
+IGNORED_HEADER = "x-arbiterd-ignored"
 IGNORED_CHAT = {
     **IGNORED_ANY,
     # The models arbiterd runs reason as their template makes them; the effort asks nothing more.
@@ -234,6 +237,7 @@ class CompletionRequest:
     kind: str  # "chat" | "completion", as Service names them
     stream: bool
     body: dict[str, Any]  # prompt or messages, plus engine parameters only
+    ignored: tuple[str, ...] = ()  # fields accepted that change nothing here (IGNORED_*)
 
 
 def _text_content(where: str, content: object) -> str:
@@ -384,7 +388,8 @@ def parse_request(kind: str, payload: object) -> CompletionRequest:
     stream = _stream_option(given, ignored)
     if stream and _include_usage(given.get("stream_options")):
         body["stream_options"] = {"include_usage": True}  # a last chunk with the usage
-    return CompletionRequest(model=model, kind=kind, stream=stream, body=body)
+    unused = tuple(sorted(key for key in given if key in ignored))
+    return CompletionRequest(model=model, kind=kind, stream=stream, body=body, ignored=unused)
 
 
 def _response_format(value: object) -> dict[str, Any] | None:
@@ -748,10 +753,14 @@ def create_app(
         except Exception as exc:
             return _api_error(exc, names).response()
         if parsed.stream:
-            return EventStream(
+            response: Response = EventStream(
                 partial(service.stream, parsed.model, parsed.kind, parsed.body), names
             )
-        return await _complete(service, parsed, request.receive, names)
+        else:
+            response = await _complete(service, parsed, request.receive, names)
+        if parsed.ignored:
+            response.headers[IGNORED_HEADER] = ",".join(parsed.ignored)
+        return response
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(request: Request) -> Response:

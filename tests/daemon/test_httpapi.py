@@ -272,6 +272,10 @@ def test_chat_completion_gets_only_engine_parameters(app: FastAPI, service: Fake
     response = call(app, "POST", "/v1/chat/completions", body=request)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] == "Hello"
+    # ... and named, so a client can tell what it asked for that nobody did
+    assert response.headers["x-arbiterd-ignored"] == (
+        "logit_bias,logprobs,metadata,reasoning_effort,store,tool_choice,tools,user"
+    )
     assert service.calls == [
         (
             "tiny",
@@ -673,6 +677,21 @@ def test_a_response_format_arbiterd_cannot_follow_is_a_400(
     body = {**CHAT, "response_format": response_format}
     response = call(app, "POST", "/v1/chat/completions", body=body)
     assert_error(response, 400, param=param)
+
+
+@pytest.mark.parametrize(
+    ("path", "request_body"),
+    [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)],
+)
+def test_a_stream_names_the_fields_that_changed_nothing(
+    app: FastAPI, path: str, request_body: dict[str, Any]
+) -> None:
+    body = {**request_body, "stream": True, "service_tier": "auto", "user": "me"}
+    response = call(app, "POST", path, body=body)
+    assert response.status_code == 200
+    assert response.headers["x-arbiterd-ignored"] == "service_tier,user"
+    plain = call(app, "POST", path, body={**request_body, "stream": True})
+    assert "x-arbiterd-ignored" not in plain.headers
 
 
 @pytest.mark.parametrize(
