@@ -757,7 +757,8 @@ def create_app(
                 partial(service.stream, parsed.model, parsed.kind, parsed.body), names
             )
         else:
-            response = await _complete(service, parsed, request.receive, names)
+            outcome = await _complete(service, parsed, request.receive, names)
+            response = outcome if isinstance(outcome, Response) else JSONResponse(outcome)
         if parsed.ignored:
             response.headers[IGNORED_HEADER] = ",".join(parsed.ignored)
         return response
@@ -810,11 +811,10 @@ def _add_ollama_routes(
             return EventStream(
                 partial(_ollama_lines, service, parsed, route, started), names, ndjson=True
             )
-        response = await _complete(service, parsed, request.receive, names)
-        if not isinstance(response, JSONResponse) or response.status_code != 200:
-            return response
-        whole = json.loads(bytes(response.body))
-        return JSONResponse(ollama.answer(kind, route, whole, time.monotonic() - started))
+        outcome = await _complete(service, parsed, request.receive, names)
+        if isinstance(outcome, Response):  # an error, answered as such
+            return outcome
+        return JSONResponse(ollama.answer(kind, route, outcome, time.monotonic() - started))
 
     @app.post("/api/chat", dependencies=guarded)
     async def ollama_chat(request: Request) -> Response:
@@ -851,9 +851,10 @@ async def _ollama_lines(
 
 async def _complete(
     service: Service, parsed: CompletionRequest, receive: Receive, names: Callable[[], list[str]]
-) -> Response:
-    """A non-streamed completion, cancelled if the client leaves before it ends: a long
-    generation nobody will read must not hold the model."""
+) -> dict[str, Any] | Response:
+    """A non-streamed completion's response, or the error response to send instead; cancelled
+    if the client leaves before it ends: a long generation nobody will read must not hold the
+    model."""
     outcome: dict[str, Any] | Exception = ApiError(500, "the request did not run")
 
     async def work() -> None:
@@ -867,4 +868,4 @@ async def _complete(
         return _client_left().response()
     if isinstance(outcome, Exception):
         return _api_error(outcome, names).response()
-    return JSONResponse(outcome)
+    return outcome

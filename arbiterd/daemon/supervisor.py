@@ -96,6 +96,7 @@ class Supervisor:
         self._router = Router(self._slots, self._bus.publish)
         self._hold: Token | None = None
         self._engine: EngineReport | None = None  # as the latest worker's hello says
+        self._tasks: set[asyncio.Task[None]] = set()  # started here, not awaited by anyone
         self.stopped = asyncio.Event()  # set by the shutdown command; the daemon awaits it
 
     # -- lifetime -----------------------------------------------------------------------------
@@ -330,7 +331,9 @@ class Supervisor:
             log.warning("%s %s", slot.name, slot.warning)
         self._vram.worker_started(slot.name, worker.pid)
         if slot.pinned:  # a restarted worker of a pinned model is pinned too
-            asyncio.get_running_loop().create_task(self._pin_again(slot, worker))
+            pinning = asyncio.get_running_loop().create_task(self._pin_again(slot, worker))
+            self._tasks.add(pinning)  # the loop keeps only a weak reference to a task
+            pinning.add_done_callback(self._tasks.discard)
 
     async def _pin_again(self, slot: Slot, worker: WorkerClient) -> None:
         try:
