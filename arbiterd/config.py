@@ -82,6 +82,7 @@ MODEL_KEYS = (
     "residency",
     "min_hold_s",
     "idle_release_s",
+    "strict_api",
 )
 STARTER_N_CTX = 4096
 _MAX_GOT_CHARS = 80  # a value quoted back in a message is cut to this length
@@ -119,6 +120,8 @@ class ModelConfig:
     residency: Residency
     min_hold_s: float
     idle_release_s: float  # 0 = release only when someone else wants the GPU
+    # The HTTP API refuses the fields it would ignore for this model (x-arbiterd-ignored).
+    strict_api: bool = False
 
     def worker_config(self, arena: Path, host_copy_fd: int | None = None) -> WorkerConfig:
         """What the worker process for this model is started with; `host_copy_fd` is the
@@ -242,6 +245,7 @@ def starter_config_text(found: list[Path]) -> str:
         '#   residency = "auto"        "in-place" (the arbiterd engine), "reload" or "auto"',
         "#   min_hold_s = 0.1          hold the GPU at least this long once warm",
         "#   idle_release_s = 0        release after idling this long; 0 = only when wanted",
+        "#   strict_api = false        refuse API fields that change nothing here (400)",
     ]
     used: set[str] = set()
     skipped = 0
@@ -346,6 +350,12 @@ class _Table:
         # bool is an int in Python, but `n_ctx = true` is a mistake in TOML.
         if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
             raise self.src.expected(self.keys(key), expected, value)
+        return value
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self.values.get(key, default)
+        if not isinstance(value, bool):
+            raise self.src.expected(self.keys(key), "true or false", value)
         return value
 
     def seconds(self, key: str, default: float, *, note: str = "") -> float:
@@ -611,6 +621,7 @@ def _model(src: _Source, name: str, raw: object) -> ModelConfig:
         residency=residency,
         min_hold_s=table.seconds("min_hold_s", 0.1),
         idle_release_s=table.seconds("idle_release_s", 0.0, note=" (0 = only when wanted)"),
+        strict_api=table.boolean("strict_api", False),
     )
 
 

@@ -37,6 +37,7 @@ kv_on_release = "drop"
 residency = "reload"
 min_hold_s = 0.5
 idle_release_s = 30
+strict_api = true
 
 [models."llama-3.2_1b"]
 path = "/models/llama.gguf"
@@ -93,6 +94,7 @@ def test_full_file_sets_every_key(tmp_path: Path, env: dict[str, str]) -> None:
     assert qwen.min_hold_s == 0.5
     assert qwen.idle_release_s == 30.0
     assert isinstance(qwen.idle_release_s, float)
+    assert qwen.strict_api is True
 
 
 def test_absent_keys_take_their_defaults(tmp_path: Path, env: dict[str, str]) -> None:
@@ -113,6 +115,7 @@ def test_absent_keys_take_their_defaults(tmp_path: Path, env: dict[str, str]) ->
     assert model.kv_on_release is KvPolicy.HOST
     assert model.residency is Residency.AUTO
     assert (model.min_hold_s, model.idle_release_s) == (0.1, 0.0)
+    assert model.strict_api is False
 
 
 def test_empty_strings_and_zero_threads_mean_the_default(
@@ -434,6 +437,12 @@ ERRORS = [
     ),
     pytest.param("[models.qwen]\npath = 42", "models.qwen.path", "got 42", id="path_number"),
     pytest.param(
+        M + 'strict_api = "yes"',
+        "models.qwen.strict_api",
+        'expected true or false, got "yes"',
+        id="strict_api_not_a_boolean",
+    ),
+    pytest.param(
         '[models.qwen]\npath = ["a"]', "models.qwen.path", "got an array", id="path_array"
     ),
     pytest.param(
@@ -443,7 +452,8 @@ ERRORS = [
         M + "n_ctxx = 8",
         "models.qwen.n_ctxx",
         "unknown key; expected one of: path, n_ctx, n_gpu_layers, n_threads, chat_format, "
-        "mmproj, kv_on_release, residency, min_hold_s, idle_release_s (did you mean n_ctx?)",
+        "mmproj, kv_on_release, residency, min_hold_s, idle_release_s, strict_api "
+        "(did you mean n_ctx?)",
         id="unknown_model_key",
     ),
     pytest.param(

@@ -82,6 +82,9 @@ class FakeService:
     def model_names(self) -> list[str]:
         return list(self.models)
 
+    def strict_api(self, model: str) -> bool:
+        return False
+
     async def complete(self, model: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError
 

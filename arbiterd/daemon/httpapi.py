@@ -18,6 +18,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -61,7 +62,14 @@ ROLES = {
     "assistant": "assistant",
     "tool": "tool",
 }
-MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id"})
+MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls"})
+# What a request may ask for at most: choices (generated one after the other), alternatives
+# per token in logprobs, entries in logit_bias, tools offered. Each over its limit is a 400.
+MAX_CHOICES = 16
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_TOOLS = 128
+TOOL_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")  # as OpenAI's function names
 
 # Error types and codes of the envelope, as OpenAI spells them where it has one.
 INVALID_REQUEST = "invalid_request_error"
@@ -200,8 +208,6 @@ def _is_empty_dict(value: object) -> bool:
 
 IGNORED_ANY = {
     "user": _Ignored(lambda v: isinstance(v, str), "a string"),
-    "logit_bias": _Ignored(_is_empty_dict, "an empty object"),
-    "logprobs": _Ignored(lambda v: v is False, "false"),
     # Bookkeeping of OpenAI's service: nothing to store or to file it under here.
     "store": _Ignored(lambda v: isinstance(v, bool), "a boolean"),
     "metadata": _Ignored(lambda v: isinstance(v, dict), "an object"),
@@ -213,10 +219,8 @@ IGNORED_CHAT = {
     **IGNORED_ANY,
     # The models arbiterd runs reason as their template makes them; the effort asks nothing more.
     "reasoning_effort": _Ignored(lambda v: isinstance(v, str), "a string"),
-    "top_logprobs": _Ignored(lambda v: v == 0 and not isinstance(v, bool), "0"),
-    "tools": _Ignored(lambda v: v == [], "an empty array"),
-    "tool_choice": _Ignored(lambda v: v == "none", '"none"'),
-    "parallel_tool_calls": _Ignored(lambda v: isinstance(v, bool), "a boolean"),
+    # Text is all these models write; asking for only that changes nothing.
+    "modalities": _Ignored(lambda v: v == ["text"], '["text"]'),
 }
 IGNORED_COMPLETION = {
     **IGNORED_ANY,
@@ -224,8 +228,28 @@ IGNORED_COMPLETION = {
     "best_of": _Ignored(lambda v: v == 1 and not isinstance(v, bool), "1"),
     "suffix": _Ignored(lambda v: v == "", "an empty string"),
 }
-COMMON_KEYS = frozenset({"model", "stream", "stream_options", "n", *ENGINE_CHECKS})
-CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens", "response_format", *IGNORED_CHAT}
+# Fields that would change what the answer means if they were dropped: refused by name.
+REFUSED = {
+    "audio": "arbiterd's models answer in text only; audio output cannot be served",
+    "prediction": "predicted outputs are not served",
+    "web_search_options": "arbiterd's models cannot search the web",
+}
+COMMON_KEYS = frozenset(
+    {"model", "stream", "stream_options", "n", "logprobs", "logit_bias", *ENGINE_CHECKS}
+)
+CHAT_KEYS = COMMON_KEYS | {
+    "messages",
+    "max_completion_tokens",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "top_logprobs",
+    *IGNORED_CHAT,
+    *REFUSED,
+}
 COMPLETION_KEYS = COMMON_KEYS | {"prompt", *IGNORED_COMPLETION}
 
 
@@ -267,7 +291,7 @@ def _text_content(where: str, content: object) -> str:
     return "\n".join(texts)
 
 
-def _messages(value: object) -> list[dict[str, str]]:
+def _messages(value: object) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise _wrong_type("messages", "a non-empty array of message objects", value)
     messages = []
@@ -293,7 +317,21 @@ def _messages(value: object) -> list[dict[str, str]]:
                 code="invalid_value",
                 param=f"{where}.role",
             )
-        normal = {"role": ROLES[role], "content": _text_content(where, message.get("content"))}
+        normal: dict[str, Any] = {"role": ROLES[role]}
+        calls = message.get("tool_calls")
+        if calls is not None:
+            if role != "assistant":
+                raise ApiError(
+                    400,
+                    f"'{where}.tool_calls' belongs in an assistant message, not a {role!r} one",
+                    code="invalid_value",
+                    param=f"{where}.tool_calls",
+                )
+            normal["tool_calls"] = _message_calls(f"{where}.tool_calls", calls)
+        if calls and message.get("content") is None:
+            normal["content"] = None  # a turn that only called tools
+        else:
+            normal["content"] = _text_content(where, message.get("content"))
         for key in ("name", "tool_call_id"):
             if message.get(key) is not None:
                 if not isinstance(message[key], str):
@@ -301,6 +339,211 @@ def _messages(value: object) -> list[dict[str, str]]:
                 normal[key] = message[key]
         messages.append(normal)
     return messages
+
+
+def _message_calls(where: str, calls: object) -> list[dict[str, Any]]:
+    """The calls an earlier assistant turn made, as OpenAI spells them."""
+    expected = (
+        'an array of {"id": ..., "type": "function", '
+        '"function": {"name": ..., "arguments": "<JSON text>"}}'
+    )
+    if not isinstance(calls, list):
+        raise _wrong_type(where, expected, calls)
+    checked = []
+    for index, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(call, dict)
+            or call.get("type", "function") != "function"
+            or not isinstance(call.get("id"), str)
+            or not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or not isinstance(function.get("arguments"), str)
+        ):
+            raise ApiError(
+                400, f"'{where}[{index}]' must be {expected}", code="invalid_value", param=where
+            )
+        checked.append(
+            {
+                "id": call["id"],
+                "type": "function",
+                "function": {"name": function["name"], "arguments": function["arguments"]},
+            }
+        )
+    return checked
+
+
+def _tools(value: object) -> list[dict[str, Any]]:
+    """OpenAI's tools: functions only (a tool of another type would be dropped silently)."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or len(value) > MAX_TOOLS:
+        raise _wrong_type("tools", f"an array of at most {MAX_TOOLS} tools", value)
+    tools, names = [], set()
+    for index, tool in enumerate(value):
+        where = f"tools[{index}]"
+        if not isinstance(tool, dict):
+            raise _wrong_type(where, 'an object {"type": "function", "function": {...}}', tool)
+        kind = tool.get("type")
+        if kind != "function":
+            raise ApiError(
+                400,
+                f"'{where}.type' is {kind!r}: arbiterd runs only tools of type \"function\"",
+                code="unsupported_value",
+                param=f"{where}.type",
+            )
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise _wrong_type(f"{where}.function", "an object with a name", function)
+        name = function.get("name")
+        if not isinstance(name, str) or not TOOL_NAME_RE.fullmatch(name):
+            raise ApiError(
+                400,
+                f"'{where}.function.name' must be 1 to 64 letters, digits, '_' or '-', got "
+                + (repr(name) if isinstance(name, str) else _json_type(name)),
+                code="invalid_value",
+                param=f"{where}.function.name",
+            )
+        if name in names:
+            raise ApiError(
+                400,
+                f"'{where}.function.name': two tools are named {name!r}",
+                code="invalid_value",
+                param=f"{where}.function.name",
+            )
+        names.add(name)
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise _wrong_type(
+                f"{where}.function.parameters", "a JSON schema (an object)", parameters
+            )
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
+            raise _wrong_type(f"{where}.function.description", "a string", description)
+        shaped: dict[str, Any] = {"name": name}
+        if description is not None:
+            shaped["description"] = description
+        shaped["parameters"] = parameters or {"type": "object", "properties": {}}
+        tools.append({"type": "function", "function": shaped})
+    return tools
+
+
+def _tool_choice(value: object, tools: list[dict[str, Any]]) -> str | dict[str, Any] | None:
+    """OpenAI's tool_choice, checked against the tools; None when it is the default."""
+    if value is None:
+        return None
+    expected = '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+    if value in ("none", "auto", "required"):
+        assert isinstance(value, str)
+        if value == "required" and not tools:
+            raise ApiError(
+                400,
+                "'tool_choice' is \"required\" but the request offers no tools",
+                code="invalid_value",
+                param="tool_choice",
+            )
+        return value
+    function = value.get("function") if isinstance(value, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(value, dict) or value.get("type") != "function" or not isinstance(name, str):
+        raise ApiError(
+            400, f"'tool_choice' must be {expected}", code="invalid_value", param="tool_choice"
+        )
+    offered = [tool["function"]["name"] for tool in tools]
+    if name not in offered:
+        raise ApiError(
+            400,
+            f"'tool_choice' names the function {name!r}, which 'tools' does not offer"
+            + (f" (it offers {', '.join(offered)})" if offered else ""),
+            code="invalid_value",
+            param="tool_choice",
+        )
+    return {"type": "function", "function": {"name": name}}
+
+
+def _legacy_functions(given: dict[str, Any]) -> None:
+    """Fold OpenAI's older `functions` and `function_call` into `tools` and `tool_choice`."""
+    functions = given.pop("functions", None)
+    call = given.pop("function_call", None)
+    if functions is not None:
+        if "tools" in given:
+            raise ApiError(
+                400, "give 'tools' or the older 'functions', not both", param="functions"
+            )
+        if not isinstance(functions, list):
+            raise _wrong_type("functions", "an array of function objects", functions)
+        given["tools"] = [{"type": "function", "function": function} for function in functions]
+    if call is not None:
+        if "tool_choice" in given:
+            raise ApiError(
+                400,
+                "give 'tool_choice' or the older 'function_call', not both",
+                param="function_call",
+            )
+        named = isinstance(call, dict) and isinstance(call.get("name"), str)
+        given["tool_choice"] = (
+            {"type": "function", "function": {"name": call["name"]}} if named else call
+        )
+
+
+def _logprobs(kind: str, given: dict[str, Any]) -> int | None:
+    """How many alternatives to report per token; None for no log-probabilities. Chat asks with
+    `logprobs: true` and `top_logprobs: K`, completions with `logprobs: K`."""
+    if kind == "completion":
+        if "logprobs" not in given:
+            return None
+        return _integer("logprobs", given["logprobs"], 0, MAX_TOP_LOGPROBS)
+    wanted = given.get("logprobs", False)
+    if not isinstance(wanted, bool):
+        raise _wrong_type("logprobs", "a boolean", wanted)
+    top = given.get("top_logprobs")
+    if top is not None:
+        _integer("top_logprobs", top, 0, MAX_TOP_LOGPROBS)
+        if not wanted:
+            raise ApiError(
+                400,
+                "'top_logprobs' needs 'logprobs': true",
+                code="invalid_value",
+                param="top_logprobs",
+            )
+    return (top or 0) if wanted else None
+
+
+def _logit_bias(value: object) -> dict[str, float]:
+    expected = (
+        f"an object of at most {MAX_LOGIT_BIAS_ENTRIES} token ids (as strings) to biases "
+        "from -100 to 100"
+    )
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise _wrong_type("logit_bias", expected, value)
+    for key, bias in value.items():
+        if not key.isascii() or not key.isdigit():
+            raise ApiError(
+                400,
+                f"'logit_bias' must be {expected}; {key!r} is not a token id",
+                code="invalid_value",
+                param="logit_bias",
+            )
+        _number(f"logit_bias.{key}", bias, -100.0, 100.0)
+    return dict(value)
+
+
+def _refused(given: dict[str, Any]) -> None:
+    for key, reason in REFUSED.items():
+        if key in given:
+            raise ApiError(
+                400, f"'{key}' is not supported: {reason}", code="unsupported_value", param=key
+            )
+    modalities = given.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise ApiError(
+            400,
+            "'modalities' may only be [\"text\"]: arbiterd's models answer in text",
+            code="unsupported_value",
+            param="modalities",
+        )
 
 
 def _prompt(value: object) -> str:
@@ -343,10 +586,6 @@ def _stream_option(given: dict[str, Any], ignored: dict[str, _Ignored]) -> bool:
                 code="unsupported_value",
                 param=key,
             )
-    if "n" in given and (isinstance(given["n"], bool) or given["n"] != 1):
-        raise ApiError(
-            400, "'n' must be 1: arbiterd returns one choice", code="invalid_value", param="n"
-        )
     stream = given.get("stream", False)
     if not isinstance(stream, bool):
         raise _wrong_type("stream", "a boolean", stream)
@@ -371,15 +610,19 @@ def parse_request(kind: str, payload: object) -> CompletionRequest:
     model = given.get("model")
     if not isinstance(model, str) or not model:
         raise _wrong_type("model", "a model name (a non-empty string)", model)
-    body: dict[str, Any] = {}
-    if kind == "chat":
-        body["messages"] = _messages(given.get("messages"))
-        _max_completion_tokens(given)
-        structured = _response_format(given.get("response_format"))
-        if structured is not None:
-            body["response_format"] = structured
-    else:
-        body["prompt"] = _prompt(given.get("prompt"))
+    body: dict[str, Any] = (
+        _chat_body(given) if kind == "chat" else {"prompt": _prompt(given.get("prompt"))}
+    )
+    top_logprobs = _logprobs(kind, given)
+    if top_logprobs is not None:
+        body["logprobs"] = top_logprobs
+    bias = _logit_bias(given.get("logit_bias"))
+    if bias:
+        body["logit_bias"] = bias
+    if "n" in given:
+        n = _integer("n", given["n"], 1, MAX_CHOICES)
+        if n > 1:
+            body["n"] = n
     for key in COMPLETION_PARAMS:  # only what the engine takes is passed on
         if key in given:
             body[key] = ENGINE_CHECKS[key](key, given[key])
@@ -390,6 +633,30 @@ def parse_request(kind: str, payload: object) -> CompletionRequest:
         body["stream_options"] = {"include_usage": True}  # a last chunk with the usage
     unused = tuple(sorted(key for key in given if key in ignored))
     return CompletionRequest(model=model, kind=kind, stream=stream, body=body, ignored=unused)
+
+
+def _chat_body(given: dict[str, Any]) -> dict[str, Any]:
+    """The chat-only part of a request as the engine takes it: messages, structured output and
+    tools (a `tool_choice` of "none" offers none)."""
+    _refused(given)
+    body: dict[str, Any] = {"messages": _messages(given.get("messages"))}
+    _max_completion_tokens(given)
+    structured = _response_format(given.get("response_format"))
+    if structured is not None:
+        body["response_format"] = structured
+    _legacy_functions(given)
+    tools = _tools(given.get("tools"))
+    choice = _tool_choice(given.get("tool_choice"), tools)
+    parallel = given.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise _wrong_type("parallel_tool_calls", "a boolean", parallel)
+    if tools and choice != "none":
+        body["tools"] = tools
+        if choice is not None:
+            body["tool_choice"] = choice
+        if parallel is False:
+            body["parallel_tool_calls"] = False
+    return body
 
 
 def _response_format(value: object) -> dict[str, Any] | None:
@@ -750,6 +1017,14 @@ def create_app(
             parsed = parse_request(kind, _parse_json(await _read_body(request, max_body_bytes)))
             if parsed.model not in names():
                 raise _unknown_model(parsed.model, names())
+            if parsed.ignored and service.strict_api(parsed.model):
+                raise ApiError(
+                    400,
+                    f"{parsed.model} has strict_api = true, and these fields would change "
+                    f"nothing: {', '.join(parsed.ignored)}",
+                    code="unsupported_value",
+                    param=parsed.ignored[0],
+                )
         except Exception as exc:
             return _api_error(exc, names).response()
         if parsed.stream:

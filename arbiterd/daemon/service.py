@@ -67,6 +67,11 @@ class Service(Protocol):
         """The configured models, in config order."""
         ...
 
+    def strict_api(self, model: str) -> bool:
+        """Whether the HTTP API refuses, rather than ignores, the fields that change nothing
+        for this model (a configured one)."""
+        ...
+
     async def complete(self, model: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
         """Run one request ("completion" with body["prompt"], or "chat" with
         body["messages"]) to the end; returns the OpenAI response object."""

@@ -122,6 +122,9 @@ class Supervisor:
     def model_names(self) -> list[str]:
         return list(self.config.models)
 
+    def strict_api(self, model: str) -> bool:
+        return self.config.models[model].strict_api
+
     async def complete(self, model: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self._router.complete(model, kind, body)
 

@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 import llama_cpp
+import numpy as np
+import numpy.typing as npt
 from llama_cpp import llama_chat_format
 from llama_cpp._internals import LlamaModel
 from llama_cpp.llama_grammar import LlamaGrammar
@@ -48,6 +50,8 @@ from arbiterd.hostcopy import copy_into_memfd
 from arbiterd.native import ggml, libllama
 from arbiterd.native.libllama import ResidencyApi, probe_residency_api
 from arbiterd.spec import COMPLETION_PARAMS, MAX_N_CTX, KvPolicy, ModelSpec, Residency
+from arbiterd.worker.choices import Choice, TokenLogprob
+from arbiterd.worker.toolcalls import CallReader, call_schema, template_takes_tools
 
 log = logging.getLogger(__name__)
 _LIBC = ctypes.CDLL(None)  # this process's C library (malloc_trim, where it is glibc)
@@ -61,6 +65,12 @@ TOKENIZE_PIECE_BYTES = 16 * 1024
 # How many places where a special token starts are tried for a cut before the piece grows by
 # another TOKENIZE_PIECE_BYTES (each try reads ~2,000 substrings at most).
 CUT_CANDIDATES = 64
+# The most choices (`n`) and most likely tokens per place (`top_logprobs`) a request may ask for.
+MAX_CHOICES = 16
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # in either direction, as OpenAI
+# llama-cpp-python's name for the chat format that renders the GGUF's own Jinja template.
+GGUF_TEMPLATE = "chat_template.default"
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,11 @@ class Prepared:
     kind: str  # "completion" or "chat"
     completion: dict[str, Any]
     include_usage: bool = False  # a streamed request ends with a chunk of its usage
+    n: int = 1  # choices, generated one after the other
+    top_logprobs: int | None = None  # None: no log-probabilities; else how many alternatives
+    tools: tuple[str, ...] = ()  # the names of the tools the answer may call
+    forced_call: bool = False  # a grammar makes the whole answer a call
+    parallel_calls: bool = True  # the answer may call several tools; else the first counts
 
     @property
     def prompt_tokens(self) -> list[int]:
@@ -172,6 +187,8 @@ class _Run:
     reused_prefix: int = 0
     evals: list[int] = field(default_factory=list)
     stopped: bool = False  # the last eval was cut short by a cancel
+    logprobs: list[TokenLogprob] | None = None  # the sampler records here when asked to
+    top_logprobs: int = 0
 
     @property
     def prompt_evaluated(self) -> int:
@@ -300,7 +317,12 @@ class ReloadBackend:
         vocab = self._require_vocab()
         n_ctx = self.spec.n_ctx
         kwargs = _request_kwargs(body)
+        bias = _logit_bias(body, vocab.n_tokens)
+        if bias:
+            kwargs["logit_bias"] = bias
         max_chars = vocab.max_text_bytes(n_ctx)
+        tools: list[dict[str, Any]] = []
+        forced: str | None = None
         if kind == "chat":
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
@@ -315,7 +337,23 @@ class ReloadBackend:
             response_format = _response_format(body)
             if response_format is not None:  # the chat handler turns it into a grammar
                 kwargs = {**kwargs, "response_format": response_format}
-            completion = self._chat_completion(vocab, messages, kwargs, cancelled)
+            tools, forced = _tools(body)
+            if tools:
+                self._require_tool_template()
+                kwargs["tools"] = tools  # for the template; the choice is ours to enforce
+            if forced is not None and response_format is not None:
+                raise RequestError(
+                    "'response_format' cannot shape an answer that 'tool_choice' makes a call"
+                )
+            completion = self._chat_completion(
+                vocab, _template_messages(messages), kwargs, cancelled
+            )
+            if forced is not None:
+                name = None if forced == "required" else forced
+                schema = call_schema(tools, name)
+                completion["grammar"] = LlamaGrammar.from_json_schema(
+                    json.dumps(schema), verbose=False
+                )
         elif kind == "completion":
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
@@ -325,7 +363,16 @@ class ReloadBackend:
             completion = {"prompt": tokens, "stream": True, **kwargs}
         else:
             raise RequestError(f"unknown request kind {kind!r}")
-        request = Prepared(kind, completion, include_usage=_include_usage(body))
+        request = Prepared(
+            kind,
+            completion,
+            include_usage=_include_usage(body),
+            n=_choices(body),
+            top_logprobs=_top_logprobs(body),
+            tools=tuple(tool["function"]["name"] for tool in tools),
+            forced_call=forced is not None,
+            parallel_calls=body.get("parallel_tool_calls") is not False,
+        )
         if len(request.prompt_tokens) >= n_ctx:  # the test create_completion makes, made early
             raise ContextOverflowError(
                 f"Requested tokens ({len(request.prompt_tokens)}) exceed context window of {n_ctx}"
@@ -333,36 +380,70 @@ class ReloadBackend:
         return request
 
     def run(self, request: Prepared, sink: ChunkSink | None, cancelled: Cancelled) -> Generation:
-        """Generate for a prepared request on the warm model. With a sink, chunks are streamed to
-        it as they come; the returned response is then the last chunk's metadata with the full
-        text assembled. `cancelled` is asked before every decode: the prompt is evaluated
-        n_batch tokens at a time, so a cancel waits for one batch at most."""
+        """Generate for a prepared request on the warm model, its `n` choices one after the
+        other (each after the first reuses the prompt's KV). With a sink, chunks are streamed to
+        it as they come; the returned response is then assembled from them. `cancelled` is
+        asked before every decode: the prompt is evaluated n_batch tokens at a time, so a
+        cancel waits for one batch at most."""
         llm = self._require_llm()
-        self._run = _Run(cancelled)
-        try:
-            chunks: Iterator[Any] = iter(llm.create_completion(**request.completion))
-            if request.kind == "chat":
-                # The conversion Llama.create_chat_completion applies to the same stream.
-                chunks = llama_chat_format._convert_text_completion_chunks_to_chat(chunks)
-            generation = self._drain(request.kind, chunks, sink)
-        except ValueError as exc:  # llama-cpp-python reports bad arguments as ValueError
-            raise RequestError(str(exc)) from None
-        if sink is not None and request.include_usage:
+        head: dict[str, Any] = {}  # one id and creation time for every chunk of every choice
+        choices: list[Choice] = []
+        prompt_tokens = cached = evaluated = completion_tokens = 0
+        stopped = False
+        for index in range(request.n):
+            recorded: list[TokenLogprob] | None = None if request.top_logprobs is None else []
+            run = self._run = _Run(
+                cancelled, logprobs=recorded, top_logprobs=request.top_logprobs or 0
+            )
+            calls = (
+                CallReader(
+                    request.tools, forced=request.forced_call, parallel=request.parallel_calls
+                )
+                if request.tools
+                else None
+            )
+            choice = Choice(request.kind, index, calls=calls, logprobs=recorded)
+            try:
+                chunks = llm.create_completion(**_for_choice(request.completion, index))
+                stopped = self._drain(choice, cast(Iterator[dict[str, Any]], chunks), head, sink)
+            except ValueError as exc:  # llama-cpp-python reports bad arguments as ValueError
+                raise RequestError(str(exc)) from None
+            choices.append(choice)
+            if index == 0:
+                prompt_tokens, cached = run.reused_prefix + run.prompt_evaluated, run.reused_prefix
+            evaluated += run.prompt_evaluated
+            completion_tokens += run.sampled
+            if stopped:
+                break
+        self.prompt_tokens_evaluated_total += evaluated
+        chat = request.kind == "chat"
+        response = {
+            "id": head.get("id", ""),
+            "object": "chat.completion" if chat else "text_completion",
+            "created": head.get("created", int(time.time())),
+            "model": self.spec.name,
+            "choices": [choice.result() for choice in choices],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                # the prompt-cache hit: the prefix kept from earlier requests, not evaluated again
+                "prompt_tokens_details": {"cached_tokens": cached},
+            },
+        }
+        if sink is not None and request.include_usage and not stopped:
             # OpenAI's last chunk of a stream that asked for it: no choices, the usage.
-            response = generation.response
             sink(
                 {
                     "id": response["id"],
-                    "object": "chat.completion.chunk"
-                    if request.kind == "chat"
-                    else response["object"],
+                    "object": "chat.completion.chunk" if chat else "text_completion",
                     "created": response["created"],
                     "model": response["model"],
                     "choices": [],
                     "usage": response["usage"],
                 }
             )
-        return generation
+        return Generation(response, prompt_tokens, evaluated, completion_tokens, stopped)
 
     def generate(self, kind: str, body: dict[str, Any], sink: ChunkSink | None) -> Generation:
         """`prepare` and `run` in one call, never cancelled: for callers that drive a backend
@@ -399,52 +480,41 @@ class ReloadBackend:
             raise RequestError(str(exc)) from None
         return call.arguments
 
+    def _require_tool_template(self) -> None:
+        if self._chat is None:
+            raise RequestError(f"{self.spec.name} has not been loaded yet")
+        if not self._chat.takes_tools:
+            how = (
+                f'its chat_format "{self._chat.chat_format}"'
+                if self._chat.chat_format != GGUF_TEMPLATE
+                else "the chat template in its GGUF"
+            )
+            raise RequestError(
+                f"{self.spec.name} cannot be offered tools: {how} has no place for them"
+            )
+
     def _drain(
-        self, kind: str, stream: Iterator[dict[str, Any]], sink: ChunkSink | None
-    ) -> Generation:
-        pieces: list[str] = []
-        last: dict[str, Any] = {}
-        finish_reason = None
-        cancelled = False
+        self,
+        choice: Choice,
+        stream: Iterator[dict[str, Any]],
+        head: dict[str, Any],
+        sink: ChunkSink | None,
+    ) -> bool:
+        """Feed one choice's text chunks to `choice`, sending what it makes of them to the sink;
+        True if a cancel stopped it."""
         try:
             for chunk in stream:
                 chunk["model"] = self.spec.name  # llama-cpp-python names the file it loaded
-                last = chunk
-                choice = chunk["choices"][0]
-                text = choice["delta"].get("content") if kind == "chat" else choice.get("text")
-                if text:
-                    pieces.append(text)
-                finish_reason = choice.get("finish_reason") or finish_reason
-                if sink is not None:
-                    sink(chunk)
+                if not head:  # the first chunk names the whole response
+                    prefix = "chat" if choice.kind == "chat" else ""
+                    head.update(id=prefix + chunk["id"], created=chunk["created"])
+                for converted in choice.convert(chunk):
+                    converted.update(head)
+                    if sink is not None:
+                        sink(converted)
         except _EvalCancelled:  # raised through llama-cpp-python's generators, which are done
-            cancelled = True
-        run = self._run
-        evaluated = run.prompt_evaluated
-        self.prompt_tokens_evaluated_total += evaluated
-        prompt_tokens = run.reused_prefix + evaluated
-        completion_tokens = run.sampled
-        text = "".join(pieces)
-        final: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
-        if kind == "chat":
-            final["message"] = {"role": "assistant", "content": text}
-        else:
-            final["text"] = text
-        response = {
-            "id": last.get("id", ""),
-            "object": "chat.completion" if kind == "chat" else "text_completion",
-            "created": last.get("created", int(time.time())),
-            "model": self.spec.name,
-            "choices": [final],
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                # the prompt-cache hit: the prefix kept from earlier requests, not evaluated again
-                "prompt_tokens_details": {"cached_tokens": run.reused_prefix},
-            },
-        }
-        return Generation(response, prompt_tokens, evaluated, completion_tokens, cancelled)
+            return True
+        return False
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -493,7 +563,14 @@ class ReloadBackend:
             reason = str(exc).replace(path, str(spec.path))
             raise error(f"cannot load {spec.path}: {reason}") from None
         _instrument_eval(llm, lambda: self._run)
-        self._chat = _ChatFormat(llm.chat_handler, llm._chat_handlers, llm.chat_format)
+        _instrument_sample(llm, lambda: self._run)
+        template = llm.metadata.get("tokenizer.chat_template", "")
+        self._chat = _ChatFormat(
+            llm.chat_handler,
+            llm._chat_handlers,
+            llm.chat_format,
+            takes_tools=llm.chat_format == GGUF_TEMPLATE and template_takes_tools(template),
+        )
         return llm
 
 
@@ -708,6 +785,44 @@ def _instrument_eval(llm: llama_cpp.Llama, current: Callable[[], _Run]) -> None:
     llm.eval = eval_in_batches  # type: ignore[method-assign]
 
 
+def _instrument_sample(llm: llama_cpp.Llama, current: Callable[[], _Run]) -> None:
+    """Make every `sample` record the sampled token's log-probability, and the most likely
+    tokens at its place, when the current run asks for them: from the logits the model gave
+    (before penalties, bias and grammar: the model's own distribution, as OpenAI reports it).
+    Without this llama-cpp-python computes log-probabilities only with logits_all, which keeps
+    n_ctx x n_vocab floats (4 GiB for gemma-3 at 4,096 tokens) for every request."""
+    original = llm.sample
+    vocab = llm._model.vocab
+    n_vocab = llm.n_vocab()
+
+    def sample_recording(*args: Any, **kwargs: Any) -> int:
+        token: int = original(*args, **kwargs)
+        run = current()
+        if run.logprobs is None or llama_cpp.llama_vocab_is_eog(vocab, token):
+            return token
+        idx = kwargs.get("idx")
+        pointer = llama_cpp.llama_get_logits_ith(llm.ctx, -1 if idx is None else idx - llm.n_tokens)
+        logits = np.ctypeslib.as_array(pointer, shape=(n_vocab,)).astype(np.float64)
+        run.logprobs.append(_token_logprob(llm, logits, token, run.top_logprobs))
+        return token
+
+    llm.sample = sample_recording  # type: ignore[method-assign]
+
+
+def _token_logprob(
+    llm: llama_cpp.Llama, logits: npt.NDArray[np.float64], token: int, top: int
+) -> TokenLogprob:
+    peak = logits.max()
+    logprobs = logits - (peak + np.log(np.exp(logits - peak).sum()))
+    best = np.argpartition(-logprobs, top)[:top] if top else np.array([], dtype=np.intp)
+    ranked = sorted(best.tolist(), key=lambda t: -logprobs[t])
+    return TokenLogprob(
+        token=llm.detokenize([token]),
+        logprob=float(logprobs[token]),
+        top=tuple((llm.detokenize([t]), float(logprobs[t])) for t in ranked),
+    )
+
+
 def _request_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     for key, types in COMPLETION_PARAMS.items():
@@ -742,6 +857,119 @@ def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
     except Exception as exc:
         raise RequestError(f"the JSON schema cannot be followed: {exc}") from None
     return {"type": "json_object", "schema": schema}
+
+
+def _logit_bias(body: dict[str, Any], n_vocab: int) -> dict[int, float]:
+    """OpenAI's logit_bias ({"token id": bias}) as llama-cpp-python takes it."""
+    given = body.get("logit_bias")
+    if given is None:
+        return {}
+    if not isinstance(given, dict):
+        raise RequestError("'logit_bias' must be an object of token ids to biases")
+    bias = {}
+    for key, value in given.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else -1
+        if not 0 <= token < n_vocab:
+            raise RequestError(
+                f"'logit_bias' names token {key!r}; this model's ids are 0 to {n_vocab - 1}"
+            )
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise RequestError(f"'logit_bias.{key}' must be a number")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise RequestError(
+                f"'logit_bias.{key}' must be from -{MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}"
+            )
+        bias[token] = float(value)
+    return bias
+
+
+def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
+    """The tools a chat request offers the model (none when tool_choice is "none"), and the call
+    it must make: None (its choice), "required" (any tool) or a tool's name."""
+    tools = body.get("tools") or []
+    if not isinstance(tools, list) or not all(_is_function_tool(tool) for tool in tools):
+        raise RequestError(
+            '\'tools\' must be a list of {"type": "function", "function": {"name": ...}}'
+        )
+    choice = body.get("tool_choice", "auto" if tools else "none")
+    if choice == "none" or not tools:
+        if choice not in ("none", "auto"):
+            raise RequestError("'tool_choice' asks for a call, but the request offers no tools")
+        return [], None
+    if choice == "auto":
+        return tools, None
+    if choice == "required":
+        return tools, "required"
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    names = [tool["function"]["name"] for tool in tools]
+    if name not in names:
+        raise RequestError(
+            f"'tool_choice' names {name!r}, which is not among the tools: {', '.join(names)}"
+        )
+    assert isinstance(name, str)
+    return tools, name
+
+
+def _is_function_tool(tool: object) -> bool:
+    function = tool.get("function") if isinstance(tool, dict) else None
+    return (
+        isinstance(tool, dict)
+        and tool.get("type") == "function"
+        and isinstance(function, dict)
+        and isinstance(function.get("name"), str)
+    )
+
+
+def _template_messages(messages: list[Any]) -> list[Any]:
+    """Messages as chat templates read them (the Hugging Face convention): a call's arguments
+    as an object rather than OpenAI's JSON text, and "" for the content of an assistant turn
+    that only called tools (templates trim or concatenate it)."""
+    shaped = []
+    for message in messages:
+        if not isinstance(message, dict) or not message.get("tool_calls"):
+            shaped.append(message)
+            continue
+        calls = []
+        for call in message["tool_calls"]:
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+                calls.append(call)
+                continue
+            try:
+                arguments = json.loads(function["arguments"])
+            except json.JSONDecodeError:
+                arguments = function["arguments"]
+            calls.append({**call, "function": {**function, "arguments": arguments}})
+        shaped.append({**message, "content": message.get("content") or "", "tool_calls": calls})
+    return shaped
+
+
+def _choices(body: dict[str, Any]) -> int:
+    n = body.get("n", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise RequestError(f"'n' must be an integer from 1 to {MAX_CHOICES}")
+    return n
+
+
+def _top_logprobs(body: dict[str, Any]) -> int | None:
+    """How many alternatives to report with each token's log-probability; None: none at all."""
+    wanted = body.get("logprobs")
+    if wanted is None:
+        return None
+    if isinstance(wanted, bool) or not isinstance(wanted, int):
+        raise RequestError("'logprobs' must be the number of alternatives to report")
+    if not 0 <= wanted <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"'logprobs' must be from 0 to {MAX_TOP_LOGPROBS}")
+    return wanted
+
+
+def _for_choice(completion: dict[str, Any], index: int) -> dict[str, Any]:
+    """The arguments of choice `index`: with a seed, each choice gets its own (seed + index), so
+    the choices differ and the whole response is the same again for the same seed."""
+    if index == 0 or completion.get("seed") is None:
+        return completion
+    return {**completion, "seed": completion["seed"] + index}
 
 
 def _include_usage(body: dict[str, Any]) -> bool:
@@ -782,6 +1010,7 @@ class _ChatFormat:
     chat_handler: Any
     _chat_handlers: dict[str, Any]
     chat_format: str | None
+    takes_tools: bool = False  # the chat template renders the tools a request offers
 
 
 class _CompletionCall:
@@ -831,6 +1060,7 @@ class _Vocab:
         self.sep = llama_cpp.llama_vocab_sep(vocab)
         self.add_bos = llama_cpp.llama_vocab_get_add_bos(vocab)
         self.add_eos = llama_cpp.llama_vocab_get_add_eos(vocab)
+        self.n_tokens = llama_cpp.llama_vocab_n_tokens(vocab)
         self._in_pieces = llama_cpp.llama_vocab_type(vocab) in (
             llama_cpp.LLAMA_VOCAB_TYPE_SPM,
             llama_cpp.LLAMA_VOCAB_TYPE_BPE,

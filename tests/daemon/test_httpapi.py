@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from starlette.types import ASGIApp, Message, Scope
 
-from arbiterd.daemon.httpapi import ENGINE_CHECKS, create_app, refuse_stranger
+from arbiterd.daemon.httpapi import ENGINE_CHECKS, IGNORED_HEADER, create_app, refuse_stranger
 from arbiterd.daemon.service import Service
 from arbiterd.errors import (
     ContextOverflowError,
@@ -53,9 +53,13 @@ class FakeService:
         self.closed = threading.Event()  # stream() was closed or cancelled by its consumer
         self.cancelled = threading.Event()  # complete() was cancelled
         self.streams: list[AsyncIterator[dict[str, Any]]] = []
+        self.strict: set[str] = set()  # models with strict_api = true
 
     def model_names(self) -> list[str]:
         return list(MODELS)
+
+    def strict_api(self, model: str) -> bool:
+        return model in self.strict
 
     async def complete(self, model: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
         self.calls.append((model, kind, body))
@@ -265,6 +269,7 @@ def test_chat_completion_gets_only_engine_parameters(app: FastAPI, service: Fake
         "logprobs": False,
         "tools": [],
         "tool_choice": "none",
+        "modalities": ["text"],
         "store": False,
         "metadata": {"project": "notes"},
         "reasoning_effort": "low",
@@ -274,7 +279,7 @@ def test_chat_completion_gets_only_engine_parameters(app: FastAPI, service: Fake
     assert response.json()["choices"][0]["message"]["content"] == "Hello"
     # ... and named, so a client can tell what it asked for that nobody did
     assert response.headers["x-arbiterd-ignored"] == (
-        "logit_bias,logprobs,metadata,reasoning_effort,store,tool_choice,tools,user"
+        "metadata,modalities,reasoning_effort,store,user"
     )
     assert service.calls == [
         (
@@ -308,6 +313,100 @@ def test_messages_are_normalised(app: FastAPI, service: FakeService) -> None:
         {"role": "user", "content": "a\nb"},
         {"role": "assistant", "content": "ok", "name": "bot"},
         {"role": "tool", "content": "42", "tool_call_id": "call-1"},
+    ]
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_tools_and_the_history_of_calls_reach_the_engine(
+    app: FastAPI, service: FakeService
+) -> None:
+    call_made = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+    }
+    messages = [
+        MESSAGE,
+        {"role": "assistant", "content": None, "tool_calls": [call_made]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+    ]
+    request = {
+        **CHAT,
+        "messages": messages,
+        "tools": [WEATHER, {"type": "function", "function": {"name": "now"}}],
+        "tool_choice": {"type": "function", "function": {"name": "now"}},
+        "parallel_tool_calls": False,
+    }
+    response = call(app, "POST", "/v1/chat/completions", body=request)
+    assert response.status_code == 200, response.text
+    assert IGNORED_HEADER not in response.headers
+    assert service.calls[0][2] == {
+        "messages": [MESSAGE, messages[1], messages[2]],
+        "tools": [
+            WEATHER,
+            {
+                "type": "function",
+                "function": {"name": "now", "parameters": {"type": "object", "properties": {}}},
+            },
+        ],
+        "tool_choice": {"type": "function", "function": {"name": "now"}},
+        "parallel_tool_calls": False,
+    }
+
+
+def test_a_strict_model_refuses_the_fields_it_would_ignore(
+    app: FastAPI, service: FakeService
+) -> None:
+    service.strict.add("tiny")
+    error = assert_error(
+        call(app, "POST", "/v1/chat/completions", body={**CHAT, "store": True, "user": "u"}),
+        400,
+        param="store",
+    )
+    assert "strict_api" in error["message"]
+    assert "store, user" in error["message"]
+    assert service.calls == []
+    assert call(app, "POST", "/v1/chat/completions", body=CHAT).status_code == 200
+
+
+def test_a_tool_choice_of_none_offers_no_tools(app: FastAPI, service: FakeService) -> None:
+    request = {**CHAT, "tools": [WEATHER], "tool_choice": "none"}
+    assert call(app, "POST", "/v1/chat/completions", body=request).status_code == 200
+    assert service.calls[0][2] == {"messages": [MESSAGE]}
+
+
+def test_the_older_functions_fields_become_tools(app: FastAPI, service: FakeService) -> None:
+    request = {**CHAT, "functions": [WEATHER["function"]], "function_call": {"name": "get_weather"}}
+    assert call(app, "POST", "/v1/chat/completions", body=request).status_code == 200
+    assert service.calls[0][2]["tools"] == [WEATHER]
+    assert service.calls[0][2]["tool_choice"] == {
+        "type": "function",
+        "function": {"name": "get_weather"},
+    }
+
+
+def test_logprobs_logit_bias_and_choices_reach_the_engine(
+    app: FastAPI, service: FakeService
+) -> None:
+    chat = {**CHAT, "logprobs": True, "top_logprobs": 3, "logit_bias": {"15": -100}, "n": 2}
+    assert call(app, "POST", "/v1/chat/completions", body=chat).status_code == 200
+    completion = {**COMPLETION, "logprobs": 0, "n": 1}
+    assert call(app, "POST", "/v1/completions", body=completion).status_code == 200
+    plain = {**CHAT, "logprobs": False}
+    assert call(app, "POST", "/v1/chat/completions", body=plain).status_code == 200
+    assert [body for _, _, body in service.calls] == [
+        {"messages": [MESSAGE], "logprobs": 3, "logit_bias": {"15": -100}, "n": 2},
+        {"prompt": "Once", "logprobs": 0},
+        {"messages": [MESSAGE]},
     ]
 
 
@@ -355,8 +454,21 @@ BAD_CHAT: list[tuple[str, dict[str, Any], str]] = [
         "messages[0].content[0]",
     ),
     (
-        "tool calls",
+        "tool calls in a user message",
         {"messages": [{**MESSAGE, "tool_calls": []}]},
+        "messages[0].tool_calls",
+    ),
+    (
+        "a call without arguments",
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f"}}],
+                }
+            ]
+        },
         "messages[0].tool_calls",
     ),
     ("max_tokens bool", {"max_tokens": True}, "max_tokens"),
@@ -380,13 +492,57 @@ BAD_CHAT: list[tuple[str, dict[str, Any], str]] = [
     ("five stops", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ("stop a number", {"stop": [1]}, "stop"),
     ("empty stop", {"stop": ""}, "stop"),
-    ("n of two", {"n": 2}, "n"),
+    ("n over the limit", {"n": 17}, "n"),
+    ("n zero", {"n": 0}, "n"),
     ("n bool", {"n": True}, "n"),
     ("stream a string", {"stream": "yes"}, "stream"),
     ("seed a float", {"seed": 1.5}, "seed"),
     ("seed beyond int64", {"seed": 2**64}, "seed"),
-    ("logit_bias", {"logit_bias": {"50256": -100}}, "logit_bias"),
-    ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("logit_bias not a token id", {"logit_bias": {"the": 5}}, "logit_bias"),
+    ("logit_bias beyond 100", {"logit_bias": {"7": -101}}, "logit_bias.7"),
+    ("logit_bias a list", {"logit_bias": [1]}, "logit_bias"),
+    ("logprobs a number", {"logprobs": 3}, "logprobs"),
+    ("top_logprobs over 20", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("top_logprobs without logprobs", {"top_logprobs": 2}, "top_logprobs"),
+    ("a tool of another type", {"tools": [{"type": "code_interpreter"}]}, "tools[0].type"),
+    (
+        "a tool with no name",
+        {"tools": [{"type": "function", "function": {}}]},
+        "tools[0].function.name",
+    ),
+    (
+        "a tool name with spaces",
+        {"tools": [{"type": "function", "function": {"name": "get weather"}}]},
+        "tools[0].function.name",
+    ),
+    (
+        "two tools of one name",
+        {"tools": [{"type": "function", "function": {"name": "f"}}] * 2},
+        "tools[1].function.name",
+    ),
+    (
+        "parameters not a schema",
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+        "tools[0].function.parameters",
+    ),
+    (
+        "tool_choice names a tool not offered",
+        {
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        "tool_choice",
+    ),
+    ("tool_choice required without tools", {"tool_choice": "required"}, "tool_choice"),
+    ("tool_choice a word", {"tool_choice": "always"}, "tool_choice"),
+    (
+        "tools and functions",
+        {"tools": [], "functions": [{"name": "f"}]},
+        "functions",
+    ),
+    ("parallel_tool_calls a string", {"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ("audio output", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("audio modality", {"modalities": ["text", "audio"]}, "modalities"),
     ("prompt in chat", {"prompt": "x"}, "prompt"),
 ]
 BAD_COMPLETION: list[tuple[str, dict[str, Any], str]] = [

@@ -19,7 +19,13 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["CHAT_TEMPLATE", "DEFAULT_SPEC", "TinyModelSpec", "write_tiny_llama"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "DEFAULT_SPEC",
+    "TOOLS_CHAT_TEMPLATE",
+    "TinyModelSpec",
+    "write_tiny_llama",
+]
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -29,6 +35,23 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 """Minimal Jinja chat template stored as ``tokenizer.chat_template``."""
+
+TOOLS_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|system|>\nTools:{% for tool in tools %}\n{{ tool.function | tojson }}"
+    '{% endfor %}\nCall one as <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
+    "{{ eos_token }}\n{% endif %}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}"
+    "{% for call in message.tool_calls or [] %}"
+    '<tool_call>{"name": "{{ call.function.name }}", '
+    '"arguments": {{ call.function.arguments | tojson }}}</tool_call>'
+    "{% endfor %}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+"""A Hermes-style template that renders the tools a request offers and earlier calls (their
+arguments as objects, the Hugging Face convention)."""
 
 _SPACE = "\u2581"  # SentencePiece word-boundary marker (LOWER ONE EIGHTH BLOCK)
 _WEIGHT_STD = 0.02
@@ -65,6 +88,7 @@ class TinyModelSpec:
     n_ctx_train: int = 2048
     n_vocab: int = 512  # includes special tokens
     seed: int = 0
+    chat_template: str = CHAT_TEMPLATE
 
     @property
     def head_dim(self) -> int:
@@ -209,7 +233,7 @@ def write_tiny_llama(path: Path, spec: TinyModelSpec = DEFAULT_SPEC) -> Path:
         writer.add_eos_token_id(_EOS_ID)
         writer.add_add_bos_token(True)
         writer.add_add_eos_token(False)
-        writer.add_chat_template(CHAT_TEMPLATE)
+        writer.add_chat_template(spec.chat_template)
 
         for name, tensor in _tensors(spec):
             writer.add_tensor(name, tensor)

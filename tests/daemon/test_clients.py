@@ -1,0 +1,253 @@
+"""Client libraries we did not write, against a real daemon of tiny models: the openai SDK,
+LangChain and litellm, each as its users call it (tools, structured output, logprobs, several
+choices, usage in streams)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMessageParam
+
+from tests.support.daemon import Daemon
+from tests.support.tiny_gguf import TOOLS_CHAT_TEMPLATE, TinyModelSpec, write_tiny_llama
+
+# litellm reads its model price list from the internet at import unless told not to.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+ADD: ChatCompletionFunctionToolParam = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+WEATHER: ChatCompletionFunctionToolParam = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10}},
+            "required": ["city"],
+        },
+    },
+}
+ASK: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is 2 + 3?"}]
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 10}, "rank": {"type": "integer"}},
+    "required": ["city", "rank"],
+    "additionalProperties": False,
+}
+
+
+def tiny(path: Path, **extra: Any) -> dict[str, Any]:
+    return {"path": path, "n_ctx": 2048, "n_gpu_layers": 0, "min_hold_s": 0.05, **extra}
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Daemon]:
+    spec = TinyModelSpec(chat_template=TOOLS_CHAT_TEMPLATE)
+    tools_model = write_tiny_llama(tmp_path_factory.mktemp("models") / "tools.gguf", spec)
+    running = Daemon(
+        {
+            "tools": tiny(tools_model),
+            "plain": tiny(tiny_model),
+            "strict": tiny(tiny_model, strict_api=True),
+        }
+    )
+    try:
+        running.wait_ready()
+        yield running
+    finally:
+        running.cleanup()
+
+
+@pytest.fixture
+def api(daemon: Daemon) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=daemon.url, api_key="unused", max_retries=0, timeout=60) as client:
+        yield client
+
+
+# -- the openai SDK ---------------------------------------------------------------------------
+
+
+def test_openai_sdk_tool_calls_whole_and_streamed(api: openai.OpenAI) -> None:
+    whole = api.chat.completions.create(
+        model="tools", messages=ASK, tools=[ADD, WEATHER], tool_choice="required", max_tokens=150
+    )
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls
+    made = choice.message.tool_calls[0]
+    assert made.type == "function"
+    assert made.function.name in ("add", "get_weather")
+    json.loads(made.function.arguments)
+    # The SDK's stream helper assembles the deltas and parses the arguments of strict tools.
+    with api.chat.completions.stream(
+        model="tools",
+        messages=ASK,
+        tools=[ADD],
+        tool_choice={"type": "function", "function": {"name": "add"}},
+        max_tokens=150,
+    ) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls or []
+    assert call.function.name == "add"
+    assert set(json.loads(call.function.arguments)) == {"a", "b"}
+    assert final.choices[0].finish_reason == "tool_calls"
+
+
+def test_openai_sdk_sends_back_a_call_and_its_result(api: openai.OpenAI) -> None:
+    first = api.chat.completions.create(
+        model="tools",
+        messages=ASK,
+        tools=[ADD],
+        tool_choice={"type": "function", "function": {"name": "add"}},
+        max_tokens=150,
+    )
+    message = first.choices[0].message
+    assert message.tool_calls
+    history: list[Any] = [
+        *ASK,
+        message.model_dump(exclude_none=True),  # the assistant turn as the SDK keeps it
+        {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "5"},
+    ]
+    follow_up = api.chat.completions.create(
+        model="tools",
+        messages=history,
+        tools=[ADD],
+        max_tokens=5,
+        temperature=0,
+    )
+    assert follow_up.choices[0].message.role == "assistant"
+    assert follow_up.usage is not None
+    assert follow_up.usage.prompt_tokens > first.usage.prompt_tokens  # type: ignore[union-attr]
+
+
+def test_openai_sdk_logprobs_choices_and_bias(api: openai.OpenAI) -> None:
+    answer = api.chat.completions.create(
+        model="plain",
+        messages=ASK,
+        max_tokens=4,
+        temperature=0.8,
+        logprobs=True,
+        top_logprobs=2,
+        n=2,
+        seed=5,
+        logit_bias={"300": 100},
+    )
+    assert [choice.index for choice in answer.choices] == [0, 1]
+    for choice in answer.choices:
+        assert choice.logprobs is not None
+        entries = choice.logprobs.content or []
+        assert len(entries) == 4
+        assert all(len(entry.top_logprobs) == 2 for entry in entries)
+        assert "".join(entry.token for entry in entries) == choice.message.content
+        assert len({entry.token for entry in entries}) == 1  # the bias picked every token
+    assert answer.usage is not None
+    assert answer.usage.completion_tokens == 8
+
+
+def test_a_strict_model_refuses_what_another_ignores(api: openai.OpenAI) -> None:
+    kept = api.chat.completions.with_raw_response.create(
+        model="plain", messages=ASK, max_tokens=1, store=False, metadata={"a": "b"}
+    )
+    assert kept.headers["x-arbiterd-ignored"] == "metadata,store"
+    with pytest.raises(openai.BadRequestError, match="strict_api"):
+        api.chat.completions.create(model="strict", messages=ASK, max_tokens=1, store=False)
+
+
+def test_openai_sdk_errors_name_what_was_wrong(api: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="plain cannot be offered tools"):
+        api.chat.completions.create(model="plain", messages=ASK, tools=[ADD], max_tokens=5)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        api.chat.completions.create(
+            model="plain", messages=ASK, logprobs=True, top_logprobs=21, max_tokens=1
+        )
+    with pytest.raises(openai.BadRequestError, match="'n'"):
+        api.chat.completions.create(model="plain", messages=ASK, n=17, max_tokens=1)
+    bad_tool: Any = {"type": "function", "function": {"description": "no name"}}
+    with pytest.raises(openai.BadRequestError, match=r"tools\[0\].function.name"):
+        api.chat.completions.create(model="tools", messages=ASK, tools=[bad_tool])
+
+
+# -- LangChain --------------------------------------------------------------------------------
+
+
+def test_langchain_bind_tools_and_structured_output(daemon: Daemon) -> None:
+    from langchain_core.messages import AIMessageChunk  # noqa: PLC0415
+    from langchain_openai import ChatOpenAI  # noqa: PLC0415 (heavy; only this test needs it)
+    from pydantic import SecretStr  # noqa: PLC0415
+
+    llm = ChatOpenAI(
+        model="tools",
+        base_url=daemon.url,
+        api_key=SecretStr("unused"),
+        max_retries=0,
+        max_completion_tokens=150,
+    )
+    add: dict[str, Any] = dict(ADD)
+    called = llm.bind_tools([add], tool_choice="add").invoke("What is 2 + 3?")
+    assert [call["name"] for call in called.tool_calls] == ["add"]
+    assert set(called.tool_calls[0]["args"]) == {"a", "b"}
+    streamed: AIMessageChunk | None = None
+    for chunk in llm.bind_tools([add], tool_choice="add").stream("What is 2 + 3?"):
+        assert isinstance(chunk, AIMessageChunk)
+        streamed = chunk if streamed is None else streamed + chunk
+    assert streamed is not None
+    assert [call["name"] for call in streamed.tool_calls] == ["add"]
+    schema = {"title": "answer", "description": "A ranked city", **SCHEMA}
+    for method in ("json_schema", "function_calling"):
+        structured = llm.with_structured_output(schema, method=method)
+        result = structured.invoke("Which city is first?")
+        assert isinstance(result, dict)
+        assert set(result) == {"city", "rank"}
+        assert isinstance(result["rank"], int)
+
+
+# -- litellm ----------------------------------------------------------------------------------
+
+
+def test_litellm_tools_json_schema_and_streamed_usage(daemon: Daemon) -> None:
+    import litellm  # noqa: PLC0415 (heavy; only this test needs it)
+
+    common: dict[str, Any] = {"api_base": daemon.url, "api_key": "unused", "max_tokens": 150}
+    called = litellm.completion(
+        model="openai/tools", messages=ASK, tools=[ADD], tool_choice="required", **common
+    )
+    call = called.choices[0].message.tool_calls[0]
+    assert call.function.name == "add"
+    assert set(json.loads(call.function.arguments)) == {"a", "b"}
+    shaped = litellm.completion(
+        model="openai/plain",
+        messages=[{"role": "user", "content": "Answer in JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},
+        **common,
+    )
+    assert set(json.loads(shaped.choices[0].message.content)) == {"city", "rank"}
+    chunks = list(
+        litellm.completion(
+            model="openai/plain",
+            messages=ASK,
+            stream=True,
+            stream_options={"include_usage": True},
+            **{**common, "max_tokens": 3},
+        )
+    )
+    usage = [chunk.usage for chunk in chunks if getattr(chunk, "usage", None)]
+    assert usage
+    assert usage[-1].completion_tokens == 3
