@@ -82,6 +82,9 @@ class FakeService:
     def model_names(self) -> list[str]:
         return list(self.models)
 
+    def resolve(self, model: str) -> str | None:
+        return model if model in self.models else None
+
     async def complete(self, model: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError
 
