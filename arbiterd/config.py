@@ -14,6 +14,7 @@
     header_timeout_s = 10         # how long a client may take to send a request head
     [models.NAME]                 # one table per model; NAME is what requests ask for
     path = "/models/x.gguf"       # required
+    aliases = []                  # more names requests may ask for, e.g. ["gpt-4o-mini"]
     n_ctx = 4096, n_gpu_layers = -1, n_threads = 0, chat_format = "", mmproj = "",
     kv_on_release = "host", min_hold_s = 0.1, idle_release_s = 0
 
@@ -37,7 +38,7 @@ import pwd
 import re
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from arbiterd.errors import BadValueError, ConfigError
@@ -59,6 +60,16 @@ EMBEDDED_CHAT_FORMAT = "gemma"
 MAX_MODEL_NAME_CHARS = 64
 MODEL_NAME_RE = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_MODEL_NAME_CHARS}}}")
 MODEL_NAME_EXPECTED = f"a name of 1 to {MAX_MODEL_NAME_CHARS} characters from A-Z a-z 0-9 . _ -"
+# An alias may also end in ":TAG", as Ollama names models ("qwen2.5:7b"): an app set up for Ollama
+# asks for such a name, and an alias lets it keep asking for it. A model's own name keeps to
+# MODEL_NAME_RE: it also names the model in metrics, events and the journal.
+ALIAS_RE = re.compile(r"[A-Za-z0-9._-]+(?::[A-Za-z0-9._-]+)?")
+ALIAS_EXPECTED = (
+    f"an alias of 1 to {MAX_MODEL_NAME_CHARS} characters from A-Z a-z 0-9 . _ -, "
+    'with an optional :TAG as Ollama names models (e.g. "qwen2.5:7b")'
+)
+# Ollama's tag for a name given without one: "llama3" and "llama3:latest" are one name.
+DEFAULT_TAG = "latest"
 # Keys in the order they are documented (and listed in error messages).
 TOP_KEYS = ("daemon", "models")
 DAEMON_KEYS = (
@@ -73,6 +84,7 @@ DAEMON_KEYS = (
 )
 MODEL_KEYS = (
     "path",
+    "aliases",
     "n_ctx",
     "n_gpu_layers",
     "n_threads",
@@ -122,6 +134,13 @@ class ModelConfig:
     idle_release_s: float  # 0 = release only when someone else wants the GPU
     # The HTTP API refuses the fields it would ignore for this model (x-arbiterd-ignored).
     strict_api: bool = False
+    aliases: tuple[str, ...] = ()  # more names requests may ask for it by
+
+    def same_worker(self, other: ModelConfig) -> bool:
+        """Whether `other` runs the same worker as this config: equal but for the aliases and
+        strict_api, which only the daemon's edges read (a reload that changes only those
+        restarts nothing)."""
+        return replace(other, aliases=self.aliases, strict_api=self.strict_api) == self
 
     def worker_config(self, arena: Path, host_copy_fd: int | None = None) -> WorkerConfig:
         """What the worker process for this model is started with; `host_copy_fd` is the
@@ -153,6 +172,21 @@ class Config:
     daemon: DaemonConfig
     models: dict[str, ModelConfig]
     source: Path | None  # None: the embedded default (there is no file to reload)
+
+    def resolve(self, requested: str) -> str | None:
+        """The name of the model `requested` names (its name or one of its aliases, with or
+        without Ollama's default tag); None when it names none."""
+        key = model_key(requested)
+        for model in self.models.values():
+            if any(model_key(name) == key for name in (model.name, *model.aliases)):
+                return model.name
+        return None
+
+
+def model_key(name: str) -> str:
+    """What a model name or alias is looked up by: without Ollama's default tag, so that
+    "llama3" and "llama3:latest" name one model, as in Ollama."""
+    return name.removesuffix(f":{DEFAULT_TAG}")
 
 
 def default_config_path(env: Mapping[str, str] | None = None) -> Path:
@@ -236,6 +270,7 @@ def starter_config_text(found: list[Path]) -> str:
         "# One [models.NAME] table per model; NAME (1-64 of A-Z a-z 0-9 . _ -) is the `model`",
         '# requests ask for; quote it when it contains a dot: [models."qwen2.5-7b"]. Keys:',
         '#   path = "/models/x.gguf"   required',
+        '#   aliases = []              more names for it, e.g. ["gpt-4o-mini", "qwen2.5:7b"]',
         f"#   n_ctx = {STARTER_N_CTX}              context length in tokens",
         "#   n_gpu_layers = -1         layers on the GPU; -1 = all",
         "#   n_threads = 0             CPU threads; 0 = the library's default",
@@ -278,6 +313,7 @@ _OPTIONAL_PATH_EXPECTED = 'a path (a string; "" = the default)'
 _MODELS_EXPECTED = 'at least one [models.NAME] table with a path, e.g. [models.qwen] path = "..."'
 _KV_EXPECTED = 'one of "host", "device", "drop"'
 _RESIDENCY_EXPECTED = 'one of "auto", "in-place", "reload"'
+_ALIASES_EXPECTED = 'an array of aliases, e.g. ["gpt-4o-mini", "qwen2.5:7b"]'
 
 
 @dataclass(frozen=True)
@@ -557,7 +593,9 @@ def _models(src: _Source, raw: object) -> dict[str, ModelConfig]:
         raise src.fail(("models",), f"expected {_MODELS_EXPECTED}, got none")
     if not isinstance(raw, dict):
         raise src.expected(("models",), _MODELS_EXPECTED, raw)
-    return {name: _model(src, name, table) for name, table in raw.items()}
+    models = {name: _model(src, name, table) for name, table in raw.items()}
+    _check_aliases(src, models)
+    return models
 
 
 def _model(src: _Source, name: str, raw: object) -> ModelConfig:
@@ -611,6 +649,7 @@ def _model(src: _Source, name: str, raw: object) -> ModelConfig:
         )
     return ModelConfig(
         name=name,
+        aliases=_aliases(table),
         path=src.path(table.keys("path"), path_text, _PATH_EXPECTED),
         n_ctx=n_ctx,
         n_gpu_layers=n_gpu_layers,
@@ -623,6 +662,47 @@ def _model(src: _Source, name: str, raw: object) -> ModelConfig:
         idle_release_s=table.seconds("idle_release_s", 0.0, note=" (0 = only when wanted)"),
         strict_api=table.boolean("strict_api", False),
     )
+
+
+def _aliases(table: _Table) -> tuple[str, ...]:
+    keys = table.keys("aliases")
+    value = table.values.get("aliases", [])
+    if not isinstance(value, list):
+        raise table.src.expected(keys, _ALIASES_EXPECTED, value)
+    for alias in value:
+        if not isinstance(alias, str) or not _is_alias(alias):
+            raise table.src.expected(keys, ALIAS_EXPECTED, alias)
+    return tuple(value)
+
+
+def _is_alias(text: str) -> bool:
+    # "." and ".." would be path segments in `/v1/models/ALIAS`, as for model names.
+    return (
+        len(text) <= MAX_MODEL_NAME_CHARS
+        and ALIAS_RE.fullmatch(text) is not None
+        and text.partition(":")[0] not in {".", ".."}
+    )
+
+
+def _check_aliases(src: _Source, models: Mapping[str, ModelConfig]) -> None:
+    """Every name a request may ask for names one model: an alias is no model's name and no
+    other alias, counting NAME and NAME:latest as one (`model_key`)."""
+    taken = {model_key(name): (name, f"the name of {_dotted(('models', name))}") for name in models}
+    for model in models.values():
+        for alias in model.aliases:
+            key = model_key(alias)
+            if key in taken:
+                spelled, what = taken[key]
+                same = "" if spelled == alias else f" (as {_describe(spelled)}: {_SAME_NAME})"
+                raise src.fail(
+                    ("models", model.name, "aliases"),
+                    f"{_describe(alias)} is already {what}{same}; an alias must differ from "
+                    "every model's name and from every other alias",
+                )
+            taken[key] = (alias, f"an alias of {_dotted(('models', model.name))}")
+
+
+_SAME_NAME = f"a name without a tag is the same name with :{DEFAULT_TAG}, as in Ollama"
 
 
 def _dotted_name_hint(name: str) -> Callable[[str, object], str]:

@@ -326,13 +326,15 @@ class WorkerEvent(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class ReloadEvent(Event):
-    """The config was read again: the models added, removed and changed, and its warnings."""
+    """The config was read again: the models added, removed and changed (restarted), those
+    whose aliases changed (applied without a restart), and its warnings."""
 
     KIND: ClassVar[str] = "reload"
 
     added: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()
     changed: tuple[str, ...] = ()
+    aliases_changed: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
 
     @classmethod
@@ -342,6 +344,7 @@ class ReloadEvent(Event):
             added=_names(obj.get("added")),
             removed=_names(obj.get("removed")),
             changed=_names(obj.get("changed")),
+            aliases_changed=_names(obj.get("aliases_changed")),
             warnings=_names(obj.get("warnings")),
         )
 
@@ -350,6 +353,7 @@ class ReloadEvent(Event):
             "added": list(self.added),
             "removed": list(self.removed),
             "changed": list(self.changed),
+            "aliases_changed": list(self.aliases_changed),
             "warnings": list(self.warnings),
         }
 

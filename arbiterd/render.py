@@ -267,6 +267,7 @@ def _reload(event: ReloadEvent) -> str:
             ("added", event.added),
             ("removed", event.removed),
             ("changed", event.changed),
+            ("aliases changed", event.aliases_changed),
         )
         if names
     ]

@@ -28,6 +28,7 @@ api_key = "sk-local-123"
 
 [models.qwen]
 path = "models/qwen.gguf"
+aliases = ["gpt-4o-mini", "qwen2.5:7b"]
 n_ctx = 8192
 n_gpu_layers = 20
 n_threads = 6
@@ -87,6 +88,7 @@ def test_full_file_sets_every_key(tmp_path: Path, env: dict[str, str]) -> None:
     qwen = config.models["qwen"]
     assert qwen.name == "qwen"
     assert qwen.path == etc / "models/qwen.gguf"
+    assert qwen.aliases == ("gpt-4o-mini", "qwen2.5:7b")
     assert (qwen.n_ctx, qwen.n_gpu_layers, qwen.n_threads) == (8192, 20, 6)
     assert qwen.chat_format == "chatml"
     assert qwen.mmproj is None
@@ -109,6 +111,7 @@ def test_absent_keys_take_their_defaults(tmp_path: Path, env: dict[str, str]) ->
     assert daemon.api_key == ""
     model = config.models["qwen"]
     assert model.path == Path("/models/qwen.gguf")
+    assert model.aliases == ()
     assert (model.n_ctx, model.n_gpu_layers, model.n_threads) == (4096, -1, None)
     assert model.chat_format is None
     assert model.mmproj is None
@@ -306,6 +309,105 @@ def test_the_embedded_default_serves_gemma(
     assert config.daemon.arena == runtime_dir / "arbiterd/arena/gpu0"
 
 
+# -- names and aliases -----------------------------------------------------------------------
+
+
+def test_a_model_is_found_by_its_name_or_an_alias_with_or_without_the_latest_tag(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    config = load_text(tmp_path, env, FULL)
+
+    for asked in ("qwen", "qwen:latest", "gpt-4o-mini", "gpt-4o-mini:latest", "qwen2.5:7b"):
+        assert config.resolve(asked) == "qwen", asked
+    assert config.resolve("llama-3.2_1b:latest") == "llama-3.2_1b"
+    for unknown in ("qwen2.5", "qwen:7b", "gpt-4o", "QWEN", ""):
+        assert config.resolve(unknown) is None, unknown
+
+
+def test_only_the_aliases_changing_keeps_the_same_worker(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    old = load_text(tmp_path, env, MINIMAL).models["qwen"]
+    realiased = load_text(tmp_path, env, MINIMAL + 'aliases = ["llama3"]\n').models["qwen"]
+    resized = load_text(tmp_path, env, MINIMAL + "n_ctx = 8192\n").models["qwen"]
+
+    assert realiased != old
+    assert realiased.same_worker(old)
+    assert old.same_worker(realiased)
+    assert not resized.same_worker(old)
+
+
+ALIAS_CLASHES = [
+    # the models' tables, the alias's key path, what the message says
+    pytest.param(
+        '[models.a]\npath = "/m"\n[models.b]\npath = "/m"\naliases = ["a"]',
+        "models.b.aliases",
+        '"a" is already the name of models.a; an alias must differ from every model\'s name '
+        "and from every other alias",
+        id="another_models_name",
+    ),
+    pytest.param(
+        '[models.a]\npath = "/m"\naliases = ["b"]\n[models.b]\npath = "/m"',
+        "models.a.aliases",
+        '"b" is already the name of models.b',
+        id="a_later_models_name",
+    ),
+    pytest.param(
+        '[models.a]\npath = "/m"\naliases = ["a"]',
+        "models.a.aliases",
+        '"a" is already the name of models.a',
+        id="its_own_name",
+    ),
+    pytest.param(
+        '[models.a]\npath = "/m"\naliases = ["llama3"]\n'
+        '[models.b]\npath = "/m"\naliases = ["x", "llama3"]',
+        "models.b.aliases",
+        '"llama3" is already an alias of models.a',
+        id="another_models_alias",
+    ),
+    pytest.param(
+        '[models.a]\npath = "/m"\naliases = ["x", "x"]',
+        "models.a.aliases",
+        '"x" is already an alias of models.a',
+        id="listed_twice",
+    ),
+    pytest.param(
+        '[models.a]\npath = "/m"\naliases = ["llama3"]\n'
+        '[models.b]\npath = "/m"\naliases = ["llama3:latest"]',
+        "models.b.aliases",
+        '"llama3:latest" is already an alias of models.a (as "llama3": a name without a tag '
+        "is the same name with :latest, as in Ollama)",
+        id="the_latest_tag",
+    ),
+    pytest.param(
+        '[models.a]\npath = "/m"\n[models.b]\npath = "/m"\naliases = ["a:latest"]',
+        "models.b.aliases",
+        '"a:latest" is already the name of models.a (as "a": ',
+        id="a_name_with_the_latest_tag",
+    ),
+    pytest.param(
+        '[models."qwen2.5"]\npath = "/m"\n[models.b]\npath = "/m"\naliases = ["qwen2.5"]',
+        "models.b.aliases",
+        '"qwen2.5" is already the name of models."qwen2.5"',
+        id="a_quoted_name",
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "key_path", "expected"), ALIAS_CLASHES)
+def test_an_alias_names_one_model_and_a_clash_names_both(
+    tmp_path: Path, env: dict[str, str], text: str, key_path: str, expected: str
+) -> None:
+    path = write(tmp_path, text + "\n")
+
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, env=env)
+
+    message = str(caught.value)
+    assert message.startswith(f"{path}: {key_path}: "), message
+    assert expected in message, message
+
+
 # -- what the worker gets --------------------------------------------------------------------
 
 
@@ -451,15 +553,15 @@ ERRORS = [
     pytest.param(
         M + "n_ctxx = 8",
         "models.qwen.n_ctxx",
-        "unknown key; expected one of: path, n_ctx, n_gpu_layers, n_threads, chat_format, "
-        "mmproj, kv_on_release, residency, min_hold_s, idle_release_s, strict_api "
+        "unknown key; expected one of: path, aliases, n_ctx, n_gpu_layers, n_threads, "
+        "chat_format, mmproj, kv_on_release, residency, min_hold_s, idle_release_s, strict_api "
         "(did you mean n_ctx?)",
         id="unknown_model_key",
     ),
     pytest.param(
         M + "[models.qwen.extra]",
         "models.qwen.extra",
-        "unknown table; expected one of: path, n_ctx",
+        "unknown table; expected one of: path, aliases, n_ctx",
         id="unknown_model_table",
     ),
     pytest.param(
@@ -561,6 +663,30 @@ ERRORS = [
     ),
     pytest.param('[models.".."]\npath = "/m"', 'models.".."', 'got ".."', id="name_dotdot"),
     pytest.param('[models."qwén"]\npath = "/m"', 'models."qwén"', 'got "qwén"', id="name_unicode"),
+    pytest.param(
+        M + 'aliases = "llama3"',
+        "models.qwen.aliases",
+        'expected an array of aliases, e.g. ["gpt-4o-mini", "qwen2.5:7b"], got "llama3"',
+        id="aliases_not_array",
+    ),
+    pytest.param(
+        M + 'aliases = ["gpt 4"]',
+        "models.qwen.aliases",
+        "expected an alias of 1 to 64 characters from A-Z a-z 0-9 . _ -, with an optional :TAG "
+        'as Ollama names models (e.g. "qwen2.5:7b"), got "gpt 4"',
+        id="alias_space",
+    ),
+    pytest.param(M + "aliases = [3]", "models.qwen.aliases", "got 3", id="alias_number"),
+    pytest.param(M + 'aliases = [""]', "models.qwen.aliases", 'got ""', id="alias_empty"),
+    pytest.param(
+        M + 'aliases = ["a:b:c"]', "models.qwen.aliases", 'got "a:b:c"', id="alias_two_tags"
+    ),
+    pytest.param(M + 'aliases = [":7b"]', "models.qwen.aliases", 'got ":7b"', id="alias_no_name"),
+    pytest.param(
+        M + 'aliases = ["qwen:"]', "models.qwen.aliases", 'got "qwen:"', id="alias_no_tag"
+    ),
+    pytest.param(M + 'aliases = [".."]', "models.qwen.aliases", 'got ".."', id="alias_dotdot"),
+    pytest.param(M + f'aliases = ["{"x" * 62}:7b"]', "models.qwen.aliases", "got", id="alias_long"),
 ]
 
 

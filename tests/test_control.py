@@ -85,6 +85,9 @@ class FakeService:
     def strict_api(self, model: str) -> bool:
         return False
 
+    def resolve(self, model: str) -> str | None:
+        return model if model in self.models else None
+
     async def complete(self, model: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError
 

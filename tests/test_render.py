@@ -190,6 +190,8 @@ def test_hold_reload_and_vram_lines() -> None:
     reload = {"event": "reload", "added": ["a", "b"], "removed": [], "warnings": ["a: slow"]}
     assert line(reload) == "reload    added a, b  warning: a: slow"
     assert line({"event": "reload"}) == "reload    nothing changed"
+    realiased = {"event": "reload", "changed": ["a"], "aliases_changed": ["a", "b"]}
+    assert line(realiased) == "reload    changed a  aliases changed a, b"
     not_freed = {"event": "vram_not_freed", "model": "gemma", "pid": 9, "device": "gpu0",
                  "bytes_after": GiB, "expected_bytes": 64 << 20, "waited_s": 2}  # fmt: skip
     assert line(not_freed) == (

@@ -324,8 +324,8 @@ def _describe(command: str, result: dict[str, Any]) -> str:
         return "GPU held for you" if result["hold"] else "GPU given back to the models"
     if command == "reload":
         parts = [
-            f"{key}: {', '.join(result[key])}"
-            for key in ("added", "removed", "changed")
+            f"{key.replace('_', ' ')}: {', '.join(result[key])}"
+            for key in ("added", "removed", "changed", "aliases_changed")
             if result.get(key)
         ]
         lines = ["reloaded" + (" (" + "; ".join(parts) + ")" if parts else ", nothing changed")]

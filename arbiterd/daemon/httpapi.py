@@ -991,9 +991,6 @@ def create_app(
     def names() -> list[str]:
         return list(service.model_names())
 
-    def model_object(name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": created, "owned_by": "arbiterd"}
-
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
@@ -1004,18 +1001,23 @@ def create_app(
 
     @app.get("/v1/models", dependencies=guarded)
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_object(name) for name in names()]}
+        # Each alias an entry too: clients pick the model they were set up for from this list.
+        models = (await service.status())["models"]
+        data = [_model_object(m, n, created) for m in models for n in (m["name"], *m["aliases"])]
+        return {"object": "list", "data": data}
 
     @app.get("/v1/models/{model:path}", dependencies=guarded)
     async def get_model(model: str) -> dict[str, Any]:
-        if model not in names():
-            raise _unknown_model(model, names())
-        return model_object(model)
+        name = service.resolve(model)
+        for report in (await service.status())["models"]:
+            if report["name"] == name:
+                return _model_object(report, model, created)
+        raise _unknown_model(model, names())
 
     async def serve(request: Request, kind: str) -> Response:
         try:
             parsed = parse_request(kind, _parse_json(await _read_body(request, max_body_bytes)))
-            if parsed.model not in names():
+            if service.resolve(parsed.model) is None:
                 raise _unknown_model(parsed.model, names())
             if parsed.ignored and service.strict_api(parsed.model):
                 raise ApiError(
@@ -1050,6 +1052,25 @@ def create_app(
     return app
 
 
+def _model_object(model: dict[str, Any], id_: str, created: int) -> dict[str, Any]:
+    """OpenAI's model object for `id_`, the name of the status report `model` or another name
+    for it, with what a client choosing a model can use beyond OpenAI's fields."""
+    entry = {
+        "id": id_,
+        "object": "model",
+        "created": created,
+        "owned_by": "arbiterd",
+        "context_length": model["n_ctx"],
+        "state": model["state"],
+        "backend": model["backend"],
+    }
+    if id_ == model["name"]:
+        entry["aliases"] = model["aliases"]
+    else:
+        entry["alias_of"] = model["name"]
+    return entry
+
+
 def _add_ollama_routes(
     app: FastAPI,
     service: Service,
@@ -1077,7 +1098,7 @@ def _add_ollama_routes(
             translate = ollama.chat_request if route == "chat" else ollama.generate_request
             kind, openai, stream = translate(payload)
             parsed = parse_request(kind, openai)
-            if parsed.model not in names():
+            if service.resolve(parsed.model) is None:
                 raise _unknown_model(parsed.model, names())
         except Exception as exc:
             return _api_error(exc, names).response()

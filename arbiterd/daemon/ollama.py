@@ -5,6 +5,8 @@ daemon serves, and the answers back in Ollama's shapes. Pure functions; httpapi.
     POST /api/generate  {model, prompt, system, raw, stream, options, format, keep_alive}
     GET  /api/tags, /api/ps, /api/version
 
+/api/tags and /api/ps list each model and each of its aliases as its own entry, named as Ollama
+names models: NAME:TAG, a name without a tag as NAME:latest (a request may say either).
 A streamed answer is NDJSON, one object per line, the last with "done": true and the counts.
 `options` maps to the sampling parameters the engine runs (num_predict → max_tokens); `format`
 "json" or a JSON schema constrains the output as response_format does; `keep_alive` is accepted
@@ -16,6 +18,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+from arbiterd.config import DEFAULT_TAG
 from arbiterd.errors import BadValueError
 
 # Ollama's option name → the OpenAI parameter the engine runs.
@@ -117,31 +120,47 @@ def last_line(
 
 def tags(models: list[dict[str, Any]]) -> dict[str, Any]:
     """/api/tags from the daemon's status models."""
-    return {"models": [_model(m) for m in models]}
+    return {"models": [entry for m in models for entry in _entries(m)]}
 
 
 def ps(models: list[dict[str, Any]]) -> dict[str, Any]:
     """/api/ps: every model is loaded (resident in RAM); size_vram is what holds the GPU now."""
     return {
         "models": [
-            {**_model(m), "size_vram": m.get("vram_bytes") or 0, "expires_at": None}
+            {**entry, "size_vram": m.get("vram_bytes") or 0, "expires_at": None}
             for m in models
             if m.get("state") not in ("failed", "stopped")
+            for entry in _entries(m)
         ]
     }
 
 
-def _model(status: dict[str, Any]) -> dict[str, Any]:
-    name = str(status.get("name", ""))
-    return {
-        "name": name,
-        "model": name,
-        "size": status.get("host_copy_bytes") or 0,
-        "digest": "",
-        "details": {"format": "gguf", "family": "", "parameter_size": "", "quantization_level": ""},
-        "state": status.get("state"),
-        "backend": status.get("backend"),
-    }
+def _tagged(name: str) -> str:
+    """A model name or alias as Ollama spells it: NAME:TAG, with its default tag if it has none."""
+    return name if ":" in name else f"{name}:{DEFAULT_TAG}"
+
+
+def _entries(status: dict[str, Any]) -> list[dict[str, Any]]:
+    """One entry for the model and one for each of its aliases: apps pick a name from the list,
+    and each name they may ask for is there."""
+    names = [str(status.get("name", "")), *status.get("aliases", [])]
+    return [
+        {
+            "name": _tagged(name),
+            "model": _tagged(name),
+            "size": status.get("host_copy_bytes") or 0,
+            "digest": "",
+            "details": {
+                "format": "gguf",
+                "family": "",
+                "parameter_size": "",
+                "quantization_level": "",
+            },
+            "state": status.get("state"),
+            "backend": status.get("backend"),
+        }
+        for name in names
+    ]
 
 
 def _piece(route: str, model: str, text: str) -> dict[str, Any]:

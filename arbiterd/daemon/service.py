@@ -4,6 +4,11 @@ The supervisor implements `Service`; the edges depend only on this protocol, so 
 tested against a small double as well as against the real daemon. All methods are called on
 the daemon's asyncio event loop.
 
+Wherever a method takes a model, it takes a model's name or one of its aliases (with or without
+Ollama's ":latest"; `resolve` says which model that is). A completion names the model as it was
+asked for (clients compare the `model` they get with the one they sent); a command's reply and
+every event name the model itself.
+
 Errors the methods raise (arbiterd.errors), which each edge maps once:
     UnknownModelError      no model by that name               HTTP 404, listing the models
     ContextOverflowError   prompt (+ max_tokens) > context     HTTP 400
@@ -13,8 +18,12 @@ Errors the methods raise (arbiterd.errors), which each edge maps once:
     ControlError           a command that cannot be done now   control: error reply
 
 Status (`await status()`), one JSON object:
-    {"models": [{"name", "state", "pid", "pinned", "queue", "resident_bytes",
-                 "prompt_tokens_evaluated", "served", "restarts", "last_error",
+    {"models": [{"name", "aliases": [str, ...], "n_ctx",
+                 "state": the worker's residency while it runs (loading, warm, cooling, cold,
+                          warming, failed), else the slot's (starting, restarting, failed,
+                          stopped),
+                 "pid", "pinned", "queue", "resident_bytes", "prompt_tokens_evaluated",
+                 "served", "restarts", "last_error",
                  "last_handoff": handoff event | None,
                  "vram_bytes": measured device bytes | None (cannot be told),
                  "cold_footprint_bytes": what its worker holds while cold | None,
@@ -47,7 +56,8 @@ Events (from `subscribe()`), JSON objects with "event" and "at" (seconds since t
     wait        a model waited behind a program that is not one of ours: model, holder_pid,
                 holder_name, waited_from, wait_s
     worker      a worker exited or restarted: model, pid, code, reason, restart_in_s
-    reload      the config was read again: added, removed, changed, warnings
+    reload      the config was read again: added, removed, changed (restarted),
+                aliases_changed (applied without a restart), warnings
     hold        the user took (held=true) or gave back (held=false) the GPU
     vram_not_freed  a release did not give the VRAM back: model, pid, device, bytes_before,
                 bytes_after, expected_bytes, waited_s
@@ -70,6 +80,10 @@ class Service(Protocol):
     def strict_api(self, model: str) -> bool:
         """Whether the HTTP API refuses, rather than ignores, the fields that change nothing
         for this model (a configured one)."""
+        ...
+
+    def resolve(self, model: str) -> str | None:
+        """The name of the configured model that `model` names; None when it names none."""
         ...
 
     async def complete(self, model: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:

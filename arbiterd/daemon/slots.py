@@ -45,7 +45,7 @@ TRANSITIONS: dict[SlotState, frozenset[SlotState]] = {
 
 @dataclass
 class Slot:
-    config: ModelConfig
+    config: ModelConfig  # the current one: a reload that changes only its aliases swaps it
     state: SlotState = SlotState.STARTING
     worker: WorkerClient | None = None  # set exactly while READY
     residency: str | None = None  # the worker's residency state (residency.State's values)

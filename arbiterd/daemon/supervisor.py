@@ -7,8 +7,10 @@ Composes the daemon's parts, each with one job, and keeps what ties them togethe
 - `eventbus.EventBus` stamps, counts, journals and fans out every event;
 - `handoffs.Handoffs` turns the waits workers measured into handoffs and waits;
 - `vramwatch.VramWatch` reads VRAM, accounts the engines' figures, verifies teardowns.
-Here: what a worker's events mean for its slot, status, the commands (hold, reload, ...), and
-the metrics scrape. Everything runs on the daemon's asyncio loop; no request waits on a thread.
+Here: which model a name or alias asks for (the config's `resolve`, at each entry point, so
+every edge takes aliases), what a worker's events mean for its slot, status, the commands (hold,
+reload, ...), and the metrics scrape. Everything runs on the daemon's asyncio loop; no request
+waits on a thread.
 """
 
 from __future__ import annotations
@@ -122,14 +124,30 @@ class Supervisor:
     def model_names(self) -> list[str]:
         return list(self.config.models)
 
+    def resolve(self, model: str) -> str | None:
+        return self.config.resolve(model)
+
     def strict_api(self, model: str) -> bool:
-        return self.config.models[model].strict_api
+        return self.config.models[self._name(model)].strict_api
+
+    def _name(self, model: str) -> str:
+        """The model `model` names; an unknown name as it is, for the router to refuse with the
+        list of models."""
+        return self.config.resolve(model) or model
 
     async def complete(self, model: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._router.complete(model, kind, body)
+        response = await self._router.complete(self._name(model), kind, body)
+        return {**response, "model": model}  # as asked: clients compare it with their request
 
-    def stream(self, model: str, kind: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        return self._router.stream(model, kind, body)
+    async def stream(
+        self, model: str, kind: str, body: dict[str, Any]
+    ) -> AsyncIterator[dict[str, Any]]:
+        chunks = self._router.stream(self._name(model), kind, body)
+        try:
+            async for chunk in chunks:
+                yield {**chunk, "model": model}  # as asked, as in `complete`
+        finally:
+            await chunks.aclose()  # when closed early, the router's close cancels the request
 
     # -- status and commands ------------------------------------------------------------------
 
@@ -162,6 +180,8 @@ class Supervisor:
     async def _slot_status(self, slot: Slot, snapshot: TelemetrySnapshot | None) -> dict[str, Any]:
         report: dict[str, Any] = {
             "name": slot.name,
+            "aliases": list(slot.config.aliases),
+            "n_ctx": slot.config.n_ctx,
             "state": slot.shown_state,
             "pid": None,
             "pinned": slot.pinned,
@@ -211,6 +231,7 @@ class Supervisor:
         if name in MODEL_COMMANDS:
             if not model:
                 raise ControlError(f"{name} needs a model name")
+            model = self._name(model)  # the reply names the model, also when asked by alias
             worker = await self._router.worker_of(model)
             if name in ("pin", "unpin"):
                 self._slots[model].pinned = name == "pin"
@@ -229,8 +250,8 @@ class Supervisor:
 
     async def _reload(self) -> dict[str, Any]:
         """Re-read the config file: start added models, stop removed ones, restart changed
-        ones (a failed one too); the others keep serving undisturbed. [daemon] changes need a
-        restart."""
+        ones (a failed one too); the others keep serving undisturbed, also when only their
+        aliases changed (those apply at once). [daemon] changes need a restart."""
         if self._reload_config is None:
             raise ControlError("running on the embedded default: there is no config to reload")
         new = await asyncio.to_thread(self._reload_config)
@@ -246,7 +267,11 @@ class Supervisor:
         changed = [
             n
             for n in new.models
-            if n in old and (new.models[n] != old[n] or self._slots[n].state is SlotState.FAILED)
+            if n in old
+            and (not new.models[n].same_worker(old[n]) or self._slots[n].state is SlotState.FAILED)
+        ]
+        aliases_changed = [
+            n for n in new.models if n in old and new.models[n].aliases != old[n].aliases
         ]
         fresh = {name: Slot(new.models[name]) for name in added + changed}
         try:
@@ -263,6 +288,8 @@ class Supervisor:
             self._handoffs.forget(name)
             await self._lifecycle.retire(retired)
         self.config = Config(daemon=self.config.daemon, models=new.models, source=new.source)
+        for name, slot in self._slots.items():  # kept: the same worker, perhaps new aliases
+            slot.config = new.models[name]
         for name, slot in fresh.items():
             self._slots[name] = slot
             self.metrics.add_model(name)
@@ -272,10 +299,17 @@ class Supervisor:
                 added=tuple(added),
                 removed=tuple(removed),
                 changed=tuple(changed),
+                aliases_changed=tuple(aliases_changed),
                 warnings=tuple(warnings),
             )
         )
-        return {"added": added, "removed": removed, "changed": changed, "warnings": warnings}
+        return {
+            "added": added,
+            "removed": removed,
+            "changed": changed,
+            "aliases_changed": aliases_changed,
+            "warnings": warnings,
+        }
 
     async def _take_hold(self) -> dict[str, Any]:
         """Game mode: every model goes cold (pinned or not) and the daemon keeps the token."""

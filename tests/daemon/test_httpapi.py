@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from starlette.types import ASGIApp, Message, Scope
 
+from arbiterd.config import model_key
 from arbiterd.daemon.httpapi import ENGINE_CHECKS, IGNORED_HEADER, create_app, refuse_stranger
 from arbiterd.daemon.service import Service
 from arbiterd.errors import (
@@ -33,6 +34,8 @@ from arbiterd.spec import COMPLETION_PARAMS
 from tests.support.waiting import wait_until
 
 MODELS = ["tiny", "small"]
+ALIASES = {"tiny": ["gpt-4o-mini", "qwen2.5:7b"], "small": []}
+LISTED = ["tiny", "gpt-4o-mini", "qwen2.5:7b", "small"]  # /v1/models's ids, aliases after each
 PIECES = ["Hel", "lo"]
 METRICS = b"# TYPE arbiterd_requests_total counter\narbiterd_requests_total 3.0\n"
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
@@ -60,6 +63,12 @@ class FakeService:
 
     def strict_api(self, model: str) -> bool:
         return model in self.strict
+
+    def resolve(self, model: str) -> str | None:
+        for name in MODELS:
+            if model_key(model) in {model_key(n) for n in (name, *ALIASES[name])}:
+                return name
+        return None
 
     async def complete(self, model: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
         self.calls.append((model, kind, body))
@@ -104,7 +113,19 @@ class FakeService:
             raise
 
     async def status(self) -> dict[str, Any]:
-        return {"models": [], "arena": "", "holder": None, "waiters": [], "hold": False}
+        models = [
+            {
+                "name": name,
+                "aliases": ALIASES[name],
+                "n_ctx": 2048,
+                "state": "warm" if name == "tiny" else "cold",
+                "backend": "in-place",
+                "vram_bytes": 100 if name == "tiny" else 0,
+                "host_copy_bytes": 1000,
+            }
+            for name in MODELS
+        ]
+        return {"models": models, "arena": "", "holder": None, "waiters": [], "hold": False}
 
     def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
         return asyncio.Queue()
@@ -226,18 +247,55 @@ def test_the_double_is_a_service() -> None:
     assert double.model_names() == MODELS
 
 
-def test_models_lists_the_configured_models(app: FastAPI) -> None:
+def test_models_lists_the_configured_models_and_each_alias(app: FastAPI) -> None:
     response = call(app, "GET", "/v1/models")
     assert response.status_code == 200
     payload = response.json()
     assert payload["object"] == "list"
-    assert [model["id"] for model in payload["data"]] == MODELS
+    assert [model["id"] for model in payload["data"]] == LISTED
     for model in payload["data"]:
         assert model["object"] == "model"
         assert model["owned_by"] == "arbiterd"
         assert isinstance(model["created"], int)
-    assert call(app, "GET", "/v1/models/small").json()["id"] == "small"
+        assert model["context_length"] == 2048
+        assert model["backend"] == "in-place"
+    tiny, mini, tagged, small = payload["data"]
+    assert (tiny["aliases"], tiny["state"]) == (ALIASES["tiny"], "warm")
+    assert "alias_of" not in tiny
+    assert (mini["alias_of"], mini["state"], tagged["alias_of"]) == ("tiny", "warm", "tiny")
+    assert "aliases" not in mini
+    assert (small["aliases"], small["state"]) == ([], "cold")
+    assert call(app, "GET", "/v1/models/small").json() == small
+    assert call(app, "GET", "/v1/models/gpt-4o-mini").json() == mini
+    assert call(app, "GET", "/v1/models/qwen2.5:7b").json() == tagged
+    # Ollama's default tag names the same model, as the name asked for.
+    assert call(app, "GET", "/v1/models/small:latest").json() == {
+        **{k: v for k, v in small.items() if k != "aliases"},
+        "id": "small:latest",
+        "alias_of": "small",
+    }
     assert_error(call(app, "GET", "/v1/models/nope"), 404, code="model_not_found")
+    assert_error(call(app, "GET", "/v1/models/qwen2.5"), 404, code="model_not_found")
+
+
+def test_an_alias_is_served_and_answered_as_asked(app: FastAPI, service: FakeService) -> None:
+    chat = call(app, "POST", "/v1/chat/completions", body={**CHAT, "model": "gpt-4o-mini"})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["model"] == "gpt-4o-mini"
+    body = {**COMPLETION, "model": "qwen2.5:7b", "stream": True}
+    streamed = events(call(app, "POST", "/v1/completions", body=body))
+    assert {chunk["model"] for chunk in streamed[:-1]} == {"qwen2.5:7b"}
+    ollama = call(app, "POST", "/api/chat", body={**CHAT, "model": "tiny:latest", "stream": False})
+    assert ollama.json()["model"] == "tiny:latest"
+    # The service is asked with the name the client gave; it answers as asked.
+    assert [model for model, _, _ in service.calls] == ["gpt-4o-mini", "qwen2.5:7b", "tiny:latest"]
+
+
+def test_ollama_lists_every_name_and_alias_as_ollama_names_them(app: FastAPI) -> None:
+    tagged = ["tiny:latest", "gpt-4o-mini:latest", "qwen2.5:7b", "small:latest"]
+    for path in ("/api/tags", "/api/ps"):
+        listed = call(app, "GET", path).json()["models"]
+        assert [m["name"] for m in listed] == [m["model"] for m in listed] == tagged
 
 
 def test_health_and_metrics(app: FastAPI) -> None:
@@ -978,7 +1036,9 @@ def test_openai_sdk_against_a_real_server(service: FakeService) -> None:
         assert completion.choices[0].text == "Hello"
         pieces = client.completions.create(model="tiny", prompt="Once", stream=True)
         assert "".join(chunk.choices[0].text for chunk in pieces) == "Hello"
-        assert [model.id for model in client.models.list()] == MODELS
+        assert [model.id for model in client.models.list()] == LISTED
+        by_alias = client.chat.completions.create(model="gpt-4o-mini", messages=messages)
+        assert by_alias.model == "gpt-4o-mini"
 
         with pytest.raises(openai.NotFoundError, match="available models: tiny, small"):
             client.chat.completions.create(model="nope", messages=messages)

@@ -107,13 +107,28 @@ def test_a_whole_answer_and_a_stream_end_with_the_counts() -> None:
 
 def test_ps_lists_every_resident_model_and_the_vram_of_the_warm_one() -> None:
     models: list[dict[str, Any]] = [
-        {"name": "a", "state": "warm", "vram_bytes": 100, "host_copy_bytes": 1000},
-        {"name": "b", "state": "cold", "vram_bytes": 0, "host_copy_bytes": 1000},
-        {"name": "c", "state": "failed"},
+        {"name": "a", "aliases": [], "state": "warm", "vram_bytes": 100, "host_copy_bytes": 1000},
+        {"name": "b", "aliases": [], "state": "cold", "vram_bytes": 0, "host_copy_bytes": 1000},
+        {"name": "c", "aliases": [], "state": "failed"},
     ]
     listed = ollama.ps(models)["models"]
     assert [(m["model"], m["size_vram"], m["size"]) for m in listed] == [
-        ("a", 100, 1000),
-        ("b", 0, 1000),
+        ("a:latest", 100, 1000),
+        ("b:latest", 0, 1000),
     ]
-    assert [m["model"] for m in ollama.tags(models)["models"]] == ["a", "b", "c"]
+    assert [m["model"] for m in ollama.tags(models)["models"]] == [
+        "a:latest",
+        "b:latest",
+        "c:latest",
+    ]
+
+
+def test_each_alias_is_listed_as_a_model_of_its_own_with_its_tag() -> None:
+    model = {"name": "qwen", "aliases": ["llama3", "qwen2.5:7b"], "state": "cold"}
+    for listed in (ollama.tags([model]), ollama.ps([model])):
+        names = [(m["name"], m["model"], m["state"]) for m in listed["models"]]
+        assert names == [
+            ("qwen:latest", "qwen:latest", "cold"),
+            ("llama3:latest", "llama3:latest", "cold"),
+            ("qwen2.5:7b", "qwen2.5:7b", "cold"),
+        ]

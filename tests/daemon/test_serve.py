@@ -25,6 +25,7 @@ from arbiterd.daemon.journal import Journal
 from tests.support.daemon import Daemon
 from tests.support.waiting import wait_until
 
+ALIASES = ["gpt-4o-mini", "qwen2.5:7b"]  # alpha's, as an OpenAI app and an Ollama app ask
 PREFIX = " ".join(f"the fox {w} is not a dog" for w in ("one", "two", "three", "four") * 8)
 
 
@@ -34,7 +35,7 @@ def tiny(path: Path, **extra: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Daemon]:
-    running = Daemon({"alpha": tiny(tiny_model), "beta": tiny(tiny_model)})
+    running = Daemon({"alpha": tiny(tiny_model, aliases=ALIASES), "beta": tiny(tiny_model)})
     try:
         running.wait_ready()
         yield running
@@ -59,7 +60,37 @@ def arbiterd(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_models_are_listed(api: openai.OpenAI) -> None:
-    assert sorted(m.id for m in api.models.list()) == ["alpha", "beta"]
+    assert [m.id for m in api.models.list()] == ["alpha", *ALIASES, "beta"]
+
+
+def test_models_show_their_state_which_a_request_by_alias_changes(
+    daemon: Daemon, api: openai.OpenAI
+) -> None:
+    def listed() -> dict[str, dict[str, Any]]:
+        models = httpx.get(f"{daemon.url}/models", timeout=30).json()["data"]
+        return {m["id"]: m for m in models}
+
+    released = arbiterd("release", "qwen2.5:7b", "--socket", str(daemon.socket))
+    assert released.stdout.strip() == "alpha: cold"  # the control socket takes aliases too
+    cold = listed()
+    assert cold["alpha"]["aliases"] == ALIASES
+    assert cold["alpha"]["context_length"] == 2048
+    assert cold["alpha"]["backend"] in {"in-place", "reload"}
+    for alias in ALIASES:
+        assert cold[alias]["alias_of"] == "alpha"
+        assert cold[alias]["context_length"] == 2048
+    assert {cold[name]["state"] for name in ("alpha", *ALIASES)} == {"cold"}
+
+    chat = api.chat.completions.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "hello"}], max_tokens=3
+    )
+    assert chat.model == "gpt-4o-mini"  # the name asked for, which clients compare
+    assert chat.choices[0].message.content is not None
+    warm = listed()
+    assert {warm[name]["state"] for name in ("alpha", *ALIASES)} == {"warm"}
+    chunks = list(api.completions.create(model="qwen2.5:7b", prompt="a", max_tokens=2, stream=True))
+    assert {chunk.model for chunk in chunks} == {"qwen2.5:7b"}
+    assert api.models.retrieve("qwen2.5:7b").model_dump()["alias_of"] == "alpha"
 
 
 def test_chat_and_completions_through_the_openai_sdk(api: openai.OpenAI) -> None:
@@ -145,8 +176,9 @@ def test_an_app_that_speaks_only_ollama_works_through_the_ollama_client(
     daemon: Daemon, ollama_client: ollama.Client
 ) -> None:
     client = ollama_client
-    assert {m.model for m in client.list().models} == {"alpha", "beta"}
-    assert {m.model for m in client.ps().models} == {"alpha", "beta"}  # all resident
+    names = {"alpha:latest", "gpt-4o-mini:latest", "qwen2.5:7b", "beta:latest"}
+    assert {m.model for m in client.list().models} == names
+    assert {m.model for m in client.ps().models} == names  # all resident
     messages = [{"role": "user", "content": "hello"}]
     whole = client.chat(model="alpha", messages=messages, options={"num_predict": 5, "seed": 1})
     assert whole.done
@@ -180,6 +212,14 @@ def test_an_app_that_speaks_only_ollama_works_through_the_ollama_client(
     with pytest.raises(ollama.ResponseError) as missing:
         client.chat(model="gamma", messages=messages)
     assert missing.value.status_code == 404
+    # An app set up for Ollama asks by its own names, as it lists them or not.
+    for asked in ("qwen2.5:7b", "gpt-4o-mini:latest", "gpt-4o-mini", "beta:latest"):
+        answer = client.chat(model=asked, messages=messages, options={"num_predict": 2})
+        assert answer.model == asked
+    pieces = list(
+        client.generate(model="qwen2.5:7b", prompt="a", stream=True, options={"num_predict": 2})
+    )
+    assert {piece.model for piece in pieces} == {"qwen2.5:7b"}
     assert httpx.get(daemon.url.removesuffix("/v1") + "/api/version").json()["version"]
 
 
@@ -522,6 +562,28 @@ def test_reload_starts_added_models_and_stops_removed_ones(tiny_model: Path) -> 
         assert refused.returncode != 0
         assert "models.bad" in refused.stderr  # the config error, named; the daemon goes on
         assert [m["name"] for m in running.wait_ready()["models"]] == ["keep", "added"]
+    finally:
+        running.cleanup()
+
+
+def test_a_reload_that_changes_only_aliases_keeps_the_worker(tiny_model: Path) -> None:
+    running = Daemon({"m": tiny(tiny_model, aliases=["old"])})
+    try:
+        before = running.wait_ready()
+        text = running.config.read_text()
+        running.config.write_text(text.replace('aliases = ["old"]', 'aliases = ["new", "x:7b"]'))
+        done = arbiterd("reload", "--socket", str(running.socket))
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "reloaded (aliases changed: m)"
+        after = running.wait_ready()
+        assert after["models"][0]["pid"] == before["models"][0]["pid"]  # not restarted
+        assert after["models"][0]["aliases"] == ["new", "x:7b"]
+        base = running.url
+        assert httpx.get(f"{base}/models/new").json()["alias_of"] == "m"
+        assert httpx.get(f"{base}/models/old").status_code == 404
+        with openai.OpenAI(base_url=base, api_key="x", max_retries=0) as api:
+            done_by_alias = api.completions.create(model="x:7b", prompt="the fox", max_tokens=2)
+            assert done_by_alias.model == "x:7b"
     finally:
         running.cleanup()
 
