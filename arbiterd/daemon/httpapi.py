@@ -1129,15 +1129,19 @@ async def _ollama_lines(
     body = {**parsed.body, "stream_options": {"include_usage": True}}
     chunks = service.stream(parsed.model, parsed.kind, body)
     finish_reason, usage = None, None
+    calls: dict[int, dict[str, Any]] = {}
     try:
         async for chunk in chunks:
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for choice in chunk.get("choices") or []:
                 finish_reason = choice.get("finish_reason") or finish_reason
+            ollama.collect_calls(chunk, calls)
             line = ollama.chunk(parsed.kind, route, chunk)
             if line is not None:
                 yield line
+        if calls:
+            yield ollama.calls_line(parsed.model, calls)
         yield ollama.last_line(
             route, parsed.model, finish_reason, usage, time.monotonic() - started
         )

@@ -1,13 +1,17 @@
 """Ollama's API, translated: what an app that only speaks Ollama sends, as the OpenAI request the
 daemon serves, and the answers back in Ollama's shapes. Pure functions; httpapi.py serves them.
 
-    POST /api/chat      {model, messages, stream (default true), options, format, keep_alive}
+    POST /api/chat      {model, messages, tools, stream (default true), options, format,
+                         keep_alive}
     POST /api/generate  {model, prompt, system, raw, stream, options, format, keep_alive}
     GET  /api/tags, /api/ps, /api/version
 
 /api/tags and /api/ps list each model and each of its aliases as its own entry, named as Ollama
 names models: NAME:TAG, a name without a tag as NAME:latest (a request may say either).
 A streamed answer is NDJSON, one object per line, the last with "done": true and the counts.
+Tools are OpenAI's (Ollama takes the same objects); a call comes back as Ollama writes it,
+`message.tool_calls: [{"function": {"name", "arguments": {...}}}]`, in a streamed answer on
+one line of its own before the last.
 `options` maps to the sampling parameters the engine runs (num_predict → max_tokens); `format`
 "json" or a JSON schema constrains the output as response_format does; `keep_alive` is accepted
 and changes nothing (arbiterd keeps every model resident; the memory issue will map it).
@@ -16,6 +20,7 @@ and changes nothing (arbiterd keeps every model resident; the memory issue will 
 from __future__ import annotations
 
 import datetime
+import json
 from typing import Any
 
 from arbiterd.config import DEFAULT_TAG
@@ -49,15 +54,72 @@ def chat_request(payload: object) -> tuple[str, dict[str, Any], bool]:
     for message in messages:
         if isinstance(message, dict) and message.get("images"):
             raise BadValueError("images are not supported yet: arbiterd serves text models")
-    openai = {
+    openai: dict[str, Any] = {
         "model": body.get("model"),
-        "messages": [
-            {"role": m.get("role"), "content": m.get("content", "")}
-            for m in messages
-            if isinstance(m, dict)
-        ],
+        "messages": [_message(m) for m in messages if isinstance(m, dict)],
     }
+    if body.get("tools"):
+        openai["tools"] = body["tools"]
     return "chat", _with_common(body, openai), _stream(body)
+
+
+def _message(message: dict[str, Any]) -> dict[str, Any]:
+    """An Ollama chat message as OpenAI's: calls with ids and their arguments as JSON text, a
+    tool result's `tool_name` as its name."""
+    openai: dict[str, Any] = {"role": message.get("role"), "content": message.get("content", "")}
+    calls = message.get("tool_calls")
+    if isinstance(calls, list) and calls:
+        openai["tool_calls"] = [_openai_call(index, call) for index, call in enumerate(calls)]
+    if isinstance(message.get("tool_name"), str):
+        openai["name"] = message["tool_name"]
+    return openai
+
+
+def _openai_call(index: int, call: object) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise BadValueError(
+            'each of a message\'s \'tool_calls\' must be {"function": {"name": ...}}'
+        )
+    arguments = function.get("arguments", {})
+    return {
+        "id": f"call_{index}",
+        "type": "function",
+        "function": {
+            "name": function["name"],
+            "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
+        },
+    }
+
+
+def tool_calls(openai_calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI's calls as Ollama writes them: the arguments as an object."""
+    return [
+        {
+            "function": {
+                "name": call["function"]["name"],
+                "arguments": json.loads(call["function"]["arguments"] or "{}"),
+            }
+        }
+        for call in openai_calls
+    ]
+
+
+def collect_calls(openai_chunk: dict[str, Any], calls: dict[int, dict[str, Any]]) -> None:
+    """Add a streamed chunk's tool-call deltas to `calls` (by index), as OpenAI clients do."""
+    for choice in openai_chunk.get("choices") or []:
+        for delta in (choice.get("delta") or {}).get("tool_calls") or []:
+            call = calls.setdefault(delta["index"], {"function": {"name": "", "arguments": ""}})
+            function = delta.get("function") or {}
+            call["function"]["name"] += function.get("name") or ""
+            call["function"]["arguments"] += function.get("arguments") or ""
+
+
+def calls_line(model: str, calls: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The line of a streamed chat that carries its calls."""
+    line = _piece("chat", model, "")
+    line["message"]["tool_calls"] = tool_calls([calls[index] for index in sorted(calls)])
+    return line
 
 
 def generate_request(payload: object) -> tuple[str, dict[str, Any], bool]:
@@ -88,10 +150,13 @@ def answer(kind: str, route: str, response: dict[str, Any], total_s: float) -> d
     """A whole OpenAI response as Ollama's final object for `route` ("chat" or "generate")."""
     choice = response["choices"][0]
     text = choice["message"]["content"] if kind == "chat" else choice["text"]
-    return {
+    whole = {
         **_piece(route, response["model"], text or ""),
         **_done(choice.get("finish_reason"), response.get("usage"), total_s),
     }
+    if kind == "chat" and choice["message"].get("tool_calls"):
+        whole["message"]["tool_calls"] = tool_calls(choice["message"]["tool_calls"])
+    return whole
 
 
 def chunk(kind: str, route: str, openai_chunk: dict[str, Any]) -> dict[str, Any] | None:

@@ -185,6 +185,29 @@ def test_openai_sdk_errors_name_what_was_wrong(api: openai.OpenAI) -> None:
         api.chat.completions.create(model="tools", messages=ASK, tools=[bad_tool])
 
 
+def test_the_ollama_client_sends_tools_and_a_history_of_calls(daemon: Daemon) -> None:
+    import ollama  # noqa: PLC0415
+
+    with ollama.Client(host=daemon.url.removesuffix("/v1"), timeout=60) as client:
+        history: list[Any] = [
+            {"role": "user", "content": "What is 2 + 3?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"function": {"name": "add", "arguments": {"a": 2, "b": 3}}}],
+            },
+            {"role": "tool", "content": "5", "tool_name": "add"},
+        ]
+        offered = client.chat(
+            model="tools", messages=history, tools=[dict(ADD)], options={"num_predict": 4}
+        )
+        bare = client.chat(model="tools", messages=history, options={"num_predict": 4})
+        assert offered.done
+        assert (offered.prompt_eval_count or 0) > (bare.prompt_eval_count or 0)  # tools rendered
+        with pytest.raises(ollama.ResponseError, match="plain cannot be offered tools"):
+            client.chat(model="plain", messages=history[:1], tools=[dict(ADD)])
+
+
 # -- LangChain --------------------------------------------------------------------------------
 
 

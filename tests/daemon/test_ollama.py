@@ -105,6 +105,70 @@ def test_a_whole_answer_and_a_stream_end_with_the_counts() -> None:
     assert (last["response"], last["done"], last["eval_count"]) == ("", True, 0)
 
 
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+
+
+def test_tools_and_earlier_calls_become_openai_ones() -> None:
+    messages = [
+        {"role": "user", "content": "2 + 3?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "add", "arguments": {"a": 2, "b": 3}}}],
+        },
+        {"role": "tool", "content": "5", "tool_name": "add"},
+    ]
+    _, request, _ = ollama.chat_request({**CHAT, "messages": messages, "tools": [ADD]})
+    assert request["tools"] == [ADD]
+    assert request["messages"][1]["tool_calls"] == [
+        {
+            "id": "call_0",
+            "type": "function",
+            "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'},
+        }
+    ]
+    assert request["messages"][2] == {"role": "tool", "content": "5", "name": "add"}
+    with pytest.raises(BadValueError, match="tool_calls"):
+        ollama.chat_request({**CHAT, "messages": [{"role": "assistant", "tool_calls": [{}]}]})
+
+
+def test_calls_come_back_with_their_arguments_as_objects() -> None:
+    call = {
+        "id": "call_x",
+        "type": "function",
+        "function": {"name": "add", "arguments": '{"a": 1}'},
+    }
+    response = {
+        "model": "m",
+        "choices": [
+            {"message": {"content": None, "tool_calls": [call]}, "finish_reason": "tool_calls"}
+        ],
+        "usage": {},
+    }
+    whole = ollama.answer("chat", "chat", response, 0.1)
+    assert whole["message"] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"function": {"name": "add", "arguments": {"a": 1}}}],
+    }
+    assert whole["done_reason"] == "stop"
+    calls: dict[int, dict[str, Any]] = {}
+    deltas = [
+        {
+            "index": 0,
+            "id": "call_x",
+            "type": "function",
+            "function": {"name": "add", "arguments": ""},
+        },
+        {"index": 0, "function": {"arguments": '{"a": 1}'}},
+    ]
+    for delta in deltas:
+        ollama.collect_calls({"choices": [{"delta": {"tool_calls": [delta]}}]}, calls)
+    line = ollama.calls_line("m", calls)
+    assert line["message"]["tool_calls"] == [{"function": {"name": "add", "arguments": {"a": 1}}}]
+    assert line["done"] is False
+
+
 def test_ps_lists_every_resident_model_and_the_vram_of_the_warm_one() -> None:
     models: list[dict[str, Any]] = [
         {"name": "a", "aliases": [], "state": "warm", "vram_bytes": 100, "host_copy_bytes": 1000},
