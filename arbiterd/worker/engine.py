@@ -338,22 +338,15 @@ class ReloadBackend:
             if response_format is not None:  # the chat handler turns it into a grammar
                 kwargs = {**kwargs, "response_format": response_format}
             tools, forced = _tools(body)
+            call_grammar = _call_grammar(tools, forced, shaped=response_format is not None)
             if tools:
                 self._require_tool_template()
                 kwargs["tools"] = tools  # for the template; the choice is ours to enforce
-            if forced is not None and response_format is not None:
-                raise RequestError(
-                    "'response_format' cannot shape an answer that 'tool_choice' makes a call"
-                )
             completion = self._chat_completion(
                 vocab, _template_messages(messages), kwargs, cancelled
             )
-            if forced is not None:
-                name = None if forced == "required" else forced
-                schema = call_schema(tools, name)
-                completion["grammar"] = LlamaGrammar.from_json_schema(
-                    json.dumps(schema), verbose=False
-                )
+            if call_grammar is not None:
+                completion["grammar"] = call_grammar
         elif kind == "completion":
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
@@ -852,11 +845,17 @@ def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
         return {"type": "json_object"}
     if not isinstance(schema, dict):
         raise RequestError("'response_format.schema' must be a JSON schema (an object)")
-    try:  # llama-cpp-python's converter reports what it cannot follow in assorted exceptions
-        LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
-    except Exception as exc:
-        raise RequestError(f"the JSON schema cannot be followed: {exc}") from None
+    _grammar(schema, "the JSON schema")
     return {"type": "json_object", "schema": schema}
+
+
+def _grammar(schema: dict[str, Any], what: str) -> LlamaGrammar:
+    """The grammar whose sentences are the instances of a JSON schema; RequestError naming
+    `what` when llama-cpp-python's converter cannot follow the schema."""
+    try:  # the converter reports what it cannot follow in assorted exceptions
+        return LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
+    except Exception as exc:
+        raise RequestError(f"{what} cannot be followed: {exc}") from None
 
 
 def _logit_bias(body: dict[str, Any], n_vocab: int) -> dict[int, float]:
@@ -909,6 +908,23 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
         )
     assert isinstance(name, str)
     return tools, name
+
+
+def _call_grammar(
+    tools: list[dict[str, Any]], forced: str | None, *, shaped: bool
+) -> LlamaGrammar | None:
+    """The grammar that makes the answer the call `forced` asks for (None: the model's choice),
+    after checking every tool's parameters, called or not: a bad one is the client's bug."""
+    for tool in tools:
+        function = tool["function"]
+        _grammar(function.get("parameters") or {}, f"tool {function['name']!r}'s parameters")
+    if forced is None:
+        return None
+    if shaped:
+        raise RequestError(
+            "'response_format' cannot shape an answer that 'tool_choice' makes a call"
+        )
+    return _grammar(call_schema(tools, None if forced == "required" else forced), "the call")
 
 
 def _is_function_tool(tool: object) -> bool:

@@ -144,6 +144,15 @@ def test_a_model_whose_template_has_no_place_for_tools_refuses_them(tiny_model: 
         engine.close()
 
 
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_a_tool_whose_parameters_cannot_be_followed_is_refused_by_name(
+    backend: ReloadBackend, choice: str
+) -> None:
+    broken = {"type": "function", "function": {"name": "broken", "parameters": {"type": "odd"}}}
+    with pytest.raises(RequestError, match=r"tool 'broken''s parameters cannot be followed"):
+        chat(backend, tools=[WEATHER, broken], tool_choice=choice)
+
+
 def test_a_forced_call_and_a_response_format_together_are_refused(backend: ReloadBackend) -> None:
     with pytest.raises(RequestError, match="response_format"):
         chat(
