@@ -16,6 +16,10 @@ The portable backend is **reload** (DESIGN.md §4):
 A request is **prepared** (rendered, sized and tokenized) before it **runs**: preparing needs only
 the vocabulary, which a vocab-only model (no weights, no context, no device memory) holds for the
 worker's whole life, so a worker tokenizes while cold, before it asks for the GPU (issue 10).
+
+An embedding model (ModelSpec.embedding) serves only "embedding" requests, every other model
+only "chat" and "completion" ones: its context makes pooled embeddings, one unit-length vector
+per input text (issue 11).
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import math
 import os
 import re
 import time
+from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +39,7 @@ from typing import Any, Protocol, cast
 
 import llama_cpp
 from llama_cpp import llama_chat_format
-from llama_cpp._internals import LlamaModel
+from llama_cpp._internals import LlamaBatch, LlamaModel
 from llama_cpp.llama_grammar import LlamaGrammar
 
 from arbiterd.errors import (
@@ -47,7 +53,15 @@ from arbiterd.errors import (
 from arbiterd.hostcopy import copy_into_memfd
 from arbiterd.native import ggml, libllama
 from arbiterd.native.libllama import ResidencyApi, probe_residency_api
-from arbiterd.spec import COMPLETION_PARAMS, MAX_N_CTX, KvPolicy, ModelSpec, Residency
+from arbiterd.spec import (
+    COMPLETION_PARAMS,
+    EMBEDDING,
+    MAX_N_CTX,
+    KvPolicy,
+    ModelSpec,
+    Residency,
+    kind_refusal,
+)
 
 log = logging.getLogger(__name__)
 _LIBC = ctypes.CDLL(None)  # this process's C library (malloc_trim, where it is glibc)
@@ -61,6 +75,16 @@ TOKENIZE_PIECE_BYTES = 16 * 1024
 # How many places where a special token starts are tried for a cut before the piece grows by
 # another TOKENIZE_PIECE_BYTES (each try reads ~2,000 substrings at most).
 CUT_CANDIDATES = 64
+# llama.cpp's enum llama_pooling_type, and the types that make one vector of an input's tokens:
+# "none" gives one per token, "rank" a reranker's score.
+POOLING_TYPES = {
+    llama_cpp.LLAMA_POOLING_TYPE_NONE: "none",
+    llama_cpp.LLAMA_POOLING_TYPE_MEAN: "mean",
+    llama_cpp.LLAMA_POOLING_TYPE_CLS: "cls",
+    llama_cpp.LLAMA_POOLING_TYPE_LAST: "last",
+    llama_cpp.LLAMA_POOLING_TYPE_RANK: "rank",
+}
+POOLED = ("mean", "cls", "last")
 
 
 @dataclass(frozen=True)
@@ -87,11 +111,13 @@ class Generation:
 @dataclass(frozen=True)
 class Prepared:
     """A request rendered and tokenized: the arguments `Llama.create_completion` runs it with,
-    the prompt as tokens. Made from the vocabulary alone, so without the GPU."""
+    the prompt as tokens; for an embedding request, each input's tokens. Made from the
+    vocabulary alone, so without the GPU."""
 
-    kind: str  # "completion" or "chat"
-    completion: dict[str, Any]
+    kind: str  # "completion", "chat" or EMBEDDING
+    completion: dict[str, Any]  # {} for an embedding request
     include_usage: bool = False  # a streamed request ends with a chunk of its usage
+    inputs: tuple[list[int], ...] = ()  # an embedding request's texts, tokenized
 
     @property
     def prompt_tokens(self) -> list[int]:
@@ -289,15 +315,21 @@ class ReloadBackend:
     # -- requests ---------------------------------------------------------------------------
 
     def prepare(self, kind: str, body: dict[str, Any], cancelled: Cancelled) -> Prepared:
-        """Check, render and tokenize one completion ("completion": body["prompt"]) or chat
-        ("chat": body["messages"]) request, with the vocabulary alone: no device state is
-        touched, so a cold model prepares as well as a warm one.
+        """Check, render and tokenize one completion ("completion": body["prompt"]), chat
+        ("chat": body["messages"]) or embedding (EMBEDDING: body["input"]) request, with the
+        vocabulary alone: no device state is touched, so a cold model prepares as well as a
+        warm one. A kind the model does not serve is a RequestError.
 
         Sizes are checked before any native call: more messages than the context has tokens,
         or more characters than n_ctx of the longest tokens could cover, cannot fit. The
         tokenizer stops as soon as the context is full, and when `cancelled` says so between
         two of its pieces (RequestError)."""
         vocab = self._require_vocab()
+        refusal = kind_refusal(self.spec.name, kind, self.spec.embedding)
+        if refusal:
+            raise RequestError(refusal)
+        if kind == EMBEDDING:
+            return self._prepare_embedding(vocab, body, cancelled)
         n_ctx = self.spec.n_ctx
         kwargs = _request_kwargs(body)
         max_chars = vocab.max_text_bytes(n_ctx)
@@ -338,6 +370,8 @@ class ReloadBackend:
         text assembled. `cancelled` is asked before every decode: the prompt is evaluated
         n_batch tokens at a time, so a cancel waits for one batch at most."""
         llm = self._require_llm()
+        if request.kind == EMBEDDING:
+            return self._embed(llm, request.inputs, cancelled)
         self._run = _Run(cancelled)
         try:
             chunks: Iterator[Any] = iter(llm.create_completion(**request.completion))
@@ -368,6 +402,79 @@ class ReloadBackend:
         """`prepare` and `run` in one call, never cancelled: for callers that drive a backend
         directly and hold the GPU anyway (tests, benchmarks)."""
         return self.run(self.prepare(kind, body, _never), sink, _never)
+
+    def _prepare_embedding(
+        self, vocab: _Vocab, body: dict[str, Any], cancelled: Cancelled
+    ) -> Prepared:
+        """Tokenize each text of body["input"] as `Llama.embed` does: with the vocabulary's
+        BOS/EOS (BERT's CLS/SEP), special tokens taken as plain text. Each input is embedded
+        in one decode, so each must fit the context on its own."""
+        texts = body.get("input")
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+            raise RequestError("'input' must be a non-empty list of strings")
+        n_ctx = self.spec.n_ctx
+        inputs = []
+        for index, text in enumerate(texts):
+            if cancelled():  # between two inputs: a waiter gets the GPU, a cancel is seen
+                raise RequestError("cancelled while its input was tokenized")
+            try:
+                tokens = vocab.tokenize(
+                    text.encode(),
+                    add_special=True,
+                    parse_special=False,
+                    limit=n_ctx,
+                    cancelled=cancelled,
+                )
+            except ContextOverflowError as exc:
+                raise ContextOverflowError(f"input[{index}]: {exc}") from None
+            if len(tokens) > n_ctx:
+                raise ContextOverflowError(
+                    f"input[{index}] is {len(tokens)} tokens long, more than the context window"
+                    f" of {n_ctx}"
+                )
+            if not tokens:
+                raise RequestError(f"input[{index}] makes no tokens: there is nothing to embed")
+            inputs.append(tokens)
+        return Prepared(EMBEDDING, {}, inputs=tuple(inputs))
+
+    def _embed(
+        self, llm: llama_cpp.Llama, inputs: tuple[list[int], ...], cancelled: Cancelled
+    ) -> Generation:
+        """OpenAI's embedding response for the prepared inputs: each decoded alone, from an
+        empty cache, in one decode (`_new_llama` makes a decode hold the whole context), its
+        pooled vector scaled to length 1 as OpenAI's and Ollama's are. `cancelled` is asked
+        before each; a cancel returns the vectors made so far, marked cancelled."""
+        n_embd = llm.n_embd()
+        memory = llama_cpp.llama_get_memory(llm.ctx)  # NULL for an encoder: it keeps no cache
+        batch = LlamaBatch(n_tokens=max(map(len, inputs)), embd=0, n_seq_max=1, verbose=False)
+        data: list[dict[str, Any]] = []
+        tokens = 0
+        try:
+            for index, input_tokens in enumerate(inputs):
+                if cancelled():
+                    break
+                if memory:
+                    llama_cpp.llama_memory_clear(memory, True)
+                batch.set_batch(input_tokens, n_past=0, logits_all=True)  # pooling reads all
+                status = llama_cpp.llama_decode(llm.ctx, batch.batch)
+                if status != 0:
+                    raise EngineError(f"llama_decode failed (status {status}) on input[{index}]")
+                pooled = llama_cpp.llama_get_embeddings_seq(llm.ctx, 0)
+                if not pooled:
+                    raise EngineError(f"llama.cpp pooled no vector for input[{index}]")
+                vector = _unit_length(pooled[:n_embd])
+                data.append({"object": "embedding", "index": index, "embedding": vector})
+                tokens += len(input_tokens)
+        finally:
+            batch.close()  # type: ignore[no-untyped-call]
+        self.prompt_tokens_evaluated_total += tokens
+        response = {
+            "object": "list",
+            "data": data,
+            "model": self.spec.name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+        return Generation(response, tokens, tokens, 0, cancelled=len(data) < len(inputs))
 
     def _chat_completion(
         self,
@@ -486,12 +593,28 @@ class ReloadBackend:
             kwargs["n_threads"] = spec.n_threads
         if spec.chat_format:
             kwargs["chat_format"] = spec.chat_format
+        if spec.embedding:
+            # An input is embedded in one decode: llama.cpp encodes a model that attends both
+            # ways (BERT) in one micro-batch, and Llama.n_batch caps a decode's tokens. Both
+            # hold the whole context, so every input that fits the context can be embedded.
+            kwargs |= {"embedding": True, "n_batch": spec.n_ctx, "n_ubatch": spec.n_ctx}
         try:
             llm = llama_cpp.Llama(**kwargs)
         except (ValueError, RuntimeError, OSError, MemoryError) as exc:
             # llama-cpp-python names the path it was given: the user knows their own.
             reason = str(exc).replace(path, str(spec.path))
             raise error(f"cannot load {spec.path}: {reason}") from None
+        if spec.embedding:
+            pooling = llama_cpp.llama_pooling_type(llm.ctx)
+            pooling_name = POOLING_TYPES.get(pooling, str(pooling))
+            if pooling_name not in POOLED:
+                llm.close()
+                raise error(
+                    f"cannot serve embeddings with {spec.path}: its pooling type is"
+                    f" {pooling_name}, which makes no single vector per input"
+                    f" ({', '.join(POOLED)} would; an embedding model's GGUF names one as"
+                    " <architecture>.pooling_type)"
+                )
         _instrument_eval(llm, lambda: self._run)
         self._chat = _ChatFormat(llm.chat_handler, llm._chat_handlers, llm.chat_format)
         return llm
@@ -706,6 +829,13 @@ def _instrument_eval(llm: llama_cpp.Llama, current: Callable[[], _Run]) -> None:
             run.evals[-1] += len(batch)
 
     llm.eval = eval_in_batches  # type: ignore[method-assign]
+
+
+def _unit_length(vector: list[float]) -> list[float]:
+    """`vector` scaled to length 1 (as it is when all zeros), in float32 values: exactly what an
+    answer packs as base64 of float32."""
+    norm = math.sqrt(math.fsum(x * x for x in vector))
+    return array("f", [x / norm for x in vector] if norm else vector).tolist()
 
 
 def _request_kwargs(body: dict[str, Any]) -> dict[str, Any]:
