@@ -15,6 +15,7 @@
     [models.NAME]                 # one table per model; NAME is what requests ask for
     path = "/models/x.gguf"       # required
     n_ctx = 4096, n_gpu_layers = -1, n_threads = 0, chat_format = "", mmproj = "",
+    embedding = true|false,       # absent: as the GGUF says (daemon/modelfile.py)
     kv_on_release = "host", min_hold_s = 0.1, idle_release_s = 0
 
 With no file at the default path the *embedded default* serves one demo model (gemma-3-270m).
@@ -78,6 +79,7 @@ MODEL_KEYS = (
     "n_threads",
     "chat_format",
     "mmproj",
+    "embedding",
     "kv_on_release",
     "residency",
     "min_hold_s",
@@ -115,14 +117,18 @@ class ModelConfig:
     n_threads: int | None  # None = the library's default
     chat_format: str | None  # None = the GGUF's own chat template
     mmproj: Path | None
+    embedding: bool | None  # serves embeddings only; None = as its GGUF says (modelfile.py)
     kv_on_release: KvPolicy
     residency: Residency
     min_hold_s: float
     idle_release_s: float  # 0 = release only when someone else wants the GPU
 
-    def worker_config(self, arena: Path, host_copy_fd: int | None = None) -> WorkerConfig:
+    def worker_config(
+        self, arena: Path, host_copy_fd: int | None = None, *, embedding: bool
+    ) -> WorkerConfig:
         """What the worker process for this model is started with; `host_copy_fd` is the
-        daemon's memfd of the model file, inherited by the worker."""
+        daemon's memfd of the model file, inherited by the worker; `embedding`, whether it
+        serves embeddings, as the daemon decided (modelfile.serves_embeddings)."""
         spec = ModelSpec(
             name=self.name,
             path=self.path,
@@ -131,6 +137,7 @@ class ModelConfig:
             n_threads=self.n_threads,
             chat_format=self.chat_format,
             residency=self.residency,
+            embedding=embedding,
             host_copy=True,
             host_copy_fd=host_copy_fd,
         )
@@ -238,6 +245,7 @@ def starter_config_text(found: list[Path]) -> str:
         "#   n_threads = 0             CPU threads; 0 = the library's default",
         '#   chat_format = ""          e.g. "chatml", for a GGUF without a chat template',
         '#   mmproj = ""               a multimodal projector GGUF',
+        "#   embedding = true          serve embeddings only; absent: as the GGUF says",
         '#   kv_on_release = "host"    the KV cache on release: "host", "device" or "drop"',
         '#   residency = "auto"        "in-place" (the arbiterd engine), "reload" or "auto"',
         "#   min_hold_s = 0.1          hold the GPU at least this long once warm",
@@ -274,6 +282,7 @@ _OPTIONAL_PATH_EXPECTED = 'a path (a string; "" = the default)'
 _MODELS_EXPECTED = 'at least one [models.NAME] table with a path, e.g. [models.qwen] path = "..."'
 _KV_EXPECTED = 'one of "host", "device", "drop"'
 _RESIDENCY_EXPECTED = 'one of "auto", "in-place", "reload"'
+_EMBEDDING_EXPECTED = "true or false (leave it out: as the GGUF says)"
 
 
 @dataclass(frozen=True)
@@ -599,6 +608,9 @@ def _model(src: _Source, name: str, raw: object) -> ModelConfig:
         raise src.fail(
             table.keys("mmproj"), 'expected "" (none): this engine cannot load an mmproj yet'
         )
+    embedding = raw.get("embedding")
+    if embedding is not None and not isinstance(embedding, bool):
+        raise src.expected(table.keys("embedding"), _EMBEDDING_EXPECTED, embedding)
     return ModelConfig(
         name=name,
         path=src.path(table.keys("path"), path_text, _PATH_EXPECTED),
@@ -607,6 +619,7 @@ def _model(src: _Source, name: str, raw: object) -> ModelConfig:
         n_threads=n_threads or None,
         chat_format=chat_format or None,
         mmproj=mmproj,
+        embedding=embedding,
         kv_on_release=kv_on_release,
         residency=residency,
         min_hold_s=table.seconds("min_hold_s", 0.1),
