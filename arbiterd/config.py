@@ -16,6 +16,7 @@
     path = "/models/x.gguf"       # required
     aliases = []                  # more names requests may ask for, e.g. ["gpt-4o-mini"]
     n_ctx = 4096, n_gpu_layers = -1, n_threads = 0, chat_format = "", mmproj = "",
+    embedding = true|false,       # absent: as the GGUF says (daemon/modelfile.py)
     kv_on_release = "host", min_hold_s = 0.1, idle_release_s = 0
 
 With no file at the default path the *embedded default* serves one demo model (gemma-3-270m).
@@ -90,6 +91,7 @@ MODEL_KEYS = (
     "n_threads",
     "chat_format",
     "mmproj",
+    "embedding",
     "kv_on_release",
     "residency",
     "min_hold_s",
@@ -128,6 +130,7 @@ class ModelConfig:
     n_threads: int | None  # None = the library's default
     chat_format: str | None  # None = the GGUF's own chat template
     mmproj: Path | None
+    embedding: bool | None  # serves embeddings only; None = as its GGUF says (modelfile.py)
     kv_on_release: KvPolicy
     residency: Residency
     min_hold_s: float
@@ -142,9 +145,12 @@ class ModelConfig:
         restarts nothing)."""
         return replace(other, aliases=self.aliases, strict_api=self.strict_api) == self
 
-    def worker_config(self, arena: Path, host_copy_fd: int | None = None) -> WorkerConfig:
+    def worker_config(
+        self, arena: Path, host_copy_fd: int | None = None, *, embedding: bool
+    ) -> WorkerConfig:
         """What the worker process for this model is started with; `host_copy_fd` is the
-        daemon's memfd of the model file, inherited by the worker."""
+        daemon's memfd of the model file, inherited by the worker; `embedding`, whether it
+        serves embeddings, as the daemon decided (modelfile.serves_embeddings)."""
         spec = ModelSpec(
             name=self.name,
             path=self.path,
@@ -153,6 +159,7 @@ class ModelConfig:
             n_threads=self.n_threads,
             chat_format=self.chat_format,
             residency=self.residency,
+            embedding=embedding,
             host_copy=True,
             host_copy_fd=host_copy_fd,
         )
@@ -276,6 +283,7 @@ def starter_config_text(found: list[Path]) -> str:
         "#   n_threads = 0             CPU threads; 0 = the library's default",
         '#   chat_format = ""          e.g. "chatml", for a GGUF without a chat template',
         '#   mmproj = ""               a multimodal projector GGUF',
+        "#   embedding = true          serve embeddings only; absent: as the GGUF says",
         '#   kv_on_release = "host"    the KV cache on release: "host", "device" or "drop"',
         '#   residency = "auto"        "in-place" (the arbiterd engine), "reload" or "auto"',
         "#   min_hold_s = 0.1          hold the GPU at least this long once warm",
@@ -314,6 +322,7 @@ _MODELS_EXPECTED = 'at least one [models.NAME] table with a path, e.g. [models.q
 _KV_EXPECTED = 'one of "host", "device", "drop"'
 _RESIDENCY_EXPECTED = 'one of "auto", "in-place", "reload"'
 _ALIASES_EXPECTED = 'an array of aliases, e.g. ["gpt-4o-mini", "qwen2.5:7b"]'
+_EMBEDDING_EXPECTED = "true or false (leave it out: as the GGUF says)"
 
 
 @dataclass(frozen=True)
@@ -647,6 +656,9 @@ def _model(src: _Source, name: str, raw: object) -> ModelConfig:
         raise src.fail(
             table.keys("mmproj"), 'expected "" (none): this engine cannot load an mmproj yet'
         )
+    embedding = raw.get("embedding")
+    if embedding is not None and not isinstance(embedding, bool):
+        raise src.expected(table.keys("embedding"), _EMBEDDING_EXPECTED, embedding)
     return ModelConfig(
         name=name,
         aliases=_aliases(table),
@@ -656,6 +668,7 @@ def _model(src: _Source, name: str, raw: object) -> ModelConfig:
         n_threads=n_threads or None,
         chat_format=chat_format or None,
         mmproj=mmproj,
+        embedding=embedding,
         kv_on_release=kv_on_release,
         residency=residency,
         min_hold_s=table.seconds("min_hold_s", 0.1),

@@ -29,6 +29,9 @@ COMPLETION_PARAMS: dict[str, tuple[type, ...]] = {
     "seed": (int,),
     "stop": (str, list),
 }
+# What an embedding model serves (ModelSpec.embedding); every other model serves "chat" and
+# "completion" requests.
+EMBEDDING = "embedding"
 # llama.cpp keeps n_ctx in a uint32 and sizes host arrays by it; larger values wrap or exhaust RAM.
 MAX_N_CTX = (1 << 31) - 1
 
@@ -62,10 +65,27 @@ class ModelSpec:
     chat_format: str | None = None
     seed: int = 0
     residency: Residency = Residency.AUTO
+    # Serves embeddings and nothing else: the config's `embedding`, else what the GGUF says
+    # (arbiterd.daemon.modelfile), decided by the daemon before the worker starts.
+    embedding: bool = False
     host_copy: bool = True  # keep the GGUF in a memfd: restores read nothing from disk
     # A memfd the daemon filled and passed down (one per file, shared by its workers); None:
     # the worker makes its own copy when host_copy is set.
     host_copy_fd: int | None = None
+
+
+def kind_refusal(model: str, kind: str, embedding: bool) -> str:
+    """Why `model` cannot serve a request of `kind` ("chat", "completion" or EMBEDDING), as one
+    line for the client; "" when it can. `embedding`: the model is an embedding model."""
+    if embedding and kind != EMBEDDING:
+        wanted = "chat completions" if kind == "chat" else "completions"
+        return f"{model!r} is an embedding model: it makes embeddings, not {wanted}"
+    if not embedding and kind == EMBEDDING:
+        return (
+            f"{model!r} is not an embedding model: it makes chat completions and completions, "
+            "not embeddings"
+        )
+    return ""
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import gguf
 import pytest
 
 from arbiterd.arena import Arena
-from tests.support.tiny_gguf import write_tiny_llama
+from tests.support.tiny_gguf import TinyModelSpec, write_tiny_llama
 
 SUPPORT = Path(__file__).parent / "support"
 ACTOR = SUPPORT / "arena_actor.py"
@@ -75,6 +76,13 @@ def procs() -> Iterator[Processes]:
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random llama GGUF (~0.5 MB, loads in ~10 ms), written once per session."""
     return write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_embedding_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama as an embedding model: its GGUF says to mean-pool its vectors."""
+    spec = TinyModelSpec(pooling=gguf.PoolingType.MEAN)
+    return write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-embed.gguf", spec)
 
 
 @pytest.fixture(scope="session")

@@ -34,6 +34,7 @@ n_gpu_layers = 20
 n_threads = 6
 chat_format = "chatml"
 mmproj = ""
+embedding = false
 kv_on_release = "drop"
 residency = "reload"
 min_hold_s = 0.5
@@ -92,6 +93,7 @@ def test_full_file_sets_every_key(tmp_path: Path, env: dict[str, str]) -> None:
     assert (qwen.n_ctx, qwen.n_gpu_layers, qwen.n_threads) == (8192, 20, 6)
     assert qwen.chat_format == "chatml"
     assert qwen.mmproj is None
+    assert qwen.embedding is False
     assert qwen.kv_on_release is KvPolicy.DROP
     assert qwen.min_hold_s == 0.5
     assert qwen.idle_release_s == 30.0
@@ -115,6 +117,7 @@ def test_absent_keys_take_their_defaults(tmp_path: Path, env: dict[str, str]) ->
     assert (model.n_ctx, model.n_gpu_layers, model.n_threads) == (4096, -1, None)
     assert model.chat_format is None
     assert model.mmproj is None
+    assert model.embedding is None  # as the GGUF says
     assert model.kv_on_release is KvPolicy.HOST
     assert model.residency is Residency.AUTO
     assert (model.min_hold_s, model.idle_release_s) == (0.1, 0.0)
@@ -414,13 +417,14 @@ def test_an_alias_names_one_model_and_a_clash_names_both(
 def test_worker_config_carries_the_model(tmp_path: Path, env: dict[str, str]) -> None:
     model = load_text(tmp_path, env, FULL).models["qwen"]
 
-    worker = model.worker_config(tmp_path / "arena", host_copy_fd=7)
+    worker = model.worker_config(tmp_path / "arena", host_copy_fd=7, embedding=True)
 
     spec = worker.spec
     assert (spec.name, spec.path, spec.n_ctx) == ("qwen", model.path, 8192)
     assert (spec.n_gpu_layers, spec.n_threads, spec.chat_format) == (20, 6, "chatml")
     assert spec.host_copy
     assert spec.host_copy_fd == 7
+    assert spec.embedding  # as the daemon decided, whatever the config said
     assert worker.arena == tmp_path / "arena"
     assert worker.kv_on_release is KvPolicy.DROP
     assert spec.residency is Residency.RELOAD
@@ -526,6 +530,12 @@ ERRORS = [
         id="mmproj_type",
     ),
     pytest.param(
+        M + 'embedding = "yes"',
+        "models.qwen.embedding",
+        'expected true or false (leave it out: as the GGUF says), got "yes"',
+        id="embedding_type",
+    ),
+    pytest.param(
         "[models.qwen]\nn_ctx = 8",
         "models.qwen.path",
         "expected the GGUF file's path, a non-empty string, got nothing (it is required)",
@@ -554,7 +564,8 @@ ERRORS = [
         M + "n_ctxx = 8",
         "models.qwen.n_ctxx",
         "unknown key; expected one of: path, aliases, n_ctx, n_gpu_layers, n_threads, "
-        "chat_format, mmproj, kv_on_release, residency, min_hold_s, idle_release_s, strict_api "
+        "chat_format, mmproj, embedding, kv_on_release, residency, min_hold_s, idle_release_s, "
+        "strict_api "
         "(did you mean n_ctx?)",
         id="unknown_model_key",
     ),

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API: /v1/models, /v1/chat/completions, /v1/completions (streamed as
-server-sent events or not), /health and /metrics.
+server-sent events or not), /v1/embeddings, /health and /metrics.
 
 Owns request validation, the bearer-token check, the refusal of users it does not serve (which
 connections those are, arbiterd.daemon.httpserver decides), streaming, and the one mapping from
@@ -10,20 +10,24 @@ string, never leave a stream open after its client has gone, and never import th
 
 Guard ladder for a completion request: bearer token → body size (Content-Length, then the bytes
 actually read) → JSON → object → known keys → model → prompt/messages → each parameter →
-model exists. The service gets `prompt` or `messages` plus only the engine's parameters.
+model exists. The service gets `prompt` or `messages` plus only the engine's parameters. An
+embedding request: bearer token → body size → JSON → object → known keys → model → input →
+encoding_format → dimensions → user → model exists; the service gets `input`, a list of texts.
 """
 
 from __future__ import annotations
 
+import base64
 import hmac
 import json
 import logging
 import re
+import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 from fastapi import Depends, FastAPI, Request
@@ -37,7 +41,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from arbiterd.daemon import ollama
 from arbiterd.daemon.service import Service
 from arbiterd.errors import ArbiterError, ErrorCode, UnknownModelError
-from arbiterd.spec import COMPLETION_PARAMS
+from arbiterd.spec import COMPLETION_PARAMS, EMBEDDING
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +51,8 @@ MAX_STOP_SEQUENCES = 4  # as OpenAI
 MAX_TOP_K = 1_000_000  # above any vocabulary size
 MAX_REPEAT_PENALTY = 10.0
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # OpenAI's seed is an int64
+# Texts in one embedding request, as OpenAI allows; each must also fit the model's context.
+MAX_EMBEDDING_INPUTS = 2048
 # How long closing an abandoned stream may take (the service cancels the request in its worker).
 STREAM_CLOSE_TIMEOUT_S = 10.0
 # The text format prometheus_client.generate_latest() writes. prometheus_client >= 0.22 points
@@ -732,6 +738,103 @@ async def _read_body(request: Request, limit_bytes: int) -> bytes:
     return bytes(body)
 
 
+# -- embedding requests -----------------------------------------------------------------------
+
+EMBEDDING_KEYS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
+ENCODING_FORMATS = ("float", "base64")
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    """A validated /v1/embeddings (or /api/embed) request."""
+
+    kind: ClassVar[str] = EMBEDDING  # as Service names it
+    model: str
+    body: dict[str, Any]  # {"input": [text, ...]}
+    base64: bool  # each vector as base64 of its little-endian float32s, not a list of numbers
+    ignored: tuple[str, ...] = ()  # fields accepted that change nothing here ("user")
+
+
+def parse_embedding_request(payload: object) -> EmbeddingRequest:
+    """Validate one /v1/embeddings body (also /api/embed's, as ollama.py translates it)."""
+    if not isinstance(payload, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {_json_type(payload)}")
+    unknown = sorted(set(payload) - EMBEDDING_KEYS)
+    if unknown:
+        raise ApiError(
+            400, f"Unrecognized request argument supplied: {', '.join(unknown)}", param=unknown[0]
+        )
+    given = {key: value for key, value in payload.items() if value is not None}
+    model = given.get("model")
+    if not isinstance(model, str) or not model:
+        raise _wrong_type("model", "a model name (a non-empty string)", model)
+    texts = _embedding_input(given.get("input"))
+    encoding = given.get("encoding_format", "float")
+    if encoding not in ENCODING_FORMATS:
+        raise ApiError(
+            400,
+            '\'encoding_format\' must be "float" or "base64"',
+            code="invalid_value",
+            param="encoding_format",
+        )
+    if "dimensions" in given:
+        raise ApiError(
+            400,
+            "'dimensions' is not supported: arbiterd returns every vector at the length its"
+            " model makes",
+            code="unsupported_value",
+            param="dimensions",
+        )
+    if "user" in given and not isinstance(given["user"], str):
+        raise _wrong_type("user", "a string", given["user"])
+    return EmbeddingRequest(
+        model=model,
+        body={"input": texts},
+        base64=encoding == "base64",
+        ignored=("user",) if "user" in given else (),
+    )
+
+
+def _embedding_input(value: object) -> list[str]:
+    """'input': a string, or an array of 1 to MAX_EMBEDDING_INPUTS strings; none empty."""
+    expected = f"a string or an array of 1 to {MAX_EMBEDDING_INPUTS} strings"
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list):
+        raise _wrong_type("input", expected, value)
+    if not texts or len(texts) > MAX_EMBEDDING_INPUTS:
+        got = f"an array of {len(texts)}" if texts else "an empty array"
+        raise ApiError(
+            400,
+            f"'input' must be {expected}, got {got}",
+            code="invalid_value",
+            param="input",
+        )
+    for index, text in enumerate(texts):
+        where = "input" if isinstance(value, str) else f"input[{index}]"
+        if not isinstance(text, str):
+            # OpenAI also takes token arrays, which mean nothing to another model's vocabulary.
+            raise _wrong_type(where, "a string (arbiterd takes text, not tokens)", text)
+        if not text:
+            raise ApiError(
+                400,
+                f"'{where}' is an empty string: nothing to embed",
+                code="invalid_value",
+                param=where,
+            )
+    return texts
+
+
+def _encoded(response: dict[str, Any]) -> dict[str, Any]:
+    """An embedding response with each vector as base64 of its little-endian float32s (the
+    engine's numbers are float32 values: nothing is lost)."""
+    data = []
+    for item in response["data"]:
+        vector = item["embedding"]
+        packed = struct.pack(f"<{len(vector)}f", *vector)
+        data.append({**item, "embedding": base64.b64encode(packed).decode("ascii")})
+    return {**response, "data": data}
+
+
 # -- errors -----------------------------------------------------------------------------------
 
 
@@ -1019,14 +1122,7 @@ def create_app(
             parsed = parse_request(kind, _parse_json(await _read_body(request, max_body_bytes)))
             if service.resolve(parsed.model) is None:
                 raise _unknown_model(parsed.model, names())
-            if parsed.ignored and service.strict_api(parsed.model):
-                raise ApiError(
-                    400,
-                    f"{parsed.model} has strict_api = true, and these fields would change "
-                    f"nothing: {', '.join(parsed.ignored)}",
-                    code="unsupported_value",
-                    param=parsed.ignored[0],
-                )
+            _refuse_if_strict(service, parsed.model, parsed.ignored)
         except Exception as exc:
             return _api_error(exc, names).response()
         if parsed.stream:
@@ -1048,8 +1144,22 @@ def create_app(
     async def completions(request: Request) -> Response:
         return await serve(request, "completion")
 
+    _add_embeddings_route(app, service, guarded, names, max_body_bytes)
+
     _add_ollama_routes(app, service, guarded, names, max_body_bytes)
     return app
+
+
+def _refuse_if_strict(service: Service, model: str, ignored: tuple[str, ...]) -> None:
+    """A 400 for fields that change nothing, when the model has strict_api = true."""
+    if ignored and service.strict_api(model):
+        raise ApiError(
+            400,
+            f"{model} has strict_api = true, and these fields would change nothing: "
+            + ", ".join(ignored),
+            code="unsupported_value",
+            param=ignored[0],
+        )
 
 
 def _model_object(model: dict[str, Any], id_: str, created: int) -> dict[str, Any]:
@@ -1069,6 +1179,33 @@ def _model_object(model: dict[str, Any], id_: str, created: int) -> dict[str, An
     else:
         entry["alias_of"] = model["name"]
     return entry
+
+
+def _add_embeddings_route(
+    app: FastAPI,
+    service: Service,
+    guarded: list[Any],
+    names: Callable[[], list[str]],
+    max_body_bytes: int,
+) -> None:
+    """OpenAI's POST /v1/embeddings: never streamed; base64 made here, from the engine's floats."""
+
+    @app.post("/v1/embeddings", dependencies=guarded)
+    async def embeddings(request: Request) -> Response:
+        try:
+            parsed = parse_embedding_request(_parse_json(await _read_body(request, max_body_bytes)))
+            if service.resolve(parsed.model) is None:
+                raise _unknown_model(parsed.model, names())
+            _refuse_if_strict(service, parsed.model, parsed.ignored)
+        except Exception as exc:
+            return _api_error(exc, names).response()
+        outcome = await _complete(service, parsed, request.receive, names)
+        if isinstance(outcome, Response):  # an error, answered as such
+            return outcome
+        response = JSONResponse(_encoded(outcome) if parsed.base64 else outcome)
+        if parsed.ignored:
+            response.headers[IGNORED_HEADER] = ",".join(parsed.ignored)
+        return response
 
 
 def _add_ollama_routes(
@@ -1120,6 +1257,21 @@ def _add_ollama_routes(
     async def ollama_generate(request: Request) -> Response:
         return await serve_ollama(request, "generate")
 
+    @app.post("/api/embed", dependencies=guarded)
+    async def ollama_embed(request: Request) -> Response:
+        try:
+            payload = _parse_json(await _read_body(request, max_body_bytes))
+            parsed = parse_embedding_request(ollama.embed_request(payload))
+            if service.resolve(parsed.model) is None:
+                raise _unknown_model(parsed.model, names())
+        except Exception as exc:
+            return _api_error(exc, names).response()
+        started = time.monotonic()
+        outcome = await _complete(service, parsed, request.receive, names)
+        if isinstance(outcome, Response):  # an error, answered as such
+            return outcome
+        return JSONResponse(ollama.embed_answer(outcome, time.monotonic() - started))
+
 
 async def _ollama_lines(
     service: Service, parsed: CompletionRequest, route: str, started: float
@@ -1150,7 +1302,10 @@ async def _ollama_lines(
 
 
 async def _complete(
-    service: Service, parsed: CompletionRequest, receive: Receive, names: Callable[[], list[str]]
+    service: Service,
+    parsed: CompletionRequest | EmbeddingRequest,
+    receive: Receive,
+    names: Callable[[], list[str]],
 ) -> dict[str, Any] | Response:
     """A non-streamed completion's response, or the error response to send instead; cancelled
     if the client leaves before it ends: a long generation nobody will read must not hold the

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from arbiterd.daemon.modelfile import serves_embeddings
 from arbiterd.daemon.slots import Slot, SlotState
 from arbiterd.daemon.workerclient import WorkerClient
 from arbiterd.errors import ArbiterError, ConfigError, ProtocolError
@@ -62,8 +63,10 @@ class Lifecycle:
             if self._retired(slot):
                 self._let_go(slot)
                 return
+            # From the copy the worker loads: ~0.1 s for a large vocabulary, in a thread.
+            slot.embedding = await asyncio.to_thread(serves_embeddings, slot.config, copy.fd)
             worker = await WorkerClient.spawn(
-                slot.config.worker_config(self._arena, copy.fd),
+                slot.config.worker_config(self._arena, copy.fd, embedding=slot.embedding),
                 env=env,
                 on_event=lambda event: self._on_worker_event(slot, event),
             )

@@ -1,8 +1,10 @@
-"""Checking model files before anything loads: owns reading a GGUF's header and the config
-check that runs before the daemon starts its workers and before a reload applies anything.
+"""Checking model files before anything loads: owns reading a GGUF's header, the config
+check that runs before the daemon starts its workers and before a reload applies anything, and
+the rule that says from a header whether a model is an embedding model.
 
-Reads only the header and the metadata it needs (the architecture and its trained context
-length), stopping as soon as it has them; never loads tensors, never imports llama.cpp.
+Reads only the header and the metadata it needs (the architecture, its trained context length
+and its pooling type), stopping as soon as it has them; never loads tensors, never imports
+llama.cpp.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from arbiterd.config import Config, key_path
+from arbiterd.config import Config, ModelConfig, key_path
 from arbiterd.errors import ConfigError
 
 GGUF_MAGIC = b"GGUF"
@@ -30,6 +32,20 @@ READ_BUFFER_BYTES = 1 << 16
 _FIXED_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
 _INTEGER_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
+# llama.cpp's encoder-only architectures (its llm_arch names): they embed, they cannot generate.
+ENCODER_ARCHITECTURES = frozenset(
+    {
+        "bert",
+        "eurobert",
+        "jina-bert-v2",
+        "jina-bert-v3",
+        "modern-bert",
+        "neo-bert",
+        "nomic-bert",
+        "nomic-bert-moe",
+        "t5encoder",
+    }
+)
 
 
 class NotGgufError(Exception):
@@ -42,6 +58,17 @@ class GgufHeader:
     tensor_count: int
     architecture: str | None
     context_length: int | None  # `<architecture>.context_length`: the trained context
+    # `<architecture>.pooling_type` (llama.cpp's enum llama_pooling_type: 0 none, 1 mean, 2 cls,
+    # 3 last, 4 rank); None when the file does not say, which llama.cpp takes as none.
+    pooling_type: int | None
+
+    @property
+    def embedding(self) -> bool:
+        """Whether this is an embedding model: the file names a pooling type (llama.cpp then
+        pools the vectors of an input's tokens into one), or its architecture is encoder-only.
+        A generative model whose GGUF names no pooling can still serve embeddings, with
+        `embedding = true` in its config."""
+        return bool(self.pooling_type) or self.architecture in ENCODER_ARCHITECTURES
 
 
 def read_header(path: Path) -> GgufHeader:
@@ -70,19 +97,33 @@ def _read_after_magic(f: BinaryIO) -> GgufHeader:
             f"a GGUF file with a damaged header ({tensor_count} tensors, {key_count} keys)"
         )
     architecture: str | None = None
-    context_length: int | None = None
+    numbers: dict[str, int] = {}  # "context_length", "pooling_type", as the file has them
     for _ in range(key_count):
         key = _string(f)
         (kind,) = _unpack(f, "<I")
+        prefix, _, name = key.rpartition(".")
         if key == "general.architecture" and kind == _STRING:
             architecture = _string(f)
-        elif architecture and key == f"{architecture}.context_length" and kind in _INTEGER_FORMATS:
-            (context_length,) = _unpack(f, _INTEGER_FORMATS[kind])
+        elif (
+            architecture
+            and prefix == architecture
+            and name in ("context_length", "pooling_type")
+            and kind in _INTEGER_FORMATS
+        ):
+            (numbers[name],) = _unpack(f, _INTEGER_FORMATS[kind])
         else:
             _skip_value(f, kind)
-        if architecture is not None and context_length is not None:
+        if architecture is not None and len(numbers) == 2:
             break  # all we need; the tokenizer's arrays after it can be megabytes
-    return GgufHeader(version, tensor_count, architecture, context_length)
+    # A file without a pooling type is read to the end of its metadata: ~0.1 s for the 262,144
+    # tokens of gemma-3's vocabulary.
+    return GgufHeader(
+        version,
+        tensor_count,
+        architecture,
+        numbers.get("context_length"),
+        numbers.get("pooling_type"),
+    )
 
 
 def _unpack(f: BinaryIO, fmt: str) -> tuple[int, ...]:
@@ -115,6 +156,24 @@ def _skip_value(f: BinaryIO, kind: int) -> None:
                 _skip_value(f, element)
     else:
         raise NotGgufError(f"a GGUF file with a damaged header (value type {kind})")
+
+
+# -- what a model serves ------------------------------------------------------------------------
+
+
+def serves_embeddings(model: ModelConfig, fd: int) -> bool:
+    """Whether `model` serves embeddings: its config's `embedding` when it has one, else what the
+    header of its GGUF says (`GgufHeader.embedding`), read from `fd`, the daemon's copy of the
+    file (what the worker loads, even if the file on disk has changed or gone since).
+
+    Raises ConfigError when the copy is not a GGUF, OSError when it cannot be read."""
+    if model.embedding is not None:
+        return model.embedding
+    try:
+        return read_header(Path(f"/proc/self/fd/{fd}")).embedding
+    except NotGgufError as exc:
+        where = key_path("models", model.name, "path")
+        raise ConfigError(f"{where}: the copy of {model.path} is {exc}") from None
 
 
 # -- the config check ---------------------------------------------------------------------------

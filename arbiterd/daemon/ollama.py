@@ -4,6 +4,7 @@ daemon serves, and the answers back in Ollama's shapes. Pure functions; httpapi.
     POST /api/chat      {model, messages, tools, stream (default true), options, format,
                          keep_alive}
     POST /api/generate  {model, prompt, system, raw, stream, options, format, keep_alive}
+    POST /api/embed     {model, input, truncate, dimensions, options, keep_alive}
     GET  /api/tags, /api/ps, /api/version
 
 /api/tags and /api/ps list each model and each of its aliases as its own entry, named as Ollama
@@ -15,6 +16,8 @@ one line of its own before the last.
 `options` maps to the sampling parameters the engine runs (num_predict → max_tokens); `format`
 "json" or a JSON schema constrains the output as response_format does; `keep_alive` is accepted
 and changes nothing (arbiterd keeps every model resident; the memory issue will map it).
+An embedding is never truncated: an input longer than the context is refused, as Ollama refuses
+it with `truncate: false`; `truncate` itself is accepted and changes nothing.
 """
 
 from __future__ import annotations
@@ -144,6 +147,32 @@ def generate_request(payload: object) -> tuple[str, dict[str, Any], bool]:
     messages.append({"role": "user", "content": prompt})
     openai = {"model": body.get("model"), "messages": messages}
     return "chat", _with_common(body, openai), _stream(body)
+
+
+def embed_request(payload: object) -> dict[str, Any]:
+    """/api/embed's body as the OpenAI /v1/embeddings payload."""
+    body = _object(payload)
+    options = body.get("options") or {}
+    if not isinstance(options, dict):
+        raise BadValueError("'options' must be an object")
+    for name in options:
+        if name not in CONFIG_OPTIONS:
+            raise BadValueError(f"option {name!r} does not apply to embeddings")
+    if not isinstance(body.get("truncate", True), bool):
+        raise BadValueError("'truncate' must be a boolean")
+    return {key: body[key] for key in ("model", "input", "dimensions") if key in body}
+
+
+def embed_answer(response: dict[str, Any], total_s: float) -> dict[str, Any]:
+    """An OpenAI embedding response as /api/embed's. load_duration is 0: the model stays
+    loaded; a warm-up the request waited for is part of total_duration."""
+    return {
+        "model": response["model"],
+        "embeddings": [item["embedding"] for item in response["data"]],
+        "total_duration": int(total_s * 1e9),
+        "load_duration": 0,
+        "prompt_eval_count": response["usage"]["prompt_tokens"],
+    }
 
 
 def answer(kind: str, route: str, response: dict[str, Any], total_s: float) -> dict[str, Any]:

@@ -3,7 +3,10 @@
 Owns the request ids and the rule: a request that finds its worker gone before it could be sent
 (nothing of it ran) goes once more to the worker that replaces it; any other failure is the
 request's. A client that goes away (its task cancelled) cancels the request in the worker.
-Every failure is published as a `request` event and raised as the error the edges map.
+Every failure is published as a `request` event and raised as the error the edges map. A
+request for a model that does not exist, or of a kind its model does not serve (an embedding
+request to a chat model, or the other way round), is refused before any worker sees it, and
+no event is published.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ from arbiterd.daemon.workerclient import WorkerClient
 from arbiterd.errors import (
     ArbiterError,
     EngineError,
+    RequestError,
     UnknownModelError,
     WorkerError,
     WorkerGoneError,
 )
 from arbiterd.events import Event, RequestEvent
+from arbiterd.spec import kind_refusal
 
 READY_TIMEOUT_S = 120.0  # how long a request waits for its worker to (re)start
 _T = TypeVar("_T")
@@ -39,7 +44,10 @@ class Router:
     async def complete(self, model: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
         request_id = self._request_id()
         result = await self._send(
-            model, request_id, lambda worker: worker.generate(kind, body, request_id=request_id)
+            model,
+            kind,
+            request_id,
+            lambda worker: worker.generate(kind, body, request_id=request_id),
         )
         response: dict[str, Any] = result["response"]
         return response
@@ -53,8 +61,10 @@ class Router:
         def generate(worker: WorkerClient) -> Awaitable[dict[str, Any]]:
             return worker.generate(kind, body, on_chunk=chunks.put_nowait, request_id=request_id)
 
-        await self.worker_of(model)  # an unknown or failed model fails here, before any chunk
-        sending = asyncio.get_running_loop().create_task(self._send(model, request_id, generate))
+        await self._serving(model, kind)  # an unknown, failed or wrong model: before any chunk
+        sending = asyncio.get_running_loop().create_task(
+            self._send(model, kind, request_id, generate)
+        )
         sending.add_done_callback(lambda _: chunks.put_nowait(_DONE))
         try:
             while True:
@@ -85,13 +95,23 @@ class Router:
         assert slot.worker is not None  # ready is set only while a worker is attached
         return slot.worker
 
+    async def _serving(self, model: str, kind: str) -> WorkerClient:
+        """`worker_of(model)`, or RequestError at once when the model does not serve `kind`
+        (which the slot knows once its worker is spawned)."""
+        worker = await self.worker_of(model)
+        refusal = kind_refusal(model, kind, self._slots[model].embedding)
+        if refusal:
+            raise RequestError(refusal)
+        return worker
+
     async def _send(
         self,
         model: str,
+        kind: str,
         request_id: str,
         send: Callable[[WorkerClient], Awaitable[_T]],
     ) -> _T:
-        worker = await self.worker_of(model)
+        worker = await self._serving(model, kind)
         try:
             try:
                 return await send(worker)

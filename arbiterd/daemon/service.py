@@ -12,7 +12,8 @@ every event name the model itself.
 Errors the methods raise (arbiterd.errors), which each edge maps once:
     UnknownModelError      no model by that name               HTTP 404, listing the models
     ContextOverflowError   prompt (+ max_tokens) > context     HTTP 400
-    RequestError           a bad parameter                     HTTP 400
+    RequestError           a bad parameter, or a kind of       HTTP 400
+                           request the model does not serve
     WorkerError            the model's worker failed/restarts  HTTP 503
     EngineError            the model failed to load/restore    HTTP 503
     ControlError           a command that cannot be done now   control: error reply
@@ -87,8 +88,9 @@ class Service(Protocol):
         ...
 
     async def complete(self, model: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
-        """Run one request ("completion" with body["prompt"], or "chat" with
-        body["messages"]) to the end; returns the OpenAI response object."""
+        """Run one request ("completion" with body["prompt"], "chat" with body["messages"], or
+        "embedding" with body["input"], a list of texts, for an embedding model) to the end;
+        returns the OpenAI response object."""
         ...
 
     def stream(self, model: str, kind: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:

@@ -1,10 +1,11 @@
 """A model slot: one configured model in the daemon, and its lifecycle as an Enum and a table.
 
 Owns what the daemon knows of one model between its workers: the lifecycle state, the worker
-that serves it now, what that worker's hello said, the residency it last reported, its
-restarts and its last error. Pure bookkeeping, mutated only on the daemon's event loop; the
-parts that act on it (lifecycle.py starts and restarts workers, routing.py sends requests)
-move it through `move`, which refuses a transition the table does not list.
+that serves it now, what that worker's hello said, the residency it last reported, whether it
+is an embedding model, its restarts and its last error. Pure bookkeeping, mutated only on the
+daemon's event loop; the parts that act on it (lifecycle.py starts and restarts workers,
+routing.py sends requests) move it through `move`, which refuses a transition the table does
+not list.
 
     starting ──► ready ──► restarting ──► starting
         │  └──────────────────▲
@@ -51,6 +52,9 @@ class Slot:
     residency: str | None = None  # the worker's residency state (residency.State's values)
     hello: WorkerHello | None = None  # its last worker's: what runs it; kept across restarts
     warning: str = ""  # e.g. GPU layers asked of an engine that cannot offload; "" when none
+    # Serves embeddings only (spec.EMBEDDING requests); decided as its worker is spawned
+    # (modelfile.serves_embeddings), so right whenever `ready` is set.
+    embedding: bool = False
     pinned: bool = False
     restarts: int = 0
     failures_in_row: int = 0

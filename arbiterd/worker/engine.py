@@ -16,6 +16,10 @@ The portable backend is **reload** (DESIGN.md §4):
 A request is **prepared** (rendered, sized and tokenized) before it **runs**: preparing needs only
 the vocabulary, which a vocab-only model (no weights, no context, no device memory) holds for the
 worker's whole life, so a worker tokenizes while cold, before it asks for the GPU (issue 10).
+
+An embedding model (ModelSpec.embedding) serves only "embedding" requests, every other model
+only "chat" and "completion" ones: its context makes pooled embeddings, one unit-length vector
+per input text (issue 11).
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import math
 import os
 import re
 import time
+from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +41,7 @@ import llama_cpp
 import numpy as np
 import numpy.typing as npt
 from llama_cpp import llama_chat_format
-from llama_cpp._internals import LlamaModel
+from llama_cpp._internals import LlamaBatch, LlamaModel
 from llama_cpp.llama_grammar import LlamaGrammar
 
 from arbiterd.errors import (
@@ -49,7 +55,15 @@ from arbiterd.errors import (
 from arbiterd.hostcopy import copy_into_memfd
 from arbiterd.native import ggml, libllama
 from arbiterd.native.libllama import ResidencyApi, probe_residency_api
-from arbiterd.spec import COMPLETION_PARAMS, MAX_N_CTX, KvPolicy, ModelSpec, Residency
+from arbiterd.spec import (
+    COMPLETION_PARAMS,
+    EMBEDDING,
+    MAX_N_CTX,
+    KvPolicy,
+    ModelSpec,
+    Residency,
+    kind_refusal,
+)
 from arbiterd.worker.choices import Choice, TokenLogprob
 from arbiterd.worker.toolcalls import CallReader, call_schema, template_takes_tools
 
@@ -71,6 +85,16 @@ MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # in either direction, as OpenAI
 # llama-cpp-python's name for the chat format that renders the GGUF's own Jinja template.
 GGUF_TEMPLATE = "chat_template.default"
+# llama.cpp's enum llama_pooling_type, and the types that make one vector of an input's tokens:
+# "none" gives one per token, "rank" a reranker's score.
+POOLING_TYPES = {
+    llama_cpp.LLAMA_POOLING_TYPE_NONE: "none",
+    llama_cpp.LLAMA_POOLING_TYPE_MEAN: "mean",
+    llama_cpp.LLAMA_POOLING_TYPE_CLS: "cls",
+    llama_cpp.LLAMA_POOLING_TYPE_LAST: "last",
+    llama_cpp.LLAMA_POOLING_TYPE_RANK: "rank",
+}
+POOLED = ("mean", "cls", "last")
 
 
 @dataclass(frozen=True)
@@ -97,16 +121,18 @@ class Generation:
 @dataclass(frozen=True)
 class Prepared:
     """A request rendered and tokenized: the arguments `Llama.create_completion` runs it with,
-    the prompt as tokens. Made from the vocabulary alone, so without the GPU."""
+    the prompt as tokens; for an embedding request, each input's tokens. Made from the
+    vocabulary alone, so without the GPU."""
 
-    kind: str  # "completion" or "chat"
-    completion: dict[str, Any]
+    kind: str  # "completion", "chat" or EMBEDDING
+    completion: dict[str, Any]  # {} for an embedding request
     include_usage: bool = False  # a streamed request ends with a chunk of its usage
     n: int = 1  # choices, generated one after the other
     top_logprobs: int | None = None  # None: no log-probabilities; else how many alternatives
     tools: tuple[str, ...] = ()  # the names of the tools the answer may call
     forced_call: bool = False  # a grammar makes the whole answer a call
     parallel_calls: bool = True  # the answer may call several tools; else the first counts
+    inputs: tuple[list[int], ...] = ()  # an embedding request's texts, tokenized
 
     @property
     def prompt_tokens(self) -> list[int]:
@@ -306,15 +332,21 @@ class ReloadBackend:
     # -- requests ---------------------------------------------------------------------------
 
     def prepare(self, kind: str, body: dict[str, Any], cancelled: Cancelled) -> Prepared:
-        """Check, render and tokenize one completion ("completion": body["prompt"]) or chat
-        ("chat": body["messages"]) request, with the vocabulary alone: no device state is
-        touched, so a cold model prepares as well as a warm one.
+        """Check, render and tokenize one completion ("completion": body["prompt"]), chat
+        ("chat": body["messages"]) or embedding (EMBEDDING: body["input"]) request, with the
+        vocabulary alone: no device state is touched, so a cold model prepares as well as a
+        warm one. A kind the model does not serve is a RequestError.
 
         Sizes are checked before any native call: more messages than the context has tokens,
         or more characters than n_ctx of the longest tokens could cover, cannot fit. The
         tokenizer stops as soon as the context is full, and when `cancelled` says so between
         two of its pieces (RequestError)."""
         vocab = self._require_vocab()
+        refusal = kind_refusal(self.spec.name, kind, self.spec.embedding)
+        if refusal:
+            raise RequestError(refusal)
+        if kind == EMBEDDING:
+            return self._prepare_embedding(vocab, body, cancelled)
         n_ctx = self.spec.n_ctx
         kwargs = _request_kwargs(body)
         bias = _logit_bias(body, vocab.n_tokens)
@@ -324,29 +356,7 @@ class ReloadBackend:
         tools: list[dict[str, Any]] = []
         forced: str | None = None
         if kind == "chat":
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise RequestError("'messages' must be a non-empty list")
-            # Chat templates put at least a role marker around every message: each takes a
-            # token at least, so more messages than the context has tokens cannot fit.
-            if len(messages) > n_ctx:
-                raise ContextOverflowError(
-                    f"{len(messages)} messages exceed the context window of {n_ctx} tokens"
-                )
-            _check_characters(_characters(messages), max_chars)
-            response_format = _response_format(body)
-            if response_format is not None:  # the chat handler turns it into a grammar
-                kwargs = {**kwargs, "response_format": response_format}
-            tools, forced = _tools(body)
-            call_grammar = _call_grammar(tools, forced, shaped=response_format is not None)
-            if tools:
-                self._require_tool_template()
-                kwargs["tools"] = tools  # for the template; the choice is ours to enforce
-            completion = self._chat_completion(
-                vocab, _template_messages(messages), kwargs, cancelled
-            )
-            if call_grammar is not None:
-                completion["grammar"] = call_grammar
+            completion, tools, forced = self._prepare_chat(vocab, body, kwargs, cancelled)
         elif kind == "completion":
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
@@ -372,6 +382,34 @@ class ReloadBackend:
             )
         return request
 
+    def _prepare_chat(
+        self, vocab: _Vocab, body: dict[str, Any], kwargs: dict[str, Any], cancelled: Cancelled
+    ) -> tuple[dict[str, Any], list[dict[str, Any]], str | None]:
+        """A chat request's completion arguments, the tools it offers and the call it forces."""
+        n_ctx = self.spec.n_ctx
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("'messages' must be a non-empty list")
+        # Chat templates put at least a role marker around every message: each takes a
+        # token at least, so more messages than the context has tokens cannot fit.
+        if len(messages) > n_ctx:
+            raise ContextOverflowError(
+                f"{len(messages)} messages exceed the context window of {n_ctx} tokens"
+            )
+        _check_characters(_characters(messages), vocab.max_text_bytes(n_ctx))
+        response_format = _response_format(body)
+        if response_format is not None:  # the chat handler turns it into a grammar
+            kwargs = {**kwargs, "response_format": response_format}
+        tools, forced = _tools(body)
+        call_grammar = _call_grammar(tools, forced, shaped=response_format is not None)
+        if tools:
+            self._require_tool_template()
+            kwargs["tools"] = tools  # for the template; the choice is ours to enforce
+        completion = self._chat_completion(vocab, _template_messages(messages), kwargs, cancelled)
+        if call_grammar is not None:
+            completion["grammar"] = call_grammar
+        return completion, tools, forced
+
     def run(self, request: Prepared, sink: ChunkSink | None, cancelled: Cancelled) -> Generation:
         """Generate for a prepared request on the warm model, its `n` choices one after the
         other (each after the first reuses the prompt's KV). With a sink, chunks are streamed to
@@ -379,6 +417,8 @@ class ReloadBackend:
         asked before every decode: the prompt is evaluated n_batch tokens at a time, so a
         cancel waits for one batch at most."""
         llm = self._require_llm()
+        if request.kind == EMBEDDING:
+            return self._embed(llm, request.inputs, cancelled)
         head: dict[str, Any] = {}  # one id and creation time for every chunk of every choice
         choices: list[Choice] = []
         prompt_tokens = cached = evaluated = completion_tokens = 0
@@ -442,6 +482,79 @@ class ReloadBackend:
         """`prepare` and `run` in one call, never cancelled: for callers that drive a backend
         directly and hold the GPU anyway (tests, benchmarks)."""
         return self.run(self.prepare(kind, body, _never), sink, _never)
+
+    def _prepare_embedding(
+        self, vocab: _Vocab, body: dict[str, Any], cancelled: Cancelled
+    ) -> Prepared:
+        """Tokenize each text of body["input"] as `Llama.embed` does: with the vocabulary's
+        BOS/EOS (BERT's CLS/SEP), special tokens taken as plain text. Each input is embedded
+        in one decode, so each must fit the context on its own."""
+        texts = body.get("input")
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+            raise RequestError("'input' must be a non-empty list of strings")
+        n_ctx = self.spec.n_ctx
+        inputs = []
+        for index, text in enumerate(texts):
+            if cancelled():  # between two inputs: a waiter gets the GPU, a cancel is seen
+                raise RequestError("cancelled while its input was tokenized")
+            try:
+                tokens = vocab.tokenize(
+                    text.encode(),
+                    add_special=True,
+                    parse_special=False,
+                    limit=n_ctx,
+                    cancelled=cancelled,
+                )
+            except ContextOverflowError as exc:
+                raise ContextOverflowError(f"input[{index}]: {exc}") from None
+            if len(tokens) > n_ctx:
+                raise ContextOverflowError(
+                    f"input[{index}] is {len(tokens)} tokens long, more than the context window"
+                    f" of {n_ctx}"
+                )
+            if not tokens:
+                raise RequestError(f"input[{index}] makes no tokens: there is nothing to embed")
+            inputs.append(tokens)
+        return Prepared(EMBEDDING, {}, inputs=tuple(inputs))
+
+    def _embed(
+        self, llm: llama_cpp.Llama, inputs: tuple[list[int], ...], cancelled: Cancelled
+    ) -> Generation:
+        """OpenAI's embedding response for the prepared inputs: each decoded alone, from an
+        empty cache, in one decode (`_new_llama` makes a decode hold the whole context), its
+        pooled vector scaled to length 1 as OpenAI's and Ollama's are. `cancelled` is asked
+        before each; a cancel returns the vectors made so far, marked cancelled."""
+        n_embd = llm.n_embd()
+        memory = llama_cpp.llama_get_memory(llm.ctx)  # NULL for an encoder: it keeps no cache
+        batch = LlamaBatch(n_tokens=max(map(len, inputs)), embd=0, n_seq_max=1, verbose=False)
+        data: list[dict[str, Any]] = []
+        tokens = 0
+        try:
+            for index, input_tokens in enumerate(inputs):
+                if cancelled():
+                    break
+                if memory:
+                    llama_cpp.llama_memory_clear(memory, True)
+                batch.set_batch(input_tokens, n_past=0, logits_all=True)  # pooling reads all
+                status = llama_cpp.llama_decode(llm.ctx, batch.batch)
+                if status != 0:
+                    raise EngineError(f"llama_decode failed (status {status}) on input[{index}]")
+                pooled = llama_cpp.llama_get_embeddings_seq(llm.ctx, 0)
+                if not pooled:
+                    raise EngineError(f"llama.cpp pooled no vector for input[{index}]")
+                vector = _unit_length(pooled[:n_embd])
+                data.append({"object": "embedding", "index": index, "embedding": vector})
+                tokens += len(input_tokens)
+        finally:
+            batch.close()  # type: ignore[no-untyped-call]
+        self.prompt_tokens_evaluated_total += tokens
+        response = {
+            "object": "list",
+            "data": data,
+            "model": self.spec.name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+        return Generation(response, tokens, tokens, 0, cancelled=len(data) < len(inputs))
 
     def _chat_completion(
         self,
@@ -549,12 +662,28 @@ class ReloadBackend:
             kwargs["n_threads"] = spec.n_threads
         if spec.chat_format:
             kwargs["chat_format"] = spec.chat_format
+        if spec.embedding:
+            # An input is embedded in one decode: llama.cpp encodes a model that attends both
+            # ways (BERT) in one micro-batch, and Llama.n_batch caps a decode's tokens. Both
+            # hold the whole context, so every input that fits the context can be embedded.
+            kwargs |= {"embedding": True, "n_batch": spec.n_ctx, "n_ubatch": spec.n_ctx}
         try:
             llm = llama_cpp.Llama(**kwargs)
         except (ValueError, RuntimeError, OSError, MemoryError) as exc:
             # llama-cpp-python names the path it was given: the user knows their own.
             reason = str(exc).replace(path, str(spec.path))
             raise error(f"cannot load {spec.path}: {reason}") from None
+        if spec.embedding:
+            pooling = llama_cpp.llama_pooling_type(llm.ctx)
+            pooling_name = POOLING_TYPES.get(pooling, str(pooling))
+            if pooling_name not in POOLED:
+                llm.close()
+                raise error(
+                    f"cannot serve embeddings with {spec.path}: its pooling type is"
+                    f" {pooling_name}, which makes no single vector per input"
+                    f" ({', '.join(POOLED)} would; an embedding model's GGUF names one as"
+                    " <architecture>.pooling_type)"
+                )
         _instrument_eval(llm, lambda: self._run)
         _instrument_sample(llm, lambda: self._run)
         template = llm.metadata.get("tokenizer.chat_template", "")
@@ -814,6 +943,13 @@ def _token_logprob(
         logprob=float(logprobs[token]),
         top=tuple((llm.detokenize([t]), float(logprobs[t])) for t in ranked),
     )
+
+
+def _unit_length(vector: list[float]) -> list[float]:
+    """`vector` scaled to length 1 (as it is when all zeros), in float32 values: exactly what an
+    answer packs as base64 of float32."""
+    norm = math.sqrt(math.fsum(x * x for x in vector))
+    return array("f", [x / norm for x in vector] if norm else vector).tolist()
 
 
 def _request_kwargs(body: dict[str, Any]) -> dict[str, Any]:

@@ -25,7 +25,8 @@ Message protocol (JSON lines, `arbiterd.wire`), version WORKER_PROTOCOL:
                      loaded llama.cpp can do (engine.EngineInfo; offload false = CPU only).
                      The daemon reads all six; fields are only ever added to the hello, and
                      WORKER_PROTOCOL changes when one changes meaning or goes (issue 15).
-    daemon → worker  {"op": "generate", "id", "kind": "completion"|"chat", "body", "stream"}
+    daemon → worker  {"op": "generate", "id", "kind": "completion"|"chat"|"embedding", "body",
+                      "stream"}   an embedding model takes "embedding" only, any other the rest
                      {"op": "status"|"release"|"warm"|"pin"|"unpin"|"shutdown", "id"}
                      {"op": "cancel", "id", "target": request id}
     worker → daemon  {"id", "chunk": {...}}  {"id", "result": {...}}

@@ -5,7 +5,8 @@ choices, usage in streams)."""
 from __future__ import annotations
 
 import json
-import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,6 @@ from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMes
 
 from tests.support.daemon import Daemon
 from tests.support.tiny_gguf import TOOLS_CHAT_TEMPLATE, TinyModelSpec, write_tiny_llama
-
-# litellm reads its model price list from the internet at import unless told not to.
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 ADD: ChatCompletionFunctionToolParam = {
     "type": "function",
@@ -246,31 +244,17 @@ def test_langchain_bind_tools_and_structured_output(daemon: Daemon) -> None:
 
 
 def test_litellm_tools_json_schema_and_streamed_usage(daemon: Daemon) -> None:
-    import litellm  # noqa: PLC0415 (heavy; only this test needs it)
-
-    common: dict[str, Any] = {"api_base": daemon.url, "api_key": "unused", "max_tokens": 150}
-    called = litellm.completion(
-        model="openai/tools", messages=ASK, tools=[ADD], tool_choice="required", **common
+    ran = subprocess.run(
+        [sys.executable, "-m", "tests.support.litellm_calls", daemon.url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=Path(__file__).parents[2],
     )
-    call = called.choices[0].message.tool_calls[0]
-    assert call.function.name == "add"
-    assert set(json.loads(call.function.arguments)) == {"a", "b"}
-    shaped = litellm.completion(
-        model="openai/plain",
-        messages=[{"role": "user", "content": "Answer in JSON."}],
-        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},
-        **common,
-    )
-    assert set(json.loads(shaped.choices[0].message.content)) == {"city", "rank"}
-    chunks = list(
-        litellm.completion(
-            model="openai/plain",
-            messages=ASK,
-            stream=True,
-            stream_options={"include_usage": True},
-            **{**common, "max_tokens": 3},
-        )
-    )
-    usage = [chunk.usage for chunk in chunks if getattr(chunk, "usage", None)]
-    assert usage
-    assert usage[-1].completion_tokens == 3
+    assert ran.returncode == 0, ran.stderr
+    got = json.loads(ran.stdout.splitlines()[-1])
+    assert got["call"]["name"] == "add"
+    assert set(got["call"]["arguments"]) == {"a", "b"}
+    assert set(got["shaped"]) == {"city", "rank"}
+    assert got["streamed_completion_tokens"] == 3

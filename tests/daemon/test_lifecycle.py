@@ -134,6 +134,32 @@ def test_a_ready_slots_worker_loads_and_says_so(harness: Harness) -> None:
     assert ("loading", "warm") in [(e.get("from"), e.get("to")) for e in events]
 
 
+def test_the_worker_is_told_whether_its_model_serves_embeddings(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_embedding_model: Path
+) -> None:
+    told: list[bool] = []
+
+    async def spawn(config: Any, **kwargs: Any) -> WorkerClient:
+        told.append(config.spec.embedding)
+        return await REAL_SPAWN(config, **kwargs)
+
+    monkeypatch.setattr(WorkerClient, "spawn", spawn)
+    harness = Harness(tmp_path / "arena", tiny_embedding_model)
+
+    async def scenario() -> tuple[bool, bool]:
+        detected = harness.slot("detected")  # its GGUF names a pooling type
+        overridden = Slot(
+            model_config("overridden", tiny_embedding_model, n_ctx=512, embedding=False)
+        )
+        for slot in (detected, overridden):
+            await harness.lifecycle.start(slot)
+        await harness.lifecycle.stop([detected, overridden])
+        return detected.embedding, overridden.embedding
+
+    assert run(scenario()) == (True, False)
+    assert told == [True, False]
+
+
 @pytest.mark.parametrize(
     "refusal",
     [

@@ -9,8 +9,15 @@ from pathlib import Path
 import pytest
 
 from arbiterd.config import Config, load_config
-from arbiterd.daemon.modelfile import NotGgufError, check_models, read_header
+from arbiterd.daemon.modelfile import (
+    GgufHeader,
+    NotGgufError,
+    check_models,
+    read_header,
+    serves_embeddings,
+)
 from arbiterd.errors import ConfigError
+from tests.support.models import model_config
 from tests.support.tiny_gguf import DEFAULT_SPEC
 
 
@@ -31,12 +38,70 @@ def test_the_header_of_a_real_gguf_names_its_architecture_and_trained_context(
     assert header.architecture == "llama"
     assert header.context_length == DEFAULT_SPEC.n_ctx_train
     assert header.tensor_count > 0
+    assert header.pooling_type is None
+    assert not header.embedding
 
 
 @pytest.mark.slow
-def test_the_header_of_the_demo_model_is_read_without_its_vocabulary(gemma_model: Path) -> None:
-    header = read_header(gemma_model)
+def test_the_header_of_the_demo_model_says_it_generates(gemma_model: Path) -> None:
+    header = read_header(gemma_model)  # through its 262,144-token vocabulary: no pooling
     assert (header.architecture, header.context_length) == ("gemma3", 32768)
+    assert not header.embedding
+
+
+def test_a_gguf_that_names_a_pooling_type_is_an_embedding_model(
+    tiny_embedding_model: Path,
+) -> None:
+    header = read_header(tiny_embedding_model)
+    assert (header.architecture, header.context_length) == ("llama", DEFAULT_SPEC.n_ctx_train)
+    assert header.pooling_type == 1  # mean
+    assert header.embedding
+
+
+@pytest.mark.parametrize(
+    ("architecture", "pooling_type", "embedding"),
+    [
+        ("bert", None, True),  # encoder-only: it cannot generate
+        ("nomic-bert", 1, True),
+        ("qwen3", 3, True),  # a decoder made to embed, pooling its last token
+        ("llama", 0, False),  # "none", as llama.cpp reads an absent pooling type
+        ("llama", None, False),
+        (None, None, False),
+    ],
+)
+def test_an_embedding_model_pools_or_is_an_encoder(
+    architecture: str | None, pooling_type: int | None, embedding: bool
+) -> None:
+    assert GgufHeader(3, 1, architecture, None, pooling_type).embedding is embedding
+
+
+def test_the_config_says_what_a_model_serves_else_its_gguf(
+    tiny_model: Path, tiny_embedding_model: Path
+) -> None:
+    fds = {path: os.open(path, os.O_RDONLY) for path in (tiny_model, tiny_embedding_model)}
+    try:
+
+        def serves(path: Path, embedding: bool | None) -> bool:
+            return serves_embeddings(model_config("m", path, embedding=embedding), fds[path])
+
+        assert not serves(tiny_model, None)
+        assert serves(tiny_embedding_model, None)
+        assert serves(tiny_model, True)
+        assert not serves(tiny_embedding_model, False)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def test_a_copy_that_is_not_a_gguf_fails_its_model(tmp_path: Path) -> None:
+    text = tmp_path / "notes.gguf"
+    text.write_text("hello")
+    fd = os.open(text, os.O_RDONLY)
+    try:
+        with pytest.raises(ConfigError, match=r"models\.m\.path: the copy of .* is not a GGUF"):
+            serves_embeddings(model_config("m", text), fd)
+    finally:
+        os.close(fd)
 
 
 @pytest.mark.parametrize(

@@ -196,3 +196,38 @@ def test_each_alias_is_listed_as_a_model_of_its_own_with_its_tag() -> None:
             ("llama3:latest", "llama3:latest", "cold"),
             ("qwen2.5:7b", "qwen2.5:7b", "cold"),
         ]
+
+
+def test_embed_takes_model_input_and_dimensions_and_only_the_configs_options() -> None:
+    body = {
+        "model": "m",
+        "input": ["a", "b"],
+        "truncate": True,  # accepted: an input too long for the context is refused anyway
+        "keep_alive": "5m",
+        "options": {"num_ctx": 512},
+        "dimensions": 8,  # passed on, for the OpenAI parser to refuse by name
+    }
+    assert ollama.embed_request(body) == {"model": "m", "input": ["a", "b"], "dimensions": 8}
+    with pytest.raises(BadValueError, match="option 'temperature' does not apply to embeddings"):
+        ollama.embed_request({"model": "m", "input": "a", "options": {"temperature": 0}})
+    with pytest.raises(BadValueError, match="'truncate' must be a boolean"):
+        ollama.embed_request({"model": "m", "input": "a", "truncate": 1})
+
+
+def test_an_embedding_answer_is_ollamas() -> None:
+    response = {
+        "object": "list",
+        "data": [
+            {"object": "embedding", "index": 0, "embedding": [0.5, 0.5]},
+            {"object": "embedding", "index": 1, "embedding": [1.0, 0.0]},
+        ],
+        "model": "m",
+        "usage": {"prompt_tokens": 6, "total_tokens": 6},
+    }
+    assert ollama.embed_answer(response, 0.25) == {
+        "model": "m",
+        "embeddings": [[0.5, 0.5], [1.0, 0.0]],
+        "total_duration": 250_000_000,
+        "load_duration": 0,
+        "prompt_eval_count": 6,
+    }

@@ -16,6 +16,7 @@ from arbiterd.daemon.workerclient import ChunkListener, WorkerClient
 from arbiterd.errors import (
     ContextOverflowError,
     EngineError,
+    RequestError,
     UnknownModelError,
     WorkerError,
     WorkerGoneError,
@@ -255,6 +256,29 @@ def test_a_model_whose_worker_failed_to_load_is_refused_at_once() -> None:
         return worker
 
     assert run(scenario()).requests == []
+
+
+def test_a_request_of_a_kind_its_model_does_not_serve_never_reaches_the_worker() -> None:
+    async def scenario() -> tuple[FakeWorker, FakeWorker, Daemon]:
+        daemon = Daemon("chat", "embed")
+        daemon.slots["embed"].embedding = True
+        talker = daemon.serve("chat", FakeWorker("w1"))
+        embedder = daemon.serve("embed", FakeWorker("w2"))
+        with pytest.raises(RequestError, match="'chat' is not an embedding model"):
+            await daemon.router.complete("chat", "embedding", {"input": ["the fox"]})
+        with pytest.raises(
+            RequestError, match=r"'embed' is an embedding model: .* not completions"
+        ):
+            await daemon.router.complete("embed", "completion", BODY)
+        with pytest.raises(RequestError, match="not chat completions"):
+            await anext(daemon.router.stream("embed", "chat", BODY))
+        assert await daemon.router.complete("embed", "embedding", {"input": ["the fox"]})
+        return talker, embedder, daemon
+
+    talker, embedder, daemon = run(scenario())
+    assert talker.requests == []
+    assert [kind for kind, _, _ in embedder.requests] == ["embedding"]
+    assert daemon.published == []
 
 
 def test_a_model_that_does_not_become_ready_in_time_is_a_worker_error(

@@ -20,6 +20,7 @@ def model_config(name: str, path: Path = Path("/nonexistent.gguf"), **changes: A
         n_threads=None,
         chat_format=None,
         mmproj=None,
+        embedding=None,
         kv_on_release=KvPolicy.HOST,
         residency=Residency.AUTO,
         min_hold_s=0.1,

@@ -89,6 +89,8 @@ class TinyModelSpec:
     n_vocab: int = 512  # includes special tokens
     seed: int = 0
     chat_template: str = CHAT_TEMPLATE
+    # Set: an embedding model, whose vectors llama.cpp pools this way (llama.pooling_type).
+    pooling: gguf.PoolingType | None = None
 
     @property
     def head_dim(self) -> int:
@@ -215,6 +217,8 @@ def write_tiny_llama(path: Path, spec: TinyModelSpec = DEFAULT_SPEC) -> Path:
         writer.add_file_type(gguf.LlamaFileType.ALL_F32)
         writer.add_vocab_size(spec.n_vocab)
         writer.add_context_length(spec.n_ctx_train)
+        if spec.pooling is not None:
+            writer.add_pooling_type(spec.pooling)
         writer.add_embedding_length(spec.n_embd)
         writer.add_block_count(spec.n_layer)
         writer.add_feed_forward_length(spec.n_ff)
