@@ -8,6 +8,11 @@ in short:
     want.lock    LOCK_SH by every waiter while it waits; dropped only after the token is owned
     holder.json  who holds the token (pid, name, model, since, command_pid); informational,
                  written by rename
+    queue/       one ticket file per queued waiter, PRIORITY.SINCE_NS.PID.THREAD.ticket, held
+                 LOCK_EX by it while it waits: the token goes to the first live ticket in the
+                 order (class, with aging; then arrival). A waiter waits for the ticket just
+                 ahead of it to go, and only the first one blocks on token.lock. Programs that
+                 speak only token.lock + want.lock take no ticket and race the first waiter.
 
 Invariants kept here (each one cost a hang in an earlier design):
 - Lock files are created once and never unlinked: unlinking splits later lockers across two
@@ -16,6 +21,9 @@ Invariants kept here (each one cost a hang in an earlier design):
   want.lock. flock locks belong to open file descriptions; a second flock on a description that
   already holds a lock converts that lock instead of conflicting with it.
 - EWOULDBLOCK/EAGAIN is contention, never an error.
+- A ticket is locked before it is visible (created under a dot name, locked, renamed) and
+  unlinked before it is unlocked: a ticket file that is not locked is a dead waiter's, and any
+  waiter may remove it.
 - A process that dies holds nothing: the kernel drops its locks, so nothing can go stale except
   holder.json, which readers check against the live lock owner in /proc/locks. (A process it
   shared the locked description with, such as `arbiterd run`'s CMD, keeps the token alive.)
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import errno
 import fcntl
 import json
@@ -55,6 +64,14 @@ from arbiterd.paths import ensure_private_dir
 TOKEN_FILE = "token.lock"  # noqa: S105 (a file name, not a password)
 WANT_FILE = "want.lock"
 HOLDER_FILE = "holder.json"
+QUEUE_DIR = "queue"
+TICKET_SUFFIX = ".ticket"
+# A queued waiter moves up one class for every this many seconds it has waited: a stream of
+# interactive requests delays a batch job by at most two of these before it competes as one.
+PRIORITY_AGING_S = 30.0
+# How often a queued waiter looks at the queue again while the ticket ahead of it stays (for a
+# cancel, a deadline, a newcomer of a higher class or aging); the ticket's going wakes it at once.
+QUEUE_POLL_S = 0.05
 FILE_MODE = 0o600
 # Group or other write on an arena file lets another account take, block or fake the token.
 # Read bits are harmless: nobody else can reach a file in the arena folder (0700).
@@ -73,6 +90,58 @@ HAND_OVER_POLL_MAX_S = 0.002
 # errno values with which a filesystem says it cannot do flock (NFS without a lock manager,
 # some FUSE filesystems).
 _NO_FLOCK_ERRNOS = {errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL, errno.ENOSYS}
+
+
+class Priority(enum.StrEnum):
+    """A waiter's class: a higher one is admitted first; within a class, arrival order."""
+
+    INTERACTIVE = "interactive"  # a person waiting on the answer
+    NORMAL = "normal"
+    BATCH = "batch"  # work nobody watches
+
+    @property
+    def rank(self) -> int:
+        return list(Priority).index(self)  # 0 first
+
+
+PRIORITY_CHOICES = ", ".join(p.value for p in Priority)
+
+
+def parse_priority(text: str, where: str) -> Priority:
+    """`text` as a Priority; BadValueError naming `where` and the allowed names."""
+    try:
+        return Priority(text)
+    except ValueError:
+        raise BadValueError(f"{where} must be one of {PRIORITY_CHOICES}, got {text!r}") from None
+
+
+@dataclass(frozen=True)
+class QueuedWaiter:
+    """A live ticket in an arena's queue."""
+
+    pid: int
+    priority: Priority
+    since_ns: int  # CLOCK_MONOTONIC when it queued (one clock for every process of a boot)
+    file: str  # the ticket's file name, unique
+
+    def order(self, now_ns: int) -> tuple[int, int, str]:
+        """Its place: the class it competes in now (raised by aging), then arrival."""
+        aged = int(max(0, now_ns - self.since_ns) / 1e9 // PRIORITY_AGING_S)
+        return (max(0, self.priority.rank - aged), self.since_ns, self.file)
+
+    @classmethod
+    def from_file_name(cls, name: str) -> QueuedWaiter | None:
+        """The waiter a ticket file names; None for a name that is not a ticket's."""
+        parts = name.removesuffix(TICKET_SUFFIX).split(".")
+        if not name.endswith(TICKET_SUFFIX) or len(parts) != 4:
+            return None
+        priority, since, pid, _thread = parts
+        if priority not in {p.value for p in Priority} or not (since + pid).isdigit():
+            return None
+        return cls(int(pid), Priority(priority), int(since), name)
+
+    def to_json(self) -> dict[str, object]:
+        return {"pid": self.pid, "priority": self.priority.value, "ticket": self.since_ns}
 
 
 @dataclass(frozen=True)
@@ -131,6 +200,7 @@ class ArenaState:
     holder: HolderInfo | None  # holder.json, only when it names the live owner
     stale_holder: HolderInfo | None  # holder.json naming a pid that does not hold the token
     waiter_pids: tuple[int, ...]  # pids holding (or queued for) LOCK_SH on want.lock
+    queue: tuple[QueuedWaiter, ...] = ()  # the live tickets, first to be served first
 
 
 @dataclass(frozen=True)
@@ -188,10 +258,12 @@ class Arena:
         self._token_path = path / TOKEN_FILE
         self._want_path = path / WANT_FILE
         self._holder_path = path / HOLDER_FILE
+        self._queue_path = path / QUEUE_DIR
         self._prepare()
 
     def _prepare(self) -> None:
         ensure_private_dir(self.path, ArenaUnwritableError)
+        ensure_private_dir(self._queue_path, ArenaUnwritableError)
         for lock_path in (self._token_path, self._want_path):
             os.close(self._open(lock_path, create=True))
         self.read_holder_file()  # refuses one that is not ours alone, as _open does
@@ -236,33 +308,41 @@ class Arena:
         name: str,
         *,
         model: str | None = None,
+        priority: Priority = Priority.NORMAL,
+        ticket: Ticket | None = None,
         timeout_s: float | None = None,
         cancel: threading.Event | None = None,
         on_wait: Callable[[ArenaState], None] | None = None,
     ) -> Token:
-        """Wait for the token and return it held; holder.json is written before waiters learn.
+        """Wait for the token in turn and return it held; holder.json is written before
+        waiters learn.
 
+        The turn is a place in the queue: `ticket`, which the caller made to keep its place
+        across attempts that a cancel interrupts, or a new one of `priority`. Getting the token
+        uses the ticket up; giving up keeps a given ticket and leaves a new one.
         `timeout_s` bounds the wait (AcquireTimeoutError); setting `cancel` gives up
         (AcquireCancelledError). Either way nothing stays locked on our behalf. `on_wait` is
-        called once, when the token is busy and the wait begins, with a snapshot taken before
-        we announced ourselves: a holder that releases as soon as it sees a waiter is gone by
-        the time the wait begins, and the snapshot still names it.
+        called once, when the wait begins, with a snapshot taken before we announced
+        ourselves: a holder that releases as soon as it sees a waiter is gone by the time the
+        wait begins, and the snapshot still names it.
         """
         if timeout_s is not None and timeout_s < 0:
             raise BadValueError(f"timeout must be >= 0 seconds, got {timeout_s}")
         before = self.observe() if on_wait is not None else None
+        turn = _Turn(timeout_s, cancel, on_wait, before)
         want_fd = self._open(self._want_path)
         try:
             # Announce first, so the holder's probe sees us however long we then wait. Blocks
             # only for the microseconds a holder's probe holds LOCK_EX.
             fcntl.flock(want_fd, fcntl.LOCK_SH)
-            token_fd = self._open(self._token_path)
+            place = Ticket(self, priority) if ticket is None else ticket
             try:
-                fcntl.flock(token_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                token_fd = _wait_for_token(
-                    token_fd, timeout_s, cancel, self, on_wait, before=before
-                )
+                token_fd = self._take_in_turn(place, turn)
+            except BaseException:
+                if ticket is None:
+                    place.leave()
+                raise
+            place.leave()  # the next in the queue may now wait on token.lock
             try:
                 return Token(self, token_fd, name=name, model=model)
             except BaseException:
@@ -272,6 +352,91 @@ class Arena:
             # Dropped only now that the token is owned (or given up): a waiter that let go of
             # want.lock earlier could be overtaken and then wait unseen by the next holder.
             os.close(want_fd)
+
+    def queue(self, priority: Priority) -> Ticket:
+        """A place in the queue, for `acquire(ticket=...)`; leave() it when giving up."""
+        return Ticket(self, priority)
+
+    def _take_in_turn(self, place: Ticket, turn: _Turn) -> int:
+        """A new fd holding token.lock, taken once `place` is first in the queue."""
+        while True:
+            ahead = self._ahead(place.waiter)
+            if ahead is not None:
+                turn.waiting(self)
+                self._wait_behind(ahead, place, turn)
+                continue
+            token_fd = self._open(self._token_path)
+            try:
+                fcntl.flock(token_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    turn.waiting(self)
+                except BaseException:
+                    os.close(token_fd)
+                    raise
+                token_fd = _wait_for_token(token_fd, turn)
+            if self._ahead(place.waiter) is None:
+                return token_fd
+            os.close(token_fd)  # a waiter of a higher class came meanwhile: it goes first
+
+    def _ahead(self, mine: QueuedWaiter) -> QueuedWaiter | None:
+        """The live waiter just before `mine` in the queue; None when `mine` is first. Tickets
+        of dead waiters are removed on the way."""
+        now = time.monotonic_ns()
+        place = mine.order(now)
+        before = [w for w in self._live_tickets(remove_dead=True) if w.order(now) < place]
+        return max(before, key=lambda w: w.order(now)) if before else None
+
+    def _wait_behind(self, ahead: QueuedWaiter, place: Ticket, turn: _Turn) -> None:
+        """Return once `ahead` has left the queue or is no longer just before `place`."""
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        path = self._queue_path / ahead.file
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            return  # gone already
+        except OSError as exc:
+            raise _open_error(path, exc) from None
+        try:
+            _check_arena_file(path, os.fstat(fd))
+        except BaseException:
+            os.close(fd)
+            raise
+        # Granted when its owner unlocks: it has the token, gave up, or died.
+        request = _LockRequest(fd, fcntl.LOCK_SH)
+        try:
+            while not request.wait(turn.slice_s(QUEUE_POLL_S)):
+                turn.check()
+                if self._ahead(place.waiter) != ahead:
+                    return
+        finally:
+            if not request.abandon():
+                request.discard()
+
+    def _live_tickets(self, *, remove_dead: bool) -> list[QueuedWaiter]:
+        """The queue's live tickets (locked by their waiter), in no particular order."""
+        # Names first, locks second: a ticket is locked before its name appears, so every name
+        # listed here has its lock in the /proc/locks read after, unless its waiter has gone.
+        named = []
+        for entry in os.listdir(self._queue_path):
+            waiter = QueuedWaiter.from_file_name(entry)
+            if waiter is None:
+                continue
+            try:
+                st = os.lstat(self._queue_path / entry)
+            except FileNotFoundError:
+                continue
+            named.append((waiter, st))
+        records = parse_proc_locks(PROC_LOCKS.read_text(encoding="ascii", errors="replace"))
+        locked = {r.inode for r in records if r.kind == "FLOCK" and r.mode == "WRITE"}
+        live = []
+        for waiter, st in named:
+            if _inode_key(st) in locked:
+                live.append(waiter)
+            elif remove_dead and stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._queue_path / waiter.file)
+        return live
 
     def observe(self) -> ArenaState:
         """Who holds the token and who waits, from /proc/locks, without touching any lock."""
@@ -296,12 +461,15 @@ class Arena:
             holder_pid = None  # held, by a process nobody can name
         named = () if info is None else (info.pid, info.command_pid)
         fresh = holder_pid is not None and holder_pid in named
+        now = time.monotonic_ns()
+        queued = sorted(self._live_tickets(remove_dead=False), key=lambda w: w.order(now))
         return ArenaState(
             path=self.path,
             holder_pid=holder_pid,
             holder=info if fresh else None,
             stale_holder=None if fresh else info,
             waiter_pids=tuple(waiters),
+            queue=tuple(queued),
         )
 
     def read_holder_file(self) -> HolderInfo | None:
@@ -357,6 +525,36 @@ class Arena:
             return os.open(path, flags, FILE_MODE)
         except OSError as exc:
             raise ArenaUnwritableError(f"cannot create {path}: {exc.strerror}") from None
+
+
+class Ticket:
+    """A place in an arena's queue: a ticket file this thread holds LOCK_EX until it leaves."""
+
+    def __init__(self, arena: Arena, priority: Priority) -> None:
+        since = time.monotonic_ns()
+        name = f"{priority.value}.{since}.{os.getpid()}.{threading.get_ident()}{TICKET_SUFFIX}"
+        temp = arena._queue_path / f".{name}.tmp"
+        fd = arena._create_temp(temp)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # a new inode: never contended
+            os.rename(temp, arena._queue_path / name)  # visible only once locked
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
+            raise
+        self.waiter = QueuedWaiter(os.getpid(), priority, since, name)
+        self._path = arena._queue_path / name
+        self._fd: int | None = fd
+
+    def leave(self) -> None:
+        """Leave the queue. Idempotent."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path)  # before the unlock: an unlocked ticket is a dead waiter's
+        os.close(fd)
 
 
 class Token:
@@ -535,38 +733,55 @@ def _contended(fd: int, operation: int) -> bool:
     return False
 
 
-def _wait_for_token(
-    fd: int,
-    timeout_s: float | None,
-    cancel: threading.Event | None,
-    arena: Arena,
-    on_wait: Callable[[ArenaState], None] | None,
-    *,
-    before: ArenaState | None,
-) -> int:
+class _Turn:
+    """One acquire's limits and its one `on_wait` call."""
+
+    def __init__(
+        self,
+        timeout_s: float | None,
+        cancel: threading.Event | None,
+        on_wait: Callable[[ArenaState], None] | None,
+        before: ArenaState | None,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.cancel = cancel
+        self._on_wait = on_wait
+        self._before = before
+
+    def waiting(self, arena: Arena) -> None:
+        """The wait begins (said once)."""
+        on_wait, self._on_wait = self._on_wait, None
+        if on_wait is None:
+            return
+        before = self._before
+        if before is None or before.holder_pid is None:  # taken since: look again, before
+            before = arena.observe()  # our own request can be granted and show up in it
+        on_wait(before)
+
+    def slice_s(self, longest: float | None) -> float | None:
+        """How long to block before checking the cancel, the deadline (and the queue) again;
+        None: until granted."""
+        wait_s = longest
+        if self.deadline is not None:
+            remaining = max(0.0, self.deadline - time.monotonic())
+            wait_s = remaining if wait_s is None else min(wait_s, remaining)
+        return wait_s
+
+    def check(self) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise AcquireCancelledError("gave up waiting for the GPU token")
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise AcquireTimeoutError(f"the GPU token was not free within {self.timeout_s:g} s")
+
+
+def _wait_for_token(fd: int, turn: _Turn) -> int:
     """Block until `fd` holds LOCK_EX on token.lock; return it, or raise and own nothing."""
-    if on_wait is not None:
-        try:
-            if before is None or before.holder_pid is None:  # taken since: look again, before
-                before = arena.observe()  # our own request can be granted and show up in it
-            on_wait(before)
-        except BaseException:
-            os.close(fd)
-            raise
-    request = _TokenRequest(fd)
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    request = _LockRequest(fd, fcntl.LOCK_EX)
+    poll_s = CANCEL_POLL_S if turn.cancel is not None else None
     try:
-        while True:
-            wait_s = CANCEL_POLL_S if cancel is not None else None
-            if deadline is not None:
-                remaining = max(0.0, deadline - time.monotonic())
-                wait_s = remaining if wait_s is None else min(wait_s, remaining)
-            if request.wait(wait_s):
-                break
-            if cancel is not None and cancel.is_set():
-                raise AcquireCancelledError("gave up waiting for the GPU token")
-            if deadline is not None and time.monotonic() >= deadline:
-                raise AcquireTimeoutError(f"the GPU token was not free within {timeout_s:g} s")
+        while not request.wait(turn.slice_s(poll_s)):
+            turn.check()
     except BaseException:
         # Also on KeyboardInterrupt: lock waits are interruptible in the main thread.
         if not request.abandon():
@@ -575,25 +790,27 @@ def _wait_for_token(
     return request.take()
 
 
-class _TokenRequest:
-    """One blocking flock(LOCK_EX) on token.lock, made in a thread so the caller can stop waiting.
+class _LockRequest:
+    """One blocking flock (LOCK_EX on token.lock, LOCK_SH on the ticket ahead), made in a thread
+    so the caller can stop waiting.
 
     A thread blocked in flock(2) can only be woken by the grant: Python retries EINTR, and only
     the main thread runs signal handlers. So a request the caller gives up is *abandoned*: if the
     kernel grants it later, the thread unlocks and closes at once, holding the token for nobody.
     """
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, operation: int) -> None:
         self._fd = fd
+        self._operation = operation
         self._mutex = threading.Lock()
         self._granted = threading.Event()
         self._abandoned = False
         self._error: OSError | None = None
-        threading.Thread(target=self._run, name="arena-token-wait", daemon=True).start()
+        threading.Thread(target=self._run, name="arena-lock-wait", daemon=True).start()
 
     def _run(self) -> None:
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            fcntl.flock(self._fd, self._operation)
         except OSError as exc:
             self._error = exc
         with self._mutex:

@@ -1,0 +1,202 @@
+"""The arena's queue: waiters are served in order of class then arrival, a dead waiter's ticket
+vanishes, and programs that speak only token.lock + want.lock are still served."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from arbiterd import arena as arena_module
+from arbiterd.arena import (
+    QUEUE_DIR,
+    Arena,
+    Priority,
+    QueuedWaiter,
+    Token,
+    parse_priority,
+)
+from arbiterd.errors import AcquireCancelledError, BadValueError
+from tests.support.waiting import wait_until
+
+
+class Waiters:
+    """Threads that each acquire once, note their turn and release at once."""
+
+    def __init__(self, arena: Arena) -> None:
+        self.arena = arena
+        self.order: list[str] = []
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def start(self, name: str, priority: Priority = Priority.NORMAL) -> None:
+        queued_before = len(self.arena.observe().queue)
+
+        def run() -> None:
+            token = self.arena.acquire(name, priority=priority, timeout_s=30)
+            with self._lock:
+                self.order.append(name)
+            token.release()
+
+        thread = threading.Thread(target=run, name=name)
+        thread.start()
+        self._threads.append(thread)
+        wait_until(lambda: len(self.arena.observe().queue) > queued_before, 10, f"{name} to queue")
+
+    def join(self) -> None:
+        for thread in self._threads:
+            thread.join(timeout=30)
+            assert not thread.is_alive()
+
+
+def test_waiters_are_served_in_the_order_they_came(tmp_path: Path) -> None:
+    arena = Arena(tmp_path / "arena")
+    holder = arena.acquire("holder")
+    waiters = Waiters(arena)
+    for name in ("w1", "w2", "w3", "w4", "w5"):
+        waiters.start(name)
+    assert [w.priority for w in arena.observe().queue] == [Priority.NORMAL] * 5
+    holder.release()
+    waiters.join()
+    assert waiters.order == ["w1", "w2", "w3", "w4", "w5"]
+    assert arena.observe().queue == ()
+    assert os.listdir(tmp_path / "arena" / QUEUE_DIR) == []  # every ticket left
+
+
+def test_an_interactive_waiter_behind_four_batch_waiters_is_admitted_next(
+    tmp_path: Path,
+) -> None:
+    arena = Arena(tmp_path / "arena")
+    holder = arena.acquire("holder")
+    waiters = Waiters(arena)
+    for name in ("b1", "b2", "b3", "b4"):
+        waiters.start(name, Priority.BATCH)
+    waiters.start("person", Priority.INTERACTIVE)
+    queue = arena.observe().queue
+    assert [w.priority for w in queue] == [Priority.INTERACTIVE] + [Priority.BATCH] * 4
+    holder.release()
+    waiters.join()
+    assert waiters.order == ["person", "b1", "b2", "b3", "b4"]
+
+
+def test_a_waiter_of_a_higher_class_overtakes_the_one_already_blocked_on_the_token(
+    tmp_path: Path,
+) -> None:
+    """The first waiter blocks on token.lock itself; a higher class arriving later must still
+    go first, even when the kernel hands the token to the first one."""
+    arena = Arena(tmp_path / "arena")
+    holder = arena.acquire("holder")
+    waiters = Waiters(arena)
+    waiters.start("normal")
+    time.sleep(0.1)  # blocked on token.lock by now
+    waiters.start("person", Priority.INTERACTIVE)
+    holder.release()
+    waiters.join()
+    assert waiters.order == ["person", "normal"]
+
+
+def test_aging_lifts_a_long_waiting_batch_job_one_class_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(arena_module, "PRIORITY_AGING_S", 10.0)
+    batch = QueuedWaiter(1, Priority.BATCH, since_ns=0, file="a")
+    person = QueuedWaiter(2, Priority.INTERACTIVE, since_ns=25 * 10**9, file="b")
+    assert batch.order(5 * 10**9) > person.order(5 * 10**9)  # fresh: a class below normal
+    assert batch.order(15 * 10**9)[0] == Priority.NORMAL.rank
+    assert batch.order(25 * 10**9)[0] == Priority.INTERACTIVE.rank
+    assert batch.order(26 * 10**9) < person.order(26 * 10**9)  # now by arrival: it came first
+
+
+def test_a_killed_waiters_ticket_vanishes_and_blocks_nobody(tmp_path: Path) -> None:
+    path = tmp_path / "arena"
+    arena = Arena(path)
+    holder = arena.acquire("holder")
+    script = (
+        "import sys; from arbiterd.arena import Arena, Priority; "
+        "Arena(__import__('pathlib').Path(sys.argv[1])).acquire('doomed', "
+        "priority=Priority.INTERACTIVE)"
+    )
+    doomed = subprocess.Popen([sys.executable, "-c", script, str(path)])
+    try:
+        wait_until(lambda: len(arena.observe().queue) == 1, 30, "the doomed waiter to queue")
+        os.kill(doomed.pid, signal.SIGKILL)
+        doomed.wait(timeout=10)
+    finally:
+        if doomed.poll() is None:
+            doomed.kill()
+    assert arena.observe().queue == ()  # its ticket is no longer locked: not a waiter
+    assert len(os.listdir(path / QUEUE_DIR)) == 1  # ... though its file is still there
+    waiters = Waiters(arena)
+    waiters.start("next")
+    holder.release()
+    waiters.join()
+    assert waiters.order == ["next"]
+    assert os.listdir(path / QUEUE_DIR) == []  # removed by the next waiter's look at the queue
+
+
+def test_a_program_that_speaks_only_token_and_want_is_still_served(tmp_path: Path) -> None:
+    """The flock(1) interop of docs/arena-protocol.md: no ticket, just the two locks."""
+    path = tmp_path / "arena"
+    arena = Arena(path)
+    holder = arena.acquire("holder")
+    got = threading.Event()
+
+    def legacy() -> None:
+        want = os.open(path / "want.lock", os.O_RDWR)
+        token = os.open(path / "token.lock", os.O_RDWR)
+        fcntl.flock(want, fcntl.LOCK_SH)
+        fcntl.flock(token, fcntl.LOCK_EX)
+        got.set()
+        os.close(want)
+        os.close(token)
+
+    thread = threading.Thread(target=legacy)
+    thread.start()
+    wait_until(holder.wanted, 10, "the legacy waiter to be seen")
+    holder.release()
+    thread.join(timeout=10)
+    assert got.is_set()
+
+
+def test_a_given_ticket_keeps_its_place_across_a_cancelled_attempt(tmp_path: Path) -> None:
+    arena = Arena(tmp_path / "arena")
+    holder = arena.acquire("holder")
+    ticket = arena.queue(Priority.NORMAL)
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(AcquireCancelledError):
+        arena.acquire("first", ticket=ticket, cancel=cancel)
+    waiters = Waiters(arena)
+    waiters.start("second")
+    assert next(w.file for w in arena.observe().queue) == ticket.waiter.file  # still first
+    taken: list[Token] = []
+    thread = threading.Thread(target=lambda: taken.append(arena.acquire("first", ticket=ticket)))
+    thread.start()
+    holder.release()
+    thread.join(timeout=10)
+    assert taken
+    assert waiters.order == []  # "second" waits behind the first, who holds the token now
+    taken[0].release()
+    waiters.join()
+    assert waiters.order == ["second"]
+
+
+def test_unknown_priority_names_list_the_allowed_ones() -> None:
+    assert parse_priority("batch", "--priority") is Priority.BATCH
+    with pytest.raises(BadValueError, match="--priority must be one of interactive, normal, batch"):
+        parse_priority("urgent", "--priority")
+
+
+def test_ticket_file_names_that_are_not_tickets_are_ignored() -> None:
+    assert QueuedWaiter.from_file_name("normal.12.34.56.ticket") == QueuedWaiter(
+        34, Priority.NORMAL, 12, "normal.12.34.56.ticket"
+    )
+    for name in (".normal.1.2.3.ticket.tmp", "urgent.1.2.3.ticket", "normal.x.2.3.ticket"):
+        assert QueuedWaiter.from_file_name(name) is None
