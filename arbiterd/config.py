@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from arbiterd.arena import PRIORITY_CHOICES, Priority
 from arbiterd.errors import BadValueError, ConfigError
 from arbiterd.paths import default_arena, runtime_dir
 from arbiterd.spec import MAX_N_CTX, KvPolicy, ModelSpec, Residency, WorkerConfig
@@ -96,6 +97,7 @@ MODEL_KEYS = (
     "residency",
     "min_hold_s",
     "idle_release_s",
+    "priority",
     "strict_api",
 )
 STARTER_N_CTX = 4096
@@ -137,6 +139,7 @@ class ModelConfig:
     idle_release_s: float  # 0 = release only when someone else wants the GPU
     # The HTTP API refuses the fields it would ignore for this model (x-arbiterd-ignored).
     strict_api: bool = False
+    priority: Priority = Priority.NORMAL  # its class in the GPU queue
     aliases: tuple[str, ...] = ()  # more names requests may ask for it by
 
     def same_worker(self, other: ModelConfig) -> bool:
@@ -169,6 +172,7 @@ class ModelConfig:
             kv_on_release=self.kv_on_release,
             min_hold_s=self.min_hold_s,
             idle_release_s=self.idle_release_s,
+            priority=self.priority,
         )
 
 
@@ -288,6 +292,7 @@ def starter_config_text(found: list[Path]) -> str:
         '#   residency = "auto"        "in-place" (the arbiterd engine), "reload" or "auto"',
         "#   min_hold_s = 0.1          hold the GPU at least this long once warm",
         "#   idle_release_s = 0        release after idling this long; 0 = only when wanted",
+        '#   priority = "normal"       its class in the GPU queue: interactive, normal or batch',
         "#   strict_api = false        refuse API fields that change nothing here (400)",
     ]
     used: set[str] = set()
@@ -674,6 +679,7 @@ def _model(src: _Source, name: str, raw: object) -> ModelConfig:
         min_hold_s=table.seconds("min_hold_s", 0.1),
         idle_release_s=table.seconds("idle_release_s", 0.0, note=" (0 = only when wanted)"),
         strict_api=table.boolean("strict_api", False),
+        priority=_priority(src, table),
     )
 
 
@@ -716,6 +722,15 @@ def _check_aliases(src: _Source, models: Mapping[str, ModelConfig]) -> None:
 
 
 _SAME_NAME = f"a name without a tag is the same name with :{DEFAULT_TAG}, as in Ollama"
+
+
+def _priority(src: _Source, table: _Table) -> Priority:
+    expected = f"one of {PRIORITY_CHOICES}"
+    text = table.string("priority", Priority.NORMAL.value, expected)
+    try:
+        return Priority(text)
+    except ValueError:
+        raise src.expected(table.keys("priority"), expected, text) from None
 
 
 def _dotted_name_hint(name: str) -> Callable[[str, object], str]:

@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from arbiterd.arena import Priority
+
 # 2: error replies carry a stable code (errors.ErrorCode), not an exception class name.
 WORKER_PROTOCOL = 2
 
@@ -97,6 +99,7 @@ class WorkerConfig:
     kv_on_release: KvPolicy = KvPolicy.HOST
     min_hold_s: float = 0.1
     idle_release_s: float = 0.0  # 0: release only when wanted
+    priority: Priority = Priority.NORMAL  # its class in the GPU queue, unless a request says
 
     def to_json(self) -> str:
         spec = dataclasses.asdict(self.spec)
@@ -108,6 +111,7 @@ class WorkerConfig:
                 "kv_on_release": self.kv_on_release.value,
                 "min_hold_s": self.min_hold_s,
                 "idle_release_s": self.idle_release_s,
+                "priority": self.priority.value,
             }
         )
 
@@ -123,4 +127,5 @@ class WorkerConfig:
             kv_on_release=KvPolicy(raw["kv_on_release"]),
             min_hold_s=float(raw["min_hold_s"]),
             idle_release_s=float(raw["idle_release_s"]),
+            priority=Priority(raw.get("priority", Priority.NORMAL)),
         )

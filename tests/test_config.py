@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from arbiterd.arena import Priority
 from arbiterd.config import (
     Config,
     default_config_path,
@@ -40,6 +41,7 @@ residency = "reload"
 min_hold_s = 0.5
 idle_release_s = 30
 strict_api = true
+priority = "interactive"
 
 [models."llama-3.2_1b"]
 path = "/models/llama.gguf"
@@ -99,6 +101,7 @@ def test_full_file_sets_every_key(tmp_path: Path, env: dict[str, str]) -> None:
     assert qwen.idle_release_s == 30.0
     assert isinstance(qwen.idle_release_s, float)
     assert qwen.strict_api is True
+    assert qwen.priority is Priority.INTERACTIVE
 
 
 def test_absent_keys_take_their_defaults(tmp_path: Path, env: dict[str, str]) -> None:
@@ -122,6 +125,7 @@ def test_absent_keys_take_their_defaults(tmp_path: Path, env: dict[str, str]) ->
     assert model.residency is Residency.AUTO
     assert (model.min_hold_s, model.idle_release_s) == (0.1, 0.0)
     assert model.strict_api is False
+    assert model.priority is Priority.NORMAL
 
 
 def test_empty_strings_and_zero_threads_mean_the_default(
@@ -549,6 +553,12 @@ ERRORS = [
     ),
     pytest.param("[models.qwen]\npath = 42", "models.qwen.path", "got 42", id="path_number"),
     pytest.param(
+        M + 'priority = "urgent"',
+        "models.qwen.priority",
+        'expected one of interactive, normal, batch, got "urgent"',
+        id="priority_unknown",
+    ),
+    pytest.param(
         M + 'strict_api = "yes"',
         "models.qwen.strict_api",
         'expected true or false, got "yes"',
@@ -565,7 +575,7 @@ ERRORS = [
         "models.qwen.n_ctxx",
         "unknown key; expected one of: path, aliases, n_ctx, n_gpu_layers, n_threads, "
         "chat_format, mmproj, embedding, kv_on_release, residency, min_hold_s, idle_release_s, "
-        "strict_api "
+        "priority, strict_api "
         "(did you mean n_ctx?)",
         id="unknown_model_key",
     ),

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from arbiterd import __version__, render
-from arbiterd.arena import Arena, ArenaState
+from arbiterd.arena import PRIORITY_CHOICES, Arena, ArenaState, Priority, parse_priority
 from arbiterd.cli import commands
 from arbiterd.cli.demo import main as run_demo
 from arbiterd.cli.install import Installer
@@ -48,6 +48,12 @@ def _parser() -> argparse.ArgumentParser:
     _add_arena_option(run)
     run.add_argument("--name", help="how the holder is shown (default: the program's name)")
     run.add_argument("--timeout", type=float, metavar="S", help="give up waiting after S seconds")
+    run.add_argument(
+        "--priority",
+        default=Priority.NORMAL.value,
+        metavar="CLASS",
+        help=f"its class in the GPU queue: {PRIORITY_CHOICES} (default: normal)",
+    )
 
     arena = command("arena", "inspect an arena", "arbiterd arena status")
     arena_sub = arena.add_subparsers(dest="arena_command", required=True, metavar="COMMAND")
@@ -183,8 +189,9 @@ def _run(args: argparse.Namespace, cmd: list[str]) -> int:
         raise BadValueError(f"--timeout must be a non-negative number of seconds, got {timeout_s}")
     if not cmd:
         raise UsageError(f"no command after '--': {RUN_USAGE}")
+    priority = parse_priority(args.priority, "--priority")
     arena = Arena(resolve_arena(args.arena))
-    return run_holding_token(arena, cmd, name=args.name, timeout_s=timeout_s)
+    return run_holding_token(arena, cmd, name=args.name, timeout_s=timeout_s, priority=priority)
 
 
 def _install(args: argparse.Namespace) -> int:
@@ -211,6 +218,9 @@ def arena_status_json(state: ArenaState) -> dict[str, object]:
         "arena": str(state.path),
         "holder": holder,
         "waiters": [{"pid": pid, "name": process_name(pid)} for pid in state.waiter_pids],
+        # the queued waiters, first to be served first; a waiter missing here has no ticket
+        # (a program that speaks only token.lock + want.lock)
+        "queue": [{**waiter.to_json(), "name": process_name(waiter.pid)} for waiter in state.queue],
         "stale_holder_file": state.stale_holder.to_json() if state.stale_holder else None,
     }
 
@@ -234,6 +244,9 @@ def _arena_status(args: argparse.Namespace) -> int:
         print(line)
     waiters = ", ".join(render.process(process_name(pid), pid) for pid in state.waiter_pids)
     print(f"waiters  {waiters or 'none'}")
+    for place, waiter in enumerate(state.queue, start=1):
+        who = render.process(process_name(waiter.pid), waiter.pid)
+        print(f"queue {place:<3}{who} ({waiter.priority.value})")
     if state.stale_holder is not None:
         print(
             f"note     holder.json names pid {state.stale_holder.pid} "

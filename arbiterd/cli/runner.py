@@ -43,7 +43,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
-from arbiterd.arena import Arena, ArenaState, Token
+from arbiterd.arena import Arena, ArenaState, Priority, Token
 from arbiterd.errors import (
     AcquireCancelledError,
     ArenaError,
@@ -85,6 +85,7 @@ def run_holding_token(
     *,
     name: str | None,
     timeout_s: float | None,
+    priority: Priority = Priority.NORMAL,
     stderr: TextIO = sys.stderr,
 ) -> int:
     """Wait for the token, run CMD, release; return CMD's exit status (128+N if killed by N)."""
@@ -100,7 +101,7 @@ def run_holding_token(
 
     previous = _install(dict.fromkeys(FORWARDED_SIGNALS, _raise_interrupted))
     try:
-        token = arena.acquire(label, timeout_s=timeout_s, on_wait=on_wait)
+        token = arena.acquire(label, priority=priority, timeout_s=timeout_s, on_wait=on_wait)
     except (_Interrupted, KeyboardInterrupt) as exc:
         signum = exc.signum if isinstance(exc, _Interrupted) else signal.SIGINT
         error = AcquireCancelledError(f"{signal.Signals(signum).name} while waiting for the GPU")

@@ -38,9 +38,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from arbiterd.arena import parse_priority
 from arbiterd.daemon import ollama
 from arbiterd.daemon.service import Service
-from arbiterd.errors import ArbiterError, ErrorCode, UnknownModelError
+from arbiterd.errors import ArbiterError, BadValueError, ErrorCode, UnknownModelError
 from arbiterd.spec import COMPLETION_PARAMS, EMBEDDING
 
 log = logging.getLogger(__name__)
@@ -221,6 +222,8 @@ IGNORED_ANY = {
 }
 # The response header that names the fields a request sent which changed nothing here.
 IGNORED_HEADER = "x-arbiterd-ignored"
+# The request header that sets a request's class in the GPU queue (arbiterd.arena.Priority).
+PRIORITY_HEADER = "x-arbiterd-priority"
 IGNORED_CHAT = {
     **IGNORED_ANY,
     # The models arbiterd runs reason as their template makes them; the effort asks nothing more.
@@ -1123,6 +1126,7 @@ def create_app(
             if service.resolve(parsed.model) is None:
                 raise _unknown_model(parsed.model, names())
             _refuse_if_strict(service, parsed.model, parsed.ignored)
+            _take_priority(request.headers, parsed.body)
         except Exception as exc:
             return _api_error(exc, names).response()
         if parsed.stream:
@@ -1148,6 +1152,18 @@ def create_app(
 
     _add_ollama_routes(app, service, guarded, names, max_body_bytes)
     return app
+
+
+def _take_priority(headers: Headers, body: dict[str, Any]) -> None:
+    """The request's class in the GPU queue, from its PRIORITY_HEADER, into the engine's body;
+    without the header the model's own class applies."""
+    given = headers.get(PRIORITY_HEADER)
+    if given is None:
+        return
+    try:
+        body["priority"] = parse_priority(given.strip(), f"the {PRIORITY_HEADER} header").value
+    except BadValueError as exc:
+        raise ApiError(400, str(exc), code="invalid_value", param=PRIORITY_HEADER) from None
 
 
 def _refuse_if_strict(service: Service, model: str, ignored: tuple[str, ...]) -> None:
@@ -1197,6 +1213,7 @@ def _add_embeddings_route(
             if service.resolve(parsed.model) is None:
                 raise _unknown_model(parsed.model, names())
             _refuse_if_strict(service, parsed.model, parsed.ignored)
+            _take_priority(request.headers, parsed.body)
         except Exception as exc:
             return _api_error(exc, names).response()
         outcome = await _complete(service, parsed, request.receive, names)
@@ -1237,6 +1254,7 @@ def _add_ollama_routes(
             parsed = parse_request(kind, openai)
             if service.resolve(parsed.model) is None:
                 raise _unknown_model(parsed.model, names())
+            _take_priority(request.headers, parsed.body)
         except Exception as exc:
             return _api_error(exc, names).response()
         started = time.monotonic()
@@ -1264,6 +1282,7 @@ def _add_ollama_routes(
             parsed = parse_embedding_request(ollama.embed_request(payload))
             if service.resolve(parsed.model) is None:
                 raise _unknown_model(parsed.model, names())
+            _take_priority(request.headers, parsed.body)
         except Exception as exc:
             return _api_error(exc, names).response()
         started = time.monotonic()

@@ -50,10 +50,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from arbiterd.arena import Arena, ArenaState, Token
+from arbiterd.arena import Arena, ArenaState, Priority, Token, parse_priority
 from arbiterd.errors import (
     AcquireCancelledError,
     ArbiterError,
+    BadValueError,
     EngineError,
     ProtocolError,
     RequestError,
@@ -216,7 +217,11 @@ class Worker:
         waiting = _Waiting()
         try:
             self._token = self._arena.acquire(
-                self.name, model=self.name, cancel=self._stopping, on_wait=waiting.saw
+                self.name,
+                model=self.name,
+                priority=self.config.priority,
+                cancel=self._stopping,
+                on_wait=waiting.saw,
             )
         except AcquireCancelledError:
             return False
@@ -273,7 +278,7 @@ class Worker:
     def _handle_warm(self, command: Command) -> None:
         try:
             if self._residency.state is State.COLD:
-                self._warm_up(command.id)
+                self._warm_up(command.id, self.config.priority)
             self._reply(command.id, {"state": self._residency.state.value})
         except (AcquireCancelledError, RestoreError) as exc:
             self._error(command.id, exc)
@@ -291,7 +296,7 @@ class Worker:
                 command.kind, command.body, lambda: self._between_pieces(command.id)
             )
             if self._residency.state is State.COLD:
-                self._warm_up(command.id)
+                self._warm_up(command.id, _priority(command.body, self.config.priority))
             started = time.monotonic()
             result = self._backend.run(
                 request, self._sink(command), lambda: self._stops(command.id)
@@ -374,19 +379,28 @@ class Worker:
             self._give_up_token()
         self._publish()
 
-    def _warm_up(self, request_id: str) -> None:
-        """cold → warming → warm; waits for the token (interrupted by cancel or shutdown)."""
+    def _warm_up(self, request_id: str, priority: Priority) -> None:
+        """cold → warming → warm; waits for the token in the queue, as `priority` (interrupted
+        by cancel or shutdown; a wake for another request's cancel keeps its place)."""
         waiting = _Waiting()
-        while True:
-            self._wake.clear()
-            try:
-                self._token = self._arena.acquire(
-                    self.name, model=self.name, cancel=self._wake, on_wait=waiting.saw
-                )
-                break
-            except AcquireCancelledError:
-                if self._stopping.is_set() or self._is_cancelled(request_id):
-                    raise
+        ticket = self._arena.queue(priority)
+        try:
+            while True:
+                self._wake.clear()
+                try:
+                    self._token = self._arena.acquire(
+                        self.name,
+                        model=self.name,
+                        ticket=ticket,
+                        cancel=self._wake,
+                        on_wait=waiting.saw,
+                    )
+                    break
+                except AcquireCancelledError:
+                    if self._stopping.is_set() or self._is_cancelled(request_id):
+                        raise
+        finally:
+            ticket.leave()
         wait = waiting.done()
         self._emit(self._residency.transition(State.COLD, State.WARMING))
         try:
@@ -544,6 +558,18 @@ class Unavailable:
 
     def close(self) -> None:
         return None
+
+
+def _priority(body: dict[str, Any], default: Priority) -> Priority:
+    """The class a request waits for the GPU in: its own ("priority", from the HTTP edge's
+    header) or the model's."""
+    given = body.get("priority")
+    if given is None:
+        return default
+    try:
+        return parse_priority(str(given), "'priority'")
+    except BadValueError as exc:
+        raise RequestError(str(exc)) from None
 
 
 def _result_json(result: Generation) -> dict[str, Any]:

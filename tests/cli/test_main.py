@@ -136,9 +136,12 @@ def test_arena_status_json_shows_the_live_holder_and_waiters(
 ) -> None:
     holder = start_run(procs, arena, "--name", "comfyui", "--", "sleep", "30")
     wait_until(lambda: arena.observe().holder_pid == holder.pid, 10, "the holder")
-    waiters = [start_run(procs, arena, "--", "true") for _ in range(2)]
+    waiters = [start_run(procs, arena, "--priority", "batch", "--", "true")]
+    wait_until(lambda: len(arena.observe().queue) == 1, 10, "the batch waiter to queue")
+    waiters.append(start_run(procs, arena, "--priority", "interactive", "--", "true"))
     want = sorted(w.pid for w in waiters)
     wait_until(lambda: list(arena.observe().waiter_pids) == want, 10, "both waiters")
+    wait_until(lambda: len(arena.observe().queue) == 2, 10, "both waiters to queue")
     done = arbiterd("arena", "status", "--arena", str(arena.path), "--json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
@@ -148,14 +151,28 @@ def test_arena_status_json_shows_the_live_holder_and_waiters(
     assert isinstance(report["holder"]["since"], float)
     assert [w["pid"] for w in report["waiters"]] == want
     assert all(w["name"] for w in report["waiters"])
+    # the queue in the order it is served: the interactive waiter, though it came second
+    assert [(w["pid"], w["priority"]) for w in report["queue"]] == [
+        (waiters[1].pid, "interactive"),
+        (waiters[0].pid, "batch"),
+    ]
+    assert report["queue"][0]["ticket"] > report["queue"][1]["ticket"]  # the arrival times
     text = arbiterd("arena", "status", "--arena", str(arena.path))
     assert f"holder   comfyui (pid {holder.pid}) since" in text.stdout
+    assert f"queue 1  python (pid {waiters[1].pid}) (interactive)" in text.stdout
 
 
 def test_arena_status_of_a_free_arena(arena: Arena) -> None:
     report = json.loads(arbiterd("arena", "status", "--arena", str(arena.path), "--json").stdout)
     assert report["holder"] is None
     assert report["waiters"] == []
+    assert report["queue"] == []
+
+
+def test_run_refuses_an_unknown_priority_naming_the_allowed_ones(arena: Arena) -> None:
+    done = arbiterd("run", "--arena", str(arena.path), "--priority", "urgent", "--", "true")
+    assert done.returncode == 65
+    assert "--priority must be one of interactive, normal, batch, got 'urgent'" in done.stderr
 
 
 def test_default_arena_lives_in_the_runtime_dir(runtime_dir: Path) -> None:

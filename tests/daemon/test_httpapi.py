@@ -436,6 +436,22 @@ def test_a_strict_model_refuses_the_fields_it_would_ignore(
     assert call(app, "POST", "/v1/chat/completions", body=CHAT).status_code == 200
 
 
+def test_a_priority_header_sets_the_requests_class_in_the_gpu_queue(
+    app: FastAPI, service: FakeService
+) -> None:
+    headers = {"x-arbiterd-priority": "interactive"}
+    assert call(app, "POST", "/v1/chat/completions", body=CHAT, headers=headers).status_code == 200
+    assert service.calls[0][2]["priority"] == "interactive"
+    error = assert_error(
+        call(
+            app, "POST", "/v1/completions", body=COMPLETION, headers={"x-arbiterd-priority": "now"}
+        ),
+        400,
+        param="x-arbiterd-priority",
+    )
+    assert "must be one of interactive, normal, batch" in error["message"]
+
+
 def test_a_tool_choice_of_none_offers_no_tools(app: FastAPI, service: FakeService) -> None:
     request = {**CHAT, "tools": [WEATHER], "tool_choice": "none"}
     assert call(app, "POST", "/v1/chat/completions", body=request).status_code == 200

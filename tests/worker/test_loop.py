@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from arbiterd.arena import Arena
+from arbiterd.arena import Arena, Priority
 from arbiterd.daemon.workerclient import (
     HELLO_TIMEOUT_S,
     BlockingWorker,
@@ -159,6 +159,44 @@ def test_a_killed_warm_worker_frees_the_gpu_and_can_be_restarted(workers: Worker
     restarted = workers.spawn("a")
     assert complete(restarted, "the dog")["completion_tokens"] >= 1
     assert complete(b, "the cat")["completion_tokens"] >= 1
+
+
+def test_a_cold_model_queues_in_its_class_or_its_requests(workers: Workers) -> None:
+    """The model's class from its config; a request's own class (the HTTP edge's header) wins;
+    an interactive request to one model is served before a batch request to another that
+    queued first."""
+    batch_model = workers.spawn("batchy", priority=Priority.BATCH)
+    person_model = workers.spawn("person")
+    for worker in (batch_model, person_model):
+        wait_state(worker, "warm")
+        worker.request("release")
+    arena = Arena(workers.arena)
+    order: list[str] = []
+    with arena.acquire("game"):
+        threads = [
+            threading.Thread(
+                target=lambda: (complete(batch_model, "the fox"), order.append("batchy"))
+            ),
+        ]
+        threads[0].start()
+        wait_until(lambda: len(arena.observe().queue) == 1, 30, "the batch model to queue")
+        assert arena.observe().queue[0].priority is Priority.BATCH
+        body = {"prompt": "the dog", "max_tokens": 4, "priority": "interactive"}
+        threads.append(
+            threading.Thread(
+                target=lambda: (person_model.generate("completion", body), order.append("person"))
+            )
+        )
+        threads[1].start()
+        wait_until(lambda: len(arena.observe().queue) == 2, 30, "the person's model to queue")
+        queued = arena.observe().queue
+        assert [(w.pid, w.priority) for w in queued] == [
+            (person_model.pid, Priority.INTERACTIVE),
+            (batch_model.pid, Priority.BATCH),
+        ]
+    for thread in threads:
+        thread.join(timeout=60)
+    assert order == ["person", "batchy"]
 
 
 def test_a_worker_loads_only_once_it_holds_the_token(workers: Workers) -> None:
