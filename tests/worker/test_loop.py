@@ -172,21 +172,22 @@ def test_a_cold_model_queues_in_its_class_or_its_requests(workers: Workers) -> N
         worker.request("release")
     arena = Arena(workers.arena)
     order: list[str] = []
+
+    def batch_request() -> None:
+        complete(batch_model, "the fox")
+        order.append("batchy")
+
+    def person_request() -> None:
+        body = {"prompt": "the dog", "max_tokens": 4, "priority": "interactive"}
+        person_model.generate("completion", body)
+        order.append("person")
+
     with arena.acquire("game"):
-        threads = [
-            threading.Thread(
-                target=lambda: (complete(batch_model, "the fox"), order.append("batchy"))
-            ),
-        ]
+        threads = [threading.Thread(target=batch_request)]
         threads[0].start()
         wait_until(lambda: len(arena.observe().queue) == 1, 30, "the batch model to queue")
         assert arena.observe().queue[0].priority is Priority.BATCH
-        body = {"prompt": "the dog", "max_tokens": 4, "priority": "interactive"}
-        threads.append(
-            threading.Thread(
-                target=lambda: (person_model.generate("completion", body), order.append("person"))
-            )
-        )
+        threads.append(threading.Thread(target=person_request))
         threads[1].start()
         wait_until(lambda: len(arena.observe().queue) == 2, 30, "the person's model to queue")
         queued = arena.observe().queue
