@@ -384,7 +384,9 @@ class Arena:
         of dead waiters are removed on the way."""
         now = time.monotonic_ns()
         place = mine.order(now)
-        before = [w for w in self._live_tickets(remove_dead=True) if w.order(now) < place]
+        # By name first: the first waiter, the one a handoff waits for, reads no lock state.
+        named = [w for w in self._tickets() if w.order(now) < place]
+        before = self._live(named, remove_dead=True) if named else []
         return max(before, key=lambda w: w.order(now)) if before else None
 
     def _wait_behind(self, ahead: QueuedWaiter, place: Ticket, turn: _Turn) -> None:
@@ -403,6 +405,14 @@ class Arena:
             os.close(fd)
             raise
         # Granted when its owner unlocks: it has the token, gave up, or died.
+        if turn.unbounded:
+            # Nothing to look at meanwhile that matters: whoever comes later, or overtakes
+            # `ahead` by aging, is served after it anyway. Blocking here wakes us soonest.
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            finally:
+                os.close(fd)
+            return
         request = _LockRequest(fd, fcntl.LOCK_SH)
         try:
             while not request.wait(turn.slice_s(QUEUE_POLL_S)):
@@ -413,17 +423,19 @@ class Arena:
             if not request.abandon():
                 request.discard()
 
-    def _live_tickets(self, *, remove_dead: bool) -> list[QueuedWaiter]:
-        """The queue's live tickets (locked by their waiter), in no particular order."""
+    def _tickets(self) -> list[QueuedWaiter]:
+        """The waiters the queue's file names name, live or not."""
+        waiters = map(QueuedWaiter.from_file_name, os.listdir(self._queue_path))
+        return [waiter for waiter in waiters if waiter is not None]
+
+    def _live(self, waiters: list[QueuedWaiter], *, remove_dead: bool) -> list[QueuedWaiter]:
+        """Those of `waiters` (listed by _tickets) whose ticket is locked by its waiter."""
         # Names first, locks second: a ticket is locked before its name appears, so every name
-        # listed here has its lock in the /proc/locks read after, unless its waiter has gone.
+        # listed has its lock in the /proc/locks read after, unless its waiter has gone.
         named = []
-        for entry in os.listdir(self._queue_path):
-            waiter = QueuedWaiter.from_file_name(entry)
-            if waiter is None:
-                continue
+        for waiter in waiters:
             try:
-                st = os.lstat(self._queue_path / entry)
+                st = os.lstat(self._queue_path / waiter.file)
             except FileNotFoundError:
                 continue
             named.append((waiter, st))
@@ -462,7 +474,8 @@ class Arena:
         named = () if info is None else (info.pid, info.command_pid)
         fresh = holder_pid is not None and holder_pid in named
         now = time.monotonic_ns()
-        queued = sorted(self._live_tickets(remove_dead=False), key=lambda w: w.order(now))
+        live = self._live(self._tickets(), remove_dead=False)
+        queued = sorted(live, key=lambda w: w.order(now))
         return ArenaState(
             path=self.path,
             holder_pid=holder_pid,
@@ -768,6 +781,12 @@ class _Turn:
             wait_s = remaining if wait_s is None else min(wait_s, remaining)
         return wait_s
 
+    @property
+    def unbounded(self) -> bool:
+        """Neither a cancel nor a deadline: a wait may block in flock itself (a signal handler
+        that raises still interrupts it), without a helper thread between the grant and us."""
+        return self.cancel is None and self.deadline is None
+
     def check(self) -> None:
         if self.cancel is not None and self.cancel.is_set():
             raise AcquireCancelledError("gave up waiting for the GPU token")
@@ -777,6 +796,13 @@ class _Turn:
 
 def _wait_for_token(fd: int, turn: _Turn) -> int:
     """Block until `fd` holds LOCK_EX on token.lock; return it, or raise and own nothing."""
+    if turn.unbounded:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)  # interrupted before the grant: nothing is held
+            raise
+        return fd
     request = _LockRequest(fd, fcntl.LOCK_EX)
     poll_s = CANCEL_POLL_S if turn.cancel is not None else None
     try:
