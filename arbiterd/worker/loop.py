@@ -126,6 +126,7 @@ class Worker:
         # Published by the engine thread (one reference assignment), read by the io thread.
         self._status: dict[str, Any] = {}
         self._served = 0
+        self._served_when_warm = 0  # `_served` when it last became warm
         self._pinned = False
         self._current: str | None = None
         self._last_error = ""
@@ -235,6 +236,7 @@ class Worker:
             return False
         self._moved(State.LOADING, State.WARM, moved, wait=wait)
         self._warm_since = self._idle_since = time.monotonic()
+        self._served_when_warm = self._served
         return True
 
     def _fail(self, exc: EngineError) -> None:
@@ -360,6 +362,7 @@ class Worker:
             idle_s=now - self._idle_since,
             busy=self._current is not None or not self._inbox.empty(),
             pinned=self._pinned,
+            served_since_warm=self._served > self._served_when_warm,
         )
         reason = release_reason(
             view, min_hold_s=self.config.min_hold_s, idle_release_s=self.config.idle_release_s
@@ -413,6 +416,7 @@ class Worker:
             raise RestoreError(f"{self.name} could not be restored: {exc}") from None
         self._moved(State.WARMING, State.WARM, moved, wait=wait)
         self._warm_since = self._idle_since = time.monotonic()
+        self._served_when_warm = self._served
 
     def _stop(self) -> None:
         while True:  # nothing queued is dropped silently

@@ -23,18 +23,22 @@ class HoldView:
     idle_s: float  # since its last request finished (or it became warm)
     busy: bool  # a request is queued for this model
     pinned: bool = False  # the user pinned it: it keeps the GPU whoever waits
+    # A request has run since it became warm: the one that woke it is served.
+    served_since_warm: bool = False
 
 
 def release_reason(
     view: HoldView, *, min_hold_s: float, idle_release_s: float
 ) -> ReleaseReason | None:
     """Release when wanted, after the minimum hold (it stops ping-pong between two busy
-    models); or, if configured, after idling that long. A queued request does not stop a
+    models) or as soon as a request has run since the model became warm, whichever is first:
+    the request that woke it is served, and nobody waits for the rest of the hold on a model
+    with nothing to do; or, if configured, after idling that long. A queued request does not stop a
     release for a waiter — the waiter gets its turn and the queue waits for ours. A pinned
     model never releases by itself (an explicit release command still works)."""
     if view.pinned:
         return None
-    if view.wanted and view.held_s >= min_hold_s:
+    if view.wanted and (view.held_s >= min_hold_s or view.served_since_warm):
         return ReleaseReason.WANTED
     if idle_release_s > 0 and not view.busy and view.idle_s >= idle_release_s:
         return ReleaseReason.IDLE

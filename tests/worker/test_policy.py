@@ -42,3 +42,12 @@ def test_idle_release_is_off_by_default_and_needs_an_empty_queue() -> None:
 def test_a_pinned_model_keeps_the_gpu_whoever_waits() -> None:
     assert decide(wanted=True, pinned=True) is None
     assert decide(idle_s=10, idle_release_s=5, pinned=True) is None
+
+
+def test_the_minimum_hold_ends_once_the_request_that_woke_the_model_has_run() -> None:
+    waking = HoldView(wanted=True, held_s=0.01, idle_s=0.0, busy=False)
+    assert release_reason(waking, min_hold_s=0.1, idle_release_s=0) is None
+    served = HoldView(wanted=True, held_s=0.01, idle_s=0.0, busy=False, served_since_warm=True)
+    assert release_reason(served, min_hold_s=0.1, idle_release_s=0) is ReleaseReason.WANTED
+    alone = HoldView(wanted=False, held_s=0.01, idle_s=0.0, busy=False, served_since_warm=True)
+    assert release_reason(alone, min_hold_s=0.1, idle_release_s=0) is None
