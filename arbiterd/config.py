@@ -290,7 +290,7 @@ def starter_config_text(found: list[Path]) -> str:
         "#   embedding = true          serve embeddings only; absent: as the GGUF says",
         '#   kv_on_release = "host"    the KV cache on release: "host", "device" or "drop"',
         '#   residency = "auto"        "in-place" (the arbiterd engine), "reload" or "auto"',
-        "#   min_hold_s = 0.1          hold the GPU at least this long once warm",
+        "#   min_hold_s = 0.1          once warm, hold the GPU this long or until a request ran",
         "#   idle_release_s = 0        release after idling this long; 0 = only when wanted",
         '#   priority = "normal"       its class in the GPU queue: interactive, normal or batch',
         "#   strict_api = false        refuse API fields that change nothing here (400)",
