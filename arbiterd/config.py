@@ -17,7 +17,8 @@
     aliases = []                  # more names requests may ask for, e.g. ["gpt-4o-mini"]
     n_ctx = 4096, n_gpu_layers = -1, n_threads = 0, chat_format = "", mmproj = "",
     embedding = true|false,       # absent: as the GGUF says (daemon/modelfile.py)
-    kv_on_release = "host", min_hold_s = 0.1, idle_release_s = 0
+    kv_on_release = "host", min_hold_s = 0.1, idle_release_s = 0,
+    priority = "normal", strict_api = false
 
 With no file at the default path the *embedded default* serves one demo model (gemma-3-270m).
 Every problem with a file is one `ConfigError` naming the file, the key path and what was
