@@ -379,6 +379,13 @@ class Arena:
                 return token_fd
             os.close(token_fd)  # a waiter of a higher class came meanwhile: it goes first
 
+    def first_class_waiting(self) -> int | None:
+        """The class rank (with aging) of the first live waiter in the queue; None when nobody
+        queues. For a holder to tell whether someone more urgent than its work waits."""
+        now = time.monotonic_ns()
+        live = self._live(self._tickets(), remove_dead=False)
+        return min(waiter.order(now)[0] for waiter in live) if live else None
+
     def _ahead(self, mine: QueuedWaiter) -> QueuedWaiter | None:
         """The live waiter just before `mine` in the queue; None when `mine` is first. Tickets
         of dead waiters are removed on the way."""
@@ -541,9 +548,21 @@ class Arena:
 
 
 class Ticket:
-    """A place in an arena's queue: a ticket file this thread holds LOCK_EX until it leaves."""
+    """A place in an arena's queue: a ticket file this thread holds LOCK_EX until it leaves.
+    A ticket also announces its waiter (LOCK_SH on want.lock): a holder sees it from the
+    moment it queues, even before it calls acquire()."""
 
     def __init__(self, arena: Arena, priority: Priority) -> None:
+        want_fd = arena._open(arena._want_path)
+        try:
+            fcntl.flock(want_fd, fcntl.LOCK_SH)
+            self._enter(arena, priority)
+        except BaseException:
+            os.close(want_fd)
+            raise
+        self._want_fd: int | None = want_fd
+
+    def _enter(self, arena: Arena, priority: Priority) -> None:
         since = time.monotonic_ns()
         name = f"{priority.value}.{since}.{os.getpid()}.{threading.get_ident()}{TICKET_SUFFIX}"
         temp = arena._queue_path / f".{name}.tmp"
@@ -568,6 +587,9 @@ class Ticket:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path)  # before the unlock: an unlocked ticket is a dead waiter's
         os.close(fd)
+        want_fd, self._want_fd = self._want_fd, None
+        if want_fd is not None:
+            os.close(want_fd)
 
 
 class Token:

@@ -100,6 +100,7 @@ class WorkerConfig:
     min_hold_s: float = 0.1
     idle_release_s: float = 0.0  # 0: release only when wanted
     priority: Priority = Priority.NORMAL  # its class in the GPU queue, unless a request says
+    preemptible: bool = True  # a generation pauses at a token boundary for a higher class
 
     def to_json(self) -> str:
         spec = dataclasses.asdict(self.spec)
@@ -112,6 +113,7 @@ class WorkerConfig:
                 "min_hold_s": self.min_hold_s,
                 "idle_release_s": self.idle_release_s,
                 "priority": self.priority.value,
+                "preemptible": self.preemptible,
             }
         )
 
@@ -128,4 +130,5 @@ class WorkerConfig:
             min_hold_s=float(raw["min_hold_s"]),
             idle_release_s=float(raw["idle_release_s"]),
             priority=Priority(raw.get("priority", Priority.NORMAL)),
+            preemptible=bool(raw.get("preemptible", True)),
         )

@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from arbiterd.arena import Arena, ArenaState, Priority, Token, parse_priority
+from arbiterd.arena import Arena, ArenaState, Priority, Ticket, Token, parse_priority
 from arbiterd.errors import (
     AcquireCancelledError,
     ArbiterError,
@@ -75,14 +75,16 @@ from arbiterd.worker.engine import (
     engine_info,
     select_backend,
 )
-from arbiterd.worker.policy import HoldView, ReleaseReason, release_reason
+from arbiterd.worker.policy import HoldView, ReleaseReason, preempts, release_reason
 from arbiterd.worker.residency import Residency as ResidencyMachine
 from arbiterd.worker.residency import State, Wait
 
 log = logging.getLogger(__name__)
 
 # How often an idle warm model probes want.lock (a non-blocking flock: ~2 µs each).
-PROBE_INTERVAL_S = 0.01
+PROBE_INTERVAL_S = 0.004
+# How often a generation looks for a waiter of a higher class (a look reads the queue, ~0.2 ms).
+PREEMPTION_CHECK_S = 0.02
 OPS = frozenset({"generate", "status", "release", "warm", "pin", "unpin", "shutdown", "cancel"})
 
 
@@ -127,6 +129,11 @@ class Worker:
         self._status: dict[str, Any] = {}
         self._served = 0
         self._served_when_warm = 0  # `_served` when it last became warm
+        self._paused = 0  # generations paused for a waiter of a higher class
+        self._next_preemption_check = 0.0
+        # Pausing releases in place, so llama-cpp-python's generation survives it; the reload
+        # backend frees the Llama object a generation runs on.
+        self._can_pause = config.preemptible and backend.kind == "in-place"
         self._pinned = False
         self._current: str | None = None
         self._last_error = ""
@@ -293,19 +300,26 @@ class Worker:
         self._publish()
         result: Generation | None = None
         failure: ArbiterError | None = None
+        queued: tuple[Ticket, _Waiting] | None = None
         try:
+            priority = _priority(command.body, self.config.priority)
+            if self._residency.state is State.COLD:
+                # Queue before preparing: the holder releases while we tokenize.
+                queued = self._announce(priority)
             request = self._backend.prepare(
                 command.kind, command.body, lambda: self._between_pieces(command.id)
             )
-            if self._residency.state is State.COLD:
-                self._warm_up(command.id, _priority(command.body, self.config.priority))
+            if queued is not None:
+                self._warm_up(command.id, priority, queued)
             started = time.monotonic()
             result = self._backend.run(
-                request, self._sink(command), lambda: self._stops(command.id)
+                request, self._sink(command), lambda: self._stops_or_pauses(command.id, priority)
             )
         except ArbiterError as exc:
             failure = exc
         finally:
+            if queued is not None:
+                queued[0].leave()
             # Published before the reply: a status asked right after it agrees with it.
             self._served += result is not None
             self._current = None
@@ -352,6 +366,35 @@ class Worker:
         shutdown the daemon asks for lets the current request finish.)"""
         return self._orphaned.is_set() or self._is_cancelled(request_id)
 
+    def _stops_or_pauses(self, request_id: str, priority: Priority) -> bool:
+        """Before each decode of a generation: whether it stops (as `_stops`), after pausing it
+        if a waiter of a higher class has queued meanwhile (preemption at a token boundary)."""
+        if self._stops(request_id):
+            return True
+        if not self._can_pause or self._token is None:
+            return False
+        now = time.monotonic()
+        if now < self._next_preemption_check:
+            return False
+        self._next_preemption_check = now + PREEMPTION_CHECK_S
+        waiting = self._arena.first_class_waiting()
+        if preempts(
+            waiting,
+            priority.rank,
+            held_s=now - self._warm_since,
+            min_hold_s=self.config.min_hold_s,
+        ):
+            self._pause(request_id, priority)
+        return self._stops(request_id)
+
+    def _pause(self, request_id: str, priority: Priority) -> None:
+        """Give the GPU to the waiter of a higher class, the generation's state kept (its KV
+        saved like any release's; llama-cpp-python's tokens and sampler live on the host),
+        then queue for it again in the request's class and resume where it stopped."""
+        self._paused += 1
+        self._cool(ReleaseReason.PREEMPTED.value)
+        self._warm_up(request_id, priority)
+
     def _maybe_release(self) -> None:
         if self._residency.state is not State.WARM or self._token is None:
             return
@@ -373,8 +416,12 @@ class Worker:
     def _cool(self, reason: str) -> None:
         """warm → cooling → cold: free the device first, then let go of the token."""
         self._emit(self._residency.transition(State.WARM, State.COOLING, reason=reason))
-        self._moved(State.COOLING, State.COLD, self._backend.release(self._kv_policy), reason)
-        if reason == ReleaseReason.WANTED.value:
+        # A paused generation resumes from its KV: it is kept whatever the policy says.
+        kv = self._kv_policy
+        if reason == ReleaseReason.PREEMPTED.value and kv is KvPolicy.DROP:
+            kv = KvPolicy.HOST
+        self._moved(State.COOLING, State.COLD, self._backend.release(kv), reason)
+        if reason in (ReleaseReason.WANTED.value, ReleaseReason.PREEMPTED.value):
             token, self._token = self._token, None
             if token is not None:
                 token.hand_over()
@@ -382,11 +429,21 @@ class Worker:
             self._give_up_token()
         self._publish()
 
-    def _warm_up(self, request_id: str, priority: Priority) -> None:
-        """cold → warming → warm; waits for the token in the queue, as `priority` (interrupted
-        by cancel or shutdown; a wake for another request's cancel keeps its place)."""
+    def _announce(self, priority: Priority) -> tuple[Ticket, _Waiting]:
+        """A place in the queue, which tells the holder at once, and the wait it starts."""
         waiting = _Waiting()
         ticket = self._arena.queue(priority)
+        state = self._arena.observe()
+        if state.holder_pid is not None:
+            waiting.saw(state)  # the holder we asked: it may be gone by the time we acquire
+        return ticket, waiting
+
+    def _warm_up(
+        self, request_id: str, priority: Priority, queued: tuple[Ticket, _Waiting] | None = None
+    ) -> None:
+        """cold → warming → warm; waits for the token in the queue, as `priority` (interrupted
+        by cancel or shutdown; a wake for another request's cancel keeps its place)."""
+        ticket, waiting = queued or self._announce(priority)
         try:
             while True:
                 self._wake.clear()
@@ -475,6 +532,7 @@ class Worker:
             "queue": self._queued(),
             "current": self._current,
             "served": self._served,
+            "paused": self._paused,
             "resident_bytes": self._backend.resident_bytes(),
             "host_kv_bytes": self._backend.host_kv_bytes(),
             "prompt_tokens_evaluated": self._backend.prompt_tokens_evaluated_total,

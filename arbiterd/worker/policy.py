@@ -12,6 +12,7 @@ from dataclasses import dataclass
 class ReleaseReason(enum.StrEnum):
     WANTED = "wanted"  # another program waits for the token
     IDLE = "idle"  # idle longer than idle_release_s
+    PREEMPTED = "preempted"  # paused mid-request for a waiter of a higher class
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,15 @@ class HoldView:
     pinned: bool = False  # the user pinned it: it keeps the GPU whoever waits
     # A request has run since it became warm: the one that woke it is served.
     served_since_warm: bool = False
+
+
+def preempts(
+    waiting_rank: int | None, running_rank: int, *, held_s: float, min_hold_s: float
+) -> bool:
+    """Whether a generation of class `running_rank` pauses for the first waiter's class
+    (`waiting_rank`, None: nobody queues): only for a higher class (a lower rank), and not
+    before the minimum hold."""
+    return waiting_rank is not None and waiting_rank < running_rank and held_s >= min_hold_s
 
 
 def release_reason(

@@ -200,6 +200,41 @@ def test_a_cold_model_queues_in_its_class_or_its_requests(workers: Workers) -> N
     assert order == ["person", "batchy"]
 
 
+def test_a_batch_generation_pauses_for_an_interactive_request_and_resumes_identically(
+    workers: Workers,
+) -> None:
+    """Preemption at a token boundary: the batch model gives the GPU to the interactive request
+    mid-generation, gets it back, and its greedy text is what an uninterrupted run wrote."""
+    batch = workers.spawn("batch", priority=Priority.BATCH, min_hold_s=0.02)
+    person = workers.spawn("person", min_hold_s=0.02)
+    for worker in (batch, person):
+        wait_state(worker, "warm")
+    assert batch.status()["backend"] == "in-place"  # pausing needs the engine build
+    body = {"prompt": "the fox", "max_tokens": 1200, "temperature": 0}
+    reference = batch.generate("completion", body)
+    assert reference["completion_tokens"] == 1200
+    batch.request("release")
+    streamed = threading.Event()
+    results: dict[str, dict[str, Any]] = {}
+    finished: list[str] = []
+
+    def long_batch_job() -> None:
+        results["batch"] = batch.generate("completion", body, on_chunk=lambda _c: streamed.set())
+        finished.append("batch")
+
+    thread = threading.Thread(target=long_batch_job)
+    thread.start()
+    assert streamed.wait(60)
+    question = {"prompt": "the dog", "max_tokens": 4, "priority": "interactive"}
+    results["person"] = person.generate("completion", question)
+    finished.append("person")
+    thread.join(timeout=120)
+    assert finished == ["person", "batch"]  # the interactive request did not wait it out
+    text = results["batch"]["response"]["choices"][0]["text"]
+    assert text == reference["response"]["choices"][0]["text"]
+    assert batch.status()["paused"] >= 1
+
+
 def test_a_worker_loads_only_once_it_holds_the_token(workers: Workers) -> None:
     arena = Arena(workers.arena)
     with arena.acquire("game") as token:
