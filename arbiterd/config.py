@@ -18,7 +18,7 @@
     n_ctx = 4096, n_gpu_layers = -1, n_threads = 0, chat_format = "", mmproj = "",
     embedding = true|false,       # absent: as the GGUF says (daemon/modelfile.py)
     kv_on_release = "host", min_hold_s = 0.1, idle_release_s = 0,
-    priority = "normal", strict_api = false
+    priority = "normal", preemptible = true, strict_api = false
 
 With no file at the default path the *embedded default* serves one demo model (gemma-3-270m).
 Every problem with a file is one `ConfigError` naming the file, the key path and what was
@@ -99,6 +99,7 @@ MODEL_KEYS = (
     "min_hold_s",
     "idle_release_s",
     "priority",
+    "preemptible",
     "strict_api",
 )
 STARTER_N_CTX = 4096
@@ -141,6 +142,7 @@ class ModelConfig:
     # The HTTP API refuses the fields it would ignore for this model (x-arbiterd-ignored).
     strict_api: bool = False
     priority: Priority = Priority.NORMAL  # its class in the GPU queue
+    preemptible: bool = True  # a generation pauses at a token boundary for a higher class
     aliases: tuple[str, ...] = ()  # more names requests may ask for it by
 
     def same_worker(self, other: ModelConfig) -> bool:
@@ -174,6 +176,7 @@ class ModelConfig:
             min_hold_s=self.min_hold_s,
             idle_release_s=self.idle_release_s,
             priority=self.priority,
+            preemptible=self.preemptible,
         )
 
 
@@ -294,6 +297,7 @@ def starter_config_text(found: list[Path]) -> str:
         "#   min_hold_s = 0.1          once warm, hold the GPU this long or until a request ran",
         "#   idle_release_s = 0        release after idling this long; 0 = only when wanted",
         '#   priority = "normal"       its class in the GPU queue: interactive, normal or batch',
+        "#   preemptible = true        a generation pauses for a waiter of a higher class",
         "#   strict_api = false        refuse API fields that change nothing here (400)",
     ]
     used: set[str] = set()
@@ -681,6 +685,7 @@ def _model(src: _Source, name: str, raw: object) -> ModelConfig:
         idle_release_s=table.seconds("idle_release_s", 0.0, note=" (0 = only when wanted)"),
         strict_api=table.boolean("strict_api", False),
         priority=_priority(src, table),
+        preemptible=table.boolean("preemptible", True),
     )
 
 

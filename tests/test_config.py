@@ -42,6 +42,7 @@ min_hold_s = 0.5
 idle_release_s = 30
 strict_api = true
 priority = "interactive"
+preemptible = false
 
 [models."llama-3.2_1b"]
 path = "/models/llama.gguf"
@@ -102,6 +103,7 @@ def test_full_file_sets_every_key(tmp_path: Path, env: dict[str, str]) -> None:
     assert isinstance(qwen.idle_release_s, float)
     assert qwen.strict_api is True
     assert qwen.priority is Priority.INTERACTIVE
+    assert qwen.preemptible is False
 
 
 def test_absent_keys_take_their_defaults(tmp_path: Path, env: dict[str, str]) -> None:
@@ -126,6 +128,7 @@ def test_absent_keys_take_their_defaults(tmp_path: Path, env: dict[str, str]) ->
     assert (model.min_hold_s, model.idle_release_s) == (0.1, 0.0)
     assert model.strict_api is False
     assert model.priority is Priority.NORMAL
+    assert model.preemptible is True
 
 
 def test_empty_strings_and_zero_threads_mean_the_default(
@@ -575,7 +578,7 @@ ERRORS = [
         "models.qwen.n_ctxx",
         "unknown key; expected one of: path, aliases, n_ctx, n_gpu_layers, n_threads, "
         "chat_format, mmproj, embedding, kv_on_release, residency, min_hold_s, idle_release_s, "
-        "priority, strict_api "
+        "priority, preemptible, strict_api "
         "(did you mean n_ctx?)",
         id="unknown_model_key",
     ),
