@@ -235,6 +235,57 @@ def test_a_batch_generation_pauses_for_an_interactive_request_and_resumes_identi
     assert batch.status()["paused"] >= 1
 
 
+def test_a_worker_killed_while_paused_fails_its_request_and_strands_nothing(
+    workers: Workers,
+) -> None:
+    batch = workers.spawn("batch", priority=Priority.BATCH, min_hold_s=0.02)
+    wait_state(batch, "warm")
+    arena = Arena(workers.arena)
+    streamed = threading.Event()
+    failures: list[Exception] = []
+
+    def long_batch_job() -> None:
+        body = {"prompt": "the fox", "max_tokens": 1500, "temperature": 0}
+        try:
+            batch.generate("completion", body, on_chunk=lambda _c: streamed.set())
+        except Exception as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=long_batch_job)
+    thread.start()
+    assert streamed.wait(60)
+    with arena.acquire("game", priority=Priority.INTERACTIVE, timeout_s=30):  # preempts it
+        status = batch.status()
+        assert (status["state"], status["paused"]) == ("cold", 1)
+        assert status["current"] is not None  # paused, not finished
+        assert [w.pid for w in arena.observe().queue] == [batch.pid]  # queued to resume
+        os.kill(batch.pid, signal.SIGKILL)
+        thread.join(timeout=30)
+        assert failures
+        assert isinstance(failures[0], WorkerError)
+        assert arena.observe().queue == ()
+    assert arena.observe().holder_pid is None
+    with arena.acquire("next", timeout_s=5):
+        pass  # nobody holds or blocks it
+
+
+def test_a_model_that_is_not_preemptible_finishes_first(workers: Workers) -> None:
+    batch = workers.spawn("batch", priority=Priority.BATCH, min_hold_s=0.02, preemptible=False)
+    wait_state(batch, "warm")
+    arena = Arena(workers.arena)
+    streamed = threading.Event()
+    body = {"prompt": "the fox", "max_tokens": 600, "temperature": 0}
+    thread = threading.Thread(
+        target=lambda: batch.generate("completion", body, on_chunk=lambda _c: streamed.set())
+    )
+    thread.start()
+    assert streamed.wait(60)
+    with arena.acquire("game", priority=Priority.INTERACTIVE, timeout_s=60):
+        assert batch.status()["current"] is None  # the token came once the generation ended
+    thread.join(timeout=30)
+    assert batch.status()["paused"] == 0
+
+
 def test_a_worker_loads_only_once_it_holds_the_token(workers: Workers) -> None:
     arena = Arena(workers.arena)
     with arena.acquire("game") as token:
