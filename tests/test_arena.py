@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from arbiterd import arena as arena_module
-from arbiterd.arena import Arena, ArenaState, HolderInfo, parse_proc_locks
+from arbiterd.arena import QUEUE_DIR, Arena, ArenaState, HolderInfo, Priority, parse_proc_locks
 from arbiterd.errors import (
     AcquireCancelledError,
     AcquireTimeoutError,
@@ -440,3 +440,8 @@ def test_random_kill_fuzz_strands_nobody(arena: Arena, procs: Processes, tmp_pat
     )
     assert kills >= 40
     assert arena.observe().holder_pid is None
+    # The killed waiters' tickets are dead (unlocked) and go with the next look at the queue.
+    assert arena.observe().queue == ()
+    with arena.acquire("after", priority=Priority.BATCH, timeout_s=5):
+        pass
+    assert os.listdir(arena.path / QUEUE_DIR) == []

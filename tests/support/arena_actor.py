@@ -2,7 +2,8 @@
 
     arena_actor.py ARENA hold NAME          acquire, print "acquired", release on stdin EOF
     arena_actor.py ARENA cycle LOG N        N rounds: acquire, stamp, hold until wanted, hand over
-    arena_actor.py ARENA fuzz LOG STOPFILE  like cycle with random holds, until STOPFILE
+    arena_actor.py ARENA fuzz LOG STOPFILE  like cycle with random holds and classes, until
+                                            STOPFILE
 
 Stamps are lines `enter|exit PID MONOTONIC_NS` appended to LOG in the format of
 tests/support/stamps.py: `enter` is written after the token is held and `exit` before it is
@@ -18,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from arbiterd.arena import Arena, Token
+from arbiterd.arena import Arena, Priority, Token
 
 STRANDED_S = 20.0
 PROBE_INTERVAL_S = 0.0005
@@ -61,7 +62,7 @@ def main() -> int:
     stop = Path(sys.argv[4])
     rng = random.Random(os.getpid())
     while True:  # at least one hold: every contender must eventually be served
-        token = arena.acquire("fuzz")
+        token = arena.acquire("fuzz", priority=rng.choice(list(Priority)))
         stamp(log_fd, "enter")
         hold_until_wanted(token, rng.uniform(0.0, 0.03))
         stamp(log_fd, "exit")
