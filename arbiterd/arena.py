@@ -392,7 +392,7 @@ class Arena:
         now = time.monotonic_ns()
         place = mine.order(now)
         # By name first: the first waiter, the one a handoff waits for, reads no lock state.
-        named = [w for w in self._tickets() if w.order(now) < place]
+        named = [w for w in self._tickets(sweep=True) if w.order(now) < place]
         before = self._live(named, remove_dead=True) if named else []
         return max(before, key=lambda w: w.order(now)) if before else None
 
@@ -430,10 +430,20 @@ class Arena:
             if not request.abandon():
                 request.discard()
 
-    def _tickets(self) -> list[QueuedWaiter]:
-        """The waiters the queue's file names name, live or not."""
-        waiters = map(QueuedWaiter.from_file_name, os.listdir(self._queue_path))
-        return [waiter for waiter in waiters if waiter is not None]
+    def _tickets(self, *, sweep: bool = False) -> list[QueuedWaiter]:
+        """The waiters the queue's file names name, live or not; with `sweep`, the temp files
+        of waiters killed while they made their ticket are removed on the way."""
+        waiters = []
+        for name in os.listdir(self._queue_path):
+            waiter = QueuedWaiter.from_file_name(name)
+            if waiter is not None:
+                waiters.append(waiter)
+            elif sweep and name.startswith(".") and name.endswith(TICKET_SUFFIX + ".tmp"):
+                made_by = QueuedWaiter.from_file_name(name[1:].removesuffix(".tmp"))
+                if made_by is not None and not _alive(made_by.pid):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._queue_path / name)
+        return waiters
 
     def _live(self, waiters: list[QueuedWaiter], *, remove_dead: bool) -> list[QueuedWaiter]:
         """Those of `waiters` (listed by _tickets) whose ticket is locked by its waiter."""

@@ -200,3 +200,17 @@ def test_ticket_file_names_that_are_not_tickets_are_ignored() -> None:
     )
     for name in (".normal.1.2.3.ticket.tmp", "urgent.1.2.3.ticket", "normal.x.2.3.ticket"):
         assert QueuedWaiter.from_file_name(name) is None
+
+
+def test_a_ticket_half_made_by_a_killed_waiter_is_swept(tmp_path: Path) -> None:
+    """Killed between creating its ticket's temp file and renaming it: the temp file stays,
+    and the next waiter that looks at the queue removes it (only a dead process's)."""
+    arena = Arena(tmp_path / "arena")
+    dead_pid = subprocess.Popen(["true"])
+    dead_pid.wait()
+    queue = tmp_path / "arena" / QUEUE_DIR
+    (queue / f".normal.1.{dead_pid.pid}.2.ticket.tmp").touch()
+    (queue / f".normal.1.{os.getpid()}.3.ticket.tmp").touch()  # a live maker's: kept
+    with arena.acquire("next", timeout_s=5):
+        pass
+    assert os.listdir(queue) == [f".normal.1.{os.getpid()}.3.ticket.tmp"]

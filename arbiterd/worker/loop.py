@@ -432,10 +432,11 @@ class Worker:
     def _announce(self, priority: Priority) -> tuple[Ticket, _Waiting]:
         """A place in the queue, which tells the holder at once, and the wait it starts."""
         waiting = _Waiting()
-        ticket = self._arena.queue(priority)
+        # Looked at before we announce: once we have, the holder may be gone at once.
         state = self._arena.observe()
+        ticket = self._arena.queue(priority)
         if state.holder_pid is not None:
-            waiting.saw(state)  # the holder we asked: it may be gone by the time we acquire
+            waiting.saw(state)  # the holder we asked
         return ticket, waiting
 
     def _warm_up(

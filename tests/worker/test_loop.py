@@ -255,10 +255,11 @@ def test_a_worker_killed_while_paused_fails_its_request_and_strands_nothing(
     thread.start()
     assert streamed.wait(60)
     with arena.acquire("game", priority=Priority.INTERACTIVE, timeout_s=30):  # preempts it
+        queued = [batch.pid]
+        wait_until(lambda: [w.pid for w in arena.observe().queue] == queued, 10, "it to queue")
         status = batch.status()
         assert (status["state"], status["paused"]) == ("cold", 1)
         assert status["current"] is not None  # paused, not finished
-        assert [w.pid for w in arena.observe().queue] == [batch.pid]  # queued to resume
         os.kill(batch.pid, signal.SIGKILL)
         thread.join(timeout=30)
         assert failures
