@@ -216,6 +216,9 @@ class HandoffEvent(Event):
     release_s: float | None = None
     restore_s: float | None = None
     restored_bytes: int | None = None
+    # Why `from_model` let go, when it did during the wait: "wanted", or "preempted" (paused
+    # mid-generation for a waiter of a higher class).
+    release_reason: str | None = None
 
     @property
     def total_s(self) -> float:
@@ -237,6 +240,7 @@ class HandoffEvent(Event):
             release_s=_float(obj.get("release_s")),
             restore_s=_float(obj.get("restore_s")),
             restored_bytes=_int(obj.get("restored_bytes")),
+            release_reason=_str(obj.get("release_reason")),
         )
 
     def _fields(self) -> dict[str, Any]:
@@ -249,6 +253,7 @@ class HandoffEvent(Event):
             "release_s": self.release_s,
             "restore_s": self.restore_s,
             "restored_bytes": self.restored_bytes,
+            "release_reason": self.release_reason,
         }
 
 

@@ -145,9 +145,13 @@ def event_detail(event: Event) -> str:  # noqa: PLR0911 (one return per kind)
 
 
 def handoff_title(event: HandoffEvent | WaitEvent) -> str:
-    """How the GPU came to a model: "alpha → beta", or "beta waited behind steam (pid 9)"."""
+    """How the GPU came to a model: "alpha → beta", "alpha → beta (alpha paused)" when alpha
+    was preempted mid-generation, or "beta waited behind steam (pid 9)"."""
     if isinstance(event, HandoffEvent):
-        return f"{_name(event.from_model)} → {_name(event.to_model)}"
+        title = f"{_name(event.from_model)} → {_name(event.to_model)}"
+        if event.release_reason == "preempted":
+            title += f" ({_name(event.from_model)} paused)"
+        return title
     return f"{_name(event.model)} waited behind {process(event.holder_name, event.holder_pid)}"
 
 

@@ -68,6 +68,7 @@ SAMPLES: list[Event] = [
         release_s=0.4,
         restore_s=0.9,
         restored_bytes=GiB,
+        release_reason="wanted",
     ),
     WaitEvent(
         at=T,
@@ -127,6 +128,7 @@ def test_the_json_names_are_the_daemons() -> None:
         "release_s": 0.4,
         "restore_s": 0.9,
         "restored_bytes": GiB,
+        "release_reason": "wanted",
     }
     assert SAMPLES[1].to_json()["id"] == "cmpl-1"
     assert SAMPLES[0].to_json()["to"] == "warm"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -228,6 +229,8 @@ def test_handoffs_and_waits_as_the_tray_titles_and_labels_them() -> None:
     handoff = HandoffEvent(from_model="a", to_model="b", wait_s=0.5, restore_s=0.9)
     wait = WaitEvent(model="b", holder_name="steam", holder_pid=9, wait_s=3.2)
     assert render.handoff_title(handoff) == "a → b"
+    paused = dataclasses.replace(handoff, release_reason="preempted")
+    assert render.handoff_title(paused) == "a → b (a paused)"
     assert render.handoff_title(wait) == "b waited behind steam (pid 9)"
     assert render.handoff_label(handoff) == "→ b 1.40 s"
     assert render.handoff_label(wait) == "→ b 3.20 s after steam"

@@ -62,6 +62,7 @@ class Handoffs:
             release_s=release.duration_s if during_wait and release is not None else None,
             restore_s=event.duration_s,
             restored_bytes=event.moved_bytes,
+            release_reason=(release.reason or None) if during_wait and release else None,
         )
 
     def forget(self, model: str) -> None:

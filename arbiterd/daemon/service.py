@@ -53,7 +53,8 @@ Events (from `subscribe()`), JSON objects with "event" and "at" (seconds since t
                 completion_tokens, cancelled, status ("ok" | "error" | "cancelled")
     handoff     the GPU changed hands between models, as the model that got it measured:
                 from, to, holder_pid, waited_from, wait_s, release_s (when "from" released
-                during the wait), restore_s, restored_bytes
+                during the wait), restore_s, restored_bytes,
+                release_reason ("wanted" | "preempted" | None)
     wait        a model waited behind a program that is not one of ours: model, holder_pid,
                 holder_name, waited_from, wait_s
     worker      a worker exited or restarted: model, pid, code, reason, restart_in_s

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 
 from arbiterd.daemon.handoffs import Handoffs
@@ -56,6 +57,16 @@ def test_a_warm_up_behind_another_models_worker_is_a_handoff_with_its_measures()
         restore_s=0.5,
         restored_bytes=3200,
     )
+
+
+def test_a_handoff_says_why_the_holder_let_go_a_pause_included() -> None:
+    handoffs = Handoffs()
+    paused = dataclasses.replace(released("a", at=101.0), reason="preempted")
+    handoffs.observe(paused, WORKERS)
+    made = handoffs.observe(warmed("b", holder_pid=A_PID), WORKERS)
+    assert isinstance(made, HandoffEvent)
+    assert made.release_reason == "preempted"
+    assert HandoffEvent.from_json(made.to_json()) == made
 
 
 def test_a_first_load_behind_another_model_is_a_handoff_too() -> None:
