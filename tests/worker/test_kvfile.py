@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -121,7 +122,7 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(
     def disk_full(fd: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(kvfile.os, "fsync", disk_full)
+    monkeypatch.setattr(os, "fsync", disk_full)
     with pytest.raises(OSError, match="No space"):
         kvfile.write(saved, KEY, KvState([9], b"new"))
     monkeypatch.undo()
