@@ -101,6 +101,9 @@ class WorkerConfig:
     idle_release_s: float = 0.0  # 0: release only when wanted
     priority: Priority = Priority.NORMAL  # its class in the GPU queue, unless a request says
     preemptible: bool = True  # a generation pauses at a token boundary for a higher class
+    # Where an `unload` saves the prompt cache and a new worker restores it from (issue 14,
+    # worker/kvfile.py); None: unloading saves nothing.
+    kv_file: Path | None = None
 
     def to_json(self) -> str:
         spec = dataclasses.asdict(self.spec)
@@ -114,6 +117,7 @@ class WorkerConfig:
                 "idle_release_s": self.idle_release_s,
                 "priority": self.priority.value,
                 "preemptible": self.preemptible,
+                "kv_file": None if self.kv_file is None else str(self.kv_file),
             }
         )
 
@@ -131,4 +135,5 @@ class WorkerConfig:
             idle_release_s=float(raw["idle_release_s"]),
             priority=Priority(raw.get("priority", Priority.NORMAL)),
             preemptible=bool(raw.get("preemptible", True)),
+            kv_file=None if raw.get("kv_file") is None else Path(raw["kv_file"]),
         )
