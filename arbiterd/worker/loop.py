@@ -28,6 +28,10 @@ Message protocol (JSON lines, `arbiterd.wire`), version WORKER_PROTOCOL:
     daemon → worker  {"op": "generate", "id", "kind": "completion"|"chat"|"embedding", "body",
                       "stream"}   an embedding model takes "embedding" only, any other the rest
                      {"op": "status"|"release"|"warm"|"pin"|"unpin"|"shutdown", "id"}
+                     {"op": "unload", "id"}  save the prompt cache to the config's kv_file
+                     (worker/kvfile.py), answer {"kv_file", "kv_bytes", "tokens", "error"}
+                     ("error": why nothing was saved, "" when it was or there was nothing),
+                     then exit as on shutdown; the next worker restores it after loading
                      {"op": "cancel", "id", "target": request id}
     worker → daemon  {"id", "chunk": {...}}  {"id", "result": {...}}
                      {"id", "error": {"code", "message"}}: code is an errors.ErrorCode
@@ -64,6 +68,7 @@ from arbiterd.events import RequestEvent, ResidencyEvent
 from arbiterd.procs import holder_name
 from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, ModelSpec, Residency, WorkerConfig
 from arbiterd.wire import LineReader, LineWriter
+from arbiterd.worker import kvfile
 from arbiterd.worker.engine import (
     Backend,
     Cancelled,
@@ -75,6 +80,7 @@ from arbiterd.worker.engine import (
     engine_info,
     select_backend,
 )
+from arbiterd.worker.kvfile import KvState
 from arbiterd.worker.policy import HoldView, ReleaseReason, preempts, release_reason
 from arbiterd.worker.residency import Residency as ResidencyMachine
 from arbiterd.worker.residency import State, Wait
@@ -85,7 +91,9 @@ log = logging.getLogger(__name__)
 PROBE_INTERVAL_S = 0.004
 # How often a generation looks for a waiter of a higher class (a look reads the queue, ~0.2 ms).
 PREEMPTION_CHECK_S = 0.02
-OPS = frozenset({"generate", "status", "release", "warm", "pin", "unpin", "shutdown", "cancel"})
+OPS = frozenset(
+    {"generate", "status", "release", "warm", "pin", "unpin", "shutdown", "unload", "cancel"}
+)
 
 
 @dataclass(frozen=True)
@@ -241,10 +249,60 @@ class Worker:
         except EngineError as exc:
             self._fail(exc)
             return False
+        self._adopt_kept_kv()
         self._moved(State.LOADING, State.WARM, moved, wait=wait)
         self._warm_since = self._idle_since = time.monotonic()
         self._served_when_warm = self._served
         return True
+
+    def _save_kept_kv(self) -> dict[str, Any]:
+        """On unload: write the prompt cache to the state file (issue 14). A write that fails
+        (a full disk) is logged and said in the reply; the unload goes on regardless."""
+        path = self.config.kv_file
+        kv = self._backend.kept_kv() if path is not None else None
+        result: dict[str, Any] = {"kv_file": None, "kv_bytes": 0, "tokens": 0, "error": ""}
+        if path is None or kv is None:
+            if path is not None:
+                path.unlink(missing_ok=True)  # an older cache than the one we had: stale
+            return result
+        spec = self.config.spec
+        try:
+            key = kvfile.KvKey.of(spec.path, n_ctx=spec.n_ctx, embedding=spec.embedding)
+            written = kvfile.write(path, key, kv)
+        except (OSError, kvfile.KvFileError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            result["error"] = f"could not save the prompt cache to {path}: {reason}"
+            log.warning("%s: %s; unloading without it", self.name, result["error"])
+            return result
+        log.info(
+            "%s: saved %d tokens of prompt cache (%d bytes) to %s",
+            self.name,
+            len(kv.tokens),
+            written,
+            path,
+        )
+        return {"kv_file": str(path), "kv_bytes": written, "tokens": len(kv.tokens), "error": ""}
+
+    def _adopt_kept_kv(self) -> None:
+        """After loading: restore the prompt cache an unload kept, if it was made for this
+        model file and these params; any other file is discarded with a warning (a full
+        prefill, never a wrong answer). The file is used once: it is removed either way."""
+        path = self.config.kv_file
+        if path is None or not path.exists():
+            return
+        spec = self.config.spec
+        try:
+            key = kvfile.KvKey.of(spec.path, n_ctx=spec.n_ctx, embedding=spec.embedding)
+            kv = kvfile.read(path, key)
+            self._backend.adopt_kv(kv)
+        except (OSError, kvfile.KvFileError, RestoreError) as exc:
+            log.warning("%s: discarding the kept prompt cache: %s", self.name, exc)
+        else:
+            log.info(
+                "%s: restored %d tokens of prompt cache from %s", self.name, len(kv.tokens), path
+            )
+        finally:
+            path.unlink(missing_ok=True)
 
     def _fail(self, exc: EngineError) -> None:
         self._last_error = str(exc)
@@ -261,6 +319,9 @@ class Worker:
                 self._maybe_release()
                 continue
             if command.op == "shutdown":
+                return
+            if command.op == "unload":
+                self._reply(command.id, self._save_kept_kv())
                 return
             if command.op == "release":
                 if self._residency.state is State.WARM:
@@ -281,6 +342,9 @@ class Worker:
         while True:
             command = self._inbox.get()
             if command.op == "shutdown":
+                return
+            if command.op == "unload":  # nothing was loaded: nothing to keep
+                self._reply(command.id, {"kv_file": None, "kv_bytes": 0, "tokens": 0, "error": ""})
                 return
             self._error(command.id, EngineError(f"{self.name} failed to load: {self._last_error}"))
 
@@ -618,6 +682,12 @@ class Unavailable:
 
     def host_kv_bytes(self) -> int:
         return 0
+
+    def kept_kv(self) -> KvState | None:
+        return None
+
+    def adopt_kv(self, kv: KvState) -> None:
+        raise self._error
 
     def close(self) -> None:
         return None
