@@ -664,7 +664,7 @@ def model_status(daemon: Daemon, name: str) -> dict[str, Any]:
     return next(m for m in models if m["name"] == name)
 
 
-def test_a_demand_model_starts_at_its_first_request_and_unloads_keeping_its_prompt_cache(
+def test_a_demand_model_starts_when_wanted_and_unloads_keeping_its_prompt_cache(
     tiny_model: Path,
 ) -> None:
     running = Daemon({"eager": tiny(tiny_model), "lazy": tiny(tiny_model, load="demand")})
@@ -672,9 +672,12 @@ def test_a_demand_model_starts_at_its_first_request_and_unloads_keeping_its_prom
         running.wait_ready(("warm", "cold", "unloaded"))
         lazy = model_status(running, "lazy")
         assert (lazy["state"], lazy["pid"], lazy["backend"]) == ("unloaded", None, None)
+        warmed = arbiterd("warm", "lazy", "--socket", str(running.socket))
+        assert warmed.returncode == 0, warmed.stderr
+        assert warmed.stdout.strip() == "lazy: warm"  # started, and waited for
+        assert model_status(running, "lazy")["pid"] is not None
         with openai.OpenAI(base_url=running.url, api_key="-", max_retries=0, timeout=60) as api:
             completion(api, "lazy", PREFIX)
-            assert model_status(running, "lazy")["pid"] is not None
             done = arbiterd("unload", "lazy", "--socket", str(running.socket))
             assert done.returncode == 0, done.stderr
             assert "lazy: unloaded (" in done.stdout
