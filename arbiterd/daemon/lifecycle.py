@@ -138,14 +138,14 @@ class Lifecycle:
         if slot.unload_task is not None:
             return await asyncio.shield(slot.unload_task)
         if slot.state is SlotState.UNLOADED:
-            return {"kv_file": None, "kv_bytes": 0, "tokens": 0, "error": ""}
+            return _nothing_kept()
         if slot.state is SlotState.RESTARTING:  # no worker to save anything: do not restart
             if slot.restart_task is not None:
                 slot.restart_task.cancel()
             slot.move(SlotState.UNLOADED)
             self.drop_copy(slot)
             self._publish(UnloadEvent(model=slot.name, reason=reason))
-            return {"kv_file": None, "kv_bytes": 0, "tokens": 0, "error": ""}
+            return _nothing_kept()
         worker = slot.worker
         if slot.state is not SlotState.READY or worker is None:
             raise ControlError(f"{slot.name} is {slot.shown_state}: it cannot be unloaded now")
@@ -164,7 +164,7 @@ class Lifecycle:
             try:
                 saved = await worker.request("unload", timeout_s=UNLOAD_TIMEOUT_S)
             except ArbiterError as exc:
-                saved = {"kv_file": None, "kv_bytes": 0, "tokens": 0, "error": str(exc)}
+                saved = _nothing_kept(str(exc))
             await worker.shutdown()  # it exits by itself; reaped here (killed if it hangs)
             self._on_gone(slot, worker)
             if slot.state is SlotState.UNLOADING:  # not retired meanwhile
@@ -288,6 +288,12 @@ class Lifecycle:
 
         slot.restart_task = asyncio.get_running_loop().create_task(restart())
         return delay_s
+
+
+def _nothing_kept(error: str = "") -> dict[str, Any]:
+    """An unload's reply when no prompt cache was kept; `error` says why, when one should have
+    been."""
+    return {"kv_file": None, "kv_bytes": 0, "tokens": 0, "error": error}
 
 
 def _os_reason(exc: OSError) -> str:

@@ -52,6 +52,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from arbiterd.arena import Arena, ArenaState, Priority, Ticket, Token, parse_priority
@@ -260,20 +261,19 @@ class Worker:
         (a full disk) is logged and said in the reply; the unload goes on regardless."""
         path = self.config.kv_file
         kv = self._backend.kept_kv() if path is not None else None
-        result: dict[str, Any] = {"kv_file": None, "kv_bytes": 0, "tokens": 0, "error": ""}
         if path is None or kv is None:
             if path is not None:
-                path.unlink(missing_ok=True)  # an older cache than the one we had: stale
-            return result
+                _remove(path)  # an older cache than the one we had: stale
+            return _kept()
         spec = self.config.spec
         try:
             key = kvfile.KvKey.of(spec.path, n_ctx=spec.n_ctx, embedding=spec.embedding)
             written = kvfile.write(path, key, kv)
         except (OSError, kvfile.KvFileError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            result["error"] = f"could not save the prompt cache to {path}: {reason}"
-            log.warning("%s: %s; unloading without it", self.name, result["error"])
-            return result
+            error = f"could not save the prompt cache to {path}: {reason}"
+            log.warning("%s: %s; unloading without it", self.name, error)
+            return _kept(error=error)
         log.info(
             "%s: saved %d tokens of prompt cache (%d bytes) to %s",
             self.name,
@@ -281,7 +281,7 @@ class Worker:
             written,
             path,
         )
-        return {"kv_file": str(path), "kv_bytes": written, "tokens": len(kv.tokens), "error": ""}
+        return _kept(path, written, len(kv.tokens))
 
     def _adopt_kept_kv(self) -> None:
         """After loading: restore the prompt cache an unload kept, if it was made for this
@@ -302,7 +302,7 @@ class Worker:
                 "%s: restored %d tokens of prompt cache from %s", self.name, len(kv.tokens), path
             )
         finally:
-            path.unlink(missing_ok=True)
+            _remove(path)
 
     def _fail(self, exc: EngineError) -> None:
         self._last_error = str(exc)
@@ -344,7 +344,7 @@ class Worker:
             if command.op == "shutdown":
                 return
             if command.op == "unload":  # nothing was loaded: nothing to keep
-                self._reply(command.id, {"kv_file": None, "kv_bytes": 0, "tokens": 0, "error": ""})
+                self._reply(command.id, _kept())
                 return
             self._error(command.id, EngineError(f"{self.name} failed to load: {self._last_error}"))
 
@@ -703,6 +703,28 @@ def _priority(body: dict[str, Any], default: Priority) -> Priority:
         return parse_priority(str(given), "'priority'")
     except BadValueError as exc:
         raise RequestError(str(exc)) from None
+
+
+def _kept(
+    kv_file: Path | None = None, kv_bytes: int = 0, tokens: int = 0, error: str = ""
+) -> dict[str, Any]:
+    """An unload's reply: where the prompt cache was kept, its size, and its tokens; or why
+    none was kept when one should have been."""
+    return {
+        "kv_file": None if kv_file is None else str(kv_file),
+        "kv_bytes": kv_bytes,
+        "tokens": tokens,
+        "error": error,
+    }
+
+
+def _remove(path: Path) -> None:
+    """Remove a state file that was used or is stale; one that cannot be removed is said (a
+    file left behind is checked like any other before a worker uses it)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("cannot remove %s: %s", path, exc.strerror or exc)
 
 
 def _result_json(result: Generation) -> dict[str, Any]:
