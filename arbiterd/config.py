@@ -181,11 +181,13 @@ class ModelConfig:
         *,
         embedding: bool,
         kv_file: Path | None = None,
+        model_version: tuple[int, int] | None = None,
     ) -> WorkerConfig:
         """What the worker process for this model is started with; `host_copy_fd` is the
         daemon's memfd of the model file, inherited by the worker; `embedding`, whether it
         serves embeddings, as the daemon decided (modelfile.serves_embeddings); `kv_file`,
-        where its prompt cache waits while it is unloaded."""
+        where its prompt cache waits while it is unloaded; `model_version`, the (size,
+        mtime_ns) of the file version the host copy holds."""
         spec = ModelSpec(
             name=self.name,
             path=self.path,
@@ -207,6 +209,7 @@ class ModelConfig:
             priority=self.priority,
             preemptible=self.preemptible,
             kv_file=kv_file,
+            model_version=model_version,
         )
 
 

@@ -432,7 +432,11 @@ def test_worker_config_carries_the_model(tmp_path: Path, env: dict[str, str]) ->
     model = load_text(tmp_path, env, FULL).models["qwen"]
 
     worker = model.worker_config(
-        tmp_path / "arena", host_copy_fd=7, embedding=True, kv_file=tmp_path / "qwen.kv"
+        tmp_path / "arena",
+        host_copy_fd=7,
+        embedding=True,
+        kv_file=tmp_path / "qwen.kv",
+        model_version=(1234, 5678),
     )
 
     spec = worker.spec
@@ -446,6 +450,7 @@ def test_worker_config_carries_the_model(tmp_path: Path, env: dict[str, str]) ->
     assert spec.residency is Residency.RELOAD
     assert (worker.min_hold_s, worker.idle_release_s) == (0.5, 30.0)
     assert worker.kv_file == tmp_path / "qwen.kv"
+    assert worker.model_version == (1234, 5678)
     assert WorkerConfig.from_json(worker.to_json()) == worker
 
 

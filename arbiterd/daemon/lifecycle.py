@@ -78,7 +78,11 @@ class Lifecycle:
             slot.embedding = await asyncio.to_thread(serves_embeddings, slot.config, copy.fd)
             worker = await WorkerClient.spawn(
                 slot.config.worker_config(
-                    self._arena, copy.fd, embedding=slot.embedding, kv_file=self._kv_file(slot)
+                    self._arena,
+                    copy.fd,
+                    embedding=slot.embedding,
+                    kv_file=self._kv_file(slot),
+                    model_version=(copy.identity.size, copy.identity.mtime_ns),
                 ),
                 env=env,
                 on_event=lambda event: self._on_worker_event(slot, event),

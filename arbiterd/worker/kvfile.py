@@ -8,8 +8,10 @@ prefix matching then evaluates only what a new prompt adds.
 
 The header says the format version, what the state was made for (`KvKey`: the model file's
 size and mtime, the context params that must match), how many tokens and KV bytes follow, and
-the SHA-256 of both. The model file is named by size and mtime_ns rather than a hash of its
-first MiB: stat costs nothing, any rewrite of the file (a new download, a requantization)
+the SHA-256 of both. The model file is named by the size and mtime_ns of the version the
+worker loaded (the daemon's host copy records them as it copies the file, so a file replaced on
+disk while a copy of the old one serves is told apart) rather than a hash of its first MiB:
+stat costs nothing, any rewrite of the file (a new download, a requantization)
 changes its mtime, and a GGUF's first MiB is mostly its header and vocabulary, the same for
 two fine-tunes of one base. The digest catches a file damaged on disk: llama.cpp checks only
 the sizes of what it sets back, so damaged KV bytes would otherwise give a wrong answer.

@@ -265,10 +265,8 @@ class Worker:
             if path is not None:
                 _remove(path)  # an older cache than the one we had: stale
             return _kept()
-        spec = self.config.spec
         try:
-            key = kvfile.KvKey.of(spec.path, n_ctx=spec.n_ctx, embedding=spec.embedding)
-            written = kvfile.write(path, key, kv)
+            written = kvfile.write(path, self._kv_key(), kv)
         except (OSError, kvfile.KvFileError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             error = f"could not save the prompt cache to {path}: {reason}"
@@ -290,10 +288,8 @@ class Worker:
         path = self.config.kv_file
         if path is None or not path.exists():
             return
-        spec = self.config.spec
         try:
-            key = kvfile.KvKey.of(spec.path, n_ctx=spec.n_ctx, embedding=spec.embedding)
-            kv = kvfile.read(path, key)
+            kv = kvfile.read(path, self._kv_key())
             self._backend.adopt_kv(kv)
         except (OSError, kvfile.KvFileError, RestoreError) as exc:
             log.warning("%s: discarding the kept prompt cache: %s", self.name, exc)
@@ -303,6 +299,17 @@ class Worker:
             )
         finally:
             _remove(path)
+
+    def _kv_key(self) -> kvfile.KvKey:
+        """What this worker's prompt cache is made for: the version of the model file it
+        loaded (the one the daemon's host copy holds, else the file as it is now) and the
+        context params. OSError when the file must be stat'ed and cannot be."""
+        spec = self.config.spec
+        version = self.config.model_version
+        if version is None:
+            return kvfile.KvKey.of(spec.path, n_ctx=spec.n_ctx, embedding=spec.embedding)
+        size, mtime_ns = version
+        return kvfile.KvKey(size, mtime_ns, spec.n_ctx, spec.embedding)
 
     def _fail(self, exc: EngineError) -> None:
         self._last_error = str(exc)
