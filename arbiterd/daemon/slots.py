@@ -3,10 +3,9 @@
 Owns what the daemon knows of one model between its workers: the lifecycle state, the worker
 that serves it now, what that worker's hello said, the residency it last reported, whether it
 is an embedding model, its restarts and its last error, and the unload or load (issue 14) in
-progress. Pure bookkeeping, mutated only on the
-daemon's event loop; the parts that act on it (lifecycle.py starts and restarts workers,
-routing.py sends requests) move it through `move`, which refuses a transition the table does
-not list.
+progress. Pure bookkeeping, mutated only on the daemon's event loop; the parts that act on it
+(lifecycle.py starts, restarts and unloads workers, routing.py sends requests) move it through
+`move`, which refuses a transition the table does not list.
 
     starting ──► ready ──► restarting ──► starting
         │  └──────────────────▲    └──► unloaded   (an `unload` cancels the restart)
