@@ -18,7 +18,9 @@
     n_ctx = 4096, n_gpu_layers = -1, n_threads = 0, chat_format = "", mmproj = "",
     embedding = true|false,       # absent: as the GGUF says (daemon/modelfile.py)
     kv_on_release = "host", min_hold_s = 0.1, idle_release_s = 0,
-    priority = "normal", preemptible = true, strict_api = false
+    priority = "normal", preemptible = true, strict_api = false,
+    load = "start",               # "demand": no worker until its first request (or `warm`)
+    unload_after_s = 0            # unload after cold and idle this long; 0 = never
 
 With no file at the default path the *embedded default* serves one demo model (gemma-3-270m).
 Every problem with a file is one `ConfigError` naming the file, the key path and what was
@@ -33,6 +35,7 @@ Importing this module must stay cheap: every `arbiterd` command imports it, incl
 from __future__ import annotations
 
 import difflib
+import enum
 import ipaddress
 import math
 import os
@@ -101,11 +104,20 @@ MODEL_KEYS = (
     "priority",
     "preemptible",
     "strict_api",
+    "load",
+    "unload_after_s",
 )
 STARTER_N_CTX = 4096
 _MAX_GOT_CHARS = 80  # a value quoted back in a message is cut to this length
 
 Keys = tuple[str, ...]
+
+
+class Load(enum.StrEnum):
+    """When a model's worker starts (issue 14)."""
+
+    START = "start"  # with the daemon
+    DEMAND = "demand"  # at its first request or `warm`; until then it takes no memory
 
 
 @dataclass(frozen=True)
@@ -144,19 +156,38 @@ class ModelConfig:
     priority: Priority = Priority.NORMAL  # its class in the GPU queue
     preemptible: bool = True  # a generation pauses at a token boundary for a higher class
     aliases: tuple[str, ...] = ()  # more names requests may ask for it by
+    load: Load = Load.START
+    unload_after_s: float = 0.0  # cold and idle this long: unloaded; 0 = never
 
     def same_worker(self, other: ModelConfig) -> bool:
-        """Whether `other` runs the same worker as this config: equal but for the aliases and
-        strict_api, which only the daemon's edges read (a reload that changes only those
-        restarts nothing)."""
-        return replace(other, aliases=self.aliases, strict_api=self.strict_api) == self
+        """Whether `other` runs the same worker as this config: equal but for the aliases,
+        strict_api, load and unload_after_s, which only the daemon reads (a reload that changes
+        only those restarts nothing)."""
+        return (
+            replace(
+                other,
+                aliases=self.aliases,
+                strict_api=self.strict_api,
+                load=self.load,
+                unload_after_s=self.unload_after_s,
+            )
+            == self
+        )
 
     def worker_config(
-        self, arena: Path, host_copy_fd: int | None = None, *, embedding: bool
+        self,
+        arena: Path,
+        host_copy_fd: int | None = None,
+        *,
+        embedding: bool,
+        kv_file: Path | None = None,
+        model_version: tuple[int, int] | None = None,
     ) -> WorkerConfig:
         """What the worker process for this model is started with; `host_copy_fd` is the
         daemon's memfd of the model file, inherited by the worker; `embedding`, whether it
-        serves embeddings, as the daemon decided (modelfile.serves_embeddings)."""
+        serves embeddings, as the daemon decided (modelfile.serves_embeddings); `kv_file`,
+        where its prompt cache waits while it is unloaded; `model_version`, the (size,
+        mtime_ns) of the file version the host copy holds."""
         spec = ModelSpec(
             name=self.name,
             path=self.path,
@@ -177,6 +208,8 @@ class ModelConfig:
             idle_release_s=self.idle_release_s,
             priority=self.priority,
             preemptible=self.preemptible,
+            kv_file=kv_file,
+            model_version=model_version,
         )
 
 
@@ -299,6 +332,8 @@ def starter_config_text(found: list[Path]) -> str:
         '#   priority = "normal"       its class in the GPU queue: interactive, normal or batch',
         "#   preemptible = true        a generation pauses for a waiter of a higher class",
         "#   strict_api = false        refuse API fields that change nothing here (400)",
+        '#   load = "start"            "demand": start its worker at its first request',
+        "#   unload_after_s = 0        unload after cold and idle this long; 0 = never",
     ]
     used: set[str] = set()
     skipped = 0
@@ -331,6 +366,7 @@ _OPTIONAL_PATH_EXPECTED = 'a path (a string; "" = the default)'
 _MODELS_EXPECTED = 'at least one [models.NAME] table with a path, e.g. [models.qwen] path = "..."'
 _KV_EXPECTED = 'one of "host", "device", "drop"'
 _RESIDENCY_EXPECTED = 'one of "auto", "in-place", "reload"'
+_LOAD_EXPECTED = 'one of "start", "demand"'
 _ALIASES_EXPECTED = 'an array of aliases, e.g. ["gpt-4o-mini", "qwen2.5:7b"]'
 _EMBEDDING_EXPECTED = "true or false (leave it out: as the GGUF says)"
 
@@ -666,6 +702,11 @@ def _model(src: _Source, name: str, raw: object) -> ModelConfig:
         raise src.fail(
             table.keys("mmproj"), 'expected "" (none): this engine cannot load an mmproj yet'
         )
+    load_text = table.string("load", Load.START.value, _LOAD_EXPECTED)
+    try:
+        load = Load(load_text)
+    except ValueError:
+        raise src.expected(table.keys("load"), _LOAD_EXPECTED, load_text) from None
     embedding = raw.get("embedding")
     if embedding is not None and not isinstance(embedding, bool):
         raise src.expected(table.keys("embedding"), _EMBEDDING_EXPECTED, embedding)
@@ -686,6 +727,8 @@ def _model(src: _Source, name: str, raw: object) -> ModelConfig:
         strict_api=table.boolean("strict_api", False),
         priority=_priority(src, table),
         preemptible=table.boolean("preemptible", True),
+        load=load,
+        unload_after_s=table.seconds("unload_after_s", 0.0, note=" (0 = never)"),
     )
 
 

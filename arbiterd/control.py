@@ -59,9 +59,9 @@ PROTOCOL_CODES: Final = frozenset(
 
 # What the daemon can be told (Service.command's names); MODEL_COMMANDS name a model.
 COMMANDS: Final = frozenset(
-    {"warm", "release", "pin", "unpin", "hold", "unhold", "reload", "shutdown"}
+    {"warm", "release", "pin", "unpin", "unload", "hold", "unhold", "reload", "shutdown"}
 )
-MODEL_COMMANDS: Final = frozenset({"warm", "release", "pin", "unpin"})
+MODEL_COMMANDS: Final = frozenset({"warm", "release", "pin", "unpin", "unload"})
 
 _RESERVED_KEYS = frozenset({"command", "request_id"})
 # Each command's arguments: name -> (type, required). Unknown arguments are refused, so a typo

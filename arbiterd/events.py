@@ -16,6 +16,7 @@ Shared by every process (worker, daemon, CLI, tray): imports nothing of arbiterd
     worker          a worker exited, or could not start
     reload          the config was read again
     hold            the user took or gave back the GPU (game mode)
+    unload          a model was unloaded: its worker exited, its prompt cache kept on disk
     vram            live VRAM figures (~1 Hz to subscribers; never journaled)
     vram_not_freed  a release did not give the VRAM back
     overflow        the control socket dropped a subscriber that fell behind
@@ -380,6 +381,47 @@ class HoldEvent(Event):
 
 
 @dataclass(frozen=True)
+class UnloadEvent(Event):
+    """A model was unloaded (`reason`: "command", or "idle" after unload_after_s): its worker
+    saved `tokens` tokens of prompt cache, `kv_bytes` in all, to `kv_file` and exited; `error`
+    says why nothing was saved when a save failed (it unloaded regardless)."""
+
+    KIND: ClassVar[str] = "unload"
+
+    model: str | None = None
+    pid: int | None = None
+    reason: str = ""
+    kv_file: str | None = None
+    kv_bytes: int | None = None
+    tokens: int | None = None
+    error: str = ""
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> UnloadEvent:
+        return cls(
+            at=_float(obj.get("at")),
+            model=_str(obj.get("model")),
+            pid=_int(obj.get("pid")),
+            reason=_text(obj.get("reason")),
+            kv_file=_str(obj.get("kv_file")),
+            kv_bytes=_int(obj.get("kv_bytes")),
+            tokens=_int(obj.get("tokens")),
+            error=_text(obj.get("error")),
+        )
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "pid": self.pid,
+            "reason": self.reason,
+            "kv_file": self.kv_file,
+            "kv_bytes": self.kv_bytes,
+            "tokens": self.tokens,
+            "error": self.error,
+        }
+
+
+@dataclass(frozen=True)
 class VramDevice:
     device: str | None
     name: str | None
@@ -552,6 +594,7 @@ KINDS: dict[str, type[Event]] = {
         WorkerEvent,
         ReloadEvent,
         HoldEvent,
+        UnloadEvent,
         VramEvent,
         VramNotFreedEvent,
         OverflowEvent,

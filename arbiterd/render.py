@@ -23,6 +23,7 @@ from arbiterd.events import (
     ReloadEvent,
     RequestEvent,
     ResidencyEvent,
+    UnloadEvent,
     VramEvent,
     VramNotFreedEvent,
     WaitEvent,
@@ -134,6 +135,8 @@ def event_detail(event: Event) -> str:  # noqa: PLR0911 (one return per kind)
             return _reload(event)
         case HoldEvent():
             return _hold(event)
+        case UnloadEvent():
+            return _unload(event)
         case VramEvent():
             return _vram(event)
         case VramNotFreedEvent():
@@ -281,6 +284,17 @@ def _reload(event: ReloadEvent) -> str:
 
 def _hold(event: HoldEvent) -> str:
     return "GPU held by the user" if event.held else "GPU given back by the user"
+
+
+def _unload(event: UnloadEvent) -> str:
+    line = f"{_name(event.model)} unloaded"
+    if event.reason:
+        line += f" ({event.reason})"
+    if event.error:
+        return f"{line}: {event.error}"
+    if event.kv_bytes:
+        line += f", {event.tokens} tokens of prompt cache kept ({format_bytes(event.kv_bytes)})"
+    return line
 
 
 def _vram(event: VramEvent) -> str:

@@ -101,6 +101,12 @@ class WorkerConfig:
     idle_release_s: float = 0.0  # 0: release only when wanted
     priority: Priority = Priority.NORMAL  # its class in the GPU queue, unless a request says
     preemptible: bool = True  # a generation pauses at a token boundary for a higher class
+    # Where an `unload` saves the prompt cache and a new worker restores it from (issue 14,
+    # worker/kvfile.py); None: unloading saves nothing.
+    kv_file: Path | None = None
+    # (size, mtime_ns) of the version of the model file that host_copy_fd holds, which keys
+    # the state file; None: the worker reads the file itself, and stats it.
+    model_version: tuple[int, int] | None = None
 
     def to_json(self) -> str:
         spec = dataclasses.asdict(self.spec)
@@ -114,12 +120,15 @@ class WorkerConfig:
                 "idle_release_s": self.idle_release_s,
                 "priority": self.priority.value,
                 "preemptible": self.preemptible,
+                "kv_file": None if self.kv_file is None else str(self.kv_file),
+                "model_version": None if self.model_version is None else list(self.model_version),
             }
         )
 
     @classmethod
     def from_json(cls, text: str) -> WorkerConfig:
         raw = json.loads(text)
+        version = raw.get("model_version")
         spec = dict(raw["spec"])
         spec["path"] = Path(spec["path"])
         spec["residency"] = Residency(spec.get("residency", Residency.AUTO))
@@ -131,4 +140,6 @@ class WorkerConfig:
             idle_release_s=float(raw["idle_release_s"]),
             priority=Priority(raw.get("priority", Priority.NORMAL)),
             preemptible=bool(raw.get("preemptible", True)),
+            kv_file=None if raw.get("kv_file") is None else Path(raw["kv_file"]),
+            model_version=None if version is None else (int(version[0]), int(version[1])),
         )

@@ -12,6 +12,7 @@ import pytest
 from arbiterd.arena import Priority
 from arbiterd.config import (
     Config,
+    Load,
     default_config_path,
     load_config,
     starter_config_text,
@@ -43,6 +44,8 @@ idle_release_s = 30
 strict_api = true
 priority = "interactive"
 preemptible = false
+load = "demand"
+unload_after_s = 600
 
 [models."llama-3.2_1b"]
 path = "/models/llama.gguf"
@@ -104,6 +107,8 @@ def test_full_file_sets_every_key(tmp_path: Path, env: dict[str, str]) -> None:
     assert qwen.strict_api is True
     assert qwen.priority is Priority.INTERACTIVE
     assert qwen.preemptible is False
+    assert qwen.load is Load.DEMAND
+    assert qwen.unload_after_s == 600.0
 
 
 def test_absent_keys_take_their_defaults(tmp_path: Path, env: dict[str, str]) -> None:
@@ -129,6 +134,8 @@ def test_absent_keys_take_their_defaults(tmp_path: Path, env: dict[str, str]) ->
     assert model.strict_api is False
     assert model.priority is Priority.NORMAL
     assert model.preemptible is True
+    assert model.load is Load.START
+    assert model.unload_after_s == 0.0
 
 
 def test_empty_strings_and_zero_threads_mean_the_default(
@@ -424,7 +431,13 @@ def test_an_alias_names_one_model_and_a_clash_names_both(
 def test_worker_config_carries_the_model(tmp_path: Path, env: dict[str, str]) -> None:
     model = load_text(tmp_path, env, FULL).models["qwen"]
 
-    worker = model.worker_config(tmp_path / "arena", host_copy_fd=7, embedding=True)
+    worker = model.worker_config(
+        tmp_path / "arena",
+        host_copy_fd=7,
+        embedding=True,
+        kv_file=tmp_path / "qwen.kv",
+        model_version=(1234, 5678),
+    )
 
     spec = worker.spec
     assert (spec.name, spec.path, spec.n_ctx) == ("qwen", model.path, 8192)
@@ -436,6 +449,8 @@ def test_worker_config_carries_the_model(tmp_path: Path, env: dict[str, str]) ->
     assert worker.kv_on_release is KvPolicy.DROP
     assert spec.residency is Residency.RELOAD
     assert (worker.min_hold_s, worker.idle_release_s) == (0.5, 30.0)
+    assert worker.kv_file == tmp_path / "qwen.kv"
+    assert worker.model_version == (1234, 5678)
     assert WorkerConfig.from_json(worker.to_json()) == worker
 
 
@@ -499,6 +514,18 @@ ERRORS = [
     ),
     pytest.param(
         M + 'kv_on_release = "HOST"', "models.qwen.kv_on_release", 'got "HOST"', id="kv_policy_case"
+    ),
+    pytest.param(
+        M + 'load = "lazy"',
+        "models.qwen.load",
+        'expected one of "start", "demand", got "lazy"',
+        id="load",
+    ),
+    pytest.param(
+        M + "unload_after_s = -1",
+        "models.qwen.unload_after_s",
+        "expected a non-negative number of seconds (0 = never), got -1",
+        id="unload_after_negative",
     ),
     pytest.param(
         M + 'residency = "inplace"',
@@ -578,7 +605,7 @@ ERRORS = [
         "models.qwen.n_ctxx",
         "unknown key; expected one of: path, aliases, n_ctx, n_gpu_layers, n_threads, "
         "chat_format, mmproj, embedding, kv_on_release, residency, min_hold_s, idle_release_s, "
-        "priority, preemptible, strict_api "
+        "priority, preemptible, strict_api, load, unload_after_s "
         "(did you mean n_ctx?)",
         id="unknown_model_key",
     ),

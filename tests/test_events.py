@@ -17,6 +17,7 @@ from arbiterd.events import (
     ReloadEvent,
     RequestEvent,
     ResidencyEvent,
+    UnloadEvent,
     VramDevice,
     VramEvent,
     VramNotFreedEvent,
@@ -81,6 +82,15 @@ SAMPLES: list[Event] = [
     WorkerEvent(at=T, model="gemma", pid=4242, code=-9, reason="killed", restart_in_s=1.0),
     ReloadEvent(at=T, added=("a",), removed=("b", "c"), changed=("d",), warnings=("a: no mmproj",)),
     HoldEvent(at=T, held=True),
+    UnloadEvent(
+        at=T,
+        model="gemma",
+        pid=4242,
+        reason="idle",
+        kv_file="/state/arbiterd/prompt-cache/gemma.kv",
+        kv_bytes=3 << 20,
+        tokens=812,
+    ),
     VramEvent(
         at=T,
         source="nvml",

@@ -185,6 +185,13 @@ def test_a_worker_line() -> None:
     assert line({"event": "worker", "model": "gemma", "code": 3}) == "worker    gemma exited code 3"
 
 
+def test_unload_lines_say_what_was_kept() -> None:
+    kept = {"event": "unload", "model": "a", "reason": "idle", "kv_bytes": 3 << 20, "tokens": 9}
+    assert line(kept) == "unload    a unloaded (idle), 9 tokens of prompt cache kept (3.0 MiB)"
+    failed = {"event": "unload", "model": "a", "reason": "command", "error": "disk full"}
+    assert line(failed) == "unload    a unloaded (command): disk full"
+
+
 def test_hold_reload_and_vram_lines() -> None:
     assert line({"event": "hold", "held": True}) == "hold      GPU held by the user"
     assert line({"event": "hold", "held": False}) == "hold      GPU given back by the user"
@@ -281,6 +288,7 @@ def test_failures_worth_a_notification(event: dict[str, Any], summary: str, body
         {"event": "handoff", "from": "a", "to": "b"},
         {"event": "wait", "model": "a", "holder_name": "steam", "wait_s": 600},
         {"event": "hold", "held": True},
+        {"event": "unload", "model": "a", "reason": "idle"},
         {"event": "request", "model": "a", "status": "error"},
     ],
 )

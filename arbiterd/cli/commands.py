@@ -1,5 +1,5 @@
 """The CLI commands that start or talk to the daemon: daemon, status, warm, release, pin,
-unpin, hold, unhold, reload, events.
+unpin, unload, hold, unhold, reload, events.
 
 Owns their arguments and how their output is laid out (its phrases come from arbiterd.render).
 Talks to a running daemon only through the control socket (cli/controlclient.py); `events` asks
@@ -66,6 +66,7 @@ def add_commands(command: AddCommand) -> None:
         ("release", "move a model off the GPU now (it stays resident in RAM)"),
         ("pin", "keep a model on the GPU whoever waits"),
         ("unpin", "let a pinned model release again"),
+        ("unload", "stop a model's worker and free its RAM; its prompt cache waits on disk"),
     ):
         model_parser = command(name, text, f"arbiterd {name} chat")
         model_parser.add_argument("model", metavar="NAME")
@@ -315,9 +316,19 @@ def _status_row(model: dict[str, Any]) -> tuple[str, ...]:
     )
 
 
+def _kept(result: dict[str, Any]) -> str:
+    """What an unload kept of the prompt cache, as a suffix; "" for any other reply."""
+    if result.get("error"):
+        return f" (its prompt cache was not kept: {result['error']})"
+    if result.get("kv_bytes"):
+        kept = render.format_bytes(int(result["kv_bytes"]))
+        return f" ({result.get('tokens')} tokens of prompt cache kept on disk, {kept})"
+    return ""
+
+
 def _describe(command: str, result: dict[str, Any]) -> str:
     if "model" in result and "state" in result:
-        return f"{result['model']}: {result['state']}"
+        return f"{result['model']}: {result['state']}" + _kept(result)
     if "pinned" in result:
         return f"{result.get('model', '')}: {'pinned' if result['pinned'] else 'unpinned'}"
     if "hold" in result:

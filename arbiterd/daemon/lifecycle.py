@@ -5,6 +5,8 @@ shared by every slot on that file), the watch on each worker's exit (a task awai
 restart with backoff after a crash or a failed spawn, and the stop. A spawn that fails for a
 reason that will not go away by itself (a config the worker refuses, a worker of another
 protocol) fails the slot for good, with the reason, until a reload brings a new config.
+Also the unload (issue 14): the worker saves its prompt cache to `<kv_dir>/<model>.kv` and
+exits, the slot lets go of its host copy; the next `load` starts a worker that reads the file.
 Everything runs on the daemon's event loop; copying a model file into memory runs in a thread.
 """
 
@@ -22,9 +24,10 @@ from typing import Any
 from arbiterd.daemon.modelfile import serves_embeddings
 from arbiterd.daemon.slots import Slot, SlotState
 from arbiterd.daemon.workerclient import WorkerClient
-from arbiterd.errors import ArbiterError, ConfigError, ProtocolError
-from arbiterd.events import Event, WorkerEvent
+from arbiterd.errors import ArbiterError, ConfigError, ControlError, ProtocolError, WorkerError
+from arbiterd.events import Event, UnloadEvent, WorkerEvent
 from arbiterd.hostcopy import HostCopies, HostCopy
+from arbiterd.paths import make_private_dirs
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,10 @@ RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 STABLE_UPTIME_S = 60.0  # a worker up this long has its backoff reset
 # Spawn failures that retrying cannot mend: the slot fails until the config changes.
 PERMANENT = (ConfigError, ProtocolError)
+# How long an unloading worker may take to finish what it has queued and write its prompt
+# cache (a few GB at disk speed) before it is killed, unsaved.
+UNLOAD_TIMEOUT_S = 300.0
+KV_SUFFIX = ".kv"
 
 
 class Lifecycle:
@@ -43,8 +50,12 @@ class Lifecycle:
         on_worker_event: Callable[[Slot, dict[str, Any]], None],
         on_ready: Callable[[Slot], None],
         on_gone: Callable[[Slot, WorkerClient], None],
+        kv_dir: Path | None = None,
     ) -> None:
+        """`kv_dir`: the folder unloaded models keep their prompt caches in; None: an unload
+        keeps none."""
         self._arena = arena
+        self._kv_dir = kv_dir
         self._publish = publish
         self._on_worker_event = on_worker_event
         self._on_ready = on_ready
@@ -66,7 +77,13 @@ class Lifecycle:
             # From the copy the worker loads: ~0.1 s for a large vocabulary, in a thread.
             slot.embedding = await asyncio.to_thread(serves_embeddings, slot.config, copy.fd)
             worker = await WorkerClient.spawn(
-                slot.config.worker_config(self._arena, copy.fd, embedding=slot.embedding),
+                slot.config.worker_config(
+                    self._arena,
+                    copy.fd,
+                    embedding=slot.embedding,
+                    kv_file=self._kv_file(slot),
+                    model_version=(copy.identity.size, copy.identity.mtime_ns),
+                ),
                 env=env,
                 on_event=lambda event: self._on_worker_event(slot, event),
             )
@@ -97,17 +114,111 @@ class Lifecycle:
         self._watches.add(watch)
         watch.add_done_callback(self._watches.discard)
 
+    async def load(self, slot: Slot) -> None:
+        """Start an unloaded slot's worker (a demand model's first request or `warm`, the first
+        after an unload) and return once it is ready or could not start. Concurrent callers
+        share one start, and one that is cancelled (a client gone) does not cancel it."""
+        task = slot.load_task
+        if task is None:
+            task = slot.load_task = asyncio.get_running_loop().create_task(self._load(slot))
+
+            def forget(_: asyncio.Task[None]) -> None:
+                slot.load_task = None
+
+            task.add_done_callback(forget)
+        await asyncio.shield(task)
+
+    async def _load(self, slot: Slot) -> None:
+        if slot.unload_task is not None:  # the next worker reads what this one writes
+            await asyncio.shield(slot.unload_task)
+        if slot.state is SlotState.UNLOADED and not self._stopping:
+            slot.move(SlotState.STARTING)
+            await self.start(slot)
+
+    async def unload(self, slot: Slot, reason: str) -> dict[str, Any]:
+        """Unload the slot: its worker finishes what it has queued, saves its prompt cache
+        and exits; the host copy goes. Returns what the worker said it saved ("kv_file",
+        "kv_bytes", "tokens", "error"). ControlError for a slot that is starting or failed."""
+        if slot.unload_task is not None:
+            return await asyncio.shield(slot.unload_task)
+        if slot.state is SlotState.UNLOADED:
+            return _nothing_kept()
+        if slot.state is SlotState.RESTARTING:  # no worker to save anything: do not restart
+            if slot.restart_task is not None:
+                slot.restart_task.cancel()
+            slot.move(SlotState.UNLOADED)
+            self.drop_copy(slot)
+            self._publish(UnloadEvent(model=slot.name, reason=reason))
+            return _nothing_kept()
+        worker = slot.worker
+        if slot.state is not SlotState.READY or worker is None:
+            raise ControlError(f"{slot.name} is {slot.shown_state}: it cannot be unloaded now")
+        slot.move(SlotState.UNLOADING)  # new requests wait for the next worker
+        task = asyncio.get_running_loop().create_task(self._unload(slot, worker, reason))
+        slot.unload_task = task
+        return await asyncio.shield(task)
+
+    async def _unload(self, slot: Slot, worker: WorkerClient, reason: str) -> dict[str, Any]:
+        try:
+            if self._kv_dir is not None:
+                try:
+                    await asyncio.to_thread(make_private_dirs, self._kv_dir, WorkerError)
+                except WorkerError as exc:  # the worker's write fails and says so
+                    log.warning("%s: %s", slot.name, exc)
+            try:
+                saved = await worker.request("unload", timeout_s=UNLOAD_TIMEOUT_S)
+            except ArbiterError as exc:
+                saved = _nothing_kept(str(exc))
+            await worker.shutdown()  # it exits by itself; reaped here (killed if it hangs)
+            self._on_gone(slot, worker)
+            if slot.state is SlotState.UNLOADING:  # not retired meanwhile
+                slot.move(SlotState.UNLOADED)
+            self._let_go(slot)
+            event = UnloadEvent(
+                model=slot.name,
+                pid=worker.pid,
+                reason=reason,
+                kv_file=saved.get("kv_file"),
+                kv_bytes=int(saved.get("kv_bytes") or 0),
+                tokens=int(saved.get("tokens") or 0),
+                error=str(saved.get("error") or ""),
+            )
+            if event.error:
+                log.warning("%s unloaded without its prompt cache: %s", slot.name, event.error)
+            else:
+                log.info(
+                    "%s unloaded (%s): %s bytes of prompt cache kept",
+                    slot.name,
+                    reason,
+                    event.kv_bytes,
+                )
+            self._publish(event)
+            return {
+                "kv_file": event.kv_file,
+                "kv_bytes": event.kv_bytes,
+                "tokens": event.tokens,
+                "error": event.error,
+            }
+        finally:
+            slot.unload_task = None
+
+    def _kv_file(self, slot: Slot) -> Path | None:
+        return None if self._kv_dir is None else self._kv_dir / f"{slot.name}{KV_SUFFIX}"
+
     async def retire(self, slot: Slot) -> None:
         """Stop the slot for good (removed or replaced by a reload): its worker's exit is not
         a crash; its host copy goes once the worker has let go of it."""
         if slot.restart_task is not None:
             slot.restart_task.cancel()
+        unloading = slot.unload_task
         worker = slot.worker
         if slot.state is not SlotState.STOPPED:
             slot.move(SlotState.STOPPED)
         if worker is not None:
             self._on_gone(slot, worker)
             await worker.shutdown()
+        if unloading is not None:  # its worker is reaped there
+            await asyncio.gather(asyncio.shield(unloading), return_exceptions=True)
         self.drop_copy(slot)
 
     async def stop(self, slots: list[Slot]) -> None:
@@ -181,6 +292,12 @@ class Lifecycle:
 
         slot.restart_task = asyncio.get_running_loop().create_task(restart())
         return delay_s
+
+
+def _nothing_kept(error: str = "") -> dict[str, Any]:
+    """An unload's reply when no prompt cache was kept; `error` says why, when one should have
+    been."""
+    return {"kv_file": None, "kv_bytes": 0, "tokens": 0, "error": error}
 
 
 def _os_reason(exc: OSError) -> str:

@@ -6,7 +6,7 @@ request's. A client that goes away (its task cancelled) cancels the request in t
 Every failure is published as a `request` event and raised as the error the edges map. A
 request for a model that does not exist, or of a kind its model does not serve (an embedding
 request to a chat model, or the other way round), is refused before any worker sees it, and
-no event is published.
+no event is published. A request for an unloaded model (issue 14) starts its worker first.
 """
 
 from __future__ import annotations
@@ -36,9 +36,16 @@ _DONE = object()  # what a stream's queue gets once its request ended
 
 
 class Router:
-    def __init__(self, slots: Mapping[str, Slot], publish: Callable[[Event], object]) -> None:
+    def __init__(
+        self,
+        slots: Mapping[str, Slot],
+        publish: Callable[[Event], object],
+        load: Callable[[Slot], Awaitable[None]],
+    ) -> None:
+        """`load` starts an unloaded slot's worker (lifecycle.Lifecycle.load)."""
         self._slots = slots
         self._publish = publish
+        self._load = load
         self._ids = itertools.count(1)
 
     async def complete(self, model: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -78,22 +85,29 @@ class Router:
                 sending.cancel()
 
     async def worker_of(self, model: str) -> WorkerClient:
-        """The model's worker once it is ready; at once UnknownModelError or EngineError for a
-        model that does not exist or cannot serve."""
-        slot = self._slots.get(model)
-        if slot is None:
-            raise UnknownModelError(
-                f"no model named {model!r}; available: {', '.join(self._slots) or 'none'}"
-            )
-        if slot.state is SlotState.FAILED or slot.residency == "failed":
-            raise EngineError(f"{model} failed to load: {slot.last_error}")
+        """The model's worker once it is ready (started first when it is unloaded); at once
+        UnknownModelError or EngineError for a model that does not exist or cannot serve."""
+        slot = self.slot_of(model)
         try:
             async with asyncio.timeout(READY_TIMEOUT_S):
+                if slot.state in (SlotState.UNLOADING, SlotState.UNLOADED):
+                    await self._load(slot)
+                if slot.state is SlotState.FAILED or slot.residency == "failed":
+                    raise EngineError(f"{model} failed to load: {slot.last_error}")
                 await slot.ready.wait()
         except TimeoutError:
             raise WorkerError(f"{model} is not running ({slot.last_error})") from None
         assert slot.worker is not None  # ready is set only while a worker is attached
         return slot.worker
+
+    def slot_of(self, model: str) -> Slot:
+        """The model's slot; UnknownModelError, with the models there are, when it has none."""
+        slot = self._slots.get(model)
+        if slot is None:
+            raise UnknownModelError(
+                f"no model named {model!r}; available: {', '.join(self._slots) or 'none'}"
+            )
+        return slot
 
     async def _serving(self, model: str, kind: str) -> WorkerClient:
         """`worker_of(model)`, or RequestError at once when the model does not serve `kind`

@@ -2,14 +2,16 @@
 
 Owns what the daemon knows of one model between its workers: the lifecycle state, the worker
 that serves it now, what that worker's hello said, the residency it last reported, whether it
-is an embedding model, its restarts and its last error. Pure bookkeeping, mutated only on the
-daemon's event loop; the parts that act on it (lifecycle.py starts and restarts workers,
-routing.py sends requests) move it through `move`, which refuses a transition the table does
-not list.
+is an embedding model, its restarts and its last error, and the unload or load (issue 14) in
+progress. Pure bookkeeping, mutated only on the daemon's event loop; the parts that act on it
+(lifecycle.py starts, restarts and unloads workers, routing.py sends requests) move it through
+`move`, which refuses a transition the table does not list.
 
     starting ──► ready ──► restarting ──► starting
-        │  └──────────────────▲
+        │  └──────────────────▲    └──► unloaded   (an `unload` cancels the restart)
         └──► failed              (permanent: the reason is kept; `reload` starts it again)
+    ready ──► unloading ──► unloaded ──► starting  (issue 14: `unload` or unload_after_s;
+                                                    a demand model begins unloaded)
     any ──► stopped
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from arbiterd.config import ModelConfig
 from arbiterd.daemon.workerclient import WorkerClient, WorkerHello
@@ -31,16 +34,22 @@ class SlotState(enum.StrEnum):
     RESTARTING = "restarting"  # no worker; one is spawned again after a backoff
     FAILED = "failed"  # cannot start until the config changes: `last_error` says why
     STOPPED = "stopped"  # the daemon stopped it (shutdown, or removed by a reload)
+    # Its worker saves the prompt cache to disk and exits; a request waits for it to finish,
+    # then starts a new worker (which reads that file).
+    UNLOADING = "unloading"
+    UNLOADED = "unloaded"  # no worker, no host copy: started by its next request or `warm`
 
 
 TRANSITIONS: dict[SlotState, frozenset[SlotState]] = {
     SlotState.STARTING: frozenset(
         {SlotState.READY, SlotState.RESTARTING, SlotState.FAILED, SlotState.STOPPED}
     ),
-    SlotState.READY: frozenset({SlotState.RESTARTING, SlotState.STOPPED}),
-    SlotState.RESTARTING: frozenset({SlotState.STARTING, SlotState.STOPPED}),
+    SlotState.READY: frozenset({SlotState.RESTARTING, SlotState.UNLOADING, SlotState.STOPPED}),
+    SlotState.RESTARTING: frozenset({SlotState.STARTING, SlotState.UNLOADED, SlotState.STOPPED}),
     SlotState.FAILED: frozenset({SlotState.STOPPED}),
     SlotState.STOPPED: frozenset(),
+    SlotState.UNLOADING: frozenset({SlotState.UNLOADED, SlotState.STOPPED}),
+    SlotState.UNLOADED: frozenset({SlotState.STARTING, SlotState.STOPPED}),
 }
 
 
@@ -63,6 +72,13 @@ class Slot:
     last_handoff: dict[str, object] | None = None  # the last time it took the GPU from a model
     copy_lease: Lease | None = None  # on the daemon's memfd of its model file; kept across restarts
     restart_task: asyncio.Task[None] | None = None
+    # Set while unloading: what its worker said (lifecycle.Lifecycle.unload); awaited by
+    # whoever starts the slot again, since the next worker reads the file the last one writes.
+    unload_task: asyncio.Task[dict[str, Any]] | None = None
+    load_task: asyncio.Task[None] | None = None  # set while an unloaded slot is started again
+    # time.monotonic() when its worker last went cold (unload_after_s counts from it); None
+    # while it is not cold.
+    cold_since: float | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # set exactly while READY
 
     @property
@@ -79,6 +95,7 @@ class Slot:
         self.state, self.worker = new, worker
         if new is not SlotState.READY:
             self.residency = None
+            self.cold_since = None
         if reason:
             self.last_error = reason
         if new is SlotState.READY:

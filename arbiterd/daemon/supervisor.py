@@ -9,7 +9,8 @@ Composes the daemon's parts, each with one job, and keeps what ties them togethe
 - `vramwatch.VramWatch` reads VRAM, accounts the engines' figures, verifies teardowns.
 Here: which model a name or alias asks for (the config's `resolve`, at each entry point, so
 every edge takes aliases), what a worker's events mean for its slot, status, the commands (hold,
-reload, ...), and the metrics scrape. Everything runs on the daemon's asyncio loop; no request
+reload, unload, ...), unloading models that stayed cold and idle for their unload_after_s
+(issue 14), and the metrics scrape. Everything runs on the daemon's asyncio loop; no request
 waits on a thread.
 """
 
@@ -17,11 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from arbiterd.arena import Arena, Token
-from arbiterd.config import Config
+from arbiterd.config import Config, Load, ModelConfig
 from arbiterd.control import MODEL_COMMANDS
 from arbiterd.daemon.eventbus import EventBus
 from arbiterd.daemon.handoffs import Handoffs
@@ -50,8 +52,32 @@ log = logging.getLogger(__name__)
 
 COMMAND_TIMEOUT_S = 300.0
 STATUS_TIMEOUT_S = 10.0
+# How often models with an unload_after_s are looked at (a status request to each cold one).
+UNLOAD_CHECK_S = 1.0
+# Beside the journal: the prompt caches unloaded models keep (lifecycle.py, worker/kvfile.py).
+KV_DIR = "prompt-cache"
 # How to get an engine that offloads (scripts/setup.sh builds llama-cpp-python for it).
 ENGINE_REBUILD_HINT = "rebuild it with ARBITERD_ENGINE=cuda|rocm|vulkan ./scripts/setup.sh"
+
+
+def unload_due(slot: Slot, now: float) -> bool:
+    """Whether `slot` has been cold for its unload_after_s by `now` (time.monotonic()); whether
+    it is also idle (nothing queued) its worker's status says."""
+    after_s = slot.config.unload_after_s
+    return (
+        after_s > 0
+        and slot.state is SlotState.READY
+        and slot.residency == "cold"
+        and slot.cold_since is not None
+        and now - slot.cold_since >= after_s
+    )
+
+
+def new_slot(model: ModelConfig) -> Slot:
+    """A slot for `model`: starting, or unloaded for a model loaded on demand."""
+    return Slot(
+        model, state=SlotState.UNLOADED if model.load is Load.DEMAND else SlotState.STARTING
+    )
 
 
 def offload_warning(n_gpu_layers: int, engine: EngineReport) -> str:
@@ -94,8 +120,9 @@ class Supervisor:
             on_worker_event=self._on_worker_event,
             on_ready=self._on_ready,
             on_gone=self._on_gone,
+            kv_dir=config.daemon.journal.parent / KV_DIR,
         )
-        self._router = Router(self._slots, self._bus.publish)
+        self._router = Router(self._slots, self._bus.publish, self._lifecycle.load)
         self._hold: Token | None = None
         self._engine: EngineReport | None = None  # as the latest worker's hello says
         self._tasks: set[asyncio.Task[None]] = set()  # started here, not awaited by anyone
@@ -105,14 +132,22 @@ class Supervisor:
 
     async def start(self) -> None:
         for name, model in self.config.models.items():
-            self._slots[name] = Slot(model)
+            self._slots[name] = new_slot(model)
             self.metrics.add_model(name)
-        await asyncio.gather(*(self._lifecycle.start(slot) for slot in self._slots.values()))
+        await asyncio.gather(*(self._start(slot) for slot in self._slots.values()))
         log.info("VRAM telemetry: %s", self._vram.readers.describe())
         self._vram.start()
+        self._spawn(self._unload_idle())
+
+    async def _start(self, slot: Slot) -> None:
+        """Start a new slot's worker, unless it is loaded on demand."""
+        if slot.state is SlotState.STARTING:
+            await self._lifecycle.start(slot)
 
     async def stop(self) -> None:
         """Stop every worker (in-flight requests finish first) and release a user hold."""
+        for task in list(self._tasks):
+            task.cancel()
         await self._lifecycle.stop(list(self._slots.values()))
         if self._hold is not None:
             self._hold.release()
@@ -231,12 +266,7 @@ class Supervisor:
         if name in MODEL_COMMANDS:
             if not model:
                 raise ControlError(f"{name} needs a model name")
-            model = self._name(model)  # the reply names the model, also when asked by alias
-            worker = await self._router.worker_of(model)
-            if name in ("pin", "unpin"):
-                self._slots[model].pinned = name == "pin"
-            result = await worker.request(name, timeout_s=COMMAND_TIMEOUT_S)
-            return {"model": model, **result}
+            return await self._model_command(name, self._name(model))
         if name == "hold":
             return await self._take_hold()
         if name == "unhold":
@@ -247,6 +277,20 @@ class Supervisor:
             self.stopped.set()
             return {"stopping": True}
         raise ControlError(f"unknown command {name!r}")
+
+    async def _model_command(self, name: str, model: str) -> dict[str, Any]:
+        """`name` for `model` (by its name: the reply names it so, also when asked by alias)."""
+        slot = self._router.slot_of(model)
+        if name == "unload":
+            saved = await self._lifecycle.unload(slot, "command")
+            return {"model": model, "state": slot.shown_state, **saved}
+        if name == "release" and slot.state in (SlotState.UNLOADING, SlotState.UNLOADED):
+            return {"model": model, "state": slot.shown_state}  # not started to release it
+        worker = await self._router.worker_of(model)
+        if name in ("pin", "unpin"):
+            self._slots[model].pinned = name == "pin"
+        result = await worker.request(name, timeout_s=COMMAND_TIMEOUT_S)
+        return {"model": model, **result}
 
     async def _reload(self) -> dict[str, Any]:
         """Re-read the config file: start added models, stop removed ones, restart changed
@@ -273,7 +317,7 @@ class Supervisor:
         aliases_changed = [
             n for n in new.models if n in old and new.models[n].aliases != old[n].aliases
         ]
-        fresh = {name: Slot(new.models[name]) for name in added + changed}
+        fresh = {name: new_slot(new.models[name]) for name in added + changed}
         try:
             # Before the old slots let theirs go: a changed model whose file is gone from disk
             # restarts from the copy its old worker still holds.
@@ -293,7 +337,9 @@ class Supervisor:
         for name, slot in fresh.items():
             self._slots[name] = slot
             self.metrics.add_model(name)
-        await asyncio.gather(*(self._lifecycle.start(slot) for slot in fresh.values()))
+            if slot.state is SlotState.UNLOADED:  # held only to outlive the old slot's copy
+                self._lifecycle.drop_copy(slot)
+        await asyncio.gather(*(self._start(slot) for slot in fresh.values()))
         self._bus.publish(
             ReloadEvent(
                 added=tuple(added),
@@ -368,9 +414,29 @@ class Supervisor:
             log.warning("%s %s", slot.name, slot.warning)
         self._vram.worker_started(slot.name, worker.pid)
         if slot.pinned:  # a restarted worker of a pinned model is pinned too
-            pinning = asyncio.get_running_loop().create_task(self._pin_again(slot, worker))
-            self._tasks.add(pinning)  # the loop keeps only a weak reference to a task
-            pinning.add_done_callback(self._tasks.discard)
+            self._spawn(self._pin_again(slot, worker))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(self._tasks.discard)
+
+    async def _unload_idle(self) -> None:
+        """Unload each model that stayed cold and idle for its unload_after_s (issue 14)."""
+        while True:
+            await asyncio.sleep(UNLOAD_CHECK_S)
+            now = time.monotonic()
+            for slot in [s for s in self._slots.values() if unload_due(s, now)]:
+                worker = slot.worker
+                assert worker is not None  # ready
+                try:
+                    live = await worker.request("status", timeout_s=STATUS_TIMEOUT_S)
+                    # A request may wait cold for the GPU: not idle.
+                    if live.get("queue") or live.get("current") or not unload_due(slot, now):
+                        continue
+                    await self._lifecycle.unload(slot, "idle")
+                except ArbiterError as exc:
+                    log.warning("%s: could not unload it: %s", slot.name, exc)
 
     async def _pin_again(self, slot: Slot, worker: WorkerClient) -> None:
         try:
@@ -394,6 +460,7 @@ class Supervisor:
         if worker is None or event.model != slot.name:
             return
         slot.residency = event.to_state
+        slot.cold_since = time.monotonic() if event.to_state == "cold" else None
         if event.to_state == "failed":
             slot.last_error = event.reason
         self._vram.residency(worker.pid, event)

@@ -65,6 +65,7 @@ from arbiterd.spec import (
     kind_refusal,
 )
 from arbiterd.worker.choices import Choice, TokenLogprob
+from arbiterd.worker.kvfile import KvState
 from arbiterd.worker.toolcalls import CallReader, call_schema, template_takes_tools
 
 log = logging.getLogger(__name__)
@@ -181,6 +182,10 @@ class Backend(Protocol):
 
     def host_kv_bytes(self) -> int: ...
 
+    def kept_kv(self) -> KvState | None: ...
+
+    def adopt_kv(self, kv: KvState) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -190,12 +195,6 @@ def disk_read_bytes() -> int:
         if line.startswith("read_bytes:"):
             return int(line.split()[1])
     return 0
-
-
-@dataclass
-class _KvSnapshot:
-    data: bytes
-    tokens: list[int]
 
 
 class _EvalCancelled(Exception):
@@ -241,7 +240,7 @@ class ReloadBackend:
         self._host_fd: int | None = None
         self._vocab: _Vocab | None = None
         self._chat: _ChatFormat | None = None
-        self._kv: _KvSnapshot | None = None
+        self._kv: KvState | None = None
         self._run = _Run()
         self.prompt_tokens_evaluated_total = 0
 
@@ -316,6 +315,38 @@ class ReloadBackend:
         """Host memory the KV cache of a cold model takes (the weights' host copy is the
         daemon's, shared by the workers on the same file)."""
         return len(self._kv.data) if self._kv else 0
+
+    def kept_kv(self) -> KvState | None:
+        """The prompt cache to keep while the model is unloaded (issue 14): a warm model's, or
+        the host copy a cold one saved on release; None when there is none (empty, dropped, or
+        left on the device by an in-place release, where it cannot be read without a restore).
+        """
+        if self._kv is not None:
+            return self._kv
+        llm = self._llm
+        if llm is None or self._is_released() or llm.n_tokens == 0:
+            return None
+        return _save_kv(llm)
+
+    def adopt_kv(self, kv: KvState) -> None:
+        """Set a kept prompt cache into the freshly loaded, warm context: the next request then
+        evaluates only what its prompt adds. RestoreError when it does not fit; the context is
+        then left empty (a full prefill, never a half-set cache)."""
+        llm = self._require_llm()
+        if self._is_released() or llm.n_tokens != 0:
+            raise RestoreError(f"{self.spec.name} has a prompt cache already")
+        if len(kv.tokens) > llm.n_ctx():
+            raise RestoreError(f"{len(kv.tokens)} tokens do not fit a context of {llm.n_ctx()}")
+        try:
+            _load_kv(llm, kv)
+        except RestoreError:
+            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
+            llm.n_tokens = 0
+            raise
+
+    def _is_released(self) -> bool:
+        """Whether the context is alive but its buffers released (the in-place backend)."""
+        return False
 
     def close(self) -> None:
         if self._llm is not None:
@@ -794,6 +825,9 @@ class InPlaceBackend(ReloadBackend):
             return self._kept_kv_bytes
         return self._api.stats(_context_pointer(llm), self._flags(KvPolicy.HOST)).device_bytes
 
+    def _is_released(self) -> bool:
+        return self._released
+
     def host_shadow_bytes(self) -> int:
         """Host memory holding the released weights (0 while warm)."""
         llm = self._llm
@@ -864,14 +898,14 @@ def _context_pointer(llm: llama_cpp.Llama) -> int:
     return pointer
 
 
-def _save_kv(llm: llama_cpp.Llama) -> _KvSnapshot:
+def _save_kv(llm: llama_cpp.Llama) -> KvState:
     size = llama_cpp.llama_state_get_size(llm.ctx)
     buffer = (ctypes.c_uint8 * size)()
     written = llama_cpp.llama_state_get_data(llm.ctx, buffer, size)
-    return _KvSnapshot(bytes(buffer)[:written], list(llm.input_ids[: llm.n_tokens]))
+    return KvState(list(llm.input_ids[: llm.n_tokens]), bytes(buffer)[:written])
 
 
-def _load_kv(llm: llama_cpp.Llama, kv: _KvSnapshot) -> None:
+def _load_kv(llm: llama_cpp.Llama, kv: KvState) -> None:
     size = len(kv.data)
     buffer = (ctypes.c_uint8 * size).from_buffer_copy(kv.data)
     if llama_cpp.llama_state_set_data(llm.ctx, buffer, size) != size:

@@ -28,6 +28,10 @@ Message protocol (JSON lines, `arbiterd.wire`), version WORKER_PROTOCOL:
     daemon → worker  {"op": "generate", "id", "kind": "completion"|"chat"|"embedding", "body",
                       "stream"}   an embedding model takes "embedding" only, any other the rest
                      {"op": "status"|"release"|"warm"|"pin"|"unpin"|"shutdown", "id"}
+                     {"op": "unload", "id"}  save the prompt cache to the config's kv_file
+                     (worker/kvfile.py), answer {"kv_file", "kv_bytes", "tokens", "error"}
+                     ("error": why nothing was saved, "" when it was or there was nothing),
+                     then exit as on shutdown; the next worker restores it after loading
                      {"op": "cancel", "id", "target": request id}
     worker → daemon  {"id", "chunk": {...}}  {"id", "result": {...}}
                      {"id", "error": {"code", "message"}}: code is an errors.ErrorCode
@@ -48,6 +52,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from arbiterd.arena import Arena, ArenaState, Priority, Ticket, Token, parse_priority
@@ -64,6 +69,7 @@ from arbiterd.events import RequestEvent, ResidencyEvent
 from arbiterd.procs import holder_name
 from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, ModelSpec, Residency, WorkerConfig
 from arbiterd.wire import LineReader, LineWriter
+from arbiterd.worker import kvfile
 from arbiterd.worker.engine import (
     Backend,
     Cancelled,
@@ -75,6 +81,7 @@ from arbiterd.worker.engine import (
     engine_info,
     select_backend,
 )
+from arbiterd.worker.kvfile import KvState
 from arbiterd.worker.policy import HoldView, ReleaseReason, preempts, release_reason
 from arbiterd.worker.residency import Residency as ResidencyMachine
 from arbiterd.worker.residency import State, Wait
@@ -85,7 +92,9 @@ log = logging.getLogger(__name__)
 PROBE_INTERVAL_S = 0.004
 # How often a generation looks for a waiter of a higher class (a look reads the queue, ~0.2 ms).
 PREEMPTION_CHECK_S = 0.02
-OPS = frozenset({"generate", "status", "release", "warm", "pin", "unpin", "shutdown", "cancel"})
+OPS = frozenset(
+    {"generate", "status", "release", "warm", "pin", "unpin", "shutdown", "unload", "cancel"}
+)
 
 
 @dataclass(frozen=True)
@@ -241,10 +250,66 @@ class Worker:
         except EngineError as exc:
             self._fail(exc)
             return False
+        self._adopt_kept_kv()
         self._moved(State.LOADING, State.WARM, moved, wait=wait)
         self._warm_since = self._idle_since = time.monotonic()
         self._served_when_warm = self._served
         return True
+
+    def _save_kept_kv(self) -> dict[str, Any]:
+        """On unload: write the prompt cache to the state file (issue 14). A write that fails
+        (a full disk) is logged and said in the reply; the unload goes on regardless."""
+        path = self.config.kv_file
+        kv = self._backend.kept_kv() if path is not None else None
+        if path is None or kv is None:
+            if path is not None:
+                _remove(path)  # an older cache than the one we had: stale
+            return _kept()
+        try:
+            written = kvfile.write(path, self._kv_key(), kv)
+        except (OSError, kvfile.KvFileError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            error = f"could not save the prompt cache to {path}: {reason}"
+            log.warning("%s: %s; unloading without it", self.name, error)
+            return _kept(error=error)
+        log.info(
+            "%s: saved %d tokens of prompt cache (%d bytes) to %s",
+            self.name,
+            len(kv.tokens),
+            written,
+            path,
+        )
+        return _kept(path, written, len(kv.tokens))
+
+    def _adopt_kept_kv(self) -> None:
+        """After loading: restore the prompt cache an unload kept, if it was made for this
+        model file and these params; any other file is discarded with a warning (a full
+        prefill, never a wrong answer). The file is used once: it is removed either way."""
+        path = self.config.kv_file
+        if path is None or not path.exists():
+            return
+        try:
+            kv = kvfile.read(path, self._kv_key())
+            self._backend.adopt_kv(kv)
+        except (OSError, kvfile.KvFileError, RestoreError) as exc:
+            log.warning("%s: discarding the kept prompt cache: %s", self.name, exc)
+        else:
+            log.info(
+                "%s: restored %d tokens of prompt cache from %s", self.name, len(kv.tokens), path
+            )
+        finally:
+            _remove(path)
+
+    def _kv_key(self) -> kvfile.KvKey:
+        """What this worker's prompt cache is made for: the version of the model file it
+        loaded (the one the daemon's host copy holds, else the file as it is now) and the
+        context params. OSError when the file must be stat'ed and cannot be."""
+        spec = self.config.spec
+        version = self.config.model_version
+        if version is None:
+            return kvfile.KvKey.of(spec.path, n_ctx=spec.n_ctx, embedding=spec.embedding)
+        size, mtime_ns = version
+        return kvfile.KvKey(size, mtime_ns, spec.n_ctx, spec.embedding)
 
     def _fail(self, exc: EngineError) -> None:
         self._last_error = str(exc)
@@ -261,6 +326,9 @@ class Worker:
                 self._maybe_release()
                 continue
             if command.op == "shutdown":
+                return
+            if command.op == "unload":
+                self._reply(command.id, self._save_kept_kv())
                 return
             if command.op == "release":
                 if self._residency.state is State.WARM:
@@ -281,6 +349,9 @@ class Worker:
         while True:
             command = self._inbox.get()
             if command.op == "shutdown":
+                return
+            if command.op == "unload":  # nothing was loaded: nothing to keep
+                self._reply(command.id, _kept())
                 return
             self._error(command.id, EngineError(f"{self.name} failed to load: {self._last_error}"))
 
@@ -619,6 +690,12 @@ class Unavailable:
     def host_kv_bytes(self) -> int:
         return 0
 
+    def kept_kv(self) -> KvState | None:
+        return None
+
+    def adopt_kv(self, kv: KvState) -> None:
+        raise self._error
+
     def close(self) -> None:
         return None
 
@@ -633,6 +710,28 @@ def _priority(body: dict[str, Any], default: Priority) -> Priority:
         return parse_priority(str(given), "'priority'")
     except BadValueError as exc:
         raise RequestError(str(exc)) from None
+
+
+def _kept(
+    kv_file: Path | None = None, kv_bytes: int = 0, tokens: int = 0, error: str = ""
+) -> dict[str, Any]:
+    """An unload's reply: where the prompt cache was kept, its size, and its tokens; or why
+    none was kept when one should have been."""
+    return {
+        "kv_file": None if kv_file is None else str(kv_file),
+        "kv_bytes": kv_bytes,
+        "tokens": tokens,
+        "error": error,
+    }
+
+
+def _remove(path: Path) -> None:
+    """Remove a state file that was used or is stale; one that cannot be removed is said (a
+    file left behind is checked like any other before a worker uses it)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("cannot remove %s: %s", path, exc.strerror or exc)
 
 
 def _result_json(result: Generation) -> dict[str, Any]:

@@ -20,8 +20,8 @@ from arbiterd.daemon import lifecycle
 from arbiterd.daemon.lifecycle import Lifecycle
 from arbiterd.daemon.slots import Slot, SlotState
 from arbiterd.daemon.workerclient import WorkerClient
-from arbiterd.errors import ConfigError, ProtocolError, WorkerError
-from arbiterd.events import Event, WorkerEvent
+from arbiterd.errors import ConfigError, ControlError, ProtocolError, WorkerError
+from arbiterd.events import Event, UnloadEvent, WorkerEvent
 from arbiterd.hostcopy import Lease
 from tests.support.models import model_config
 
@@ -38,17 +38,24 @@ class Harness:
         self.readied: asyncio.Queue[tuple[Slot, int]] = asyncio.Queue()  # the slot, its pid
         self.gone: list[tuple[str, int]] = []
         self.worker_events: list[dict[str, Any]] = []
+        self.order: list[tuple[str, int]] = []  # ("ready" | "gone", pid), as they came
         self.lifecycle = Lifecycle(
             arena,
             publish=self.published.put_nowait,
             on_worker_event=lambda slot, event: self.worker_events.append(event),
             on_ready=self.on_ready,
-            on_gone=lambda slot, worker: self.gone.append((slot.name, worker.pid)),
+            on_gone=self.on_gone,
+            kv_dir=arena.parent / "prompt-cache",
         )
 
     def on_ready(self, slot: Slot) -> None:
         assert slot.worker is not None  # on_ready comes once the slot has its worker
         self.readied.put_nowait((slot, slot.worker.pid))
+        self.order.append(("ready", slot.worker.pid))
+
+    def on_gone(self, slot: Slot, worker: WorkerClient) -> None:
+        self.gone.append((slot.name, worker.pid))
+        self.order.append(("gone", worker.pid))
 
     def slot(self, name: str = "m") -> Slot:
         return Slot(model_config(name, self.model, n_ctx=512))
@@ -430,3 +437,64 @@ def test_a_slot_retired_while_its_model_file_is_copied_spawns_nothing_and_keeps_
     slot, copies = run(scenario())
     assert (slot.state, slot.copy_lease, copies) == (SlotState.STOPPED, None, 0)
     assert asked == []
+
+
+def test_an_unloaded_slot_keeps_nothing_and_its_next_worker_starts_after_the_last_exited(
+    harness: Harness,
+) -> None:
+    async def scenario() -> tuple[Slot, int, int, dict[str, Any], list[Event]]:
+        slot = harness.slot()
+        await harness.lifecycle.start(slot)
+        _, first = harness.readied.get_nowait()
+        unloading = asyncio.create_task(harness.lifecycle.unload(slot, "command"))
+        await asyncio.sleep(0)
+        assert (slot.state, slot.worker) == (SlotState.UNLOADING, None)
+        loading = asyncio.create_task(harness.lifecycle.load(slot))  # a request came
+        saved = await unloading
+        await loading
+        _, second = harness.readied.get_nowait()
+        published = harness.published_now()
+        await harness.lifecycle.stop([slot])
+        return slot, first, second, saved, published
+
+    slot, first, second, saved, published = run(scenario())
+    assert second != first
+    # The next worker reads what the last one writes: it starts once that one is gone.
+    assert harness.order[:3] == [("ready", first), ("gone", first), ("ready", second)]
+    assert saved == {"kv_file": None, "kv_bytes": 0, "tokens": 0, "error": ""}  # nothing ran
+    assert published == [
+        UnloadEvent(at=None, model="m", pid=first, reason="command", kv_bytes=0, tokens=0)
+    ]
+    assert slot.state is SlotState.STOPPED
+
+
+def test_unloading_a_slot_that_waits_to_restart_cancels_the_restart(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lifecycle, "RESTART_BACKOFF_S", (3600.0,))
+    asked = failing_spawns(monkeypatch, OSError(errno.ENOMEM, "Cannot allocate memory"))
+
+    async def scenario() -> tuple[Slot, bool, list[Event]]:
+        slot = harness.slot()
+        await harness.lifecycle.start(slot)
+        restart = slot.restart_task
+        assert restart is not None
+        harness.published_now()  # the failed spawn's
+        await harness.lifecycle.unload(slot, "idle")
+        await asyncio.wait([restart])
+        published = harness.published_now()
+        await harness.lifecycle.stop([slot])
+        return slot, restart.cancelled(), published
+
+    slot, cancelled, published = run(scenario())
+    assert (cancelled, asked) == (True, ["m"])
+    assert [(e.kind, getattr(e, "reason", "")) for e in published] == [("unload", "idle")]
+    assert slot.copy_lease is None
+
+
+def test_a_starting_slot_cannot_be_unloaded(harness: Harness) -> None:
+    async def scenario() -> None:
+        with pytest.raises(ControlError, match="starting"):
+            await harness.lifecycle.unload(harness.slot(), "command")
+
+    run(scenario())

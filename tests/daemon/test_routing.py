@@ -111,7 +111,15 @@ class Daemon:
     def __init__(self, *names: str) -> None:
         self.slots = {name: Slot(model_config(name)) for name in names}
         self.published: list[Event] = []
-        self.router = Router(self.slots, self.published.append)
+        self.loaded: list[str] = []  # the slots `load` started, in order
+        self.router = Router(self.slots, self.published.append, self.load)
+
+    async def load(self, slot: Slot) -> None:
+        """What lifecycle.py does for an unloaded slot: a new worker, ready."""
+        self.loaded.append(slot.name)
+        slot.move(SlotState.STARTING)
+        await asyncio.sleep(0)  # the spawn
+        ready(slot, FakeWorker(f"{slot.name}-loaded"))
 
     def serve(self, model: str, worker: FakeWorker) -> FakeWorker:
         ready(self.slots[model], worker)
@@ -165,6 +173,23 @@ def test_a_request_waits_for_a_starting_model_and_is_served_once_it_is_ready() -
         return await request
 
     assert run(scenario()) == {"text": "answered by w1"}
+
+
+def test_a_request_for_an_unloaded_model_starts_its_worker_once() -> None:
+    async def scenario() -> tuple[list[dict[str, Any]], Daemon]:
+        daemon = Daemon("m")
+        slot = daemon.slots["m"]
+        ready(slot, FakeWorker("w1"))
+        slot.move(SlotState.UNLOADING)
+        slot.move(SlotState.UNLOADED)
+        first = asyncio.create_task(daemon.router.complete("m", "completion", BODY))
+        await asyncio.sleep(0)
+        second = await daemon.router.complete("m", "completion", BODY)
+        return [await first, second], daemon
+
+    responses, daemon = run(scenario())
+    assert responses == [{"text": "answered by m-loaded"}] * 2
+    assert daemon.loaded == ["m"]  # the second found it starting, and waited
 
 
 def test_a_request_whose_worker_was_gone_is_sent_once_more_to_its_successor() -> None:

@@ -643,3 +643,83 @@ def test_models_on_one_file_share_one_host_copy(tiny_model: Path) -> None:
         assert "HOST RAM" in shown.stdout
     finally:
         running.cleanup()
+
+
+# -- issue 14: load on demand, unload, the prompt cache on disk ----------------------------------
+
+
+def completion(client: openai.OpenAI, model: str, prompt: str) -> tuple[str, int, int]:
+    """Greedy text, prompt tokens, and how many of them came from the prompt cache."""
+    done = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+    usage = done.usage
+    assert usage is not None
+    assert usage.prompt_tokens_details is not None
+    cached = usage.prompt_tokens_details.cached_tokens or 0
+    return done.choices[0].text, usage.prompt_tokens, cached
+
+
+def model_status(daemon: Daemon, name: str) -> dict[str, Any]:
+    with daemon.client() as client:
+        models: list[dict[str, Any]] = client.call("status")["models"]
+    return next(m for m in models if m["name"] == name)
+
+
+def test_a_demand_model_starts_when_wanted_and_unloads_keeping_its_prompt_cache(
+    tiny_model: Path,
+) -> None:
+    running = Daemon({"eager": tiny(tiny_model), "lazy": tiny(tiny_model, load="demand")})
+    try:
+        running.wait_ready(("warm", "cold", "unloaded"))
+        lazy = model_status(running, "lazy")
+        assert (lazy["state"], lazy["pid"], lazy["backend"]) == ("unloaded", None, None)
+        warmed = arbiterd("warm", "lazy", "--socket", str(running.socket))
+        assert warmed.returncode == 0, warmed.stderr
+        assert warmed.stdout.strip() == "lazy: warm"  # started, and waited for
+        assert model_status(running, "lazy")["pid"] is not None
+        with openai.OpenAI(base_url=running.url, api_key="-", max_retries=0, timeout=60) as api:
+            completion(api, "lazy", PREFIX)
+            done = arbiterd("unload", "lazy", "--socket", str(running.socket))
+            assert done.returncode == 0, done.stderr
+            assert "lazy: unloaded (" in done.stdout
+            assert "tokens of prompt cache kept on disk" in done.stdout
+            lazy = model_status(running, "lazy")
+            assert (lazy["state"], lazy["pid"], lazy["host_ram_bytes"]) == ("unloaded", None, None)
+            assert (running.dir / "prompt-cache" / "lazy.kv").is_file()
+
+            text, prompt_tokens, cached = completion(api, "lazy", PREFIX + " and the cat is quick")
+            expected, _, _ = completion(api, "eager", PREFIX + " and the cat is quick")
+        assert text == expected
+        # Evaluated: the suffix (" and the cat is quick": under 10 tokens in any vocabulary)
+        # and the last token of the kept cache, decoded again for its logits.
+        assert 0 < prompt_tokens - cached <= 10 + 1
+        assert not (running.dir / "prompt-cache" / "lazy.kv").exists()  # used once
+    finally:
+        running.cleanup()
+
+
+def test_a_model_cold_and_idle_for_unload_after_s_unloads_and_a_damaged_cache_is_discarded(
+    tiny_model: Path,
+) -> None:
+    running = Daemon({"m": tiny(tiny_model, idle_release_s=0.2, unload_after_s=1)})
+    kv_file = running.dir / "prompt-cache" / "m.kv"
+    try:
+        running.wait_ready()
+        with openai.OpenAI(base_url=running.url, api_key="-", max_retries=0, timeout=60) as api:
+            first, _, _ = completion(api, "m", PREFIX)
+            wait_until(lambda: model_status(running, "m")["state"] == "unloaded", 30, "unloaded")
+            blob = bytearray(kv_file.read_bytes())
+            blob[-100] ^= 0xFF
+            kv_file.write_bytes(bytes(blob))
+            again, prompt_tokens, cached = completion(api, "m", PREFIX)
+        assert (again, cached) == (first, 0)  # a full prefill, and the right answer
+        assert prompt_tokens > 0
+        assert "discarding the kept prompt cache" in running.log.read_text()
+        journal = Journal.open_readonly(running.journal)
+        try:
+            unloads = [e.body for e in journal.read(kinds=["unload"])]
+        finally:
+            journal.close()
+        assert [e["reason"] for e in unloads] == ["idle"]
+        assert unloads[0]["kv_bytes"] > 0
+    finally:
+        running.cleanup()

@@ -21,6 +21,8 @@ PATH_TO: dict[SlotState, tuple[SlotState, ...]] = {
     SlotState.RESTARTING: (SlotState.RESTARTING,),
     SlotState.FAILED: (SlotState.FAILED,),
     SlotState.STOPPED: (SlotState.STOPPED,),
+    SlotState.UNLOADING: (SlotState.READY, SlotState.UNLOADING),
+    SlotState.UNLOADED: (SlotState.READY, SlotState.UNLOADING, SlotState.UNLOADED),
 }
 ALLOWED = [(old, new) for old, targets in TRANSITIONS.items() for new in sorted(targets)]
 REFUSED = [
@@ -48,7 +50,7 @@ def slot_in(state: SlotState) -> Slot:
 def test_the_table_has_every_state_and_any_state_but_stopped_can_stop() -> None:
     assert set(TRANSITIONS) == set(SlotState)
     assert [s for s in SlotState if SlotState.STOPPED not in TRANSITIONS[s]] == [SlotState.STOPPED]
-    assert len(ALLOWED) == 9  # the diagram in slots.py's docstring, edge by edge
+    assert len(ALLOWED) == 15  # the diagram in slots.py's docstring, edge by edge
 
 
 @pytest.mark.parametrize(("old", "new"), ALLOWED)
@@ -143,3 +145,16 @@ def test_status_shows_the_residency_while_ready_and_the_slot_state_otherwise() -
 
 def test_a_slot_is_named_after_its_model() -> None:
     assert Slot(model_config("qwen")).name == "qwen"
+
+
+def test_an_unloaded_slot_shows_unloaded_and_forgets_its_residency() -> None:
+    slot = slot_in(SlotState.READY)
+    report(slot, "cold")
+    slot.cold_since = 1.0
+    move(slot, SlotState.UNLOADING)
+    assert slot.shown_state == "unloading"
+    assert slot.worker is None
+    assert [slot.residency, slot.cold_since] == [None, None]  # what it knew of its worker
+    move(slot, SlotState.UNLOADED)
+    assert slot.shown_state == "unloaded"
+    assert not slot.ready.is_set()

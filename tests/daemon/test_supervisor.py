@@ -8,18 +8,26 @@ import logging
 import os
 import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from arbiterd.config import load_config
+from arbiterd.config import Load, load_config
 from arbiterd.daemon import lifecycle
 from arbiterd.daemon.metrics import Metrics
-from arbiterd.daemon.supervisor import ENGINE_REBUILD_HINT, Supervisor, offload_warning
+from arbiterd.daemon.slots import Slot, SlotState
+from arbiterd.daemon.supervisor import (
+    ENGINE_REBUILD_HINT,
+    Supervisor,
+    new_slot,
+    offload_warning,
+    unload_due,
+)
 from arbiterd.daemon.telemetry import DeviceMemory, ProcessMemory, ReaderSet, Reading
 from arbiterd.daemon.workerclient import BACKENDS, EngineReport, WorkerClient
+from tests.support.models import model_config
 
 GiB = 1 << 30
 
@@ -227,3 +235,22 @@ def test_each_model_says_its_backend_and_gpu_layers_an_engine_cannot_give_warn_o
 def pid_of(status: dict[str, Any], name: str) -> int:
     pid: int = {m["name"]: m["pid"] for m in status["models"]}[name]
     return pid
+
+
+def test_a_model_is_due_for_unloading_once_cold_for_its_unload_after_s() -> None:
+    slot = Slot(model_config("m", unload_after_s=60.0))
+    slot.move(SlotState.READY, worker=cast(WorkerClient, object()))
+    slot.residency, slot.cold_since = "cold", 1000.0
+    assert not unload_due(slot, 1059.0)
+    assert unload_due(slot, 1060.0)
+    slot.residency = "warm"  # the supervisor clears cold_since then too; the state alone says no
+    assert not unload_due(slot, 2000.0)
+    never = Slot(model_config("n"))  # unload_after_s = 0
+    never.move(SlotState.READY, worker=cast(WorkerClient, object()))
+    never.residency, never.cold_since = "cold", 0.0
+    assert not unload_due(never, 1e9)
+
+
+def test_a_demand_model_begins_unloaded_and_the_others_starting() -> None:
+    assert new_slot(model_config("m", load=Load.DEMAND)).state is SlotState.UNLOADED
+    assert new_slot(model_config("m")).state is SlotState.STARTING

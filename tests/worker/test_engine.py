@@ -18,9 +18,10 @@ import llama_cpp
 import pytest
 
 from arbiterd.cli.demo import smollm_model_path
-from arbiterd.errors import ContextOverflowError, ModelLoadError, RequestError
+from arbiterd.errors import ContextOverflowError, ModelLoadError, RequestError, RestoreError
 from arbiterd.spec import KvPolicy, ModelSpec
 from arbiterd.worker.engine import TOKENIZE_PIECE_BYTES, ReloadBackend, disk_read_bytes
+from arbiterd.worker.kvfile import KvState
 from tests.support.pagecache import drop_page_cache
 
 PREFIX = " ".join(f"the fox {w} is not a dog" for w in ("one", "two", "three", "four") * 8)
@@ -208,6 +209,57 @@ def test_greedy_output_matches_a_fresh_process(backend: ReloadBackend, tiny_mode
         check=True,
     )
     assert fresh.stdout == warm_text
+
+
+def test_a_kept_prompt_cache_restores_into_a_new_backend(
+    backend: ReloadBackend, tiny_model: Path
+) -> None:
+    first = backend.generate("completion", greedy(PREFIX), None)
+    expected = text_of(backend.generate("completion", greedy(PREFIX + SUFFIX), None))
+    kept = backend.kept_kv()
+    assert kept is not None
+    backend.close()  # as an unloaded worker exits
+    fresh = ReloadBackend(ModelSpec(name="tiny", path=tiny_model, n_ctx=1024, n_gpu_layers=0))
+    fresh.load()
+    try:
+        fresh.adopt_kv(kept)
+        again = fresh.generate("completion", greedy(PREFIX + SUFFIX), None)
+    finally:
+        fresh.close()
+    assert text_of(again) == expected
+    assert again.prompt_tokens > first.prompt_tokens
+    assert again.prompt_tokens_evaluated == 1  # its whole prompt came from the kept cache
+
+
+def test_a_cold_model_keeps_the_cache_it_saved_on_release(backend: ReloadBackend) -> None:
+    backend.generate("completion", greedy(PREFIX), None)
+    backend.release(KvPolicy.HOST)
+    kept = backend.kept_kv()
+    assert kept is not None
+    assert kept.data
+    backend.restore()
+    backend.release(KvPolicy.DROP)
+    assert backend.kept_kv() is None
+
+
+def test_a_kept_cache_that_does_not_fit_leaves_the_context_empty(
+    backend: ReloadBackend, tiny_model: Path
+) -> None:
+    backend.generate("completion", greedy(PREFIX), None)
+    kept = backend.kept_kv()
+    assert kept is not None
+    backend.close()
+    other = ReloadBackend(ModelSpec(name="tiny", path=tiny_model, n_ctx=128, n_gpu_layers=0))
+    other.load()
+    try:
+        with pytest.raises(RestoreError):
+            other.adopt_kv(KvState(kept.tokens, kept.data[: len(kept.data) // 2]))
+        with pytest.raises(RestoreError):
+            other.adopt_kv(kept)  # more tokens than its context holds
+        again = other.generate("completion", greedy("the fox"), None)
+    finally:
+        other.close()
+    assert again.prompt_tokens_evaluated == again.prompt_tokens  # a full prefill
 
 
 def test_dropping_the_kv_means_a_full_prefill(backend: ReloadBackend) -> None:

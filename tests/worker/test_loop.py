@@ -33,6 +33,7 @@ from arbiterd.errors import (
 from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, ModelSpec, Residency, WorkerConfig
 from arbiterd.wire import LineReader, LineWriter
 from arbiterd.worker.engine import EngineInfo, Generation, Moved, Prepared, engine_info
+from arbiterd.worker.kvfile import KvState
 from arbiterd.worker.loop import Unavailable, Worker
 from tests.support.waiting import wait_until
 
@@ -406,6 +407,74 @@ def test_shutdown_lets_the_current_request_finish(workers: Workers) -> None:
     assert results[0]["completion_tokens"] == 200
 
 
+SUFFIX = " and the cat is quick"
+
+
+def test_an_unloaded_worker_keeps_its_prompt_cache_for_the_next(
+    workers: Workers, tmp_path: Path
+) -> None:
+    kv_file = tmp_path / "first.kv"
+    first = workers.spawn("first", kv_file=kv_file)
+    before = complete(first, PREFIX + SUFFIX, max_tokens=8)
+    reply = first.request("unload")
+    assert first.wait(timeout_s=30) == 0
+    assert reply["kv_file"] == str(kv_file)
+    assert reply["tokens"] == before["prompt_tokens"] + 7  # the last sampled token is not fed
+    assert reply["kv_bytes"] == kv_file.stat().st_size
+    assert reply["error"] == ""
+
+    again = workers.spawn("first", kv_file=kv_file)
+    after = complete(again, PREFIX + SUFFIX, max_tokens=8)
+    assert after["response"]["choices"] == before["response"]["choices"]
+    assert after["prompt_tokens_evaluated"] == 1  # decoded again for its logits
+    assert not kv_file.exists()  # used once
+
+
+def test_a_damaged_state_file_is_discarded_for_a_full_prefill(
+    workers: Workers, tmp_path: Path
+) -> None:
+    kv_file = tmp_path / "first.kv"
+    first = workers.spawn("first", kv_file=kv_file)
+    before = complete(first, PREFIX, max_tokens=8)
+    first.request("unload")
+    first.wait(timeout_s=30)
+    blob = bytearray(kv_file.read_bytes())
+    blob[-100] ^= 0xFF
+    kv_file.write_bytes(bytes(blob))
+
+    again = workers.spawn("first", kv_file=kv_file)
+    after = complete(again, PREFIX, max_tokens=8)
+    assert after["response"]["choices"] == before["response"]["choices"]
+    assert after["prompt_tokens_evaluated"] == after["prompt_tokens"]
+    assert not kv_file.exists()
+
+
+def test_a_state_file_for_another_context_is_discarded(workers: Workers, tmp_path: Path) -> None:
+    kv_file = tmp_path / "first.kv"
+    first = workers.spawn("first", kv_file=kv_file)
+    complete(first, PREFIX)
+    first.request("unload")
+    first.wait(timeout_s=30)
+    assert kv_file.exists()
+
+    other = workers.spawn("first", kv_file=kv_file, n_ctx=1024)
+    after = complete(other, PREFIX)
+    assert after["prompt_tokens_evaluated"] == after["prompt_tokens"]
+
+
+def test_an_unload_that_cannot_write_still_unloads_and_says_why(
+    workers: Workers, tmp_path: Path
+) -> None:
+    kv_file = tmp_path / "no such folder" / "first.kv"
+    first = workers.spawn("first", kv_file=kv_file)
+    complete(first, PREFIX)
+    reply = first.request("unload")
+    assert first.wait(timeout_s=30) == 0
+    assert reply["kv_file"] is None
+    assert "could not save the prompt cache" in reply["error"]
+    assert "No such file or directory" in reply["error"]
+
+
 class FlakyRestore:
     """A backend whose restore fails: the worker must roll back to cold and free the token."""
 
@@ -443,6 +512,12 @@ class FlakyRestore:
 
     def host_kv_bytes(self) -> int:
         return 0 if self.warm else 10
+
+    def kept_kv(self) -> KvState | None:
+        return None
+
+    def adopt_kv(self, kv: KvState) -> None:
+        raise RestoreError("a test double keeps no cache")
 
     def close(self) -> None:
         self.warm = False
