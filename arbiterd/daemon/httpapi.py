@@ -1123,10 +1123,7 @@ def create_app(
     async def serve(request: Request, kind: str) -> Response:
         try:
             parsed = parse_request(kind, _parse_json(await _read_body(request, max_body_bytes)))
-            if service.resolve(parsed.model) is None:
-                raise _unknown_model(parsed.model, names())
-            _refuse_if_strict(service, parsed.model, parsed.ignored)
-            _take_priority(request.headers, parsed.body)
+            _admit(service, request.headers, parsed, names)
         except Exception as exc:
             return _api_error(exc, names).response()
         if parsed.stream:
@@ -1152,6 +1149,21 @@ def create_app(
 
     _add_ollama_routes(app, service, guarded, names, max_body_bytes)
     return app
+
+
+def _admit(
+    service: Service,
+    headers: Headers,
+    parsed: CompletionRequest | EmbeddingRequest,
+    names: Callable[[], list[str]],
+) -> None:
+    """What every model route checks once a body parsed: the model exists (by name or alias),
+    a strict model is not sent fields it would ignore, and the request's class in the GPU
+    queue (its header) goes to the engine."""
+    if service.resolve(parsed.model) is None:
+        raise _unknown_model(parsed.model, names())
+    _refuse_if_strict(service, parsed.model, parsed.ignored)
+    _take_priority(headers, parsed.body)
 
 
 def _take_priority(headers: Headers, body: dict[str, Any]) -> None:
@@ -1210,10 +1222,7 @@ def _add_embeddings_route(
     async def embeddings(request: Request) -> Response:
         try:
             parsed = parse_embedding_request(_parse_json(await _read_body(request, max_body_bytes)))
-            if service.resolve(parsed.model) is None:
-                raise _unknown_model(parsed.model, names())
-            _refuse_if_strict(service, parsed.model, parsed.ignored)
-            _take_priority(request.headers, parsed.body)
+            _admit(service, request.headers, parsed, names)
         except Exception as exc:
             return _api_error(exc, names).response()
         outcome = await _complete(service, parsed, request.receive, names)
@@ -1252,9 +1261,7 @@ def _add_ollama_routes(
             translate = ollama.chat_request if route == "chat" else ollama.generate_request
             kind, openai, stream = translate(payload)
             parsed = parse_request(kind, openai)
-            if service.resolve(parsed.model) is None:
-                raise _unknown_model(parsed.model, names())
-            _take_priority(request.headers, parsed.body)
+            _admit(service, request.headers, parsed, names)
         except Exception as exc:
             return _api_error(exc, names).response()
         started = time.monotonic()
@@ -1280,9 +1287,7 @@ def _add_ollama_routes(
         try:
             payload = _parse_json(await _read_body(request, max_body_bytes))
             parsed = parse_embedding_request(ollama.embed_request(payload))
-            if service.resolve(parsed.model) is None:
-                raise _unknown_model(parsed.model, names())
-            _take_priority(request.headers, parsed.body)
+            _admit(service, request.headers, parsed, names)
         except Exception as exc:
             return _api_error(exc, names).response()
         started = time.monotonic()
