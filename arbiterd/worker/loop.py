@@ -90,7 +90,8 @@ log = logging.getLogger(__name__)
 
 # How often an idle warm model probes want.lock (a non-blocking flock: ~2 µs each).
 PROBE_INTERVAL_S = 0.004
-# How often a generation looks for a waiter of a higher class (a look reads the queue, ~0.2 ms).
+# How often a generation looks for a waiter of a higher class (each look lists the queue and
+# reads /proc/locks).
 PREEMPTION_CHECK_S = 0.02
 OPS = frozenset(
     {"generate", "status", "release", "warm", "pin", "unpin", "shutdown", "unload", "cancel"}
