@@ -630,13 +630,13 @@ ERRORS = [
     pytest.param(
         '[server]\nhttp = "a:1"\n' + M,
         "server",
-        "unknown table; expected one of: daemon, models",
+        "unknown table; expected one of: daemon, models, groups",
         id="unknown_table",
     ),
     pytest.param(
         'http = "127.0.0.1:1"\n' + M,
         "http",
-        "unknown key; expected one of: daemon, models (it belongs in the [daemon] table)",
+        "unknown key; expected one of: daemon, models, groups (it belongs in the [daemon] table)",
         id="daemon_key_at_top",
     ),
     pytest.param(
