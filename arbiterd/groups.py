@@ -5,6 +5,8 @@ arena and both sides of its protocol (specified in docs/arena-protocol.md § Gro
                             arena's token for the group, or is about to let go of it;
                             LOCK_SH by each member while it is warm
     groups/NAME/want.lock   LOCK_SH by each member while it waits to become warm
+    groups/NAME/leave.lock  LOCK_EX by the keeper from when the group must leave the GPU (an
+                            outside waiter, or the keeper stops) until the token is gone
 
 - The **keeper** (`Keeper`, a thread of the daemon) holds the arena's token on the group's
   behalf, as one holder named "group NAME". When a member waits, it queues for the token like
@@ -13,11 +15,13 @@ arena and both sides of its protocol (specified in docs/arena-protocol.md § Gro
   waiter from outside the group, or because no member is warm or waiting any more.
 - A **member** (a worker, through `Gate`) enters the gate (LOCK_SH, granted unless it is
   shut) and stays only if the arena's live holder is its group's keeper: a gate no running
-  keeper has shut is open too, and must not let anyone onto the GPU. It sees an outside waiter
-  on the arena's want.lock like any holder does and goes cold by its own policy; while one
-  waits, it does not re-enter the gate, so the keeper can shut it. Members do not see each
-  other: they never touch the arena's want.lock, so two members never hand the GPU to each
-  other.
+  keeper has shut is open too, and must not let anyone onto the GPU. Its "wanted?" probe is
+  LOCK_SH|LOCK_NB on leave.lock: it goes cold by its own policy once the keeper says the group
+  must leave, and does not re-enter the gate meanwhile, so the keeper can shut it. Only the
+  keeper probes the arena's want.lock: two holders probing it with LOCK_EX|LOCK_NB at the same
+  instant would each see the other's probe as a waiter (measured: members went cold for
+  nobody), while shared probes never conflict with each other. So members never see each other
+  and never hand the GPU to each other.
 
 Programs outside arbiterd see the arena protocol unchanged: one holder, one token.
 `Gate` and its parts follow arena.Gateway, arena.Place and arena.Hold, so a worker is written
@@ -26,6 +30,7 @@ once for both ways to the GPU. Only this module and arena.py import fcntl.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import logging
 import os
@@ -43,6 +48,7 @@ log = logging.getLogger(__name__)
 GROUPS_DIR = "groups"
 GATE_FILE = "gate.lock"
 GROUP_WANT_FILE = "want.lock"
+LEAVE_FILE = "leave.lock"
 # How often a waiting member looks at the gate, and the keeper at the group's waiters and the
 # gate (a non-blocking flock each: microseconds). Bounds what a group adds to a handoff.
 GROUP_POLL_S = 0.002
@@ -66,7 +72,8 @@ class _Files:
         arena.ensure_dir(path)
         self.gate_path = path / GATE_FILE
         self.want_path = path / GROUP_WANT_FILE
-        for lock_path in (self.gate_path, self.want_path):
+        self.leave_path = path / LEAVE_FILE
+        for lock_path in (self.gate_path, self.want_path, self.leave_path):
             os.close(arena.open_lock(lock_path, create=True))
 
     @property
@@ -93,7 +100,12 @@ class Gate:
         return GateTicket(self._files)
 
     def observe(self) -> ArenaState:
-        return self.arena.observe()
+        """The arena as a member sees it: its own keeper holding the token is the group's
+        GPU, nobody to wait for (so a warm-up through an open gate is no handoff)."""
+        state = self.arena.observe()
+        if state.holder is not None and state.holder.name == self._files.holder_name:
+            return dataclasses.replace(state, holder_pid=None, holder=None)
+        return state
 
     def first_class_waiting(self) -> int | None:
         """The class of the first waiter in the arena's queue: all of them are outside the
@@ -122,7 +134,7 @@ class GateTicket:
         cancel: threading.Event | None = None,
         on_wait: Callable[[ArenaState], None] | None = None,
     ) -> GateHold:
-        """Wait for the gate to be open with no outside waiter, and enter it (LOCK_SH).
+        """Wait for the gate to be open with the group not leaving, and enter it (LOCK_SH).
         Raises AcquireCancelledError when `cancel` is set; the ticket stays."""
         del name, model  # the keeper is the arena's holder; members are named by the daemon
         if self._want_fd is None:
@@ -130,10 +142,10 @@ class GateTicket:
         files = self._files
         before = files.arena.observe() if on_wait is not None else None
         gate_fd = files.arena.open_lock(files.gate_path)
-        probe_fd = files.arena.open_lock(files.arena.want_path)
+        probe_fd = files.arena.open_lock(files.leave_path)
         try:
             while True:
-                if not _contended(probe_fd, fcntl.LOCK_EX) and _try(gate_fd, fcntl.LOCK_SH):
+                if not _contended(probe_fd, fcntl.LOCK_SH) and _try(gate_fd, fcntl.LOCK_SH):
                     # Open means "not shut": a gate no keeper has shut yet (or any more) is
                     # open too. Inside it, the token must be the keeper's: it cannot go while
                     # we are in (the keeper shuts the gate first).
@@ -167,13 +179,14 @@ class GateHold:
 
     def __init__(self, gate_fd: int, probe_fd: int) -> None:
         self._gate_fd: int | None = gate_fd
-        self._probe_fd = probe_fd  # our own description of the arena's want.lock
+        self._probe_fd = probe_fd  # the group's leave.lock
 
     def wanted(self) -> bool:
-        """True when a program outside the group waits for the GPU."""
+        """True when the group must leave the GPU: someone outside it waits, or its keeper
+        stops."""
         if self._gate_fd is None:
             raise ArenaError("wanted() on a released gate hold")
-        return _contended(self._probe_fd, fcntl.LOCK_EX)
+        return _contended(self._probe_fd, fcntl.LOCK_SH)
 
     def hand_over(self) -> None:
         """Leave the gate; the keeper hands the token over once every member has."""
@@ -222,7 +235,7 @@ class Keeper:
 
     def stop(self) -> None:
         """Let go of the token once every member is cold, and end the thread. Blocks until
-        then: the daemon stops the members first."""
+        then: members still warm are told to leave and go cold by their policy."""
         self._stop.set()
         self._thread.join()
 
@@ -230,6 +243,7 @@ class Keeper:
         files = self._files
         gate_fd = files.arena.open_lock(files.gate_path)
         waiters_fd = files.arena.open_lock(files.want_path)
+        leave_fd = files.arena.open_lock(files.leave_path)
         try:
             # Shut while we hold no token. A member of an earlier daemon may still be leaving.
             fcntl.flock(gate_fd, fcntl.LOCK_EX)
@@ -245,7 +259,7 @@ class Keeper:
                     break
                 self._set_holding(True)
                 try:
-                    outside = self._hold(gate_fd, waiters_fd, token.wanted)
+                    outside = self._hold(gate_fd, waiters_fd, leave_fd, token.wanted)
                 finally:
                     self._set_holding(False)
                     if outside:
@@ -253,23 +267,33 @@ class Keeper:
                         token.hand_over()
                     else:
                         token.release()
+                    fcntl.flock(leave_fd, fcntl.LOCK_UN)  # the next holding starts fresh
         except Exception as exc:  # a thread's end: said in status, not lost in a traceback
             log.exception("group %s: its keeper stopped", self.group)
             self.failure = f"{type(exc).__name__}: {exc}"
         finally:
+            os.close(leave_fd)
             os.close(waiters_fd)
             os.close(gate_fd)
 
-    def _hold(self, gate_fd: int, waiters_fd: int, outside_waits: Callable[[], bool]) -> bool:
+    def _hold(
+        self, gate_fd: int, waiters_fd: int, leave_fd: int, outside_waits: Callable[[], bool]
+    ) -> bool:
         """Open the gate and keep it open while the group may use the GPU; return with it shut
-        (every member cold), and whether an outside waiter is why."""
+        (every member cold), and whether an outside waiter is why. From the moment it must
+        leave, leave.lock says so to the members (the caller unlocks it)."""
         fcntl.flock(gate_fd, fcntl.LOCK_UN)
+        outside = leaving = False
         while True:
             self._stop.wait(GROUP_POLL_S)
-            outside = outside_waits()
-            leaving = outside or self._stop.is_set()
-            if not leaving and _contended(waiters_fd, fcntl.LOCK_EX):
-                continue  # a member waits to come in: nothing to shut
+            if not leaving:
+                outside = outside_waits()
+                leaving = outside or self._stop.is_set()
+                if leaving:
+                    # Blocks only for a member's probe (microseconds).
+                    fcntl.flock(leave_fd, fcntl.LOCK_EX)
+                elif _contended(waiters_fd, fcntl.LOCK_EX):
+                    continue  # a member waits to come in: nothing to shut
             if not _try(gate_fd, fcntl.LOCK_EX):
                 continue  # a member is warm
             if leaving or not _contended(waiters_fd, fcntl.LOCK_EX):

@@ -218,10 +218,11 @@ def test_a_keeper_stopping_waits_for_its_members(arena: Arena, members: Members)
     a = members.enter("a")
     stopper = threading.Thread(target=keeper.stop)
     stopper.start()
-    time.sleep(0.1)
+    # The stopping keeper tells its members to leave: a warm member sees it, ...
+    wait_until(a.wanted, 5, "the member to be told to leave")
     assert stopper.is_alive()
     assert arena.observe().holder_pid == os.getpid()
-    a.release()
+    a.release()  # ... goes cold by its policy, and only then does the token go
     stopper.join(timeout=10)
     assert not stopper.is_alive()
     assert arena.observe().holder_pid is None
