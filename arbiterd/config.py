@@ -868,10 +868,11 @@ def _groups(src: _Source, raw: object, models: Mapping[str, ModelConfig]) -> dic
                     table.keys("models"), f"{_describe(member)} is no model (models: {known})"
                 )
             if member in member_of:
-                other = "this group" if member_of[member] == name else member_of[member]
+                other = member_of[member]
+                where_else = "this group" if other == name else _dotted(("groups", other))
                 raise src.fail(
                     table.keys("models"),
-                    f"{_describe(member)} is already in {_dotted(('groups', other))}; "
+                    f"{_describe(member)} is already in {where_else}; "
                     "a model belongs to one group at most",
                 )
             member_of[member] = name

@@ -31,8 +31,8 @@ READ_BUFFER_BYTES = 1 << 16
 # GGUF value types (gguf.h `enum gguf_type`), by fixed size in bytes.
 _FIXED_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
-# The `<architecture>.NAME` integers read: the trained context, the pooling type, and the
-# shape of the KV cache (GgufHeader.kv_bytes).
+# The integers read, by the last part of their `<architecture>.` or `<architecture>.attention.`
+# key: the trained context, the pooling type, and the shape of the KV cache (GgufHeader.kv_bytes).
 _NUMBERS = frozenset(
     {
         "context_length",
@@ -75,8 +75,9 @@ class GgufHeader:
     # `<architecture>.pooling_type` (llama.cpp's enum llama_pooling_type: 0 none, 1 mean, 2 cls,
     # 3 last, 4 rank); None when the file does not say, which llama.cpp takes as none.
     pooling_type: int | None
-    # `<architecture>.NAME` integers that size the KV cache: block_count, embedding_length,
-    # head_count, head_count_kv, key_length, value_length (those the file has).
+    # The integers that size the KV cache, those the file has: `<architecture>.block_count`,
+    # `.embedding_length`, and `<architecture>.attention.head_count`, `.head_count_kv`,
+    # `.key_length`, `.value_length` (by their last part).
     shape: Mapping[str, int] = field(default_factory=dict)
 
     def kv_bytes(self, n_ctx: int) -> int | None:
@@ -136,7 +137,7 @@ def _read_after_magic(f: BinaryIO) -> GgufHeader:
             architecture = _string(f)
         elif (
             architecture
-            and prefix == architecture
+            and prefix in (architecture, f"{architecture}.attention")
             and name in _NUMBERS
             and kind in _INTEGER_FORMATS
         ):
@@ -301,4 +302,6 @@ def _check_groups_fit(config: Config, needs: Mapping[str, VramNeed], label: str)
 
 
 def _gib(size: int) -> str:
-    return f"{size / (1 << 30):.2f} GiB"
+    if size >= 1 << 30:
+        return f"{size / (1 << 30):.2f} GiB"
+    return f"{size / (1 << 20):.2f} MiB"
