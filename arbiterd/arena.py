@@ -1,7 +1,8 @@
 """The arena: one GPU's token, held with flock(2), and "someone wants it" kept as kernel lock state.
 
-Owns every flock call in arbiterd (the only module that imports `fcntl`), the files of an arena
-directory, and the reading of `/proc/locks`. The protocol is specified in docs/arena-protocol.md;
+Owns every flock call on the token's files (only this module and groups.py, a group's gate
+inside an arena, import `fcntl`), the files of an arena directory, and the reading of
+`/proc/locks`. The protocol is specified in docs/arena-protocol.md;
 in short:
 
     token.lock   LOCK_EX by the holder: a program is resident on the GPU iff it holds this
@@ -50,6 +51,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Protocol
 
 from arbiterd.errors import (
     AcquireCancelledError,
@@ -250,6 +252,42 @@ def _flock_records(
     return [r for r in records if r.kind == "FLOCK" and r.inode == inode]
 
 
+class Hold(Protocol):
+    """The GPU held: the arena's token (`Token`), or a place inside a group's open gate."""
+
+    def wanted(self) -> bool: ...  # someone the holder must yield to waits
+
+    def hand_over(self) -> None: ...  # let go to the waiters
+
+    def release(self) -> None: ...
+
+
+class Place(Protocol):
+    """A waiter's place in line (`Ticket`), kept across tries that a cancel interrupts."""
+
+    def take(
+        self,
+        name: str,
+        *,
+        model: str | None = None,
+        cancel: threading.Event | None = None,
+        on_wait: Callable[[ArenaState], None] | None = None,
+    ) -> Hold: ...
+
+    def leave(self) -> None: ...
+
+
+class Gateway(Protocol):
+    """A way to the GPU, as a worker sees it: the arena itself, or a group's gate
+    (groups.Gate)."""
+
+    def queue(self, priority: Priority) -> Place: ...
+
+    def observe(self) -> ArenaState: ...
+
+    def first_class_waiting(self) -> int | None: ...
+
+
 class Arena:
     """An arena directory. Cheap to construct; holds no file descriptor between calls."""
 
@@ -268,6 +306,18 @@ class Arena:
             os.close(self._open(lock_path, create=True))
         self.read_holder_file()  # refuses one that is not ours alone, as _open does
         self._check_flock()
+
+    @property
+    def want_path(self) -> Path:
+        return self._want_path
+
+    def ensure_dir(self, path: Path) -> None:
+        """A folder of the arena, made ours alone as the arena's own (for groups.py)."""
+        ensure_private_dir(path, ArenaUnwritableError)
+
+    def open_lock(self, path: Path, *, create: bool = False) -> int:
+        """A lock file of the arena opened as its own are (for groups.py)."""
+        return self._open(path, create=create)
 
     def _open(self, path: Path, *, create: bool = False) -> int:
         """Open a lock file read-write, refused unless it is ours alone (_check_arena_file)."""
@@ -571,6 +621,18 @@ class Ticket:
             os.close(want_fd)
             raise
         self._want_fd: int | None = want_fd
+        self._arena = arena
+
+    def take(
+        self,
+        name: str,
+        *,
+        model: str | None = None,
+        cancel: threading.Event | None = None,
+        on_wait: Callable[[ArenaState], None] | None = None,
+    ) -> Token:
+        """The token, in this ticket's turn (Arena.acquire with this ticket)."""
+        return self._arena.acquire(name, model=model, ticket=self, cancel=cancel, on_wait=on_wait)
 
     def _enter(self, arena: Arena, priority: Priority) -> None:
         since = time.monotonic_ns()

@@ -12,6 +12,7 @@
     allow_users = []              # other users the HTTP API serves (names or uids)
     api_socket = "..."            # the HTTP API's Unix socket; default api.sock beside `socket`
     header_timeout_s = 10         # how long a client may take to send a request head
+    vram_budget = 0               # what a group may use together, e.g. "22GiB"; 0 = unchecked
     [models.NAME]                 # one table per model; NAME is what requests ask for
     path = "/models/x.gguf"       # required
     aliases = []                  # more names requests may ask for, e.g. ["gpt-4o-mini"]
@@ -21,6 +22,9 @@
     priority = "normal", preemptible = true, strict_api = false,
     load = "start",               # "demand": no worker until its first request (or `warm`)
     unload_after_s = 0            # unload after cold and idle this long; 0 = never
+    [groups.NAME]                 # models that hold the GPU together (arbiterd/groups.py)
+    models = ["a", "b"]           # two or more [models] names, each in one group at most
+    priority = "normal"           # its class in the GPU queue; default: its members' highest
 
 With no file at the default path the *embedded default* serves one demo model (gemma-3-270m).
 Every problem with a file is one `ConfigError` naming the file, the key path and what was
@@ -43,7 +47,7 @@ import pwd
 import re
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from arbiterd.arena import PRIORITY_CHOICES, Priority
@@ -65,6 +69,8 @@ EMBEDDED_CHAT_FORMAT = "gemma"
 # Model names appear in URLs (`/v1/models/NAME`) and as Prometheus label values.
 MAX_MODEL_NAME_CHARS = 64
 MODEL_NAME_RE = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_MODEL_NAME_CHARS}}}")
+GROUP_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+GROUP_NAME_EXPECTED = "a name of 1 to 64 characters from A-Z a-z 0-9 . _ -, not starting with . _ -"
 MODEL_NAME_EXPECTED = f"a name of 1 to {MAX_MODEL_NAME_CHARS} characters from A-Z a-z 0-9 . _ -"
 # An alias may also end in ":TAG", as Ollama names models ("qwen2.5:7b"): an app set up for Ollama
 # asks for such a name, and an alias lets it keep asking for it. A model's own name keeps to
@@ -77,7 +83,8 @@ ALIAS_EXPECTED = (
 # Ollama's tag for a name given without one: "llama3" and "llama3:latest" are one name.
 DEFAULT_TAG = "latest"
 # Keys in the order they are documented (and listed in error messages).
-TOP_KEYS = ("daemon", "models")
+TOP_KEYS = ("daemon", "models", "groups")
+GROUP_KEYS = ("models", "priority")
 DAEMON_KEYS = (
     "http",
     "socket",
@@ -87,6 +94,7 @@ DAEMON_KEYS = (
     "allow_users",
     "api_socket",
     "header_timeout_s",
+    "vram_budget",
 )
 MODEL_KEYS = (
     "path",
@@ -133,6 +141,16 @@ class DaemonConfig:
     allow_uids: frozenset[int]  # users besides the owner whom the HTTP API serves without a key
     api_socket: Path
     header_timeout_s: float
+    vram_budget: int = 0  # bytes a group may use together; 0 = not checked
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    """One [groups.NAME] table: models that hold the GPU together (arbiterd/groups.py)."""
+
+    name: str
+    models: tuple[str, ...]
+    priority: Priority  # the class its keeper queues in
 
 
 @dataclass(frozen=True)
@@ -158,6 +176,7 @@ class ModelConfig:
     aliases: tuple[str, ...] = ()  # more names requests may ask for it by
     load: Load = Load.START
     unload_after_s: float = 0.0  # cold and idle this long: unloaded; 0 = never
+    group: str = ""  # the [groups] table it belongs to; "" = none
 
     def same_worker(self, other: ModelConfig) -> bool:
         """Whether `other` runs the same worker as this config: equal but for the aliases,
@@ -210,6 +229,7 @@ class ModelConfig:
             preemptible=self.preemptible,
             kv_file=kv_file,
             model_version=model_version,
+            group=self.group,
         )
 
 
@@ -220,6 +240,7 @@ class Config:
     daemon: DaemonConfig
     models: dict[str, ModelConfig]
     source: Path | None  # None: the embedded default (there is no file to reload)
+    groups: dict[str, GroupConfig] = field(default_factory=dict)
 
     def resolve(self, requested: str) -> str | None:
         """The name of the model `requested` names (its name or one of its aliases, with or
@@ -476,6 +497,15 @@ class _Table:
             raise self.src.expected(self.keys(key), expected, value, secret=secret)
         return value
 
+    def size(self, key: str) -> int:
+        """A number of bytes: an integer, or a string such as "22GiB" or "512 MB"; 0 when
+        absent."""
+        value = self.values.get(key, 0)
+        size = parse_size(value) if isinstance(value, int | str) else None
+        if size is None:
+            raise self.src.expected(self.keys(key), _SIZE_EXPECTED, value)
+        return size
+
     def optional_path(self, key: str) -> Path | None:
         """A path, or None when absent or "" (a default applies)."""
         text = self.string(key, "", _OPTIONAL_PATH_EXPECTED)
@@ -488,8 +518,12 @@ def _file_config(path: Path, overrides: _Overrides, env: Mapping[str, str]) -> C
     raw.check_keys(TOP_KEYS, _top_level_hint)
     daemon = _daemon(src, raw.values.get("daemon", {}), overrides)
     models = _models(src, raw.values.get("models", _MISSING))
+    groups = _groups(src, raw.values.get("groups", {}), models)
+    for group in groups.values():
+        for name in group.models:
+            models[name] = replace(models[name], group=group.name)
     # Defaults last: the file is wholly checked before $XDG_RUNTIME_DIR can be blamed.
-    return Config(daemon=daemon.resolve(env), models=models, source=path)
+    return Config(daemon=daemon.resolve(env), models=models, source=path, groups=groups)
 
 
 def _embedded_config(default: Path, overrides: _Overrides, env: Mapping[str, str]) -> Config:
@@ -547,6 +581,7 @@ class _DaemonValues:
     allow_uids: frozenset[int]
     api_socket: Path | None
     header_timeout_s: float
+    vram_budget: int
 
     def resolve(self, env: Mapping[str, str]) -> DaemonConfig:
         # Only defaults in use are resolved: they may need $XDG_RUNTIME_DIR, which the flags
@@ -563,6 +598,7 @@ class _DaemonValues:
             allow_uids=self.allow_uids,
             api_socket=self.api_socket or socket.parent / API_SOCKET_FILE,
             header_timeout_s=self.header_timeout_s,
+            vram_budget=self.vram_budget,
         )
 
 
@@ -606,6 +642,7 @@ def _daemon(src: _Source, raw: object, overrides: _Overrides) -> _DaemonValues:
         allow_uids=_allow_users(table),
         api_socket=table.optional_path("api_socket"),
         header_timeout_s=header_timeout_s,
+        vram_budget=table.size("vram_budget"),
     )
 
 
@@ -771,6 +808,78 @@ def _check_aliases(src: _Source, models: Mapping[str, ModelConfig]) -> None:
 
 
 _SAME_NAME = f"a name without a tag is the same name with :{DEFAULT_TAG}, as in Ollama"
+
+
+_SIZE_EXPECTED = 'a number of bytes, or a size such as "22GiB" or "512MB"'
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+}
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
+
+
+def parse_size(value: int | str) -> int | None:
+    """Bytes from an integer or a string such as "22GiB", "1.5 GB", "4096"; None when it is
+    not one (negative, fractional bytes, an unknown unit)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value >= 0 else None
+    match = _SIZE_RE.fullmatch(value)
+    if match is None or match[2].upper() not in _SIZE_UNITS:
+        return None
+    size = float(match[1]) * _SIZE_UNITS[match[2].upper()]
+    return int(size) if size == int(size) or match[2] else None
+
+
+def _groups(src: _Source, raw: object, models: Mapping[str, ModelConfig]) -> dict[str, GroupConfig]:
+    if not isinstance(raw, dict):
+        raise src.expected(("groups",), "tables ([groups.NAME] with models = [...])", raw)
+    groups: dict[str, GroupConfig] = {}
+    member_of: dict[str, str] = {}
+    for name, values in raw.items():
+        where: Keys = ("groups", name)
+        if not GROUP_NAME_RE.fullmatch(name):
+            raise src.expected(where, GROUP_NAME_EXPECTED, name)
+        if not isinstance(values, dict):
+            raise src.expected(where, 'a table ([groups.NAME] with models = ["a", "b"])', values)
+        table = _Table(src, where, values)
+        table.check_keys(GROUP_KEYS, lambda key, value: "")
+        expected = "an array of two or more names from [models]"
+        members = values.get("models", _MISSING)
+        if (
+            not isinstance(members, list)
+            or len(members) < 2
+            or not all(isinstance(m, str) for m in members)
+        ):
+            raise src.expected(table.keys("models"), expected, members)
+        for member in members:
+            if member not in models:
+                known = ", ".join(models)
+                raise src.fail(
+                    table.keys("models"), f"{_describe(member)} is no model (models: {known})"
+                )
+            if member in member_of:
+                other = member_of[member]
+                where_else = "this group" if other == name else _dotted(("groups", other))
+                raise src.fail(
+                    table.keys("models"),
+                    f"{_describe(member)} is already in {where_else}; "
+                    "a model belongs to one group at most",
+                )
+            member_of[member] = name
+        highest = min((models[m].priority for m in members), key=lambda p: p.rank)
+        priority = _priority(src, table) if "priority" in values else highest
+        groups[name] = GroupConfig(name, tuple(members), priority)
+    return groups
 
 
 def _priority(src: _Source, table: _Table) -> Priority:

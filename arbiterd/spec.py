@@ -107,6 +107,9 @@ class WorkerConfig:
     # (size, mtime_ns) of the version of the model file that host_copy_fd holds, which keys
     # the state file; None: the worker reads the file itself, and stats it.
     model_version: tuple[int, int] | None = None
+    # The [groups] table it belongs to: it goes warm through that group's gate
+    # (arbiterd/groups.py) instead of taking the arena's token itself; "" = none.
+    group: str = ""
 
     def to_json(self) -> str:
         spec = dataclasses.asdict(self.spec)
@@ -122,6 +125,7 @@ class WorkerConfig:
                 "preemptible": self.preemptible,
                 "kv_file": None if self.kv_file is None else str(self.kv_file),
                 "model_version": None if self.model_version is None else list(self.model_version),
+                "group": self.group,
             }
         )
 
@@ -142,4 +146,5 @@ class WorkerConfig:
             preemptible=bool(raw.get("preemptible", True)),
             kv_file=None if raw.get("kv_file") is None else Path(raw["kv_file"]),
             model_version=None if version is None else (int(version[0]), int(version[1])),
+            group=str(raw.get("group", "")),
         )

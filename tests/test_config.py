@@ -15,6 +15,7 @@ from arbiterd.config import (
     Load,
     default_config_path,
     load_config,
+    parse_size,
     starter_config_text,
 )
 from arbiterd.errors import BadValueError, ConfigError, RuntimeDirError
@@ -630,13 +631,13 @@ ERRORS = [
     pytest.param(
         '[server]\nhttp = "a:1"\n' + M,
         "server",
-        "unknown table; expected one of: daemon, models",
+        "unknown table; expected one of: daemon, models, groups",
         id="unknown_table",
     ),
     pytest.param(
         'http = "127.0.0.1:1"\n' + M,
         "http",
-        "unknown key; expected one of: daemon, models (it belongs in the [daemon] table)",
+        "unknown key; expected one of: daemon, models, groups (it belongs in the [daemon] table)",
         id="daemon_key_at_top",
     ),
     pytest.param(
@@ -738,6 +739,60 @@ ERRORS = [
     ),
     pytest.param(M + 'aliases = [".."]', "models.qwen.aliases", 'got ".."', id="alias_dotdot"),
     pytest.param(M + f'aliases = ["{"x" * 62}:7b"]', "models.qwen.aliases", "got", id="alias_long"),
+    pytest.param(
+        M + '[groups.g]\nmodels = ["qwen"]\n', "groups.g.models", "two or more", id="group_of_one"
+    ),
+    pytest.param(
+        M + '[groups.g]\nmodels = ["qwen", "nope"]\n',
+        "groups.g.models",
+        '"nope" is no model (models: qwen)',
+        id="group_unknown_model",
+    ),
+    pytest.param(M + "[groups.g]\n", "groups.g.models", "two or more", id="group_without_models"),
+    pytest.param(
+        M + '[groups.g]\nmodels = ["qwen", "qwen"]\n',
+        "groups.g.models",
+        "already in this group",
+        id="group_twice",
+    ),
+    pytest.param(
+        M
+        + '[models.r]\npath = "/m/r.gguf"\n'
+        + '[groups.g]\nmodels = ["qwen", "r"]\n[groups.h]\nmodels = ["r", "qwen"]\n',
+        "groups.h.models",
+        "already in groups.g",
+        id="two_groups",
+    ),
+    pytest.param(
+        M + '[groups."../x"]\nmodels = []\n', 'groups."../x"', "a name of 1 to 64", id="group_name"
+    ),
+    pytest.param(
+        M + '[groups.g]\nmodels = ["qwen", "qwen"]\nsize = 2\n',
+        "groups.g.size",
+        "unknown key",
+        id="group_key",
+    ),
+    pytest.param(
+        M + '[groups.g]\nmodels = ["qwen"]\npriority = "now"\n',
+        "groups.g.models",
+        "two or more",
+        id="group_checked_in_order",
+    ),
+    pytest.param(
+        '[daemon]\nvram_budget = "lots"\n' + M,
+        "daemon.vram_budget",
+        'a size such as "22GiB"',
+        id="budget_word",
+    ),
+    pytest.param(
+        "[daemon]\nvram_budget = -1\n" + M, "daemon.vram_budget", "got -1", id="budget_negative"
+    ),
+    pytest.param(
+        '[daemon]\nvram_budget = "1.5"\n' + M,
+        "daemon.vram_budget",
+        "got",
+        id="budget_fraction_of_a_byte",
+    ),
 ]
 
 
@@ -754,6 +809,54 @@ def test_each_error_names_file_key_path_and_expectation(
     assert message.startswith(f"{path}: {key_path}: "), message
     assert expected in message, message
     assert "\n" not in message
+
+
+def test_groups_tell_their_members_and_queue_in_their_highest_class(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    text = (
+        '[daemon]\nvram_budget = "22GiB"\n'
+        '[models.a]\npath = "/m/a.gguf"\npriority = "batch"\n'
+        '[models.b]\npath = "/m/b.gguf"\npriority = "interactive"\n'
+        '[models.c]\npath = "/m/c.gguf"\n'
+        '[groups.pair]\nmodels = ["a", "b"]\n'
+    )
+    config = load_text(tmp_path, env, text)
+    (group,) = config.groups.values()
+    assert (group.name, group.models, group.priority) == ("pair", ("a", "b"), Priority.INTERACTIVE)
+    assert [config.models[n].group for n in "abc"] == ["pair", "pair", ""]
+    assert config.models["a"].worker_config(tmp_path, embedding=False).group == "pair"
+    assert config.daemon.vram_budget == 22 << 30
+    named = load_text(tmp_path, env, text + 'priority = "batch"\n')
+    assert named.groups["pair"].priority is Priority.BATCH
+
+
+def test_joining_a_group_restarts_the_worker(tmp_path: Path, env: dict[str, str]) -> None:
+    alone = load_text(
+        tmp_path, env, '[models.a]\npath = "/m/a.gguf"\n[models.b]\npath = "/m/b.gguf"\n'
+    )
+    grouped = load_text(
+        tmp_path,
+        env,
+        '[models.a]\npath = "/m/a.gguf"\n[models.b]\npath = "/m/b.gguf"\n'
+        '[groups.g]\nmodels = ["a", "b"]\n',
+    )
+    assert not grouped.models["a"].same_worker(alone.models["a"])
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        (0, 0),
+        (4096, 4096),
+        ("4096", 4096),
+        ("22GiB", 22 << 30),
+        ("1.5 GB", 1_500_000_000),
+        ("512mib", 512 << 20),
+    ],
+)
+def test_sizes_read_as_bytes(text: int | str, size: int) -> None:
+    assert parse_size(text) == size
 
 
 def test_api_key_errors_do_not_echo_the_key(tmp_path: Path, env: dict[str, str]) -> None:

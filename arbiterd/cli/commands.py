@@ -269,6 +269,10 @@ def render_status(status: dict[str, Any]) -> str:
                 f"  also on {other['device']}: {render.process(other.get('name'), other['pid'])} "
                 f"{render.format_bytes(int(other['used_bytes']))}"
             )
+    for group in status.get("groups", []):
+        holds = "holds the GPU" if group.get("holds_token") else "does not hold the GPU"
+        failure = f"; its keeper stopped: {group['failure']}" if group.get("failure") else ""
+        lines.append(f"group {group['name']} ({', '.join(group['models'])}): {holds}{failure}")
     holder = status.get("holder")
     if holder:
         lines.append(f"GPU held by {render.process(holder.get('name'), holder['pid'])}")

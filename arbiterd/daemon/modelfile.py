@@ -2,9 +2,9 @@
 check that runs before the daemon starts its workers and before a reload applies anything, and
 the rule that says from a header whether a model is an embedding model.
 
-Reads only the header and the metadata it needs (the architecture, its trained context length
-and its pooling type), stopping as soon as it has them; never loads tensors, never imports
-llama.cpp.
+Reads only the header and the metadata it needs (the architecture, its trained context length,
+its pooling type and the shape numbers a KV cache's size follows from), stopping as soon as it
+has them; never loads tensors, never imports llama.cpp.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import stat
 import struct
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -31,6 +31,20 @@ READ_BUFFER_BYTES = 1 << 16
 # GGUF value types (gguf.h `enum gguf_type`), by fixed size in bytes.
 _FIXED_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
+# The integers read, by the last part of their `<architecture>.` or `<architecture>.attention.`
+# key: the trained context, the pooling type, and the shape of the KV cache (GgufHeader.kv_bytes).
+_NUMBERS = frozenset(
+    {
+        "context_length",
+        "pooling_type",
+        "block_count",
+        "embedding_length",
+        "head_count",
+        "head_count_kv",
+        "key_length",
+        "value_length",
+    }
+)
 _INTEGER_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
 # llama.cpp's encoder-only architectures (its llm_arch names): they embed, they cannot generate.
 ENCODER_ARCHITECTURES = frozenset(
@@ -61,6 +75,23 @@ class GgufHeader:
     # `<architecture>.pooling_type` (llama.cpp's enum llama_pooling_type: 0 none, 1 mean, 2 cls,
     # 3 last, 4 rank); None when the file does not say, which llama.cpp takes as none.
     pooling_type: int | None
+    # The integers that size the KV cache, those the file has: `<architecture>.block_count`,
+    # `.embedding_length`, and `<architecture>.attention.head_count`, `.head_count_kv`,
+    # `.key_length`, `.value_length` (by their last part).
+    shape: Mapping[str, int] = field(default_factory=dict)
+
+    def kv_bytes(self, n_ctx: int) -> int | None:
+        """The f16 KV cache of `n_ctx` tokens, as llama.cpp allocates it for the usual
+        attention (K and V per layer, per KV head); None when the file lacks the numbers."""
+        shape = self.shape
+        layers, heads = shape.get("block_count"), shape.get("head_count")
+        if not layers or not heads:
+            return None
+        kv_heads = shape.get("head_count_kv", heads)
+        head_dim = shape.get("embedding_length", 0) // heads
+        k_dim = shape.get("key_length", head_dim) * kv_heads
+        v_dim = shape.get("value_length", head_dim) * kv_heads
+        return 2 * n_ctx * layers * (k_dim + v_dim) if k_dim and v_dim else None
 
     @property
     def embedding(self) -> bool:
@@ -97,7 +128,7 @@ def _read_after_magic(f: BinaryIO) -> GgufHeader:
             f"a GGUF file with a damaged header ({tensor_count} tensors, {key_count} keys)"
         )
     architecture: str | None = None
-    numbers: dict[str, int] = {}  # "context_length", "pooling_type", as the file has them
+    numbers: dict[str, int] = {}  # those of _NUMBERS the file has
     for _ in range(key_count):
         key = _string(f)
         (kind,) = _unpack(f, "<I")
@@ -106,23 +137,24 @@ def _read_after_magic(f: BinaryIO) -> GgufHeader:
             architecture = _string(f)
         elif (
             architecture
-            and prefix == architecture
-            and name in ("context_length", "pooling_type")
+            and prefix in (architecture, f"{architecture}.attention")
+            and name in _NUMBERS
             and kind in _INTEGER_FORMATS
         ):
             (numbers[name],) = _unpack(f, _INTEGER_FORMATS[kind])
         else:
             _skip_value(f, kind)
-        if architecture is not None and len(numbers) == 2:
+        if architecture is not None and len(numbers) == len(_NUMBERS):
             break  # all we need; the tokenizer's arrays after it can be megabytes
-    # A file without a pooling type is read to the end of its metadata: ~0.1 s for the 262,144
+    # A file without some of them is read to the end of its metadata: ~0.1 s for the 262,144
     # tokens of gemma-3's vocabulary.
     return GgufHeader(
         version,
         tensor_count,
         architecture,
-        numbers.get("context_length"),
-        numbers.get("pooling_type"),
+        numbers.pop("context_length", None),
+        numbers.pop("pooling_type", None),
+        numbers,
     )
 
 
@@ -189,6 +221,7 @@ def check_models(
     warning when `copy_held(path)`: the daemon still holds its host copy and serves from it."""
     label = str(config.source) if config.source else "embedded default config"
     warnings: list[str] = []
+    needs: dict[str, VramNeed] = {}  # by model, for the groups' check
     for model in config.models.values():
         where = f"{label}: {key_path('models', model.name, 'path')}"
         try:
@@ -222,4 +255,53 @@ def check_models(
                 f"than the {trained} tokens {model.path.name} was trained for; answers past "
                 "that length may degrade"
             )
+        needs[model.name] = VramNeed.of(model, header, st.st_size)
+    _check_groups_fit(config, needs, label)
     return warnings
+
+
+@dataclass(frozen=True)
+class VramNeed:
+    """What a warm model takes of the device, estimated from its file: the weights (the whole
+    file when any layer is offloaded: an upper bound) and its KV cache at its n_ctx (0 when the
+    file does not say enough to tell)."""
+
+    weights: int
+    kv: int
+
+    @classmethod
+    def of(cls, model: ModelConfig, header: GgufHeader, file_size: int) -> VramNeed:
+        if model.n_gpu_layers == 0:
+            return cls(0, 0)  # runs on the CPU: holds no device memory
+        return cls(file_size, header.kv_bytes(model.n_ctx) or 0)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv
+
+
+def _check_groups_fit(config: Config, needs: Mapping[str, VramNeed], label: str) -> None:
+    """Members of a group are warm at once: with a [daemon] vram_budget, refuse a group whose
+    members' estimates add up to more, with the numbers."""
+    budget = config.daemon.vram_budget
+    if not budget:
+        return
+    for group in config.groups.values():
+        members = [(name, needs[name]) for name in group.models if name in needs]
+        total = sum(need.total for _, need in members)
+        if total <= budget:
+            continue
+        parts = ", ".join(
+            f"{name} {_gib(need.weights)} weights + {_gib(need.kv)} KV" for name, need in members
+        )
+        raise ConfigError(
+            f"{label}: {key_path('groups', group.name, 'models')}: they need about "
+            f"{_gib(total)} together ({parts}), more than [daemon] vram_budget "
+            f"({_gib(budget)}); leave one out, lower an n_ctx, or raise the budget"
+        )
+
+
+def _gib(size: int) -> str:
+    if size >= 1 << 30:
+        return f"{size / (1 << 30):.2f} GiB"
+    return f"{size / (1 << 20):.2f} MiB"

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from arbiterd.arena import Arena, Token
-from arbiterd.config import Config, Load, ModelConfig
+from arbiterd.config import Config, GroupConfig, Load, ModelConfig
 from arbiterd.control import MODEL_COMMANDS
 from arbiterd.daemon.eventbus import EventBus
 from arbiterd.daemon.handoffs import Handoffs
@@ -46,6 +46,7 @@ from arbiterd.events import (
     VramEvent,
     parse_event,
 )
+from arbiterd.groups import Keeper
 from arbiterd.procs import holder_name, process_name
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ class Supervisor:
         )
         self._router = Router(self._slots, self._bus.publish, self._lifecycle.load)
         self._hold: Token | None = None
+        self._keepers: dict[str, Keeper] = {}  # by group: each holds the token for its members
         self._engine: EngineReport | None = None  # as the latest worker's hello says
         self._tasks: set[asyncio.Task[None]] = set()  # started here, not awaited by anyone
         self.stopped = asyncio.Event()  # set by the shutdown command; the daemon awaits it
@@ -131,6 +133,8 @@ class Supervisor:
     # -- lifetime -----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        for group in self.config.groups.values():
+            self._start_keeper(group)
         for name, model in self.config.models.items():
             self._slots[name] = new_slot(model)
             self.metrics.add_model(name)
@@ -149,10 +153,36 @@ class Supervisor:
         for task in list(self._tasks):
             task.cancel()
         await self._lifecycle.stop(list(self._slots.values()))
+        await self._stop_keepers(list(self._keepers))
         if self._hold is not None:
             self._hold.release()
             self._hold = None
         await self._vram.stop()
+
+    def _start_keeper(self, group: GroupConfig) -> None:
+        keeper = Keeper(self._arena, group.name, priority=group.priority)
+        keeper.start()
+        self._keepers[group.name] = keeper
+
+    async def _stop_keepers(self, names: list[str]) -> None:
+        """Stop these groups' keepers: each lets go of the token once its members are cold
+        (they are stopped or restarted first), so it is waited for in a thread."""
+        keepers = [self._keepers.pop(name) for name in names]
+        await asyncio.gather(*(asyncio.to_thread(keeper.stop) for keeper in keepers))
+
+    def _groups_status(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "name": group.name,
+                "models": list(group.models),
+                "priority": group.priority.value,
+                "holds_token": keeper.holding,
+                "handoffs": keeper.handoffs,
+                "failure": keeper.failure,
+            }
+            for group in self.config.groups.values()
+            if (keeper := self._keepers.get(group.name)) is not None
+        ]
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -205,6 +235,7 @@ class Supervisor:
             "holder": holder,
             "waiters": [{"pid": p, "name": process_name(p)} for p in arena.waiter_pids],
             "hold": self._hold is not None,
+            "groups": self._groups_status(),
             "telemetry": self._vram.status(snapshot),
             # Each copy once, however many models share it.
             "host_ram_bytes": self._lifecycle.host_copies.total_bytes()
@@ -331,7 +362,17 @@ class Supervisor:
             self._vram.model_removed(name)
             self._handoffs.forget(name)
             await self._lifecycle.retire(retired)
-        self.config = Config(daemon=self.config.daemon, models=new.models, source=new.source)
+        # A group whose members or class changed gets a new keeper, once its old members left.
+        regrouped = [
+            name for name, group in self.config.groups.items() if new.groups.get(name) != group
+        ]
+        await self._stop_keepers(regrouped)
+        self.config = Config(
+            daemon=self.config.daemon, models=new.models, source=new.source, groups=new.groups
+        )
+        for name, group in new.groups.items():
+            if name not in self._keepers:
+                self._start_keeper(group)
         for name, slot in self._slots.items():  # kept: the same worker, perhaps new aliases
             slot.config = new.models[name]
         for name, slot in fresh.items():

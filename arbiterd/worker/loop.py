@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from arbiterd.arena import Arena, ArenaState, Priority, Ticket, Token, parse_priority
+from arbiterd.arena import Arena, ArenaState, Gateway, Hold, Place, Priority, parse_priority
 from arbiterd.errors import (
     AcquireCancelledError,
     ArbiterError,
@@ -66,6 +66,7 @@ from arbiterd.errors import (
     RestoreError,
 )
 from arbiterd.events import RequestEvent, ResidencyEvent
+from arbiterd.groups import Gate
 from arbiterd.procs import holder_name
 from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, ModelSpec, Residency, WorkerConfig
 from arbiterd.wire import LineReader, LineWriter
@@ -123,12 +124,12 @@ class Worker:
                 "%s: kv_on_release=device needs the in-place backend; using host", self.name
             )
             self._kv_policy = KvPolicy.HOST
-        self._arena = Arena(config.arena)
+        self._arena = gateway(config)
         self._reader = LineReader(sock)
         self._out = LineWriter(sock)
         self._inbox: queue.Queue[Command] = queue.Queue()
         self._residency = ResidencyMachine(self.name)
-        self._token: Token | None = None
+        self._token: Hold | None = None
         # Written by the io thread, read by the engine thread: sets and Events only.
         self._cancelled: set[str] = set()
         self._cancel_lock = threading.Lock()
@@ -232,17 +233,15 @@ class Worker:
             self._fail(exc)
             return False
         # The token before the weights: loading can then never push a resident model out of VRAM.
-        waiting = _Waiting()
+        place, waiting = self._announce(self.config.priority)
         try:
-            self._token = self._arena.acquire(
-                self.name,
-                model=self.name,
-                priority=self.config.priority,
-                cancel=self._stopping,
-                on_wait=waiting.saw,
+            self._token = place.take(
+                self.name, model=self.name, cancel=self._stopping, on_wait=waiting.saw
             )
         except AcquireCancelledError:
             return False
+        finally:
+            place.leave()
         wait = waiting.done()
         # Loading is timed from here: the wait for the token is not part of it.
         self._residency = ResidencyMachine(self.name)
@@ -372,7 +371,7 @@ class Worker:
         self._publish()
         result: Generation | None = None
         failure: ArbiterError | None = None
-        queued: tuple[Ticket, _Waiting] | None = None
+        queued: tuple[Place, _Waiting] | None = None
         try:
             priority = _priority(command.body, self.config.priority)
             if self._residency.state is State.COLD:
@@ -501,7 +500,7 @@ class Worker:
             self._give_up_token()
         self._publish()
 
-    def _announce(self, priority: Priority) -> tuple[Ticket, _Waiting]:
+    def _announce(self, priority: Priority) -> tuple[Place, _Waiting]:
         """A place in the queue, which tells the holder at once, and the wait it starts."""
         waiting = _Waiting()
         # Looked at before we announce: once we have, the holder may be gone at once.
@@ -512,7 +511,7 @@ class Worker:
         return ticket, waiting
 
     def _warm_up(
-        self, request_id: str, priority: Priority, queued: tuple[Ticket, _Waiting] | None = None
+        self, request_id: str, priority: Priority, queued: tuple[Place, _Waiting] | None = None
     ) -> None:
         """cold → warming → warm; waits for the token in the queue, as `priority` (interrupted
         by cancel or shutdown; a wake for another request's cancel keeps its place)."""
@@ -521,12 +520,8 @@ class Worker:
             while True:
                 self._wake.clear()
                 try:
-                    self._token = self._arena.acquire(
-                        self.name,
-                        model=self.name,
-                        ticket=ticket,
-                        cancel=self._wake,
-                        on_wait=waiting.saw,
+                    self._token = ticket.take(
+                        self.name, model=self.name, cancel=self._wake, on_wait=waiting.saw
                     )
                     break
                 except AcquireCancelledError:
@@ -626,6 +621,12 @@ class Worker:
 
     def _error(self, request_id: str, exc: ArbiterError) -> None:
         self._out.send({"id": request_id, "error": exc.to_wire()})
+
+
+def gateway(config: WorkerConfig) -> Gateway:
+    """The worker's way to the GPU: its group's gate, or the arena's token."""
+    arena = Arena(config.arena)
+    return Gate(arena, config.group) if config.group else arena
 
 
 class _Waiting:

@@ -495,3 +495,20 @@ def test_events_follow_prints_each_new_event_as_the_daemon_journals_it(
     assert lines.get(timeout=WAIT_S) == human(handoff(AT, "a", "b"))[0]
     daemon.journal.append(handoff(AT + 5, "b", "a"))  # after the follower has read the first
     assert lines.get(timeout=WAIT_S) == human(handoff(AT + 5, "b", "a"))[0]
+
+
+def test_status_names_each_group_and_whether_it_holds_the_gpu() -> None:
+    group = {"name": "rag", "models": ["qwen", "nomic"], "holds_token": True, "failure": ""}
+    stopped = {**group, "name": "pair", "holds_token": False, "failure": "OSError: gone"}
+    lines = render_status(
+        {
+            "models": [status_model("qwen"), status_model("nomic")],
+            "groups": [group, stopped],
+            "holder": {"pid": 42, "name": "group rag"},
+        }
+    ).splitlines()
+    assert "group rag (qwen, nomic): holds the GPU" in lines
+    assert (
+        "group pair (qwen, nomic): does not hold the GPU; its keeper stopped: OSError: gone"
+        in lines
+    )

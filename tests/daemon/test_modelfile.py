@@ -178,3 +178,48 @@ def test_a_vanished_file_whose_copy_is_held_is_a_warning(tmp_path: Path) -> None
     config = config_for(tmp_path, gone)
     (warning,) = check_models(config, copy_held=lambda path: path == gone)
     assert "keeps serving from its copy in memory" in warning
+
+
+def test_the_header_gives_the_shape_a_kv_cache_follows_from(tiny_model: Path) -> None:
+    header = read_header(tiny_model)
+    spec = DEFAULT_SPEC
+    assert header.shape["block_count"] == spec.n_layer
+    assert header.shape["head_count_kv"] == spec.n_head_kv
+    head_dim = spec.n_embd // spec.n_head
+    # f16 K and V, per layer, per KV head, per token.
+    expected = 2 * 256 * spec.n_layer * 2 * spec.n_head_kv * head_dim
+    assert header.kv_bytes(256) == expected
+
+
+def group_config(tmp_path: Path, model: Path, budget: str, n_gpu_layers: int = -1) -> Config:
+    path = tmp_path / "config.toml"
+    path.write_text(
+        f'[daemon]\narena = "{tmp_path / "arena"}"\nsocket = "{tmp_path / "s"}"\n'
+        f'vram_budget = "{budget}"\n'
+        f'[models.a]\npath = "{model}"\nn_ctx = 256\nn_gpu_layers = {n_gpu_layers}\n'
+        f'[models.b]\npath = "{model}"\nn_ctx = 256\nn_gpu_layers = {n_gpu_layers}\n'
+        '[groups.pair]\nmodels = ["a", "b"]\n'
+    )
+    return load_config(path, env={"HOME": str(tmp_path)})
+
+
+def test_a_group_that_fits_the_budget_passes(tmp_path: Path, tiny_model: Path) -> None:
+    need = tiny_model.stat().st_size + (read_header(tiny_model).kv_bytes(256) or 0)
+    assert check_models(group_config(tmp_path, tiny_model, f"{2 * need}B")) == []
+
+
+def test_a_group_over_the_budget_is_refused_with_the_numbers(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        check_models(group_config(tmp_path, tiny_model, "1MiB"))
+    message = str(caught.value)
+    weights = tiny_model.stat().st_size / (1 << 20)
+    kv = (read_header(tiny_model).kv_bytes(256) or 0) / (1 << 20)
+    assert f"groups.pair.models: they need about {2 * (weights + kv):.2f} MiB together" in message
+    assert f"(a {weights:.2f} MiB weights + {kv:.2f} MiB KV, b " in message
+    assert "more than [daemon] vram_budget (1.00 MiB)" in message
+
+
+def test_members_on_the_cpu_need_no_device_memory(tmp_path: Path, tiny_model: Path) -> None:
+    assert check_models(group_config(tmp_path, tiny_model, "1B", n_gpu_layers=0)) == []

@@ -41,10 +41,11 @@ class Daemon:
         env: dict[str, str] | None = None,
         port: int | None = None,
         daemon_keys: dict[str, Any] | None = None,
+        groups: dict[str, list[str]] | None = None,
         open_files: tuple[int, int] | None = None,
     ) -> None:
-        """`daemon_keys` are more [daemon] keys; `open_files` the daemon's RLIMIT_NOFILE at start,
-        (soft, hard)."""
+        """`daemon_keys` are more [daemon] keys; `groups` each [groups.NAME]'s models;
+        `open_files` the daemon's RLIMIT_NOFILE at start, (soft, hard)."""
         limit = None
         if open_files is not None:
             limit = partial(resource.setrlimit, resource.RLIMIT_NOFILE, open_files)
@@ -57,7 +58,7 @@ class Daemon:
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.log = self.dir / "daemon.log"
         self.config = self.dir / "config.toml"
-        self.config.write_text(self._toml(models, api_key, daemon_keys or {}))
+        self.config.write_text(self._toml(models, api_key, daemon_keys or {}, groups or {}))
         with self.log.open("w") as log:  # the child keeps its own copy of the fd
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "arbiterd", "daemon", "--config", str(self.config)],
@@ -69,7 +70,11 @@ class Daemon:
             )
 
     def _toml(
-        self, models: dict[str, dict[str, Any]], api_key: str, daemon_keys: dict[str, Any]
+        self,
+        models: dict[str, dict[str, Any]],
+        api_key: str,
+        daemon_keys: dict[str, Any],
+        groups: dict[str, list[str]],
     ) -> str:
         lines = [
             "[daemon]",
@@ -83,6 +88,8 @@ class Daemon:
         for name, keys in models.items():
             lines += ["", f"[models.{name}]"]
             lines += [f"{key} = {_toml_value(value)}" for key, value in keys.items()]
+        for name, members in groups.items():
+            lines += ["", f"[groups.{name}]", f"models = {_toml_value(members)}"]
         return "\n".join(lines) + "\n"
 
     def client(self) -> ControlClient:

@@ -1,0 +1,323 @@
+"""Groups: models that hold the GPU together (issue 14). Owns a group's lock files inside an
+arena and both sides of its protocol (specified in docs/arena-protocol.md § Groups):
+
+    groups/NAME/gate.lock   LOCK_EX by the keeper while the group is shut: it does not hold the
+                            arena's token for the group, or is about to let go of it;
+                            LOCK_SH by each member while it is warm
+    groups/NAME/want.lock   LOCK_SH by each member while it waits to become warm
+    groups/NAME/leave.lock  LOCK_EX by the keeper from when the group must leave the GPU (an
+                            outside waiter, or the keeper stops) until the token is gone
+
+- The **keeper** (`Keeper`, a thread of the daemon) holds the arena's token on the group's
+  behalf, as one holder named "group NAME". When a member waits, it queues for the token like
+  any waiter, then opens the gate; every member may then be warm at once. It shuts the gate
+  again (LOCK_EX: granted only once every member is cold) before it lets the token go: to a
+  waiter from outside the group, or because no member is warm or waiting any more.
+- A **member** (a worker, through `Gate`) enters the gate (LOCK_SH, granted unless it is
+  shut) and stays only if the arena's live holder is its group's keeper: a gate no running
+  keeper has shut is open too, and must not let anyone onto the GPU. Its "wanted?" probe is
+  LOCK_SH|LOCK_NB on leave.lock: it goes cold by its own policy once the keeper says the group
+  must leave, and does not re-enter the gate meanwhile, so the keeper can shut it. Only the
+  keeper probes the arena's want.lock: two holders probing it with LOCK_EX|LOCK_NB at the same
+  instant would each see the other's probe as a waiter (measured: members went cold for
+  nobody), while shared probes never conflict with each other. So members never see each other
+  and never hand the GPU to each other.
+
+Programs outside arbiterd see the arena protocol unchanged: one holder, one token.
+`Gate` and its parts follow arena.Gateway, arena.Place and arena.Hold, so a worker is written
+once for both ways to the GPU. Only this module and arena.py import fcntl.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from arbiterd.arena import Arena, ArenaState, Priority
+from arbiterd.config import GROUP_NAME_EXPECTED, GROUP_NAME_RE
+from arbiterd.errors import AcquireCancelledError, ArenaError, BadValueError
+
+log = logging.getLogger(__name__)
+
+GROUPS_DIR = "groups"
+GATE_FILE = "gate.lock"
+GROUP_WANT_FILE = "want.lock"
+LEAVE_FILE = "leave.lock"
+# How often a waiting member looks at the gate, and the keeper at the group's waiters and the
+# gate (a non-blocking flock each: microseconds). Bounds what a group adds to a handoff.
+GROUP_POLL_S = 0.002
+
+
+def group_dir(arena: Arena, group: str) -> Path:
+    """Where a group's lock files live, inside its arena."""
+    if not GROUP_NAME_RE.fullmatch(group):
+        raise BadValueError(f"group name {group!r}: expected {GROUP_NAME_EXPECTED}")
+    return arena.path / GROUPS_DIR / group
+
+
+class _Files:
+    """A group's two lock files, created once and never unlinked (as the arena's own)."""
+
+    def __init__(self, arena: Arena, group: str) -> None:
+        self.arena = arena
+        self.group = group
+        path = group_dir(arena, group)
+        arena.ensure_dir(path.parent)
+        arena.ensure_dir(path)
+        self.gate_path = path / GATE_FILE
+        self.want_path = path / GROUP_WANT_FILE
+        self.leave_path = path / LEAVE_FILE
+        for lock_path in (self.gate_path, self.want_path, self.leave_path):
+            os.close(arena.open_lock(lock_path, create=True))
+
+    @property
+    def holder_name(self) -> str:
+        """The name the keeper holds the arena's token by."""
+        return f"group {self.group}"
+
+    def keeper_holds_token(self) -> bool:
+        holder = self.arena.observe().holder  # only when it names the token's live owner
+        return holder is not None and holder.name == self.holder_name
+
+
+class Gate:
+    """A member's way to the GPU: through its group's gate instead of the arena's token."""
+
+    def __init__(self, arena: Arena, group: str) -> None:
+        self._files = _Files(arena, group)
+        self.arena = arena
+
+    def queue(self, priority: Priority) -> GateTicket:
+        """A place among the group's waiters (the keeper queues in the arena for all of them:
+        `priority` does not change its class, the group's configured one)."""
+        del priority
+        return GateTicket(self._files)
+
+    def observe(self) -> ArenaState:
+        """The arena as a member sees it: its own keeper holding the token is the group's
+        GPU, nobody to wait for (so a warm-up through an open gate is no handoff)."""
+        state = self.arena.observe()
+        if state.holder is not None and state.holder.name == self._files.holder_name:
+            return dataclasses.replace(state, holder_pid=None, holder=None)
+        return state
+
+    def first_class_waiting(self) -> int | None:
+        """The class of the first waiter in the arena's queue: all of them are outside the
+        group (members wait at the gate), so a higher one may preempt a member."""
+        return self.arena.first_class_waiting()
+
+
+class GateTicket:
+    """A member waiting to be warm: holds the group's want.lock shared until it leaves."""
+
+    def __init__(self, files: _Files) -> None:
+        self._files = files
+        fd = files.arena.open_lock(files.want_path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._want_fd: int | None = fd
+
+    def take(
+        self,
+        name: str,
+        *,
+        model: str | None = None,
+        cancel: threading.Event | None = None,
+        on_wait: Callable[[ArenaState], None] | None = None,
+    ) -> GateHold:
+        """Wait for the gate to be open with the group not leaving, and enter it (LOCK_SH).
+        Raises AcquireCancelledError when `cancel` is set; the ticket stays."""
+        del name, model  # the keeper is the arena's holder; members are named by the daemon
+        if self._want_fd is None:
+            raise ArenaError("take() on a ticket that left")
+        files = self._files
+        before = files.arena.observe() if on_wait is not None else None
+        gate_fd = files.arena.open_lock(files.gate_path)
+        probe_fd = files.arena.open_lock(files.leave_path)
+        try:
+            while True:
+                if not _contended(probe_fd, fcntl.LOCK_SH) and _try(gate_fd, fcntl.LOCK_SH):
+                    # Open means "not shut": a gate no keeper has shut yet (or any more) is
+                    # open too. Inside it, the token must be the keeper's: it cannot go while
+                    # we are in (the keeper shuts the gate first).
+                    if files.keeper_holds_token():
+                        hold = GateHold(gate_fd, probe_fd)
+                        gate_fd = probe_fd = -1  # the hold owns them now
+                        self.leave()
+                        return hold
+                    fcntl.flock(gate_fd, fcntl.LOCK_UN)
+                if on_wait is not None and before is not None:
+                    on_wait(before)
+                    on_wait = None
+                if cancel is None:
+                    time.sleep(GROUP_POLL_S)
+                elif cancel.wait(GROUP_POLL_S):
+                    raise AcquireCancelledError("gave up waiting for the group's gate")
+        finally:
+            for fd in (gate_fd, probe_fd):
+                if fd >= 0:
+                    os.close(fd)
+
+    def leave(self) -> None:
+        """Stop waiting. Idempotent."""
+        fd, self._want_fd = self._want_fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+class GateHold:
+    """A warm member's place inside the open gate (LOCK_SH on gate.lock)."""
+
+    def __init__(self, gate_fd: int, probe_fd: int) -> None:
+        self._gate_fd: int | None = gate_fd
+        self._probe_fd = probe_fd  # the group's leave.lock
+
+    def wanted(self) -> bool:
+        """True when the group must leave the GPU: someone outside it waits, or its keeper
+        stops."""
+        if self._gate_fd is None:
+            raise ArenaError("wanted() on a released gate hold")
+        return _contended(self._probe_fd, fcntl.LOCK_SH)
+
+    def hand_over(self) -> None:
+        """Leave the gate; the keeper hands the token over once every member has."""
+        self.release()
+
+    def release(self) -> None:
+        """Leave the gate. Idempotent."""
+        fd, self._gate_fd = self._gate_fd, None
+        if fd is None:
+            return
+        os.close(self._probe_fd)
+        os.close(fd)  # closing drops our LOCK_SH
+
+
+class Keeper:
+    """Holds the arena's token for one group while its members want the GPU; a daemon thread.
+
+    `on_change(holding)` is called from the thread when it takes or lets go of the token."""
+
+    def __init__(
+        self,
+        arena: Arena,
+        group: str,
+        *,
+        priority: Priority = Priority.NORMAL,
+        on_change: Callable[[str, bool], None] | None = None,
+    ) -> None:
+        self._files = _Files(arena, group)
+        self.arena = arena
+        self.group = group
+        self.priority = priority
+        self._on_change = on_change
+        self._stop = threading.Event()
+        self._holding = False
+        self.handoffs = 0  # how often it let the token go to an outside waiter
+        self.failure = ""  # why its thread ended early; "" while it runs or stopped cleanly
+        self._thread = threading.Thread(target=self._run, name=f"group-{group}", daemon=True)
+
+    @property
+    def holding(self) -> bool:
+        """Whether it holds the arena's token for the group now."""
+        return self._holding
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Let go of the token once every member is cold, and end the thread. Blocks until
+        then: members still warm are told to leave and go cold by their policy."""
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        files = self._files
+        gate_fd = files.arena.open_lock(files.gate_path)
+        waiters_fd = files.arena.open_lock(files.want_path)
+        leave_fd = files.arena.open_lock(files.leave_path)
+        try:
+            # Shut while we hold no token. A member of an earlier daemon may still be leaving.
+            fcntl.flock(gate_fd, fcntl.LOCK_EX)
+            while not self._stop.is_set():
+                if not _contended(waiters_fd, fcntl.LOCK_EX):
+                    self._stop.wait(GROUP_POLL_S)
+                    continue
+                try:
+                    token = self.arena.acquire(
+                        files.holder_name, priority=self.priority, cancel=self._stop
+                    )
+                except AcquireCancelledError:
+                    break
+                self._set_holding(True)
+                try:
+                    outside = self._hold(gate_fd, waiters_fd, leave_fd, token.wanted)
+                finally:
+                    self._set_holding(False)
+                    if outside:
+                        self.handoffs += 1
+                        token.hand_over()
+                    else:
+                        token.release()
+                    fcntl.flock(leave_fd, fcntl.LOCK_UN)  # the next holding starts fresh
+        except Exception as exc:  # a thread's end: said in status, not lost in a traceback
+            log.exception("group %s: its keeper stopped", self.group)
+            self.failure = f"{type(exc).__name__}: {exc}"
+        finally:
+            os.close(leave_fd)
+            os.close(waiters_fd)
+            os.close(gate_fd)
+
+    def _hold(
+        self, gate_fd: int, waiters_fd: int, leave_fd: int, outside_waits: Callable[[], bool]
+    ) -> bool:
+        """Open the gate and keep it open while the group may use the GPU; return with it shut
+        (every member cold), and whether an outside waiter is why. From the moment it must
+        leave, leave.lock says so to the members (the caller unlocks it)."""
+        fcntl.flock(gate_fd, fcntl.LOCK_UN)
+        outside = leaving = False
+        while True:
+            self._stop.wait(GROUP_POLL_S)
+            if not leaving:
+                outside = outside_waits()
+                leaving = outside or self._stop.is_set()
+                if leaving:
+                    # Blocks only for a member's probe (microseconds).
+                    fcntl.flock(leave_fd, fcntl.LOCK_EX)
+                elif _contended(waiters_fd, fcntl.LOCK_EX):
+                    continue  # a member waits to come in: nothing to shut
+            if not _try(gate_fd, fcntl.LOCK_EX):
+                continue  # a member is warm
+            if leaving or not _contended(waiters_fd, fcntl.LOCK_EX):
+                return outside
+            fcntl.flock(gate_fd, fcntl.LOCK_UN)  # one came as we shut: open again
+
+    def _set_holding(self, holding: bool) -> None:
+        self._holding = holding
+        if self._on_change is not None:
+            self._on_change(self.group, holding)
+
+
+def _try(fd: int, operation: int) -> bool:
+    """Take `operation` without blocking; False when another description conflicts."""
+    try:
+        fcntl.flock(fd, operation | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _contended(fd: int, operation: int) -> bool:
+    """Try `operation` without blocking and undo it: True when another description conflicts."""
+    if not _try(fd, operation):
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False

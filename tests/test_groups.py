@@ -1,0 +1,242 @@
+"""Groups (arbiterd/groups.py): members are warm together under one token the keeper holds; a
+waiter from outside makes every member go cold before the token moves; members never hand the
+GPU to each other; a killed member holds nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from arbiterd.arena import Arena, Priority
+from arbiterd.errors import AcquireCancelledError, BadValueError
+from arbiterd.groups import Gate, GateHold, Keeper, group_dir
+from tests.support.waiting import wait_until
+
+
+class Members:
+    """Members' ways in, as a worker takes them (queue, then take); whatever a test leaves
+    held is let go before its keeper stops (a keeper waits for its members)."""
+
+    def __init__(self, arena: Arena) -> None:
+        self.arena = arena
+        self.holds: list[GateHold] = []
+
+    def enter(self, name: str, timeout_s: float = 10) -> GateHold:
+        ticket = Gate(self.arena, "pair").queue(Priority.NORMAL)
+        cancel = threading.Event()
+        timer = threading.Timer(timeout_s, cancel.set)
+        timer.start()
+        try:
+            hold = ticket.take(name, cancel=cancel)
+        finally:
+            timer.cancel()
+            ticket.leave()
+        self.holds.append(hold)
+        return hold
+
+    def release_all(self) -> None:
+        for hold in self.holds:
+            hold.release()
+
+
+@pytest.fixture
+def members(arena: Arena) -> Iterator[Members]:
+    members = Members(arena)
+    yield members
+    members.release_all()
+
+
+@pytest.fixture
+def keeper(arena: Arena, members: Members) -> Iterator[Keeper]:
+    keeper = Keeper(arena, "pair")
+    keeper.start()
+    yield keeper
+    members.release_all()
+    keeper.stop()
+
+
+def test_members_are_warm_together_under_one_token(
+    arena: Arena, keeper: Keeper, members: Members
+) -> None:
+    a = members.enter("a")
+    b = members.enter("b")  # a stays warm: no handoff between members
+    state = arena.observe()
+    assert state.holder_pid == os.getpid()
+    assert state.holder is not None
+    assert (state.holder.name, keeper.holding) == ("group pair", True)
+    assert not a.wanted()
+    assert not b.wanted()
+    a.release()
+    b.release()
+    # Every member cold and none waiting: the group lets the token go.
+    wait_until(lambda: arena.observe().holder_pid is None, 5, "the keeper to release")
+    assert not keeper.holding
+    assert keeper.handoffs == 0
+
+
+def test_an_outside_waiter_gets_the_token_only_once_every_member_is_cold(
+    arena: Arena, keeper: Keeper, members: Members
+) -> None:
+    a, b = members.enter("a"), members.enter("b")
+    got: list[float] = []
+
+    def outsider() -> None:
+        token = arena.acquire("game", timeout_s=20)
+        got.append(time.monotonic())
+        time.sleep(0.3)
+        token.release()
+
+    thread = threading.Thread(target=outsider)
+    thread.start()
+    wait_until(lambda: a.wanted() and b.wanted(), 5, "the members to see the outsider")
+    a.release()
+    time.sleep(0.1)
+    assert not got, "the token moved while b was still warm"
+    b_cold = time.monotonic()
+    b.release()
+    thread.join(timeout=20)
+    assert got
+    assert got[0] >= b_cold
+    assert keeper.handoffs == 1
+
+
+def test_a_member_waits_at_the_gate_while_an_outsider_waits(
+    arena: Arena, keeper: Keeper, members: Members
+) -> None:
+    a = members.enter("a")
+    order: list[str] = []
+
+    def outsider() -> None:
+        token = arena.acquire("game", timeout_s=20)
+        order.append("game")
+        time.sleep(0.2)
+        token.release()
+
+    thread = threading.Thread(target=outsider)
+    thread.start()
+    wait_until(a.wanted, 5, "a to see the outsider")
+
+    # b asks while the outsider waits: it must not slip in ahead (that would starve the outsider).
+    def member_b() -> None:
+        hold = members.enter("b", timeout_s=20)
+        order.append("b")
+        hold.release()
+
+    b_thread = threading.Thread(target=member_b)
+    b_thread.start()
+    time.sleep(0.1)
+    a.release()
+    thread.join(timeout=20)
+    b_thread.join(timeout=20)
+    assert order == ["game", "b"]
+    assert keeper.handoffs == 1
+    wait_until(lambda: arena.observe().holder_pid is None, 5, "the keeper to release")
+
+
+def test_a_member_waiting_at_a_shut_gate_can_give_up(arena: Arena) -> None:
+    # No keeper runs: the gate never opens.
+    Keeper(arena, "pair")  # makes the files; never started
+    ticket = Gate(arena, "pair").queue(Priority.NORMAL)
+    cancel = threading.Event()
+    threading.Timer(0.1, cancel.set).start()
+    with pytest.raises(AcquireCancelledError):
+        ticket.take("a", cancel=cancel)
+    ticket.leave()
+
+
+def test_the_keeper_queues_for_the_group_in_its_class(arena: Arena, members: Members) -> None:
+    seen: list[bool] = []
+    keeper = Keeper(
+        arena, "pair", priority=Priority.INTERACTIVE, on_change=lambda g, h: seen.append(h)
+    )
+    blocker = arena.acquire("game")
+    keeper.start()
+    try:
+        entered = threading.Thread(target=lambda: members.enter("a", timeout_s=20).release())
+        entered.start()
+        wait_until(lambda: arena.observe().queue, 5, "the keeper to queue")
+        (waiter,) = arena.observe().queue
+        assert waiter.priority is Priority.INTERACTIVE
+        blocker.release()
+        entered.join(timeout=20)
+        wait_until(lambda: seen == [True, False], 5, "the keeper to take and let go")
+    finally:
+        keeper.stop()
+
+
+MEMBER = """
+import sys, time
+from pathlib import Path
+from arbiterd.arena import Arena, Priority
+from arbiterd.groups import Gate
+ticket = Gate(Arena(Path(sys.argv[1])), "pair").queue(Priority.NORMAL)
+hold = ticket.take("victim")
+ticket.leave()
+print("in", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_killed_member_holds_nothing(arena: Arena, keeper: Keeper) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", MEMBER, str(arena.path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "in\n"
+        got = threading.Event()
+
+        def outsider() -> None:
+            arena.acquire("game", timeout_s=20).release()
+            got.set()
+
+        thread = threading.Thread(target=outsider)
+        thread.start()
+        time.sleep(0.2)
+        assert not got.is_set()  # the member is warm (and deaf: it never looks)
+        os.kill(proc.pid, signal.SIGKILL)
+        thread.join(timeout=20)
+        assert got.is_set()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+def test_a_keeper_stopping_waits_for_its_members(arena: Arena, members: Members) -> None:
+    keeper = Keeper(arena, "pair")
+    keeper.start()
+    a = members.enter("a")
+    stopper = threading.Thread(target=keeper.stop)
+    stopper.start()
+    # The stopping keeper tells its members to leave: a warm member sees it, ...
+    wait_until(a.wanted, 5, "the member to be told to leave")
+    assert stopper.is_alive()
+    assert arena.observe().holder_pid == os.getpid()
+    a.release()  # ... goes cold by its policy, and only then does the token go
+    stopper.join(timeout=10)
+    assert not stopper.is_alive()
+    assert arena.observe().holder_pid is None
+
+
+@pytest.mark.parametrize("name", ["", "../x", ".hidden", "a/b", "x" * 65])
+def test_group_names_cannot_leave_the_arena(arena: Arena, name: str) -> None:
+    with pytest.raises(BadValueError):
+        group_dir(arena, name)
+
+
+def test_group_files_are_private(arena: Arena) -> None:
+    Gate(arena, "pair")
+    folder = group_dir(arena, "pair")
+    assert folder.stat().st_mode & 0o777 == 0o700
+    for name in ("gate.lock", "want.lock"):
+        assert (folder / name).stat().st_mode & 0o777 == 0o600
