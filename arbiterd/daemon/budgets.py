@@ -79,13 +79,14 @@ def ram_plan(
     for model in candidates:
         if model.copy is not None:
             held_by_candidates[model.copy] = held_by_candidates.get(model.copy, 0) + 1
+    # Copies some model that is not a candidate leases too: no unload here frees them.
+    kept = {key for key, count in leases.items() if count > held_by_candidates.get(key, 0)}
     after, chosen = used, []
     for model in candidates:
         if after <= budget_bytes:
             break
         copy = model.copy
-        copy_can_go = copy in leases and leases[copy] <= held_by_candidates.get(copy, 0)
-        if model.host_kv_bytes == 0 and not copy_can_go:
+        if model.host_kv_bytes == 0 and (copy is None or copy not in leases or copy in kept):
             continue
         chosen.append(model.name)
         after -= model.host_kv_bytes

@@ -79,6 +79,20 @@ def test_a_model_whose_unload_frees_nothing_is_passed_over() -> None:
     assert plan.after_bytes == 100 * MiB
 
 
+def test_a_copy_a_warm_model_uses_stays_however_many_cold_ones_go_before() -> None:
+    # "warm" leases the shared copy too: after "a" (with KV) goes, "b" (without) still frees
+    # nothing, and is passed over; "c" frees its own copy.
+    copies = {"shared": CopyUse(100 * MiB, 3), "own": CopyUse(20 * MiB, 1)}
+    cold = [
+        ColdModel("a", 1.0, 10 * MiB, "shared"),
+        ColdModel("b", 2.0, 0, "shared"),
+        ColdModel("c", 3.0, 0, "own"),
+    ]
+    plan = ram_plan(105 * MiB, copies=copies, host_kv_bytes=10 * MiB, cold=cold)
+    assert plan.unload == ("a", "c")
+    assert plan.after_bytes == 100 * MiB
+
+
 def test_a_page_cache_model_frees_its_host_kv() -> None:
     plan = ram_plan(
         10 * MiB,
