@@ -400,20 +400,6 @@ _KV_EXPECTED = 'one of "host", "device", "drop"'
 _RESIDENCY_EXPECTED = 'one of "auto", "in-place", "reload"'
 _LOAD_EXPECTED = 'one of "start", "demand"'
 _HOST_COPY_EXPECTED = 'one of "memfd", "page-cache"'
-_SIZE_EXPECTED = 'a non-negative number of bytes, or a size such as "512MiB", "8GiB" or "4GB"'
-_SIZE_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 1 << 10,
-    "MIB": 1 << 20,
-    "GIB": 1 << 30,
-    "TIB": 1 << 40,
-}
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
 _ALIASES_EXPECTED = 'an array of aliases, e.g. ["gpt-4o-mini", "qwen2.5:7b"]'
 _EMBEDDING_EXPECTED = "true or false (leave it out: as the GGUF says)"
 
@@ -509,17 +495,6 @@ class _Table:
             raise self.src.expected(self.keys(key), expected, value)
         return float(value)
 
-    def size(self, key: str, default: int) -> int:
-        """A size in bytes: an integer, or a string such as "8GiB" (`parse_size`)."""
-        value = self.values.get(key, default)
-        if isinstance(value, str):
-            parsed = parse_size(value)
-            if parsed is not None:
-                return parsed
-        elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return value
-        raise self.src.expected(self.keys(key), _SIZE_EXPECTED, value)
-
     def string(
         self,
         key: str,
@@ -533,6 +508,15 @@ class _Table:
         if not isinstance(value, str) or (ok is not None and not ok(value)):
             raise self.src.expected(self.keys(key), expected, value, secret=secret)
         return value
+
+    def size(self, key: str, default: int = 0) -> int:
+        """A number of bytes: an integer, or a string such as "22GiB" or "512 MB"; `default`
+        when absent."""
+        value = self.values.get(key, default)
+        size = parse_size(value) if isinstance(value, int | str) else None
+        if size is None:
+            raise self.src.expected(self.keys(key), _SIZE_EXPECTED, value)
+        return size
 
     def optional_path(self, key: str) -> Path | None:
         """A path, or None when absent or "" (a default applies)."""
@@ -668,7 +652,7 @@ def _daemon(src: _Source, raw: object, overrides: _Overrides) -> _DaemonValues:
         allow_uids=_allow_users(table),
         api_socket=table.optional_path("api_socket"),
         header_timeout_s=header_timeout_s,
-        host_ram_budget_bytes=table.size("host_ram_budget", 0),
+        host_ram_budget_bytes=table.size("host_ram_budget"),
         prompt_cache_budget_bytes=table.size("prompt_cache_budget", PROMPT_CACHE_BUDGET_BYTES),
     )
 
@@ -802,18 +786,6 @@ def _model(src: _Source, name: str, raw: object) -> ModelConfig:
     )
 
 
-def parse_size(text: str) -> int | None:
-    """Bytes from "8GiB", "512 MiB", "4GB", "1.5GiB" or "1048576" (case-insensitive units,
-    binary KiB/MiB/GiB/TiB and decimal KB/MB/GB/TB); None when it is not such a size."""
-    match = _SIZE_RE.fullmatch(text)
-    if match is None:
-        return None
-    factor = _SIZE_UNITS.get(match.group(2).upper())
-    if factor is None:
-        return None
-    return int(float(match.group(1)) * factor)
-
-
 def _aliases(table: _Table) -> tuple[str, ...]:
     keys = table.keys("aliases")
     value = table.values.get("aliases", [])
@@ -853,6 +825,36 @@ def _check_aliases(src: _Source, models: Mapping[str, ModelConfig]) -> None:
 
 
 _SAME_NAME = f"a name without a tag is the same name with :{DEFAULT_TAG}, as in Ollama"
+
+
+_SIZE_EXPECTED = 'a number of bytes, or a size such as "22GiB" or "512MB"'
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+}
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
+
+
+def parse_size(value: int | str) -> int | None:
+    """Bytes from an integer or a string such as "22GiB", "1.5 GB", "4096"; None when it is
+    not one (negative, fractional bytes, an unknown unit)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value >= 0 else None
+    match = _SIZE_RE.fullmatch(value)
+    if match is None or match[2].upper() not in _SIZE_UNITS:
+        return None
+    size = float(match[1]) * _SIZE_UNITS[match[2].upper()]
+    return int(size) if size == int(size) or match[2] else None
 
 
 def _priority(src: _Source, table: _Table) -> Priority:

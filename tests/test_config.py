@@ -162,14 +162,17 @@ def test_absent_keys_take_their_defaults(tmp_path: Path, env: dict[str, str]) ->
         ("4GB", 4 * 10**9),
         ("10 KB", 10_000),
         ("7B", 7),
+        (4096, 4096),
     ],
 )
-def test_sizes_take_binary_and_decimal_units(text: str, size: int) -> None:
+def test_sizes_take_binary_and_decimal_units(text: str | int, size: int) -> None:
     assert parse_size(text) == size
 
 
-@pytest.mark.parametrize("text", ["", "GiB", "-1GiB", "8 GiBs", "8 PiB", "1e9", "eight"])
-def test_what_is_not_a_size_is_refused(text: str) -> None:
+@pytest.mark.parametrize(
+    "text", ["", "GiB", "-1GiB", "8 GiBs", "8 PiB", "1e9", "eight", "1.5", -1, True]
+)
+def test_what_is_not_a_size_is_refused(text: str | int) -> None:
     assert parse_size(text) is None
 
 
@@ -571,8 +574,7 @@ ERRORS = [
     pytest.param(
         '[daemon]\nhost_ram_budget = "8 gigs"\n' + M,
         "daemon.host_ram_budget",
-        'expected a non-negative number of bytes, or a size such as "512MiB", "8GiB" or "4GB",'
-        ' got "8 gigs"',
+        'expected a number of bytes, or a size such as "22GiB" or "512MB", got "8 gigs"',
         id="host_ram_budget_text",
     ),
     pytest.param(
