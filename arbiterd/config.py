@@ -13,6 +13,8 @@
     api_socket = "..."            # the HTTP API's Unix socket; default api.sock beside `socket`
     header_timeout_s = 10         # how long a client may take to send a request head
     vram_budget = 0               # what a group may use together, e.g. "22GiB"; 0 = unchecked
+    host_ram_budget = 0           # bytes (or "8GiB") of host copies + cold KV; 0 = no budget
+    prompt_cache_budget = "4GiB"  # bytes of prompt caches unloaded models keep on disk
     [models.NAME]                 # one table per model; NAME is what requests ask for
     path = "/models/x.gguf"       # required
     aliases = []                  # more names requests may ask for, e.g. ["gpt-4o-mini"]
@@ -21,7 +23,8 @@
     kv_on_release = "host", min_hold_s = 0.1, idle_release_s = 0,
     priority = "normal", preemptible = true, strict_api = false,
     load = "start",               # "demand": no worker until its first request (or `warm`)
-    unload_after_s = 0            # unload after cold and idle this long; 0 = never
+    unload_after_s = 0,           # unload after cold and idle this long; 0 = never
+    host_copy = "memfd"           # "page-cache": no copy in RAM; the kernel may reclaim it
     [groups.NAME]                 # models that hold the GPU together (arbiterd/groups.py)
     models = ["a", "b"]           # two or more [models] names, each in one group at most
     priority = "normal"           # its class in the GPU queue; default: its members' highest
@@ -95,6 +98,8 @@ DAEMON_KEYS = (
     "api_socket",
     "header_timeout_s",
     "vram_budget",
+    "host_ram_budget",
+    "prompt_cache_budget",
 )
 MODEL_KEYS = (
     "path",
@@ -114,8 +119,12 @@ MODEL_KEYS = (
     "strict_api",
     "load",
     "unload_after_s",
+    "host_copy",
 )
 STARTER_N_CTX = 4096
+# Issue 14: a state file is a few MB to a few GB (the KV of the tokens in use); 4 GiB keeps a
+# handful of large ones.
+PROMPT_CACHE_BUDGET_BYTES = 4 << 30
 _MAX_GOT_CHARS = 80  # a value quoted back in a message is cut to this length
 
 Keys = tuple[str, ...]
@@ -126,6 +135,17 @@ class Load(enum.StrEnum):
 
     START = "start"  # with the daemon
     DEMAND = "demand"  # at its first request or `warm`; until then it takes no memory
+
+
+class HostCopyMode(enum.StrEnum):
+    """Where a model's weights wait in host RAM between loads (issue 14)."""
+
+    # The daemon's memfd of the file, one per file: a restore reads nothing from disk, and the
+    # model can restart from it after its file is gone.
+    MEMFD = "memfd"
+    # The file itself: the kernel keeps its pages cached and may reclaim them under pressure,
+    # so a restore may read the disk; a file gone from disk cannot be loaded again.
+    PAGE_CACHE = "page-cache"
 
 
 @dataclass(frozen=True)
@@ -142,6 +162,11 @@ class DaemonConfig:
     api_socket: Path
     header_timeout_s: float
     vram_budget: int = 0  # bytes a group may use together; 0 = not checked
+    # Issue 14: host copies + the host KV of cold models above this unload the least recently
+    # used cold models; 0 = no budget.
+    host_ram_budget_bytes: int = 0
+    # Issue 14: the prompt caches of unloaded models on disk; the oldest go first.
+    prompt_cache_budget_bytes: int = PROMPT_CACHE_BUDGET_BYTES
 
 
 @dataclass(frozen=True)
@@ -177,6 +202,7 @@ class ModelConfig:
     load: Load = Load.START
     unload_after_s: float = 0.0  # cold and idle this long: unloaded; 0 = never
     group: str = ""  # the [groups] table it belongs to; "" = none
+    host_copy: HostCopyMode = HostCopyMode.MEMFD
 
     def same_worker(self, other: ModelConfig) -> bool:
         """Whether `other` runs the same worker as this config: equal but for the aliases,
@@ -216,7 +242,8 @@ class ModelConfig:
             chat_format=self.chat_format,
             residency=self.residency,
             embedding=embedding,
-            host_copy=True,
+            # page-cache: the worker loads the file itself (and makes no memfd of its own).
+            host_copy=self.host_copy is HostCopyMode.MEMFD,
             host_copy_fd=host_copy_fd,
         )
         return WorkerConfig(
@@ -335,6 +362,9 @@ def starter_config_text(found: list[Path]) -> str:
         "# socket = PATH   the control socket; default $XDG_RUNTIME_DIR/arbiterd/control.sock",
         "# arena = DIR     the GPU arena; default $XDG_RUNTIME_DIR/arbiterd/arena/gpu0",
         "# journal = PATH  the handoff history; default $XDG_STATE_HOME/arbiterd/journal.sqlite3",
+        '# host_ram_budget = 0       host RAM for file copies and cold KV caches, e.g. "16GiB";',
+        "#                           # above it the least recently used cold models unload",
+        '# prompt_cache_budget = "4GiB"  disk for unloaded models\' prompt caches, oldest go first',
         "",
         "# One [models.NAME] table per model; NAME (1-64 of A-Z a-z 0-9 . _ -) is the `model`",
         '# requests ask for; quote it when it contains a dot: [models."qwen2.5-7b"]. Keys:',
@@ -355,6 +385,8 @@ def starter_config_text(found: list[Path]) -> str:
         "#   strict_api = false        refuse API fields that change nothing here (400)",
         '#   load = "start"            "demand": start its worker at its first request',
         "#   unload_after_s = 0        unload after cold and idle this long; 0 = never",
+        '#   host_copy = "memfd"       "page-cache": no copy of the file in RAM (restores may',
+        "#                             read the disk; the file must stay there)",
     ]
     used: set[str] = set()
     skipped = 0
@@ -388,6 +420,7 @@ _MODELS_EXPECTED = 'at least one [models.NAME] table with a path, e.g. [models.q
 _KV_EXPECTED = 'one of "host", "device", "drop"'
 _RESIDENCY_EXPECTED = 'one of "auto", "in-place", "reload"'
 _LOAD_EXPECTED = 'one of "start", "demand"'
+_HOST_COPY_EXPECTED = 'one of "memfd", "page-cache"'
 _ALIASES_EXPECTED = 'an array of aliases, e.g. ["gpt-4o-mini", "qwen2.5:7b"]'
 _EMBEDDING_EXPECTED = "true or false (leave it out: as the GGUF says)"
 
@@ -497,10 +530,10 @@ class _Table:
             raise self.src.expected(self.keys(key), expected, value, secret=secret)
         return value
 
-    def size(self, key: str) -> int:
-        """A number of bytes: an integer, or a string such as "22GiB" or "512 MB"; 0 when
-        absent."""
-        value = self.values.get(key, 0)
+    def size(self, key: str, default: int = 0) -> int:
+        """A number of bytes: an integer, or a string such as "22GiB" or "512 MB"; `default`
+        when absent."""
+        value = self.values.get(key, default)
         size = parse_size(value) if isinstance(value, int | str) else None
         if size is None:
             raise self.src.expected(self.keys(key), _SIZE_EXPECTED, value)
@@ -582,6 +615,8 @@ class _DaemonValues:
     api_socket: Path | None
     header_timeout_s: float
     vram_budget: int
+    host_ram_budget_bytes: int = 0
+    prompt_cache_budget_bytes: int = PROMPT_CACHE_BUDGET_BYTES
 
     def resolve(self, env: Mapping[str, str]) -> DaemonConfig:
         # Only defaults in use are resolved: they may need $XDG_RUNTIME_DIR, which the flags
@@ -599,6 +634,8 @@ class _DaemonValues:
             api_socket=self.api_socket or socket.parent / API_SOCKET_FILE,
             header_timeout_s=self.header_timeout_s,
             vram_budget=self.vram_budget,
+            host_ram_budget_bytes=self.host_ram_budget_bytes,
+            prompt_cache_budget_bytes=self.prompt_cache_budget_bytes,
         )
 
 
@@ -643,6 +680,8 @@ def _daemon(src: _Source, raw: object, overrides: _Overrides) -> _DaemonValues:
         api_socket=table.optional_path("api_socket"),
         header_timeout_s=header_timeout_s,
         vram_budget=table.size("vram_budget"),
+        host_ram_budget_bytes=table.size("host_ram_budget"),
+        prompt_cache_budget_bytes=table.size("prompt_cache_budget", PROMPT_CACHE_BUDGET_BYTES),
     )
 
 
@@ -744,6 +783,11 @@ def _model(src: _Source, name: str, raw: object) -> ModelConfig:
         load = Load(load_text)
     except ValueError:
         raise src.expected(table.keys("load"), _LOAD_EXPECTED, load_text) from None
+    host_copy_text = table.string("host_copy", HostCopyMode.MEMFD.value, _HOST_COPY_EXPECTED)
+    try:
+        host_copy = HostCopyMode(host_copy_text)
+    except ValueError:
+        raise src.expected(table.keys("host_copy"), _HOST_COPY_EXPECTED, host_copy_text) from None
     embedding = raw.get("embedding")
     if embedding is not None and not isinstance(embedding, bool):
         raise src.expected(table.keys("embedding"), _EMBEDDING_EXPECTED, embedding)
@@ -766,6 +810,7 @@ def _model(src: _Source, name: str, raw: object) -> ModelConfig:
         preemptible=table.boolean("preemptible", True),
         load=load,
         unload_after_s=table.seconds("unload_after_s", 0.0, note=" (0 = never)"),
+        host_copy=host_copy,
     )
 
 

@@ -17,6 +17,9 @@ Shared by every process (worker, daemon, CLI, tray): imports nothing of arbiterd
     reload          the config was read again
     hold            the user took or gave back the GPU (game mode)
     unload          a model was unloaded: its worker exited, its prompt cache kept on disk
+    host_ram_budget the host copies and cold KV caches went over [daemon] host_ram_budget:
+                    which cold models are unloaded for it, with the numbers
+    prompt_cache_evict  state files removed to keep the prompt caches within their budget
     vram            live VRAM figures (~1 Hz to subscribers; never journaled)
     vram_not_freed  a release did not give the VRAM back
     overflow        the control socket dropped a subscriber that fell behind
@@ -382,7 +385,8 @@ class HoldEvent(Event):
 
 @dataclass(frozen=True)
 class UnloadEvent(Event):
-    """A model was unloaded (`reason`: "command", or "idle" after unload_after_s): its worker
+    """A model was unloaded (`reason`: "command", "idle" after unload_after_s, or
+    "host_ram_budget"): its worker
     saved `tokens` tokens of prompt cache, `kv_bytes` in all, to `kv_file` and exited; `error`
     says why nothing was saved when a save failed (it unloaded regardless)."""
 
@@ -418,6 +422,74 @@ class UnloadEvent(Event):
             "kv_bytes": self.kv_bytes,
             "tokens": self.tokens,
             "error": self.error,
+        }
+
+
+@dataclass(frozen=True)
+class RamBudgetEvent(Event):
+    """Host RAM (`used_bytes`: the model files' host copies, each once, and the KV caches cold
+    models keep on the host) went over `budget_bytes` ([daemon] host_ram_budget): the cold
+    models in `unload`, least recently used first, are unloaded for it (each then has an
+    `unload` event with the reason "host_ram_budget"), which leaves `after_bytes`."""
+
+    KIND: ClassVar[str] = "host_ram_budget"
+
+    used_bytes: int | None = None
+    budget_bytes: int | None = None
+    unload: tuple[str, ...] = ()
+    after_bytes: int | None = None
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> RamBudgetEvent:
+        return cls(
+            at=_float(obj.get("at")),
+            used_bytes=_int(obj.get("used_bytes")),
+            budget_bytes=_int(obj.get("budget_bytes")),
+            unload=_names(obj.get("unload")),
+            after_bytes=_int(obj.get("after_bytes")),
+        )
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "used_bytes": self.used_bytes,
+            "budget_bytes": self.budget_bytes,
+            "unload": list(self.unload),
+            "after_bytes": self.after_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class PromptCacheEvictEvent(Event):
+    """To keep `model`'s prompt cache on disk within `budget_bytes` ([daemon]
+    prompt_cache_budget), the state files of the models in `evicted` (oldest first),
+    `evicted_bytes` in all, were removed; `used_bytes` is what the folder holds after."""
+
+    KIND: ClassVar[str] = "prompt_cache_evict"
+
+    model: str | None = None
+    evicted: tuple[str, ...] = ()
+    evicted_bytes: int | None = None
+    used_bytes: int | None = None
+    budget_bytes: int | None = None
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> PromptCacheEvictEvent:
+        return cls(
+            at=_float(obj.get("at")),
+            model=_str(obj.get("model")),
+            evicted=_names(obj.get("evicted")),
+            evicted_bytes=_int(obj.get("evicted_bytes")),
+            used_bytes=_int(obj.get("used_bytes")),
+            budget_bytes=_int(obj.get("budget_bytes")),
+        )
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "evicted": list(self.evicted),
+            "evicted_bytes": self.evicted_bytes,
+            "used_bytes": self.used_bytes,
+            "budget_bytes": self.budget_bytes,
         }
 
 
@@ -595,6 +667,8 @@ KINDS: dict[str, type[Event]] = {
         ReloadEvent,
         HoldEvent,
         UnloadEvent,
+        RamBudgetEvent,
+        PromptCacheEvictEvent,
         VramEvent,
         VramNotFreedEvent,
         OverflowEvent,

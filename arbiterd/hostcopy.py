@@ -111,6 +111,11 @@ class HostCopies:
         with self._lock:
             return sum(c.size for c in [*self._copies.values(), *self._retired])
 
+    def leases(self) -> list[tuple[HostCopy, int]]:
+        """Every copy in memory with the number of slots leasing it, read at one instant."""
+        with self._lock:
+            return [(c, len(c.leases)) for c in [*self._copies.values(), *self._retired]]
+
     def close(self) -> None:
         with self._lock:
             for copy in [*self._copies.values(), *self._retired]:

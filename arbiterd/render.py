@@ -20,6 +20,8 @@ from arbiterd.events import (
     HandoffEvent,
     HoldEvent,
     OverflowEvent,
+    PromptCacheEvictEvent,
+    RamBudgetEvent,
     ReloadEvent,
     RequestEvent,
     ResidencyEvent,
@@ -118,7 +120,7 @@ def event_line(event: Event) -> str:
     return f"{stamp}  {event.kind:<{KIND_WIDTH}} {event_detail(event)}".rstrip()
 
 
-def event_detail(event: Event) -> str:  # noqa: PLR0911 (one return per kind)
+def event_detail(event: Event) -> str:  # noqa: PLR0911, PLR0912 (one return per kind)
     """What happened, in a line, without the time and the kind."""
     match event:
         case ResidencyEvent():
@@ -137,6 +139,10 @@ def event_detail(event: Event) -> str:  # noqa: PLR0911 (one return per kind)
             return _hold(event)
         case UnloadEvent():
             return _unload(event)
+        case RamBudgetEvent():
+            return _ram_budget(event)
+        case PromptCacheEvictEvent():
+            return _prompt_cache_evict(event)
         case VramEvent():
             return _vram(event)
         case VramNotFreedEvent():
@@ -295,6 +301,26 @@ def _unload(event: UnloadEvent) -> str:
     if event.kv_bytes:
         line += f", {event.tokens} tokens of prompt cache kept ({format_bytes(event.kv_bytes)})"
     return line
+
+
+def _ram_budget(event: RamBudgetEvent) -> str:
+    used = NONE if event.used_bytes is None else format_bytes(event.used_bytes)
+    budget = NONE if event.budget_bytes is None else format_bytes(event.budget_bytes)
+    line = f"host RAM {used} over its budget {budget}"
+    if not event.unload:
+        return f"{line}: no cold model to unload"
+    after = NONE if event.after_bytes is None else format_bytes(event.after_bytes)
+    return f"{line}: unloading {', '.join(event.unload)} (then {after})"
+
+
+def _prompt_cache_evict(event: PromptCacheEvictEvent) -> str:
+    evicted = NONE if event.evicted_bytes is None else format_bytes(event.evicted_bytes)
+    used = NONE if event.used_bytes is None else format_bytes(event.used_bytes)
+    budget = NONE if event.budget_bytes is None else format_bytes(event.budget_bytes)
+    return (
+        f"prompt cache of {', '.join(event.evicted) or NONE} removed ({evicted}) to keep "
+        f"{_name(event.model)}'s: {used} on disk of {budget}"
+    )
 
 
 def _vram(event: VramEvent) -> str:

@@ -12,6 +12,7 @@ import pytest
 from arbiterd.arena import Priority
 from arbiterd.config import (
     Config,
+    HostCopyMode,
     Load,
     default_config_path,
     load_config,
@@ -28,6 +29,8 @@ socket = "run/control.sock"
 arena = "/dev/shm/arena"
 journal = "~/journal.sqlite3"
 api_key = "sk-local-123"
+host_ram_budget = "8GiB"
+prompt_cache_budget = 1048576
 
 [models.qwen]
 path = "models/qwen.gguf"
@@ -50,6 +53,7 @@ unload_after_s = 600
 
 [models."llama-3.2_1b"]
 path = "/models/llama.gguf"
+host_copy = "page-cache"
 """
 
 MINIMAL = '[models.qwen]\npath = "/models/qwen.gguf"\n'
@@ -91,6 +95,8 @@ def test_full_file_sets_every_key(tmp_path: Path, env: dict[str, str]) -> None:
     assert daemon.arena == Path("/dev/shm/arena")
     assert daemon.journal == home / "journal.sqlite3"  # ~ expanded
     assert daemon.api_key == "sk-local-123"
+    assert daemon.host_ram_budget_bytes == 8 << 30
+    assert daemon.prompt_cache_budget_bytes == 1 << 20
 
     assert list(config.models) == ["qwen", "llama-3.2_1b"]  # the file's order
     qwen = config.models["qwen"]
@@ -110,6 +116,8 @@ def test_full_file_sets_every_key(tmp_path: Path, env: dict[str, str]) -> None:
     assert qwen.preemptible is False
     assert qwen.load is Load.DEMAND
     assert qwen.unload_after_s == 600.0
+    assert qwen.host_copy is HostCopyMode.MEMFD
+    assert config.models["llama-3.2_1b"].host_copy is HostCopyMode.PAGE_CACHE
 
 
 def test_absent_keys_take_their_defaults(tmp_path: Path, env: dict[str, str]) -> None:
@@ -122,6 +130,8 @@ def test_absent_keys_take_their_defaults(tmp_path: Path, env: dict[str, str]) ->
     assert daemon.arena == run / "arbiterd/arena/gpu0"
     assert daemon.journal == home / ".local/state/arbiterd/journal.sqlite3"
     assert daemon.api_key == ""
+    assert daemon.host_ram_budget_bytes == 0  # no budget
+    assert daemon.prompt_cache_budget_bytes == 4 << 30
     model = config.models["qwen"]
     assert model.path == Path("/models/qwen.gguf")
     assert model.aliases == ()
@@ -137,6 +147,33 @@ def test_absent_keys_take_their_defaults(tmp_path: Path, env: dict[str, str]) ->
     assert model.preemptible is True
     assert model.load is Load.START
     assert model.unload_after_s == 0.0
+    assert model.host_copy is HostCopyMode.MEMFD
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("0", 0),
+        ("1048576", 1 << 20),
+        ("8GiB", 8 << 30),
+        ("8 gib", 8 << 30),
+        ("512MiB", 512 << 20),
+        ("1.5GiB", 3 << 29),
+        ("4GB", 4 * 10**9),
+        ("10 KB", 10_000),
+        ("7B", 7),
+        (4096, 4096),
+    ],
+)
+def test_sizes_take_binary_and_decimal_units(text: str | int, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize(
+    "text", ["", "GiB", "-1GiB", "8 GiBs", "8 PiB", "1e9", "eight", "1.5", -1, True]
+)
+def test_what_is_not_a_size_is_refused(text: str | int) -> None:
+    assert parse_size(text) is None
 
 
 def test_empty_strings_and_zero_threads_mean_the_default(
@@ -455,6 +492,12 @@ def test_worker_config_carries_the_model(tmp_path: Path, env: dict[str, str]) ->
     assert WorkerConfig.from_json(worker.to_json()) == worker
 
 
+def test_a_page_cache_model_loads_its_file_itself(tmp_path: Path, env: dict[str, str]) -> None:
+    model = load_text(tmp_path, env, MINIMAL + 'host_copy = "page-cache"\n').models["qwen"]
+    spec = model.worker_config(tmp_path / "arena", None, embedding=False).spec
+    assert (spec.host_copy, spec.host_copy_fd) == (False, None)  # no memfd, not even its own
+
+
 def test_a_projector_it_cannot_load_is_refused_before_anything_starts(
     tmp_path: Path, env: dict[str, str]
 ) -> None:
@@ -521,6 +564,24 @@ ERRORS = [
         "models.qwen.load",
         'expected one of "start", "demand", got "lazy"',
         id="load",
+    ),
+    pytest.param(
+        M + 'host_copy = "mmap"',
+        "models.qwen.host_copy",
+        'expected one of "memfd", "page-cache", got "mmap"',
+        id="host_copy",
+    ),
+    pytest.param(
+        '[daemon]\nhost_ram_budget = "8 gigs"\n' + M,
+        "daemon.host_ram_budget",
+        'expected a number of bytes, or a size such as "22GiB" or "512MB", got "8 gigs"',
+        id="host_ram_budget_text",
+    ),
+    pytest.param(
+        "[daemon]\nprompt_cache_budget = -1\n" + M,
+        "daemon.prompt_cache_budget",
+        "got -1",
+        id="prompt_cache_budget_negative",
     ),
     pytest.param(
         M + "unload_after_s = -1",
@@ -606,7 +667,7 @@ ERRORS = [
         "models.qwen.n_ctxx",
         "unknown key; expected one of: path, aliases, n_ctx, n_gpu_layers, n_threads, "
         "chat_format, mmproj, embedding, kv_on_release, residency, min_hold_s, idle_release_s, "
-        "priority, preemptible, strict_api, load, unload_after_s "
+        "priority, preemptible, strict_api, load, unload_after_s, host_copy "
         "(did you mean n_ctx?)",
         id="unknown_model_key",
     ),

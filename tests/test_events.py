@@ -14,6 +14,8 @@ from arbiterd.events import (
     HoldEvent,
     OtherEvent,
     OverflowEvent,
+    PromptCacheEvictEvent,
+    RamBudgetEvent,
     ReloadEvent,
     RequestEvent,
     ResidencyEvent,
@@ -90,6 +92,17 @@ SAMPLES: list[Event] = [
         kv_file="/state/arbiterd/prompt-cache/gemma.kv",
         kv_bytes=3 << 20,
         tokens=812,
+    ),
+    RamBudgetEvent(
+        at=T, used_bytes=9 * GiB, budget_bytes=8 * GiB, unload=("a", "b"), after_bytes=7 * GiB
+    ),
+    PromptCacheEvictEvent(
+        at=T,
+        model="gemma",
+        evicted=("old",),
+        evicted_bytes=3 << 20,
+        used_bytes=5 << 20,
+        budget_bytes=8 << 20,
     ),
     VramEvent(
         at=T,

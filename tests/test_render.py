@@ -192,6 +192,21 @@ def test_unload_lines_say_what_was_kept() -> None:
     assert line(failed) == "unload    a unloaded (command): disk full"
 
 
+def test_budget_lines_say_who_goes_and_the_numbers() -> None:
+    over = {"event": "host_ram_budget", "used_bytes": 9 * GiB, "budget_bytes": 8 * GiB,
+            "unload": ["a", "b"], "after_bytes": 7 * GiB}  # fmt: skip
+    assert line(over) == (
+        "host_ram_budget host RAM 9.0 GiB over its budget 8.0 GiB: unloading a, b (then 7.0 GiB)"
+    )
+    evicted = {"event": "prompt_cache_evict", "model": "a", "evicted": ["b", "c"],
+               "evicted_bytes": 3 << 20, "used_bytes": 5 << 20,
+               "budget_bytes": 8 << 20}  # fmt: skip
+    assert line(evicted) == (
+        "prompt_cache_evict prompt cache of b, c removed (3.0 MiB) to keep a's: 5.0 MiB on disk"
+        " of 8.0 MiB"
+    )
+
+
 def test_hold_reload_and_vram_lines() -> None:
     assert line({"event": "hold", "held": True}) == "hold      GPU held by the user"
     assert line({"event": "hold", "held": False}) == "hold      GPU given back by the user"

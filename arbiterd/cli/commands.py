@@ -252,11 +252,7 @@ def render_status(status: dict[str, Any]) -> str:
         lines.append(f"backend reload ({', '.join(names)}): {reason}")
     for names, warning in render.grouped((m["name"], m.get("warning") or "") for m in models):
         lines.append(f"warning ({', '.join(names)}): {warning}")
-    if status.get("host_ram_bytes") is not None:
-        lines.append(
-            f"host RAM: {render.format_bytes(int(status['host_ram_bytes']))} "
-            "(model file copies, each counted once, and KV caches kept on the host)"
-        )
+    lines += _memory_lines(status)
     telemetry = status.get("telemetry") or {}
     for device in telemetry.get("devices", []):
         lines.append(
@@ -284,6 +280,34 @@ def render_status(status: dict[str, Any]) -> str:
     if status.get("hold"):
         lines.append("hold: the GPU is held for you (arbiterd unhold gives it back)")
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _memory_lines(status: dict[str, Any]) -> list[str]:
+    """Host RAM against its budget, and the prompt caches on disk against theirs (issue 14)."""
+    lines = []
+    ram = status.get("host_ram")
+    if isinstance(ram, dict):
+        budget = int(ram.get("budget_bytes") or 0)
+        lines.append(
+            f"host RAM: {render.format_bytes(int(status.get('host_ram_bytes') or 0))} = "
+            f"model file copies {render.format_bytes(int(ram.get('host_copies_bytes') or 0))} "
+            "(each counted once) + KV caches kept on the host "
+            f"{render.format_bytes(int(ram.get('host_kv_bytes') or 0))}; budget "
+            + (render.format_bytes(budget) if budget else "none")
+        )
+    elif status.get("host_ram_bytes") is not None:  # a daemon from before issue 14's budgets
+        lines.append(
+            f"host RAM: {render.format_bytes(int(status['host_ram_bytes']))} "
+            "(model file copies, each counted once, and KV caches kept on the host)"
+        )
+    cache = status.get("prompt_cache")
+    if isinstance(cache, dict):
+        lines.append(
+            f"prompt cache on disk: {render.format_bytes(int(cache.get('bytes') or 0))} in "
+            f"{int(cache.get('files') or 0)} file(s); budget "
+            f"{render.format_bytes(int(cache.get('budget_bytes') or 0))}"
+        )
+    return lines
 
 
 def _status_row(model: dict[str, Any]) -> tuple[str, ...]:

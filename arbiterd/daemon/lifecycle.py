@@ -7,6 +7,9 @@ reason that will not go away by itself (a config the worker refuses, a worker of
 protocol) fails the slot for good, with the reason, until a reload brings a new config.
 Also the unload (issue 14): the worker saves its prompt cache to `<kv_dir>/<model>.kv` and
 exits, the slot lets go of its host copy; the next `load` starts a worker that reads the file.
+The folder stays within [daemon] prompt_cache_budget (budgets.PromptCache: the oldest files
+go first; a file larger than the whole budget is not kept). A model with host_copy =
+"page-cache" holds no host copy: its worker loads the file itself, which must be on disk.
 Everything runs on the daemon's event loop; copying a model file into memory runs in a thread.
 """
 
@@ -21,11 +24,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from arbiterd.config import PROMPT_CACHE_BUDGET_BYTES, HostCopyMode
+from arbiterd.daemon.budgets import PromptCache, StateFile
 from arbiterd.daemon.modelfile import serves_embeddings
 from arbiterd.daemon.slots import Slot, SlotState
 from arbiterd.daemon.workerclient import WorkerClient
-from arbiterd.errors import ArbiterError, ConfigError, ControlError, ProtocolError, WorkerError
-from arbiterd.events import Event, UnloadEvent, WorkerEvent
+from arbiterd.errors import (
+    ArbiterError,
+    ConfigError,
+    ControlError,
+    ModelLoadError,
+    ProtocolError,
+    WorkerError,
+)
+from arbiterd.events import Event, PromptCacheEvictEvent, UnloadEvent, WorkerEvent
 from arbiterd.hostcopy import HostCopies, HostCopy
 from arbiterd.paths import make_private_dirs
 
@@ -38,7 +50,7 @@ PERMANENT = (ConfigError, ProtocolError)
 # How long an unloading worker may take to finish what it has queued and write its prompt
 # cache (a few GB at disk speed) before it is killed, unsaved.
 UNLOAD_TIMEOUT_S = 300.0
-KV_SUFFIX = ".kv"
+STATUS_TIMEOUT_S = 10.0  # a worker answers status from its io thread, even mid-decode
 
 
 class Lifecycle:
@@ -51,11 +63,15 @@ class Lifecycle:
         on_ready: Callable[[Slot], None],
         on_gone: Callable[[Slot, WorkerClient], None],
         kv_dir: Path | None = None,
+        prompt_cache_budget_bytes: int = PROMPT_CACHE_BUDGET_BYTES,
     ) -> None:
-        """`kv_dir`: the folder unloaded models keep their prompt caches in; None: an unload
-        keeps none."""
+        """`kv_dir`: the folder unloaded models keep their prompt caches in, within
+        `prompt_cache_budget_bytes`; None: an unload keeps none."""
         self._arena = arena
         self._kv_dir = kv_dir
+        self.prompt_cache = (
+            None if kv_dir is None else PromptCache(kv_dir, prompt_cache_budget_bytes)
+        )
         self._publish = publish
         self._on_worker_event = on_worker_event
         self._on_ready = on_ready
@@ -74,15 +90,22 @@ class Lifecycle:
             if self._retired(slot):
                 self._let_go(slot)
                 return
-            # From the copy the worker loads: ~0.1 s for a large vocabulary, in a thread.
-            slot.embedding = await asyncio.to_thread(serves_embeddings, slot.config, copy.fd)
+            if copy is None:  # page-cache: the worker reads the file, which must be there
+                _require_file(slot)
+            # From what the worker loads: ~0.1 s for a large vocabulary, in a thread.
+            slot.embedding = await asyncio.to_thread(
+                serves_embeddings, slot.config, None if copy is None else copy.fd
+            )
             worker = await WorkerClient.spawn(
                 slot.config.worker_config(
                     self._arena,
-                    copy.fd,
+                    None if copy is None else copy.fd,
                     embedding=slot.embedding,
                     kv_file=self._kv_file(slot),
-                    model_version=(copy.identity.size, copy.identity.mtime_ns),
+                    # None: the worker keys the state file by the file as it finds it.
+                    model_version=(
+                        None if copy is None else (copy.identity.size, copy.identity.mtime_ns)
+                    ),
                 ),
                 env=env,
                 on_event=lambda event: self._on_worker_event(slot, event),
@@ -160,15 +183,7 @@ class Lifecycle:
 
     async def _unload(self, slot: Slot, worker: WorkerClient, reason: str) -> dict[str, Any]:
         try:
-            if self._kv_dir is not None:
-                try:
-                    await asyncio.to_thread(make_private_dirs, self._kv_dir, WorkerError)
-                except WorkerError as exc:  # the worker's write fails and says so
-                    log.warning("%s: %s", slot.name, exc)
-            try:
-                saved = await worker.request("unload", timeout_s=UNLOAD_TIMEOUT_S)
-            except ArbiterError as exc:
-                saved = _nothing_kept(str(exc))
+            saved = await self._save_prompt_cache(slot, worker)
             await worker.shutdown()  # it exits by itself; reaped here (killed if it hangs)
             self._on_gone(slot, worker)
             if slot.state is SlotState.UNLOADING:  # not retired meanwhile
@@ -202,8 +217,78 @@ class Lifecycle:
         finally:
             slot.unload_task = None
 
+    async def _save_prompt_cache(self, slot: Slot, worker: WorkerClient) -> dict[str, Any]:
+        """Have the unloading worker save its prompt cache within the budget: room is made
+        first when its size is known (a cold model's host KV), and a cache larger than the
+        whole budget is not written at all; after the save, older files go until the folder
+        fits (an event names them). Returns the worker's reply, its "error" saying why nothing
+        was kept."""
+        cache = self.prompt_cache
+        if cache is None:
+            return await self._ask_unload(worker)
+        try:
+            await asyncio.to_thread(make_private_dirs, cache.folder, WorkerError)
+        except WorkerError as exc:  # the worker's write fails and says so
+            log.warning("%s: %s", slot.name, exc)
+        expected = 0
+        try:
+            live = await worker.request("status", timeout_s=STATUS_TIMEOUT_S)
+            expected = int(live.get("host_kv_bytes") or 0)  # a cold model's KV, else 0
+        except ArbiterError:
+            pass  # the unload below finds out what is wrong with the worker
+        if expected > cache.budget_bytes:
+            await asyncio.to_thread(cache.remove, slot.name)  # an older cache is stale now
+            return _nothing_kept(_too_large(expected, cache.budget_bytes))
+        if expected:
+            self._evicted(slot, await asyncio.to_thread(cache.make_room, slot.name, expected))
+        saved = await self._ask_unload(worker)
+        if saved.get("kv_file") is None:
+            return saved
+        settled = await asyncio.to_thread(cache.settle, slot.name)
+        self._evicted(slot, settled.evicted)
+        if settled.refused_bytes:
+            return _nothing_kept(_too_large(settled.refused_bytes, cache.budget_bytes))
+        return saved
+
+    async def _ask_unload(self, worker: WorkerClient) -> dict[str, Any]:
+        try:
+            return await worker.request("unload", timeout_s=UNLOAD_TIMEOUT_S)
+        except ArbiterError as exc:
+            return _nothing_kept(str(exc))
+
+    def _evicted(self, slot: Slot, evicted: tuple[StateFile, ...]) -> None:
+        """Say which state files were removed to make room for `slot`'s."""
+        cache = self.prompt_cache
+        if not evicted or cache is None:
+            return
+        event = PromptCacheEvictEvent(
+            model=slot.name,
+            evicted=tuple(f.model for f in evicted),
+            evicted_bytes=sum(f.size_bytes for f in evicted),
+            used_bytes=sum(f.size_bytes for f in cache.files()),
+            budget_bytes=cache.budget_bytes,
+        )
+        log.info(
+            "prompt cache of %s removed (%d bytes) to keep %s's within the budget",
+            ", ".join(event.evicted),
+            event.evicted_bytes,
+            slot.name,
+        )
+        self._publish(event)
+
+    async def forget_prompt_cache(self, name: str) -> None:
+        """Remove the state file of a model that left the config: no later config could
+        restore it as what it was made for."""
+        if self.prompt_cache is None:
+            return
+        try:
+            if await asyncio.to_thread(self.prompt_cache.remove, name):
+                log.info("%s left the config: its prompt cache on disk is removed", name)
+        except OSError as exc:
+            log.warning("%s: could not remove its prompt cache: %s", name, _os_reason(exc))
+
     def _kv_file(self, slot: Slot) -> Path | None:
-        return None if self._kv_dir is None else self._kv_dir / f"{slot.name}{KV_SUFFIX}"
+        return None if self.prompt_cache is None else self.prompt_cache.path(slot.name)
 
     async def retire(self, slot: Slot) -> None:
         """Stop the slot for good (removed or replaced by a reload): its worker's exit is not
@@ -229,8 +314,11 @@ class Lifecycle:
             watch.cancel()
         self.host_copies.close()
 
-    async def hold_copy(self, slot: Slot) -> HostCopy:
-        """The slot's host copy of its model file (shared with every slot on that file)."""
+    async def hold_copy(self, slot: Slot) -> HostCopy | None:
+        """The slot's host copy of its model file (shared with every slot on that file); None
+        for a model with host_copy = "page-cache", which has none."""
+        if slot.config.host_copy is HostCopyMode.PAGE_CACHE:
+            return None
         if slot.copy_lease is None:
             slot.copy_lease = await asyncio.to_thread(
                 self.host_copies.acquire, slot.config.path, slot.name
@@ -292,6 +380,24 @@ class Lifecycle:
 
         slot.restart_task = asyncio.get_running_loop().create_task(restart())
         return delay_s
+
+
+def _require_file(slot: Slot) -> None:
+    """Refuse to start a page-cache model whose file is not on disk, saying what that means."""
+    path = slot.config.path
+    if not path.is_file():
+        raise ModelLoadError(
+            f'model file not found: {path}; with host_copy = "page-cache" no copy of it is '
+            f"kept in memory, so {slot.name} cannot start until the file is back "
+            '(host_copy = "memfd" keeps one that outlives the file)'
+        )
+
+
+def _too_large(kv_bytes: int, budget_bytes: int) -> str:
+    return (
+        f"its prompt cache ({kv_bytes} bytes) is larger than the whole prompt_cache_budget "
+        f"({budget_bytes} bytes): not kept"
+    )
 
 
 def _nothing_kept(error: str = "") -> dict[str, Any]:

@@ -193,19 +193,22 @@ def _skip_value(f: BinaryIO, kind: int) -> None:
 # -- what a model serves ------------------------------------------------------------------------
 
 
-def serves_embeddings(model: ModelConfig, fd: int) -> bool:
+def serves_embeddings(model: ModelConfig, fd: int | None) -> bool:
     """Whether `model` serves embeddings: its config's `embedding` when it has one, else what the
     header of its GGUF says (`GgufHeader.embedding`), read from `fd`, the daemon's copy of the
-    file (what the worker loads, even if the file on disk has changed or gone since).
+    file (what the worker loads, even if the file on disk has changed or gone since); None:
+    the model has no copy (host_copy = "page-cache") and its worker loads the file itself.
 
-    Raises ConfigError when the copy is not a GGUF, OSError when it cannot be read."""
+    Raises ConfigError when the copy (or file) is not a GGUF, OSError when it cannot be read."""
     if model.embedding is not None:
         return model.embedding
+    source = model.path if fd is None else Path(f"/proc/self/fd/{fd}")
     try:
-        return read_header(Path(f"/proc/self/fd/{fd}")).embedding
+        return read_header(source).embedding
     except NotGgufError as exc:
         where = key_path("models", model.name, "path")
-        raise ConfigError(f"{where}: the copy of {model.path} is {exc}") from None
+        what = model.path if fd is None else f"the copy of {model.path}"
+        raise ConfigError(f"{where}: {what} is {exc}") from None
 
 
 # -- the config check ---------------------------------------------------------------------------

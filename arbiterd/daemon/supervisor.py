@@ -10,8 +10,9 @@ Composes the daemon's parts, each with one job, and keeps what ties them togethe
 Here: which model a name or alias asks for (the config's `resolve`, at each entry point, so
 every edge takes aliases), what a worker's events mean for its slot, status, the commands (hold,
 reload, unload, ...), unloading models that stayed cold and idle for their unload_after_s
-(issue 14), and the metrics scrape. Everything runs on the daemon's asyncio loop; no request
-waits on a thread.
+(issue 14) or that the host RAM budget has no room for (budgets.ram_plan, looked at whenever a
+model goes cold or loads), and the metrics scrape. Everything runs on the daemon's asyncio
+loop; no request waits on a thread.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 from arbiterd.arena import Arena, Token
 from arbiterd.config import Config, GroupConfig, Load, ModelConfig
 from arbiterd.control import MODEL_COMMANDS
+from arbiterd.daemon.budgets import ColdModel, CopyUse, ram_plan
 from arbiterd.daemon.eventbus import EventBus
 from arbiterd.daemon.handoffs import Handoffs
 from arbiterd.daemon.journal import Journal
@@ -41,6 +43,7 @@ from arbiterd.events import (
     Event,
     HandoffEvent,
     HoldEvent,
+    RamBudgetEvent,
     ReloadEvent,
     ResidencyEvent,
     VramEvent,
@@ -122,12 +125,17 @@ class Supervisor:
             on_ready=self._on_ready,
             on_gone=self._on_gone,
             kv_dir=config.daemon.journal.parent / KV_DIR,
+            prompt_cache_budget_bytes=config.daemon.prompt_cache_budget_bytes,
         )
         self._router = Router(self._slots, self._bus.publish, self._lifecycle.load)
         self._hold: Token | None = None
         self._keepers: dict[str, Keeper] = {}  # by group: each holds the token for its members
         self._engine: EngineReport | None = None  # as the latest worker's hello says
         self._tasks: set[asyncio.Task[None]] = set()  # started here, not awaited by anyone
+        # The host RAM budget's check: one at a time; asked again while one runs, it runs once
+        # more after it.
+        self._ram_check: asyncio.Task[None] | None = None
+        self._ram_check_again = False
         self.stopped = asyncio.Event()  # set by the shutdown command; the daemon awaits it
 
     # -- lifetime -----------------------------------------------------------------------------
@@ -229,6 +237,9 @@ class Supervisor:
                 "name": holder_name(arena),
                 "since": arena.holder.since if arena.holder else None,
             }
+        host_kv_bytes = sum(int(r.get("host_kv_bytes") or 0) for r in reports)
+        copies_bytes = self._lifecycle.host_copies.total_bytes()
+        cache = self._lifecycle.prompt_cache
         return {
             "models": reports,
             "arena": str(arena.path),
@@ -238,8 +249,13 @@ class Supervisor:
             "groups": self._groups_status(),
             "telemetry": self._vram.status(snapshot),
             # Each copy once, however many models share it.
-            "host_ram_bytes": self._lifecycle.host_copies.total_bytes()
-            + sum(int(r.get("host_kv_bytes") or 0) for r in reports),
+            "host_ram_bytes": copies_bytes + host_kv_bytes,
+            "host_ram": {
+                "host_copies_bytes": copies_bytes,
+                "host_kv_bytes": host_kv_bytes,
+                "budget_bytes": self.config.daemon.host_ram_budget_bytes,  # 0: none
+            },
+            "prompt_cache": None if cache is None else await asyncio.to_thread(cache.usage),
             "engine": None if self._engine is None else self._engine.to_json(),
         }
 
@@ -248,6 +264,7 @@ class Supervisor:
             "name": slot.name,
             "aliases": list(slot.config.aliases),
             "n_ctx": slot.config.n_ctx,
+            "host_copy": slot.config.host_copy.value,
             "state": slot.shown_state,
             "pid": None,
             "pinned": slot.pinned,
@@ -362,6 +379,8 @@ class Supervisor:
             self._vram.model_removed(name)
             self._handoffs.forget(name)
             await self._lifecycle.retire(retired)
+            if name in removed:  # no config left to restore its prompt cache into
+                await self._lifecycle.forget_prompt_cache(name)
         # A group whose members or class changed gets a new keeper, once its old members left.
         regrouped = [
             name for name, group in self.config.groups.items() if new.groups.get(name) != group
@@ -457,10 +476,11 @@ class Supervisor:
         if slot.pinned:  # a restarted worker of a pinned model is pinned too
             self._spawn(self._pin_again(slot, worker))
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)  # the loop keeps only a weak reference to a task
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _unload_idle(self) -> None:
         """Unload each model that stayed cold and idle for its unload_after_s (issue 14)."""
@@ -478,6 +498,86 @@ class Supervisor:
                     await self._lifecycle.unload(slot, "idle")
                 except ArbiterError as exc:
                     log.warning("%s: could not unload it: %s", slot.name, exc)
+
+    def _want_ram_check(self) -> None:
+        """Look at the host RAM budget soon (a model went cold, or one loaded)."""
+        if self.config.daemon.host_ram_budget_bytes <= 0:
+            return
+        self._ram_check_again = True
+        if self._ram_check is None or self._ram_check.done():
+            self._ram_check = self._spawn(self._ram_checks())
+
+    async def _ram_checks(self) -> None:
+        while self._ram_check_again:
+            self._ram_check_again = False
+            try:
+                await self._keep_ram_budget()
+            except ArbiterError as exc:
+                log.warning("host RAM budget: %s", exc)
+
+    async def _keep_ram_budget(self) -> None:
+        """Unload the least recently used cold, idle models while the host copies and the host
+        KV caches exceed [daemon] host_ram_budget (issue 14); each goes through the unload path,
+        so its prompt cache waits on disk."""
+        budget = self.config.daemon.host_ram_budget_bytes
+        ready = [s for s in self._slots.values() if s.worker is not None]
+        lives = await asyncio.gather(
+            *(s.worker.request("status", timeout_s=STATUS_TIMEOUT_S) for s in ready if s.worker),
+            return_exceptions=True,
+        )
+        copies = self._lifecycle.host_copies.leases()
+        key = {id(copy): str(n) for n, (copy, _) in enumerate(copies)}
+        host_kv_bytes, cold = 0, []
+        for slot, live in zip(ready, lives, strict=True):
+            if isinstance(live, BaseException):
+                continue  # a worker that does not answer is not unloaded by guesswork
+            kv = int(live.get("host_kv_bytes") or 0)
+            host_kv_bytes += kv
+            idle = not live.get("queue") and not live.get("current")
+            if (
+                slot.residency == "cold"
+                and slot.cold_since is not None
+                and idle
+                and not slot.pinned
+            ):
+                lease = slot.copy_lease
+                copy = None if lease is None else key.get(id(lease.copy))
+                cold.append(ColdModel(slot.name, slot.cold_since, kv, copy))
+        plan = ram_plan(
+            budget,
+            copies={key[id(c)]: CopyUse(c.size, leases) for c, leases in copies},
+            host_kv_bytes=host_kv_bytes,
+            cold=cold,
+        )
+        if not plan.over:
+            return
+        if not plan.unload:
+            log.info(
+                "host RAM %d bytes over its budget %d bytes, and no cold, idle model to unload",
+                plan.used_bytes,
+                budget,
+            )
+            return
+        log.info(
+            "host RAM %d bytes over its budget %d bytes: unloading %s",
+            plan.used_bytes,
+            budget,
+            ", ".join(plan.unload),
+        )
+        self._bus.publish(
+            RamBudgetEvent(
+                used_bytes=plan.used_bytes,
+                budget_bytes=budget,
+                unload=plan.unload,
+                after_bytes=plan.after_bytes,
+            )
+        )
+        for name in plan.unload:
+            victim = self._slots.get(name)
+            # Woken meanwhile (or gone): it is in use again, not least recently used.
+            if victim is None or victim.residency != "cold" or victim.worker is None:
+                continue
+            await self._lifecycle.unload(victim, "host_ram_budget")
 
     async def _pin_again(self, slot: Slot, worker: WorkerClient) -> None:
         try:
@@ -502,6 +602,8 @@ class Supervisor:
             return
         slot.residency = event.to_state
         slot.cold_since = time.monotonic() if event.to_state == "cold" else None
+        if event.to_state == "cold" or event.from_state == "loading":
+            self._want_ram_check()
         if event.to_state == "failed":
             slot.last_error = event.reason
         self._vram.residency(worker.pid, event)

@@ -16,14 +16,18 @@ from typing import Any, TypeVar
 
 import pytest
 
+from arbiterd.config import HostCopyMode
 from arbiterd.daemon import lifecycle
+from arbiterd.daemon.budgets import PromptCache
 from arbiterd.daemon.lifecycle import Lifecycle
 from arbiterd.daemon.slots import Slot, SlotState
 from arbiterd.daemon.workerclient import WorkerClient
 from arbiterd.errors import ConfigError, ControlError, ProtocolError, WorkerError
-from arbiterd.events import Event, UnloadEvent, WorkerEvent
+from arbiterd.events import Event, PromptCacheEvictEvent, UnloadEvent, WorkerEvent
 from arbiterd.hostcopy import Lease
+from arbiterd.spec import Residency
 from tests.support.models import model_config
+from tests.support.pagecache import drop_page_cache
 
 _T = TypeVar("_T")
 REAL_SPAWN = WorkerClient.spawn
@@ -498,3 +502,175 @@ def test_a_starting_slot_cannot_be_unloaded(harness: Harness) -> None:
             await harness.lifecycle.unload(harness.slot(), "command")
 
     run(scenario())
+
+
+# -- issue 14: host_copy = "page-cache", the prompt-cache budget ---------------------------------
+
+PROMPT = {"prompt": "the fox is not a dog " * 20, "max_tokens": 2, "temperature": 0}
+
+
+def moves(events: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """The worker's residency events by (from, to): the last of each."""
+    return {(e["from"], e["to"]): e for e in events if e.get("event") == "residency"}
+
+
+def test_a_page_cache_slot_holds_no_copy_and_its_reads_from_disk_are_reported(
+    harness: Harness, tmp_path: Path
+) -> None:
+    model = tmp_path / "own.gguf"  # a file of its own: its page cache is this test's to drop
+    model.write_bytes(harness.model.read_bytes())
+
+    async def scenario() -> tuple[Slot, int]:
+        slot = Slot(
+            model_config(
+                "m", model, n_ctx=512, host_copy=HostCopyMode.PAGE_CACHE, residency=Residency.RELOAD
+            )
+        )
+        drop_page_cache(model)
+        await harness.lifecycle.start(slot)
+        assert slot.worker is not None
+        await slot.worker.request("warm")
+        await slot.worker.request("release")
+        drop_page_cache(model)  # what the kernel may do to a cold model's file under pressure
+        await slot.worker.request("warm")
+        copies = harness.lifecycle.host_copies.total_bytes()
+        await harness.lifecycle.stop([slot])
+        return slot, copies
+
+    slot, copies = run(scenario())
+    assert (slot.copy_lease, copies) == (None, 0)
+    moved = moves(harness.worker_events)
+    # The worker read the file itself: at load, and again at the restore after the eviction.
+    assert moved[("loading", "warm")]["disk_read_bytes"] > 0
+    assert moved[("warming", "warm")]["disk_read_bytes"] > 0
+
+
+def test_a_memfd_slot_restores_without_reading_the_disk(harness: Harness) -> None:
+    async def scenario() -> None:
+        slot = Slot(model_config("m", harness.model, n_ctx=512, residency=Residency.RELOAD))
+        await harness.lifecycle.start(slot)
+        assert slot.worker is not None
+        await slot.worker.request("warm")
+        await slot.worker.request("release")
+        drop_page_cache(harness.model)
+        await slot.worker.request("warm")
+        await harness.lifecycle.stop([slot])
+
+    run(scenario())
+    assert moves(harness.worker_events)[("warming", "warm")]["disk_read_bytes"] == 0
+
+
+def test_a_page_cache_model_whose_file_is_gone_cannot_start_and_says_why(
+    harness: Harness, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lifecycle, "RESTART_BACKOFF_S", (3600.0,))
+    gone = tmp_path / "gone.gguf"
+
+    async def scenario() -> tuple[Slot, list[Event]]:
+        slot = Slot(model_config("m", gone, n_ctx=512, host_copy=HostCopyMode.PAGE_CACHE))
+        await harness.lifecycle.start(slot)
+        published = harness.published_now()
+        await harness.lifecycle.stop([slot])
+        return slot, published
+
+    slot, published = run(scenario())
+    assert slot.state is SlotState.STOPPED
+    reason = f'model file not found: {gone}; with host_copy = "page-cache" no copy of it is kept'
+    assert reason in slot.last_error
+    assert "m cannot start until the file is back" in slot.last_error
+    assert [type(e) for e in published] == [WorkerEvent]
+    assert reason in (getattr(published[0], "reason", "") or "")
+
+
+def write_state(folder: Path, model: str, size: int, mtime_s: int) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{model}.kv"
+    path.write_bytes(b"\0" * size)
+    os.utime(path, (mtime_s, mtime_s))
+    return path
+
+
+def unload_with_cache(
+    harness: Harness, budget_bytes: int, *, release: bool = True
+) -> tuple[dict[str, Any], list[Event]]:
+    """Start "m", run a prompt, release it (its KV goes to the host, so its size is known
+    before the save) unless not `release`, unload it under a prompt-cache budget of
+    `budget_bytes`; returns the unload's reply and the events."""
+    harness.lifecycle.prompt_cache = PromptCache(
+        harness.lifecycle.prompt_cache.folder if harness.lifecycle.prompt_cache else Path(),
+        budget_bytes,
+    )
+
+    async def scenario() -> tuple[dict[str, Any], list[Event]]:
+        slot = harness.slot()
+        await harness.lifecycle.start(slot)
+        assert slot.worker is not None
+        await slot.worker.generate("completion", PROMPT)
+        if release:
+            await slot.worker.request("release")
+        harness.published_now()
+        saved = await harness.lifecycle.unload(slot, "command")
+        published = harness.published_now()
+        await harness.lifecycle.stop([slot])
+        return saved, published
+
+    return run(scenario())
+
+
+def test_saving_a_prompt_cache_evicts_the_oldest_files_and_says_which(harness: Harness) -> None:
+    cache = harness.lifecycle.prompt_cache
+    assert cache is not None
+    write_state(cache.folder, "oldest", 1 << 20, 1_000)
+    write_state(cache.folder, "newer", 1 << 20, 2_000)
+
+    saved, published = unload_with_cache(harness, budget_bytes=(1 << 20) + (512 << 10))
+
+    kv_bytes = saved["kv_bytes"]
+    assert 0 < kv_bytes < 512 << 10  # the tiny model's few hundred tokens
+    assert saved["error"] == ""
+    assert sorted(p.name for p in cache.folder.glob("*.kv")) == ["m.kv", "newer.kv"]
+    evictions = [e for e in published if isinstance(e, PromptCacheEvictEvent)]
+    # Before the save: a cold model's KV size is known, so the room is made first.
+    assert evictions == [
+        PromptCacheEvictEvent(
+            model="m",
+            evicted=("oldest",),
+            evicted_bytes=1 << 20,
+            used_bytes=1 << 20,
+            budget_bytes=(1 << 20) + (512 << 10),
+        )
+    ]
+    unloads = [e for e in published if isinstance(e, UnloadEvent)]
+    assert [(u.kv_bytes, u.error) for u in unloads] == [(kv_bytes, "")]
+
+
+@pytest.mark.parametrize("release", [True, False], ids=["cold", "warm"])
+def test_a_prompt_cache_larger_than_the_whole_budget_is_not_kept_and_the_unload_says_why(
+    harness: Harness, release: bool
+) -> None:
+    # Cold: its size is known and nothing is written; warm: it is written, then removed.
+    cache = harness.lifecycle.prompt_cache
+    assert cache is not None
+    write_state(cache.folder, "other", 100, 1_000)
+
+    saved, published = unload_with_cache(harness, budget_bytes=1000, release=release)
+
+    assert saved["kv_file"] is None
+    assert "is larger than the whole prompt_cache_budget (1000 bytes): not kept" in saved["error"]
+    assert sorted(p.name for p in cache.folder.glob("*.kv")) == ["other.kv"]  # left alone
+    unloads = [e for e in published if isinstance(e, UnloadEvent)]
+    assert len(unloads) == 1
+    assert "prompt_cache_budget" in unloads[0].error
+    assert not [e for e in published if isinstance(e, PromptCacheEvictEvent)]
+
+
+def test_forgetting_a_model_removes_its_prompt_cache(harness: Harness) -> None:
+    cache = harness.lifecycle.prompt_cache
+    assert cache is not None
+    kept = write_state(cache.folder, "kept", 10, 1_000)
+    removed = write_state(cache.folder, "removed", 10, 1_000)
+
+    run(harness.lifecycle.forget_prompt_cache("removed"))
+
+    assert kept.exists()
+    assert not removed.exists()

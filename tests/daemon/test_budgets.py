@@ -1,0 +1,178 @@
+"""The memory budgets' pure policies (which cold model, which state file) and the prompt-cache
+folder's bookkeeping, without processes or sleeps."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from arbiterd.daemon.budgets import (
+    ColdModel,
+    CopyUse,
+    PromptCache,
+    StateFile,
+    cache_evictions,
+    ram_plan,
+)
+
+MiB = 1 << 20
+
+
+# -- host RAM ------------------------------------------------------------------------------------
+
+
+def test_under_the_budget_nobody_is_unloaded() -> None:
+    plan = ram_plan(
+        100 * MiB,
+        copies={"f": CopyUse(60 * MiB, 1)},
+        host_kv_bytes=10 * MiB,
+        cold=[ColdModel("a", 1.0, 10 * MiB, "f")],
+    )
+    assert (plan.used_bytes, plan.unload, plan.over) == (70 * MiB, (), False)
+
+
+def test_no_budget_unloads_nobody_however_much_is_used() -> None:
+    plan = ram_plan(
+        0, copies={"f": CopyUse(600 * MiB, 1)}, host_kv_bytes=0, cold=[ColdModel("a", 1, 0, "f")]
+    )
+    assert (plan.unload, plan.over) == ((), False)
+
+
+def test_the_least_recently_used_cold_model_goes_first_and_only_as_many_as_needed() -> None:
+    # Three models, each on its own 50 MiB file; 150 MiB used, 110 allowed: one must go.
+    copies = {name: CopyUse(50 * MiB, 1) for name in "abc"}
+    cold = [
+        ColdModel("b", cold_since=5.0, host_kv_bytes=0, copy="b"),
+        ColdModel("a", cold_since=9.0, host_kv_bytes=0, copy="a"),
+        ColdModel("c", cold_since=7.0, host_kv_bytes=0, copy="c"),
+    ]
+    plan = ram_plan(110 * MiB, copies=copies, host_kv_bytes=0, cold=cold)
+    assert plan.unload == ("b",)
+    assert (plan.used_bytes, plan.after_bytes) == (150 * MiB, 100 * MiB)
+    tighter = ram_plan(60 * MiB, copies=copies, host_kv_bytes=0, cold=cold)
+    assert tighter.unload == ("b", "c")  # oldest first
+    assert tighter.after_bytes == 50 * MiB
+
+
+def test_a_shared_copy_is_freed_only_by_its_last_user() -> None:
+    # x and y share one 100 MiB copy; z has its own 30 MiB one. Unloading x frees only its KV.
+    copies = {"shared": CopyUse(100 * MiB, 2), "own": CopyUse(30 * MiB, 1)}
+    cold = [
+        ColdModel("x", 1.0, 5 * MiB, "shared"),
+        ColdModel("y", 2.0, 5 * MiB, "shared"),
+        ColdModel("z", 3.0, 0, "own"),
+    ]
+    plan = ram_plan(100 * MiB, copies=copies, host_kv_bytes=10 * MiB, cold=cold)
+    assert plan.used_bytes == 140 * MiB
+    # x frees 5 MiB (135), y frees its KV and the shared copy (30): under the budget.
+    assert plan.unload == ("x", "y")
+    assert plan.after_bytes == 30 * MiB
+
+
+def test_a_model_whose_unload_frees_nothing_is_passed_over() -> None:
+    # "warm" (not a candidate) keeps the shared copy leased: unloading "idle", which has no
+    # host KV, would free no byte and cost a load later.
+    copies = {"shared": CopyUse(100 * MiB, 2), "own": CopyUse(40 * MiB, 1)}
+    cold = [ColdModel("idle", 1.0, 0, "shared"), ColdModel("other", 2.0, 0, "own")]
+    plan = ram_plan(120 * MiB, copies=copies, host_kv_bytes=0, cold=cold)
+    assert plan.unload == ("other",)
+    assert plan.after_bytes == 100 * MiB
+
+
+def test_a_copy_a_warm_model_uses_stays_however_many_cold_ones_go_before() -> None:
+    # "warm" leases the shared copy too: after "a" (with KV) goes, "b" (without) still frees
+    # nothing, and is passed over; "c" frees its own copy.
+    copies = {"shared": CopyUse(100 * MiB, 3), "own": CopyUse(20 * MiB, 1)}
+    cold = [
+        ColdModel("a", 1.0, 10 * MiB, "shared"),
+        ColdModel("b", 2.0, 0, "shared"),
+        ColdModel("c", 3.0, 0, "own"),
+    ]
+    plan = ram_plan(105 * MiB, copies=copies, host_kv_bytes=10 * MiB, cold=cold)
+    assert plan.unload == ("a", "c")
+    assert plan.after_bytes == 100 * MiB
+
+
+def test_a_page_cache_model_frees_its_host_kv() -> None:
+    plan = ram_plan(
+        10 * MiB,
+        copies={},
+        host_kv_bytes=30 * MiB,
+        cold=[ColdModel("p", 1.0, 30 * MiB, None)],
+    )
+    assert (plan.unload, plan.after_bytes) == (("p",), 0)
+
+
+def test_when_every_cold_model_is_not_enough_all_go_and_the_plan_says_it_stays_over() -> None:
+    copies = {"warm": CopyUse(200 * MiB, 1), "c": CopyUse(10 * MiB, 1)}
+    plan = ram_plan(100 * MiB, copies=copies, host_kv_bytes=0, cold=[ColdModel("c", 1.0, 0, "c")])
+    assert plan.unload == ("c",)
+    assert plan.after_bytes == 200 * MiB > plan.budget_bytes
+
+
+# -- the prompt caches on disk -------------------------------------------------------------------
+
+
+def state(model: str, mib: int, mtime: int) -> StateFile:
+    return StateFile(model, mib * MiB, mtime)
+
+
+def test_the_oldest_files_are_evicted_first_until_the_new_one_fits() -> None:
+    files = [state("new", 1, 30), state("old", 2, 10), state("mid", 2, 20)]
+    assert cache_evictions(files, 6 * MiB, keep="x", incoming_bytes=2 * MiB) == (
+        state("old", 2, 10),
+    )
+    assert cache_evictions(files, 4 * MiB, keep="x", incoming_bytes=2 * MiB) == (
+        state("old", 2, 10),
+        state("mid", 2, 20),
+    )
+    assert cache_evictions(files, 7 * MiB, keep="x", incoming_bytes=2 * MiB) == ()
+
+
+def test_the_file_being_kept_is_never_evicted_even_when_oldest() -> None:
+    files = [state("mine", 3, 1), state("theirs", 3, 2)]
+    assert cache_evictions(files, 4 * MiB, keep="mine") == (state("theirs", 3, 2),)
+
+
+def write_state(folder: Path, model: str, size: int, mtime_s: int) -> Path:
+    path = folder / f"{model}.kv"
+    path.write_bytes(b"\0" * size)
+    os.utime(path, (mtime_s, mtime_s))
+    return path
+
+
+def test_settle_evicts_older_files_to_fit_and_refuses_a_file_larger_than_the_budget(
+    tmp_path: Path,
+) -> None:
+    cache = PromptCache(tmp_path, budget_bytes=1000)
+    write_state(tmp_path, "old", 400, 100)
+    write_state(tmp_path, "older", 400, 50)
+    write_state(tmp_path, "new", 500, 200)
+    (tmp_path / ".new.kv.123.tmp").write_bytes(b"\0" * 5000)  # a write in progress: not counted
+    assert cache.usage() == {"bytes": 1300, "files": 3, "budget_bytes": 1000}
+
+    settled = cache.settle("new")
+    assert [f.model for f in settled.evicted] == ["older"]
+    assert settled.refused_bytes == 0
+    assert sorted(p.name for p in tmp_path.glob("*.kv")) == ["new.kv", "old.kv"]
+
+    write_state(tmp_path, "huge", 1001, 300)
+    settled = cache.settle("huge")
+    assert (settled.evicted, settled.refused_bytes) == ((), 1001)
+    assert not (tmp_path / "huge.kv").exists()
+    assert cache.usage()["bytes"] == 900  # the others are untouched
+
+
+def test_make_room_does_not_count_the_models_own_old_file(tmp_path: Path) -> None:
+    cache = PromptCache(tmp_path, budget_bytes=1000)
+    write_state(tmp_path, "me", 600, 10)  # replaced by the save
+    write_state(tmp_path, "other", 300, 20)
+    assert cache.make_room("me", incoming_bytes=700) == ()
+    evicted = cache.make_room("me", incoming_bytes=800)
+    assert [f.model for f in evicted] == ["other"]
+
+
+def test_a_missing_folder_holds_nothing(tmp_path: Path) -> None:
+    cache = PromptCache(tmp_path / "absent", budget_bytes=10)
+    assert cache.usage() == {"bytes": 0, "files": 0, "budget_bytes": 10}
+    assert cache.remove("x") is False
