@@ -74,6 +74,10 @@ class ModelSpec:
     # A memfd the daemon filled and passed down (one per file, shared by its workers); None:
     # the worker makes its own copy when host_copy is set.
     host_copy_fd: int | None = None
+    # A vision model's projector GGUF (issue 12); None: the model takes no images.
+    mmproj: Path | None = None
+    # Keep the projector loaded while warm; False: load it for each encode, free it right after.
+    encoder_resident: bool = False
 
 
 def kind_refusal(model: str, kind: str, embedding: bool) -> str:
@@ -111,6 +115,7 @@ class WorkerConfig:
     def to_json(self) -> str:
         spec = dataclasses.asdict(self.spec)
         spec["path"] = str(self.spec.path)
+        spec["mmproj"] = None if self.spec.mmproj is None else str(self.spec.mmproj)
         return json.dumps(
             {
                 "spec": spec,
@@ -131,6 +136,7 @@ class WorkerConfig:
         version = raw.get("model_version")
         spec = dict(raw["spec"])
         spec["path"] = Path(spec["path"])
+        spec["mmproj"] = None if spec.get("mmproj") is None else Path(spec["mmproj"])
         spec["residency"] = Residency(spec.get("residency", Residency.AUTO))
         return cls(
             spec=ModelSpec(**spec),

@@ -1,6 +1,4 @@
-"""Small images made by the tests: PNGs written with the standard library (zlib + CRC), and one
-fixed JPEG (no JPEG encoder in the standard library; the bytes were made once with ImageMagick,
-`convert -size 8x8 gradient:red-blue -quality 90 jpeg:-`)."""
+"""Small images made by the tests: PNGs written with the standard library (zlib + CRC)."""
 
 from __future__ import annotations
 
@@ -8,7 +6,7 @@ import base64
 import struct
 import zlib
 
-__all__ = ["JPEG_8X8", "png", "png_data_url"]
+__all__ = ["png", "png_data_url"]
 
 
 def _chunk(kind: bytes, data: bytes) -> bytes:
