@@ -9,6 +9,7 @@ import pytest
 
 from arbiterd.events import (
     KINDS,
+    EncoderEvent,
     Event,
     HandoffEvent,
     HoldEvent,
@@ -90,6 +91,9 @@ SAMPLES: list[Event] = [
         kv_file="/state/arbiterd/prompt-cache/gemma.kv",
         kv_bytes=3 << 20,
         tokens=812,
+    ),
+    EncoderEvent(
+        at=T, model="eye", request_id="r7", action="encode", duration_s=0.004, bytes_=1024, images=1
     ),
     VramEvent(
         at=T,

@@ -1,0 +1,203 @@
+"""Vision on real llama.cpp (CPU): a tiny random projector is loaded just in time, its images
+decoded as embeddings, and the prompt cache runs through them (issue 12)."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from arbiterd.errors import ModelLoadError, RequestError
+from arbiterd.spec import KvPolicy, ModelSpec
+from arbiterd.worker.engine import ReloadBackend
+from arbiterd.worker.vision import MARKER
+from tests.support.images import png
+from tests.support.tiny_gguf import TinyModelSpec, write_tiny_llama
+from tests.support.tiny_mmproj import TinyProjectorSpec, write_tiny_mmproj
+
+N_IMAGE = TinyProjectorSpec().n_image_tokens
+
+
+def chat(*turns: tuple[str, str], images: tuple[bytes, ...] | list[bytes] = ()) -> dict[str, Any]:
+    return {
+        "messages": [{"role": role, "content": text} for role, text in turns],
+        "images": [base64.b64encode(image).decode() for image in images],
+        "max_tokens": 6,
+        "temperature": 0,
+    }
+
+
+def vision(tiny_model: Path, mmproj: Path, **spec: Any) -> ReloadBackend:
+    return ReloadBackend(
+        ModelSpec(name="eye", path=tiny_model, n_ctx=512, n_gpu_layers=0, mmproj=mmproj, **spec)
+    )
+
+
+@pytest.fixture
+def eye(tiny_model: Path, tiny_mmproj: Path) -> Iterator[ReloadBackend]:
+    engine = vision(tiny_model, tiny_mmproj)
+    engine.load()
+    yield engine
+    engine.close()
+
+
+def encoder_loaded(engine: ReloadBackend) -> bool:
+    assert engine._projector is not None
+    return engine._projector.loaded
+
+
+def actions(generation: Any) -> list[str]:
+    return [step.action for step in generation.encoder_steps]
+
+
+def test_an_image_is_encoded_by_a_projector_loaded_just_for_it(eye: ReloadBackend) -> None:
+    generation = eye.generate(
+        "chat", chat(("user", f"what is {MARKER} this"), images=[png()]), None
+    )
+    assert actions(generation) == ["load", "encode", "free"]
+    # the image became positions of the prompt: its text plus N_IMAGE
+    text_only = eye.prepare("chat", chat(("user", "what is  this")), lambda: False)
+    assert generation.prompt_tokens >= N_IMAGE + len(text_only.prompt_tokens) - 2
+    assert generation.prompt_tokens_evaluated == generation.prompt_tokens
+    assert generation.completion_tokens > 0
+    assert eye._projector is not None
+    assert not eye._projector.loaded
+    load, encode, free = generation.encoder_steps
+    assert load.bytes_ == free.bytes_ > 0
+    assert encode.images == 1
+    assert encode.bytes_ == N_IMAGE * TinyModelSpec().n_embd * 4
+
+
+def test_the_encoder_is_alive_only_while_it_encodes(
+    eye: ReloadBackend, tiny_mmproj: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    projector = eye._projector
+    assert projector is not None
+    assert not projector.loaded
+    seen: list[tuple[bool, int]] = []
+    encode = projector.encode
+
+    def watched(data: bytes) -> Any:
+        seen.append((projector.loaded, projector.loaded_bytes()))
+        return encode(data)
+
+    monkeypatch.setattr(projector, "encode", watched)
+    eye.generate("chat", chat(("user", f"{MARKER} hello"), images=[png()]), None)
+    assert seen == [(True, tiny_mmproj.stat().st_size)]  # counted in resident_bytes meanwhile
+    assert not projector.loaded
+    assert projector.loaded_bytes() == 0
+
+
+CONVERSATION = ("user", f"look {MARKER} what is it")
+
+
+def test_a_follow_up_turn_evaluates_only_its_suffix(eye: ReloadBackend) -> None:
+    image = png()
+    first = eye.generate("chat", chat(CONVERSATION, images=[image]), None)
+    answer = first.response["choices"][0]["message"]["content"]
+    turns = (CONVERSATION, ("assistant", answer), ("user", "and the dog"))
+    follow = eye.generate("chat", chat(*turns, images=[image]), None)
+    suffix = follow.prompt_tokens - first.prompt_tokens  # the answer and the new question
+    assert 0 < suffix < 60
+    assert follow.prompt_tokens_evaluated <= suffix + 1
+    cached = follow.response["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= first.prompt_tokens - 1  # the whole first prompt, image included
+    assert actions(follow) == []  # its image is in the cached prefix: no projector at all
+
+
+def test_the_cache_survives_a_cold_round_trip(eye: ReloadBackend) -> None:
+    image = png(seed=3)
+    first = eye.generate("chat", chat(CONVERSATION, images=[image]), None)
+    eye.release(KvPolicy.HOST)
+    eye.restore()
+    answer = first.response["choices"][0]["message"]["content"]
+    turns = (CONVERSATION, ("assistant", answer), ("user", "more"))
+    again = eye.generate("chat", chat(*turns, images=[image]), None)
+    assert again.prompt_tokens_evaluated <= again.prompt_tokens - first.prompt_tokens + 1
+    assert actions(again) == []
+
+
+def test_another_image_is_encoded_again(eye: ReloadBackend) -> None:
+    eye.generate("chat", chat(CONVERSATION, images=[png(seed=1)]), None)
+    other = eye.generate("chat", chat(CONVERSATION, images=[png(seed=2)]), None)
+    assert actions(other) == ["load", "encode", "free"]
+    # the text before the image is still cached; the image and what follows are not
+    assert other.prompt_tokens_evaluated >= N_IMAGE
+    assert other.prompt_tokens_evaluated < other.prompt_tokens
+
+
+def test_a_resident_encoder_stays_while_warm_and_goes_when_cold(
+    tiny_model: Path, tiny_mmproj: Path
+) -> None:
+    engine = vision(tiny_model, tiny_mmproj, encoder_resident=True)
+    engine.load()
+    try:
+        assert encoder_loaded(engine)
+        first = engine.generate("chat", chat(CONVERSATION, images=[png()]), None)
+        assert actions(first) == ["encode"]  # loaded with the model, kept since
+        assert encoder_loaded(engine)
+        released = engine.release(KvPolicy.HOST)
+        assert not encoder_loaded(engine)
+        assert released.weights_bytes > tiny_mmproj.stat().st_size
+        assert engine.resident_bytes() == 0
+    finally:
+        engine.close()
+
+
+def test_a_corrupt_image_is_a_bad_request_and_frees_the_encoder(eye: ReloadBackend) -> None:
+    truncated = png()[:60]
+    with pytest.raises(RequestError, match="corrupt or truncated"):
+        eye.generate("chat", chat(CONVERSATION, images=[truncated]), None)
+    assert eye._projector is not None
+    assert not eye._projector.loaded
+    assert eye.generate("chat", chat(("user", "still there")), None).completion_tokens > 0
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (chat(CONVERSATION, images=[b"GIF89a..."]), r"images\[0\] is not a PNG or JPEG image"),
+        (chat(CONVERSATION, ("user", MARKER), images=[png()]), "kept 2 of the request's 1"),
+        (chat(("user", "none here"), images=[png()]), "kept 0 of the request's 1 images"),
+        ({**chat(CONVERSATION), "images": ["not base64!"]}, r"images\[0\] is not base64"),
+    ],
+    ids=["not_an_image", "a_marker_too_many", "image_without_marker", "not_base64"],
+)
+def test_bad_images_are_refused_before_the_model_runs(
+    eye: ReloadBackend, body: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(RequestError, match=message):
+        eye.prepare("chat", body, lambda: False)
+
+
+def test_a_model_without_a_projector_refuses_images(tiny_model: Path) -> None:
+    engine = ReloadBackend(ModelSpec(name="plain", path=tiny_model, n_ctx=256, n_gpu_layers=0))
+    engine.load()
+    try:
+        with pytest.raises(RequestError, match="takes no images: its config names no mmproj"):
+            engine.prepare("chat", chat(CONVERSATION, images=[png()]), lambda: False)
+    finally:
+        engine.close()
+
+
+def test_a_projector_of_another_width_fails_the_model_at_load(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    wide = write_tiny_mmproj(tmp_path / "wide.gguf", TinyProjectorSpec(projection_dim=96))
+    engine = vision(tiny_model, wide)
+    with pytest.raises(ModelLoadError, match=r"mismatch between text model \(n_embd = 64\)"):
+        engine.load()
+    engine.close()
+
+
+def test_a_model_whose_embedding_width_differs_is_caught_too(
+    tiny_mmproj: Path, tmp_path: Path
+) -> None:
+    other = write_tiny_llama(tmp_path / "wide.gguf", TinyModelSpec(n_embd=128))
+    engine = vision(other, tiny_mmproj)
+    with pytest.raises(ModelLoadError, match="and mmproj"):
+        engine.load()
+    engine.close()
