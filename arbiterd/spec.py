@@ -38,6 +38,11 @@ EMBEDDING = "embedding"
 MAX_N_CTX = (1 << 31) - 1
 
 
+# Where an image goes in a vision request's text, from the HTTP edge to the engine: libmtmd's own
+# default marker. The edge refuses it in a request's text, so each one is an image (issue 12).
+IMAGE_MARKER = "<__media__>"
+
+
 class KvPolicy(enum.StrEnum):
     """What happens to the KV cache when a model releases the GPU."""
 

@@ -45,12 +45,11 @@ import numpy.typing as npt
 from llama_cpp import mtmd_cpp
 
 from arbiterd.errors import ModelLoadError, RequestError
+from arbiterd.spec import IMAGE_MARKER
 
 log = logging.getLogger(__name__)
 
-# What a rendered prompt holds where an image goes: mtmd's own default marker. The HTTP edge
-# refuses it in a request's text, so every one in a prompt is an image's.
-MARKER = "<__media__>"
+MARKER = IMAGE_MARKER  # where a rendered prompt holds an image (arbiterd/spec.py says why)
 # Image formats the decoder in libmtmd (stb_image) reads, by their first bytes. WebP it reads
 # only through an ffmpeg subprocess (a build with MTMD_VIDEO), which a worker never starts.
 IMAGE_SIGNATURES = {b"\x89PNG\r\n\x1a\n": "png", b"\xff\xd8\xff": "jpeg"}
