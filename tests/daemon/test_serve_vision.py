@@ -10,6 +10,7 @@ from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionUserMessageParam
 
 from arbiterd.cli.controlclient import ControlClient
 from tests.support.daemon import Daemon
@@ -38,7 +39,7 @@ def api(daemon: Daemon) -> Iterator[openai.OpenAI]:
         yield client
 
 
-def user_turn(image: bytes) -> dict[str, Any]:
+def user_turn(image: bytes) -> ChatCompletionUserMessageParam:
     return {
         "role": "user",
         "content": [
