@@ -291,6 +291,7 @@ class ReloadBackend:
         self.open()
         self._llm = self._new_llama(ModelLoadError)
         if self._projector is not None:
+            self._projector.n_threads = self._llm.context_params.n_threads
             try:
                 self._projector.check(self._llm.model)
             except ModelLoadError:

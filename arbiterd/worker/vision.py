@@ -158,7 +158,10 @@ class Projector:
     def __init__(self, path: Path, *, resident: bool, n_threads: int | None, use_gpu: bool):
         self.path = path
         self.resident = resident
-        self._n_threads = n_threads
+        # The model's own thread count: with OpenMP, a projector that computes with another
+        # team size than the model's left the next decodes 10-1000x slower on a busy 2-core
+        # machine (idle team threads spin; OMP_WAIT_POLICY=passive made it go away).
+        self.n_threads = n_threads
         self._use_gpu = use_gpu
         self._ctx: Any = None  # mtmd_context_p while loaded
         self._model: Any = None  # the llama_model it was loaded for
@@ -232,8 +235,8 @@ class Projector:
         params.use_gpu = self._use_gpu
         params.print_timings = False
         params.warmup = False  # a warm-up encode per JIT load would double its cost
-        if self._n_threads:
-            params.n_threads = self._n_threads
+        if self.n_threads:
+            params.n_threads = self.n_threads
         journal = _log()
         journal.mark()
         ctx = mtmd_cpp.mtmd_init_from_file(os.fsencode(self.path), model, params)
