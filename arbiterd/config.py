@@ -22,7 +22,7 @@
     load = "start",               # "demand": no worker until its first request (or `warm`)
     unload_after_s = 0            # unload after cold and idle this long; 0 = never
     encoder = "jit"               # with mmproj: "resident" keeps the encoder while warm
-    max_image_bytes = 20 MiB, max_image_pixels = 33554432 (8192 x 4096),
+    max_image_bytes = 5 MiB, max_image_pixels = 33554432 (8192 x 4096),
     allow_image_urls = false      # file:// and http(s):// image URLs (data: URLs always)
 
 With no file at the default path the *embedded default* serves one demo model (gemma-3-270m).
@@ -128,8 +128,9 @@ class Encoder(enum.StrEnum):
 
 
 # Image limits a vision model's requests are held to unless its table sets its own: a photo
-# from a phone camera (12 MP, a few MB) passes; a decompression bomb does not.
-DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
+# from a phone camera (12 MP, a few MB) passes; a decompression bomb does not. 5 MiB as base64
+# (6.7 MiB) still fits the HTTP API's 8 MiB request body.
+DEFAULT_MAX_IMAGE_BYTES = 5 * 1024 * 1024
 DEFAULT_MAX_IMAGE_PIXELS = 8192 * 4096
 
 
@@ -353,7 +354,7 @@ def starter_config_text(found: list[Path]) -> str:
         '#   chat_format = ""          e.g. "chatml", for a GGUF without a chat template',
         '#   mmproj = ""               a vision model\'s projector GGUF: images in chat',
         '#   encoder = "jit"           the projector on the device only to encode ("resident")',
-        "#   max_image_bytes = 20971520, max_image_pixels = 33554432   limits per image",
+        "#   max_image_bytes = 5242880, max_image_pixels = 33554432   limits per image",
         "#   allow_image_urls = false  file:// and http(s):// image URLs besides data: URLs",
         "#   embedding = true          serve embeddings only; absent: as the GGUF says",
         '#   kv_on_release = "host"    the KV cache on release: "host", "device" or "drop"',
