@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 from arbiterd.events import (
+    EncoderEvent,
     Event,
     HandoffEvent,
     HoldEvent,
@@ -118,7 +119,7 @@ def event_line(event: Event) -> str:
     return f"{stamp}  {event.kind:<{KIND_WIDTH}} {event_detail(event)}".rstrip()
 
 
-def event_detail(event: Event) -> str:  # noqa: PLR0911 (one return per kind)
+def event_detail(event: Event) -> str:  # noqa: PLR0911, PLR0912 (one return per kind)
     """What happened, in a line, without the time and the kind."""
     match event:
         case ResidencyEvent():
@@ -137,6 +138,8 @@ def event_detail(event: Event) -> str:  # noqa: PLR0911 (one return per kind)
             return _hold(event)
         case UnloadEvent():
             return _unload(event)
+        case EncoderEvent():
+            return _encoder(event)
         case VramEvent():
             return _vram(event)
         case VramNotFreedEvent():
@@ -295,6 +298,17 @@ def _unload(event: UnloadEvent) -> str:
     if event.kv_bytes:
         line += f", {event.tokens} tokens of prompt cache kept ({format_bytes(event.kv_bytes)})"
     return line
+
+
+def _encoder(event: EncoderEvent) -> str:
+    """ "eye: projector loaded in 2.3 ms (155 KiB)", "... encoded 1 image in 0.4 ms (1.0 KiB)"."""
+    took = NONE if event.duration_s is None else f"{event.duration_s * 1000:.1f} ms"
+    size = NONE if event.bytes_ is None else format_bytes(event.bytes_)
+    what = {"load": "loaded", "free": "freed"}.get(event.action, event.action)
+    if event.action == "encode":
+        count = event.images or 0
+        what = f"encoded {count} image{'s' if count != 1 else ''}"
+    return f"{_name(event.model)}: projector {what} in {took} ({size})"
 
 
 def _vram(event: VramEvent) -> str:
