@@ -813,11 +813,14 @@ class ReloadBackend:
         return _Prefill(tokens, start, text + image_positions)
 
     def _free_projector(self) -> int:
-        """Free a loaded projector (going cold, closing); the bytes it held on the device."""
+        """Free a loaded projector (going cold, closing); the bytes it held on the device, which
+        the release reports with the weights. Its step is logged, not left for a request."""
         if self._projector is None or not self._projector.loaded:
             return 0
         held = self._projector.loaded_bytes()
         self._projector.free()
+        for step in self._projector.take_steps():
+            log.info("%s: resident projector freed: %s", self.spec.name, step.to_json())
         return held
 
     def _projector_bytes(self) -> int:

@@ -114,3 +114,20 @@ def test_a_corrupt_image_is_a_bad_request_and_the_model_keeps_serving(
         model="eye", messages=[{"role": "user", "content": "hello"}], max_tokens=2
     )
     assert text.choices[0].message.content is not None
+
+
+def test_an_image_request_streams(api: openai.OpenAI) -> None:
+    stream = api.chat.completions.create(
+        model="eye",
+        messages=[user_turn(png(seed=9))],
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert usage.prompt_tokens > 4  # the image's positions count in the prompt

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from arbiterd.errors import ModelLoadError, RequestError
-from arbiterd.spec import KvPolicy, ModelSpec
-from arbiterd.worker.engine import ReloadBackend
+from arbiterd.spec import KvPolicy, ModelSpec, Residency
+from arbiterd.worker.engine import InPlaceBackend, ReloadBackend, select_backend
 from arbiterd.worker.vision import MARKER
 from tests.support.images import png
 from tests.support.tiny_gguf import TinyModelSpec, write_tiny_llama
@@ -118,6 +118,39 @@ def test_the_cache_survives_a_cold_round_trip(eye: ReloadBackend) -> None:
     again = eye.generate("chat", chat(*turns, images=[image]), None)
     assert again.prompt_tokens_evaluated <= again.prompt_tokens - first.prompt_tokens + 1
     assert actions(again) == []
+
+
+@pytest.mark.parametrize("kv", [KvPolicy.HOST, KvPolicy.DEVICE])
+def test_the_in_place_backend_keeps_images_in_its_cache_across_a_release(
+    tiny_model: Path, tiny_mmproj: Path, kv: KvPolicy
+) -> None:
+    spec = ModelSpec(
+        name="eye",
+        path=tiny_model,
+        n_ctx=512,
+        n_gpu_layers=0,
+        mmproj=tiny_mmproj,
+        encoder_resident=True,
+        residency=Residency.IN_PLACE,
+    )
+    engine = select_backend(spec)
+    assert isinstance(engine, InPlaceBackend), "the installed llama_cpp is not the engine build"
+    engine.load()
+    try:
+        image = png(seed=5)
+        first = engine.generate("chat", chat(CONVERSATION, images=[image]), None)
+        assert encoder_loaded(engine)  # resident
+        engine.release(kv)
+        assert not encoder_loaded(engine)  # going cold frees it
+        engine.restore()
+        answer = first.response["choices"][0]["message"]["content"]
+        turns = (CONVERSATION, ("assistant", answer), ("user", "more"))
+        again = engine.generate("chat", chat(*turns, images=[image]), None)
+        assert again.prompt_tokens_evaluated <= again.prompt_tokens - first.prompt_tokens + 1
+        assert actions(again) == []
+        assert not encoder_loaded(engine)  # nothing needed it: not loaded back
+    finally:
+        engine.close()
 
 
 def test_another_image_is_encoded_again(eye: ReloadBackend) -> None:
