@@ -57,6 +57,11 @@ IMAGE_SIGNATURES = {b"\x89PNG\r\n\x1a\n": "png", b"\xff\xd8\xff": "jpeg"}
 _LOG_LINES = 32
 _PLACEHOLDER_SPAN = (1 << 31) - 2  # placeholder ids are -1 .. -(2^31 - 1)
 _IMAGE_CHUNK = mtmd_cpp.MTMD_INPUT_CHUNK_TYPE_IMAGE
+# libmtmd's helper hands a buffer stb_image cannot decode to `ffprobe` and `ffmpeg` (as a WebP
+# or a video), found on PATH unless a directory is named. A worker never runs them on a
+# client's bytes: they are looked for under /dev/null, which is not a directory, so no program
+# can be found there and the buffer is simply refused.
+_NO_FFMPEG_DIR = b"/dev/null"
 
 
 @dataclass(frozen=True)
@@ -295,7 +300,11 @@ class Projector:
         journal = _log()
         journal.mark()
         buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        bitmap = mtmd_cpp.mtmd_helper_bitmap_init_from_buf(self._ctx, buffer, len(data), False)
+        options = mtmd_cpp.mtmd_helper_init_opt_default()
+        options.video_params.ffmpeg_bin_dir = _NO_FFMPEG_DIR
+        bitmap = mtmd_cpp.mtmd_helper_bitmap_init_from_buf(
+            self._ctx, buffer, len(data), False, options
+        )
         if not bitmap:
             raise RequestError("an image is corrupt or truncated: it does not decode")
         chunks = mtmd_cpp.mtmd_input_chunks_init()

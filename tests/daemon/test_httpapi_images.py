@@ -5,7 +5,6 @@ names its field."""
 from __future__ import annotations
 
 import base64
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -16,17 +15,10 @@ from arbiterd.daemon.httpapi import create_app
 from arbiterd.daemon.images import ImagePolicy
 from arbiterd.spec import IMAGE_MARKER
 from tests.daemon.test_httpapi import FakeService, assert_error, call
-from tests.support.images import png, png_data_url
+from tests.support.images import jpeg, png, png_data_url
 
 POLICY = ImagePolicy(model="tiny", max_bytes=64 * 1024, max_pixels=256 * 256, allow_urls=False)
 FIELD = "messages[0].content[1]"
-
-
-def jpeg_header(width: int = 16, height: int = 8) -> bytes:
-    """The markers the edge reads in a JPEG (SOI, a baseline frame header, EOI); its pixels are
-    the worker decoder's to judge."""
-    frame = struct.pack(">BHHB", 8, height, width, 1) + b"\x01\x11\x00"
-    return b"\xff\xd8" + b"\xff\xc0" + struct.pack(">H", 2 + len(frame)) + frame + b"\xff\xd9"
 
 
 def data_url(data: bytes, kind: str = "image/png") -> str:
@@ -63,7 +55,7 @@ def test_a_png_reaches_the_engine_as_base64_with_a_marker(
 
 
 def test_a_jpeg_is_taken_too(vision: FastAPI, service: FakeService) -> None:
-    url = data_url(jpeg_header(), "image/jpeg")
+    url = data_url(jpeg(), "image/jpeg")
     assert call(vision, "POST", "/v1/chat/completions", body=chat(url)).status_code == 200
     assert len(service.calls[-1][2]["images"]) == 1
 
@@ -94,7 +86,7 @@ BAD: list[tuple[str, str, str]] = [
     ("a webp", data_url(b"RIFF\x00\x00\x00\x00WEBPVP8 ", "image/webp"), "a WebP image"),
     ("truncated png", data_url(truncated_png()), "truncated or corrupt PNG"),
     ("corrupt png", data_url(corrupt_png()), "fails its checksum"),
-    ("truncated jpeg", data_url(jpeg_header()[:-2], "image/jpeg"), "truncated JPEG"),
+    ("truncated jpeg", data_url(jpeg()[:-2], "image/jpeg"), "truncated JPEG"),
     ("too many bytes", data_url(png(200, 200, seed=1) + bytes(70_000)), "max_image_bytes"),
     ("too many pixels", data_url(png(300, 300)), "300x300 pixels, more than max_image_pixels"),
     ("not base64", "data:image/png;base64,@@@@", "not valid base64"),

@@ -4,6 +4,7 @@ decoded as embeddings, and the prompt cache runs through them (issue 12)."""
 from __future__ import annotations
 
 import base64
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from arbiterd.errors import ModelLoadError, RequestError
 from arbiterd.spec import KvPolicy, ModelSpec, Residency
 from arbiterd.worker.engine import InPlaceBackend, ReloadBackend, select_backend
 from arbiterd.worker.vision import MARKER
-from tests.support.images import png
+from tests.support.images import jpeg, png
 from tests.support.tiny_gguf import TinyModelSpec, write_tiny_llama
 from tests.support.tiny_mmproj import TinyProjectorSpec, write_tiny_mmproj
 
@@ -187,6 +188,24 @@ def test_a_corrupt_image_is_a_bad_request_and_frees_the_encoder(eye: ReloadBacke
     assert eye._projector is not None
     assert not eye._projector.loaded
     assert eye.generate("chat", chat(("user", "still there")), None).completion_tokens > 0
+
+
+def test_a_jpeg_is_decoded_and_one_the_decoder_refuses_is_a_bad_request(
+    eye: ReloadBackend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    answered = eye.generate("chat", chat(CONVERSATION, images=[jpeg(40, 24)]), None)
+    assert actions(answered) == ["load", "encode", "free"]
+    # libmtmd hands what stb_image refuses to ffprobe, from PATH: never a client's bytes.
+    ran = tmp_path / "ran"
+    for name in ("ffprobe", "ffmpeg"):
+        program = tmp_path / name
+        program.write_text(f"#!/bin/sh\ntouch {ran}\nexit 1\n")
+        program.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with pytest.raises(RequestError, match="corrupt or truncated"):
+        eye.generate("chat", chat(CONVERSATION, images=[jpeg(lossless=True)]), None)
+    assert not encoder_loaded(eye)
+    assert not ran.exists()
 
 
 @pytest.mark.parametrize(
