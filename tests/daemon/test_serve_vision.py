@@ -8,13 +8,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletionUserMessageParam
+from prometheus_client.parser import text_string_to_metric_families
 
 from arbiterd.cli.controlclient import ControlClient
 from tests.support.daemon import Daemon
 from tests.support.images import png, png_data_url
+from tests.support.waiting import wait_until
 
 QUESTION = "what is in this picture"
 
@@ -131,3 +134,20 @@ def test_an_image_request_streams(api: openai.OpenAI) -> None:
     usage = chunks[-1].usage
     assert usage is not None
     assert usage.prompt_tokens > 4  # the image's positions count in the prompt
+
+
+def test_metrics_count_the_projector_loads(daemon: Daemon, api: openai.OpenAI) -> None:
+    api.chat.completions.create(model="eye", messages=[user_turn(png(seed=11))], max_tokens=1)
+
+    def loads() -> float:
+        text = httpx.get(daemon.url.removesuffix("/v1") + "/metrics", timeout=30).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "arbiterd_encoder_loads_total" and sample.labels == {
+                    "model": "eye"
+                }:
+                    return float(sample.value)
+        return 0.0
+
+    # events reach the metrics asynchronously
+    wait_until(lambda: loads() >= 1, 30, 'arbiterd_encoder_loads_total{model="eye"} >= 1')
