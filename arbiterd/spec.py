@@ -41,6 +41,9 @@ MAX_N_CTX = (1 << 31) - 1
 # Where an image goes in a vision request's text, from the HTTP edge to the engine: libmtmd's own
 # default marker. The edge refuses it in a request's text, so each one is an image (issue 12).
 IMAGE_MARKER = "<__media__>"
+# The most images one request may carry: each is decoded, encoded and held as embeddings while
+# the request is evaluated; tiny ones would otherwise fit the request body by the thousand.
+MAX_IMAGES = 32
 
 
 class KvPolicy(enum.StrEnum):

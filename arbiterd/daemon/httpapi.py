@@ -42,7 +42,7 @@ from arbiterd.arena import parse_priority
 from arbiterd.daemon import images, ollama
 from arbiterd.daemon.service import Service
 from arbiterd.errors import ArbiterError, BadValueError, ErrorCode, UnknownModelError
-from arbiterd.spec import COMPLETION_PARAMS, EMBEDDING, IMAGE_MARKER
+from arbiterd.spec import COMPLETION_PARAMS, EMBEDDING, IMAGE_MARKER, MAX_IMAGES
 
 log = logging.getLogger(__name__)
 
@@ -1242,6 +1242,14 @@ async def _attach_images(service: Service, parsed: CompletionRequest) -> None:
             f"{parsed.model} takes no images: its config names no mmproj (a projector)",
             code="unsupported_value",
             param=parsed.image_urls[0][0],
+        )
+    if len(parsed.image_urls) > MAX_IMAGES:
+        raise ApiError(
+            400,
+            f"a request may carry at most {MAX_IMAGES} images; this one has "
+            f"{len(parsed.image_urls)}",
+            code="invalid_image",
+            param=parsed.image_urls[MAX_IMAGES][0],
         )
     loaded = []
     for param, url in parsed.image_urls:

@@ -64,6 +64,7 @@ from arbiterd.native.libllama import ResidencyApi, probe_residency_api
 from arbiterd.spec import (
     COMPLETION_PARAMS,
     EMBEDDING,
+    MAX_IMAGES,
     MAX_N_CTX,
     KvPolicy,
     ModelSpec,
@@ -472,6 +473,8 @@ class ReloadBackend:
         given = body.get("images") or []
         if not isinstance(given, list) or not all(isinstance(i, str) for i in given):
             raise RequestError("'images' must be a list of base64 strings")
+        if len(given) > MAX_IMAGES:
+            raise RequestError(f"a request may carry at most {MAX_IMAGES} images")
         if given and self._projector is None:
             raise RequestError(
                 f"{self.spec.name} takes no images: its config names no mmproj (a projector)"
@@ -775,8 +778,8 @@ class ReloadBackend:
         embeddings: dict[bytes, list[npt.NDArray[np.float32]]] = {}
         non_causal = False
         with ExitStack() as stack:
-            unknown = {d: data[d] for d in digests if d not in projector.layouts}
-            if unknown:
+            if not projector.known(digests):
+                unknown = {d: data[d] for d in digests if d not in projector.layouts}
                 stack.enter_context(projector.session(llm.model))
                 projector.lay_out(unknown)
             tokens, placed = _lay_out(request, digests, projector.layouts)

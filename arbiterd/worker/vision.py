@@ -32,7 +32,7 @@ import hashlib
 import logging
 import os
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -55,6 +55,9 @@ MARKER = IMAGE_MARKER  # where a rendered prompt holds an image (arbiterd/spec.p
 IMAGE_SIGNATURES = {b"\x89PNG\r\n\x1a\n": "png", b"\xff\xd8\xff": "jpeg"}
 # mtmd's log lines kept to explain a failure (it reports one on its log, returning NULL).
 _LOG_LINES = 32
+# Layouts remembered per worker, the oldest forgotten first: a forgotten image costs one
+# projector load to lay it out again when it comes back (its placeholders are the same).
+MAX_LAYOUTS = 1024
 _PLACEHOLDER_SPAN = (1 << 31) - 2  # placeholder ids are -1 .. -(2^31 - 1)
 _IMAGE_CHUNK = mtmd_cpp.MTMD_INPUT_CHUNK_TYPE_IMAGE
 # libmtmd's helper hands a buffer stb_image cannot decode to `ffprobe` and `ffmpeg` (as a WebP
@@ -171,8 +174,9 @@ class Projector:
         self._ctx: Any = None  # mtmd_context_p while loaded
         self._model: Any = None  # the llama_model it was loaded for
         self._weights_bytes = 0
-        # Image digest -> its spans (placeholder ids, wrapper text ids), as mtmd laid it out.
-        self.layouts: dict[bytes, tuple[Span, ...]] = {}
+        # Image digest -> its spans (placeholder ids, wrapper text ids), as mtmd laid it out;
+        # in the order they were last used, at most MAX_LAYOUTS.
+        self.layouts: OrderedDict[bytes, tuple[Span, ...]] = OrderedDict()
         self.steps: list[EncoderStep] = []  # what it did since the last `take_steps`
 
     @property
@@ -263,6 +267,17 @@ class Projector:
                     self.layouts[digest] = self._spans(digest, chunks)
                 finally:
                     mtmd_cpp.mtmd_input_chunks_free(chunks)
+            self.layouts.move_to_end(digest)
+            while len(self.layouts) > MAX_LAYOUTS:
+                self.layouts.popitem(last=False)
+
+    def known(self, digests: list[bytes]) -> bool:
+        """Whether every image is laid out already (and marks them used)."""
+        if not all(digest in self.layouts for digest in digests):
+            return False
+        for digest in digests:
+            self.layouts.move_to_end(digest)
+        return True
 
     def encode(self, data: bytes) -> list[npt.NDArray[np.float32]]:
         """The embeddings of each image chunk of one image, in order (each n x n_embd), with a

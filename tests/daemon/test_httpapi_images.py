@@ -5,6 +5,8 @@ names its field."""
 from __future__ import annotations
 
 import base64
+import struct
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ from fastapi import FastAPI
 
 from arbiterd.daemon.httpapi import create_app
 from arbiterd.daemon.images import ImagePolicy
-from arbiterd.spec import IMAGE_MARKER
+from arbiterd.spec import IMAGE_MARKER, MAX_IMAGES
 from tests.daemon.test_httpapi import FakeService, assert_error, call
 from tests.support.images import jpeg, png, png_data_url
 
@@ -132,3 +134,28 @@ def test_images_belong_in_user_messages(vision: FastAPI) -> None:
     body["messages"][0]["role"] = "assistant"
     response = call(vision, "POST", "/v1/chat/completions", body=body)
     assert_error(response, 400, param=FIELD)
+
+
+def test_a_request_carries_at_most_max_images(vision: FastAPI, service: FakeService) -> None:
+    part = {"type": "image_url", "image_url": {"url": png_data_url(png(2, 2))}}
+    content = [{"type": "text", "text": "count them"}, *[part] * (MAX_IMAGES + 1)]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}]}
+    response = call(vision, "POST", "/v1/chat/completions", body=body)
+    assert_error(response, 400, param=f"messages[0].content[{MAX_IMAGES + 1}]")
+    assert service.calls == []
+
+
+def short_pixels_png() -> bytes:
+    """A PNG whose chunks are all whole but whose pixel data is half what IHDR promises."""
+    whole = png(16, 16)
+    header = whole[8 : 8 + 25]  # the IHDR chunk, CRC included
+    rows = zlib.compress(b"".join(b"\x00" + bytes(48) for _ in range(8)))
+    idat = struct.pack(">I", len(rows)) + b"IDAT" + rows
+    idat += struct.pack(">I", zlib.crc32(b"IDAT" + rows) & 0xFFFFFFFF)
+    return whole[:8] + header + idat + whole[-12:]
+
+
+def test_a_png_whose_pixels_end_early_is_truncated(vision: FastAPI) -> None:
+    response = call(vision, "POST", "/v1/chat/completions", body=chat(data_url(short_pixels_png())))
+    error = assert_error(response, 400, param=FIELD, code="invalid_image")
+    assert "pixel data ends early" in error["message"]
