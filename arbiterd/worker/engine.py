@@ -51,6 +51,7 @@ from llama_cpp._internals import LlamaBatch, LlamaModel
 from llama_cpp.llama_grammar import LlamaGrammar
 
 from arbiterd.errors import (
+    ArbiterError,
     ContextOverflowError,
     EngineError,
     ModelLoadError,
@@ -299,8 +300,7 @@ class ReloadBackend:
                 self._llm.close()
                 self._llm = None
                 raise
-            for step in self._projector.take_steps():
-                log.info("%s: projector check: %s", self.spec.name, step.to_json())
+            self._log_projector_steps("checked at load")
         return Moved(
             duration_s=time.monotonic() - started,
             weights_bytes=self._weights_bytes(),
@@ -533,7 +533,11 @@ class ReloadBackend:
         completion = request.completion
         prefill: _Prefill | None = None
         if request.images:
-            prefill = self._prefill_images(llm, request)
+            try:
+                prefill = self._prefill_images(llm, request)
+            except ArbiterError:
+                self._log_projector_steps("a failed request")  # none is left for the next one
+                raise
             completion = {**completion, "prompt": prefill.tokens}
         for index in range(request.n):
             recorded: list[TokenLogprob] | None = None if request.top_logprobs is None else []
@@ -822,9 +826,14 @@ class ReloadBackend:
             return 0
         held = self._projector.loaded_bytes()
         self._projector.free()
-        for step in self._projector.take_steps():
-            log.info("%s: resident projector freed: %s", self.spec.name, step.to_json())
+        self._log_projector_steps("going cold")
         return held
+
+    def _log_projector_steps(self, why: str) -> None:
+        """Log the projector's steps that no request reports (`why` they are not)."""
+        if self._projector is not None:
+            for step in self._projector.take_steps():
+                log.info("%s: projector, %s: %s", self.spec.name, why, step.to_json())
 
     def _projector_bytes(self) -> int:
         return 0 if self._projector is None else self._projector.loaded_bytes()
