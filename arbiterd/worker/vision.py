@@ -166,9 +166,10 @@ class Projector:
     def __init__(self, path: Path, *, resident: bool, n_threads: int | None, use_gpu: bool):
         self.path = path
         self.resident = resident
-        # The model's own thread count: with OpenMP, a projector that computes with another
-        # team size than the model's left the next decodes 10-1000x slower on a busy 2-core
-        # machine (idle team threads spin; OMP_WAIT_POLICY=passive made it go away).
+        # The engine sets the model's own thread count. Measured on a busy 2-core CPU machine:
+        # after a projector load with llama.cpp's default of 4 threads, the model's next
+        # decodes took up to 1.9 s instead of 0.3 ms; with OMP_WAIT_POLICY=passive they did not
+        # (OpenMP's idle team threads spin). The same count made it rarer, not gone.
         self.n_threads = n_threads
         self._use_gpu = use_gpu
         self._ctx: Any = None  # mtmd_context_p while loaded
