@@ -1357,6 +1357,7 @@ def _add_ollama_routes(
             kind, openai, stream = translate(payload)
             parsed = parse_request(kind, openai)
             _admit(service, request.headers, parsed, names)
+            await _attach_images(service, parsed)
         except Exception as exc:
             return _api_error(exc, names).response()
         started = time.monotonic()

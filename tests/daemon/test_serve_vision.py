@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import ollama
 import openai
 import pytest
 from openai.types.chat import ChatCompletionUserMessageParam
@@ -69,30 +70,29 @@ def test_an_image_is_answered_and_a_follow_up_reuses_its_cache(
     daemon: Daemon, api: openai.OpenAI
 ) -> None:
     image = png(48, 40)
-    listener = daemon.client()
-    listener.call("subscribe")
-    first = api.chat.completions.create(
-        model="eye", messages=[user_turn(image)], max_tokens=5, temperature=0
-    )
-    answer = first.choices[0].message.content
-    assert answer
+    with daemon.client() as listener:
+        listener.call("subscribe")
+        first = api.chat.completions.create(
+            model="eye", messages=[user_turn(image)], max_tokens=5, temperature=0
+        )
+        answer = first.choices[0].message.content
+        assert answer
+        follow = api.chat.completions.create(
+            model="eye",
+            messages=[
+                user_turn(image),
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": "and the dog"},
+            ],
+            max_tokens=5,
+            temperature=0,
+        )
+        steps = encoder_steps(listener, 2)
     assert first.usage is not None
-    follow = api.chat.completions.create(
-        model="eye",
-        messages=[
-            user_turn(image),
-            {"role": "assistant", "content": answer},
-            {"role": "user", "content": "and the dog"},
-        ],
-        max_tokens=5,
-        temperature=0,
-    )
     assert follow.usage is not None
     assert follow.usage.prompt_tokens_details is not None
     cached = follow.usage.prompt_tokens_details.cached_tokens or 0
     assert cached >= first.usage.prompt_tokens - 1  # the first prompt, its image included
-    with listener:
-        steps = encoder_steps(listener, 2)
     # the first request loaded, encoded and freed the projector; the follow-up needed none
     assert [s["action"] for s in steps] == ["load", "encode", "free"]
     assert len({s["id"] for s in steps}) == 1
@@ -151,3 +151,17 @@ def test_metrics_count_the_projector_loads(daemon: Daemon, api: openai.OpenAI) -
 
     # events reach the metrics asynchronously
     wait_until(lambda: loads() >= 1, 30, 'arbiterd_encoder_loads_total{model="eye"} >= 1')
+
+
+def test_ollamas_chat_takes_images_too(daemon: Daemon) -> None:
+    client = ollama.Client(host=daemon.url.removesuffix("/v1"), timeout=60)
+    try:
+        answer = client.chat(
+            model="eye",
+            messages=[{"role": "user", "content": QUESTION, "images": [png(seed=12)]}],
+            options={"num_predict": 3, "temperature": 0},
+        )
+    finally:
+        client.close()  # type: ignore[no-untyped-call]  # ollama leaves it unannotated
+    assert answer.message.content
+    assert (answer.prompt_eval_count or 0) > 4  # the image's positions count
