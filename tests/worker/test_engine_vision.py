@@ -154,6 +154,27 @@ def test_the_in_place_backend_keeps_images_in_its_cache_across_a_release(
         engine.close()
 
 
+def test_a_kept_cache_serves_a_new_worker_which_lays_the_image_out_but_never_encodes_it(
+    eye: ReloadBackend, tiny_model: Path, tiny_mmproj: Path
+) -> None:
+    image = png(seed=6)
+    first = eye.generate("chat", chat(CONVERSATION, images=[image]), None)
+    kept = eye.kept_kv()  # what an unload writes to its state file (issue 14)
+    assert kept is not None
+    assert min(kept.tokens) < 0  # the image's placeholders are part of it
+    fresh = vision(tiny_model, tiny_mmproj)
+    fresh.load()
+    try:
+        fresh.adopt_kv(kept)
+        answer = first.response["choices"][0]["message"]["content"]
+        turns = (CONVERSATION, ("assistant", answer), ("user", "more"))
+        again = fresh.generate("chat", chat(*turns, images=[image]), None)
+        assert actions(again) == ["load", "free"]  # laid out (a new worker knows no image)
+        assert again.prompt_tokens_evaluated <= again.prompt_tokens - first.prompt_tokens + 1
+    finally:
+        fresh.close()
+
+
 def test_another_image_is_encoded_again(eye: ReloadBackend) -> None:
     eye.generate("chat", chat(CONVERSATION, images=[png(seed=1)]), None)
     other = eye.generate("chat", chat(CONVERSATION, images=[png(seed=2)]), None)
