@@ -9,12 +9,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import llama_cpp
+import numpy as np
 import pytest
 
 from arbiterd.errors import ModelLoadError, RequestError
 from arbiterd.spec import KvPolicy, ModelSpec, Residency
-from arbiterd.worker.engine import InPlaceBackend, ReloadBackend, select_backend
-from arbiterd.worker.vision import MARKER
+from arbiterd.worker.engine import (
+    InPlaceBackend,
+    ReloadBackend,
+    _decode_embeddings,
+    select_backend,
+)
+from arbiterd.worker.vision import MARKER, placeholder_ids
 from tests.support.images import jpeg, png
 from tests.support.tiny_gguf import TinyModelSpec, write_tiny_llama
 from tests.support.tiny_mmproj import TinyProjectorSpec, write_tiny_mmproj
@@ -276,3 +283,23 @@ def test_a_model_whose_embedding_width_differs_is_caught_too(
     with pytest.raises(ModelLoadError, match="and mmproj"):
         engine.load()
     engine.close()
+
+
+def test_a_bidirectional_image_is_decoded_in_one_batch_or_refused(tiny_model: Path) -> None:
+    # Gemma 3's images attend both ways (mtmd_decode_use_non_causal); the tiny projector's do
+    # not, so the decode is driven directly.
+    llm = llama_cpp.Llama(
+        model_path=str(tiny_model), n_ctx=256, n_batch=8, n_gpu_layers=0, verbose=False
+    )
+    try:
+        llm.eval([300, 301])
+        embd = np.zeros((6, TinyModelSpec().n_embd), dtype=np.float32)
+        _decode_embeddings(llm, embd, placeholder_ids(b"\0" * 32, 0, 6), non_causal=True)
+        assert llm.n_tokens == 8
+        assert min(llm.input_ids[2:8]) < 0
+        llm.eval([302])  # text decodes after it
+        too_big = np.zeros((9, TinyModelSpec().n_embd), dtype=np.float32)
+        with pytest.raises(RequestError, match="exceeds the model's batch of 8"):
+            _decode_embeddings(llm, too_big, placeholder_ids(b"\1" * 32, 0, 9), non_causal=True)
+    finally:
+        llm.close()
