@@ -338,9 +338,10 @@ class ReloadBackend:
                 raise
             kv_bytes = len(self._kv.data)
         self._llm, self._kv = llm, None
+        projector_bytes = self._warm_projector()
         return Moved(
             duration_s=time.monotonic() - started,
-            weights_bytes=self._weights_bytes(),
+            weights_bytes=self._weights_bytes() + projector_bytes,
             kv_bytes=kv_bytes,
             disk_read_bytes=disk_read_bytes() - read_before,
         )
@@ -829,6 +830,22 @@ class ReloadBackend:
         self._log_projector_steps("going cold")
         return held
 
+    def _warm_projector(self) -> int:
+        """Load a resident projector with the model it belongs to (warming up); the bytes it
+        put on the device. One that cannot be loaded now leaves the model warm without it: the
+        next image tries again, and fails its request with the reason."""
+        projector, llm = self._projector, self._llm
+        if projector is None or not projector.resident or llm is None:
+            return 0
+        try:
+            with projector.session(llm.model):
+                pass
+        except RequestError as exc:
+            log.warning("%s: resident projector not loaded on warm-up: %s", self.spec.name, exc)
+            return 0
+        self._log_projector_steps("loaded on warm-up")
+        return projector.loaded_bytes()
+
     def _log_projector_steps(self, why: str) -> None:
         """Log the projector's steps that no request reports (`why` they are not)."""
         if self._projector is not None:
@@ -994,6 +1011,7 @@ class InPlaceBackend(ReloadBackend):
             llm.n_tokens = 0  # the cache came back empty
         self._kept_kv_bytes = 0
         llm._requires_eval = True  # decode one token again rather than trust kept logits
+        weights += self._warm_projector()
         return Moved(
             duration_s=time.monotonic() - started,
             weights_bytes=weights,

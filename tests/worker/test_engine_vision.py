@@ -151,12 +151,12 @@ def test_the_in_place_backend_keeps_images_in_its_cache_across_a_release(
         engine.release(kv)
         assert not encoder_loaded(engine)  # going cold frees it
         engine.restore()
+        assert encoder_loaded(engine)  # and warming up loads it again
         answer = first.response["choices"][0]["message"]["content"]
         turns = (CONVERSATION, ("assistant", answer), ("user", "more"))
         again = engine.generate("chat", chat(*turns, images=[image]), None)
         assert again.prompt_tokens_evaluated <= again.prompt_tokens - first.prompt_tokens + 1
         assert actions(again) == []
-        assert not encoder_loaded(engine)  # nothing needed it: not loaded back
     finally:
         engine.close()
 
@@ -205,6 +205,11 @@ def test_a_resident_encoder_stays_while_warm_and_goes_when_cold(
         assert not encoder_loaded(engine)
         assert released.weights_bytes > tiny_mmproj.stat().st_size
         assert engine.resident_bytes() == 0
+        restored = engine.restore()
+        assert encoder_loaded(engine)  # warm again: loaded with the model
+        assert restored.weights_bytes > tiny_mmproj.stat().st_size
+        again = engine.generate("chat", chat(CONVERSATION, images=[png(seed=8)]), None)
+        assert actions(again) == ["encode"]
     finally:
         engine.close()
 
