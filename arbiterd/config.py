@@ -24,7 +24,10 @@
     priority = "normal", preemptible = true, strict_api = false,
     load = "start",               # "demand": no worker until its first request (or `warm`)
     unload_after_s = 0,           # unload after cold and idle this long; 0 = never
-    host_copy = "memfd"           # "page-cache": no copy in RAM; the kernel may reclaim it
+    host_copy = "memfd",          # "page-cache": no copy in RAM; the kernel may reclaim it
+    encoder = "jit"               # with mmproj: "resident" keeps the encoder while warm
+    max_image_bytes = 5 MiB, max_image_pixels = 33554432 (8192 x 4096),
+    allow_image_urls = false      # file:// and http(s):// image URLs (data: URLs always)
     [groups.NAME]                 # models that hold the GPU together (arbiterd/groups.py)
     models = ["a", "b"]           # two or more [models] names, each in one group at most
     priority = "normal"           # its class in the GPU queue; default: its members' highest
@@ -120,6 +123,10 @@ MODEL_KEYS = (
     "load",
     "unload_after_s",
     "host_copy",
+    "encoder",
+    "max_image_bytes",
+    "max_image_pixels",
+    "allow_image_urls",
 )
 STARTER_N_CTX = 4096
 # Issue 14: a state file is a few MB to a few GB (the KV of the tokens in use); 4 GiB keeps a
@@ -128,6 +135,20 @@ PROMPT_CACHE_BUDGET_BYTES = 4 << 30
 _MAX_GOT_CHARS = 80  # a value quoted back in a message is cut to this length
 
 Keys = tuple[str, ...]
+
+
+class Encoder(enum.StrEnum):
+    """When a vision model's projector (mmproj) is on the device (issue 12)."""
+
+    JIT = "jit"  # loaded right before an image is encoded, freed right after
+    RESIDENT = "resident"  # kept while the model is warm, freed when it goes cold
+
+
+# Image limits a vision model's requests are held to unless its table sets its own: a photo
+# from a phone camera (12 MP, a few MB) passes; a decompression bomb does not. 5 MiB as base64
+# (6.7 MiB) still fits the HTTP API's 8 MiB request body.
+DEFAULT_MAX_IMAGE_BYTES = 5 * 1024 * 1024
+DEFAULT_MAX_IMAGE_PIXELS = 8192 * 4096
 
 
 class Load(enum.StrEnum):
@@ -203,6 +224,12 @@ class ModelConfig:
     unload_after_s: float = 0.0  # cold and idle this long: unloaded; 0 = never
     group: str = ""  # the [groups] table it belongs to; "" = none
     host_copy: HostCopyMode = HostCopyMode.MEMFD
+    # Vision (issue 12), with mmproj: when its encoder is on the device, and what images its
+    # requests may send (decoded bytes, width x height; URLs other than data: when allowed).
+    encoder: Encoder = Encoder.JIT
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    allow_image_urls: bool = False
 
     def same_worker(self, other: ModelConfig) -> bool:
         """Whether `other` runs the same worker as this config: equal but for the aliases,
@@ -245,6 +272,8 @@ class ModelConfig:
             # page-cache: the worker loads the file itself (and makes no memfd of its own).
             host_copy=self.host_copy is HostCopyMode.MEMFD,
             host_copy_fd=host_copy_fd,
+            mmproj=self.mmproj,
+            encoder_resident=self.encoder is Encoder.RESIDENT,
         )
         return WorkerConfig(
             spec=spec,
@@ -374,7 +403,10 @@ def starter_config_text(found: list[Path]) -> str:
         "#   n_gpu_layers = -1         layers on the GPU; -1 = all",
         "#   n_threads = 0             CPU threads; 0 = the library's default",
         '#   chat_format = ""          e.g. "chatml", for a GGUF without a chat template',
-        '#   mmproj = ""               a multimodal projector GGUF',
+        '#   mmproj = ""               a vision model\'s projector GGUF: images in chat',
+        '#   encoder = "jit"           the projector on the device only to encode ("resident")',
+        "#   max_image_bytes = 5242880, max_image_pixels = 33554432   limits per image",
+        "#   allow_image_urls = false  file:// and http(s):// image URLs besides data: URLs",
         "#   embedding = true          serve embeddings only; absent: as the GGUF says",
         '#   kv_on_release = "host"    the KV cache on release: "host", "device" or "drop"',
         '#   residency = "auto"        "in-place" (the arbiterd engine), "reload" or "auto"',
@@ -421,6 +453,7 @@ _KV_EXPECTED = 'one of "host", "device", "drop"'
 _RESIDENCY_EXPECTED = 'one of "auto", "in-place", "reload"'
 _LOAD_EXPECTED = 'one of "start", "demand"'
 _HOST_COPY_EXPECTED = 'one of "memfd", "page-cache"'
+_ENCODER_EXPECTED = 'one of "jit", "resident"'
 _ALIASES_EXPECTED = 'an array of aliases, e.g. ["gpt-4o-mini", "qwen2.5:7b"]'
 _EMBEDDING_EXPECTED = "true or false (leave it out: as the GGUF says)"
 
@@ -772,12 +805,11 @@ def _model(src: _Source, name: str, raw: object) -> ModelConfig:
         "chat_format", "", 'a chat format name such as "chatml" ("" = the GGUF\'s own template)'
     )
     mmproj = table.optional_path("mmproj")
-    if mmproj is not None:
-        # Serving without the projector would silently drop images: refuse before anything
-        # starts, rather than fail the model later.
-        raise src.fail(
-            table.keys("mmproj"), 'expected "" (none): this engine cannot load an mmproj yet'
-        )
+    encoder_text = table.string("encoder", Encoder.JIT.value, _ENCODER_EXPECTED)
+    try:
+        encoder = Encoder(encoder_text)
+    except ValueError:
+        raise src.expected(table.keys("encoder"), _ENCODER_EXPECTED, encoder_text) from None
     load_text = table.string("load", Load.START.value, _LOAD_EXPECTED)
     try:
         load = Load(load_text)
@@ -811,6 +843,20 @@ def _model(src: _Source, name: str, raw: object) -> ModelConfig:
         load=load,
         unload_after_s=table.seconds("unload_after_s", 0.0, note=" (0 = never)"),
         host_copy=host_copy,
+        encoder=encoder,
+        max_image_bytes=table.integer(
+            "max_image_bytes",
+            DEFAULT_MAX_IMAGE_BYTES,
+            "a positive integer (bytes of one image as sent)",
+            ok=lambda v: v > 0,
+        ),
+        max_image_pixels=table.integer(
+            "max_image_pixels",
+            DEFAULT_MAX_IMAGE_PIXELS,
+            "a positive integer (width x height of one image)",
+            ok=lambda v: v > 0,
+        ),
+        allow_image_urls=table.boolean("allow_image_urls", False),
     )
 
 

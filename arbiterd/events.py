@@ -20,6 +20,7 @@ Shared by every process (worker, daemon, CLI, tray): imports nothing of arbiterd
     host_ram_budget the host copies and cold KV caches went over [daemon] host_ram_budget:
                     which cold models are unloaded for it, with the numbers
     prompt_cache_evict  state files removed to keep the prompt caches within their budget
+    encoder         a vision model's projector was loaded, encoded images or was freed
     vram            live VRAM figures (~1 Hz to subscribers; never journaled)
     vram_not_freed  a release did not give the VRAM back
     overflow        the control socket dropped a subscriber that fell behind
@@ -425,6 +426,44 @@ class UnloadEvent(Event):
         }
 
 
+@dataclass(frozen=True, kw_only=True)
+class EncoderEvent(Event):
+    """A vision model's projector (mmproj) did one thing for request `request_id` (issue 12):
+    `action` "load", "encode" or "free", taking `duration_s`; `bytes` are the projector's
+    weights for load and free, the embeddings made for encode; `images` how many it encoded."""
+
+    KIND: ClassVar[str] = "encoder"
+
+    model: str | None = None
+    request_id: str | None = None
+    action: str = ""
+    duration_s: float | None = None
+    bytes_: int | None = None
+    images: int | None = None
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> EncoderEvent:
+        return cls(
+            at=_float(obj.get("at")),
+            model=_str(obj.get("model")),
+            request_id=_str(obj.get("id")),
+            action=_text(obj.get("action")),
+            duration_s=_float(obj.get("duration_s")),
+            bytes_=_int(obj.get("bytes")),
+            images=_int(obj.get("images")),
+        )
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "id": self.request_id,
+            "action": self.action,
+            "duration_s": self.duration_s,
+            "bytes": self.bytes_,
+            "images": self.images,
+        }
+
+
 @dataclass(frozen=True)
 class RamBudgetEvent(Event):
     """Host RAM (`used_bytes`: the model files' host copies, each once, and the KV caches cold
@@ -669,6 +708,7 @@ KINDS: dict[str, type[Event]] = {
         UnloadEvent,
         RamBudgetEvent,
         PromptCacheEvictEvent,
+        EncoderEvent,
         VramEvent,
         VramNotFreedEvent,
         OverflowEvent,

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 from arbiterd.events import (
+    EncoderEvent,
     Event,
     HandoffEvent,
     HoldEvent,
@@ -143,6 +144,8 @@ def event_detail(event: Event) -> str:  # noqa: PLR0911, PLR0912 (one return per
             return _ram_budget(event)
         case PromptCacheEvictEvent():
             return _prompt_cache_evict(event)
+        case EncoderEvent():
+            return _encoder(event)
         case VramEvent():
             return _vram(event)
         case VramNotFreedEvent():
@@ -321,6 +324,17 @@ def _prompt_cache_evict(event: PromptCacheEvictEvent) -> str:
         f"prompt cache of {', '.join(event.evicted) or NONE} removed ({evicted}) to keep "
         f"{_name(event.model)}'s: {used} on disk of {budget}"
     )
+
+
+def _encoder(event: EncoderEvent) -> str:
+    """ "eye: projector loaded in 2.3 ms (155 KiB)", "... encoded 1 image in 0.4 ms (1.0 KiB)"."""
+    took = NONE if event.duration_s is None else f"{event.duration_s * 1000:.1f} ms"
+    size = NONE if event.bytes_ is None else format_bytes(event.bytes_)
+    what = {"load": "loaded", "free": "freed"}.get(event.action, event.action)
+    if event.action == "encode":
+        count = event.images or 0
+        what = f"encoded {count} image{'s' if count != 1 else ''}"
+    return f"{_name(event.model)}: projector {what} in {took} ({size})"
 
 
 def _vram(event: VramEvent) -> str:

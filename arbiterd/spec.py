@@ -38,6 +38,14 @@ EMBEDDING = "embedding"
 MAX_N_CTX = (1 << 31) - 1
 
 
+# Where an image goes in a vision request's text, from the HTTP edge to the engine: libmtmd's own
+# default marker. The edge refuses it in a request's text, so each one is an image (issue 12).
+IMAGE_MARKER = "<__media__>"
+# The most images one request may carry: each is decoded, encoded and held as embeddings while
+# the request is evaluated; tiny ones would otherwise fit the request body by the thousand.
+MAX_IMAGES = 32
+
+
 class KvPolicy(enum.StrEnum):
     """What happens to the KV cache when a model releases the GPU."""
 
@@ -74,6 +82,10 @@ class ModelSpec:
     # A memfd the daemon filled and passed down (one per file, shared by its workers); None:
     # the worker makes its own copy when host_copy is set.
     host_copy_fd: int | None = None
+    # A vision model's projector GGUF (issue 12); None: the model takes no images.
+    mmproj: Path | None = None
+    # Keep the projector loaded while warm; False: load it for each encode, free it right after.
+    encoder_resident: bool = False
 
 
 def kind_refusal(model: str, kind: str, embedding: bool) -> str:
@@ -114,6 +126,7 @@ class WorkerConfig:
     def to_json(self) -> str:
         spec = dataclasses.asdict(self.spec)
         spec["path"] = str(self.spec.path)
+        spec["mmproj"] = None if self.spec.mmproj is None else str(self.spec.mmproj)
         return json.dumps(
             {
                 "spec": spec,
@@ -135,6 +148,7 @@ class WorkerConfig:
         version = raw.get("model_version")
         spec = dict(raw["spec"])
         spec["path"] = Path(spec["path"])
+        spec["mmproj"] = None if spec.get("mmproj") is None else Path(spec["mmproj"])
         spec["residency"] = Residency(spec.get("residency", Residency.AUTO))
         return cls(
             spec=ModelSpec(**spec),

@@ -14,6 +14,7 @@ import pytest
 
 from arbiterd.arena import Arena
 from tests.support.tiny_gguf import TinyModelSpec, write_tiny_llama
+from tests.support.tiny_mmproj import write_tiny_mmproj
 
 SUPPORT = Path(__file__).parent / "support"
 ACTOR = SUPPORT / "arena_actor.py"
@@ -76,6 +77,13 @@ def procs() -> Iterator[Processes]:
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random llama GGUF (~0.5 MB, loads in ~10 ms), written once per session."""
     return write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_mmproj(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random LLaVA-style projector for `tiny_model` (its output width is the tiny
+    model's n_embd): each image becomes 4 positions."""
+    return write_tiny_mmproj(tmp_path_factory.mktemp("models") / "tiny-mmproj.gguf")
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,9 @@ import pytest
 
 from arbiterd.arena import Priority
 from arbiterd.config import (
+    DEFAULT_MAX_IMAGE_BYTES,
     Config,
+    Encoder,
     HostCopyMode,
     Load,
     default_config_path,
@@ -498,12 +500,24 @@ def test_a_page_cache_model_loads_its_file_itself(tmp_path: Path, env: dict[str,
     assert (spec.host_copy, spec.host_copy_fd) == (False, None)  # no memfd, not even its own
 
 
-def test_a_projector_it_cannot_load_is_refused_before_anything_starts(
+def test_a_vision_model_names_its_projector_and_encoder(
     tmp_path: Path, env: dict[str, str]
 ) -> None:
-    text = MINIMAL + 'mmproj = "~/mmproj.gguf"\n'
-    with pytest.raises(ConfigError, match=r"models\.qwen\.mmproj: expected \"\" \(none\)"):
-        load_text(tmp_path, env, text)
+    text = MINIMAL + 'mmproj = "~/mmproj.gguf"\nencoder = "resident"\nallow_image_urls = true\n'
+    model = load_text(tmp_path, env, text).models["qwen"]
+    assert model.mmproj == Path(env["HOME"]) / "mmproj.gguf"
+    assert model.encoder is Encoder.RESIDENT
+    assert model.allow_image_urls is True
+    assert model.max_image_bytes == DEFAULT_MAX_IMAGE_BYTES
+    spec = model.worker_config(tmp_path / "arena", embedding=False).spec
+    assert (spec.mmproj, spec.encoder_resident) == (model.mmproj, True)
+
+
+def test_the_encoder_is_just_in_time_unless_the_config_says(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    model = load_text(tmp_path, env, MINIMAL).models["qwen"]
+    assert (model.mmproj, model.encoder, model.allow_image_urls) == (None, Encoder.JIT, False)
 
 
 # -- errors ----------------------------------------------------------------------------------
@@ -667,8 +681,8 @@ ERRORS = [
         "models.qwen.n_ctxx",
         "unknown key; expected one of: path, aliases, n_ctx, n_gpu_layers, n_threads, "
         "chat_format, mmproj, embedding, kv_on_release, residency, min_hold_s, idle_release_s, "
-        "priority, preemptible, strict_api, load, unload_after_s, host_copy "
-        "(did you mean n_ctx?)",
+        "priority, preemptible, strict_api, load, unload_after_s, host_copy, encoder, "
+        "max_image_bytes, max_image_pixels, allow_image_urls (did you mean n_ctx?)",
         id="unknown_model_key",
     ),
     pytest.param(

@@ -38,6 +38,7 @@ from arbiterd.control import (
 )
 from arbiterd.daemon import controlserver
 from arbiterd.daemon.controlserver import ControlServer, StoredEvent, peer_uid
+from arbiterd.daemon.images import ImagePolicy
 from arbiterd.daemon.journal import Journal
 from arbiterd.errors import (
     ControlError,
@@ -84,6 +85,9 @@ class FakeService:
 
     def strict_api(self, model: str) -> bool:
         return False
+
+    def image_policy(self, model: str) -> ImagePolicy | None:
+        return None
 
     def resolve(self, model: str) -> str | None:
         return model if model in self.models else None

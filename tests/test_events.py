@@ -9,6 +9,7 @@ import pytest
 
 from arbiterd.events import (
     KINDS,
+    EncoderEvent,
     Event,
     HandoffEvent,
     HoldEvent,
@@ -103,6 +104,9 @@ SAMPLES: list[Event] = [
         evicted_bytes=3 << 20,
         used_bytes=5 << 20,
         budget_bytes=8 << 20,
+    ),
+    EncoderEvent(
+        at=T, model="eye", request_id="r7", action="encode", duration_s=0.004, bytes_=1024, images=1
     ),
     VramEvent(
         at=T,

@@ -207,6 +207,15 @@ def test_budget_lines_say_who_goes_and_the_numbers() -> None:
     )
 
 
+def test_encoder_lines_say_what_the_projector_did() -> None:
+    load = {"event": "encoder", "model": "eye", "action": "load", "duration_s": 0.0023,
+            "bytes": 159072}  # fmt: skip
+    assert line(load) == "encoder   eye: projector loaded in 2.3 ms (155.3 KiB)"
+    encode = {"event": "encoder", "model": "eye", "action": "encode", "duration_s": 0.0004,
+              "bytes": 1024, "images": 1}  # fmt: skip
+    assert line(encode) == "encoder   eye: projector encoded 1 image in 0.4 ms (1.0 KiB)"
+
+
 def test_hold_reload_and_vram_lines() -> None:
     assert line({"event": "hold", "held": True}) == "hold      GPU held by the user"
     assert line({"event": "hold", "held": False}) == "hold      GPU given back by the user"

@@ -39,10 +39,10 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from arbiterd.arena import parse_priority
-from arbiterd.daemon import ollama
+from arbiterd.daemon import images, ollama
 from arbiterd.daemon.service import Service
 from arbiterd.errors import ArbiterError, BadValueError, ErrorCode, UnknownModelError
-from arbiterd.spec import COMPLETION_PARAMS, EMBEDDING
+from arbiterd.spec import COMPLETION_PARAMS, EMBEDDING, IMAGE_MARKER, MAX_IMAGES
 
 log = logging.getLogger(__name__)
 
@@ -271,11 +271,19 @@ class CompletionRequest:
     stream: bool
     body: dict[str, Any]  # prompt or messages, plus engine parameters only
     ignored: tuple[str, ...] = ()  # fields accepted that change nothing here (IGNORED_*)
+    # A chat request's image parts, in order: (field, URL), checked against the model's
+    # policy once the model is known (`_attach_images`), which puts body["images"].
+    image_urls: tuple[tuple[str, str], ...] = ()
 
 
-def _text_content(where: str, content: object) -> str:
-    """A message's content: a string, or an array of text parts joined by newlines."""
+def _text_content(
+    where: str, content: object, image_parts: list[tuple[str, str]] | None = None
+) -> str:
+    """A message's content: a string, or an array of text parts joined by newlines. With
+    `image_parts` (a user message's), image_url parts are taken too: each becomes the engine's
+    IMAGE_MARKER in the text, and its (field, URL) is appended to `image_parts` (issue 12)."""
     if isinstance(content, str):
+        _refuse_marker(f"{where}.content", content)
         return content
     expected = 'a string or a non-empty array of {"type": "text", "text": ...} parts'
     if not isinstance(content, list) or not content:
@@ -283,6 +291,10 @@ def _text_content(where: str, content: object) -> str:
     texts = []
     for index, part in enumerate(content):
         key = f"{where}.content[{index}]"
+        if image_parts is not None and isinstance(part, dict) and part.get("type") == "image_url":
+            image_parts.append((key, _image_url(key, part)))
+            texts.append(IMAGE_MARKER)
+            continue
         if not isinstance(part, dict) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, dict) else None
             detail = f" (arbiterd serves text only, not {kind!r})" if isinstance(kind, str) else ""
@@ -296,11 +308,48 @@ def _text_content(where: str, content: object) -> str:
                 code="invalid_value",
                 param=key,
             )
+        _refuse_marker(f"{key}.text", part["text"])
         texts.append(part["text"])
     return "\n".join(texts)
 
 
-def _messages(value: object) -> list[dict[str, Any]]:
+def _image_url(key: str, part: dict[str, Any]) -> str:
+    """The URL of an OpenAI image part: {"type": "image_url", "image_url": {"url": ...}} (an
+    optional "detail" changes nothing here: the projector decides the resolution)."""
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, dict) else None
+    if (
+        set(part) - {"type", "image_url"}
+        or not isinstance(value, dict)
+        or set(value) - {"url", "detail"}
+        or not isinstance(url, str)
+    ):
+        raise ApiError(
+            400,
+            f'\'{key}\' must be {{"type": "image_url", "image_url": {{"url": <string>}}}}',
+            code="invalid_value",
+            param=key,
+        )
+    return url
+
+
+def _refuse_marker(key: str, text: str) -> None:
+    """The engine marks where an image goes with IMAGE_MARKER: a text holding it would be an
+    image without one."""
+    if IMAGE_MARKER in text:
+        raise ApiError(
+            400,
+            f"'{key}' holds {IMAGE_MARKER!r}, which arbiterd reserves to mark images",
+            code="invalid_value",
+            param=key,
+        )
+
+
+def _messages(
+    value: object, image_parts: list[tuple[str, str]] | None = None
+) -> list[dict[str, Any]]:
+    """Checked messages; the image parts of user messages are appended to `image_parts` (each
+    its field and URL) and left as markers in the text (None: image parts are refused)."""
     if not isinstance(value, list) or not value:
         raise _wrong_type("messages", "a non-empty array of message objects", value)
     messages = []
@@ -340,7 +389,8 @@ def _messages(value: object) -> list[dict[str, Any]]:
         if calls and message.get("content") is None:
             normal["content"] = None  # a turn that only called tools
         else:
-            normal["content"] = _text_content(where, message.get("content"))
+            takes_images = image_parts if role == "user" else None
+            normal["content"] = _text_content(where, message.get("content"), takes_images)
         for key in ("name", "tool_call_id"):
             if message.get(key) is not None:
                 if not isinstance(message[key], str):
@@ -619,8 +669,11 @@ def parse_request(kind: str, payload: object) -> CompletionRequest:
     model = given.get("model")
     if not isinstance(model, str) or not model:
         raise _wrong_type("model", "a model name (a non-empty string)", model)
+    image_urls: list[tuple[str, str]] = []
     body: dict[str, Any] = (
-        _chat_body(given) if kind == "chat" else {"prompt": _prompt(given.get("prompt"))}
+        _chat_body(given, image_urls)
+        if kind == "chat"
+        else {"prompt": _prompt(given.get("prompt"))}
     )
     top_logprobs = _logprobs(kind, given)
     if top_logprobs is not None:
@@ -641,14 +694,23 @@ def parse_request(kind: str, payload: object) -> CompletionRequest:
     if stream and _include_usage(given.get("stream_options")):
         body["stream_options"] = {"include_usage": True}  # a last chunk with the usage
     unused = tuple(sorted(key for key in given if key in ignored))
-    return CompletionRequest(model=model, kind=kind, stream=stream, body=body, ignored=unused)
+    return CompletionRequest(
+        model=model,
+        kind=kind,
+        stream=stream,
+        body=body,
+        ignored=unused,
+        image_urls=tuple(image_urls),
+    )
 
 
-def _chat_body(given: dict[str, Any]) -> dict[str, Any]:
+def _chat_body(
+    given: dict[str, Any], image_urls: list[tuple[str, str]] | None = None
+) -> dict[str, Any]:
     """The chat-only part of a request as the engine takes it: messages, structured output and
-    tools (a `tool_choice` of "none" offers none)."""
+    tools (a `tool_choice` of "none" offers none); image parts go to `image_urls`."""
     _refused(given)
-    body: dict[str, Any] = {"messages": _messages(given.get("messages"))}
+    body: dict[str, Any] = {"messages": _messages(given.get("messages"), image_urls)}
     _max_completion_tokens(given)
     structured = _response_format(given.get("response_format"))
     if structured is not None:
@@ -1124,6 +1186,7 @@ def create_app(
         try:
             parsed = parse_request(kind, _parse_json(await _read_body(request, max_body_bytes)))
             _admit(service, request.headers, parsed, names)
+            await _attach_images(service, parsed)
         except Exception as exc:
             return _api_error(exc, names).response()
         if parsed.stream:
@@ -1164,6 +1227,38 @@ def _admit(
         raise _unknown_model(parsed.model, names())
     _refuse_if_strict(service, parsed.model, parsed.ignored)
     _take_priority(headers, parsed.body)
+
+
+async def _attach_images(service: Service, parsed: CompletionRequest) -> None:
+    """Check a chat request's image parts against its model's policy (images.py) and pass them
+    to the engine as body["images"], base64, in order. Each refusal is a 400 naming the part.
+    Runs in a thread: a URL may be fetched, a PNG is inflated to check it is whole."""
+    if not parsed.image_urls:
+        return
+    policy = service.image_policy(parsed.model)
+    if policy is None:
+        raise ApiError(
+            400,
+            f"{parsed.model} takes no images: its config names no mmproj (a projector)",
+            code="unsupported_value",
+            param=parsed.image_urls[0][0],
+        )
+    if len(parsed.image_urls) > MAX_IMAGES:
+        raise ApiError(
+            400,
+            f"a request may carry at most {MAX_IMAGES} images; this one has "
+            f"{len(parsed.image_urls)}",
+            code="invalid_image",
+            param=parsed.image_urls[MAX_IMAGES][0],
+        )
+    loaded = []
+    for param, url in parsed.image_urls:
+        try:
+            image = await anyio.to_thread.run_sync(partial(images.load, param, url, policy))
+        except images.ImageRefused as exc:
+            raise ApiError(400, str(exc), code="invalid_image", param=exc.param) from None
+        loaded.append(base64.b64encode(image.data).decode("ascii"))
+    parsed.body["images"] = loaded
 
 
 def _take_priority(headers: Headers, body: dict[str, Any]) -> None:
@@ -1262,6 +1357,7 @@ def _add_ollama_routes(
             kind, openai, stream = translate(payload)
             parsed = parse_request(kind, openai)
             _admit(service, request.headers, parsed, names)
+            await _attach_images(service, parsed)
         except Exception as exc:
             return _api_error(exc, names).response()
         started = time.monotonic()

@@ -10,10 +10,19 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from arbiterd.daemon.telemetry import TelemetrySnapshot, VramGauge
-from arbiterd.events import Event, HandoffEvent, RequestEvent, ResidencyEvent, WorkerEvent
+from arbiterd.events import (
+    EncoderEvent,
+    Event,
+    HandoffEvent,
+    RequestEvent,
+    ResidencyEvent,
+    WorkerEvent,
+)
 
 # Handoffs on a desktop GPU: from ~1 ms (in place) to tens of seconds (a large reload).
 HANDOFF_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# A projector's load, encode or free: ~0.05 ms (a tiny one freed) to seconds (a 1 GB one loaded).
+ENCODER_BUCKETS_S = (0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class Metrics:
@@ -65,6 +74,20 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.encoder_loads = Counter(
+            "arbiterd_encoder_loads",
+            "Times a vision model's projector (mmproj) was loaded",
+            ["model"],
+            registry=self.registry,
+        )
+        self.encoder_seconds = Histogram(
+            "arbiterd_encoder_seconds",
+            "How long a vision model's projector took to load, encode an image, or be freed",
+            ["model", "action"],
+            buckets=ENCODER_BUCKETS_S,
+            registry=self.registry,
+        )
+
     def add_model(self, model: str) -> None:
         """Make a model's series exist (at 0) before its first event."""
         self.resident.labels(model=model).set(0)
@@ -86,6 +109,13 @@ class Metrics:
             evaluated = event.prompt_tokens_evaluated
             if evaluated is not None and evaluated > 0:
                 self.prompt_tokens_evaluated.labels(model=event.model).inc(evaluated)
+        elif isinstance(event, EncoderEvent) and event.model is not None:
+            if event.action == "load":
+                self.encoder_loads.labels(model=event.model).inc()
+            if event.duration_s is not None:
+                self.encoder_seconds.labels(model=event.model, action=event.action).observe(
+                    event.duration_s
+                )
         elif isinstance(event, HandoffEvent):
             self.handoffs.inc()
             self.handoff_seconds.observe(event.total_s)

@@ -62,6 +62,10 @@ ENCODER_ARCHITECTURES = frozenset(
 )
 
 
+# The architecture llama.cpp's converters write into every mmproj GGUF (clip.cpp reads it).
+PROJECTOR_ARCHITECTURE = "clip"
+
+
 class NotGgufError(Exception):
     """The file is not a GGUF model llama.cpp can read; the message says what it is instead."""
 
@@ -251,6 +255,8 @@ def check_models(
             raise ConfigError(f"{where}: {model.path} cannot be read: {exc.strerror}") from None
         except NotGgufError as exc:
             raise ConfigError(f"{where}: {model.path} is {exc}") from None
+        if model.mmproj is not None:
+            _check_projector(label, model)
         trained = header.context_length
         if trained is not None and model.n_ctx > trained:
             warnings.append(
@@ -308,3 +314,28 @@ def _gib(size: int) -> str:
     if size >= 1 << 30:
         return f"{size / (1 << 30):.2f} GiB"
     return f"{size / (1 << 20):.2f} MiB"
+
+
+def _check_projector(label: str, model: ModelConfig) -> None:
+    """A vision model's mmproj must be a readable GGUF of llama.cpp's "clip" architecture (what
+    mtmd_init_from_file loads). Whether its output width matches the model's n_embd takes the
+    loader itself: the worker tries it when the model loads (engine.py, issue 12)."""
+    assert model.mmproj is not None
+    where = f"{label}: {key_path('models', model.name, 'mmproj')}"
+    path = model.mmproj
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise ConfigError(f"{where}: {path} is not a regular file; expected a projector GGUF")
+        header = read_header(path)
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: {path} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"{where}: {path} cannot be read: {exc.strerror}") from None
+    except NotGgufError as exc:
+        raise ConfigError(f"{where}: {path} is {exc}") from None
+    if header.architecture != PROJECTOR_ARCHITECTURE:
+        got = repr(header.architecture) if header.architecture else "none"
+        raise ConfigError(
+            f"{where}: {path} is not a multimodal projector: its architecture is {got}, "
+            f"expected {PROJECTOR_ARCHITECTURE!r} (an mmproj GGUF)"
+        )

@@ -54,9 +54,6 @@ def chat_request(payload: object) -> tuple[str, dict[str, Any], bool]:
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise BadValueError("'messages' must be a list of {role, content} objects")
-    for message in messages:
-        if isinstance(message, dict) and message.get("images"):
-            raise BadValueError("images are not supported yet: arbiterd serves text models")
     openai: dict[str, Any] = {
         "model": body.get("model"),
         "messages": [_message(m) for m in messages if isinstance(m, dict)],
@@ -68,8 +65,20 @@ def chat_request(payload: object) -> tuple[str, dict[str, Any], bool]:
 
 def _message(message: dict[str, Any]) -> dict[str, Any]:
     """An Ollama chat message as OpenAI's: calls with ids and their arguments as JSON text, a
-    tool result's `tool_name` as its name."""
+    tool result's `tool_name` as its name, its `images` (base64) as image parts after its text,
+    which the HTTP edge checks as it checks OpenAI's (a vision model's, issue 12)."""
     openai: dict[str, Any] = {"role": message.get("role"), "content": message.get("content", "")}
+    images = message.get("images")
+    if images:
+        if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
+            raise BadValueError("'images' must be a list of base64 strings")
+        openai["content"] = [
+            {"type": "text", "text": openai["content"]},
+            *(
+                {"type": "image_url", "image_url": {"url": f"data:image;base64,{image}"}}
+                for image in images
+            ),
+        ]
     calls = message.get("tool_calls")
     if isinstance(calls, list) and calls:
         openai["tool_calls"] = [_openai_call(index, call) for index, call in enumerate(calls)]
@@ -133,7 +142,7 @@ def generate_request(payload: object) -> tuple[str, dict[str, Any], bool]:
     if not isinstance(prompt, str):
         raise BadValueError("'prompt' must be a string")
     if body.get("images"):
-        raise BadValueError("images are not supported yet: arbiterd serves text models")
+        raise BadValueError("images are taken by /api/chat, not /api/generate, for now")
     if body.get("raw") is True:
         return (
             "completion",

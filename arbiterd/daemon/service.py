@@ -73,6 +73,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
+from arbiterd.daemon.images import ImagePolicy
+
 
 class Service(Protocol):
     def model_names(self) -> list[str]:
@@ -82,6 +84,10 @@ class Service(Protocol):
     def strict_api(self, model: str) -> bool:
         """Whether the HTTP API refuses, rather than ignores, the fields that change nothing
         for this model (a configured one)."""
+        ...
+
+    def image_policy(self, model: str) -> ImagePolicy | None:
+        """What images a configured model takes (issue 12); None: none, it has no mmproj."""
         ...
 
     def resolve(self, model: str) -> str | None:

@@ -29,6 +29,7 @@ from arbiterd.control import MODEL_COMMANDS
 from arbiterd.daemon.budgets import ColdModel, CopyUse, ram_plan
 from arbiterd.daemon.eventbus import EventBus
 from arbiterd.daemon.handoffs import Handoffs
+from arbiterd.daemon.images import ImagePolicy
 from arbiterd.daemon.journal import Journal
 from arbiterd.daemon.lifecycle import Lifecycle
 from arbiterd.daemon.metrics import Metrics
@@ -202,6 +203,17 @@ class Supervisor:
 
     def strict_api(self, model: str) -> bool:
         return self.config.models[self._name(model)].strict_api
+
+    def image_policy(self, model: str) -> ImagePolicy | None:
+        config = self.config.models[self._name(model)]
+        if config.mmproj is None:
+            return None
+        return ImagePolicy(
+            model=config.name,
+            max_bytes=config.max_image_bytes,
+            max_pixels=config.max_image_pixels,
+            allow_urls=config.allow_image_urls,
+        )
 
     def _name(self, model: str) -> str:
         """The model `model` names; an unknown name as it is, for the router to refuse with the

@@ -1,4 +1,5 @@
-"""The inference engine: the only module that imports llama_cpp (besides arbiterd/native/).
+"""The inference engine: the only module that imports llama_cpp (besides arbiterd/native/ and
+vision.py, which owns its multimodal half, libmtmd).
 
 Owns the llama objects of one model and moving them between device and host. Everything else
 talks to the `Backend` protocol, so tests and other residency mechanisms can stand behind it.
@@ -17,6 +18,10 @@ A request is **prepared** (rendered, sized and tokenized) before it **runs**: pr
 the vocabulary, which a vocab-only model (no weights, no context, no device memory) holds for the
 worker's whole life, so a worker tokenizes while cold, before it asks for the GPU (issue 10).
 
+A vision model (ModelSpec.mmproj) takes images in chat requests: prepared as text with a marker
+where each image goes, then, on the warm model, laid out and encoded by vision.py's Projector
+(loaded just in time) and decoded here as embeddings on the model's own context (issue 12).
+
 An embedding model (ModelSpec.embedding) serves only "embedding" requests, every other model
 only "chat" and "completion" ones: its context makes pooled embeddings, one unit-length vector
 per input text (issue 11).
@@ -33,6 +38,7 @@ import re
 import time
 from array import array
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -45,6 +51,7 @@ from llama_cpp._internals import LlamaBatch, LlamaModel
 from llama_cpp.llama_grammar import LlamaGrammar
 
 from arbiterd.errors import (
+    ArbiterError,
     ContextOverflowError,
     EngineError,
     ModelLoadError,
@@ -58,6 +65,7 @@ from arbiterd.native.libllama import ResidencyApi, probe_residency_api
 from arbiterd.spec import (
     COMPLETION_PARAMS,
     EMBEDDING,
+    MAX_IMAGES,
     MAX_N_CTX,
     KvPolicy,
     ModelSpec,
@@ -67,6 +75,14 @@ from arbiterd.spec import (
 from arbiterd.worker.choices import Choice, TokenLogprob
 from arbiterd.worker.kvfile import KvState
 from arbiterd.worker.toolcalls import CallReader, call_schema, template_takes_tools
+from arbiterd.worker.vision import (
+    MARKER,
+    EncoderStep,
+    Projector,
+    Span,
+    decode_image,
+    digest_of,
+)
 
 log = logging.getLogger(__name__)
 _LIBC = ctypes.CDLL(None)  # this process's C library (malloc_trim, where it is glibc)
@@ -117,6 +133,7 @@ class Generation:
     prompt_tokens_evaluated: int  # run through llama_decode; prefix-cache hits excluded
     completion_tokens: int
     cancelled: bool = False
+    encoder_steps: tuple[EncoderStep, ...] = ()  # what the projector did for it (issue 12)
 
 
 @dataclass(frozen=True)
@@ -134,6 +151,10 @@ class Prepared:
     forced_call: bool = False  # a grammar makes the whole answer a call
     parallel_calls: bool = True  # the answer may call several tools; else the first counts
     inputs: tuple[list[int], ...] = ()  # an embedding request's texts, tokenized
+    # A vision request's images (PNG or JPEG bytes), and where each goes among the prompt's
+    # text tokens (an index into completion["prompt"], in order).
+    images: tuple[bytes, ...] = ()
+    image_at: tuple[int, ...] = ()
 
     @property
     def prompt_tokens(self) -> list[int]:
@@ -243,6 +264,16 @@ class ReloadBackend:
         self._kv: KvState | None = None
         self._run = _Run()
         self.prompt_tokens_evaluated_total = 0
+        self._projector = (
+            None
+            if spec.mmproj is None
+            else Projector(
+                spec.mmproj,
+                resident=spec.encoder_resident,
+                n_threads=spec.n_threads,
+                use_gpu=spec.n_gpu_layers != 0,
+            )
+        )
 
     # -- residency --------------------------------------------------------------------------
 
@@ -261,6 +292,15 @@ class ReloadBackend:
         started, read_before = time.monotonic(), disk_read_bytes()
         self.open()
         self._llm = self._new_llama(ModelLoadError)
+        if self._projector is not None:
+            self._projector.n_threads = self._llm.context_params.n_threads
+            try:
+                self._projector.check(self._llm.model)
+            except ModelLoadError:
+                self._llm.close()
+                self._llm = None
+                raise
+            self._log_projector_steps("checked at load")
         return Moved(
             duration_s=time.monotonic() - started,
             weights_bytes=self._weights_bytes(),
@@ -273,7 +313,7 @@ class ReloadBackend:
         if kv is KvPolicy.DEVICE:
             raise RequestError("the reload backend cannot keep the KV cache on the device")
         started, read_before = time.monotonic(), disk_read_bytes()
-        weights = self._weights_bytes()
+        weights = self._weights_bytes() + self._free_projector()
         self._kv = _save_kv(llm) if kv is KvPolicy.HOST and llm.n_tokens > 0 else None
         llm.close()
         self._llm = None
@@ -298,9 +338,10 @@ class ReloadBackend:
                 raise
             kv_bytes = len(self._kv.data)
         self._llm, self._kv = llm, None
+        projector_bytes = self._warm_projector()
         return Moved(
             duration_s=time.monotonic() - started,
-            weights_bytes=self._weights_bytes(),
+            weights_bytes=self._weights_bytes() + projector_bytes,
             kv_bytes=kv_bytes,
             disk_read_bytes=disk_read_bytes() - read_before,
         )
@@ -309,7 +350,11 @@ class ReloadBackend:
         """Device bytes by our own accounting: weights plus the KV state while warm, else 0."""
         if self._llm is None:
             return 0
-        return self._weights_bytes() + int(llama_cpp.llama_state_get_size(self._llm.ctx))
+        return (
+            self._weights_bytes()
+            + int(llama_cpp.llama_state_get_size(self._llm.ctx))
+            + self._projector_bytes()
+        )
 
     def host_kv_bytes(self) -> int:
         """Host memory the KV cache of a cold model takes (the weights' host copy is the
@@ -349,6 +394,7 @@ class ReloadBackend:
         return False
 
     def close(self) -> None:
+        self._free_projector()
         if self._llm is not None:
             self._llm.close()
             self._llm = None
@@ -386,9 +432,16 @@ class ReloadBackend:
         max_chars = vocab.max_text_bytes(n_ctx)
         tools: list[dict[str, Any]] = []
         forced: str | None = None
+        images: tuple[bytes, ...] = ()
+        image_at: tuple[int, ...] = ()
         if kind == "chat":
-            completion, tools, forced = self._prepare_chat(vocab, body, kwargs, cancelled)
+            images = self._images(body)
+            completion, tools, forced, image_at = self._prepare_chat(
+                vocab, body, kwargs, cancelled, len(images)
+            )
         elif kind == "completion":
+            if body.get("images"):
+                raise RequestError("images go in chat requests, not completions")
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
                 raise RequestError("'prompt' must be a string")
@@ -406,6 +459,8 @@ class ReloadBackend:
             tools=tuple(tool["function"]["name"] for tool in tools),
             forced_call=forced is not None,
             parallel_calls=body.get("parallel_tool_calls") is not False,
+            images=images,
+            image_at=image_at,
         )
         if len(request.prompt_tokens) >= n_ctx:  # the test create_completion makes, made early
             raise ContextOverflowError(
@@ -413,10 +468,30 @@ class ReloadBackend:
             )
         return request
 
+    def _images(self, body: dict[str, Any]) -> tuple[bytes, ...]:
+        """A chat request's images (body["images"], base64, one per marker in its messages, as
+        the HTTP edge made them), checked to be images this model can take."""
+        given = body.get("images") or []
+        if not isinstance(given, list) or not all(isinstance(i, str) for i in given):
+            raise RequestError("'images' must be a list of base64 strings")
+        if len(given) > MAX_IMAGES:
+            raise RequestError(f"a request may carry at most {MAX_IMAGES} images")
+        if given and self._projector is None:
+            raise RequestError(
+                f"{self.spec.name} takes no images: its config names no mmproj (a projector)"
+            )
+        return tuple(decode_image(index, data) for index, data in enumerate(given))
+
     def _prepare_chat(
-        self, vocab: _Vocab, body: dict[str, Any], kwargs: dict[str, Any], cancelled: Cancelled
-    ) -> tuple[dict[str, Any], list[dict[str, Any]], str | None]:
-        """A chat request's completion arguments, the tools it offers and the call it forces."""
+        self,
+        vocab: _Vocab,
+        body: dict[str, Any],
+        kwargs: dict[str, Any],
+        cancelled: Cancelled,
+        n_images: int = 0,
+    ) -> tuple[dict[str, Any], list[dict[str, Any]], str | None, tuple[int, ...]]:
+        """A chat request's completion arguments, the tools it offers, the call it forces and
+        where its `n_images` images go among the prompt's tokens."""
         n_ctx = self.spec.n_ctx
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -436,10 +511,12 @@ class ReloadBackend:
         if tools:
             self._require_tool_template()
             kwargs["tools"] = tools  # for the template; the choice is ours to enforce
-        completion = self._chat_completion(vocab, _template_messages(messages), kwargs, cancelled)
+        completion, image_at = self._chat_completion(
+            vocab, _template_messages(messages), kwargs, cancelled, n_images
+        )
         if call_grammar is not None:
             completion["grammar"] = call_grammar
-        return completion, tools, forced
+        return completion, tools, forced, image_at
 
     def run(self, request: Prepared, sink: ChunkSink | None, cancelled: Cancelled) -> Generation:
         """Generate for a prepared request on the warm model, its `n` choices one after the
@@ -454,6 +531,15 @@ class ReloadBackend:
         choices: list[Choice] = []
         prompt_tokens = cached = evaluated = completion_tokens = 0
         stopped = False
+        completion = request.completion
+        prefill: _Prefill | None = None
+        if request.images:
+            try:
+                prefill = self._prefill_images(llm, request)
+            except ArbiterError:
+                self._log_projector_steps("a failed request")  # none is left for the next one
+                raise
+            completion = {**completion, "prompt": prefill.tokens}
         for index in range(request.n):
             recorded: list[TokenLogprob] | None = None if request.top_logprobs is None else []
             run = self._run = _Run(
@@ -468,13 +554,16 @@ class ReloadBackend:
             )
             choice = Choice(request.kind, index, calls=calls, logprobs=recorded)
             try:
-                chunks = llm.create_completion(**_for_choice(request.completion, index))
+                chunks = llm.create_completion(**_for_choice(completion, index))
                 stopped = self._drain(choice, cast(Iterator[dict[str, Any]], chunks), head, sink)
             except ValueError as exc:  # llama-cpp-python reports bad arguments as ValueError
                 raise RequestError(str(exc)) from None
             choices.append(choice)
             if index == 0:
                 prompt_tokens, cached = run.reused_prefix + run.prompt_evaluated, run.reused_prefix
+                if prefill is not None and prefill.evaluated:
+                    cached = prefill.reused  # the rest of the prefix was evaluated just before
+                    evaluated += prefill.evaluated
             evaluated += run.prompt_evaluated
             completion_tokens += run.sampled
             if stopped:
@@ -507,7 +596,10 @@ class ReloadBackend:
                     "usage": response["usage"],
                 }
             )
-        return Generation(response, prompt_tokens, evaluated, completion_tokens, stopped)
+        steps = self._projector.take_steps() if self._projector is not None else ()
+        return Generation(
+            response, prompt_tokens, evaluated, completion_tokens, stopped, encoder_steps=steps
+        )
 
     def generate(self, kind: str, body: dict[str, Any], sink: ChunkSink | None) -> Generation:
         """`prepare` and `run` in one call, never cancelled: for callers that drive a backend
@@ -593,19 +685,37 @@ class ReloadBackend:
         messages: list[Any],
         kwargs: dict[str, Any],
         cancelled: Cancelled,
-    ) -> dict[str, Any]:
+        n_images: int = 0,
+    ) -> tuple[dict[str, Any], tuple[int, ...]]:
+        """The completion arguments the chat handler makes of `messages`, and where each of
+        `n_images` images goes among its prompt tokens: the rendered prompt is cut at each
+        MARKER and its pieces tokenized one by one, as mtmd tokenizes the text around media."""
         if self._chat is None:
             raise RequestError(f"{self.spec.name} has not been loaded yet")
-        call = _CompletionCall(
-            self._chat,
-            lambda text, add_bos, special: vocab.tokenize(
-                text,
-                add_special=add_bos,
-                parse_special=special,
-                limit=self.spec.n_ctx,
-                cancelled=cancelled,
-            ),
-        )
+        image_at: list[int] = []
+
+        def tokenize(text: bytes, add_bos: bool, special: bool) -> list[int]:
+            pieces = text.split(MARKER.encode()) if n_images else [text]
+            if len(pieces) - 1 != n_images:
+                raise RequestError(
+                    f"the chat template kept {len(pieces) - 1} of the request's {n_images} "
+                    "images; its messages must carry each image where the template prints text"
+                )
+            tokens: list[int] = []
+            image_at.clear()
+            for index, piece in enumerate(pieces):
+                if index:
+                    image_at.append(len(tokens))
+                tokens += vocab.tokenize(
+                    piece,
+                    add_special=add_bos and index == 0,
+                    parse_special=special,
+                    limit=self.spec.n_ctx,
+                    cancelled=cancelled,
+                )
+            return tokens
+
+        call = _CompletionCall(self._chat, tokenize)
         # Llama.create_chat_completion picks the chat handler and its defaults; the handler
         # renders the template, tokenizes through `call` and hands it the completion to run.
         try:
@@ -615,7 +725,7 @@ class ReloadBackend:
         except (ValueError, llama_chat_format.LlamaChatCompletionHandlerNotFoundException) as exc:
             # A template's raise_exception(), or a chat_format llama-cpp-python does not know.
             raise RequestError(str(exc)) from None
-        return call.arguments
+        return call.arguments, tuple(image_at)
 
     def _require_tool_template(self) -> None:
         if self._chat is None:
@@ -652,6 +762,98 @@ class ReloadBackend:
         except _EvalCancelled:  # raised through llama-cpp-python's generators, which are done
             return True
         return False
+
+    # -- images -----------------------------------------------------------------------------
+
+    def _prefill_images(self, llm: llama_cpp.Llama, request: Prepared) -> _Prefill:
+        """Lay a vision request's prompt out with its images and evaluate it up to its last
+        token, which `Llama.generate` evaluates (its prefix match then finds every position
+        but that one cached, and samples from fresh logits).
+
+        The projector is loaded only when something needs it: an image never laid out (the
+        worker's first sight of it), or one that is not in the cached prefix (to encode it).
+        It encodes every such image, is freed (just in time), and only then are the text and
+        the embeddings decoded on the model's context. A follow-up turn whose images are all
+        in the cached prefix loads nothing and leaves the whole suffix to `generate`."""
+        projector = self._projector
+        if projector is None:
+            raise RequestError(f"{self.spec.name} takes no images")
+        data = {digest_of(image): image for image in request.images}
+        digests = [digest_of(image) for image in request.images]
+        embeddings: dict[bytes, list[npt.NDArray[np.float32]]] = {}
+        non_causal = False
+        with ExitStack() as stack:
+            if not projector.known(digests):
+                unknown = {d: data[d] for d in digests if d not in projector.layouts}
+                stack.enter_context(projector.session(llm.model))
+                projector.lay_out(unknown)
+            tokens, placed = _lay_out(request, digests, projector.layouts)
+            if len(tokens) >= llm.n_ctx():
+                raise ContextOverflowError(
+                    f"Requested tokens ({len(tokens)}) exceed context window of {llm.n_ctx()}"
+                )
+            if tokens[-1] < 0:
+                raise RequestError("the prompt ends with an image: the template must end in text")
+            cached = _common_prefix(llm.input_ids[: llm.n_tokens].tolist(), tokens[:-1])
+            pending = [p for p in placed if p[0] + len(p[2].ids) > cached]
+            if not pending:
+                return _Prefill(tokens, 0, 0)
+            start = min(cached, pending[0][0])
+            if not projector.loaded:
+                stack.enter_context(projector.session(llm.model))
+            for _, digest, _ in pending:
+                if digest not in embeddings:
+                    embeddings[digest] = projector.encode(data[digest])
+            non_causal = projector.non_causal()
+        # The projector is freed here (unless resident): the model's context decodes alone.
+        self._run = _Run()  # counts the text evaluated below (Llama.eval is instrumented)
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(llm.ctx), -1, start, -1)
+        llm.n_tokens = start
+        image_positions = 0
+        for at, digest, span in pending:
+            if at > llm.n_tokens:
+                llm.eval(tokens[llm.n_tokens : at])
+            _decode_embeddings(llm, embeddings[digest][span.chunk], span.ids, non_causal)
+            image_positions += len(span.ids)
+        if len(tokens) - 1 > llm.n_tokens:
+            llm.eval(tokens[llm.n_tokens : len(tokens) - 1])
+        text = sum(self._run.evals)
+        return _Prefill(tokens, start, text + image_positions)
+
+    def _free_projector(self) -> int:
+        """Free a loaded projector (going cold, closing); the bytes it held on the device, which
+        the release reports with the weights. Its step is logged, not left for a request."""
+        if self._projector is None or not self._projector.loaded:
+            return 0
+        held = self._projector.loaded_bytes()
+        self._projector.free()
+        self._log_projector_steps("going cold")
+        return held
+
+    def _warm_projector(self) -> int:
+        """Load a resident projector with the model it belongs to (warming up); the bytes it
+        put on the device. One that cannot be loaded now leaves the model warm without it: the
+        next image tries again, and fails its request with the reason."""
+        projector, llm = self._projector, self._llm
+        if projector is None or not projector.resident or llm is None:
+            return 0
+        try:
+            with projector.session(llm.model):
+                pass
+        except RequestError as exc:
+            log.warning("%s: resident projector not loaded on warm-up: %s", self.spec.name, exc)
+            return 0
+        self._log_projector_steps("loaded on warm-up")
+        return projector.loaded_bytes()
+
+    def _log_projector_steps(self, why: str) -> None:
+        """Log the projector's steps that no request reports (`why` they are not)."""
+        if self._projector is not None:
+            for step in self._projector.take_steps():
+                log.info("%s: projector, %s: %s", self.spec.name, why, step.to_json())
+
+    def _projector_bytes(self) -> int:
+        return 0 if self._projector is None else self._projector.loaded_bytes()
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -756,6 +958,7 @@ class InPlaceBackend(ReloadBackend):
         if self._released:
             raise RequestError(f"{self.spec.name} is already cold")
         started = time.monotonic()
+        projector_bytes = self._free_projector()  # going cold frees a resident encoder
         ctx = _context_pointer(llm)
         flags = self._flags(kv)
         if kv is KvPolicy.DROP:
@@ -775,7 +978,7 @@ class InPlaceBackend(ReloadBackend):
         self._released = True
         return Moved(
             duration_s=time.monotonic() - started,
-            weights_bytes=stats.weights_bytes,
+            weights_bytes=stats.weights_bytes + projector_bytes,
             kv_bytes=len(self._kv.data) if self._kv else 0,
             disk_read_bytes=0,
         )
@@ -808,6 +1011,7 @@ class InPlaceBackend(ReloadBackend):
             llm.n_tokens = 0  # the cache came back empty
         self._kept_kv_bytes = 0
         llm._requires_eval = True  # decode one token again rather than trust kept logits
+        weights += self._warm_projector()
         return Moved(
             duration_s=time.monotonic() - started,
             weights_bytes=weights,
@@ -823,7 +1027,8 @@ class InPlaceBackend(ReloadBackend):
             return 0
         if self._released:
             return self._kept_kv_bytes
-        return self._api.stats(_context_pointer(llm), self._flags(KvPolicy.HOST)).device_bytes
+        stats = self._api.stats(_context_pointer(llm), self._flags(KvPolicy.HOST))
+        return stats.device_bytes + self._projector_bytes()
 
     def _is_released(self) -> bool:
         return self._released
@@ -880,6 +1085,79 @@ def select_backend(spec: ModelSpec) -> Backend:
         raise ModelLoadError(f'{spec.name} asks for residency = "in-place": {probed.reason}')
     log.info("%s: %s", spec.name, probed.reason)
     return ReloadBackend(spec, fallback_reason=probed.reason)
+
+
+@dataclass(frozen=True)
+class _Prefill:
+    """A vision prompt laid out: its tokens (placeholder ids at image positions), the cached
+    prefix kept, and the positions evaluated before `generate` ran (text and image)."""
+
+    tokens: list[int]
+    reused: int
+    evaluated: int
+
+
+def _lay_out(
+    request: Prepared, digests: list[bytes], layouts: dict[bytes, tuple[Span, ...]]
+) -> tuple[list[int], list[tuple[int, bytes, Span]]]:
+    """The prompt's tokens with each image's spans in place, and where each image span starts."""
+    text = request.prompt_tokens
+    tokens: list[int] = []
+    placed: list[tuple[int, bytes, Span]] = []
+    cut = 0
+    for at, digest in zip(request.image_at, digests, strict=True):
+        tokens += text[cut:at]
+        cut = at
+        for span in layouts[digest]:
+            if span.image:
+                placed.append((len(tokens), digest, span))
+            tokens += span.ids
+    tokens += text[cut:]
+    return tokens, placed
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _decode_embeddings(
+    llm: llama_cpp.Llama, embd: npt.NDArray[np.float32], ids: tuple[int, ...], non_causal: bool
+) -> None:
+    """Decode one image chunk's embeddings at the model's next positions, recording its
+    placeholder ids there (so the next prompt's prefix match runs through it). A model that
+    attends both ways within an image (Gemma 3) needs the whole image in one decode."""
+    n, n_embd = embd.shape
+    step = n if non_causal else llm.n_batch
+    if non_causal and n > llm.n_batch:
+        raise RequestError(f"an image of {n} positions exceeds the model's batch of {llm.n_batch}")
+    batch = llama_cpp.llama_batch_init(step, n_embd, 1)
+    data = np.ascontiguousarray(embd, dtype=np.float32)
+    try:
+        if non_causal:
+            llama_cpp.llama_set_causal_attn(llm.ctx, False)
+        for first in range(0, n, step):
+            count = min(step, n - first)
+            ctypes.memmove(batch.embd, data[first:].ctypes.data, count * n_embd * 4)
+            for i in range(count):
+                batch.pos[i] = llm.n_tokens + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = 0
+            batch.n_tokens = count
+            status = llama_cpp.llama_decode(llm.ctx, batch)
+            if status != 0:
+                raise EngineError(f"llama_decode failed (status {status}) on an image")
+            llm.input_ids[llm.n_tokens : llm.n_tokens + count] = ids[first : first + count]
+            llm.n_tokens += count
+    finally:
+        if non_causal:
+            llama_cpp.llama_set_causal_attn(llm.ctx, True)
+        llama_cpp.llama_batch_free(batch)
 
 
 def _return_freed_heap() -> None:

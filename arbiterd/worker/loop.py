@@ -65,7 +65,7 @@ from arbiterd.errors import (
     RequestError,
     RestoreError,
 )
-from arbiterd.events import RequestEvent, ResidencyEvent
+from arbiterd.events import EncoderEvent, RequestEvent, ResidencyEvent
 from arbiterd.groups import Gate
 from arbiterd.procs import holder_name
 from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, ModelSpec, Residency, WorkerConfig
@@ -416,6 +416,18 @@ class Worker:
                 status="cancelled" if result.cancelled else "ok",
             ).to_json()
         )
+        for step in result.encoder_steps:  # a vision request's projector, step by step
+            self._out.send(
+                EncoderEvent(
+                    at=time.time(),
+                    model=self.name,
+                    request_id=command.id,
+                    action=step.action,
+                    duration_s=round(step.duration_s, 6),
+                    bytes_=step.bytes_,
+                    images=step.images,
+                ).to_json()
+            )
 
     def _sink(self, command: Command) -> ChunkSink | None:
         if not command.stream:

@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Scope
 
 from arbiterd.config import model_key
 from arbiterd.daemon.httpapi import ENGINE_CHECKS, IGNORED_HEADER, create_app, refuse_stranger
+from arbiterd.daemon.images import ImagePolicy
 from arbiterd.daemon.service import Service
 from arbiterd.errors import (
     ContextOverflowError,
@@ -57,12 +58,16 @@ class FakeService:
         self.cancelled = threading.Event()  # complete() was cancelled
         self.streams: list[AsyncIterator[dict[str, Any]]] = []
         self.strict: set[str] = set()  # models with strict_api = true
+        self.vision: dict[str, ImagePolicy] = {}  # models with an mmproj
 
     def model_names(self) -> list[str]:
         return list(MODELS)
 
     def strict_api(self, model: str) -> bool:
         return model in self.strict
+
+    def image_policy(self, model: str) -> ImagePolicy | None:
+        return self.vision.get(model)
 
     def resolve(self, model: str) -> str | None:
         for name in MODELS:

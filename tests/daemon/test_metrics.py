@@ -6,6 +6,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from arbiterd.daemon.metrics import Metrics
 from arbiterd.events import (
+    EncoderEvent,
     HandoffEvent,
     HoldEvent,
     RequestEvent,
@@ -49,6 +50,19 @@ def test_requests_count_by_outcome_and_only_evaluated_prompt_tokens_add_up() -> 
     for status in ("ok", "cancelled", "error"):
         assert figures[("arbiterd_requests_total", (("model", "m"), ("status", status)))] == 1
     assert figures[("arbiterd_prompt_tokens_evaluated_total", (("model", "m"),))] == 42
+
+
+def test_a_projector_counts_its_loads_and_times_each_step() -> None:
+    metrics = Metrics()
+    for action, took in (("load", 0.002), ("encode", 0.0004), ("free", 0.00005)):
+        metrics.observe(EncoderEvent(model="eye", action=action, duration_s=took, bytes_=9))
+    figures = samples(metrics)
+    assert figures[("arbiterd_encoder_loads_total", (("model", "eye"),))] == 1
+    for action in ("load", "encode", "free"):
+        labels = (("action", action), ("model", "eye"))
+        assert figures[("arbiterd_encoder_seconds_count", labels)] == 1
+    encode = (("action", "encode"), ("model", "eye"))
+    assert figures[("arbiterd_encoder_seconds_sum", encode)] == 0.0004
 
 
 def test_a_handoff_is_counted_with_its_measured_total() -> None:

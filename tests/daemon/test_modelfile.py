@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -19,6 +20,7 @@ from arbiterd.daemon.modelfile import (
 from arbiterd.errors import ConfigError
 from tests.support.models import model_config
 from tests.support.tiny_gguf import DEFAULT_SPEC
+from tests.support.tiny_mmproj import write_tiny_mmproj
 
 
 def config_for(tmp_path: Path, model: Path, n_ctx: int = 256) -> Config:
@@ -223,3 +225,18 @@ def test_a_group_over_the_budget_is_refused_with_the_numbers(
 
 def test_members_on_the_cpu_need_no_device_memory(tmp_path: Path, tiny_model: Path) -> None:
     assert check_models(group_config(tmp_path, tiny_model, "1B", n_gpu_layers=0)) == []
+
+
+def test_a_projector_must_be_a_clip_gguf(tmp_path: Path, tiny_model: Path) -> None:
+    config = config_for(tmp_path, tiny_model)
+    model = config.models["m"]
+    good = write_tiny_mmproj(tmp_path / "mmproj.gguf")
+    vision = dataclasses.replace(config, models={"m": dataclasses.replace(model, mmproj=good)})
+    assert check_models(vision) == []
+    for path, message in [
+        (tmp_path / "gone.gguf", "does not exist"),
+        (tiny_model, "is not a multimodal projector: its architecture is 'llama'"),
+    ]:
+        bad = dataclasses.replace(config, models={"m": dataclasses.replace(model, mmproj=path)})
+        with pytest.raises(ConfigError, match=r"models\.m\.mmproj: .*" + re.escape(message)):
+            check_models(bad)

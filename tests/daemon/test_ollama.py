@@ -76,7 +76,7 @@ def test_generate_applies_the_chat_template_unless_raw() -> None:
         ({**CHAT, "options": {"mirostat": 2}}, "option 'mirostat'"),
         ({**CHAT, "format": "yaml"}, "'format'"),
         ({**CHAT, "stream": "yes"}, "'stream'"),
-        ({"model": "m", "messages": [{"role": "user", "images": ["aGk="]}]}, "images"),
+        ({"model": "m", "messages": [{"role": "user", "images": "aGk="}]}, "'images'"),
         ({"model": "m"}, "'messages'"),
         ([], "JSON object"),
     ],
@@ -84,6 +84,17 @@ def test_generate_applies_the_chat_template_unless_raw() -> None:
 def test_what_arbiterd_cannot_do_is_said(body: object, problem: str) -> None:
     with pytest.raises(BadValueError, match=problem):
         ollama.chat_request(body)
+
+
+def test_a_chat_messages_images_become_image_parts_after_its_text() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "what", "images": ["aGk="]}]}
+    _, openai, _ = ollama.chat_request(body)
+    assert openai["messages"][0]["content"] == [
+        {"type": "text", "text": "what"},
+        {"type": "image_url", "image_url": {"url": "data:image;base64,aGk="}},
+    ]
+    with pytest.raises(BadValueError, match="/api/chat"):
+        ollama.generate_request({"model": "m", "prompt": "what", "images": ["aGk="]})
 
 
 def test_a_whole_answer_and_a_stream_end_with_the_counts() -> None:

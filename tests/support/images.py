@@ -1,0 +1,68 @@
+"""Small images made by the tests: PNGs written with the standard library (zlib + CRC), and
+baseline JPEGs of one grey, written by hand (the standard library has no JPEG encoder)."""
+
+from __future__ import annotations
+
+import base64
+import struct
+import zlib
+
+__all__ = ["jpeg", "png", "png_data_url"]
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    crc = zlib.crc32(kind + data) & 0xFFFFFFFF
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+
+def png(width: int = 32, height: int = 32, seed: int = 0) -> bytes:
+    """An 8-bit RGB PNG of `width` x `height` pixels, a pattern that depends on `seed`."""
+    rows = b"".join(
+        b"\x00"  # filter type 0 (none) per scanline
+        + bytes(
+            ((x * 7 + y * 13 + seed * 31 + c * 85) & 0xFF) for x in range(width) for c in range(3)
+        )
+        for y in range(height)
+    )
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit, truecolour
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _chunk(b"IHDR", header)
+        + _chunk(b"IDAT", zlib.compress(rows))
+        + _chunk(b"IEND", b"")
+    )
+
+
+def png_data_url(data: bytes | None = None) -> str:
+    """A `data:image/png;base64,…` URL for `data` (a fresh 32x32 PNG when None)."""
+    return "data:image/png;base64," + base64.b64encode(png() if data is None else data).decode()
+
+
+def _segment(marker: int, body: bytes) -> bytes:
+    return bytes([0xFF, marker]) + struct.pack(">H", len(body) + 2) + body
+
+
+def jpeg(width: int = 8, height: int = 8, *, lossless: bool = False) -> bytes:
+    """A baseline greyscale JPEG of `width` x `height` mid-grey pixels: every 8x8 block is one
+    DC difference of 0 and an end-of-block, each a 1-bit Huffman code (ITU T.81, Annex B/C).
+    `lossless`: marked as a lossless JPEG (SOF3), which stb_image does not decode, while every
+    header the HTTP edge reads stays whole."""
+    codes = bytes([1] + [0] * 15)  # how many codes of each length 1..16: one of length 1
+    symbols = b"\x00"
+    blocks = ((width + 7) // 8) * ((height + 7) // 8)
+    bits = "00" * blocks
+    bits += "1" * (-len(bits) % 8)  # pad with 1s to a byte
+    scan = bytes(int(bits[i : i + 8], 2) for i in range(0, len(bits), 8))
+    return (
+        b"\xff\xd8"
+        + _segment(0xDB, b"\x00" + bytes([1] * 64))  # one quantization table of 1s
+        + _segment(
+            0xC3 if lossless else 0xC0,
+            struct.pack(">BHHB", 8, height, width, 1) + b"\x01\x11\x00",
+        )
+        + _segment(0xC4, b"\x00" + codes + symbols)  # DC table 0
+        + _segment(0xC4, b"\x10" + codes + symbols)  # AC table 0
+        + _segment(0xDA, b"\x01\x01\x00\x00\x3f\x00")
+        + scan.replace(b"\xff", b"\xff\x00")
+        + b"\xff\xd9"
+    )

@@ -1,0 +1,310 @@
+"""Vision on real llama.cpp (CPU): a tiny random projector is loaded just in time, its images
+decoded as embeddings, and the prompt cache runs through them (issue 12)."""
+
+from __future__ import annotations
+
+import base64
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import numpy as np
+import pytest
+
+from arbiterd.errors import ModelLoadError, RequestError
+from arbiterd.spec import KvPolicy, ModelSpec, Residency
+from arbiterd.worker.engine import (
+    InPlaceBackend,
+    ReloadBackend,
+    _decode_embeddings,
+    select_backend,
+)
+from arbiterd.worker.vision import MARKER, placeholder_ids
+from tests.support.images import jpeg, png
+from tests.support.tiny_gguf import TinyModelSpec, write_tiny_llama
+from tests.support.tiny_mmproj import TinyProjectorSpec, write_tiny_mmproj
+
+N_IMAGE = TinyProjectorSpec().n_image_tokens
+
+
+def chat(*turns: tuple[str, str], images: tuple[bytes, ...] | list[bytes] = ()) -> dict[str, Any]:
+    return {
+        "messages": [{"role": role, "content": text} for role, text in turns],
+        "images": [base64.b64encode(image).decode() for image in images],
+        "max_tokens": 6,
+        "temperature": 0,
+    }
+
+
+def vision(tiny_model: Path, mmproj: Path, **spec: Any) -> ReloadBackend:
+    return ReloadBackend(
+        ModelSpec(name="eye", path=tiny_model, n_ctx=512, n_gpu_layers=0, mmproj=mmproj, **spec)
+    )
+
+
+@pytest.fixture
+def eye(tiny_model: Path, tiny_mmproj: Path) -> Iterator[ReloadBackend]:
+    engine = vision(tiny_model, tiny_mmproj)
+    engine.load()
+    yield engine
+    engine.close()
+
+
+def encoder_loaded(engine: ReloadBackend) -> bool:
+    assert engine._projector is not None
+    return engine._projector.loaded
+
+
+def actions(generation: Any) -> list[str]:
+    return [step.action for step in generation.encoder_steps]
+
+
+def test_an_image_is_encoded_by_a_projector_loaded_just_for_it(eye: ReloadBackend) -> None:
+    generation = eye.generate(
+        "chat", chat(("user", f"what is {MARKER} this"), images=[png()]), None
+    )
+    assert actions(generation) == ["load", "encode", "free"]
+    # the image became positions of the prompt: its text plus N_IMAGE
+    text_only = eye.prepare("chat", chat(("user", "what is  this")), lambda: False)
+    assert generation.prompt_tokens >= N_IMAGE + len(text_only.prompt_tokens) - 2
+    assert generation.prompt_tokens_evaluated == generation.prompt_tokens
+    assert generation.completion_tokens > 0
+    assert eye._projector is not None
+    assert not eye._projector.loaded
+    load, encode, free = generation.encoder_steps
+    assert load.bytes_ == free.bytes_ > 0
+    assert encode.images == 1
+    assert encode.bytes_ == N_IMAGE * TinyModelSpec().n_embd * 4
+
+
+def test_the_encoder_is_alive_only_while_it_encodes(
+    eye: ReloadBackend, tiny_mmproj: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    projector = eye._projector
+    assert projector is not None
+    assert not projector.loaded
+    seen: list[tuple[bool, int]] = []
+    encode = projector.encode
+
+    def watched(data: bytes) -> Any:
+        seen.append((projector.loaded, projector.loaded_bytes()))
+        return encode(data)
+
+    monkeypatch.setattr(projector, "encode", watched)
+    eye.generate("chat", chat(("user", f"{MARKER} hello"), images=[png()]), None)
+    assert seen == [(True, tiny_mmproj.stat().st_size)]  # counted in resident_bytes meanwhile
+    assert not projector.loaded
+    assert projector.loaded_bytes() == 0
+
+
+CONVERSATION = ("user", f"look {MARKER} what is it")
+
+
+def test_a_follow_up_turn_evaluates_only_its_suffix(eye: ReloadBackend) -> None:
+    image = png()
+    first = eye.generate("chat", chat(CONVERSATION, images=[image]), None)
+    answer = first.response["choices"][0]["message"]["content"]
+    turns = (CONVERSATION, ("assistant", answer), ("user", "and the dog"))
+    follow = eye.generate("chat", chat(*turns, images=[image]), None)
+    suffix = follow.prompt_tokens - first.prompt_tokens  # the answer and the new question
+    assert 0 < suffix < 60
+    assert follow.prompt_tokens_evaluated <= suffix + 1
+    cached = follow.response["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= first.prompt_tokens - 1  # the whole first prompt, image included
+    assert actions(follow) == []  # its image is in the cached prefix: no projector at all
+
+
+def test_the_cache_survives_a_cold_round_trip(eye: ReloadBackend) -> None:
+    image = png(seed=3)
+    first = eye.generate("chat", chat(CONVERSATION, images=[image]), None)
+    eye.release(KvPolicy.HOST)
+    eye.restore()
+    answer = first.response["choices"][0]["message"]["content"]
+    turns = (CONVERSATION, ("assistant", answer), ("user", "more"))
+    again = eye.generate("chat", chat(*turns, images=[image]), None)
+    assert again.prompt_tokens_evaluated <= again.prompt_tokens - first.prompt_tokens + 1
+    assert actions(again) == []
+
+
+@pytest.mark.parametrize("kv", [KvPolicy.HOST, KvPolicy.DEVICE])
+def test_the_in_place_backend_keeps_images_in_its_cache_across_a_release(
+    tiny_model: Path, tiny_mmproj: Path, kv: KvPolicy
+) -> None:
+    spec = ModelSpec(
+        name="eye",
+        path=tiny_model,
+        n_ctx=512,
+        n_gpu_layers=0,
+        mmproj=tiny_mmproj,
+        encoder_resident=True,
+        residency=Residency.IN_PLACE,
+    )
+    engine = select_backend(spec)
+    assert isinstance(engine, InPlaceBackend), "the installed llama_cpp is not the engine build"
+    engine.load()
+    try:
+        image = png(seed=5)
+        first = engine.generate("chat", chat(CONVERSATION, images=[image]), None)
+        assert encoder_loaded(engine)  # resident
+        engine.release(kv)
+        assert not encoder_loaded(engine)  # going cold frees it
+        engine.restore()
+        assert encoder_loaded(engine)  # and warming up loads it again
+        answer = first.response["choices"][0]["message"]["content"]
+        turns = (CONVERSATION, ("assistant", answer), ("user", "more"))
+        again = engine.generate("chat", chat(*turns, images=[image]), None)
+        assert again.prompt_tokens_evaluated <= again.prompt_tokens - first.prompt_tokens + 1
+        assert actions(again) == []
+    finally:
+        engine.close()
+
+
+def test_a_kept_cache_serves_a_new_worker_which_lays_the_image_out_but_never_encodes_it(
+    eye: ReloadBackend, tiny_model: Path, tiny_mmproj: Path
+) -> None:
+    image = png(seed=6)
+    first = eye.generate("chat", chat(CONVERSATION, images=[image]), None)
+    kept = eye.kept_kv()  # what an unload writes to its state file (issue 14)
+    assert kept is not None
+    assert min(kept.tokens) < 0  # the image's placeholders are part of it
+    fresh = vision(tiny_model, tiny_mmproj)
+    fresh.load()
+    try:
+        fresh.adopt_kv(kept)
+        answer = first.response["choices"][0]["message"]["content"]
+        turns = (CONVERSATION, ("assistant", answer), ("user", "more"))
+        again = fresh.generate("chat", chat(*turns, images=[image]), None)
+        assert actions(again) == ["load", "free"]  # laid out (a new worker knows no image)
+        assert again.prompt_tokens_evaluated <= again.prompt_tokens - first.prompt_tokens + 1
+    finally:
+        fresh.close()
+
+
+def test_another_image_is_encoded_again(eye: ReloadBackend) -> None:
+    eye.generate("chat", chat(CONVERSATION, images=[png(seed=1)]), None)
+    other = eye.generate("chat", chat(CONVERSATION, images=[png(seed=2)]), None)
+    assert actions(other) == ["load", "encode", "free"]
+    # the text before the image is still cached; the image and what follows are not
+    assert other.prompt_tokens_evaluated >= N_IMAGE
+    assert other.prompt_tokens_evaluated < other.prompt_tokens
+
+
+def test_a_resident_encoder_stays_while_warm_and_goes_when_cold(
+    tiny_model: Path, tiny_mmproj: Path
+) -> None:
+    engine = vision(tiny_model, tiny_mmproj, encoder_resident=True)
+    engine.load()
+    try:
+        assert encoder_loaded(engine)
+        first = engine.generate("chat", chat(CONVERSATION, images=[png()]), None)
+        assert actions(first) == ["encode"]  # loaded with the model, kept since
+        assert encoder_loaded(engine)
+        released = engine.release(KvPolicy.HOST)
+        assert not encoder_loaded(engine)
+        assert released.weights_bytes > tiny_mmproj.stat().st_size
+        assert engine.resident_bytes() == 0
+        restored = engine.restore()
+        assert encoder_loaded(engine)  # warm again: loaded with the model
+        assert restored.weights_bytes > tiny_mmproj.stat().st_size
+        again = engine.generate("chat", chat(CONVERSATION, images=[png(seed=8)]), None)
+        assert actions(again) == ["encode"]
+    finally:
+        engine.close()
+
+
+def test_a_corrupt_image_is_a_bad_request_and_frees_the_encoder(eye: ReloadBackend) -> None:
+    truncated = png()[:60]
+    with pytest.raises(RequestError, match="corrupt or truncated"):
+        eye.generate("chat", chat(CONVERSATION, images=[truncated]), None)
+    assert eye._projector is not None
+    assert not eye._projector.loaded
+    text = eye.generate("chat", chat(("user", "still there")), None)
+    assert text.completion_tokens > 0
+    assert actions(text) == []  # the failed request's load and free are not reported here
+
+
+def test_a_jpeg_is_decoded_and_one_the_decoder_refuses_is_a_bad_request(
+    eye: ReloadBackend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    answered = eye.generate("chat", chat(CONVERSATION, images=[jpeg(40, 24)]), None)
+    assert actions(answered) == ["load", "encode", "free"]
+    # libmtmd hands what stb_image refuses to ffprobe, from PATH: never a client's bytes.
+    ran = tmp_path / "ran"
+    for name in ("ffprobe", "ffmpeg"):
+        program = tmp_path / name
+        program.write_text(f"#!/bin/sh\ntouch {ran}\nexit 1\n")
+        program.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with pytest.raises(RequestError, match="corrupt or truncated"):
+        eye.generate("chat", chat(CONVERSATION, images=[jpeg(lossless=True)]), None)
+    assert not encoder_loaded(eye)
+    assert not ran.exists()
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (chat(CONVERSATION, images=[b"GIF89a..."]), r"images\[0\] is not a PNG or JPEG image"),
+        (chat(CONVERSATION, ("user", MARKER), images=[png()]), "kept 2 of the request's 1"),
+        (chat(("user", "none here"), images=[png()]), "kept 0 of the request's 1 images"),
+        ({**chat(CONVERSATION), "images": ["not base64!"]}, r"images\[0\] is not base64"),
+    ],
+    ids=["not_an_image", "a_marker_too_many", "image_without_marker", "not_base64"],
+)
+def test_bad_images_are_refused_before_the_model_runs(
+    eye: ReloadBackend, body: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(RequestError, match=message):
+        eye.prepare("chat", body, lambda: False)
+
+
+def test_a_model_without_a_projector_refuses_images(tiny_model: Path) -> None:
+    engine = ReloadBackend(ModelSpec(name="plain", path=tiny_model, n_ctx=256, n_gpu_layers=0))
+    engine.load()
+    try:
+        with pytest.raises(RequestError, match="takes no images: its config names no mmproj"):
+            engine.prepare("chat", chat(CONVERSATION, images=[png()]), lambda: False)
+    finally:
+        engine.close()
+
+
+def test_a_projector_of_another_width_fails_the_model_at_load(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    wide = write_tiny_mmproj(tmp_path / "wide.gguf", TinyProjectorSpec(projection_dim=96))
+    engine = vision(tiny_model, wide)
+    with pytest.raises(ModelLoadError, match=r"mismatch between text model \(n_embd = 64\)"):
+        engine.load()
+    engine.close()
+
+
+def test_a_model_whose_embedding_width_differs_is_caught_too(
+    tiny_mmproj: Path, tmp_path: Path
+) -> None:
+    other = write_tiny_llama(tmp_path / "wide.gguf", TinyModelSpec(n_embd=128))
+    engine = vision(other, tiny_mmproj)
+    with pytest.raises(ModelLoadError, match="and mmproj"):
+        engine.load()
+    engine.close()
+
+
+def test_a_bidirectional_image_is_decoded_in_one_batch_or_refused(tiny_model: Path) -> None:
+    # Gemma 3's images attend both ways (mtmd_decode_use_non_causal); the tiny projector's do
+    # not, so the decode is driven directly.
+    llm = llama_cpp.Llama(
+        model_path=str(tiny_model), n_ctx=256, n_batch=8, n_gpu_layers=0, verbose=False
+    )
+    try:
+        llm.eval([300, 301])
+        embd = np.zeros((6, TinyModelSpec().n_embd), dtype=np.float32)
+        _decode_embeddings(llm, embd, placeholder_ids(b"\0" * 32, 0, 6), non_causal=True)
+        assert llm.n_tokens == 8
+        assert min(llm.input_ids[2:8]) < 0
+        llm.eval([302])  # text decodes after it
+        too_big = np.zeros((9, TinyModelSpec().n_embd), dtype=np.float32)
+        with pytest.raises(RequestError, match="exceeds the model's batch of 8"):
+            _decode_embeddings(llm, too_big, placeholder_ids(b"\1" * 32, 0, 9), non_causal=True)
+    finally:
+        llm.close()
