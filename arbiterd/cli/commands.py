@@ -292,7 +292,8 @@ def _memory_lines(status: dict[str, Any]) -> list[str]:
             f"host RAM: {render.format_bytes(int(status.get('host_ram_bytes') or 0))} = "
             f"model file copies {render.format_bytes(int(ram.get('host_copies_bytes') or 0))} "
             "(each counted once) + KV caches kept on the host "
-            f"{render.format_bytes(int(ram.get('host_kv_bytes') or 0))}; budget "
+            f"{render.format_bytes(int(ram.get('host_kv_bytes') or 0))} + released weights "
+            f"{render.format_bytes(int(ram.get('host_weights_bytes') or 0))}; budget "
             + (render.format_bytes(budget) if budget else "none")
         )
     elif status.get("host_ram_bytes") is not None:  # a daemon from before issue 14's budgets

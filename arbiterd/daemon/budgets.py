@@ -36,7 +36,9 @@ class ColdModel:
 
     name: str
     cold_since: float  # time.monotonic() when it went cold: the smaller, the less recently used
-    host_kv_bytes: int  # the KV cache its worker keeps on the host
+    # What its worker keeps on the host for it alone: the KV cache, and the weights an
+    # in-place release moved off the device (its share of the file's copy is in `copy`).
+    own_bytes: int
     copy: str | None  # the key of the host copy it leases; None: it has none (page-cache)
 
 
@@ -58,19 +60,20 @@ def ram_plan(
     budget_bytes: int,
     *,
     copies: Mapping[str, CopyUse],
-    host_kv_bytes: int,
+    own_bytes: int,
     cold: Iterable[ColdModel],
 ) -> RamPlan:
     """Which cold models to unload, least recently used first, until the host RAM in use —
-    every host copy once (`copies`) plus every model's host KV (`host_kv_bytes`) — fits
+    every host copy once (`copies`) plus what every worker keeps for its model alone
+    (`own_bytes`: host KV, released weights) — fits
     `budget_bytes` (0: no budget, nobody is unloaded).
 
-    Unloading a model frees its host KV, and its host copy once no other slot leases it. A
-    model whose unload would free nothing — no host KV, and a copy that a model outside `cold`
+    Unloading a model frees its own bytes, and its host copy once no other slot leases it. A
+    model whose unload would free nothing — no own bytes, and a copy that a model outside `cold`
     (a warm one) keeps leasing — is passed over: restarting it later would cost a load for no
     byte. When even every cold model is not enough, all of them are unloaded and `after_bytes`
     stays over the budget."""
-    used = sum(c.size_bytes for c in copies.values()) + host_kv_bytes
+    used = sum(c.size_bytes for c in copies.values()) + own_bytes
     if budget_bytes <= 0 or used <= budget_bytes:
         return RamPlan(used, budget_bytes, (), used)
     candidates = sorted(cold, key=lambda m: (m.cold_since, m.name))
@@ -86,10 +89,10 @@ def ram_plan(
         if after <= budget_bytes:
             break
         copy = model.copy
-        if model.host_kv_bytes == 0 and (copy is None or copy not in leases or copy in kept):
+        if model.own_bytes == 0 and (copy is None or copy not in leases or copy in kept):
             continue
         chosen.append(model.name)
-        after -= model.host_kv_bytes
+        after -= model.own_bytes
         if copy is not None and copy in leases:
             leases[copy] -= 1
             if leases[copy] == 0:

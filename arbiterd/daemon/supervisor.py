@@ -250,6 +250,7 @@ class Supervisor:
                 "since": arena.holder.since if arena.holder else None,
             }
         host_kv_bytes = sum(int(r.get("host_kv_bytes") or 0) for r in reports)
+        weights_bytes = sum(int(r.get("host_weights_bytes") or 0) for r in reports)
         copies_bytes = self._lifecycle.host_copies.total_bytes()
         cache = self._lifecycle.prompt_cache
         return {
@@ -261,10 +262,11 @@ class Supervisor:
             "groups": self._groups_status(),
             "telemetry": self._vram.status(snapshot),
             # Each copy once, however many models share it.
-            "host_ram_bytes": copies_bytes + host_kv_bytes,
+            "host_ram_bytes": copies_bytes + host_kv_bytes + weights_bytes,
             "host_ram": {
                 "host_copies_bytes": copies_bytes,
                 "host_kv_bytes": host_kv_bytes,
+                "host_weights_bytes": weights_bytes,
                 "budget_bytes": self.config.daemon.host_ram_budget_bytes,  # 0: none
             },
             "prompt_cache": None if cache is None else await asyncio.to_thread(cache.usage),
@@ -289,7 +291,7 @@ class Supervisor:
             "last_handoff": slot.last_handoff,
             "vram_bytes": self._vram.model_bytes(snapshot, slot.name),
             "cold_footprint_bytes": self._vram.footprint(slot.name),
-            **self._host_ram(slot, host_kv_bytes=0),
+            **self._host_ram(slot, host_kv_bytes=0, weights_bytes=0),
             # None until its first worker said hello.
             "backend": slot.hello.backend if slot.hello is not None else None,
             "fallback_reason": slot.hello.fallback_reason if slot.hello is not None else "",
@@ -305,19 +307,28 @@ class Supervisor:
                 report[key] = live.get(key, report[key])
             report["served"] = live.get("served", 0)
             report["last_error"] = live.get("last_error") or slot.last_error
-            report.update(self._host_ram(slot, host_kv_bytes=int(live.get("host_kv_bytes", 0))))
+            report.update(
+                self._host_ram(
+                    slot,
+                    host_kv_bytes=int(live.get("host_kv_bytes") or 0),
+                    weights_bytes=int(live.get("host_weights_bytes") or 0),
+                )
+            )
         return report
 
-    def _host_ram(self, slot: Slot, *, host_kv_bytes: int) -> dict[str, Any]:
+    def _host_ram(self, slot: Slot, *, host_kv_bytes: int, weights_bytes: int) -> dict[str, Any]:
         """The model's host RAM: its share of the file's copy (split between the models that
-        use it, so the shares add up to the total) plus the KV cache it keeps on the host."""
+        use it, so the shares add up to the total) plus what its worker keeps on the host for
+        it alone: the KV cache, and the weights an in-place release moved off the device."""
+        own = host_kv_bytes + weights_bytes
+        figures = {"host_kv_bytes": host_kv_bytes, "host_weights_bytes": weights_bytes}
         lease = slot.copy_lease
         if lease is None:
-            return {"host_ram_bytes": host_kv_bytes or None, "host_kv_bytes": host_kv_bytes}
+            return {"host_ram_bytes": own or None, **figures}
         models = lease.copy.models()
         return {
-            "host_ram_bytes": lease.copy.size // len(models) + host_kv_bytes,
-            "host_kv_bytes": host_kv_bytes,
+            "host_ram_bytes": lease.copy.size // len(models) + own,
+            **figures,
             "host_copy_bytes": lease.copy.size,
             "host_copy_shared_with": [m for m in models if m != slot.name],
         }
@@ -539,12 +550,12 @@ class Supervisor:
         )
         copies = self._lifecycle.host_copies.leases()
         key = {id(copy): str(n) for n, (copy, _) in enumerate(copies)}
-        host_kv_bytes, cold = 0, []
+        own_bytes, cold = 0, []
         for slot, live in zip(ready, lives, strict=True):
             if isinstance(live, BaseException):
                 continue  # a worker that does not answer is not unloaded by guesswork
-            kv = int(live.get("host_kv_bytes") or 0)
-            host_kv_bytes += kv
+            own = int(live.get("host_kv_bytes") or 0) + int(live.get("host_weights_bytes") or 0)
+            own_bytes += own
             idle = not live.get("queue") and not live.get("current")
             if (
                 slot.residency == "cold"
@@ -554,11 +565,11 @@ class Supervisor:
             ):
                 lease = slot.copy_lease
                 copy = None if lease is None else key.get(id(lease.copy))
-                cold.append(ColdModel(slot.name, slot.cold_since, kv, copy))
+                cold.append(ColdModel(slot.name, slot.cold_since, own, copy))
         plan = ram_plan(
             budget,
             copies={key[id(c)]: CopyUse(c.size, leases) for c, leases in copies},
-            host_kv_bytes=host_kv_bytes,
+            own_bytes=own_bytes,
             cold=cold,
         )
         if not plan.over:

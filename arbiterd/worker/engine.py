@@ -203,6 +203,8 @@ class Backend(Protocol):
 
     def host_kv_bytes(self) -> int: ...
 
+    def host_weights_bytes(self) -> int: ...
+
     def kept_kv(self) -> KvState | None: ...
 
     def adopt_kv(self, kv: KvState) -> None: ...
@@ -360,6 +362,11 @@ class ReloadBackend:
         """Host memory the KV cache of a cold model takes (the weights' host copy is the
         daemon's, shared by the workers on the same file)."""
         return len(self._kv.data) if self._kv else 0
+
+    def host_weights_bytes(self) -> int:
+        """Host memory of this worker's own holding the weights: none, a release frees the
+        Llama (its next load reads the daemon's shared copy)."""
+        return 0
 
     def kept_kv(self) -> KvState | None:
         """The prompt cache to keep while the model is unloaded (issue 14): a warm model's, or
@@ -1033,8 +1040,10 @@ class InPlaceBackend(ReloadBackend):
     def _is_released(self) -> bool:
         return self._released
 
-    def host_shadow_bytes(self) -> int:
-        """Host memory holding the released weights (0 while warm)."""
+    def host_weights_bytes(self) -> int:
+        """Host memory holding the released weights, this worker's own (0 while warm): the
+        engine keeps the device's tensors as they were laid out there, beside the daemon's copy
+        of the file they were loaded from."""
         llm = self._llm
         if llm is None or not self._released:
             return 0

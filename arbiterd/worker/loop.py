@@ -615,6 +615,7 @@ class Worker:
             "paused": self._paused,
             "resident_bytes": self._backend.resident_bytes(),
             "host_kv_bytes": self._backend.host_kv_bytes(),
+            "host_weights_bytes": self._backend.host_weights_bytes(),
             "prompt_tokens_evaluated": self._backend.prompt_tokens_evaluated_total,
             "last_error": self._last_error,
             **self._backend_json(),
@@ -702,6 +703,9 @@ class Unavailable:
         return 0
 
     def host_kv_bytes(self) -> int:
+        return 0
+
+    def host_weights_bytes(self) -> int:
         return 0
 
     def kept_kv(self) -> KvState | None:

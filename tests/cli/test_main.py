@@ -512,3 +512,19 @@ def test_status_names_each_group_and_whether_it_holds_the_gpu() -> None:
         "group pair (qwen, nomic): does not hold the GPU; its keeper stopped: OSError: gone"
         in lines
     )
+
+
+def test_status_splits_host_ram_into_copies_kv_and_released_weights() -> None:
+    ram = {
+        "host_copies_bytes": 253 << 20,
+        "host_kv_bytes": 96 << 20,
+        "host_weights_bytes": 246 << 20,
+        "budget_bytes": 0,
+    }
+    lines = render_status(
+        {"models": [status_model("chat")], "host_ram_bytes": 595 << 20, "host_ram": ram}
+    ).splitlines()
+    assert (
+        "host RAM: 595.0 MiB = model file copies 253.0 MiB (each counted once) + KV caches kept "
+        "on the host 96.0 MiB + released weights 246.0 MiB; budget none"
+    ) in lines

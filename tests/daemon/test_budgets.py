@@ -25,7 +25,7 @@ def test_under_the_budget_nobody_is_unloaded() -> None:
     plan = ram_plan(
         100 * MiB,
         copies={"f": CopyUse(60 * MiB, 1)},
-        host_kv_bytes=10 * MiB,
+        own_bytes=10 * MiB,
         cold=[ColdModel("a", 1.0, 10 * MiB, "f")],
     )
     assert (plan.used_bytes, plan.unload, plan.over) == (70 * MiB, (), False)
@@ -33,7 +33,7 @@ def test_under_the_budget_nobody_is_unloaded() -> None:
 
 def test_no_budget_unloads_nobody_however_much_is_used() -> None:
     plan = ram_plan(
-        0, copies={"f": CopyUse(600 * MiB, 1)}, host_kv_bytes=0, cold=[ColdModel("a", 1, 0, "f")]
+        0, copies={"f": CopyUse(600 * MiB, 1)}, own_bytes=0, cold=[ColdModel("a", 1, 0, "f")]
     )
     assert (plan.unload, plan.over) == ((), False)
 
@@ -42,14 +42,14 @@ def test_the_least_recently_used_cold_model_goes_first_and_only_as_many_as_neede
     # Three models, each on its own 50 MiB file; 150 MiB used, 110 allowed: one must go.
     copies = {name: CopyUse(50 * MiB, 1) for name in "abc"}
     cold = [
-        ColdModel("b", cold_since=5.0, host_kv_bytes=0, copy="b"),
-        ColdModel("a", cold_since=9.0, host_kv_bytes=0, copy="a"),
-        ColdModel("c", cold_since=7.0, host_kv_bytes=0, copy="c"),
+        ColdModel("b", cold_since=5.0, own_bytes=0, copy="b"),
+        ColdModel("a", cold_since=9.0, own_bytes=0, copy="a"),
+        ColdModel("c", cold_since=7.0, own_bytes=0, copy="c"),
     ]
-    plan = ram_plan(110 * MiB, copies=copies, host_kv_bytes=0, cold=cold)
+    plan = ram_plan(110 * MiB, copies=copies, own_bytes=0, cold=cold)
     assert plan.unload == ("b",)
     assert (plan.used_bytes, plan.after_bytes) == (150 * MiB, 100 * MiB)
-    tighter = ram_plan(60 * MiB, copies=copies, host_kv_bytes=0, cold=cold)
+    tighter = ram_plan(60 * MiB, copies=copies, own_bytes=0, cold=cold)
     assert tighter.unload == ("b", "c")  # oldest first
     assert tighter.after_bytes == 50 * MiB
 
@@ -62,7 +62,7 @@ def test_a_shared_copy_is_freed_only_by_its_last_user() -> None:
         ColdModel("y", 2.0, 5 * MiB, "shared"),
         ColdModel("z", 3.0, 0, "own"),
     ]
-    plan = ram_plan(100 * MiB, copies=copies, host_kv_bytes=10 * MiB, cold=cold)
+    plan = ram_plan(100 * MiB, copies=copies, own_bytes=10 * MiB, cold=cold)
     assert plan.used_bytes == 140 * MiB
     # x frees 5 MiB (135), y frees its KV and the shared copy (30): under the budget.
     assert plan.unload == ("x", "y")
@@ -74,7 +74,7 @@ def test_a_model_whose_unload_frees_nothing_is_passed_over() -> None:
     # host KV, would free no byte and cost a load later.
     copies = {"shared": CopyUse(100 * MiB, 2), "own": CopyUse(40 * MiB, 1)}
     cold = [ColdModel("idle", 1.0, 0, "shared"), ColdModel("other", 2.0, 0, "own")]
-    plan = ram_plan(120 * MiB, copies=copies, host_kv_bytes=0, cold=cold)
+    plan = ram_plan(120 * MiB, copies=copies, own_bytes=0, cold=cold)
     assert plan.unload == ("other",)
     assert plan.after_bytes == 100 * MiB
 
@@ -88,7 +88,7 @@ def test_a_copy_a_warm_model_uses_stays_however_many_cold_ones_go_before() -> No
         ColdModel("b", 2.0, 0, "shared"),
         ColdModel("c", 3.0, 0, "own"),
     ]
-    plan = ram_plan(105 * MiB, copies=copies, host_kv_bytes=10 * MiB, cold=cold)
+    plan = ram_plan(105 * MiB, copies=copies, own_bytes=10 * MiB, cold=cold)
     assert plan.unload == ("a", "c")
     assert plan.after_bytes == 100 * MiB
 
@@ -97,7 +97,7 @@ def test_a_page_cache_model_frees_its_host_kv() -> None:
     plan = ram_plan(
         10 * MiB,
         copies={},
-        host_kv_bytes=30 * MiB,
+        own_bytes=30 * MiB,
         cold=[ColdModel("p", 1.0, 30 * MiB, None)],
     )
     assert (plan.unload, plan.after_bytes) == (("p",), 0)
@@ -105,7 +105,7 @@ def test_a_page_cache_model_frees_its_host_kv() -> None:
 
 def test_when_every_cold_model_is_not_enough_all_go_and_the_plan_says_it_stays_over() -> None:
     copies = {"warm": CopyUse(200 * MiB, 1), "c": CopyUse(10 * MiB, 1)}
-    plan = ram_plan(100 * MiB, copies=copies, host_kv_bytes=0, cold=[ColdModel("c", 1.0, 0, "c")])
+    plan = ram_plan(100 * MiB, copies=copies, own_bytes=0, cold=[ColdModel("c", 1.0, 0, "c")])
     assert plan.unload == ("c",)
     assert plan.after_bytes == 200 * MiB > plan.budget_bytes
 

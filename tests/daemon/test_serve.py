@@ -636,8 +636,12 @@ def test_models_on_one_file_share_one_host_copy(tiny_model: Path) -> None:
         models = {m["name"]: m for m in status["models"]}
         assert models["a"]["host_copy_bytes"] == models["b"]["host_copy_bytes"] == size
         assert models["a"]["host_copy_shared_with"] == ["b"]
-        kv = sum(m["host_kv_bytes"] for m in models.values())
-        assert status["host_ram_bytes"] == size + kv  # the copy counted once
+        own = sum(m["host_kv_bytes"] + m["host_weights_bytes"] for m in models.values())
+        assert status["host_ram_bytes"] == size + own  # the copy counted once
+        # The one that let the GPU go keeps its weights as they were on the device (in place).
+        (cold,) = [m for m in models.values() if m["state"] == "cold"]
+        assert cold["backend"] == "in-place"
+        assert cold["host_weights_bytes"] >= size // 2
         assert sum(m["host_ram_bytes"] for m in models.values()) == status["host_ram_bytes"]
         shown = arbiterd("status", "--socket", str(running.socket))
         assert "HOST RAM" in shown.stdout

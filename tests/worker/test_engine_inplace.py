@@ -134,11 +134,11 @@ def test_a_release_frees_the_weights_from_the_process_and_a_restore_takes_them_b
         cold_rss = rss_bytes()
         weights = released.weights_bytes
         assert weights > 30_000_000  # the model's F32 weights, all of them
-        assert chosen.host_shadow_bytes() >= weights  # their copy, in the memfd
+        assert chosen.host_weights_bytes() >= weights  # their copy, in the memfd
         assert warm_rss - cold_rss >= RSS_SHARE * weights, (warm_rss, cold_rss, weights)
         chosen.restore()
         assert rss_bytes() - cold_rss >= RSS_SHARE * weights
-        assert chosen.host_shadow_bytes() == 0
+        assert chosen.host_weights_bytes() == 0
         assert text_of(chosen.generate("completion", greedy(), None)) == text_of(first)
     finally:
         chosen.close()

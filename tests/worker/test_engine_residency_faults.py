@@ -94,7 +94,7 @@ except RequestError as exc:
 after_failure = {
     "resident_bytes": backend.resident_bytes(),
     "host_kv_bytes": backend.host_kv_bytes(),
-    "host_shadow_bytes": backend.host_shadow_bytes(),
+    "host_weights_bytes": backend.host_weights_bytes(),
     "generate": refused,
 }
 restored = backend.restore()
@@ -183,7 +183,7 @@ def test_a_restore_that_cannot_allocate_stays_cold_and_the_next_warm_up_works(
         result["released_kv_bytes"],
         "m is not warm",
     )
-    assert after["host_shadow_bytes"] >= weights
+    assert after["host_weights_bytes"] >= weights
     # The next warm-up brings back the same model and the same KV: no prefill again.
     assert result["restored_kv_bytes"] == result["released_kv_bytes"]
     assert result["same_text"] is True

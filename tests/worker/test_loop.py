@@ -513,6 +513,9 @@ class FlakyRestore:
     def host_kv_bytes(self) -> int:
         return 0 if self.warm else 10
 
+    def host_weights_bytes(self) -> int:
+        return 0
+
     def kept_kv(self) -> KvState | None:
         return None
 
