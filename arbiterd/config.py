@@ -435,6 +435,8 @@ def starter_config_text(found: list[Path]) -> str:
             f"[models.{_toml_key(name)}]",
             f"path = {_toml_string(text)}",
             f"n_ctx = {STARTER_N_CTX}",
+            # Every GGUF install finds is served, and none takes memory before it is asked for.
+            f'load = "{Load.DEMAND.value}"',
         ]
     if skipped:
         lines += ["", f"# ({skipped} GGUF file(s) left out: their names are not UTF-8)"]

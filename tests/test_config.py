@@ -1009,6 +1009,11 @@ def test_starter_config_names_are_unique_and_valid(tmp_path: Path, env: dict[str
     assert list(config.models) == ["m", "m-2", "y" * 64]
 
 
+def test_models_install_finds_load_on_demand(tmp_path: Path, env: dict[str, str]) -> None:
+    config = load_text(tmp_path, env, starter_config_text([tmp_path / "a.gguf"]))
+    assert config.models["a"].load is Load.DEMAND
+
+
 def test_starter_config_without_models_shows_an_example() -> None:
     text = starter_config_text([])
 
