@@ -4,6 +4,7 @@ decoded as embeddings, and the prompt cache runs through them (issue 12)."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 
 from arbiterd.errors import ModelLoadError, RequestError
 from arbiterd.spec import KvPolicy, ModelSpec, Residency
+from arbiterd.worker import engine as engine_module
 from arbiterd.worker.engine import (
     InPlaceBackend,
     ReloadBackend,
@@ -458,3 +460,17 @@ def test_without_a_budget_a_cpu_model_loads_its_projector_beside(eye: ReloadBack
     generation = eye.generate("chat", chat(CONVERSATION, images=[png()]), None)
     assert [step.path for step in generation.encoder_steps] == ["beside"] * 3
     assert generation.encoder_steps[0].reason == ""
+
+
+def test_without_a_budget_a_gpu_model_measures_the_free_memory(
+    eye: ReloadBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # as a model offloaded to a GPU sees it: what it holds plus what the device has free
+    monkeypatch.setattr(eye, "spec", dataclasses.replace(eye.spec, n_gpu_layers=-1))
+    monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: True)
+    monkeypatch.setattr(engine_module, "_free_device_bytes", lambda: 1000)
+    assert eye._encoder_budget(5000) == 6000
+    monkeypatch.setattr(engine_module, "_free_device_bytes", lambda: None)  # ggml cannot tell
+    assert eye._encoder_budget(5000) == 0
+    eye.vram_budget = 7000  # a configured budget wins
+    assert eye._encoder_budget(5000) == 7000
