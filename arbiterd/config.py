@@ -254,12 +254,14 @@ class ModelConfig:
         embedding: bool,
         kv_file: Path | None = None,
         model_version: tuple[int, int] | None = None,
+        vram_budget: int = 0,
     ) -> WorkerConfig:
         """What the worker process for this model is started with; `host_copy_fd` is the
         daemon's memfd of the model file, inherited by the worker; `embedding`, whether it
         serves embeddings, as the daemon decided (modelfile.serves_embeddings); `kv_file`,
         where its prompt cache waits while it is unloaded; `model_version`, the (size,
-        mtime_ns) of the file version the host copy holds."""
+        mtime_ns) of the file version the host copy holds; `vram_budget`, [daemon]
+        vram_budget (0: none), which a vision model's projector must fit beside it."""
         spec = ModelSpec(
             name=self.name,
             path=self.path,
@@ -286,6 +288,7 @@ class ModelConfig:
             kv_file=kv_file,
             model_version=model_version,
             group=self.group,
+            vram_budget=vram_budget,
         )
 
 

@@ -430,7 +430,12 @@ class UnloadEvent(Event):
 class EncoderEvent(Event):
     """A vision model's projector (mmproj) did one thing for request `request_id` (issue 12):
     `action` "load", "encode" or "free", taking `duration_s`; `bytes` are the projector's
-    weights for load and free, the embeddings made for encode; `images` how many it encoded."""
+    weights for load and free, the embeddings made for encode; `images` how many it encoded.
+    On the "swap" `path` (the projector did not fit the device budget beside the weights),
+    "release" and "restore" are the model's weights leaving before the load and coming back
+    after the free, their KV kept on the device; else the path is "beside". `peak_bytes`: the
+    most the model held on the device (the projector's bytes included) from the session's
+    start up to this step; `reason`: why it swapped, or why it could not."""
 
     KIND: ClassVar[str] = "encoder"
 
@@ -440,6 +445,9 @@ class EncoderEvent(Event):
     duration_s: float | None = None
     bytes_: int | None = None
     images: int | None = None
+    path: str = ""  # "beside" or "swap"; "" from a daemon before it
+    peak_bytes: int | None = None
+    reason: str = ""
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> EncoderEvent:
@@ -451,6 +459,9 @@ class EncoderEvent(Event):
             duration_s=_float(obj.get("duration_s")),
             bytes_=_int(obj.get("bytes")),
             images=_int(obj.get("images")),
+            path=_text(obj.get("path")),
+            peak_bytes=_int(obj.get("peak_bytes")),
+            reason=_text(obj.get("reason")),
         )
 
     def _fields(self) -> dict[str, Any]:
@@ -461,6 +472,9 @@ class EncoderEvent(Event):
             "duration_s": self.duration_s,
             "bytes": self.bytes_,
             "images": self.images,
+            "path": self.path,
+            "peak_bytes": self.peak_bytes,
+            "reason": self.reason,
         }
 
 

@@ -327,14 +327,27 @@ def _prompt_cache_evict(event: PromptCacheEvictEvent) -> str:
 
 
 def _encoder(event: EncoderEvent) -> str:
-    """ "eye: projector loaded in 2.3 ms (155 KiB)", "... encoded 1 image in 0.4 ms (1.0 KiB)"."""
+    """ "eye: projector loaded in 2.3 ms (155 KiB), beside, peak 6.6 MiB", "... encoded 1 image
+    in 0.4 ms (1.0 KiB)", "eye: weights released for the projector in 0.2 ms (545 KiB), swap,
+    peak 6.4 MiB"; a swap's or a refused swap's reason follows its load."""
     took = NONE if event.duration_s is None else f"{event.duration_s * 1000:.1f} ms"
     size = NONE if event.bytes_ is None else format_bytes(event.bytes_)
     what = {"load": "loaded", "free": "freed"}.get(event.action, event.action)
+    subject = "projector"
     if event.action == "encode":
         count = event.images or 0
         what = f"encoded {count} image{'s' if count != 1 else ''}"
-    return f"{_name(event.model)}: projector {what} in {took} ({size})"
+    elif event.action in ("release", "restore"):
+        subject = "weights"
+        what = "released for the projector" if event.action == "release" else "restored after it"
+    line = f"{_name(event.model)}: {subject} {what} in {took} ({size})"
+    if event.path:
+        line += f", {event.path}"
+    if event.peak_bytes:
+        line += f", peak {format_bytes(event.peak_bytes)}"
+    if event.reason and event.action == "load":
+        line += f": {event.reason}"
+    return line
 
 
 def _vram(event: VramEvent) -> str:

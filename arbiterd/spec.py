@@ -122,6 +122,10 @@ class WorkerConfig:
     # The [groups] table it belongs to: it goes warm through that group's gate
     # (arbiterd/groups.py) instead of taking the arena's token itself; "" = none.
     group: str = ""
+    # [daemon] vram_budget: the device bytes the model may reach with its vision projector
+    # loaded beside it; more, and its weights leave while the projector encodes (issue 12).
+    # 0: the device's measured free memory decides, where the engine can tell.
+    vram_budget: int = 0
 
     def to_json(self) -> str:
         spec = dataclasses.asdict(self.spec)
@@ -139,6 +143,7 @@ class WorkerConfig:
                 "kv_file": None if self.kv_file is None else str(self.kv_file),
                 "model_version": None if self.model_version is None else list(self.model_version),
                 "group": self.group,
+                "vram_budget": self.vram_budget,
             }
         )
 
@@ -161,4 +166,5 @@ class WorkerConfig:
             kv_file=None if raw.get("kv_file") is None else Path(raw["kv_file"]),
             model_version=None if version is None else (int(version[0]), int(version[1])),
             group=str(raw.get("group", "")),
+            vram_budget=int(raw.get("vram_budget", 0)),
         )

@@ -477,6 +477,7 @@ def test_worker_config_carries_the_model(tmp_path: Path, env: dict[str, str]) ->
         embedding=True,
         kv_file=tmp_path / "qwen.kv",
         model_version=(1234, 5678),
+        vram_budget=22 << 30,
     )
 
     spec = worker.spec
@@ -491,6 +492,7 @@ def test_worker_config_carries_the_model(tmp_path: Path, env: dict[str, str]) ->
     assert (worker.min_hold_s, worker.idle_release_s) == (0.5, 30.0)
     assert worker.kv_file == tmp_path / "qwen.kv"
     assert worker.model_version == (1234, 5678)
+    assert worker.vram_budget == 22 << 30  # [daemon] vram_budget, for a projector's path
     assert WorkerConfig.from_json(worker.to_json()) == worker
 
 

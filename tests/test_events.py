@@ -106,7 +106,16 @@ SAMPLES: list[Event] = [
         budget_bytes=8 << 20,
     ),
     EncoderEvent(
-        at=T, model="eye", request_id="r7", action="encode", duration_s=0.004, bytes_=1024, images=1
+        at=T,
+        model="eye",
+        request_id="r8",
+        action="encode",
+        duration_s=0.004,
+        bytes_=1024,
+        images=1,
+        path="swap",
+        peak_bytes=6728960,
+        reason="the model's 6.4 MiB and the projector's 155.3 KiB exceed the budget of 6.5 MiB",
     ),
     VramEvent(
         at=T,

@@ -216,6 +216,26 @@ def test_encoder_lines_say_what_the_projector_did() -> None:
     assert line(encode) == "encoder   eye: projector encoded 1 image in 0.4 ms (1.0 KiB)"
 
 
+def test_encoder_lines_say_which_path_ran_and_its_peak() -> None:
+    release = {"event": "encoder", "model": "eye", "action": "release", "duration_s": 0.0002,
+               "bytes": 558336, "path": "swap", "peak_bytes": 6728960}  # fmt: skip
+    assert line(release) == (
+        "encoder   eye: weights released for the projector in 0.2 ms (545.2 KiB), swap,"
+        " peak 6.4 MiB"
+    )
+    load = {"event": "encoder", "model": "eye", "action": "load", "duration_s": 0.0023,
+            "bytes": 159072, "path": "swap", "peak_bytes": 6728960,
+            "reason": "it did not fit"}  # fmt: skip
+    assert line(load) == (
+        "encoder   eye: projector loaded in 2.3 ms (155.3 KiB), swap, peak 6.4 MiB: it did not fit"
+    )
+    restore = {"event": "encoder", "model": "eye", "action": "restore", "duration_s": 0.0011,
+               "bytes": 558336, "path": "swap", "peak_bytes": 6728960}  # fmt: skip
+    assert line(restore) == (
+        "encoder   eye: weights restored after it in 1.1 ms (545.2 KiB), swap, peak 6.4 MiB"
+    )
+
+
 def test_hold_reload_and_vram_lines() -> None:
     assert line({"event": "hold", "held": True}) == "hold      GPU held by the user"
     assert line({"event": "hold", "held": False}) == "hold      GPU given back by the user"

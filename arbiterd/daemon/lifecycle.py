@@ -64,10 +64,13 @@ class Lifecycle:
         on_gone: Callable[[Slot, WorkerClient], None],
         kv_dir: Path | None = None,
         prompt_cache_budget_bytes: int = PROMPT_CACHE_BUDGET_BYTES,
+        vram_budget: int = 0,
     ) -> None:
         """`kv_dir`: the folder unloaded models keep their prompt caches in, within
-        `prompt_cache_budget_bytes`; None: an unload keeps none."""
+        `prompt_cache_budget_bytes`; None: an unload keeps none. `vram_budget`: [daemon]
+        vram_budget, passed to every worker (a vision projector must fit beside its model)."""
         self._arena = arena
+        self._vram_budget = vram_budget
         self._kv_dir = kv_dir
         self.prompt_cache = (
             None if kv_dir is None else PromptCache(kv_dir, prompt_cache_budget_bytes)
@@ -106,6 +109,7 @@ class Lifecycle:
                     model_version=(
                         None if copy is None else (copy.identity.size, copy.identity.mtime_ns)
                     ),
+                    vram_budget=self._vram_budget,
                 ),
                 env=env,
                 on_event=lambda event: self._on_worker_event(slot, event),

@@ -127,6 +127,7 @@ class Supervisor:
             on_gone=self._on_gone,
             kv_dir=config.daemon.journal.parent / KV_DIR,
             prompt_cache_budget_bytes=config.daemon.prompt_cache_budget_bytes,
+            vram_budget=config.daemon.vram_budget,
         )
         self._router = Router(self._slots, self._bus.publish, self._lifecycle.load)
         self._hold: Token | None = None

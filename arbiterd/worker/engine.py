@@ -21,6 +21,9 @@ worker's whole life, so a worker tokenizes while cold, before it asks for the GP
 A vision model (ModelSpec.mmproj) takes images in chat requests: prepared as text with a marker
 where each image goes, then, on the warm model, laid out and encoded by vision.py's Projector
 (loaded just in time) and decoded here as embeddings on the model's own context (issue 12).
+When the projector does not fit the device budget beside the model (`vram_budget`, else the
+device's measured free memory), the in-place backend takes the weights off the device around
+it, the KV left in place (`_encoder_session`); the reload backend cannot, and says so.
 
 An embedding model (ModelSpec.embedding) serves only "embedding" requests, every other model
 only "chat" and "completion" ones: its context makes pooled embeddings, one unit-length vector
@@ -38,7 +41,7 @@ import re
 import time
 from array import array
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -77,11 +80,13 @@ from arbiterd.worker.kvfile import KvState
 from arbiterd.worker.toolcalls import CallReader, call_schema, template_takes_tools
 from arbiterd.worker.vision import (
     MARKER,
+    EncoderPath,
     EncoderStep,
     Projector,
     Span,
     decode_image,
     digest_of,
+    plan_encoder,
 )
 
 log = logging.getLogger(__name__)
@@ -112,6 +117,8 @@ POOLING_TYPES = {
     llama_cpp.LLAMA_POOLING_TYPE_RANK: "rank",
 }
 POOLED = ("mean", "cls", "last")
+# ggml's device kinds whose free memory bounds what a projector may take beside the model.
+_GPU_KINDS = ("gpu", "igpu")
 
 
 @dataclass(frozen=True)
@@ -254,10 +261,18 @@ class ReloadBackend:
 
     kind = "reload"
     keeps_kv_on_device = False
+    # Why the projector cannot swap with the weights: freeing them frees the whole context.
+    swap_refusal = (
+        "the reload backend cannot take the weights off the device and keep the KV there "
+        "(it would evaluate the prompt again)"
+    )
 
-    def __init__(self, spec: ModelSpec, fallback_reason: str = "") -> None:
+    def __init__(self, spec: ModelSpec, fallback_reason: str = "", *, vram_budget: int = 0) -> None:
         self.spec = spec
         self.fallback_reason = fallback_reason  # why not in-place, when that was looked for
+        # Device bytes a projector session may bring the model to ([daemon] vram_budget); 0:
+        # the model's bytes plus the device's free memory when it can be measured, else none.
+        self.vram_budget = vram_budget
         self._use_mmap = True
         self._llm: llama_cpp.Llama | None = None
         self._host_fd: int | None = None
@@ -792,7 +807,7 @@ class ReloadBackend:
         with ExitStack() as stack:
             if not projector.known(digests):
                 unknown = {d: data[d] for d in digests if d not in projector.layouts}
-                stack.enter_context(projector.session(llm.model))
+                stack.enter_context(self._encoder_session(llm, projector))
                 projector.lay_out(unknown)
             tokens, placed = _lay_out(request, digests, projector.layouts)
             if len(tokens) >= llm.n_ctx():
@@ -807,12 +822,13 @@ class ReloadBackend:
                 return _Prefill(tokens, 0, 0)
             start = min(cached, pending[0][0])
             if not projector.loaded:
-                stack.enter_context(projector.session(llm.model))
+                stack.enter_context(self._encoder_session(llm, projector))
             for _, digest, _ in pending:
                 if digest not in embeddings:
                     embeddings[digest] = projector.encode(data[digest])
             non_causal = projector.non_causal()
-        # The projector is freed here (unless resident): the model's context decodes alone.
+        # The projector is freed here (unless resident), and swapped-out weights are back:
+        # the model's context decodes alone.
         self._run = _Run()  # counts the text evaluated below (Llama.eval is instrumented)
         llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(llm.ctx), -1, start, -1)
         llm.n_tokens = start
@@ -826,6 +842,63 @@ class ReloadBackend:
             llm.eval(tokens[llm.n_tokens : len(tokens) - 1])
         text = sum(self._run.evals)
         return _Prefill(tokens, start, text + image_positions)
+
+    @contextmanager
+    def _encoder_session(self, llm: llama_cpp.Llama, projector: Projector) -> Iterator[None]:
+        """The projector loaded for the block, beside the weights or swapped with them as
+        `plan_encoder` decides: on the swap path the weights leave first (the KV stays), and
+        come back only after the projector is freed, also when the block fails. Each step is
+        recorded with the path and the peak of `resident_bytes`."""
+        resident = self.resident_bytes()
+        plan = plan_encoder(
+            resident_bytes=resident,
+            encoder_bytes=0 if projector.loaded else projector.weights_bytes(),
+            budget_bytes=self._encoder_budget(resident),
+            swap_refusal=(
+                'the projector is resident (encoder = "resident")'
+                if projector.resident
+                else self.swap_refusal
+            ),
+        )
+        if plan.reason:
+            log.info("%s: projector %s: %s", self.spec.name, plan.path.value, plan.reason)
+        projector.begin(plan, self.resident_bytes)
+        try:
+            with ExitStack() as stack:
+                if plan.path is EncoderPath.SWAP:
+                    started = time.monotonic()
+                    moved = self._weights_off()
+                    projector.record("release", time.monotonic() - started, moved)
+                    stack.callback(self._swap_back, projector)
+                # Entered last, left first: the projector is freed before the weights return.
+                stack.enter_context(projector.session(llm.model))
+                yield
+        finally:
+            projector.end()
+
+    def _swap_back(self, projector: Projector) -> None:
+        started = time.monotonic()
+        moved = self._weights_on()
+        projector.record("restore", time.monotonic() - started, moved)
+
+    def _encoder_budget(self, resident_bytes: int) -> int:
+        """The device bytes the model may reach with its projector: `vram_budget`, else what
+        it holds plus the device's free memory, else 0 (unknown: a model on the CPU, where
+        the engine cannot tell)."""
+        if self.vram_budget > 0:
+            return self.vram_budget
+        if self.spec.n_gpu_layers == 0 or not llama_cpp.llama_supports_gpu_offload():
+            return 0
+        free = _free_device_bytes()
+        return 0 if free is None else resident_bytes + free
+
+    def _weights_off(self) -> int:
+        """Take the weights off the device, the KV left there; the bytes moved. Only a backend
+        without a `swap_refusal` is asked."""
+        raise EngineError(self.swap_refusal)
+
+    def _weights_on(self) -> int:
+        raise EngineError(self.swap_refusal)
 
     def _free_projector(self) -> int:
         """Free a loaded projector (going cold, closing); the bytes it held on the device, which
@@ -951,11 +1024,15 @@ class InPlaceBackend(ReloadBackend):
 
     kind = "in-place"
     keeps_kv_on_device = True
+    swap_refusal = ""
 
-    def __init__(self, spec: ModelSpec, api: ResidencyApi) -> None:
-        super().__init__(spec)
+    def __init__(self, spec: ModelSpec, api: ResidencyApi, *, vram_budget: int = 0) -> None:
+        super().__init__(spec, vram_budget=vram_budget)
         self._api = api
         self._released = False
+        # The weights are off the device for a projector (the swap path), or stayed off when
+        # bringing them back failed: the next request or release tries again.
+        self._swapped_out = False
         self._host_buffers = spec.n_gpu_layers == 0 or not llama_cpp.llama_supports_gpu_offload()
         self._use_mmap = not self._host_buffers  # mapped weights live in the file, not in buffers
         self._kept_kv_bytes = 0  # KV left on the device by a `device` release
@@ -964,6 +1041,7 @@ class InPlaceBackend(ReloadBackend):
         llm = self._require_llm()
         if self._released:
             raise RequestError(f"{self.spec.name} is already cold")
+        self._heal_swap()
         started = time.monotonic()
         projector_bytes = self._free_projector()  # going cold frees a resident encoder
         ctx = _context_pointer(llm)
@@ -1032,8 +1110,8 @@ class InPlaceBackend(ReloadBackend):
         llm = self._llm
         if llm is None:
             return 0
-        if self._released:
-            return self._kept_kv_bytes
+        if self._released or self._swapped_out:
+            return self._kept_kv_bytes + self._projector_bytes()
         stats = self._api.stats(_context_pointer(llm), self._flags(KvPolicy.HOST))
         return stats.device_bytes + self._projector_bytes()
 
@@ -1052,7 +1130,45 @@ class InPlaceBackend(ReloadBackend):
     def run(self, request: Prepared, sink: ChunkSink | None, cancelled: Cancelled) -> Generation:
         if self._released:
             raise RequestError(f"{self.spec.name} is not warm")
+        self._heal_swap()
         return super().run(request, sink, cancelled)
+
+    def _weights_off(self) -> int:
+        """Release the weights and compute buffers with KEEP_KV: the KV cells stay where they
+        are, so the encode costs no prompt evaluation and no KV copy."""
+        ctx = _context_pointer(self._require_llm())
+        flags = self._flags(KvPolicy.DEVICE)
+        kept = self._api.stats(ctx, self._flags(KvPolicy.HOST)).kv_bytes
+        try:
+            self._api.release_device(ctx, flags)
+        except ResidencyCallError as exc:
+            raise EngineError(f"cannot make room for the projector: {exc}") from None
+        if self._host_buffers:
+            _return_freed_heap()
+        self._swapped_out, self._kept_kv_bytes = True, kept
+        return self._api.stats(ctx, flags).weights_bytes
+
+    def _weights_on(self) -> int:
+        """Bring the weights back after the projector; the KV never left. On failure they stay
+        off (the context released, its copies intact) and RestoreError says so."""
+        llm = self._require_llm()
+        ctx = _context_pointer(llm)
+        weights = self._api.stats(ctx, 0).weights_bytes
+        try:
+            self._api.restore_device(ctx)
+        except ResidencyCallError as exc:
+            raise RestoreError(
+                f"{self.spec.name}'s weights could not come back after the projector: {exc}"
+            ) from None
+        self._swapped_out, self._kept_kv_bytes = False, 0
+        llm._requires_eval = True  # decode one token again rather than trust kept logits
+        return weights
+
+    def _heal_swap(self) -> None:
+        """Weights a failed swap left off the device come back before anything else runs
+        (RestoreError again if they still cannot)."""
+        if self._swapped_out:
+            self._weights_on()
 
     def _flags(self, kv: KvPolicy) -> int:
         flags = libllama.KEEP_KV if kv is KvPolicy.DEVICE else 0
@@ -1080,20 +1196,32 @@ def engine_info() -> EngineInfo:
     return EngineInfo(offload=bool(llama_cpp.llama_supports_gpu_offload()), devices=found)
 
 
-def select_backend(spec: ModelSpec) -> Backend:
+def select_backend(spec: ModelSpec, *, vram_budget: int = 0) -> Backend:
     """The in-place backend when the loaded libllama has the residency API, else reload (and
     the reason is logged, once per worker, and kept as the backend's fallback_reason), as
-    spec.residency allows: "reload" never probes, "in-place" fails without the API."""
+    spec.residency allows: "reload" never probes, "in-place" fails without the API.
+    `vram_budget`: the device bytes a projector session may bring the model to (0: unknown)."""
     if spec.residency is Residency.RELOAD:
-        return ReloadBackend(spec)
+        return ReloadBackend(spec, vram_budget=vram_budget)
     probed = probe_residency_api()
     if isinstance(probed, ResidencyApi):
         log.info("%s: in-place residency through %s", spec.name, probed.library)
-        return InPlaceBackend(spec, probed)
+        return InPlaceBackend(spec, probed, vram_budget=vram_budget)
     if spec.residency is Residency.IN_PLACE:
         raise ModelLoadError(f'{spec.name} asks for residency = "in-place": {probed.reason}')
     log.info("%s: %s", spec.name, probed.reason)
-    return ReloadBackend(spec, fallback_reason=probed.reason)
+    return ReloadBackend(spec, fallback_reason=probed.reason, vram_budget=vram_budget)
+
+
+def _free_device_bytes() -> int | None:
+    """Free memory of the first GPU the engine offers (where a projector goes); None when it
+    has none or ggml cannot be read."""
+    try:
+        found = ggml.devices(libllama.loaded_libllama())
+    except (EngineError, OSError, AttributeError) as exc:
+        log.warning("cannot read the devices' free memory: %s", exc)
+        return None
+    return next((d.free_bytes for d in found if d.kind in _GPU_KINDS), None)
 
 
 @dataclass(frozen=True)

@@ -426,6 +426,9 @@ class Worker:
                     duration_s=round(step.duration_s, 6),
                     bytes_=step.bytes_,
                     images=step.images,
+                    path=step.path,
+                    peak_bytes=step.peak_bytes,
+                    reason=step.reason,
                 ).to_json()
             )
 
@@ -775,7 +778,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         backend: Backend
         try:
-            backend = select_backend(config.spec)
+            backend = select_backend(config.spec, vram_budget=config.vram_budget)
         except EngineError as exc:
             backend = Unavailable(config.spec, exc)
         return Worker(config, backend, sock, engine_info()).run()

@@ -21,6 +21,13 @@ evaluates only its new text. Two different images share their first placeholder 
 (e.g. Gemma 3's <start_of_image>), is mtmd's to say and needs the projector. `Projector.layouts`
 remembers it per image digest for the worker's life, so a follow-up turn whose images are all in
 the cached prefix loads no projector at all.
+
+**Beside or swap** (issue 12). The projector is loaded *beside* the model's weights when both fit
+the device budget; when they do not, the model *swaps*: its weights leave the device (its KV
+stays), the projector is loaded, encodes and is freed, and only then do the weights come back,
+so the device never holds both. `plan_encoder` decides from the figures alone; every step of a
+request's projector session says which path ran and the most the model held so far
+(`EncoderStep.peak_bytes`, sampled from the engine's own accounting after each step).
 """
 
 from __future__ import annotations
@@ -28,12 +35,13 @@ from __future__ import annotations
 import base64
 import binascii
 import ctypes
+import enum
 import hashlib
 import logging
 import os
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +53,7 @@ import numpy.typing as npt
 from llama_cpp import mtmd_cpp
 
 from arbiterd.errors import ModelLoadError, RequestError
+from arbiterd.render import format_bytes
 from arbiterd.spec import IMAGE_MARKER
 
 log = logging.getLogger(__name__)
@@ -67,16 +76,61 @@ _IMAGE_CHUNK = mtmd_cpp.MTMD_INPUT_CHUNK_TYPE_IMAGE
 _NO_FFMPEG_DIR = b"/dev/null"
 
 
+class EncoderPath(enum.StrEnum):
+    """Where the projector goes while it encodes."""
+
+    BESIDE = "beside"  # loaded next to the model's weights
+    SWAP = "swap"  # the weights leave the device first (the KV stays) and come back after
+
+
+@dataclass(frozen=True)
+class EncoderPlan:
+    """Which path a projector session takes, and why when it is not the plain one: the figures
+    that made it swap, or why a swap that was needed could not be done."""
+
+    path: EncoderPath
+    reason: str = ""
+
+
+def plan_encoder(
+    *,
+    resident_bytes: int,
+    encoder_bytes: int,
+    budget_bytes: int,
+    swap_refusal: str = "",
+) -> EncoderPlan:
+    """Beside when the model's device bytes (`resident_bytes`: weights, KV, compute buffers)
+    and the projector's (`encoder_bytes`) fit `budget_bytes` together, or when no budget is
+    known (0); else swap, unless the backend cannot (`swap_refusal` says why): then beside
+    regardless, and the reason says so."""
+    if budget_bytes <= 0 or resident_bytes + encoder_bytes <= budget_bytes:
+        return EncoderPlan(EncoderPath.BESIDE)
+    over = (
+        f"the model's {format_bytes(resident_bytes)} and the projector's "
+        f"{format_bytes(encoder_bytes)} exceed the budget of {format_bytes(budget_bytes)}"
+    )
+    if swap_refusal:
+        return EncoderPlan(EncoderPath.BESIDE, f"{over}, but {swap_refusal}: loaded beside")
+    return EncoderPlan(EncoderPath.SWAP, f"{over}: the weights left the device while it encoded")
+
+
 @dataclass(frozen=True)
 class EncoderStep:
-    """One thing the projector did: "load", "encode" or "free", how long it took, the bytes it
-    concerned (the projector's weights for load and free; the embeddings made for encode) and,
-    for encode, how many images."""
+    """One thing a projector session did: "load", "encode" or "free" (the projector), or, on the
+    swap path, "release" and "restore" (the model's weights, its KV kept on the device); how
+    long it took, the bytes it concerned (the projector's weights for load and free, the
+    embeddings made for encode, the model's weights for release and restore) and, for encode,
+    how many images. `path` and `reason` are the session's plan; `peak_bytes`, the most the
+    model held on the device by the engine's accounting, from the session's start up to this
+    step (its last step has the session's peak); "" and 0 outside a request's session."""
 
     action: str
     duration_s: float
     bytes_: int
     images: int = 0
+    path: str = ""
+    peak_bytes: int = 0
+    reason: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -84,6 +138,9 @@ class EncoderStep:
             "duration_s": round(self.duration_s, 6),
             "bytes": self.bytes_,
             "images": self.images,
+            "path": self.path,
+            "peak_bytes": self.peak_bytes,
+            "reason": self.reason,
         }
 
 
@@ -179,6 +236,11 @@ class Projector:
         # in the order they were last used, at most MAX_LAYOUTS.
         self.layouts: OrderedDict[bytes, tuple[Span, ...]] = OrderedDict()
         self.steps: list[EncoderStep] = []  # what it did since the last `take_steps`
+        # The request session under way (`begin` .. `end`): its plan, how to read the model's
+        # device bytes, and the most read so far.
+        self._plan: EncoderPlan | None = None
+        self._meter: Callable[[], int] = _unmetered
+        self._peak = 0
 
     @property
     def loaded(self) -> bool:
@@ -189,9 +251,44 @@ class Projector:
         stored: the file's tensor data), else 0. Its compute buffers are not counted."""
         return self._weights_bytes if self._ctx is not None else 0
 
+    def weights_bytes(self) -> int:
+        """What the projector puts on the device when loaded: what its last load measured, or
+        before any, its file's size (what a load will measure)."""
+        return self._weights_bytes or _tensor_bytes(self.path)
+
     def take_steps(self) -> tuple[EncoderStep, ...]:
         steps, self.steps = tuple(self.steps), []
         return steps
+
+    # -- a request's session ----------------------------------------------------------------
+
+    def begin(self, plan: EncoderPlan, meter: Callable[[], int]) -> None:
+        """Start a request's session on `plan`: each step from here on carries it, and the peak
+        of `meter` (the model's device bytes, the projector's included), read now and after
+        each step."""
+        self._plan, self._meter = plan, meter
+        self._peak = meter()
+
+    def end(self) -> None:
+        self._plan, self._meter, self._peak = None, _unmetered, 0
+
+    def record(self, action: str, duration_s: float, bytes_: int, images: int = 0) -> None:
+        """A step done: by the projector itself, or the model's weights leaving or coming back
+        around it (the engine's, on the swap path)."""
+        plan = self._plan
+        if plan is not None:
+            self._peak = max(self._peak, self._meter())
+        self.steps.append(
+            EncoderStep(
+                action,
+                duration_s,
+                bytes_,
+                images,
+                path="" if plan is None else plan.path.value,
+                peak_bytes=self._peak,
+                reason="" if plan is None else plan.reason,
+            )
+        )
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -233,7 +330,7 @@ class Projector:
         started = time.monotonic()
         mtmd_cpp.mtmd_free(self._ctx)
         self._ctx = self._model = None
-        self.steps.append(EncoderStep("free", time.monotonic() - started, self._weights_bytes))
+        self.record("free", time.monotonic() - started, self._weights_bytes)
 
     def _load(self, model: Any, error: type[ModelLoadError] | type[RequestError]) -> None:
         if self._ctx is not None:
@@ -255,7 +352,7 @@ class Projector:
             raise error(f"cannot load the projector {self.path}: {why}")
         self._ctx, self._model = ctx, model
         self._weights_bytes = _tensor_bytes(self.path)
-        self.steps.append(EncoderStep("load", time.monotonic() - started, self._weights_bytes))
+        self.record("load", time.monotonic() - started, self._weights_bytes)
 
     # -- images -----------------------------------------------------------------------------
 
@@ -301,7 +398,7 @@ class Projector:
         finally:
             mtmd_cpp.mtmd_input_chunks_free(chunks)
         made = sum(int(e.nbytes) for e in out)
-        self.steps.append(EncoderStep("encode", time.monotonic() - started, made, images=1))
+        self.record("encode", time.monotonic() - started, made, images=1)
         return out
 
     def non_causal(self) -> bool:
@@ -358,6 +455,10 @@ class Projector:
             else:
                 raise RequestError("the projector made a chunk that is not text or an image")
         return tuple(spans)
+
+
+def _unmetered() -> int:
+    return 0
 
 
 def digest_of(data: bytes) -> bytes:

@@ -165,3 +165,34 @@ def test_ollamas_chat_takes_images_too(daemon: Daemon) -> None:
         client.close()  # type: ignore[no-untyped-call]  # ollama leaves it unannotated
     assert answer.message.content
     assert (answer.prompt_eval_count or 0) > 4  # the image's positions count
+
+
+def test_a_tight_vram_budget_swaps_the_weights_out_while_the_projector_encodes(
+    tiny_model: Path, tiny_mmproj: Path
+) -> None:
+    # [daemon] vram_budget reaches the worker: 1 MiB is less than the tiny model's 6 MiB of
+    # weights, KV and compute buffers, so its projector can only come on with the weights off.
+    tight = Daemon(
+        {"eye": tiny(tiny_model, mmproj=tiny_mmproj)}, daemon_keys={"vram_budget": 1 << 20}
+    )
+    try:
+        tight.wait_ready()
+        with (
+            tight.client() as listener,
+            openai.OpenAI(base_url=tight.url, api_key="unused", max_retries=0) as client,
+        ):
+            listener.call("subscribe")
+            answer = client.chat.completions.create(
+                model="eye", messages=[user_turn(png())], max_tokens=5, temperature=0
+            )
+            steps = []  # a request's encoder events follow its request event
+            for event in listener.events(timeout_s=30):
+                steps += [event] if event["event"] == "encoder" else []
+                if steps and steps[-1]["action"] == "restore":
+                    break
+    finally:
+        tight.cleanup()
+    assert answer.choices[0].message.content
+    assert [s["action"] for s in steps] == ["release", "load", "encode", "free", "restore"]
+    assert {s["path"] for s in steps} == {"swap"}
+    assert "exceed the budget of 1.0 MiB" in steps[0]["reason"]

@@ -4,6 +4,7 @@ decoded as embeddings, and the prompt cache runs through them (issue 12)."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 
 from arbiterd.errors import ModelLoadError, RequestError
 from arbiterd.spec import KvPolicy, ModelSpec, Residency
+from arbiterd.worker import engine as engine_module
 from arbiterd.worker.engine import (
     InPlaceBackend,
     ReloadBackend,
@@ -308,3 +310,167 @@ def test_a_bidirectional_image_is_decoded_in_one_batch_or_refused(tiny_model: Pa
             _decode_embeddings(llm, too_big, placeholder_ids(b"\1" * 32, 0, 9), non_causal=True)
     finally:
         llm.close()
+
+
+# -- beside or swap: the projector within the device budget -------------------------------------
+
+
+def in_place_eye(tiny_model: Path, mmproj: Path, *, vram_budget: int = 0) -> InPlaceBackend:
+    spec = ModelSpec(
+        name="eye",
+        path=tiny_model,
+        n_ctx=512,
+        n_gpu_layers=0,
+        mmproj=mmproj,
+        residency=Residency.IN_PLACE,
+    )
+    engine = select_backend(spec, vram_budget=vram_budget)
+    assert isinstance(engine, InPlaceBackend), "the installed llama_cpp is not the engine build"
+    engine.load()
+    return engine
+
+
+def tight_budget(tiny_model: Path, tiny_mmproj: Path) -> int:
+    """A byte less than the warm model and its projector take together."""
+    probe = in_place_eye(tiny_model, tiny_mmproj)
+    try:
+        return probe.resident_bytes() + tiny_mmproj.stat().st_size - 1
+    finally:
+        probe.close()
+
+
+def answer_of(generation: Any) -> str:
+    return str(generation.response["choices"][0]["message"]["content"])
+
+
+def test_a_projector_that_fits_goes_beside_the_weights(tiny_model: Path, tiny_mmproj: Path) -> None:
+    budget = tight_budget(tiny_model, tiny_mmproj) + 1
+    engine = in_place_eye(tiny_model, tiny_mmproj, vram_budget=budget)
+    try:
+        generation = engine.generate("chat", chat(CONVERSATION, images=[png()]), None)
+        assert actions(generation) == ["load", "encode", "free"]
+        assert {step.path for step in generation.encoder_steps} == {"beside"}
+        # the peak is the warm model and the projector together: the budget, exactly
+        assert generation.encoder_steps[-1].peak_bytes == budget
+    finally:
+        engine.close()
+
+
+def test_under_a_tight_budget_the_weights_leave_while_the_projector_encodes(
+    tiny_model: Path, tiny_mmproj: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    budget = tight_budget(tiny_model, tiny_mmproj)
+    image = png(seed=11)
+    beside = in_place_eye(tiny_model, tiny_mmproj)
+    try:
+        expected = beside.generate("chat", chat(CONVERSATION, images=[image]), None)
+    finally:
+        beside.close()
+    engine = in_place_eye(tiny_model, tiny_mmproj, vram_budget=budget)
+    projector = engine._projector
+    assert projector is not None
+    seen: list[str] = []  # what the device held at each move, as the engine says
+    load, weights_on = projector._load, engine._weights_on
+
+    def watched_load(*args: Any) -> None:
+        seen.append(f"load with the weights {'off' if engine._swapped_out else 'on'}")
+        load(*args)
+
+    def watched_weights_on() -> int:
+        seen.append(f"weights on with the projector {'loaded' if projector.loaded else 'freed'}")
+        return weights_on()
+
+    monkeypatch.setattr(projector, "_load", watched_load)
+    monkeypatch.setattr(engine, "_weights_on", watched_weights_on)
+    try:
+        generation = engine.generate("chat", chat(CONVERSATION, images=[image]), None)
+        assert seen == ["load with the weights off", "weights on with the projector freed"]
+        assert actions(generation) == ["release", "load", "encode", "free", "restore"]
+        steps = generation.encoder_steps
+        assert {step.path for step in steps} == {"swap"}
+        assert "exceed the budget" in steps[0].reason
+        assert 0 < max(step.peak_bytes for step in steps) == steps[-1].peak_bytes <= budget
+        release, _, _, _, restore = steps
+        assert release.bytes_ == restore.bytes_ > 0  # the weights, gone and back
+        assert answer_of(generation) == answer_of(expected)  # greedy, the same image
+        assert generation.prompt_tokens == expected.prompt_tokens
+        assert not engine._swapped_out
+        # The KV stayed on the device: a follow-up turn evaluates only its suffix.
+        turns = (CONVERSATION, ("assistant", answer_of(generation)), ("user", "and the dog"))
+        follow = engine.generate("chat", chat(*turns, images=[image]), None)
+        assert follow.prompt_tokens_evaluated <= follow.prompt_tokens - generation.prompt_tokens + 1
+        assert actions(follow) == []
+    finally:
+        engine.close()
+
+
+def test_a_failed_encode_on_the_swap_path_brings_the_weights_back(
+    tiny_model: Path, tiny_mmproj: Path
+) -> None:
+    engine = in_place_eye(
+        tiny_model, tiny_mmproj, vram_budget=tight_budget(tiny_model, tiny_mmproj)
+    )
+    try:
+        with pytest.raises(RequestError, match="corrupt or truncated"):
+            engine.generate("chat", chat(CONVERSATION, images=[png()[:60]]), None)
+        assert not engine._swapped_out
+        assert not encoder_loaded(engine)
+        text = engine.generate("chat", chat(("user", "still there")), None)
+        assert text.completion_tokens > 0
+    finally:
+        engine.close()
+
+
+def test_the_reload_backend_cannot_swap_and_says_it_loaded_beside(
+    tiny_model: Path, tiny_mmproj: Path
+) -> None:
+    engine = ReloadBackend(
+        ModelSpec(name="eye", path=tiny_model, n_ctx=512, n_gpu_layers=0, mmproj=tiny_mmproj),
+        vram_budget=1,
+    )
+    engine.load()
+    try:
+        generation = engine.generate("chat", chat(CONVERSATION, images=[png()]), None)
+        assert actions(generation) == ["load", "encode", "free"]
+        load = generation.encoder_steps[0]
+        assert load.path == "beside"
+        assert "the reload backend cannot take the weights off the device" in load.reason
+        assert load.reason.endswith("loaded beside")
+    finally:
+        engine.close()
+
+
+def test_a_resident_projector_stays_beside_whatever_the_budget(
+    tiny_model: Path, tiny_mmproj: Path
+) -> None:
+    engine = vision(tiny_model, tiny_mmproj, encoder_resident=True)
+    engine.vram_budget = 1
+    engine.load()
+    try:
+        generation = engine.generate("chat", chat(CONVERSATION, images=[png()]), None)
+        assert actions(generation) == ["encode"]
+        assert generation.encoder_steps[0].path == "beside"
+    finally:
+        engine.close()
+
+
+def test_without_a_budget_a_cpu_model_loads_its_projector_beside(eye: ReloadBackend) -> None:
+    # the engine cannot measure free memory for a model on the CPU: the budget is unknown
+    assert eye._encoder_budget(eye.resident_bytes()) == 0
+    generation = eye.generate("chat", chat(CONVERSATION, images=[png()]), None)
+    assert [step.path for step in generation.encoder_steps] == ["beside"] * 3
+    assert generation.encoder_steps[0].reason == ""
+
+
+def test_without_a_budget_a_gpu_model_measures_the_free_memory(
+    eye: ReloadBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # as a model offloaded to a GPU sees it: what it holds plus what the device has free
+    monkeypatch.setattr(eye, "spec", dataclasses.replace(eye.spec, n_gpu_layers=-1))
+    monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: True)
+    monkeypatch.setattr(engine_module, "_free_device_bytes", lambda: 1000)
+    assert eye._encoder_budget(5000) == 6000
+    monkeypatch.setattr(engine_module, "_free_device_bytes", lambda: None)  # ggml cannot tell
+    assert eye._encoder_budget(5000) == 0
+    eye.vram_budget = 7000  # a configured budget wins
+    assert eye._encoder_budget(5000) == 7000
