@@ -55,6 +55,11 @@ def format_seconds(seconds: float | None) -> str:
     return NONE if seconds is None else f"{seconds:.2f} s"
 
 
+def format_ms(seconds: float | None) -> str:
+    """0.0023 → "2.3 ms", for steps that take milliseconds (a projector's); None → "—"."""
+    return NONE if seconds is None else f"{seconds * 1000:.1f} ms"
+
+
 def format_ago(seconds: float) -> str:
     """How long ago, roughly: "12 s ago", "5 min ago", "2.5 h ago"."""
     if seconds < 60:
@@ -326,15 +331,29 @@ def _prompt_cache_evict(event: PromptCacheEvictEvent) -> str:
     )
 
 
-def _encoder(event: EncoderEvent) -> str:
-    """ "eye: projector loaded in 2.3 ms (155 KiB)", "... encoded 1 image in 0.4 ms (1.0 KiB)"."""
-    took = NONE if event.duration_s is None else f"{event.duration_s * 1000:.1f} ms"
-    size = NONE if event.bytes_ is None else format_bytes(event.bytes_)
-    what = {"load": "loaded", "free": "freed"}.get(event.action, event.action)
+def encoder_steps(events: Iterable[EncoderEvent], *, timed: bool = True) -> str:
+    """What a vision request's projector did, in order: "projector loaded in 2.3 ms, encoded 1
+    image in 0.4 ms, freed in 0.1 ms"; without `timed`, "projector loaded, encoded 1 image,
+    freed" (the tray's card and handoff table, issue 12)."""
+    steps = [
+        f"{_encoder_did(e)} in {format_ms(e.duration_s)}" if timed else _encoder_did(e)
+        for e in events
+    ]
+    return "projector " + (", ".join(steps) or NONE)
+
+
+def _encoder_did(event: EncoderEvent) -> str:
     if event.action == "encode":
         count = event.images or 0
-        what = f"encoded {count} image{'s' if count != 1 else ''}"
-    return f"{_name(event.model)}: projector {what} in {took} ({size})"
+        return f"encoded {count} image{'s' if count != 1 else ''}"
+    return {"load": "loaded", "free": "freed"}.get(event.action, event.action or NONE)
+
+
+def _encoder(event: EncoderEvent) -> str:
+    """ "eye: projector loaded in 2.3 ms (155 KiB)", "... encoded 1 image in 0.4 ms (1.0 KiB)"."""
+    size = NONE if event.bytes_ is None else format_bytes(event.bytes_)
+    took = format_ms(event.duration_s)
+    return f"{_name(event.model)}: projector {_encoder_did(event)} in {took} ({size})"
 
 
 def _vram(event: VramEvent) -> str:
