@@ -310,6 +310,7 @@ class DashboardWindow(QWidget):
             self.details.setText("   ·   ".join(parts))
             memory = [t for t in (state.host_ram_text(), state.prompt_cache_text()) if t]
             self.memory.setText("   ·   ".join(memory))
+            self.memory.setToolTip(state.host_ram_parts_text() or "")
         else:
             self.details.setText("")
             self.memory.setText("")

@@ -193,6 +193,18 @@ class TrayState:
         budget = status.host_ram.budget_bytes
         return text + (f" of {render.format_bytes(budget)} budget" if budget else " (no budget)")
 
+    def host_ram_parts_text(self) -> str | None:
+        """What the host RAM is made of, as `arbiterd status` says it, or None when the daemon
+        does not break it down."""
+        ram = self.status.host_ram if self.status is not None else None
+        if ram is None:
+            return None
+        return (
+            f"model file copies {render.format_bytes(ram.copies_bytes)} (each counted once) + "
+            f"KV caches kept on the host {render.format_bytes(ram.kv_bytes)} + "
+            f"released weights {render.format_bytes(ram.weights_bytes)}"
+        )
+
     def prompt_cache_text(self) -> str | None:
         """The prompt caches kept on disk against their budget, or None when it does not say."""
         cache = self.status.prompt_cache if self.status is not None else None

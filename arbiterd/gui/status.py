@@ -162,11 +162,13 @@ class Group:
 @dataclass(frozen=True)
 class HostRam:
     """The daemon's host RAM (status `host_ram`): each model file's host copy once, the KV caches
-    cold models keep on the host, and `[daemon] host_ram_budget` (0: none)."""
+    cold models keep on the host, the weights cold in-place workers keep on the host as laid out
+    for the device, and `[daemon] host_ram_budget` (0: none)."""
 
     copies_bytes: int
     kv_bytes: int
     budget_bytes: int
+    weights_bytes: int = 0  # 0 from a daemon before cold workers reported them
 
     @classmethod
     def read(cls, raw: object) -> HostRam | None:
@@ -176,6 +178,7 @@ class HostRam:
             copies_bytes=max(0, _int(raw.get("host_copies_bytes"))),
             kv_bytes=max(0, _int(raw.get("host_kv_bytes"))),
             budget_bytes=max(0, _int(raw.get("budget_bytes"))),
+            weights_bytes=max(0, _int(raw.get("host_weights_bytes"))),
         )
 
 

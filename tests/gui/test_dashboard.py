@@ -106,6 +106,10 @@ def test_the_header_shows_host_ram_and_the_prompt_cache_against_their_budgets(
         "prompt cache on disk: 12.0 MiB in 2 files of 4.0 GiB budget"
     )
     assert dashboard.memory.isVisibleTo(dashboard)
+    assert dashboard.memory.toolTip() == (
+        "model file copies 4.0 GiB (each counted once) + KV caches kept on the host 1.0 GiB + "
+        "released weights 0 B"
+    )
 
 
 def test_an_unloaded_models_card_is_dimmed_and_holds_nothing(dashboard: DashboardWindow) -> None:

@@ -389,12 +389,19 @@ def test_budgets_and_groups_are_read_and_an_older_daemon_has_none() -> None:
     read = Status.read(
         status(
             model("qwen"),
-            host_ram={"host_copies_bytes": 3 * GiB, "host_kv_bytes": GiB, "budget_bytes": 8 * GiB},
+            host_ram={
+                "host_copies_bytes": 3 * GiB,
+                "host_kv_bytes": GiB,
+                "host_weights_bytes": 2 * GiB,
+                "budget_bytes": 8 * GiB,
+            },
             prompt_cache={"bytes": 12 * MiB, "files": 2, "budget_bytes": 4 * GiB},
             groups=[RAG, {"name": "odd", "models": "qwen", "holds_token": "yes"}, 3],
         )
     )
-    assert read.host_ram == HostRam(copies_bytes=3 * GiB, kv_bytes=GiB, budget_bytes=8 * GiB)
+    assert read.host_ram == HostRam(
+        copies_bytes=3 * GiB, kv_bytes=GiB, budget_bytes=8 * GiB, weights_bytes=2 * GiB
+    )
     assert read.prompt_cache == PromptCache(bytes_=12 * MiB, files=2, budget_bytes=4 * GiB)
     assert read.groups == (
         Group("rag", ("qwen", "nomic"), holds_token=True, failure=""),
