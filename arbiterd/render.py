@@ -55,6 +55,11 @@ def format_seconds(seconds: float | None) -> str:
     return NONE if seconds is None else f"{seconds:.2f} s"
 
 
+def format_ms(seconds: float | None) -> str:
+    """0.0023 → "2.3 ms", for steps that take milliseconds (a projector's); None → "—"."""
+    return NONE if seconds is None else f"{seconds * 1000:.1f} ms"
+
+
 def format_ago(seconds: float) -> str:
     """How long ago, roughly: "12 s ago", "5 min ago", "2.5 h ago"."""
     if seconds < 60:
@@ -326,21 +331,44 @@ def _prompt_cache_evict(event: PromptCacheEvictEvent) -> str:
     )
 
 
+def encoder_steps(events: Iterable[EncoderEvent], *, timed: bool = True) -> str:
+    """What a vision request's projector did, in order: "projector loaded in 2.3 ms, encoded 1
+    image in 0.4 ms, freed in 0.1 ms" (a swap adds "weights released" first and "weights
+    restored" last); without `timed`, "projector loaded, encoded 1 image, freed" (the tray's
+    card and handoff table, issue 12)."""
+    steps = [
+        f"{_encoder_did(e)} in {format_ms(e.duration_s)}" if timed else _encoder_did(e)
+        for e in events
+    ]
+    text = ", ".join(steps) or NONE
+    return text if text.startswith(("projector", "weights")) else f"projector {text}"
+
+
+def _encoder_did(event: EncoderEvent) -> str:
+    if event.action == "encode":
+        count = event.images or 0
+        return f"encoded {count} image{'s' if count != 1 else ''}"
+    return {
+        "load": "projector loaded",
+        "free": "freed",
+        "release": "weights released",
+        "restore": "weights restored",
+    }.get(event.action, event.action or NONE)
+
+
 def _encoder(event: EncoderEvent) -> str:
     """ "eye: projector loaded in 2.3 ms (155 KiB), beside, peak 6.6 MiB", "... encoded 1 image
     in 0.4 ms (1.0 KiB)", "eye: weights released for the projector in 0.2 ms (545 KiB), swap,
     peak 6.4 MiB"; a swap's or a refused swap's reason follows its load."""
-    took = NONE if event.duration_s is None else f"{event.duration_s * 1000:.1f} ms"
     size = NONE if event.bytes_ is None else format_bytes(event.bytes_)
-    what = {"load": "loaded", "free": "freed"}.get(event.action, event.action)
-    subject = "projector"
+    what = {
+        "free": "projector freed",
+        "release": "weights released for the projector",
+        "restore": "weights restored after it",
+    }.get(event.action) or _encoder_did(event)
     if event.action == "encode":
-        count = event.images or 0
-        what = f"encoded {count} image{'s' if count != 1 else ''}"
-    elif event.action in ("release", "restore"):
-        subject = "weights"
-        what = "released for the projector" if event.action == "release" else "restored after it"
-    line = f"{_name(event.model)}: {subject} {what} in {took} ({size})"
+        what = f"projector {what}"
+    line = f"{_name(event.model)}: {what} in {format_ms(event.duration_s)} ({size})"
     if event.path:
         line += f", {event.path}"
     if event.peak_bytes:

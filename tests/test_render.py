@@ -11,6 +11,7 @@ import pytest
 from arbiterd import render
 from arbiterd.events import (
     KINDS,
+    EncoderEvent,
     Event,
     HandoffEvent,
     OtherEvent,
@@ -234,6 +235,19 @@ def test_encoder_lines_say_which_path_ran_and_its_peak() -> None:
     assert line(restore) == (
         "encoder   eye: weights restored after it in 1.1 ms (545.2 KiB), swap, peak 6.4 MiB"
     )
+
+
+def test_a_requests_projector_steps_read_as_one_phrase() -> None:
+    steps = [
+        EncoderEvent(model="eye", action="load", duration_s=0.0023, bytes_=159072),
+        EncoderEvent(model="eye", action="encode", duration_s=0.0004, images=2),
+        EncoderEvent(model="eye", action="free", duration_s=None),
+    ]
+    assert render.encoder_steps(steps) == (
+        "projector loaded in 2.3 ms, encoded 2 images in 0.4 ms, freed in —"
+    )
+    assert render.encoder_steps(steps, timed=False) == "projector loaded, encoded 2 images, freed"
+    assert render.encoder_steps([]) == "projector —"
 
 
 def test_hold_reload_and_vram_lines() -> None:

@@ -1,13 +1,17 @@
 """The dashboard window: who holds the GPU, VRAM by owner over time, every handoff, each model.
 
-    header     holder · VRAM used/total · host RAM · waiters · engine
+    header     holder (a group: its members) · VRAM used/total · waiters · engine
+               host RAM of its budget · prompt cache on disk of its budget
                [Hold GPU (game mode)] [Start daemon]
     banners    warnings (amber), daemon unreachable (red), the last command's error
     timeline   timeline.TimelineWidget
-    cards      one per model: state, VRAM, host RAM, queue, pinned, backend, its warning and
-               last error; Warm / Release / Pin; "unknown" while the daemon cannot be reached
-    table      handoffs and waits behind other programs: time, from → to, release / wait /
-               restore / total, bytes, tokens
+    cards      one per model: state (how it holds the GPU, alone or with its group), VRAM,
+               host RAM, queue, pinned, group, backend, its projector's last steps, its warning
+               and last error; Warm / Release / Pin; dimmed while unloaded, saying whether its
+               prompt cache is on disk; "unknown" while the daemon cannot be reached
+    table      handoffs, waits behind other programs and vision requests' projector steps:
+               time, from → to (or what the projector did), release / wait / restore / total,
+               bytes, tokens
 
 Owns the window's widgets and how a `TrayState` shows in them. It sends nothing itself: its
 buttons emit `command_requested(command, model)` and `start_daemon_requested()`, and the tray
@@ -37,7 +41,7 @@ from PySide6.QtWidgets import (
 
 from arbiterd import render
 from arbiterd.gui import palette
-from arbiterd.gui.history import HandoffRecord
+from arbiterd.gui.history import EncoderRecord, HandoffRecord
 from arbiterd.gui.palette import RGB, hex_colour
 from arbiterd.gui.state import TrayState
 from arbiterd.gui.status import ModelStatus
@@ -67,6 +71,8 @@ QLabel#unreachable {{ background: {hex_colour(palette.RED)}; color: white; paddi
 QLabel#message {{ background: #3a3f47; padding: 4px 8px; border-radius: 4px; }}
 QFrame#card {{ background: #26292e; border-radius: 6px; }}
 QLabel#cardError {{ color: #ff8a80; }}
+QFrame#card[dimmed="true"] {{ background: #222428; }}
+QFrame#card[dimmed="true"] QLabel {{ color: #80858d; }}
 QPushButton {{ background: #3a3f47; color: {hex_colour(palette.TEXT)}; border: 1px solid #4b5058;
                border-radius: 4px; padding: 3px 10px; }}
 QPushButton:checked {{ background: #5c6470; }}
@@ -99,11 +105,16 @@ class ModelCard(QFrame):
         self.state = QLabel()
         self.vram = QLabel()
         self.host_ram = QLabel()
+        self.state.setWordWrap(True)
         self.queue = QLabel()
+        self.encoder = QLabel()  # a vision model's projector at its last image (issue 12)
+        self.encoder.setWordWrap(True)
+        self.encoder.hide()
         self.error = QLabel()
         self.error.setObjectName("cardError")
         self.error.setWordWrap(True)
-        for widget in (title, self.state, self.vram, self.host_ram, self.queue, self.error):
+        widgets = (title, self.state, self.vram, self.host_ram, self.queue, self.encoder)
+        for widget in (*widgets, self.error):
             layout.addWidget(widget)
         layout.addStretch(1)
         buttons = QHBoxLayout()
@@ -120,24 +131,58 @@ class ModelCard(QFrame):
             lambda checked: self.command_requested.emit("pin" if checked else "unpin", self.name)
         )
 
-    def show_model(self, model: ModelStatus, colour: RGB, holder: bool) -> None:
-        self.stripe.setStyleSheet(f"background: {hex_colour(colour)}; border-radius: 2px;")
-        state = model.state + (" · holds the GPU" if holder else "")
-        self.state.setText(f"state: {state}")
-        self.vram.setText(f"VRAM: {render.format_bytes(model.resident_bytes)}")
-        host_ram = model.host_ram_bytes
-        self.host_ram.setText(
-            "host RAM: " + ("not reported" if host_ram is None else render.format_bytes(host_ram))
+    @property
+    def dimmed(self) -> bool:
+        return self.property("dimmed") is True
+
+    def _set_dimmed(self, dimmed: bool) -> None:
+        if self.dimmed == dimmed:
+            return
+        self.setProperty("dimmed", dimmed)
+        # A dynamic property's selector applies only once the style looks again.
+        for widget in (self, *self.findChildren(QLabel)):
+            widget.style().unpolish(widget)
+            widget.style().polish(widget)
+
+    def show_model(self, model: ModelStatus, colour: RGB, state: TrayState) -> None:
+        """Show `model` as `state` knows it: how it holds the GPU, its projector's last image,
+        whether its prompt cache is on disk while it is unloaded."""
+        unloaded = state.unloaded_text(model)
+        self._set_dimmed(unloaded is not None)
+        # Unloaded, its colour fades with the card: it holds nothing anywhere.
+        stripe = (
+            f"rgba({colour[0]}, {colour[1]}, {colour[2]}, 90)"
+            if unloaded is not None
+            else hex_colour(colour)
         )
+        self.stripe.setStyleSheet(f"background: {stripe}; border-radius: 2px;")
+        holding = state.holding_text(model)
+        self.state.setText(
+            f"state: {unloaded or model.state}" + (f" · {holding}" if holding else "")
+        )
+        host_ram = model.host_ram_bytes
+        if unloaded is not None:  # no worker, no host copy: nothing, rather than "not reported"
+            self.vram.setText("VRAM: none")
+            self.host_ram.setText("host RAM: none")
+        else:
+            self.vram.setText(f"VRAM: {render.format_bytes(model.resident_bytes)}")
+            self.host_ram.setText(
+                "host RAM: "
+                + ("not reported" if host_ram is None else render.format_bytes(host_ram))
+            )
         extra = [f"queue: {model.queue}"]
         if model.pinned:
             extra.append("pinned")
+        group = state.status.group_of(model.name) if state.status is not None else None
+        if group is not None:
+            extra.append(f"group {group.name}")
         if model.restarts:
             extra.append(f"{model.restarts} restart{'s' if model.restarts != 1 else ''}")
         if model.backend:
             extra.append(f"{model.backend} backend")
         self.queue.setText(" · ".join(extra))
         self.queue.setToolTip(model.fallback_reason)
+        self._show_encoder(state.history.last_encoder.get(model.name), state)
         problems = [f"⚠ {model.warning}"] if model.warning else []
         if model.last_error:
             problems.append(f"last error: {model.last_error}")
@@ -145,8 +190,17 @@ class ModelCard(QFrame):
         self.error.setVisible(bool(problems))
         self.pin.setChecked(model.pinned)
         self.pin.setText("Pinned" if model.pinned else "Pin")
-        for button in (self.warm, self.release, self.pin):
+        for button in (self.warm, self.pin):
             button.setEnabled(True)
+        self.release.setEnabled(unloaded is None)  # nothing to release without a worker
+
+    def _show_encoder(self, record: EncoderRecord | None, state: TrayState) -> None:
+        text = None if record is None else state.encoder_text(record.model)
+        self.encoder.setVisible(text is not None)
+        self.encoder.setText(text or "")
+        # Each step with its bytes, as `arbiterd events` says it.
+        steps = record.steps if record is not None else []
+        self.encoder.setToolTip("\n".join(render.event_detail(step) for step in steps))
 
     def show_unknown(self, colour: RGB) -> None:
         """The daemon cannot be reached: what it last said may no longer be true."""
@@ -155,6 +209,8 @@ class ModelCard(QFrame):
         for label, what in ((self.vram, "VRAM"), (self.host_ram, "host RAM")):
             label.setText(f"{what}: unknown")
         self.queue.setText("")
+        self.encoder.hide()
+        self._set_dimmed(False)
         self.error.setText("")
         self.error.setVisible(False)
         for button in (self.warm, self.release, self.pin):
@@ -201,8 +257,10 @@ class DashboardWindow(QWidget):
         self.headline = QLabel()
         self.headline.setObjectName("headline")
         self.details = QLabel()
+        self.memory = QLabel()  # host RAM and the prompt caches on disk, each of its budget
         titles.addWidget(self.headline)
         titles.addWidget(self.details)
+        titles.addWidget(self.memory)
         header.addLayout(titles, 1)
         self.hold_button = QPushButton("Hold GPU (game mode)")
         self.hold_button.setCheckable(True)
@@ -247,12 +305,16 @@ class DashboardWindow(QWidget):
         status = state.status
         self.headline.setText(state.holder_text())
         if status is not None and state.reachable:
-            host_ram, engine = state.host_ram_text(), state.engine_text()
-            parts = [state.vram_text(), *([host_ram] if host_ram else []), state.waiters_text()]
-            parts += [engine] if engine else []
+            engine = state.engine_text()
+            parts = [state.vram_text(), state.waiters_text(), *([engine] if engine else [])]
             self.details.setText("   ·   ".join(parts))
+            memory = [t for t in (state.host_ram_text(), state.prompt_cache_text()) if t]
+            self.memory.setText("   ·   ".join(memory))
+            self.memory.setToolTip(state.host_ram_parts_text() or "")
         else:
             self.details.setText("")
+            self.memory.setText("")
+        self.memory.setVisible(bool(self.memory.text()))
         self.unreachable.setVisible(not state.reachable)
         self.unreachable.setText(f"daemon not running — {state.unreachable_reason}")
         self.start_button.setVisible(not state.reachable)
@@ -264,7 +326,7 @@ class DashboardWindow(QWidget):
         self._refresh_cards(state)
         state.history.trim(now)
         self.timeline.set_state(state, now)
-        self._refresh_table(state.history.handoffs)
+        self._refresh_table(state.history.handoffs, state.history.encoder)
 
     def show_message(self, text: str) -> None:
         """A line under the header, e.g. a command the daemon refused; empty hides it."""
@@ -285,34 +347,60 @@ class DashboardWindow(QWidget):
                 card.command_requested.connect(self.command_requested)
                 self.cards[name] = card
                 self.cards_layout.addWidget(card, index // CARD_COLUMNS, index % CARD_COLUMNS)
-        holder = status.holder_model if status is not None else None
         colours = state.colours()
         for model in models:
             card, colour = self.cards[model.name], colours.of(model.name)
             if state.reachable:
-                card.show_model(model, colour, model.name == holder)
+                card.show_model(model, colour, state)
             else:
                 card.show_unknown(colour)
 
-    def _refresh_table(self, handoffs: list[HandoffRecord]) -> None:
-        rows = list(reversed(handoffs))  # newest first
+    def _refresh_table(self, handoffs: list[HandoffRecord], encoder: list[EncoderRecord]) -> None:
+        rows: list[HandoffRecord | EncoderRecord] = [*handoffs, *encoder]
+        rows.sort(key=lambda r: r.at, reverse=True)  # newest first
         self.table.setRowCount(len(rows))
         for row, record in enumerate(rows):
             cells = (
-                render.clock(record.at),
-                record.title,
-                render.format_seconds(record.release_s),
-                render.format_seconds(record.wait_s),
-                render.format_seconds(record.restore_s),
-                render.format_seconds(record.total_s),
-                render.NONE if record.bytes_ is None else render.format_bytes(record.bytes_),
-                render.NONE if record.tokens_evaluated is None else str(record.tokens_evaluated),
+                self._handoff_cells(record)
+                if isinstance(record, HandoffRecord)
+                else self._encoder_cells(record)
             )
             for column, text in enumerate(cells):
                 item = QTableWidgetItem(text)
                 if column != 1:
                     item.setTextAlignment(Qt.AlignmentFlag.AlignCenter)
+                elif isinstance(record, EncoderRecord):  # each step, timed and sized
+                    item.setToolTip("\n".join(render.event_detail(s) for s in record.steps))
                 self.table.setItem(row, column, item)
+
+    @staticmethod
+    def _handoff_cells(record: HandoffRecord) -> tuple[str, ...]:
+        return (
+            render.clock(record.at),
+            record.title,
+            render.format_seconds(record.release_s),
+            render.format_seconds(record.wait_s),
+            render.format_seconds(record.restore_s),
+            render.format_seconds(record.total_s),
+            render.NONE if record.bytes_ is None else render.format_bytes(record.bytes_),
+            render.NONE if record.tokens_evaluated is None else str(record.tokens_evaluated),
+        )
+
+    @staticmethod
+    def _encoder_cells(record: EncoderRecord) -> tuple[str, ...]:
+        """A vision request's projector: no handoff, so no release, wait or restore; its steps
+        take milliseconds, so its total is in ms; its bytes are the projector's weights."""
+        loaded = record.loaded_bytes
+        return (
+            render.clock(record.at),
+            record.title,
+            render.NONE,
+            render.NONE,
+            render.NONE,
+            render.format_ms(record.total_s),
+            render.NONE if loaded is None else render.format_bytes(loaded),
+            render.NONE,
+        )
 
     def closeEvent(self, event: QCloseEvent) -> None:
         self.closed.emit()

@@ -6,7 +6,11 @@ opens), live events, and status snapshots. Status snapshots are the truth about 
 are any; between them (and in the journal, which has no snapshots) residency events move a
 model's bytes: to `warm` with the bytes the move reported, to `cold`/`failed`/`stopped` to zero.
 Handoffs and waits are the daemon's own `handoff` and `wait` events, as measured by the model
-that got the GPU; nothing here infers one. An event seen twice (journal and live) counts once.
+that got the GPU; nothing here infers one. A vision request's projector steps (`encoder` events,
+issue 12) are one record per request; an `unload` (issue 14) empties its model's bytes, and the
+last one of each model is kept, with the `prompt_cache_evict` events that removed what it saved,
+so the card of an unloaded model can say whether its prompt cache is still on disk. An event
+seen twice (journal and live) counts once.
 
 Pure bookkeeping, no Qt, no clock of its own: callers pass the times.
 """
@@ -19,11 +23,14 @@ from dataclasses import dataclass, field
 
 from arbiterd import render
 from arbiterd.events import (
+    EncoderEvent,
     Event,
     HandoffEvent,
     HoldEvent,
+    PromptCacheEvictEvent,
     RequestEvent,
     ResidencyEvent,
+    UnloadEvent,
     WaitEvent,
 )
 from arbiterd.gui.status import Status
@@ -33,6 +40,7 @@ DEFAULT_WINDOW_S = 600.0
 # bytes (its last residency event may be older than the window).
 HISTORY_LEAD_S = 3600.0
 MAX_HANDOFFS = 500
+MAX_ENCODER_RECORDS = 500
 _EMPTY_STATES = frozenset({"cold", "failed", "stopped"})
 
 
@@ -101,6 +109,34 @@ class HandoffRecord:
 
 
 @dataclass
+class EncoderRecord:
+    """What `model`'s projector did for one request (`request_id`), its `encoder` events in the
+    order the worker sent them (load, encode, free; a resident projector only encodes)."""
+
+    model: str
+    request_id: str | None
+    steps: list[EncoderEvent] = field(default_factory=list)
+
+    @property
+    def at(self) -> float:
+        """When its first step was reported."""
+        return self.steps[0].at or 0.0
+
+    @property
+    def total_s(self) -> float:
+        return sum(step.duration_s or 0.0 for step in self.steps)
+
+    @property
+    def loaded_bytes(self) -> int | None:
+        """The projector's weights it brought onto the device; None when it was not loaded."""
+        return next((s.bytes_ for s in self.steps if s.action == "load"), None)
+
+    @property
+    def title(self) -> str:
+        return f"{self.model}: {render.encoder_steps(self.steps, timed=False)}"
+
+
+@dataclass
 class HoldSpan:
     """The user held the GPU (game mode) from `start` until `end` (None: still holds it)."""
 
@@ -113,6 +149,11 @@ class History:
     window_s: float = DEFAULT_WINDOW_S
     samples: list[Sample] = field(default_factory=list)
     handoffs: list[HandoffRecord] = field(default_factory=list)
+    encoder: list[EncoderRecord] = field(default_factory=list)  # in the window, by time
+    # Kept past the window: what a card says of its model however long ago it happened.
+    last_encoder: dict[str, EncoderRecord] = field(default_factory=dict)
+    last_unload: dict[str, UnloadEvent] = field(default_factory=dict)
+    evicted_at: dict[str, float] = field(default_factory=dict)  # model -> its cache removed
     holds: list[HoldSpan] = field(default_factory=list)
     models: list[str] = field(default_factory=list)  # every owner seen, in first-seen order
     total_bytes: int | None = None  # the devices' memory, once a status reported it
@@ -154,6 +195,13 @@ class History:
                 self._on_request(event, at)
             case HoldEvent():
                 self._hold(event.held, at)
+            case EncoderEvent():
+                self._on_encoder(event)
+            case UnloadEvent():
+                self._on_unload(event, at)
+            case PromptCacheEvictEvent():
+                for model in event.evicted:
+                    self.evicted_at[model] = max(at, self.evicted_at.get(model, at))
         return True
 
     def _hold(self, held: bool, at: float) -> None:
@@ -201,6 +249,49 @@ class History:
                 record.tokens_evaluated = evaluated
             return
 
+    def _on_encoder(self, event: EncoderEvent) -> None:
+        model = event.model
+        if model is None:
+            return
+        last = self.last_encoder.get(model)
+        # A worker serves one request at a time and sends its steps together: a step of the
+        # request its model's last record is for belongs to that record.
+        if (
+            last is not None
+            and event.request_id is not None
+            and last.request_id == event.request_id
+        ):
+            # The journal sends a step again once the window no longer remembers it (`trim`
+            # forgets it in _seen), and this record outlives the window.
+            if event not in last.steps:
+                bisect.insort(last.steps, event, key=lambda s: s.at or 0.0)
+                self.encoder.sort(key=lambda r: r.at)  # its first step may have come late
+            return
+        record = EncoderRecord(model, event.request_id, [event])
+        if last is None or record.at >= last.at:
+            self.last_encoder[model] = record
+        bisect.insort(self.encoder, record, key=lambda r: r.at)
+        del self.encoder[:-MAX_ENCODER_RECORDS]
+
+    def _on_unload(self, event: UnloadEvent, at: float) -> None:
+        model = event.model
+        if model is None:
+            return
+        last = self.last_unload.get(model)
+        if last is None or at >= (last.at or 0.0):
+            self.last_unload[model] = event
+        self._know(model)
+        self._bytes[model] = 0  # its worker exited: nothing of it is left on the device
+        self._sample(at)
+
+    def prompt_cache_kept(self, model: str) -> tuple[UnloadEvent | None, bool]:
+        """`model`'s last unload, and whether a `prompt_cache_evict` removed what it saved."""
+        unload = self.last_unload.get(model)
+        if unload is None:
+            return None, False
+        evicted = self.evicted_at.get(model)
+        return unload, evicted is not None and evicted >= (unload.at or 0.0)
+
     def _sample(self, at: float) -> None:
         models = tuple((name, self._bytes.get(name, 0)) for name in self.models)
         sample = Sample(at=at, models=models, others_bytes=self._others)
@@ -216,6 +307,7 @@ class History:
         first = bisect.bisect_right(self.samples, start, key=lambda s: s.at)
         del self.samples[: max(0, first - 1)]
         self.handoffs = [h for h in self.handoffs if h.at >= start]
+        self.encoder = [r for r in self.encoder if r.at >= start]
         self.holds = [s for s in self.holds if s.end is None or s.end >= start]
         self._seen = {k: t for k, t in self._seen.items() if t >= start}
 

@@ -6,6 +6,7 @@ of those is a function of this state and a time, tested without a socket or a wi
 
 Warnings (the icon turns amber while one is active):
     a model in state failed / restarting        while the status says so
+    a group whose keeper stopped                while the status says so
     vram_not_freed                              WARNING_HOLD_S, or until that model is warm again
     worker (a crash or a failed start)          WARNING_HOLD_S, or until that model is warm again
     residency to failed                         WARNING_HOLD_S, or until that model is warm again
@@ -27,7 +28,7 @@ from arbiterd.events import Event, ResidencyEvent, VramNotFreedEvent, WorkerEven
 from arbiterd.gui import palette
 from arbiterd.gui.history import DEFAULT_WINDOW_S, History
 from arbiterd.gui.palette import RGB, ModelColours
-from arbiterd.gui.status import HOLD_HOLDER_NAME, Status
+from arbiterd.gui.status import HOLD_HOLDER_NAME, UNLOADING, ModelStatus, Status
 
 WARNING_HOLD_S = 300.0
 
@@ -99,6 +100,9 @@ class TrayState:
                 if model.last_error:
                     line += f": {model.last_error}"
                 texts.insert(0, line)
+            for group in self.status.groups:
+                if group.failure:
+                    texts.insert(0, f"group {group.name}: its keeper stopped: {group.failure}")
         return texts
 
     def notices(self) -> list[str]:
@@ -126,6 +130,9 @@ class TrayState:
             return palette.FREE
         if status.holder_model is not None:
             return self.colours().of(status.holder_model)
+        group = status.holder_group
+        if group is not None and group.models:  # our models, warm together: the first's colour
+            return self.colours().of(group.models[0])
         return palette.OTHER
 
     def fill(self, now: float) -> float:
@@ -158,6 +165,9 @@ class TrayState:
             return "GPU held for you (game mode)"
         if status.holder_model is not None:
             return f"GPU: {status.holder_model}"
+        group = status.holder_group
+        if group is not None:
+            return f"GPU: group {group.name} — {', '.join(group.models)}"
         holder = status.holder
         return f"GPU: {render.process(holder.name or 'another program', holder.pid)}"
 
@@ -172,11 +182,84 @@ class TrayState:
         return f"VRAM: {used} / {render.format_bytes(total)}"
 
     def host_ram_text(self) -> str | None:
-        """The host RAM the daemon keeps (host copies and KV), or None when it does not say."""
+        """The host RAM the daemon keeps (host copies and KV) and its budget, or None when it
+        does not say."""
         status = self.status
         if status is None or status.host_ram_bytes is None:
             return None
-        return f"host RAM: {render.format_bytes(status.host_ram_bytes)}"
+        text = f"host RAM: {render.format_bytes(status.host_ram_bytes)}"
+        if status.host_ram is None:  # a daemon from before issue 14's budgets
+            return text
+        budget = status.host_ram.budget_bytes
+        return text + (f" of {render.format_bytes(budget)} budget" if budget else " (no budget)")
+
+    def host_ram_parts_text(self) -> str | None:
+        """What the host RAM is made of, as `arbiterd status` says it, or None when the daemon
+        does not break it down."""
+        ram = self.status.host_ram if self.status is not None else None
+        if ram is None:
+            return None
+        return (
+            f"model file copies {render.format_bytes(ram.copies_bytes)} (each counted once) + "
+            f"KV caches kept on the host {render.format_bytes(ram.kv_bytes)} + "
+            f"released weights {render.format_bytes(ram.weights_bytes)}"
+        )
+
+    def prompt_cache_text(self) -> str | None:
+        """The prompt caches kept on disk against their budget, or None when it does not say."""
+        cache = self.status.prompt_cache if self.status is not None else None
+        if cache is None:
+            return None
+        files = f"{cache.files} file{'s' if cache.files != 1 else ''}"
+        return (
+            f"prompt cache on disk: {render.format_bytes(cache.bytes_)} in {files} of "
+            f"{render.format_bytes(cache.budget_bytes)} budget"
+        )
+
+    def holding_text(self, model: ModelStatus) -> str | None:
+        """How `model` holds the GPU: "holds the GPU", with its group's other members when it
+        holds it with them ("holds the GPU with nomic (group rag)"); None when it does not."""
+        status = self.status
+        if status is None:
+            return None
+        if status.holder_model == model.name:
+            return "holds the GPU"
+        group = status.holder_group
+        if group is None or model.name not in group.models:
+            return None
+        others = [name for name in group.models if name != model.name]
+        with_ = f" with {', '.join(others)}" if others else ""
+        return f"holds the GPU{with_} (group {group.name})"
+
+    def unloaded_text(self, model: ModelStatus) -> str | None:
+        """What is left of an unloaded model (issue 14), or None when it is not unloaded."""
+        if not model.unloaded:
+            return None
+        if model.state == UNLOADING:
+            return "unloading — saving its prompt cache"
+        return "unloaded — " + self._prompt_cache_fate(model.name)
+
+    def _prompt_cache_fate(self, model: str) -> str:
+        """Whether `model`'s prompt cache is on disk, as its last `unload` event said and no
+        `prompt_cache_evict` undid."""
+        unload, evicted = self.history.prompt_cache_kept(model)
+        if unload is None:  # loaded on demand and not started yet, or unloaded long ago
+            return "starts on its next request"
+        if unload.error:
+            return f"prompt cache not kept: {unload.error}"
+        if evicted:
+            return "prompt cache evicted for room on disk"
+        if not unload.kv_bytes:
+            return "no prompt cache to keep"
+        tokens = f"{unload.tokens} tokens, " if unload.tokens is not None else ""
+        return f"prompt cache on disk ({tokens}{render.format_bytes(unload.kv_bytes)})"
+
+    def encoder_text(self, model: str) -> str | None:
+        """`model`'s projector at its last image (issue 12), or None when it has not run."""
+        record = self.history.last_encoder.get(model)
+        if record is None:
+            return None
+        return render.encoder_steps(record.steps) + f" (at {render.clock(record.at)})"
 
     def waiters_text(self) -> str:
         waiters = self.status.waiters if self.status is not None else ()
@@ -186,9 +269,7 @@ class TrayState:
         if not self.reachable:
             return f"arbiterd — daemon not running\n{self.unreachable_reason}"
         lines = ["arbiterd — " + self.holder_text(), self.vram_text()]
-        host_ram = self.host_ram_text()
-        if host_ram is not None:
-            lines.append(host_ram)
+        lines += [t for t in (self.host_ram_text(), self.prompt_cache_text()) if t is not None]
         lines.append(self.waiters_text())
         lines += [f"⚠ {w}" for w in self.warnings(now) + self.notices()]
         return "\n".join(lines)

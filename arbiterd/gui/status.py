@@ -3,9 +3,9 @@
 Owns the tolerant reading of the status shape (arbiterd/daemon/service.py's docstring): a key
 that is missing or of the wrong type gets a neutral default instead of an exception, so a newer
 or older daemon never crashes the tray. Knows the optional keys that telemetry adds later
-(`devices`, `others`), the host RAM figures (`host_ram_bytes`, per model and in all) and what
-runs the models (each one's `backend` and `warning`, the top-level `engine`), and works without
-them.
+(`devices`, `others`), the host RAM figures (`host_ram_bytes`, per model and in all), what
+runs the models (each one's `backend` and `warning`, the top-level `engine`), and issue 14's
+`host_ram` and `prompt_cache` budgets and `groups`, and works without them.
 Never imports Qt.
 """
 
@@ -19,8 +19,14 @@ from arbiterd.events import HandoffEvent
 
 # States in which a model is in trouble: the tray turns amber while one lasts.
 TROUBLE_STATES = frozenset({"failed", "restarting"})
+# States of a model without a worker (issue 14): no VRAM, no host copy; its prompt cache may be
+# on disk. Not "cold", which keeps a worker and its host copy.
+UNLOADING, UNLOADED = "unloading", "unloaded"
+UNLOADED_STATES = frozenset({UNLOADING, UNLOADED})
 # The name the daemon's own hold (game mode) takes the arena token under (supervisor._take_hold).
 HOLD_HOLDER_NAME = "arbiterd hold"
+# A group's keeper holds the arena token as "group NAME" (arbiterd/groups.py, Files.holder_name).
+GROUP_HOLDER_PREFIX = "group "
 
 
 def _int(value: object, default: int = 0) -> int:
@@ -86,6 +92,11 @@ class ModelStatus:
             warning=_str(raw.get("warning")),
         )
 
+    @property
+    def unloaded(self) -> bool:
+        """No worker (unloading or unloaded): nothing on the device, nothing in host RAM."""
+        return self.state in UNLOADED_STATES
+
 
 @dataclass(frozen=True)
 class Holder:
@@ -127,6 +138,71 @@ class Engine:
 
 
 @dataclass(frozen=True)
+class Group:
+    """Models that hold the GPU together behind one keeper (issue 14, `[groups.NAME]`)."""
+
+    name: str
+    models: tuple[str, ...]
+    holds_token: bool  # its keeper holds the arena's token: its members may be warm together
+    failure: str  # "" while its keeper runs; else why it stopped
+
+    @classmethod
+    def read(cls, raw: Mapping[str, Any]) -> Group:
+        models = raw.get("models")
+        return cls(
+            name=_str(raw.get("name"), "?"),
+            models=tuple(m for m in models if isinstance(m, str))
+            if isinstance(models, list)
+            else (),
+            holds_token=raw.get("holds_token") is True,
+            failure=_str(raw.get("failure")),
+        )
+
+
+@dataclass(frozen=True)
+class HostRam:
+    """The daemon's host RAM (status `host_ram`): each model file's host copy once, the KV caches
+    cold models keep on the host, the weights cold in-place workers keep on the host as laid out
+    for the device, and `[daemon] host_ram_budget` (0: none)."""
+
+    copies_bytes: int
+    kv_bytes: int
+    budget_bytes: int
+    weights_bytes: int = 0  # 0 from a daemon before cold workers reported them
+
+    @classmethod
+    def read(cls, raw: object) -> HostRam | None:
+        if not isinstance(raw, Mapping):
+            return None
+        return cls(
+            copies_bytes=max(0, _int(raw.get("host_copies_bytes"))),
+            kv_bytes=max(0, _int(raw.get("host_kv_bytes"))),
+            budget_bytes=max(0, _int(raw.get("budget_bytes"))),
+            weights_bytes=max(0, _int(raw.get("host_weights_bytes"))),
+        )
+
+
+@dataclass(frozen=True)
+class PromptCache:
+    """The prompt caches unloaded models keep on disk (status `prompt_cache`), and
+    `[daemon] prompt_cache_budget`."""
+
+    bytes_: int
+    files: int
+    budget_bytes: int
+
+    @classmethod
+    def read(cls, raw: object) -> PromptCache | None:
+        if not isinstance(raw, Mapping):
+            return None
+        return cls(
+            bytes_=max(0, _int(raw.get("bytes"))),
+            files=max(0, _int(raw.get("files"))),
+            budget_bytes=max(0, _int(raw.get("budget_bytes"))),
+        )
+
+
+@dataclass(frozen=True)
 class Status:
     models: tuple[ModelStatus, ...]
     holder: Holder | None
@@ -136,6 +212,9 @@ class Status:
     others: tuple[OtherProcess, ...] = ()
     host_ram_bytes: int | None = None  # the daemon's in all, each shared host copy once
     engine: Engine | None = None  # None until a worker said it (or an older daemon)
+    host_ram: HostRam | None = None  # None from a daemon before issue 14's budgets
+    prompt_cache: PromptCache | None = None
+    groups: tuple[Group, ...] = ()
 
     @classmethod
     def read(cls, raw: Mapping[str, Any]) -> Status:
@@ -176,6 +255,9 @@ class Status:
             ),
             host_ram_bytes=_optional_int(raw.get("host_ram_bytes")),
             engine=Engine.read(raw.get("engine")),
+            host_ram=HostRam.read(raw.get("host_ram")),
+            prompt_cache=PromptCache.read(raw.get("prompt_cache")),
+            groups=tuple(Group.read(g) for g in _dicts(raw.get("groups"))),
         )
 
     def model(self, name: str) -> ModelStatus | None:
@@ -187,6 +269,19 @@ class Status:
         if self.holder is None:
             return None
         return self.holder.name if self.model(self.holder.name) is not None else None
+
+    @property
+    def holder_group(self) -> Group | None:
+        """The group whose keeper holds the GPU (its members may be warm together), or None."""
+        if self.holder is None:
+            return None
+        return next(
+            (g for g in self.groups if self.holder.name == GROUP_HOLDER_PREFIX + g.name), None
+        )
+
+    def group_of(self, model: str) -> Group | None:
+        """The group `model` is a member of, or None."""
+        return next((g for g in self.groups if model in g.models), None)
 
     @property
     def models_bytes(self) -> int:

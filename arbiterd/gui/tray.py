@@ -376,7 +376,9 @@ class TrayApp(QObject):
 
     def _add_model_menu(self, model: ModelStatus) -> None:
         name = model.name
-        title = f"{name} — {model.state}, {render.format_bytes(model.resident_bytes)}"
+        title = f"{name} — {model.state}"
+        if not model.unloaded:  # an unloaded model holds nothing: no "0 B" to read into
+            title += f", {render.format_bytes(model.resident_bytes)}"
         if model.pinned:
             title += " · pinned"
         if model.queue:

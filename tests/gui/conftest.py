@@ -23,6 +23,8 @@ SAMPLE_REPLAY = Path(__file__).parent / "replay-sample.jsonl"
 # docs/tray.md's screenshots: two small models on a 24 GiB GPU, and one 14 GiB model on it.
 SMALL_MODELS_REPLAY = Path(__file__).parent / "replay-small-models.jsonl"
 LARGE_MODEL_REPLAY = Path(__file__).parent / "replay-large-model.jsonl"
+# A vision model's projector, a group warm together, an unloaded model (issues 12 and 14).
+MEMORY_VISION_REPLAY = Path(__file__).parent / "replay-memory-vision.jsonl"
 
 
 @pytest.fixture

@@ -18,7 +18,12 @@ from arbiterd.gui.dashboard import SCREENSHOT_SIZE
 from arbiterd.gui.history import HISTORY_LEAD_S
 from arbiterd.gui.replay import load_replay
 from arbiterd.gui.state import TrayState
-from tests.gui.conftest import LARGE_MODEL_REPLAY, SAMPLE_REPLAY, SMALL_MODELS_REPLAY
+from tests.gui.conftest import (
+    LARGE_MODEL_REPLAY,
+    MEMORY_VISION_REPLAY,
+    SAMPLE_REPLAY,
+    SMALL_MODELS_REPLAY,
+)
 from tests.gui.fakes import FakeControlServer
 
 
@@ -128,7 +133,7 @@ def test_small_models_on_a_big_gpu_are_bands_in_the_screenshot(
     assert min(counts.values()) * 4 > 10_000, counts
 
 
-@pytest.mark.parametrize("replay", [SMALL_MODELS_REPLAY, LARGE_MODEL_REPLAY])
+@pytest.mark.parametrize("replay", [SMALL_MODELS_REPLAY, LARGE_MODEL_REPLAY, MEMORY_VISION_REPLAY])
 def test_the_recordings_of_docs_tray_md_render_each_model_in_its_colour(
     qtbot: QtBot, tmp_path: Path, replay: Path
 ) -> None:

@@ -8,14 +8,15 @@ from typing import Any
 
 import pytest
 
+from arbiterd import render
 from arbiterd.errors import ReplayError
 from arbiterd.events import Event, HandoffEvent, WaitEvent, parse_event
 from arbiterd.gui import palette
 from arbiterd.gui.replay import apply_replay, load_replay
 from arbiterd.gui.state import WARNING_HOLD_S, TrayState
-from arbiterd.gui.status import Status
+from arbiterd.gui.status import Group, HostRam, PromptCache, Status
 from tests.gui.conftest import SAMPLE_REPLAY
-from tests.gui.fakes import GiB, model, status
+from tests.gui.fakes import GiB, MiB, model, status
 
 T = 1_718_000_000.0
 
@@ -368,3 +369,179 @@ def test_a_models_warning_is_in_the_tooltip_once_for_all_and_leaves_the_icon_alo
     assert state.engine_text() == "engine: CPU only (this engine cannot offload to a GPU)"
     look = state.icon_look(T)
     assert (look.frame, look.warning) == (state.colours().of("a"), False)
+
+
+# -- memory over a day (issue 14) and vision (issue 12) ------------------------------------------
+
+RAG = {"name": "rag", "models": ["qwen", "nomic"], "priority": "normal", "holds_token": True,
+       "handoffs": 2, "failure": ""}  # fmt: skip
+
+
+def encoder(at: float, name: str, request_id: str, action: str, **fields: Any) -> Event:
+    return event(event="encoder", at=at, model=name, id=request_id, action=action, **fields)
+
+
+def unload(at: float, name: str, **fields: Any) -> Event:
+    return event(event="unload", at=at, model=name, pid=9, reason="idle", **fields)
+
+
+def test_budgets_and_groups_are_read_and_an_older_daemon_has_none() -> None:
+    read = Status.read(
+        status(
+            model("qwen"),
+            host_ram={
+                "host_copies_bytes": 3 * GiB,
+                "host_kv_bytes": GiB,
+                "host_weights_bytes": 2 * GiB,
+                "budget_bytes": 8 * GiB,
+            },
+            prompt_cache={"bytes": 12 * MiB, "files": 2, "budget_bytes": 4 * GiB},
+            groups=[RAG, {"name": "odd", "models": "qwen", "holds_token": "yes"}, 3],
+        )
+    )
+    assert read.host_ram == HostRam(
+        copies_bytes=3 * GiB, kv_bytes=GiB, budget_bytes=8 * GiB, weights_bytes=2 * GiB
+    )
+    assert read.prompt_cache == PromptCache(bytes_=12 * MiB, files=2, budget_bytes=4 * GiB)
+    assert read.groups == (
+        Group("rag", ("qwen", "nomic"), holds_token=True, failure=""),
+        Group("odd", (), holds_token=False, failure=""),
+    )
+    older = Status.read({"models": [], "host_ram": 5, "prompt_cache": None})
+    assert (older.host_ram, older.prompt_cache, older.groups) == (None, None, ())
+
+
+def test_a_group_holding_the_gpu_is_its_members_warm_together() -> None:
+    state = TrayState()
+    state.apply_status(
+        status(
+            model("qwen", "warm", resident_bytes=4 * GiB),
+            model("nomic", "warm", resident_bytes=GiB),
+            model("eye"),
+            holder="group rag",
+            groups=[RAG],
+        ),
+        T,
+    )
+    assert state.status is not None
+    assert state.status.holder_model is None  # "group rag" is no model's name
+    assert state.holder_text() == "GPU: group rag — qwen, nomic"
+    assert state.tooltip(T).splitlines()[0] == "arbiterd — GPU: group rag — qwen, nomic"
+    # Our own models hold it, not another program: the first member's colour, not grey.
+    assert state.icon_look(T).frame == state.colours().of("qwen")
+    qwen, nomic, eye = state.status.models
+    assert state.holding_text(qwen) == "holds the GPU with nomic (group rag)"
+    assert state.holding_text(nomic) == "holds the GPU with qwen (group rag)"
+    assert state.holding_text(eye) is None
+
+
+def test_a_group_that_does_not_hold_the_gpu_leaves_its_members_alone() -> None:
+    state = TrayState()
+    idle = {**RAG, "holds_token": False}
+    state.apply_status(status(model("qwen"), model("eye", "warm"), holder="eye", groups=[idle]), T)
+    assert state.status is not None
+    assert state.holder_text() == "GPU: eye"
+    assert state.holding_text(state.status.models[0]) is None
+    assert state.holding_text(state.status.models[1]) == "holds the GPU"
+
+
+def test_a_group_whose_keeper_stopped_is_a_warning() -> None:
+    state = TrayState()
+    stopped = {**RAG, "holds_token": False, "failure": "arena folder gone"}
+    state.apply_status(status(model("qwen"), groups=[stopped]), T)
+    assert state.warnings(T) == ["group rag: its keeper stopped: arena folder gone"]
+    assert state.icon_look(T).warning
+
+
+def test_host_ram_and_the_prompt_cache_are_shown_against_their_budgets() -> None:
+    state = TrayState()
+    state.apply_status(
+        status(
+            model("a", "warm"),
+            holder="a",
+            host_ram_bytes=5 * GiB,
+            host_ram={"host_copies_bytes": 4 * GiB, "host_kv_bytes": GiB, "budget_bytes": 8 * GiB},
+            prompt_cache={"bytes": 12 * MiB, "files": 1, "budget_bytes": 4 * GiB},
+        ),
+        T,
+    )
+    assert state.tooltip(T).splitlines() == [
+        "arbiterd — GPU: a",
+        "VRAM: 0 B (models' own count)",
+        "host RAM: 5.0 GiB of 8.0 GiB budget",
+        "prompt cache on disk: 12.0 MiB in 1 file of 4.0 GiB budget",
+        "waiting: nobody",
+    ]
+    no_budget = {"host_copies_bytes": 4 * GiB, "host_kv_bytes": 0, "budget_bytes": 0}
+    state.apply_status(status(model("a"), host_ram_bytes=4 * GiB, host_ram=no_budget), T + 1)
+    assert state.host_ram_text() == "host RAM: 4.0 GiB (no budget)"
+    assert state.prompt_cache_text() is None
+
+
+def test_an_unloaded_model_says_whether_its_prompt_cache_is_on_disk() -> None:
+    state = TrayState()
+    state.apply_status(status(model("a", "unloaded"), model("b", "cold")), T)
+    assert state.status is not None
+    a, b = state.status.models
+    assert (a.unloaded, b.unloaded) == (True, False)
+    assert state.unloaded_text(b) is None  # cold keeps its worker and host copy
+    # Loaded on demand and not started yet: nothing was saved, and nothing is claimed.
+    assert state.unloaded_text(a) == "unloaded — starts on its next request"
+    state.apply_event(unload(T + 1, "a", kv_bytes=12 * MiB, tokens=1310))
+    assert state.unloaded_text(a) == "unloaded — prompt cache on disk (1310 tokens, 12.0 MiB)"
+    evict = event(event="prompt_cache_evict", at=T + 2, model="b", evicted=["a"],
+                  evicted_bytes=12 * MiB, used_bytes=20 * MiB, budget_bytes=24 * MiB)  # fmt: skip
+    state.apply_event(evict)
+    assert state.unloaded_text(a) == "unloaded — prompt cache evicted for room on disk"
+    state.apply_event(unload(T + 3, "a", error="disk full"))  # a later unload: its own fate
+    assert state.unloaded_text(a) == "unloaded — prompt cache not kept: disk full"
+    state.apply_status(status(model("a", "unloading")), T + 4)
+    assert state.status is not None
+    assert state.unloaded_text(state.status.models[0]) == "unloading — saving its prompt cache"
+
+
+def test_an_unload_empties_its_models_vram_between_snapshots() -> None:
+    state = TrayState()
+    state.apply_event(residency(T, "a", "warming", "warm", weights_bytes=GiB))
+    assert state.history.samples[-1].models == (("a", GiB),)
+    state.apply_event(unload(T + 5, "a", kv_bytes=MiB, tokens=9))
+    assert state.history.samples[-1].models == (("a", 0),)
+
+
+def test_a_vision_requests_projector_steps_are_one_record() -> None:
+    state = TrayState()
+    state.apply_event(encoder(T, "eye", "r1", "load", duration_s=0.0023, bytes=155 * 1024))
+    state.apply_event(encoder(T + 0.01, "eye", "r1", "encode", duration_s=0.0004, images=1))
+    state.apply_event(encoder(T + 0.02, "eye", "r1", "free", duration_s=0.0001))
+    [record] = state.history.encoder
+    assert record.title == "eye: projector loaded, encoded 1 image, freed"
+    assert record.total_s == pytest.approx(0.0028)
+    assert record.loaded_bytes == 155 * 1024
+    assert state.encoder_text("eye") == (
+        "projector loaded in 2.3 ms, encoded 1 image in 0.4 ms, freed in 0.1 ms"
+        f" (at {render.clock(T)})"
+    )
+    assert state.encoder_text("other") is None
+    # A resident projector only encodes: its own record, and the card's latest.
+    state.apply_event(encoder(T + 60, "eye", "r2", "encode", duration_s=0.0005, images=2))
+    assert [r.request_id for r in state.history.encoder] == ["r1", "r2"]
+    assert (
+        state.encoder_text("eye")
+        == f"projector encoded 2 images in 0.5 ms (at {render.clock(T + 60)})"
+    )
+    # The journal's older record, coming after the live one, does not replace it on the card.
+    state.apply_event(encoder(T - 60, "eye", "r0", "encode", duration_s=0.0009, images=1))
+    assert [r.request_id for r in state.history.encoder] == ["r0", "r1", "r2"]
+    assert state.history.last_encoder["eye"].request_id == "r2"
+
+
+def test_a_projector_step_the_journal_sends_again_after_the_window_counts_once() -> None:
+    state = TrayState(window_s=60)
+    steps = [encoder(T + i / 100, "eye", "r1", a, duration_s=0.001) for i, a in enumerate(
+        ("load", "encode", "free"))]  # fmt: skip
+    for step in steps:
+        state.apply_event(step)
+    state.history.trim(T + 3600)  # the window forgets them; the card still shows them
+    for step in steps:  # a window opens: the journal's last hour comes again
+        state.apply_event(step)
+    assert [s.action for s in state.history.last_encoder["eye"].steps] == ["load", "encode", "free"]

@@ -138,6 +138,22 @@ def test_the_menu_follows_the_daemon(
     assert app.actions["hold"].isChecked()
 
 
+def test_the_menu_names_a_group_holding_the_gpu_and_an_unloaded_model_without_bytes(
+    qtbot: QtBot, make_app: AppFactory, server: FakeControlServer
+) -> None:
+    server.status = status(
+        model("alpha", "warm", resident_bytes=GiB),
+        model("beta", "warm", resident_bytes=GiB // 2),
+        model("gamma", "unloaded"),
+        holder="group rag",
+        groups=[{"name": "rag", "models": ["alpha", "beta"], "holds_token": True}],
+    )
+    app = make_app()
+    wait_for_text(qtbot, app, "headline", "GPU: group rag — alpha, beta")
+    assert text_of(app, "model:gamma") == "gamma — unloaded"
+    assert text_of(app, "model:alpha") == "alpha — warm, 1.0 GiB"
+
+
 def test_menu_actions_send_the_right_commands(
     qtbot: QtBot, make_app: AppFactory, server: FakeControlServer
 ) -> None:
