@@ -12,7 +12,7 @@
     allow_users = []              # other users the HTTP API serves (names or uids)
     api_socket = "..."            # the HTTP API's Unix socket; default api.sock beside `socket`
     header_timeout_s = 10         # how long a client may take to send a request head
-    vram_budget = 0               # what a group may use together, e.g. "22GiB"; 0 = unchecked
+    vram_budget = 0               # device bytes for a group or a model + projector; 0 = unchecked
     host_ram_budget = 0           # bytes (or "8GiB") of host copies + cold KV; 0 = no budget
     prompt_cache_budget = "4GiB"  # bytes of prompt caches unloaded models keep on disk
     [models.NAME]                 # one table per model; NAME is what requests ask for
@@ -182,7 +182,9 @@ class DaemonConfig:
     allow_uids: frozenset[int]  # users besides the owner whom the HTTP API serves without a key
     api_socket: Path
     header_timeout_s: float
-    vram_budget: int = 0  # bytes a group may use together; 0 = not checked
+    # Device bytes: what a group's members may use together, and a model with its vision
+    # projector (less its group's other members); 0 = not checked.
+    vram_budget: int = 0
     # Issue 14: host copies + the host KV of cold models above this unload the least recently
     # used cold models; 0 = no budget.
     host_ram_budget_bytes: int = 0

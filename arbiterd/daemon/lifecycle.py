@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from arbiterd.config import PROMPT_CACHE_BUDGET_BYTES, HostCopyMode
+from arbiterd.config import PROMPT_CACHE_BUDGET_BYTES, HostCopyMode, ModelConfig
 from arbiterd.daemon.budgets import PromptCache, StateFile
 from arbiterd.daemon.modelfile import serves_embeddings
 from arbiterd.daemon.slots import Slot, SlotState
@@ -64,11 +64,12 @@ class Lifecycle:
         on_gone: Callable[[Slot, WorkerClient], None],
         kv_dir: Path | None = None,
         prompt_cache_budget_bytes: int = PROMPT_CACHE_BUDGET_BYTES,
-        vram_budget: int = 0,
+        vram_budget: Callable[[ModelConfig], int] = lambda _: 0,
     ) -> None:
         """`kv_dir`: the folder unloaded models keep their prompt caches in, within
-        `prompt_cache_budget_bytes`; None: an unload keeps none. `vram_budget`: [daemon]
-        vram_budget, passed to every worker (a vision projector must fit beside its model)."""
+        `prompt_cache_budget_bytes`; None: an unload keeps none. `vram_budget`: the device
+        bytes a model's worker may reach (a vision projector must fit beside its model),
+        modelfile.vram_budget_for; called in a thread as each worker starts."""
         self._arena = arena
         self._vram_budget = vram_budget
         self._kv_dir = kv_dir
@@ -109,7 +110,7 @@ class Lifecycle:
                     model_version=(
                         None if copy is None else (copy.identity.size, copy.identity.mtime_ns)
                     ),
-                    vram_budget=self._vram_budget,
+                    vram_budget=await asyncio.to_thread(self._vram_budget, slot.config),
                 ),
                 env=env,
                 on_event=lambda event: self._on_worker_event(slot, event),

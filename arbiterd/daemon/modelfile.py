@@ -289,6 +289,29 @@ class VramNeed:
         return self.weights + self.kv
 
 
+def vram_budget_for(config: Config, model: ModelConfig) -> int:
+    """The device bytes `model`'s worker may reach (with a vision projector beside it): [daemon]
+    vram_budget, less what the other members of its group, warm at the same time, are
+    estimated to need (VramNeed); 0: no budget. Reads the other members' headers (~0.1 s for a
+    large vocabulary): call it from a thread."""
+    budget = config.daemon.vram_budget
+    group = config.groups.get(model.group)
+    if not budget or group is None:
+        return budget
+    others = 0
+    for name in group.models:
+        if name == model.name:
+            continue
+        member = config.models[name]
+        try:
+            others += VramNeed.of(
+                member, read_header(member.path), os.stat(member.path).st_size
+            ).total
+        except (OSError, NotGgufError):
+            continue  # gone from disk (served from its copy) or refused by the check: unknown
+    return max(budget - others, 1)  # 1: nothing is left, a projector never fits beside
+
+
 def _check_groups_fit(config: Config, needs: Mapping[str, VramNeed], label: str) -> None:
     """Members of a group are warm at once: with a [daemon] vram_budget, refuse a group whose
     members' estimates add up to more, with the numbers."""

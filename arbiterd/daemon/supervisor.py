@@ -33,7 +33,7 @@ from arbiterd.daemon.images import ImagePolicy
 from arbiterd.daemon.journal import Journal
 from arbiterd.daemon.lifecycle import Lifecycle
 from arbiterd.daemon.metrics import Metrics
-from arbiterd.daemon.modelfile import check_models
+from arbiterd.daemon.modelfile import check_models, vram_budget_for
 from arbiterd.daemon.routing import Router
 from arbiterd.daemon.slots import Slot, SlotState
 from arbiterd.daemon.telemetry import ReaderSet, TelemetrySnapshot
@@ -127,7 +127,8 @@ class Supervisor:
             on_gone=self._on_gone,
             kv_dir=config.daemon.journal.parent / KV_DIR,
             prompt_cache_budget_bytes=config.daemon.prompt_cache_budget_bytes,
-            vram_budget=config.daemon.vram_budget,
+            # The config as it is when each worker starts (a reload replaces it).
+            vram_budget=lambda model: vram_budget_for(self.config, model),
         )
         self._router = Router(self._slots, self._bus.publish, self._lifecycle.load)
         self._hold: Token | None = None

@@ -16,6 +16,7 @@ from arbiterd.daemon.modelfile import (
     check_models,
     read_header,
     serves_embeddings,
+    vram_budget_for,
 )
 from arbiterd.errors import ConfigError
 from tests.support.models import model_config
@@ -240,3 +241,15 @@ def test_a_projector_must_be_a_clip_gguf(tmp_path: Path, tiny_model: Path) -> No
         bad = dataclasses.replace(config, models={"m": dataclasses.replace(model, mmproj=path)})
         with pytest.raises(ConfigError, match=r"models\.m\.mmproj: .*" + re.escape(message)):
             check_models(bad)
+
+
+def test_a_group_members_budget_leaves_room_for_the_others(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    need = tiny_model.stat().st_size + (read_header(tiny_model).kv_bytes(256) or 0)
+    config = group_config(tmp_path, tiny_model, f"{3 * need}B")
+    assert vram_budget_for(config, config.models["a"]) == 2 * need  # b is warm beside it
+    spent = group_config(tmp_path, tiny_model, f"{need}B")
+    assert vram_budget_for(spent, spent.models["a"]) == 1  # nothing left for a projector
+    alone = config_for(tmp_path, tiny_model)
+    assert vram_budget_for(alone, alone.models["m"]) == 0  # no budget configured
