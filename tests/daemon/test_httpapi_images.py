@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 
+from arbiterd.daemon import httpapi
 from arbiterd.daemon.httpapi import create_app
 from arbiterd.daemon.images import ImagePolicy
 from arbiterd.spec import IMAGE_MARKER, MAX_IMAGES
@@ -143,6 +144,30 @@ def test_a_request_carries_at_most_max_images(vision: FastAPI, service: FakeServ
     response = call(vision, "POST", "/v1/chat/completions", body=body)
     assert_error(response, 400, param=f"messages[0].content[{MAX_IMAGES + 1}]")
     assert service.calls == []
+
+
+def test_images_too_large_for_the_worker_message_are_refused_by_part(
+    vision: FastAPI, service: FakeService, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Images read from URLs were never in the body, which bounds the ones sent inline.
+    service.vision["tiny"] = ImagePolicy("tiny", 64 * 1024, 256 * 256, allow_urls=True)
+    small, large = png(4, 4), png(32, 32)
+    (tmp_path / "small.png").write_bytes(small)
+    (tmp_path / "large.png").write_bytes(large)
+    ceiling = len(base64.b64encode(small)) + len(base64.b64encode(large)) - 1
+    monkeypatch.setattr(httpapi, "MAX_IMAGES_MESSAGE_BYTES", ceiling)
+    content = [
+        {"type": "text", "text": "look"},
+        {"type": "image_url", "image_url": {"url": f"file://{tmp_path}/small.png"}},
+        {"type": "image_url", "image_url": {"url": f"file://{tmp_path}/large.png"}},
+    ]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}]}
+    response = call(vision, "POST", "/v1/chat/completions", body=body)
+    error = assert_error(response, 400, param="messages[0].content[2]", code="invalid_image")
+    assert f"more than {ceiling} bytes as the engine takes them" in error["message"]
+    assert service.calls == []
+    monkeypatch.setattr(httpapi, "MAX_IMAGES_MESSAGE_BYTES", ceiling + 1)
+    assert call(vision, "POST", "/v1/chat/completions", body=body).status_code == 200
 
 
 def short_pixels_png() -> bytes:
