@@ -51,8 +51,8 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 # A chat request reaches its worker as one wire message: the body, its data: URLs replaced by
 # markers, and body["images"] in base64. A worker answers a longer line with an error that names
 # no request, which would leave the request waiting, so the images get what the largest body
-# leaves. Images sent inline fit by construction; an image fetched from a URL
-# (allow_image_urls) was never in the body.
+# leaves. Images sent inline as PNG or JPEG fit by construction; a WebP goes as PNG, several
+# times its size, and an image fetched from a URL (allow_image_urls) was never in the body.
 MAX_IMAGES_MESSAGE_BYTES = MAX_MESSAGE_BYTES - MAX_BODY_BYTES
 MAX_TOKENS_LIMIT = 1_000_000
 MAX_STOP_SEQUENCES = 4  # as OpenAI
@@ -1239,7 +1239,8 @@ def _admit(
 async def _attach_images(service: Service, parsed: CompletionRequest) -> None:
     """Check a chat request's image parts against its model's policy (images.py) and pass them
     to the engine as body["images"], base64, in order. Each refusal is a 400 naming the part.
-    Runs in a thread: a URL may be fetched, a PNG is inflated to check it is whole."""
+    Runs in a thread: a URL may be fetched, a PNG is inflated to check it is whole, a WebP is
+    converted to PNG."""
     if not parsed.image_urls:
         return
     policy = service.image_policy(parsed.model)
@@ -1271,8 +1272,8 @@ async def _attach_images(service: Service, parsed: CompletionRequest) -> None:
             raise ApiError(
                 400,
                 f"'{param}': the request's images come to more than "
-                f"{MAX_IMAGES_MESSAGE_BYTES} bytes as the engine takes them (base64); "
-                "send fewer or smaller images",
+                f"{MAX_IMAGES_MESSAGE_BYTES} bytes as the engine takes them (base64, a WebP "
+                "converted to PNG); send fewer or smaller images",
                 code="invalid_image",
                 param=param,
             )
