@@ -43,10 +43,17 @@ from arbiterd.daemon import images, ollama
 from arbiterd.daemon.service import Service
 from arbiterd.errors import ArbiterError, BadValueError, ErrorCode, UnknownModelError
 from arbiterd.spec import COMPLETION_PARAMS, EMBEDDING, IMAGE_MARKER, MAX_IMAGES
+from arbiterd.wire import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
+# A chat request reaches its worker as one wire message: the body, its data: URLs replaced by
+# markers, and body["images"] in base64. A worker answers a longer line with an error that names
+# no request, which would leave the request waiting, so the images get what the largest body
+# leaves. Images sent inline as PNG or JPEG fit by construction; a WebP goes as PNG, several
+# times its size, and an image fetched from a URL (allow_image_urls) was never in the body.
+MAX_IMAGES_MESSAGE_BYTES = MAX_MESSAGE_BYTES - MAX_BODY_BYTES
 MAX_TOKENS_LIMIT = 1_000_000
 MAX_STOP_SEQUENCES = 4  # as OpenAI
 MAX_TOP_K = 1_000_000  # above any vocabulary size
@@ -1232,7 +1239,8 @@ def _admit(
 async def _attach_images(service: Service, parsed: CompletionRequest) -> None:
     """Check a chat request's image parts against its model's policy (images.py) and pass them
     to the engine as body["images"], base64, in order. Each refusal is a 400 naming the part.
-    Runs in a thread: a URL may be fetched, a PNG is inflated to check it is whole."""
+    Runs in a thread: a URL may be fetched, a PNG is inflated to check it is whole, a WebP is
+    converted to PNG."""
     if not parsed.image_urls:
         return
     policy = service.image_policy(parsed.model)
@@ -1251,13 +1259,24 @@ async def _attach_images(service: Service, parsed: CompletionRequest) -> None:
             code="invalid_image",
             param=parsed.image_urls[MAX_IMAGES][0],
         )
-    loaded = []
+    loaded: list[str] = []
+    total_bytes = 0
     for param, url in parsed.image_urls:
         try:
             image = await anyio.to_thread.run_sync(partial(images.load, param, url, policy))
         except images.ImageRefused as exc:
             raise ApiError(400, str(exc), code="invalid_image", param=exc.param) from None
         loaded.append(base64.b64encode(image.data).decode("ascii"))
+        total_bytes += len(loaded[-1])
+        if total_bytes > MAX_IMAGES_MESSAGE_BYTES:
+            raise ApiError(
+                400,
+                f"'{param}': the request's images come to more than "
+                f"{MAX_IMAGES_MESSAGE_BYTES} bytes as the engine takes them (base64, a WebP "
+                "converted to PNG); send fewer or smaller images",
+                code="invalid_image",
+                param=param,
+            )
     parsed.body["images"] = loaded
 
 

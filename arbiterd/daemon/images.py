@@ -1,17 +1,32 @@
 """Images at the HTTP edge (issue 12): owns turning an OpenAI `image_url` content part into
-checked image bytes for a vision model's worker, and every reason to refuse one.
+checked image bytes for a vision model's worker, and every reason to refuse one. The only module
+that imports Pillow, and only when a WebP arrives (ruff's TID253 keeps it out of module level):
+the daemon's import time and memory are what they were for everyone who sends none.
 
 A part is refused, each with the field it came in, when: its URL's scheme is not data:, file:,
 http: or https:; it is a URL other than data: while the model's `allow_image_urls` is off; its
-data: URL is not base64; its bytes are more than `max_image_bytes`; they are not a PNG or JPEG
-(WebP and GIF are named: libmtmd's stb_image reads neither); the image is corrupt or truncated
-(PNG: every chunk's CRC, IHDR to IEND and the pixel data inflating to the size IHDR promises;
-JPEG: a frame header and the end-of-image marker); its width x height is more than
-`max_image_pixels`; or the model has no projector.
+data: URL is not base64; its bytes are more than `max_image_bytes`; they are not a PNG, JPEG or
+WebP (GIF, BMP and TIFF are named: libmtmd's stb_image reads none of them); the image is corrupt
+or truncated (PNG: every chunk's CRC, IHDR to IEND and the pixel data inflating to the size IHDR
+promises; JPEG: a frame header and the end-of-image marker; WebP: its RIFF chunks whole, a VP8,
+VP8L or VP8X header, and libwebp decoding it); its width x height is more than
+`max_image_pixels`; it is an animated WebP of more than one frame; or the model has no projector.
 
-Checks only bytes and headers: never decodes a JPEG's pixels (the worker's decoder does, and
-its failure is a 400 too). Fetching a URL (when allowed) runs in a thread with a size cap and a
-timeout; nothing here imports llama.cpp.
+WebP is converted here to PNG, because stb_image cannot read it (libmtmd would hand it to an
+ffmpeg subprocess, which a worker never starts: arbiterd/worker/vision.py). Its size comes from
+its own header, read here, and is checked before Pillow sees the bytes: before 13.0, Pillow's
+WebP plugin allocates the whole canvas as it opens a file (10.x without libwebp's animation API
+even decodes it), before any size check. That explicit check is the one pixel limit, per model,
+so Pillow's process-wide one (Image.MAX_IMAGE_PIXELS) is turned off. The PNG keeps the WebP's
+width, height and alpha: the worker's decoder asks stb_image for RGB and drops alpha, as it
+does for a PNG sent with it. An animation is refused rather than cut to its first frame (as
+OpenAI takes only non-animated GIFs): a first frame alone can say something else than the
+animation the client sent. The PNG is larger than the WebP (0.3 to 1.5 bytes a pixel on the
+photos in docs/http-api.md): httpapi.py bounds a request's images as the worker takes them.
+
+Checks only bytes and headers of PNG and JPEG: never decodes a JPEG's pixels (the worker's
+decoder does, and its failure is a 400 too). Fetching a URL (when allowed) and converting a WebP
+are blocking: the caller runs `load` in a thread. Nothing here imports llama.cpp.
 """
 
 from __future__ import annotations
@@ -23,12 +38,17 @@ import urllib.parse
 import urllib.request
 import zlib
 from dataclasses import dataclass
+from io import BytesIO
 from pathlib import Path
 
-_SEND = "send PNG or JPEG"
+_SEND = "send PNG, JPEG or WebP"
 FETCH_TIMEOUT_S = 10.0  # an http(s) image URL, when allowed
 _PNG = b"\x89PNG\r\n\x1a\n"
 _JPEG = b"\xff\xd8\xff"
+# WebP's container (Google's "WebP Container Specification"): RIFF, size, WEBP, then chunks.
+_VP8_START = b"\x9d\x01\x2a"  # a VP8 key frame's start code (RFC 6386, 9.1)
+_VP8L_SIGNATURE = 0x2F  # a VP8L bitstream's first byte
+_VP8X_ANIMATION = 0x02  # VP8X's flags: the file is an animation (its frames are ANMF chunks)
 # Formats people send that the engine's decoder cannot read, by their first bytes.
 _UNSUPPORTED = {
     b"GIF87a": "a GIF",
@@ -66,7 +86,7 @@ class ImageRefused(Exception):
 @dataclass(frozen=True)
 class Image:
     data: bytes
-    format: str  # "png" or "jpeg"
+    format: str  # of `data`: "png" or "jpeg" (a WebP arrives as "png", converted)
     width: int
     height: int
 
@@ -93,7 +113,8 @@ def load(param: str, url: str, policy: ImagePolicy) -> Image:
 
 
 def check(param: str, data: bytes, policy: ImagePolicy) -> Image:
-    """`data` checked to be one whole PNG or JPEG within the policy's limits."""
+    """`data` checked to be one whole PNG, JPEG or WebP within the policy's limits; a WebP comes
+    back converted to PNG (blocking: see the module's docstring)."""
     if len(data) > policy.max_bytes:
         raise ImageRefused(
             param, f"the image is {len(data)} bytes, more than max_image_bytes ({policy.max_bytes})"
@@ -103,22 +124,23 @@ def check(param: str, data: bytes, policy: ImagePolicy) -> Image:
     elif data.startswith(_JPEG):
         kind, (width, height) = "jpeg", _jpeg_size(param, data)
     elif data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        raise ImageRefused(param, f"a WebP image, which this engine cannot decode; {_SEND}")
+        kind, (width, height) = "webp", _webp_size(param, data)
     else:
         for signature, name in _UNSUPPORTED.items():
             if data.startswith(signature):
-                raise ImageRefused(
-                    param, f"{name} image, which this engine cannot decode; send PNG or JPEG"
-                )
-        raise ImageRefused(param, "not an image (expected PNG or JPEG bytes)")
+                raise ImageRefused(param, f"{name} image, which this engine cannot decode; {_SEND}")
+        raise ImageRefused(param, "not an image (expected PNG, JPEG or WebP bytes)")
     if width * height > policy.max_pixels:
         raise ImageRefused(
             param,
             f"the image is {width}x{height} pixels, more than max_image_pixels "
             f"({policy.max_pixels})",
         )
-    if kind == "png":  # inflated only now: the pixel limit keeps a decompression bomb out
+    # Inflated or decoded only now: the pixel limit keeps a decompression bomb out.
+    if kind == "png":
         _png_inflates(param, data, row_bytes * height)
+    elif kind == "webp":
+        return Image(_webp_to_png(param, data, width, height), "png", width, height)
     return Image(data, kind, width, height)
 
 
@@ -219,3 +241,73 @@ def _jpeg_size(param: str, data: bytes) -> tuple[int, int]:
             break
         at += 2 + length
     raise ImageRefused(param, "a corrupt JPEG (no valid frame header)")
+
+
+def _webp_size(param: str, data: bytes) -> tuple[int, int]:
+    """Width and height of a WebP from its first chunk (VP8, VP8L or VP8X), every chunk whole
+    within the RIFF size; an animation of more than one frame is refused by name."""
+    (riff_bytes,) = struct.unpack("<I", data[4:8])
+    if riff_bytes + 8 > len(data):
+        raise ImageRefused(
+            param,
+            f"a truncated WebP (its header promises {riff_bytes + 8} bytes, {len(data)} came)",
+        )
+    at, end, first, frames = 12, riff_bytes + 8, None, 0
+    while at + 8 <= end:
+        kind = data[at : at + 4]
+        (length,) = struct.unpack("<I", data[at + 4 : at + 8])
+        if at + 8 + length > end:
+            raise ImageRefused(param, f"a truncated WebP (chunk {kind!r} ends early)")
+        first = first or (kind, data[at + 8 : at + 8 + length])
+        frames += kind == b"ANMF"
+        at += 8 + length + (length & 1)  # chunks are padded to an even size
+    if first is None:
+        raise ImageRefused(param, "a truncated WebP (no chunks)")
+    kind, body = first
+    size = None
+    if kind == b"VP8 " and len(body) >= 10 and body[3:6] == _VP8_START:
+        width, height = struct.unpack("<HH", body[6:10])
+        size = width & 0x3FFF, height & 0x3FFF  # the top 2 bits are an upscaling hint
+    elif kind == b"VP8L" and len(body) >= 5 and body[0] == _VP8L_SIGNATURE:
+        (bits,) = struct.unpack("<I", body[1:5])  # 14 bits width - 1, 14 bits height - 1, ...
+        if bits >> 29 == 0:  # ... 1 bit alpha, 3 bits version (0)
+            size = (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+    elif kind == b"VP8X" and len(body) >= 10:
+        # flags, 3 reserved bytes, then the canvas's width - 1 and height - 1 in 24 bits each
+        width = int.from_bytes(body[4:7], "little") + 1
+        height = int.from_bytes(body[7:10], "little") + 1
+        if body[0] & _VP8X_ANIMATION and frames > 1:
+            raise ImageRefused(
+                param, f"an animated WebP ({frames} frames); send one frame as PNG, JPEG or WebP"
+            )
+        size = width, height
+    if size is None or 0 in size:
+        raise ImageRefused(param, "a corrupt WebP (no valid VP8, VP8L or VP8X header)")
+    return size
+
+
+def _webp_to_png(param: str, data: bytes, width: int, height: int) -> bytes:
+    """The WebP `data`, whose header says `width` x `height`, decoded by libwebp (through Pillow)
+    and written as a PNG of the same size and mode (RGB, or RGBA when it has alpha)."""
+    from PIL import Image as PILImage  # lazily (TID253): see the module docstring
+
+    # `check` applied the model's max_image_pixels before Pillow sees the bytes; Pillow's own,
+    # process-wide limit would warn or refuse at other sizes than the one configured.
+    PILImage.MAX_IMAGE_PIXELS = None
+    try:
+        # formats: only the WebP plugin may read it, whatever else the bytes might pass for.
+        with PILImage.open(BytesIO(data), formats=["WEBP"]) as image:
+            if image.size != (width, height):
+                raise ImageRefused(
+                    param,
+                    f"a corrupt WebP (its header says {width}x{height}, its image is "
+                    f"{image.size[0]}x{image.size[1]})",
+                )
+            image.load()
+            out = BytesIO()
+            image.save(out, format="PNG")
+    except (OSError, ValueError) as exc:
+        # Pillow says OSError for a file it cannot read (UnidentifiedImageError is one, and so
+        # is "WEBP support not installed"), ValueError for some malformed headers.
+        raise ImageRefused(param, f"a corrupt or truncated WebP ({exc})") from None
+    return out.getvalue()

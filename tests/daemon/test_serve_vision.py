@@ -4,6 +4,7 @@ reuses the prompt cache through the image."""
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from arbiterd.cli.controlclient import ControlClient
 from tests.support.daemon import Daemon
-from tests.support.images import png, png_data_url
+from tests.support.images import png, webp
 from tests.support.waiting import wait_until
 
 QUESTION = "what is in this picture"
@@ -43,12 +44,13 @@ def api(daemon: Daemon) -> Iterator[openai.OpenAI]:
         yield client
 
 
-def user_turn(image: bytes) -> ChatCompletionUserMessageParam:
+def user_turn(image: bytes, media_type: str = "image/png") -> ChatCompletionUserMessageParam:
+    url = f"data:{media_type};base64,{base64.b64encode(image).decode()}"
     return {
         "role": "user",
         "content": [
             {"type": "text", "text": QUESTION},
-            {"type": "image_url", "image_url": {"url": png_data_url(image)}},
+            {"type": "image_url", "image_url": {"url": url}},
         ],
     }
 
@@ -134,6 +136,23 @@ def test_an_image_request_streams(api: openai.OpenAI) -> None:
     usage = chunks[-1].usage
     assert usage is not None
     assert usage.prompt_tokens > 4  # the image's positions count in the prompt
+
+
+def test_a_webp_is_answered_as_its_png_is(api: openai.OpenAI) -> None:
+    # The edge converts the WebP to PNG: the worker's decoder (stb_image) cannot read WebP.
+    as_png = api.chat.completions.create(
+        model="eye", messages=[user_turn(png(48, 40, seed=21))], max_tokens=3, temperature=0
+    )
+    as_webp = api.chat.completions.create(
+        model="eye",
+        messages=[user_turn(webp(48, 40, lossless=True, seed=21), "image/webp")],
+        max_tokens=3,
+        temperature=0,
+    )
+    assert as_webp.choices[0].message.content
+    assert as_png.usage is not None
+    assert as_webp.usage is not None
+    assert as_webp.usage.prompt_tokens == as_png.usage.prompt_tokens  # the image's positions too
 
 
 def test_metrics_count_the_projector_loads(daemon: Daemon, api: openai.OpenAI) -> None:

@@ -1,13 +1,17 @@
-"""Small images made by the tests: PNGs written with the standard library (zlib + CRC), and
-baseline JPEGs of one grey, written by hand (the standard library has no JPEG encoder)."""
+"""Small images made by the tests: PNGs written with the standard library (zlib + CRC),
+baseline JPEGs of one grey, written by hand (the standard library has no JPEG encoder), and
+WebPs written with Pillow (libwebp), still or animated."""
 
 from __future__ import annotations
 
 import base64
 import struct
 import zlib
+from io import BytesIO
 
-__all__ = ["jpeg", "png", "png_data_url"]
+from PIL import Image
+
+__all__ = ["jpeg", "pattern", "png", "png_data_url", "webp"]
 
 
 def _chunk(kind: bytes, data: bytes) -> bytes:
@@ -17,11 +21,9 @@ def _chunk(kind: bytes, data: bytes) -> bytes:
 
 def png(width: int = 32, height: int = 32, seed: int = 0) -> bytes:
     """An 8-bit RGB PNG of `width` x `height` pixels, a pattern that depends on `seed`."""
+    pixels, row_bytes = _pixels(width, height, seed), width * 3
     rows = b"".join(
-        b"\x00"  # filter type 0 (none) per scanline
-        + bytes(
-            ((x * 7 + y * 13 + seed * 31 + c * 85) & 0xFF) for x in range(width) for c in range(3)
-        )
+        b"\x00" + pixels[y * row_bytes : (y + 1) * row_bytes]  # filter type 0 (none) per scanline
         for y in range(height)
     )
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit, truecolour
@@ -66,3 +68,50 @@ def jpeg(width: int = 8, height: int = 8, *, lossless: bool = False) -> bytes:
         + scan.replace(b"\xff", b"\xff\x00")
         + b"\xff\xd9"
     )
+
+
+def pattern(
+    width: int = 32, height: int = 32, *, alpha: bool = False, seed: int = 0
+) -> Image.Image:
+    """The pixels `png` writes, as a Pillow image; with `alpha`, a left-to-right alpha ramp."""
+    image = Image.frombytes("RGB", (width, height), _pixels(width, height, seed))
+    if alpha:
+        ramp = bytes(x * 255 // max(width - 1, 1) for _ in range(height) for x in range(width))
+        image.putalpha(Image.frombytes("L", (width, height), ramp))
+    return image
+
+
+def _pixels(width: int, height: int, seed: int) -> bytes:
+    return bytes(
+        ((x * 7 + y * 13 + seed * 31 + c * 85) & 0xFF)
+        for y in range(height)
+        for x in range(width)
+        for c in range(3)
+    )
+
+
+def webp(
+    width: int = 32,
+    height: int = 32,
+    *,
+    lossless: bool = False,
+    alpha: bool = False,
+    frames: int = 1,
+    seed: int = 0,
+) -> bytes:
+    """A WebP of `pattern`'s pixels: lossy (VP8, or VP8X with an ALPH chunk for `alpha`) or
+    `lossless` (VP8L); with `frames` > 1, an animation (VP8X + ANIM + one ANMF a frame), each
+    frame another seed."""
+    first, *rest = [
+        pattern(width, height, alpha=alpha, seed=seed + i) for i in range(max(frames, 1))
+    ]
+    out = BytesIO()
+    first.save(
+        out,
+        format="WEBP",
+        lossless=lossless,
+        quality=90,
+        save_all=frames > 1,
+        append_images=rest,
+    )
+    return out.getvalue()
