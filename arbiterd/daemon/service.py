@@ -20,16 +20,19 @@ Errors the methods raise (arbiterd.errors), which each edge maps once:
 
 Status (`await status()`), one JSON object:
     {"models": [{"name", "aliases": [str, ...], "n_ctx",
+                 "host_copy": "memfd" | "page-cache",
                  "state": the worker's residency while it runs (loading, warm, cooling, cold,
                           warming, failed), else the slot's (starting, restarting, failed,
-                          stopped),
+                          stopped, unloading, unloaded),
                  "pid", "pinned", "queue", "resident_bytes", "prompt_tokens_evaluated",
                  "served", "restarts", "last_error",
                  "last_handoff": handoff event | None,
                  "vram_bytes": measured device bytes | None (cannot be told),
                  "cold_footprint_bytes": what its worker holds while cold | None,
-                 "host_ram_bytes": its share of its file's host copy + host_kv_bytes | None,
+                 "host_ram_bytes": its share of its file's host copy + host_kv_bytes
+                                   + host_weights_bytes | None,
                  "host_kv_bytes": the KV cache it keeps on the host,
+                 "host_weights_bytes": the weights an in-place release keeps on the host,
                  "host_copy_bytes": the size of its file's host copy (when it has one),
                  "host_copy_shared_with": [other models on the same copy],
                  "backend": "in-place" | "reload" | None (no worker said hello yet),
@@ -38,7 +41,10 @@ Status (`await status()`), one JSON object:
                             offload}, ...],
      "arena": str, "holder": {"pid", "name", "since"} | None,
      "waiters": [{"pid", "name"}, ...], "hold": bool,
-     "host_ram_bytes": every host copy once + every host KV cache,
+     "groups": [{"name", "models", "priority", "holds_token", "handoffs", "failure"}, ...],
+     "host_ram_bytes": every host copy once + every model's host KV and released weights,
+     "host_ram": {"host_copies_bytes", "host_kv_bytes", "host_weights_bytes", "budget_bytes"},
+     "prompt_cache": {"bytes", "files", "budget_bytes"} | None,
      "engine": {"offload": bool, "devices": [str, ...]} | None (no worker said hello yet),
      "telemetry": {"at", "source", "readers", "device",
                    "devices": [{"device", "name", "total_bytes", "used_bytes"}, ...],
@@ -61,6 +67,14 @@ Events (from `subscribe()`), JSON objects with "event" and "at" (seconds since t
     reload      the config was read again: added, removed, changed (restarted),
                 aliases_changed (applied without a restart), warnings
     hold        the user took (held=true) or gave back (held=false) the GPU
+    unload      a model was unloaded: model, pid, reason, kv_file, kv_bytes, tokens, error
+    host_ram_budget  host RAM went over [daemon] host_ram_budget: used_bytes, budget_bytes,
+                unload (the cold models unloaded for it), after_bytes
+    prompt_cache_evict  state files removed for [daemon] prompt_cache_budget: model, evicted,
+                evicted_bytes, used_bytes, budget_bytes
+    encoder     a vision model's projector did one step of a request: model, id, action
+                (load, encode, free, release, restore), duration_s, bytes, images, path,
+                peak_bytes, reason
     vram_not_freed  a release did not give the VRAM back: model, pid, device, bytes_before,
                 bytes_after, expected_bytes, waited_s
     vram        live figures, ~1 Hz while someone subscribes (the "telemetry" object of

@@ -296,6 +296,10 @@ class DashboardWindow(QWidget):
         header_view = table.horizontalHeader()
         header_view.setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
         header_view.setSectionResizeMode(1, QHeaderView.ResizeMode.ResizeToContents)
+        # Its header is the widest word: stretched to an equal share it was clipped.
+        header_view.setSectionResizeMode(
+            len(TABLE_COLUMNS) - 1, QHeaderView.ResizeMode.ResizeToContents
+        )
         return table
 
     # -- showing a state -----------------------------------------------------------------------
