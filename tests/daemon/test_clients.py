@@ -15,7 +15,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMessageParam
 
-from tests.support.daemon import Daemon
+from tests.support.daemon import Daemon, tiny
 from tests.support.tiny_gguf import TOOLS_CHAT_TEMPLATE, TinyModelSpec, write_tiny_llama
 
 ADD: ChatCompletionFunctionToolParam = {
@@ -48,10 +48,6 @@ SCHEMA = {
     "required": ["city", "rank"],
     "additionalProperties": False,
 }
-
-
-def tiny(path: Path, **extra: Any) -> dict[str, Any]:
-    return {"path": path, "n_ctx": 2048, "n_gpu_layers": 0, "min_hold_s": 0.05, **extra}
 
 
 @pytest.fixture(scope="module")

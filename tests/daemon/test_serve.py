@@ -22,15 +22,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from arbiterd.arena import Arena
 from arbiterd.daemon.journal import Journal
-from tests.support.daemon import Daemon
+from tests.support.daemon import Daemon, tiny
 from tests.support.waiting import wait_until
 
 ALIASES = ["gpt-4o-mini", "qwen2.5:7b"]  # alpha's, as an OpenAI app and an Ollama app ask
 PREFIX = " ".join(f"the fox {w} is not a dog" for w in ("one", "two", "three", "four") * 8)
-
-
-def tiny(path: Path, **extra: Any) -> dict[str, Any]:
-    return {"path": path, "n_ctx": 2048, "n_gpu_layers": 0, "min_hold_s": 0.05, **extra}
 
 
 @pytest.fixture(scope="module")

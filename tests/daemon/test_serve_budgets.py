@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +16,14 @@ import openai
 
 from arbiterd.daemon.journal import Journal
 from tests.support.daemon import Daemon
+from tests.support.daemon import tiny as tiny_table
 from tests.support.waiting import wait_until
 
 PREFIX = " ".join(f"the fox {w} is not a dog" for w in ("one", "two", "three", "four") * 4)
 
 
-def tiny(path: Path, **extra: Any) -> dict[str, Any]:
-    return {"path": path, "n_ctx": 1024, "n_gpu_layers": 0, "min_hold_s": 0.05, **extra}
+# The tiny model as every test here runs it.
+tiny = partial(tiny_table, n_ctx=1024)
 
 
 def arbiterd(*args: str) -> subprocess.CompletedProcess[str]:

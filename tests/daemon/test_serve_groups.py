@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +16,11 @@ import pytest
 
 from arbiterd.arena import Arena
 from tests.support.daemon import Daemon
+from tests.support.daemon import tiny as tiny_table
 from tests.support.waiting import wait_until
 
-
-def tiny(path: Path) -> dict[str, Any]:
-    return {"path": path, "n_ctx": 512, "n_gpu_layers": 0, "min_hold_s": 0.02}
+# The tiny model as every test here runs it.
+tiny = partial(tiny_table, n_ctx=512, min_hold_s=0.02)
 
 
 @pytest.fixture(scope="module")

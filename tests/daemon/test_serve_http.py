@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import httpx
 import pytest
 
 from tests.support.daemon import Daemon
+from tests.support.daemon import tiny as tiny_table
 from tests.support.users import NOBODY, as_user, needs_root, refused_errno, request, tcp, unix
 
 COMPLETION = json.dumps({"model": "m", "prompt": "the fox", "max_tokens": 2}).encode()
@@ -30,8 +32,8 @@ HEADER_TIMEOUT_S = 2.0
 FLOOD_DEADLINE_S = 60.0
 
 
-def tiny(path: Path) -> dict[str, Any]:
-    return {"path": path, "n_ctx": 512, "n_gpu_layers": 0, "min_hold_s": 0.05}
+# The tiny model as every test here runs it.
+tiny = partial(tiny_table, n_ctx=512)
 
 
 @pytest.fixture(scope="module")

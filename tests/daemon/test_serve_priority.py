@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +14,10 @@ import openai
 import pytest
 
 from tests.support.daemon import Daemon
+from tests.support.daemon import tiny as tiny_table
 
-
-def tiny(path: Path, **extra: Any) -> dict[str, Any]:
-    return {"path": path, "n_ctx": 2048, "n_gpu_layers": 0, "min_hold_s": 0.02, **extra}
+# The tiny model as every test here runs it.
+tiny = partial(tiny_table, min_hold_s=0.02)
 
 
 @pytest.fixture(scope="module")

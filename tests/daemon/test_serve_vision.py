@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +19,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from arbiterd.cli.controlclient import ControlClient
 from tests.support.daemon import Daemon
+from tests.support.daemon import tiny as tiny_table
 from tests.support.images import png, webp
 from tests.support.waiting import wait_until
 
 QUESTION = "what is in this picture"
 
 
-def tiny(path: Path, **extra: Any) -> dict[str, Any]:
-    return {"path": path, "n_ctx": 1024, "n_gpu_layers": 0, "min_hold_s": 0.05, **extra}
+# The tiny model as every test here runs it.
+tiny = partial(tiny_table, n_ctx=1024)
 
 
 @pytest.fixture(scope="module")

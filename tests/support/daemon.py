@@ -28,6 +28,14 @@ def free_port() -> int:
         return port
 
 
+def tiny(
+    path: Path, *, n_ctx: int = 2048, min_hold_s: float = 0.05, **extra: Any
+) -> dict[str, Any]:
+    """A [models.NAME] table for a tiny test model on the CPU, holding the GPU briefly so that
+    handoffs are quick; `extra` adds or overrides keys."""
+    return {"path": path, "n_ctx": n_ctx, "n_gpu_layers": 0, "min_hold_s": min_hold_s, **extra}
+
+
 class Daemon:
     """`python -m arbiterd daemon --config FILE` with its own socket, arena and journal.
 
