@@ -55,6 +55,7 @@ import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar
 
 from arbiterd.arena import PRIORITY_CHOICES, Priority
 from arbiterd.errors import BadValueError, ConfigError
@@ -135,6 +136,7 @@ PROMPT_CACHE_BUDGET_BYTES = 4 << 30
 _MAX_GOT_CHARS = 80  # a value quoted back in a message is cut to this length
 
 Keys = tuple[str, ...]
+_Choice = TypeVar("_Choice", bound=enum.Enum)
 
 
 class Encoder(enum.StrEnum):
@@ -579,6 +581,14 @@ class _Table:
             raise self.src.expected(self.keys(key), _SIZE_EXPECTED, value)
         return size
 
+    def choice(self, key: str, default: _Choice, expected: str) -> _Choice:
+        """One of an enum's values, by its text; `default` when absent."""
+        text = self.string(key, default.value, expected)
+        try:
+            return type(default)(text)
+        except ValueError:
+            raise self.src.expected(self.keys(key), expected, text) from None
+
     def optional_path(self, key: str) -> Path | None:
         """A path, or None when absent or "" (a default applies)."""
         text = self.string(key, "", _OPTIONAL_PATH_EXPECTED)
@@ -786,16 +796,8 @@ def _model(src: _Source, name: str, raw: object) -> ModelConfig:
     if not isinstance(path_text, str) or not path_text:
         raise src.expected(table.keys("path"), _PATH_EXPECTED, path_text)
 
-    kv_text = table.string("kv_on_release", KvPolicy.HOST.value, _KV_EXPECTED)
-    try:
-        kv_on_release = KvPolicy(kv_text)
-    except ValueError:
-        raise src.expected(table.keys("kv_on_release"), _KV_EXPECTED, kv_text) from None
-    residency_text = table.string("residency", Residency.AUTO.value, _RESIDENCY_EXPECTED)
-    try:
-        residency = Residency(residency_text)
-    except ValueError:
-        raise src.expected(table.keys("residency"), _RESIDENCY_EXPECTED, residency_text) from None
+    kv_on_release = table.choice("kv_on_release", KvPolicy.HOST, _KV_EXPECTED)
+    residency = table.choice("residency", Residency.AUTO, _RESIDENCY_EXPECTED)
     n_ctx = table.integer(
         "n_ctx",
         STARTER_N_CTX,
@@ -812,21 +814,9 @@ def _model(src: _Source, name: str, raw: object) -> ModelConfig:
         "chat_format", "", 'a chat format name such as "chatml" ("" = the GGUF\'s own template)'
     )
     mmproj = table.optional_path("mmproj")
-    encoder_text = table.string("encoder", Encoder.JIT.value, _ENCODER_EXPECTED)
-    try:
-        encoder = Encoder(encoder_text)
-    except ValueError:
-        raise src.expected(table.keys("encoder"), _ENCODER_EXPECTED, encoder_text) from None
-    load_text = table.string("load", Load.START.value, _LOAD_EXPECTED)
-    try:
-        load = Load(load_text)
-    except ValueError:
-        raise src.expected(table.keys("load"), _LOAD_EXPECTED, load_text) from None
-    host_copy_text = table.string("host_copy", HostCopyMode.MEMFD.value, _HOST_COPY_EXPECTED)
-    try:
-        host_copy = HostCopyMode(host_copy_text)
-    except ValueError:
-        raise src.expected(table.keys("host_copy"), _HOST_COPY_EXPECTED, host_copy_text) from None
+    encoder = table.choice("encoder", Encoder.JIT, _ENCODER_EXPECTED)
+    load = table.choice("load", Load.START, _LOAD_EXPECTED)
+    host_copy = table.choice("host_copy", HostCopyMode.MEMFD, _HOST_COPY_EXPECTED)
     embedding = raw.get("embedding")
     if embedding is not None and not isinstance(embedding, bool):
         raise src.expected(table.keys("embedding"), _EMBEDDING_EXPECTED, embedding)
@@ -845,7 +835,7 @@ def _model(src: _Source, name: str, raw: object) -> ModelConfig:
         min_hold_s=table.seconds("min_hold_s", 0.1),
         idle_release_s=table.seconds("idle_release_s", 0.0, note=" (0 = only when wanted)"),
         strict_api=table.boolean("strict_api", False),
-        priority=_priority(src, table),
+        priority=_priority(table),
         preemptible=table.boolean("preemptible", True),
         load=load,
         unload_after_s=table.seconds("unload_after_s", 0.0, note=" (0 = never)"),
@@ -975,18 +965,13 @@ def _groups(src: _Source, raw: object, models: Mapping[str, ModelConfig]) -> dic
                 )
             member_of[member] = name
         highest = min((models[m].priority for m in members), key=lambda p: p.rank)
-        priority = _priority(src, table) if "priority" in values else highest
+        priority = _priority(table) if "priority" in values else highest
         groups[name] = GroupConfig(name, tuple(members), priority)
     return groups
 
 
-def _priority(src: _Source, table: _Table) -> Priority:
-    expected = f"one of {PRIORITY_CHOICES}"
-    text = table.string("priority", Priority.NORMAL.value, expected)
-    try:
-        return Priority(text)
-    except ValueError:
-        raise src.expected(table.keys("priority"), expected, text) from None
+def _priority(table: _Table) -> Priority:
+    return table.choice("priority", Priority.NORMAL, f"one of {PRIORITY_CHOICES}")
 
 
 def _dotted_name_hint(name: str) -> Callable[[str, object], str]:
