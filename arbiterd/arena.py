@@ -707,7 +707,7 @@ class Token:
         """True when some other program waits for the token (holds want.lock shared)."""
         if self._fd is None:
             raise ArenaError("wanted() on a released token")
-        return _contended(self._probe_fd, fcntl.LOCK_EX)
+        return contended(self._probe_fd, fcntl.LOCK_EX)
 
     def hand_over(self, timeout_s: float = HAND_OVER_TIMEOUT_S) -> None:
         """Release to the programs waiting now: return once one of them holds the token, nobody
@@ -725,7 +725,7 @@ class Token:
             self.release()
             deadline = time.monotonic() + timeout_s
             pause_s = HAND_OVER_POLL_MIN_S
-            while _contended(want_fd, fcntl.LOCK_EX) and not _contended(token_fd, fcntl.LOCK_SH):
+            while contended(want_fd, fcntl.LOCK_EX) and not contended(token_fd, fcntl.LOCK_SH):
                 if time.monotonic() >= deadline:
                     return
                 time.sleep(pause_s)
@@ -830,11 +830,20 @@ def _symlink_refusal(path: Path) -> str:
     return f"{path} is a symbolic link; arbiterd follows none in an arena (rm {path})"
 
 
-def _contended(fd: int, operation: int) -> bool:
-    """Try `operation` without blocking and undo it: True when another description conflicts."""
+def try_flock(fd: int, operation: int) -> bool:
+    """Take `operation` without blocking; False when another description conflicts (for
+    groups.py too)."""
     try:
         fcntl.flock(fd, operation | fcntl.LOCK_NB)
     except BlockingIOError:
+        return False
+    return True
+
+
+def contended(fd: int, operation: int) -> bool:
+    """Try `operation` without blocking and undo it: True when another description conflicts
+    (for groups.py too)."""
+    if not try_flock(fd, operation):
         return True
     fcntl.flock(fd, fcntl.LOCK_UN)
     return False

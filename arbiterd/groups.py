@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from arbiterd.arena import Arena, ArenaState, Priority
+from arbiterd.arena import Arena, ArenaState, Priority, contended, try_flock
 from arbiterd.config import GROUP_NAME_EXPECTED, GROUP_NAME_RE
 from arbiterd.errors import AcquireCancelledError, ArenaError, BadValueError
 
@@ -145,7 +145,7 @@ class GateTicket:
         probe_fd = files.arena.open_lock(files.leave_path)
         try:
             while True:
-                if not _contended(probe_fd, fcntl.LOCK_SH) and _try(gate_fd, fcntl.LOCK_SH):
+                if not contended(probe_fd, fcntl.LOCK_SH) and try_flock(gate_fd, fcntl.LOCK_SH):
                     # Open means "not shut": a gate no keeper has shut yet (or any more) is
                     # open too. Inside it, the token must be the keeper's: it cannot go while
                     # we are in (the keeper shuts the gate first).
@@ -186,7 +186,7 @@ class GateHold:
         stops."""
         if self._gate_fd is None:
             raise ArenaError("wanted() on a released gate hold")
-        return _contended(self._probe_fd, fcntl.LOCK_SH)
+        return contended(self._probe_fd, fcntl.LOCK_SH)
 
     def hand_over(self) -> None:
         """Leave the gate; the keeper hands the token over once every member has."""
@@ -248,7 +248,7 @@ class Keeper:
             # Shut while we hold no token. A member of an earlier daemon may still be leaving.
             fcntl.flock(gate_fd, fcntl.LOCK_EX)
             while not self._stop.is_set():
-                if not _contended(waiters_fd, fcntl.LOCK_EX):
+                if not contended(waiters_fd, fcntl.LOCK_EX):
                     self._stop.wait(GROUP_POLL_S)
                     continue
                 try:
@@ -292,11 +292,11 @@ class Keeper:
                 if leaving:
                     # Blocks only for a member's probe (microseconds).
                     fcntl.flock(leave_fd, fcntl.LOCK_EX)
-                elif _contended(waiters_fd, fcntl.LOCK_EX):
+                elif contended(waiters_fd, fcntl.LOCK_EX):
                     continue  # a member waits to come in: nothing to shut
-            if not _try(gate_fd, fcntl.LOCK_EX):
+            if not try_flock(gate_fd, fcntl.LOCK_EX):
                 continue  # a member is warm
-            if leaving or not _contended(waiters_fd, fcntl.LOCK_EX):
+            if leaving or not contended(waiters_fd, fcntl.LOCK_EX):
                 return outside
             fcntl.flock(gate_fd, fcntl.LOCK_UN)  # one came as we shut: open again
 
@@ -304,20 +304,3 @@ class Keeper:
         self._holding = holding
         if self._on_change is not None:
             self._on_change(self.group, holding)
-
-
-def _try(fd: int, operation: int) -> bool:
-    """Take `operation` without blocking; False when another description conflicts."""
-    try:
-        fcntl.flock(fd, operation | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
-
-
-def _contended(fd: int, operation: int) -> bool:
-    """Try `operation` without blocking and undo it: True when another description conflicts."""
-    if not _try(fd, operation):
-        return True
-    fcntl.flock(fd, fcntl.LOCK_UN)
-    return False
