@@ -15,7 +15,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMessageParam
 
-from tests.support.daemon import Daemon, tiny
+from tests.support.daemon import Daemon, openai_client, serving, tiny
 from tests.support.tiny_gguf import TOOLS_CHAT_TEMPLATE, TinyModelSpec, write_tiny_llama
 
 ADD: ChatCompletionFunctionToolParam = {
@@ -54,23 +54,19 @@ SCHEMA = {
 def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Daemon]:
     spec = TinyModelSpec(chat_template=TOOLS_CHAT_TEMPLATE)
     tools_model = write_tiny_llama(tmp_path_factory.mktemp("models") / "tools.gguf", spec)
-    running = Daemon(
+    with serving(
         {
             "tools": tiny(tools_model),
             "plain": tiny(tiny_model),
             "strict": tiny(tiny_model, strict_api=True),
         }
-    )
-    try:
-        running.wait_ready()
+    ) as running:
         yield running
-    finally:
-        running.cleanup()
 
 
 @pytest.fixture
 def api(daemon: Daemon) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=daemon.url, api_key="unused", max_retries=0, timeout=60) as client:
+    with openai_client(daemon) as client:
         yield client
 
 

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from arbiterd.arena import Arena
 from arbiterd.daemon.journal import Journal
-from tests.support.daemon import Daemon, tiny
+from tests.support.daemon import Daemon, openai_client, serving, tiny
 from tests.support.waiting import wait_until
 
 ALIASES = ["gpt-4o-mini", "qwen2.5:7b"]  # alpha's, as an OpenAI app and an Ollama app ask
@@ -31,17 +31,13 @@ PREFIX = " ".join(f"the fox {w} is not a dog" for w in ("one", "two", "three", "
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Daemon]:
-    running = Daemon({"alpha": tiny(tiny_model, aliases=ALIASES), "beta": tiny(tiny_model)})
-    try:
-        running.wait_ready()
+    with serving({"alpha": tiny(tiny_model, aliases=ALIASES), "beta": tiny(tiny_model)}) as running:
         yield running
-    finally:
-        running.cleanup()
 
 
 @pytest.fixture
 def api(daemon: Daemon) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=daemon.url, api_key="unused", max_retries=0, timeout=60) as client:
+    with openai_client(daemon) as client:
         yield client
 
 

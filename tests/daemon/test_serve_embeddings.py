@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from arbiterd.daemon.journal import Journal
-from tests.support.daemon import Daemon
+from tests.support.daemon import Daemon, openai_client, serving
 from tests.support.tiny_gguf import DEFAULT_SPEC
 
 EMBED_N_CTX = 64
@@ -29,7 +29,7 @@ def model(path: Path, **extra: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def daemon(tiny_model: Path, tiny_embedding_model: Path) -> Iterator[Daemon]:
-    running = Daemon(
+    with serving(
         {
             "chat": model(tiny_model),
             # An embedding model by its GGUF, which names a pooling type: no key says so.
@@ -37,17 +37,13 @@ def daemon(tiny_model: Path, tiny_embedding_model: Path) -> Iterator[Daemon]:
             # Said to embed, but its GGUF pools nothing: it fails to load, saying why.
             "nopool": model(tiny_model, embedding=True),
         }
-    )
-    try:
-        running.wait_ready()
+    ) as running:
         yield running
-    finally:
-        running.cleanup()
 
 
 @pytest.fixture
 def api(daemon: Daemon) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=daemon.url, api_key="unused", max_retries=0, timeout=60) as client:
+    with openai_client(daemon) as client:
         yield client
 
 

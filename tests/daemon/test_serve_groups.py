@@ -5,7 +5,6 @@ outside it, a game) makes every member release once, and the group takes the GPU
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -15,7 +14,7 @@ import httpx
 import pytest
 
 from arbiterd.arena import Arena
-from tests.support.daemon import Daemon
+from tests.support.daemon import Daemon, serving
 from tests.support.daemon import tiny as tiny_table
 from tests.support.waiting import wait_until
 
@@ -25,15 +24,11 @@ tiny = partial(tiny_table, n_ctx=512, min_hold_s=0.02)
 
 @pytest.fixture(scope="module")
 def daemon(tiny_model: Path) -> Iterator[Daemon]:
-    running = Daemon(
+    with serving(
         {"a": tiny(tiny_model), "b": tiny(tiny_model), "solo": tiny(tiny_model)},
         groups={"pair": ["a", "b"]},
-    )
-    try:
-        running.wait_ready()
+    ) as running:
         yield running
-    finally:
-        running.cleanup()
 
 
 def ask(daemon: Daemon, model: str) -> None:
@@ -111,8 +106,8 @@ def test_a_game_makes_the_whole_group_release_and_the_group_comes_back(daemon: D
         with daemon.client() as client:
             assert client.call("status")["groups"][0]["holds_token"] is False
         asking = threading.Thread(target=ask, args=(daemon, "a"))
-        asking.start()  # a waits behind the game ...
-        time.sleep(0.3)
+        asking.start()  # a waits behind the game: the group's keeper queues for it ...
+        wait_until(token.wanted, 60, "the keeper to queue for a")
     finally:
         token.release()
     asking.join(timeout=120)  # ... and gets the GPU back for the group
@@ -121,6 +116,4 @@ def test_a_game_makes_the_whole_group_release_and_the_group_comes_back(daemon: D
     assert (releases(new, "a"), releases(new, "b")) == (1, 1)
     waits = [e for e in new if e["event"] == "wait"]
     assert [(e["model"], e["holder_name"]) for e in waits] == [("a", "game")]
-    wait_until(lambda: states(daemon)["b"] == "warm", 10, "b to be warm")
-    time.sleep(0.1)
     assert states(daemon) == {"a": "warm", "b": "warm", "solo": "cold"}

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.daemon import Daemon
+from tests.support.daemon import Daemon, serving
 from tests.support.daemon import tiny as tiny_table
 from tests.support.users import NOBODY, as_user, needs_root, refused_errno, request, tcp, unix
 
@@ -47,12 +47,8 @@ def fd_limits() -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def daemon(tiny_model: Path, fd_limits: tuple[int, int]) -> Iterator[Daemon]:
-    running = Daemon({"m": tiny(tiny_model)}, open_files=fd_limits)
-    try:
-        running.wait_ready()
+    with serving({"m": tiny(tiny_model)}, open_files=fd_limits) as running:
         yield running
-    finally:
-        running.cleanup()
 
 
 def started(tiny_model: Path, **options: Any) -> Daemon:

@@ -13,7 +13,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.support.daemon import Daemon
+from tests.support.daemon import Daemon, openai_client, serving
 from tests.support.daemon import tiny as tiny_table
 
 # The tiny model as every test here runs it.
@@ -22,17 +22,15 @@ tiny = partial(tiny_table, min_hold_s=0.02)
 
 @pytest.fixture(scope="module")
 def daemon(tiny_model: Path) -> Iterator[Daemon]:
-    running = Daemon({"batchy": tiny(tiny_model, priority="batch"), "person": tiny(tiny_model)})
-    try:
-        running.wait_ready()
+    with serving(
+        {"batchy": tiny(tiny_model, priority="batch"), "person": tiny(tiny_model)}
+    ) as running:
         yield running
-    finally:
-        running.cleanup()
 
 
 @pytest.fixture
 def api(daemon: Daemon) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=daemon.url, api_key="unused", max_retries=0, timeout=120) as client:
+    with openai_client(daemon, timeout_s=120) as client:
         yield client
 
 

@@ -18,7 +18,7 @@ from openai.types.chat import ChatCompletionUserMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from arbiterd.cli.controlclient import ControlClient
-from tests.support.daemon import Daemon
+from tests.support.daemon import Daemon, openai_client, serving
 from tests.support.daemon import tiny as tiny_table
 from tests.support.images import png, webp
 from tests.support.waiting import wait_until
@@ -32,17 +32,15 @@ tiny = partial(tiny_table, n_ctx=1024)
 
 @pytest.fixture(scope="module")
 def daemon(tiny_model: Path, tiny_mmproj: Path) -> Iterator[Daemon]:
-    running = Daemon({"eye": tiny(tiny_model, mmproj=tiny_mmproj), "plain": tiny(tiny_model)})
-    try:
-        running.wait_ready()
+    with serving(
+        {"eye": tiny(tiny_model, mmproj=tiny_mmproj), "plain": tiny(tiny_model)}
+    ) as running:
         yield running
-    finally:
-        running.cleanup()
 
 
 @pytest.fixture
 def api(daemon: Daemon) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=daemon.url, api_key="unused", max_retries=0, timeout=60) as client:
+    with openai_client(daemon) as client:
         yield client
 
 

@@ -10,10 +10,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
+
+import openai
 
 from arbiterd.cli.controlclient import ControlClient
 from arbiterd.errors import DaemonNotRunningError
@@ -26,6 +29,23 @@ def free_port() -> int:
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]
         return port
+
+
+@contextmanager
+def serving(models: dict[str, dict[str, Any]], **options: Any) -> Iterator[Daemon]:
+    """A daemon of `models` (Daemon's arguments), once every model has left starting and
+    loading; stopped and its folder removed after, also when it never got ready."""
+    running = Daemon(models, **options)
+    try:
+        running.wait_ready()
+        yield running
+    finally:
+        running.cleanup()
+
+
+def openai_client(daemon: Daemon, timeout_s: float = 60) -> openai.OpenAI:
+    """The openai SDK on `daemon`'s HTTP API, without retries (a test sees the first answer)."""
+    return openai.OpenAI(base_url=daemon.url, api_key="unused", max_retries=0, timeout=timeout_s)
 
 
 def tiny(
