@@ -20,7 +20,9 @@
 #   ARBITERD_EXTRAS        the extras to install (default: engine,dev)
 #   ARBITERD_VENV          where the environment goes (default: .venv in the checkout). For trying
 #                          this script against a throwaway one: test.sh and demo.sh run from .venv.
-#   ARBITERD_ENGINE        the engine's backend: cpu, cuda, rocm or vulkan (default: detected)
+#   ARBITERD_ENGINE        the engine's backend: cpu, cuda, rocm or vulkan (default: detected);
+#                          vulkan without its toolchain says what is missing and builds for the CPU
+#   ARBITERD_WANT_PACKAGES Debian packages to install first where we may (test.sh: the device tier's)
 #   ARBITERD_CUDA_ARCHITECTURES
 #                          the CUDA architectures to build for (e.g. 90, or "86;89"); default:
 #                          the GPU present (a machine without one must name them)
@@ -109,14 +111,51 @@ find_tool() {
     command -v "$1" || { [[ -x $2 ]] && echo "$2"; }
 }
 
+vulkan_build_missing() {
+    # What a Vulkan build of the engine lacks here, in words (status 0), or nothing (status 1).
+    # ggml-vulkan compiles its shaders with glslc, needs SPIRV-Headers' CMake package, the
+    # headers from 1.3.239 on (older than Debian 12's were never built; the patch makes that
+    # one build) and the loader to link against. Debian/Ubuntu: glslc libvulkan-dev
+    # spirv-headers; Fedora: glslc vulkan-headers vulkan-loader-devel spirv-headers-devel.
+    local header=/usr/include/vulkan/vulkan_core.h version
+    if ! command -v glslc >/dev/null; then
+        echo "glslc (the shader compiler) is missing"
+    elif [[ ! -f $header ]]; then
+        echo "the Vulkan headers (vulkan/vulkan_core.h) are missing"
+    elif version="$(sed -n 's/^#define VK_HEADER_VERSION \([0-9]*\)$/\1/p' "$header")" \
+        && ((${version:-0} < 239)); then
+        echo "the Vulkan headers are too old (1.3.${version:-?}; 1.3.239 or later is needed)"
+    elif ! compgen -G '/usr/share/cmake*/SPIRV-Headers/SPIRV-HeadersConfig.cmake' >/dev/null \
+        && ! compgen -G '/usr/lib*/cmake/SPIRV-Headers/SPIRV-HeadersConfig.cmake' >/dev/null \
+        && ! compgen -G '/usr/lib/*/cmake/SPIRV-Headers/SPIRV-HeadersConfig.cmake' >/dev/null \
+        && [[ -z ${VULKAN_SDK:-} ]]; then
+        echo "SPIRV-Headers (its CMake package) is missing"
+    elif ! compgen -G '/usr/lib*/libvulkan.so' >/dev/null \
+        && ! compgen -G '/usr/lib/*/libvulkan.so' >/dev/null && [[ -z ${VULKAN_SDK:-} ]]; then
+        echo "the Vulkan loader (libvulkan.so) is missing"
+    else
+        return 1
+    fi
+}
+
 choose_engine_backend() {
     # Sets ENGINE_BACKEND, and ENGINE_BACKEND_WHY for the line that names it: the one
     # ARBITERD_ENGINE names, else the first whose toolchain and a device to run it on are both
     # here. A toolchain alone is not enough: CUDA images run on machines without a GPU (this
     # project's CI is one), and an engine built for CUDA there would have no device to use.
-    local without=()
+    local without=() missing
     case ${ARBITERD_ENGINE:-} in
-    cpu | cuda | rocm | vulkan)
+    vulkan)
+        ENGINE_BACKEND=vulkan
+        ENGINE_BACKEND_WHY="ARBITERD_ENGINE=vulkan"
+        if missing="$(vulkan_build_missing)"; then
+            ENGINE_BACKEND=cpu
+            ENGINE_BACKEND_WHY="ARBITERD_ENGINE=vulkan, but $missing: the CPU engine instead"
+            echo "setup: no Vulkan engine: $missing; building the CPU engine" >&2
+        fi
+        return 0
+        ;;
+    cpu | cuda | rocm)
         ENGINE_BACKEND=$ARBITERD_ENGINE
         ENGINE_BACKEND_WHY="ARBITERD_ENGINE=$ARBITERD_ENGINE"
         return 0
@@ -143,13 +182,13 @@ choose_engine_backend() {
         fi
         without+=("hipcc without /dev/kfd")
     fi
-    if command -v glslc >/dev/null && [[ -f /usr/include/vulkan/vulkan.h ]]; then
+    if ! vulkan_build_missing >/dev/null; then
         if compgen -G '/dev/dri/renderD*' >/dev/null; then
             ENGINE_BACKEND=vulkan
-            ENGINE_BACKEND_WHY="glslc, vulkan.h and a /dev/dri render node found"
+            ENGINE_BACKEND_WHY="the Vulkan toolchain and a /dev/dri render node found"
             return 0
         fi
-        without+=("glslc without a /dev/dri render node")
+        without+=("the Vulkan toolchain without a /dev/dri render node")
     fi
     ENGINE_BACKEND=cpu
     ENGINE_BACKEND_WHY="no GPU toolchain with a device found"
@@ -307,6 +346,10 @@ install_into_venv() {
     echo "setup: ready in $(duration $((SECONDS - began)))" >&2
 }
 
+if [[ -n ${ARBITERD_WANT_PACKAGES:-} ]]; then
+    # shellcheck disable=SC2086  # a list of package names
+    need_system_packages $ARBITERD_WANT_PACKAGES || true
+fi
 choose_engine_backend || exit 1
 if [[ ,$EXTRAS, == *,engine,* && ! -f $ENGINE_PATCH ]]; then
     echo "setup: the engine's patch $ENGINE_PATCH is missing" \
