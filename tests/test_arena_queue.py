@@ -1,10 +1,12 @@
-"""The arena's queue: waiters are served in order of class then arrival, a dead waiter's ticket
-vanishes, and programs that speak only token.lock + want.lock are still served."""
+"""The arena's queue: waiters are served in order of class (with aging) then arrival, never wait
+on each other as they age, a dead waiter's ticket vanishes, and programs that speak only
+token.lock + want.lock are still served."""
 
 from __future__ import annotations
 
 import fcntl
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -107,11 +109,33 @@ def test_aging_lifts_a_long_waiting_batch_job_one_class_at_a_time(
 ) -> None:
     monkeypatch.setattr(arena_module, "PRIORITY_AGING_S", 10.0)
     batch = QueuedWaiter(1, Priority.BATCH, since_ns=0, file="a")
-    person = QueuedWaiter(2, Priority.INTERACTIVE, since_ns=25 * 10**9, file="b")
-    assert batch.order(5 * 10**9) > person.order(5 * 10**9)  # fresh: a class below normal
-    assert batch.order(15 * 10**9)[0] == Priority.NORMAL.rank
-    assert batch.order(25 * 10**9)[0] == Priority.INTERACTIVE.rank
-    assert batch.order(26 * 10**9) < person.order(26 * 10**9)  # now by arrival: it came first
+    assert batch.competes_as(5 * 10**9) is Priority.BATCH
+    assert batch.competes_as(15 * 10**9) is Priority.NORMAL
+    assert batch.competes_as(25 * 10**9) is Priority.INTERACTIVE
+    # It stands in line as an interactive waiter that came two periods later: ahead of the
+    # interactive ones that come after that, behind those that came before.
+    late = QueuedWaiter(2, Priority.INTERACTIVE, since_ns=21 * 10**9, file="b")
+    early = QueuedWaiter(3, Priority.INTERACTIVE, since_ns=19 * 10**9, file="c")
+    assert early.order < batch.order < late.order
+
+
+def test_two_tickets_never_change_places_as_they_age(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The order is fixed when a ticket queues, so a waiter never comes to be behind the
+    ticket it waits on (issue 24: they then waited on each other)."""
+    monkeypatch.setattr(arena_module, "PRIORITY_AGING_S", 1.0)
+    rng = random.Random(24)
+    for _ in range(2000):
+        a, b = (
+            QueuedWaiter(1, rng.choice(list(Priority)), rng.randrange(5 * 10**9), name)
+            for name in ("a", "b")
+        )
+        first_now = max(a.since_ns, b.since_ns)
+        ahead = a.order < b.order
+        for now in sorted(rng.randrange(first_now, 10 * 10**9) for _ in range(5)):
+            # the class each competes in now, with aging, never contradicts the order
+            ranks = (a.competes_as(now).rank, b.competes_as(now).rank)
+            assert ranks[0] <= ranks[1] if ahead else ranks[0] >= ranks[1]
+        assert (a.order < b.order) == ahead
 
 
 def test_a_killed_waiters_ticket_vanishes_and_blocks_nobody(tmp_path: Path) -> None:
