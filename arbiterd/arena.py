@@ -145,7 +145,7 @@ class QueuedWaiter:
     def competes_as(self, now_ns: int) -> Priority:
         """The class it has aged to by `now_ns`, one up per aging period waited: the highest
         class whose newcomers now queue behind it."""
-        aged = int(max(0, now_ns - self.since_ns) / 1e9 // PRIORITY_AGING_S)
+        aged = int(self.waited_s(now_ns) // PRIORITY_AGING_S)
         return list(Priority)[max(0, self.priority.rank - aged)]
 
     @classmethod
@@ -159,8 +159,17 @@ class QueuedWaiter:
             return None
         return cls(int(pid), Priority(priority), int(since), name)
 
-    def to_json(self) -> dict[str, object]:
-        return {"pid": self.pid, "priority": self.priority.value, "ticket": self.since_ns}
+    def waited_s(self, now_ns: int) -> float:
+        return max(0, now_ns - self.since_ns) / 1e9
+
+    def to_json(self, now_ns: int) -> dict[str, object]:
+        return {
+            "pid": self.pid,
+            "priority": self.priority.value,
+            "ticket": self.since_ns,
+            "competes_as": self.competes_as(now_ns).value,
+            "waited_s": round(self.waited_s(now_ns), 3),
+        }
 
 
 @dataclass(frozen=True)
@@ -219,6 +228,7 @@ class ArenaState:
     holder: HolderInfo | None  # holder.json, only when it names the live owner
     stale_holder: HolderInfo | None  # holder.json naming a pid that does not hold the token
     waiter_pids: tuple[int, ...]  # pids holding (or queued for) LOCK_SH on want.lock
+    observed_ns: int  # CLOCK_MONOTONIC when read: how long the queue has waited, and aged
     queue: tuple[QueuedWaiter, ...] = ()  # the live tickets, first to be served first
 
 
@@ -544,6 +554,7 @@ class Arena:
             holder_pid = None  # held, by a process nobody can name
         named = () if info is None else (info.pid, info.command_pid)
         fresh = holder_pid is not None and holder_pid in named
+        observed_ns = time.monotonic_ns()
         live = self._live(self._tickets(), remove_dead=False)
         queued = sorted(live, key=lambda w: w.order)
         return ArenaState(
@@ -552,6 +563,7 @@ class Arena:
             holder=info if fresh else None,
             stale_holder=None if fresh else info,
             waiter_pids=tuple(waiters),
+            observed_ns=observed_ns,
             queue=tuple(queued),
         )
 
