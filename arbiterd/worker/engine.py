@@ -105,6 +105,7 @@ CUT_CANDIDATES = 64
 MAX_CHOICES = 16
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # in either direction, as OpenAI
+MAX_SHOWN_CHARS = 40  # of a refused value, in an error message
 # llama-cpp-python's name for the chat format that renders the GGUF's own Jinja template.
 GGUF_TEMPLATE = "chat_template.default"
 # llama.cpp's enum llama_pooling_type, and the types that make one vector of an input's tokens:
@@ -1443,6 +1444,13 @@ def _grammar(schema: dict[str, Any], what: str) -> LlamaGrammar:
         raise RequestError(f"{what} cannot be followed: {exc}") from None
 
 
+def _shown(value: object) -> str:
+    """`value` as an error message shows it: its repr (which escapes what UTF-8 cannot
+    encode), cut short."""
+    shown = repr(value)
+    return shown if len(shown) <= MAX_SHOWN_CHARS else shown[: MAX_SHOWN_CHARS - 3] + "..."
+
+
 def _logit_bias(body: dict[str, Any], n_vocab: int) -> dict[int, float]:
     """OpenAI's logit_bias ({"token id": bias}) as llama-cpp-python takes it."""
     given = body.get("logit_bias")
@@ -1452,16 +1460,19 @@ def _logit_bias(body: dict[str, Any], n_vocab: int) -> dict[int, float]:
         raise RequestError("'logit_bias' must be an object of token ids to biases")
     bias = {}
     for key, value in given.items():
-        token = int(key) if isinstance(key, str) and key.isdigit() else -1
+        # ASCII digits no longer than the largest id, before int(): str.isdigit() also takes
+        # digits int() refuses ("²"), and int() refuses more than 4,300 digits (issue 24).
+        is_id = isinstance(key, str) and key.isascii() and key.isdigit()
+        token = int(key) if is_id and len(key) <= len(str(n_vocab)) else -1
         if not 0 <= token < n_vocab:
             raise RequestError(
-                f"'logit_bias' names token {key!r}; this model's ids are 0 to {n_vocab - 1}"
+                f"'logit_bias' names token {_shown(key)}; this model's ids are 0 to {n_vocab - 1}"
             )
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise RequestError(f"'logit_bias.{key}' must be a number")
+            raise RequestError(f"'logit_bias.{token}' must be a number")
         if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
             raise RequestError(
-                f"'logit_bias.{key}' must be from -{MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}"
+                f"'logit_bias.{token}' must be from -{MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}"
             )
         bias[token] = float(value)
     return bias

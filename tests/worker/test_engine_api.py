@@ -207,9 +207,22 @@ def test_a_logit_bias_steers_the_sampler(backend: ReloadBackend) -> None:
     assert forced == piece * 5 != free
 
 
-def test_a_logit_bias_for_a_token_the_model_lacks_is_refused(backend: ReloadBackend) -> None:
-    with pytest.raises(RequestError, match="ids are 0 to 511"):
-        backend.generate("completion", {"prompt": "x", "logit_bias": {"512": 1}}, None)
+@pytest.mark.parametrize(
+    "key",
+    [
+        "512",
+        "1" * 5000,  # int() refuses it with a ValueError that ended the worker (issue 24)
+        "\u00b2",  # a digit to str.isdigit(), not to int()
+        "-1",
+    ],
+    ids=["past-the-vocabulary", "5000-digits", "superscript-two", "negative"],
+)
+def test_a_logit_bias_for_a_token_the_model_lacks_is_refused(
+    backend: ReloadBackend, key: str
+) -> None:
+    with pytest.raises(RequestError, match="ids are 0 to 511") as refused:
+        backend.generate("completion", {"prompt": "x", "logit_bias": {key: 1}}, None)
+    assert len(str(refused.value)) < 200  # the key is shown cut short
 
 
 def test_several_choices_differ_share_the_prompt_and_repeat_with_a_seed(
