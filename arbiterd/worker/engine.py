@@ -526,11 +526,11 @@ class ReloadBackend:
                 f"{len(messages)} messages exceed the context window of {n_ctx} tokens"
             )
         _check_characters(_characters(messages), vocab.max_text_bytes(n_ctx))
-        response_format = _response_format(body)
+        response_format = _response_format(body, vocab)
         if response_format is not None:  # the chat handler turns it into a grammar
             kwargs = {**kwargs, "response_format": response_format}
         tools, forced = _tools(body)
-        call_grammar = _call_grammar(tools, forced, shaped=response_format is not None)
+        call_grammar = _call_grammar(tools, forced, vocab, shaped=response_format is not None)
         if tools:
             self._require_tool_template()
             kwargs["tools"] = tools  # for the template; the choice is ours to enforce
@@ -1417,7 +1417,7 @@ def _request_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
+def _response_format(body: dict[str, Any], vocab: _Vocab) -> dict[str, Any] | None:
     """The chat request's structured output, as llama-cpp-python's chat handlers take it:
     {"type": "json_object"}, with the JSON schema the output must follow when there is one
     ("schema"); None for free text."""
@@ -1431,17 +1431,24 @@ def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
         return {"type": "json_object"}
     if not isinstance(schema, dict):
         raise RequestError("'response_format.schema' must be a JSON schema (an object)")
-    _grammar(schema, "the JSON schema")
+    _grammar(schema, "the JSON schema", vocab)
     return {"type": "json_object", "schema": schema}
 
 
-def _grammar(schema: dict[str, Any], what: str) -> LlamaGrammar:
+def _grammar(schema: dict[str, Any], what: str, vocab: _Vocab) -> LlamaGrammar:
     """The grammar whose sentences are the instances of a JSON schema; RequestError naming
-    `what` when llama-cpp-python's converter cannot follow the schema."""
+    `what` when llama-cpp-python's converter cannot follow the schema, or llama.cpp cannot
+    parse what the converter wrote."""
     try:  # the converter reports what it cannot follow in assorted exceptions
-        return LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
+        grammar = LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
     except Exception as exc:
         raise RequestError(f"{what} cannot be followed: {exc}") from None
+    if not vocab.parses(grammar):
+        raise RequestError(
+            f"{what} cannot be followed: llama.cpp cannot parse the grammar made of it (a"
+            " property name with a form feed, a backspace or a quote, for one)"
+        )
+    return grammar
 
 
 def _shown(value: object) -> str:
@@ -1507,20 +1514,20 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
 
 
 def _call_grammar(
-    tools: list[dict[str, Any]], forced: str | None, *, shaped: bool
+    tools: list[dict[str, Any]], forced: str | None, vocab: _Vocab, *, shaped: bool
 ) -> LlamaGrammar | None:
     """The grammar that makes the answer the call `forced` asks for (None: the model's choice),
     after checking every tool's parameters, called or not: a bad one is the client's bug."""
     for tool in tools:
         function = tool["function"]
-        _grammar(function.get("parameters") or {}, f"tool {function['name']!r}'s parameters")
+        _grammar(function.get("parameters") or {}, f"tool {function['name']!r}'s parameters", vocab)
     if forced is None:
         return None
     if shaped:
         raise RequestError(
             "'response_format' cannot shape an answer that 'tool_choice' makes a call"
         )
-    return _grammar(call_schema(tools, None if forced == "required" else forced), "the call")
+    return _grammar(call_schema(tools, None if forced == "required" else forced), "the call", vocab)
 
 
 def _is_function_tool(tool: object) -> bool:
@@ -1711,6 +1718,20 @@ class _Vocab:
 
     def close(self) -> None:
         self._model.close()  # type: ignore[no-untyped-call]
+
+    def parses(self, grammar: LlamaGrammar) -> bool:
+        """Whether llama.cpp's grammar parser takes `grammar`, tried as the sampler will be:
+        for one it refuses, llama_sampler_init_grammar returns NULL, which llama-cpp-python
+        adds to its sampler chain all the same, and the first sample dereferences (issue 24:
+        a schema whose property name holds a form feed, a backspace or a quote killed the
+        worker with SIGSEGV). The converter writes those as escapes GBNF lacks."""
+        sampler = llama_cpp.llama_sampler_init_grammar(
+            self._vocab, grammar._grammar.encode(), grammar._root.encode()
+        )
+        if not sampler:
+            return False
+        llama_cpp.llama_sampler_free(sampler)
+        return True
 
     def max_text_bytes(self, n_ctx: int) -> int | None:
         """The longest text (bytes, or characters: never more) that n_ctx tokens can hold;

@@ -145,10 +145,15 @@ def test_a_model_whose_template_has_no_place_for_tools_refuses_them(tiny_model: 
 
 
 @pytest.mark.parametrize("choice", ["auto", "required"])
+@pytest.mark.parametrize(
+    "parameters",
+    [{"type": "odd"}, {"type": "object", "properties": {"a\fb": {"type": "string"}}}],
+    ids=["unknown-type", "unparsable-grammar"],
+)
 def test_a_tool_whose_parameters_cannot_be_followed_is_refused_by_name(
-    backend: ReloadBackend, choice: str
+    backend: ReloadBackend, choice: str, parameters: dict[str, Any]
 ) -> None:
-    broken = {"type": "function", "function": {"name": "broken", "parameters": {"type": "odd"}}}
+    broken = {"type": "function", "function": {"name": "broken", "parameters": parameters}}
     with pytest.raises(RequestError, match=r"tool 'broken''s parameters cannot be followed"):
         chat(backend, tools=[WEATHER, broken], tool_choice=choice)
 
