@@ -61,9 +61,11 @@ from arbiterd.errors import (
     ArbiterError,
     BadValueError,
     EngineError,
+    InternalError,
     ProtocolError,
     RequestError,
     RestoreError,
+    WorkerError,
 )
 from arbiterd.events import EncoderEvent, RequestEvent, ResidencyEvent
 from arbiterd.groups import Gate
@@ -362,6 +364,8 @@ class Worker:
             self._reply(command.id, {"state": self._residency.state.value})
         except (AcquireCancelledError, RestoreError) as exc:
             self._error(command.id, exc)
+        except Exception as exc:  # a restore that raised what it never should: rolled back
+            self._error(command.id, self._internal(command.id, exc))
 
     def _handle_generate(self, command: Command) -> None:
         if self._is_cancelled(command.id):
@@ -388,6 +392,11 @@ class Worker:
             )
         except ArbiterError as exc:
             failure = exc
+        except Exception as exc:
+            # A bug met by this request alone (issue 24: a lone surrogate in a prompt, a
+            # 5,000-digit token id, each ended the process and kept the model down through the
+            # restart backoff).
+            failure = self._internal(command.id, exc)
         finally:
             if queued is not None:
                 queued[0].leave()
@@ -401,6 +410,7 @@ class Worker:
         if result is None:
             assert failure is not None  # run returned nothing only by raising
             self._error(command.id, failure)
+            self._check_settled()
             return
         self._reply(command.id, _result_json(result))
         self._out.send(
@@ -430,6 +440,29 @@ class Worker:
                     peak_bytes=step.peak_bytes,
                     reason=step.reason,
                 ).to_json()
+            )
+
+    def _internal(self, request_id: str, exc: Exception) -> InternalError:
+        """The error a request gets for an exception nothing expected; the traceback is logged
+        here (the worker's stderr is the daemon's log). The message holds no request text:
+        that may be what could not be encoded."""
+        log.error("%s: request %s failed", self.name, request_id, exc_info=exc)
+        return InternalError(
+            f"internal error in the worker of {self.name} ({type(exc).__name__}); "
+            "the daemon's log has its traceback"
+        )
+
+    def _check_settled(self) -> None:
+        """After a failed request: the model must be warm with the token or cold without it,
+        as every request leaves it. A release that raised midway (a pause for a higher class)
+        leaves it cooling with the token, where no request can be served and no waiter would
+        ever get the GPU: the worker exits instead, the kernel frees the token, and the daemon
+        starts another worker."""
+        state, holds = self._residency.state, self._token is not None
+        if (state, holds) not in ((State.WARM, True), (State.COLD, False)):
+            raise WorkerError(
+                f"{self.name} was left {state.value} "
+                f"({'with' if holds else 'without'} the token) by a failed request"
             )
 
     def _sink(self, command: Command) -> ChunkSink | None:
@@ -548,12 +581,16 @@ class Worker:
         self._emit(self._residency.transition(State.COLD, State.WARMING))
         try:
             moved = self._backend.restore()
-        except EngineError as exc:
-            # Roll back: a model that is not warm must not keep the token.
-            rolled_back = self._residency.transition(State.WARMING, State.COLD, reason=str(exc))
+        except Exception as exc:
+            # Roll back: a model that is not warm must not keep the token. Whatever the restore
+            # raised, the model is cold again and the next request may warm it.
+            reason = str(exc) if isinstance(exc, EngineError) else type(exc).__name__
+            rolled_back = self._residency.transition(State.WARMING, State.COLD, reason=reason)
             self._give_up_token()
             self._emit(rolled_back)
-            raise RestoreError(f"{self.name} could not be restored: {exc}") from None
+            if isinstance(exc, EngineError):
+                raise RestoreError(f"{self.name} could not be restored: {exc}") from None
+            raise
         self._moved(State.WARMING, State.WARM, moved, wait=wait)
         self._warm_since = self._idle_since = time.monotonic()
         self._served_when_warm = self._served
