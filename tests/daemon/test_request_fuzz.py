@@ -2,7 +2,8 @@
 every class of code point, huge numbers, deep nesting and wrong types, on the OpenAI routes and
 Ollama's. Every answer must be below 500, and no worker may die (its pid unchanged, no `worker`
 event in the journal). A seeded generator: ARBITERD_FUZZ_SEED picks another run,
-ARBITERD_FUZZ_REQUESTS a longer one; the counts are printed whether the test passes or not."""
+ARBITERD_FUZZ_REQUESTS a longer one; the counts are recorded (the summary's "counts" section,
+tests/conftest.py) whether the test passes or not."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.conftest import RecordProperty
 from tests.support.daemon import Daemon, serving
 from tests.support.daemon import tiny as tiny_table
 from tests.support.tiny_gguf import TOOLS_CHAT_TEMPLATE, TinyModelSpec, write_tiny_llama
@@ -396,7 +398,7 @@ def failure_in_stream(route: str, response: httpx.Response) -> str | None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fuzzed_requests_never_kill_a_worker_nor_get_a_5xx(
-    daemon: Daemon, capsys: pytest.CaptureFixture[str]
+    daemon: Daemon, record_property: RecordProperty
 ) -> None:
     rng = random.Random(SEED)
     with daemon.client() as control:
@@ -424,13 +426,13 @@ def test_fuzzed_requests_never_kill_a_worker_nor_get_a_5xx(
         after = {m["name"]: m for m in control.call("status")["models"]}
         exits = [e for e in control.history(after_seq=last_seq) if e.get("event") == "worker"]
     reached = sum(after[name]["served"] - before[name]["served"] for name in after)
-    with capsys.disabled():
-        print(
-            f"\nrequest fuzz (seed {SEED}): {sum(statuses.values())} requests in {elapsed_s:.0f} s;"
-            f" by status {dict(sorted(statuses.items()))}; by route {dict(by_route)};"
-            f" {reached} served by a worker; {len(exits)} worker exits;"
-            f" {sum(n for s, n in statuses.items() if s >= 500)} 5xx, {len(faults)} faults"
-        )
+    record_property(
+        "counts",
+        f"request fuzz (seed {SEED}): {sum(statuses.values())} requests in {elapsed_s:.0f} s;"
+        f" by status {dict(sorted(statuses.items()))}; by route {dict(by_route)};"
+        f" {reached} served by a worker; {len(exits)} worker exits;"
+        f" {sum(n for s, n in statuses.items() if s >= 500)} 5xx, {len(faults)} faults",
+    )
     assert faults == []
     assert exits == []
     for name, model in after.items():
