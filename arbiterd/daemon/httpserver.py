@@ -12,7 +12,8 @@ backlog's length (2,048) in one pass, logging a traceback and scheduling a retry
 - Who: each connection's peer is identified once, when it is accepted (arbiterd.daemon.peers). The
   owner and the users in `[daemon] allow_users` get the API; anyone else (another user, or a
   peer that cannot be identified) gets a 403 on every request without the API key
-  (arbiterd.daemon.httpapi.refuse_stranger), before routing.
+  (arbiterd.daemon.httpapi.refuse_stranger), before routing. A web page in the owner's browser
+  is the owner's peer: arbiterd.daemon.browsers refuses what a page sends, per listener.
 - How many: at most `max_connections` open at once, chosen below the fd limit; beyond them the
   accept loop waits and new clients wait in the kernel's listen backlog, nothing fails.
 - How long: a request head must be complete `header_timeout_s` after the connection opens or
@@ -44,6 +45,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
 from arbiterd.daemon import socketfile
+from arbiterd.daemon.browsers import accepted_hosts, guard
 from arbiterd.daemon.httpapi import refuse_stranger
 from arbiterd.daemon.peers import Peer, peer_of
 from arbiterd.errors import ListenError
@@ -221,6 +223,13 @@ class _Connection(H11Protocol):
         super().on_response_complete()
         self._watch_head()  # a pipelined request may have begun
 
+    def _should_upgrade(self) -> bool:
+        # The API has no WebSocket route, and uvicorn would hand an upgraded connection to its
+        # WebSocket protocol, which serves config.loaded_app: past this connection's app, so
+        # past refuse_stranger and the browser checks (a web page may open a WebSocket to any
+        # host, and no CORS applies). Served as the plain HTTP request it also is, unlogged.
+        return False
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_deadline()
         super().connection_lost(exc)
@@ -260,8 +269,12 @@ class HttpServer(uvicorn.Server):
         api_key: str,
         max_connections: int,
         header_timeout_s: float,
+        http_host: str,
+        allow_origins: frozenset[str] = frozenset(),
         identify: Callable[[socket.socket], Peer] = peer_of,
     ) -> None:
+        """`http_host` is the host the TCP listeners were configured with, the name their
+        requests' Host may give (arbiterd.daemon.browsers, as `allow_origins`)."""
         super().__init__(
             uvicorn.Config(
                 app,
@@ -272,6 +285,7 @@ class HttpServer(uvicorn.Server):
                 proxy_headers=False,
                 timeout_keep_alive=KEEP_ALIVE_S,
                 h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+                ws="none",  # no WebSocket routes: see _Connection._should_upgrade
                 timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S,
             )
         )
@@ -281,6 +295,8 @@ class HttpServer(uvicorn.Server):
         self._api_key = api_key
         self._header_timeout_s = header_timeout_s
         self._identify = identify
+        self._hosts = accepted_hosts(http_host)
+        self._origins = allow_origins
         self._slots = asyncio.Semaphore(max_connections)  # one per open connection
         self._accepting: list[asyncio.Task[None]] = []
 
@@ -294,8 +310,13 @@ class HttpServer(uvicorn.Server):
         loop = asyncio.get_running_loop()
         for listener in self._listeners:
             listener.setblocking(False)
+            # Host means nothing on a Unix socket: no browser can open one.
+            hosts = None if listener.family == socket.AF_UNIX else self._hosts
+            app = guard(self.config.loaded_app, hosts=hosts, origins=self._origins)
             self._accepting.append(
-                loop.create_task(self._accept(listener), name=f"http-accept-{listener.fileno()}")
+                loop.create_task(
+                    self._accept(listener, app), name=f"http-accept-{listener.fileno()}"
+                )
             )
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
@@ -304,7 +325,7 @@ class HttpServer(uvicorn.Server):
         await asyncio.gather(*self._accepting, return_exceptions=True)
         await super().shutdown(sockets=None)
 
-    async def _accept(self, listener: socket.socket) -> None:
+    async def _accept(self, listener: socket.socket, app: ASGIApp) -> None:
         loop = asyncio.get_running_loop()
         failures = _AcceptFailures(_where(listener))
         while True:
@@ -321,15 +342,17 @@ class HttpServer(uvicorn.Server):
                     await asyncio.sleep(ACCEPT_RETRY_S)
                 continue
             failures.ended()
-            await self._connect(loop, conn)
+            await self._connect(loop, conn, app)
 
-    async def _connect(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
+    async def _connect(
+        self, loop: asyncio.AbstractEventLoop, conn: socket.socket, app: ASGIApp
+    ) -> None:
         connection = _Connection(
             self.config,
             self.server_state,
             self.lifespan.state,
             # Once per connection: every request on it is served alike.
-            app=self._app_for(self._identify(conn)),
+            app=self._app_for(self._identify(conn), app),
             header_timeout_s=self._header_timeout_s,
             on_lost=self._slots.release,
         )
@@ -341,8 +364,8 @@ class HttpServer(uvicorn.Server):
                 self._slots.release()
             raise
 
-    def _app_for(self, peer: Peer) -> ASGIApp:
-        app: ASGIApp = self.config.loaded_app
+    def _app_for(self, peer: Peer, app: ASGIApp) -> ASGIApp:
+        """`app` (its listener's) for a connection from `peer`."""
         if peer.uid is not None and peer.uid in self._allowed:
             return app
         who = (

@@ -6,8 +6,6 @@ tests/daemon/test_peers.py's), and in a process of its own where a low fd limit 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import resource
 import selectors
@@ -16,10 +14,7 @@ import socket
 import stat
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,75 +24,18 @@ import pytest
 from arbiterd.daemon.httpserver import (
     FD_RESERVE,
     MAX_CONNECTIONS,
-    HttpServer,
     UnixListener,
     connection_limit,
 )
-from arbiterd.daemon.peers import Peer, peer_of
+from arbiterd.daemon.peers import Peer
 from arbiterd.errors import ListenError
-from tests.support.http_server import hello
+from tests.support.inprocess_http import DEADLINE_S, serving
 from tests.support.waiting import wait_until
 
 SCRIPT = Path(__file__).parents[1] / "support" / "http_server.py"
-DEADLINE_S = 10.0
 KEY = "sekrit"
 STRANGER = os.getuid() + 1
 SHORT_TIMEOUT_S = 0.5
-
-
-@dataclass
-class Served:
-    server: HttpServer
-    port: int  # of the loopback listener, when the test did not bring its own
-    peers: list[Peer] = field(default_factory=list)  # given to each connection, in order
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
-@contextlib.contextmanager
-def serving(
-    *,
-    peer: Peer | None = None,
-    listeners: list[socket.socket] | None = None,
-    allow_uids: frozenset[int] = frozenset(),
-    api_key: str = "",
-    max_connections: int = 100,
-    header_timeout_s: float = DEADLINE_S,
-) -> Iterator[Served]:
-    """An HttpServer on a loopback port (or `listeners`) in a thread; every connection's peer is
-    `peer`, or the real one when None."""
-    owned = listeners is None
-    sockets = [socket.create_server(("127.0.0.1", 0))] if listeners is None else listeners
-    seen: list[Peer] = []
-
-    def identify(sock: socket.socket) -> Peer:
-        seen.append(peer_of(sock) if peer is None else peer)
-        return seen[-1]
-
-    server = HttpServer(
-        hello,
-        sockets,
-        allow_uids=allow_uids,
-        api_key=api_key,
-        max_connections=max_connections,
-        header_timeout_s=header_timeout_s,
-        identify=identify,
-    )
-    thread = threading.Thread(target=asyncio.run, args=(server.serve(),), name="test-http")
-    thread.start()
-    try:
-        wait_until(lambda: server.started or not thread.is_alive(), DEADLINE_S, "the server")
-        assert server.started, "the server stopped before it started"
-        yield Served(server, sockets[0].getsockname()[1] if owned else 0, seen)
-    finally:
-        server.should_exit = True
-        thread.join(DEADLINE_S)
-        assert not thread.is_alive(), "the server did not stop"
-        if owned:
-            for sock in sockets:
-                sock.close()
 
 
 def closed_within(sock: socket.socket, timeout_s: float) -> float | None:
@@ -188,7 +126,7 @@ def test_the_unix_socket_serves_its_owner_by_credentials(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize(
-    "sent", [b"", b"GET / HTTP/1.1\r\nHost: x\r\n"], ids=["nothing", "half-a-head"]
+    "sent", [b"", b"GET / HTTP/1.1\r\nHost: localhost\r\n"], ids=["nothing", "half-a-head"]
 )
 def test_an_unfinished_request_head_is_closed_after_the_header_timeout(sent: bytes) -> None:
     with (
@@ -207,7 +145,7 @@ def test_a_head_begun_after_a_response_is_timed_too() -> None:
         serving(header_timeout_s=SHORT_TIMEOUT_S) as served,
         socket.create_connection(("127.0.0.1", served.port)) as client,
     ):
-        client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        client.sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n")
         assert read_answer(client).startswith(b"HTTP/1.1 200")
         client.sendall(b"GET / HTTP/1.1\r\n")
         elapsed = closed_within(client, DEADLINE_S)
@@ -220,7 +158,7 @@ def test_a_slow_but_complete_head_is_served() -> None:
         serving(header_timeout_s=1.0) as served,
         socket.create_connection(("127.0.0.1", served.port)) as client,
     ):
-        for piece in (b"GET / HTTP/1.1\r\n", b"Host: x\r\n", b"\r\n"):
+        for piece in (b"GET / HTTP/1.1\r\n", b"Host: localhost\r\n", b"\r\n"):
             client.sendall(piece)
             time.sleep(0.2)  # pacing the client is the point; no condition to wait on
         assert read_answer(client).startswith(b"HTTP/1.1 200")
@@ -236,7 +174,7 @@ def test_connections_beyond_the_limit_wait_in_the_backlog() -> None:
         first, second, third = (socket.create_connection(address) for _ in range(3))
         with first, second, third:
             wait_until(lambda: len(connections) == 2, DEADLINE_S, "two connections")
-            third.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            third.sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n")
             with selectors.DefaultSelector() as selector:
                 selector.register(third, selectors.EVENT_READ)
                 assert selector.select(SHORT_TIMEOUT_S) == [], "a third connection was served"
