@@ -18,7 +18,7 @@ backlog's length (2,048) in one pass, logging a traceback and scheduling a retry
   accept loop waits and new clients wait in the kernel's listen backlog, nothing fails.
 - How long: a request head must be complete `header_timeout_s` after the connection opens or
   after its first byte; an idle connection between requests is closed after KEEP_ALIVE_S. A
-  head is at most MAX_HEAD_BYTES (uvicorn answers 400 past it).
+  head is at most MAX_HEAD_BYTES, however it arrives (uvicorn answers 400 past it).
 
 Must never log once per connection or per failed accept: a flood must not become a flood of log.
 """
@@ -30,6 +30,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import resource
 import socket
 import time
@@ -54,7 +55,9 @@ from arbiterd.paths import ensure_private_dir
 log = logging.getLogger(__name__)
 
 KEEP_ALIVE_S = 5  # uvicorn's default, named here because it is part of the bound
-MAX_HEAD_BYTES = 16 * 1024  # h11's default
+MAX_HEAD_BYTES = 16 * 1024  # h11's default, which h11 applies only to a head still incomplete
+# Where a request head ends, as h11 finds it (h11/_receivebuffer.py).
+_HEAD_END = re.compile(rb"\n\r?\n")
 SHUTDOWN_TIMEOUT_S = 30  # for requests in flight when the daemon stops
 # Kept free for the rest of the daemon: workers' sockets, model copies, the journal, the
 # control socket and its clients.
@@ -187,6 +190,23 @@ class _AcceptFailures:
             self._count = 0
 
 
+class _BoundedHeads(h11.Connection):
+    """h11's server side, with MAX_HEAD_BYTES on every request head. h11 counts only the bytes of
+    a head still incomplete: one that arrives whole in a single read (asyncio reads up to 256
+    KiB) is parsed at any size; a 64 KiB head was served (issue 24)."""
+
+    def next_event(self) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
+        if self.their_state is h11.IDLE:  # the next bytes are a request head
+            buffered = self.trailing_data[0]
+            if len(buffered) > MAX_HEAD_BYTES:
+                end = _HEAD_END.search(buffered, 0, MAX_HEAD_BYTES)
+                if end is None:
+                    raise h11.RemoteProtocolError(
+                        f"request head over {MAX_HEAD_BYTES} bytes", error_status_hint=431
+                    )
+        return super().next_event()
+
+
 class _Connection(H11Protocol):
     """One HTTP connection: uvicorn's h11 protocol serving the app chosen for its peer, with a
     deadline on each request head. uvicorn bounds only the idle time between requests, and stops
@@ -204,6 +224,7 @@ class _Connection(H11Protocol):
         on_lost: Callable[[], None],
     ) -> None:
         super().__init__(config, server_state, app_state)
+        self.conn = _BoundedHeads(h11.SERVER, MAX_HEAD_BYTES)
         self.app = app
         self._header_timeout_s = header_timeout_s
         self._on_lost = on_lost
