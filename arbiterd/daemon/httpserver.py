@@ -14,8 +14,9 @@ backlog's length (2,048) in one pass, logging a traceback and scheduling a retry
   peer that cannot be identified) gets a 403 on every request without the API key
   (arbiterd.daemon.httpapi.refuse_stranger), before routing. A web page in the owner's browser
   is the owner's peer: arbiterd.daemon.browsers refuses what a page sends, per listener.
-- How many: at most `max_connections` open at once, chosen below the fd limit; beyond them the
-  accept loop waits and new clients wait in the kernel's listen backlog, nothing fails.
+- How many: at most `max_connections` open at once, chosen below the fd limit and shared out
+  evenly, each listener its own cap; beyond it the listener's accept loop waits and new
+  clients wait in the kernel's listen backlog, nothing fails.
 - How long: a request head must be complete `header_timeout_s` after the connection opens or
   after its first byte; an idle connection between requests is closed after KEEP_ALIVE_S. A
   head is at most MAX_HEAD_BYTES, however it arrives (uvicorn answers 400 past it).
@@ -294,8 +295,9 @@ class HttpServer(uvicorn.Server):
         allow_origins: frozenset[str] = frozenset(),
         identify: Callable[[socket.socket], Peer] = peer_of,
     ) -> None:
-        """`http_host` is the host the TCP listeners were configured with, the name their
-        requests' Host may give (arbiterd.daemon.browsers, as `allow_origins`)."""
+        """`max_connections` is shared out among the listeners; `http_host` is the host the
+        TCP listeners were configured with, the name their requests' Host may give
+        (arbiterd.daemon.browsers, as `allow_origins`)."""
         super().__init__(
             uvicorn.Config(
                 app,
@@ -318,7 +320,11 @@ class HttpServer(uvicorn.Server):
         self._identify = identify
         self._hosts = accepted_hosts(http_host)
         self._origins = allow_origins
-        self._slots = asyncio.Semaphore(max_connections)  # one per open connection
+        # Each listener its own share of the connections: a flood of connections to the TCP
+        # port, which any local user can open, must not hold up api.sock, which only the owner
+        # can (issue 24).
+        share = max(1, max_connections // max(1, len(self._listeners)))
+        self._slots = [asyncio.Semaphore(share) for _ in self._listeners]  # one per connection
         self._accepting: list[asyncio.Task[None]] = []
 
     @contextlib.contextmanager
@@ -329,14 +335,14 @@ class HttpServer(uvicorn.Server):
         # With an empty list uvicorn binds nothing of its own and only marks itself started.
         await super().startup(sockets=[])
         loop = asyncio.get_running_loop()
-        for listener in self._listeners:
+        for listener, slots in zip(self._listeners, self._slots, strict=True):
             listener.setblocking(False)
             # Host means nothing on a Unix socket: no browser can open one.
             hosts = None if listener.family == socket.AF_UNIX else self._hosts
             app = guard(self.config.loaded_app, hosts=hosts, origins=self._origins)
             self._accepting.append(
                 loop.create_task(
-                    self._accept(listener, app), name=f"http-accept-{listener.fileno()}"
+                    self._accept(listener, slots, app), name=f"http-accept-{listener.fileno()}"
                 )
             )
 
@@ -346,15 +352,17 @@ class HttpServer(uvicorn.Server):
         await asyncio.gather(*self._accepting, return_exceptions=True)
         await super().shutdown(sockets=None)
 
-    async def _accept(self, listener: socket.socket, app: ASGIApp) -> None:
+    async def _accept(
+        self, listener: socket.socket, slots: asyncio.Semaphore, app: ASGIApp
+    ) -> None:
         loop = asyncio.get_running_loop()
         failures = _AcceptFailures(_where(listener))
         while True:
-            await self._slots.acquire()  # given back when the connection is lost
+            await slots.acquire()  # given back when the connection is lost
             try:
                 conn, _ = await loop.sock_accept(listener)
             except BaseException as exc:
-                self._slots.release()
+                slots.release()
                 if not isinstance(exc, OSError):
                     raise  # cancelled: the server is stopping
                 # ECONNABORTED: the client left before its turn; nothing is wrong here.
@@ -363,10 +371,14 @@ class HttpServer(uvicorn.Server):
                     await asyncio.sleep(ACCEPT_RETRY_S)
                 continue
             failures.ended()
-            await self._connect(loop, conn, app)
+            await self._connect(loop, conn, slots, app)
 
     async def _connect(
-        self, loop: asyncio.AbstractEventLoop, conn: socket.socket, app: ASGIApp
+        self,
+        loop: asyncio.AbstractEventLoop,
+        conn: socket.socket,
+        slots: asyncio.Semaphore,
+        app: ASGIApp,
     ) -> None:
         connection = _Connection(
             self.config,
@@ -375,14 +387,14 @@ class HttpServer(uvicorn.Server):
             # Once per connection: every request on it is served alike.
             app=self._app_for(self._identify(conn), app),
             header_timeout_s=self._header_timeout_s,
-            on_lost=self._slots.release,
+            on_lost=slots.release,
         )
         try:
             await loop.connect_accepted_socket(lambda: connection, conn)
         except BaseException:
             if not connection.made:  # the socket and the slot are still ours
                 conn.close()
-                self._slots.release()
+                slots.release()
             raise
 
     def _app_for(self, peer: Peer, app: ASGIApp) -> ASGIApp:

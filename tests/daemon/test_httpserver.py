@@ -232,6 +232,28 @@ def test_connections_beyond_the_limit_wait_in_the_backlog() -> None:
             assert read_answer(third).startswith(b"HTTP/1.1 200")
 
 
+def test_a_flood_on_the_tcp_port_leaves_the_unix_socket_its_connections(tmp_path: Path) -> None:
+    # Issue 24: one cap for both listeners let another user's half-open TCP connections, which
+    # any local user can open, hold up api.sock, which the docs offer as the way round them.
+    # Two clients there, each keeping its connection: with one cap of 4 they had 1 slot at most.
+    with (
+        socket.create_server(("127.0.0.1", 0)) as tcp,
+        UnixListener.bind(tmp_path / "api.sock") as api,
+        serving(listeners=[tcp, api.sock], max_connections=4) as served,
+        contextlib.ExitStack() as stack,
+    ):
+        connections = served.server.server_state.connections
+        for _ in range(4):
+            flood = stack.enter_context(socket.create_connection(tcp.getsockname()))
+            flood.sendall(b"GET / HTTP/1.1\r\n")  # a head that never ends
+        wait_until(lambda: len(connections) >= 2, DEADLINE_S, "the flood's connections")
+        for _ in range(2):
+            transport = httpx.HTTPTransport(uds=str(api.path))
+            client = stack.enter_context(httpx.Client(transport=transport, timeout=DEADLINE_S / 2))
+            assert client.get("http://arbiterd/").text == "hello"
+        assert len(connections) == 4  # 2 of the flood, the 2 clients
+
+
 def test_the_connection_limit_stays_below_the_fd_limit() -> None:
     assert connection_limit(1024) == 1024 - FD_RESERVE
     assert connection_limit(300) == 150  # never fewer than half
