@@ -33,13 +33,12 @@ from arbiterd.errors import (
     ArbiterError,
     ConfigError,
     ControlError,
+    DaemonError,
     ModelLoadError,
     ProtocolError,
-    WorkerError,
 )
 from arbiterd.events import Event, PromptCacheEvictEvent, UnloadEvent, WorkerEvent
 from arbiterd.hostcopy import HostCopies, HostCopy
-from arbiterd.paths import make_private_dirs
 
 log = logging.getLogger(__name__)
 
@@ -232,9 +231,12 @@ class Lifecycle:
         if cache is None:
             return await self._ask_unload(worker)
         try:
-            await asyncio.to_thread(make_private_dirs, cache.folder, WorkerError)
-        except WorkerError as exc:  # the worker's write fails and says so
-            log.warning("%s: %s", slot.name, exc)
+            await asyncio.to_thread(cache.make_private)
+        except DaemonError as exc:
+            # Checked at start too (Supervisor.start); made loose since: the worker is not
+            # asked to write a user's prompts where others could read them.
+            log.warning("%s: its prompt cache is not kept: %s", slot.name, exc)
+            return _nothing_kept(str(exc))
         expected = 0
         try:
             live = await worker.request("status", timeout_s=STATUS_TIMEOUT_S)

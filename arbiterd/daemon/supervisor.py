@@ -144,6 +144,9 @@ class Supervisor:
     # -- lifetime -----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        cache = self._lifecycle.prompt_cache
+        if cache is not None:  # refused now, with its fix, rather than at the first unload
+            await asyncio.to_thread(cache.make_private)
         for group in self.config.groups.values():
             self._start_keeper(group)
         for name, model in self.config.models.items():

@@ -583,7 +583,7 @@ def test_a_page_cache_model_whose_file_is_gone_cannot_start_and_says_why(
 
 
 def write_state(folder: Path, model: str, size: int, mtime_s: int) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, exist_ok=True)  # as the daemon makes it: a loose one is refused
     path = folder / f"{model}.kv"
     path.write_bytes(b"\0" * size)
     os.utime(path, (mtime_s, mtime_s))
