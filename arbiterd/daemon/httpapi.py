@@ -1253,8 +1253,8 @@ def _admit(
 async def _attach_images(service: Service, parsed: CompletionRequest) -> None:
     """Check a chat request's image parts against its model's policy (images.py) and pass them
     to the engine as body["images"], base64, in order. Each refusal is a 400 naming the part.
-    Runs in a thread: a URL may be fetched, a PNG is inflated to check it is whole, a WebP is
-    converted to PNG."""
+    images.load runs in threads: a URL may be fetched, a PNG is inflated to check it is whole,
+    a WebP is converted to PNG."""
     if not parsed.image_urls:
         return
     policy = service.image_policy(parsed.model)
@@ -1277,7 +1277,7 @@ async def _attach_images(service: Service, parsed: CompletionRequest) -> None:
     total_bytes = 0
     for param, url in parsed.image_urls:
         try:
-            image = await anyio.to_thread.run_sync(partial(images.load, param, url, policy))
+            image = await images.load(param, url, policy)
         except images.ImageRefused as exc:
             raise ApiError(400, str(exc), code="invalid_image", param=exc.param) from None
         loaded.append(base64.b64encode(image.data).decode("ascii"))

@@ -144,6 +144,9 @@ class Supervisor:
     # -- lifetime -----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        cache = self._lifecycle.prompt_cache
+        if cache is not None:  # refused now, with its fix, rather than at the first unload
+            await asyncio.to_thread(cache.make_private)
         for group in self.config.groups.values():
             self._start_keeper(group)
         for name, model in self.config.models.items():
@@ -515,6 +518,8 @@ class Supervisor:
             for slot in [s for s in self._slots.values() if unload_due(s, now)]:
                 worker = slot.worker
                 assert worker is not None  # ready
+                if self._lifecycle.unload_refusal(slot):
+                    continue  # its file is gone: it stays (`unload` says why, when asked)
                 try:
                     live = await worker.request("status", timeout_s=STATUS_TIMEOUT_S)
                     # A request may wait cold for the GPU: not idle.
@@ -564,6 +569,7 @@ class Supervisor:
                 and slot.cold_since is not None
                 and idle
                 and not slot.pinned
+                and not self._lifecycle.unload_refusal(slot)
             ):
                 lease = slot.copy_lease
                 copy = None if lease is None else key.get(id(lease.copy))
