@@ -13,6 +13,7 @@
     allow_origins = []            # web origins whose pages may use the HTTP API; [] = none
     api_socket = "..."            # the HTTP API's Unix socket; default api.sock beside `socket`
     header_timeout_s = 10         # how long a client may take to send a request head
+    holder_timeout_s = 30         # a warm worker silent this long is reported; twice: killed
     vram_budget = 0               # device bytes for a group or a model + projector; 0 = unchecked
     host_ram_budget = 0           # bytes (or "8GiB") of host copies + cold KV; 0 = no budget
     prompt_cache_budget = "4GiB"  # bytes of prompt caches unloaded models keep on disk
@@ -70,6 +71,9 @@ API_SOCKET_FILE = "api.sock"
 JOURNAL_FILE = "journal.sqlite3"
 DEFAULT_HTTP = "127.0.0.1:8642"
 HEADER_TIMEOUT_S = 10.0
+# Issue 24: far above one decode batch or one projector load on the machines arbiterd runs on
+# (a single native call longer than this looks like a hung driver: daemon/liveness.py).
+HOLDER_TIMEOUT_S = 30.0
 MAX_UID = 2**32 - 2  # (uid_t)-1 means "no user"
 EMBEDDED_MODEL_NAME = "gemma-3-270m"
 # The demo GGUF has no chat template in its metadata; llama-cpp-python's "gemma" format fits it.
@@ -109,6 +113,7 @@ DAEMON_KEYS = (
     "allow_origins",
     "api_socket",
     "header_timeout_s",
+    "holder_timeout_s",
     "vram_budget",
     "host_ram_budget",
     "prompt_cache_budget",
@@ -194,6 +199,8 @@ class DaemonConfig:
     allow_origins: frozenset[str]
     api_socket: Path
     header_timeout_s: float
+    # Issue 24: a warm worker that shows no sign of life this long is reported; twice, killed.
+    holder_timeout_s: float = HOLDER_TIMEOUT_S
     # Device bytes: what a group's members may use together, and a model with its vision
     # projector (less its group's other members); 0 = not checked.
     vram_budget: int = 0
@@ -407,6 +414,8 @@ def starter_config_text(found: list[Path]) -> str:
         '#                           # ["http://localhost:3000"]; by default none may',
         "# api_socket = PATH  the HTTP API on a Unix socket; default api.sock beside `socket`",
         f"# header_timeout_s = {HEADER_TIMEOUT_S:g}     # a client's time to send a request head",
+        f"# holder_timeout_s = {HOLDER_TIMEOUT_S:g}     # a warm model silent this long is said;",
+        "#                           # twice as long: killed, so the GPU moves on",
         "# socket = PATH   the control socket; default $XDG_RUNTIME_DIR/arbiterd/control.sock",
         "# arena = DIR     the GPU arena; default $XDG_RUNTIME_DIR/arbiterd/arena/gpu0",
         "# journal = PATH  the handoff history; default $XDG_STATE_HOME/arbiterd/journal.sqlite3",
@@ -684,6 +693,7 @@ class _DaemonValues:
     header_timeout_s: float
     vram_budget: int
     host_ram_budget_bytes: int = 0
+    holder_timeout_s: float = HOLDER_TIMEOUT_S
     prompt_cache_budget_bytes: int = PROMPT_CACHE_BUDGET_BYTES
 
     def resolve(self, env: Mapping[str, str]) -> DaemonConfig:
@@ -702,6 +712,7 @@ class _DaemonValues:
             allow_origins=self.allow_origins,
             api_socket=self.api_socket or socket.parent / API_SOCKET_FILE,
             header_timeout_s=self.header_timeout_s,
+            holder_timeout_s=self.holder_timeout_s,
             vram_budget=self.vram_budget,
             host_ram_budget_bytes=self.host_ram_budget_bytes,
             prompt_cache_budget_bytes=self.prompt_cache_budget_bytes,
@@ -738,6 +749,11 @@ def _daemon(src: _Source, raw: object, overrides: _Overrides) -> _DaemonValues:
         raise src.expected(
             table.keys("header_timeout_s"), "a number of seconds above 0", header_timeout_s
         )
+    holder_timeout_s = table.seconds("holder_timeout_s", HOLDER_TIMEOUT_S)
+    if not holder_timeout_s:
+        raise src.expected(
+            table.keys("holder_timeout_s"), "a number of seconds above 0", holder_timeout_s
+        )
     socket, arena = table.optional_path("socket"), table.optional_path("arena")
     return _DaemonValues(
         http=overrides.http or http,
@@ -752,6 +768,7 @@ def _daemon(src: _Source, raw: object, overrides: _Overrides) -> _DaemonValues:
         vram_budget=table.size("vram_budget"),
         host_ram_budget_bytes=table.size("host_ram_budget"),
         prompt_cache_budget_bytes=table.size("prompt_cache_budget", PROMPT_CACHE_BUDGET_BYTES),
+        holder_timeout_s=holder_timeout_s,
     )
 
 

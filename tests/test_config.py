@@ -1069,6 +1069,18 @@ def test_the_header_timeout_defaults_to_ten_seconds(tmp_path: Path, env: dict[st
     assert load_text(tmp_path, env, text).daemon.header_timeout_s == 2.5
 
 
+def test_the_holder_timeout_defaults_to_thirty_seconds_and_must_be_above_zero(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    assert load_text(tmp_path, env, MINIMAL).daemon.holder_timeout_s == 30.0
+    text = "[daemon]\nholder_timeout_s = 1.5\n" + MINIMAL
+    assert load_text(tmp_path, env, text).daemon.holder_timeout_s == 1.5
+    for value, expected in (("0", "above 0, got 0"), ("-1", "non-negative"), ('"30"', "seconds")):
+        path = write(tmp_path, f"[daemon]\nholder_timeout_s = {value}\n" + MINIMAL)
+        with pytest.raises(ConfigError, match=f"daemon.holder_timeout_s: expected .*{expected}"):
+            load_config(path, env=env)
+
+
 @pytest.mark.parametrize(
     "http", ["127.0.0.1:1", "127.0.0.2:1", "localhost:1", "[::1]:1", "[::ffff:127.0.0.1]:1"]
 )

@@ -281,7 +281,7 @@ class Lifecycle:
             return _nothing_kept(str(exc))
         expected = 0
         try:
-            live = await worker.request("status", timeout_s=STATUS_TIMEOUT_S)
+            live = await worker.status(timeout_s=STATUS_TIMEOUT_S)
             expected = int(live.get("host_kv_bytes") or 0)  # a cold model's KV, else 0
         except ArbiterError:
             pass  # the unload below finds out what is wrong with the worker
@@ -409,7 +409,9 @@ class Lifecycle:
         uptime = time.monotonic() - slot.started_at
         slot.failures_in_row = 0 if uptime >= STABLE_UPTIME_S else slot.failures_in_row + 1
         delay = RESTART_BACKOFF_S[min(slot.failures_in_row, len(RESTART_BACKOFF_S) - 1)]
-        reason = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        reason = worker.killed_for or (  # the daemon's own kill says why
+            f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        )
         self._restart_later(slot, f"worker {reason}", delay)
         self._publish(
             WorkerEvent(

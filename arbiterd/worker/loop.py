@@ -13,6 +13,12 @@ Two threads:
   waiter never waits for our tokenizing (issue 10).
 - the **io thread** reads the socket: it answers `status` and `cancel` at once (also during a
   decode: ctypes releases the GIL in llama_decode) and queues everything else for the engine.
+  Its `status` says how old the engine thread's last *beat* is (`beat_age_s`): the engine
+  thread beats each turn of its loop (every PROBE_INTERVAL_S while warm) and before each decode
+  batch and tokenizer piece of a request, through the callbacks the engine already asks. So a
+  long generation beats once per token or prompt batch, and only one native call that runs
+  longer than the daemon's `holder_timeout_s` (a hung driver; a single batch that slow) looks
+  like a hang; the daemon judges (daemon/liveness.py, issue 24).
   When the daemon's end closes, it stops the worker: the current request is cancelled before
   its next decode, the token released, the process exits.
 
@@ -34,6 +40,8 @@ Message protocol (JSON lines, `arbiterd.wire`), version WORKER_PROTOCOL:
                      then exit as on shutdown; the next worker restores it after loading
                      {"op": "cancel", "id", "target": request id}
     worker → daemon  {"id", "chunk": {...}}  {"id", "result": {...}}
+                     a status result: the status fields and "beat_age_s", the age of the
+                     engine thread's last beat when the io thread answered
                      {"id", "error": {"code", "message"}}: code is an errors.ErrorCode
                      {"event": "residency", ...}  {"event": "request", ...}
                      A residency event that ends a load or a warm-up (→ warm) also says how
@@ -140,6 +148,7 @@ class Worker:
         self._orphaned = threading.Event()  # the daemon is gone: nobody reads our answers
         # Published by the engine thread (one reference assignment), read by the io thread.
         self._status: dict[str, Any] = {}
+        self._beat = time.monotonic()  # the engine thread's last sign of life (see above)
         self._served = 0
         self._served_when_warm = 0  # `_served` when it last became warm
         self._paused = 0  # generations paused for a waiter of a higher class
@@ -179,7 +188,9 @@ class Worker:
             )
             return
         if op == "status":
-            self._out.send({"id": request_id, "result": {**self._status, "queue": self._queued()}})
+            beat_age_s = round(time.monotonic() - self._beat, 3)
+            result = {**self._status, "queue": self._queued(), "beat_age_s": beat_age_s}
+            self._out.send({"id": request_id, "result": result})
         elif op == "cancel":
             target = message.get("target")
             with self._cancel_lock:
@@ -321,6 +332,7 @@ class Worker:
 
     def _serve_forever(self) -> None:
         while not self._stopping.is_set():
+            self._beat = time.monotonic()
             state = self._residency.state
             try:
                 command = self._inbox.get(timeout=PROBE_INTERVAL_S if state is State.WARM else None)
@@ -482,7 +494,9 @@ class Worker:
 
     def _stops(self, request_id: str) -> bool:
         """The request was cancelled, or the daemon is gone: nobody waits for its answer. (A
-        shutdown the daemon asks for lets the current request finish.)"""
+        shutdown the daemon asks for lets the current request finish.) Asked before each decode
+        batch and tokenizer piece: the engine thread beats here."""
+        self._beat = time.monotonic()
         return self._orphaned.is_set() or self._is_cancelled(request_id)
 
     def _stops_or_pauses(self, request_id: str, priority: Priority) -> bool:
