@@ -3,10 +3,9 @@ long generation, batch by batch, and stops while one native call hangs."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +13,9 @@ import pytest
 
 from arbiterd.daemon.workerclient import BlockingWorker
 from arbiterd.spec import ModelSpec, WorkerConfig
-from arbiterd.wire import LineReader, LineWriter
 from arbiterd.worker.engine import Generation, Moved, Prepared
-from arbiterd.worker.loop import Worker
 from tests.support.waiting import wait_until
-from tests.worker.test_loop import FAKE_ENGINE, FlakyRestore
+from tests.worker.test_loop import FlakyRestore, InProcess
 
 HUNG_S = 0.5  # how long the double's one native call hangs
 # A tiny model decodes hundreds of tokens a second: its beat is milliseconds old, up to a few
@@ -76,37 +73,22 @@ class HungDecode(FlakyRestore):
 def test_the_beat_stops_while_a_native_call_hangs_and_status_still_answers(
     tmp_path: Path,
 ) -> None:
-    ours, theirs = socket.socketpair()
-    config = WorkerConfig(spec=ModelSpec(name="hung", path=Path("/x")), arena=tmp_path / "arena")
     backend = HungDecode()
-    thread = threading.Thread(target=Worker(config, backend, theirs, FAKE_ENGINE).run, daemon=True)
-    thread.start()
-    reader, writer = LineReader(ours), LineWriter(ours)
+    worker = InProcess(tmp_path, backend)
     asked = iter(range(1_000_000))
 
-    def until(predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-        while True:
-            message = reader.read()
-            assert message is not None
-            if predicate(message):
-                return message
-
     def status() -> dict[str, Any]:
-        request_id = f"s{next(asked)}"
-        writer.send({"op": "status", "id": request_id})
-        result: dict[str, Any] = until(lambda m: m.get("id") == request_id)["result"]
+        result: dict[str, Any] = worker.ask(f"s{next(asked)}", op="status")["result"]
         return result
 
-    until(lambda m: m.get("to") == "warm")
-    writer.send({"op": "generate", "id": "g", "kind": "completion", "body": {}})
+    worker.until(lambda m: m.get("to") == "warm")
+    worker.writer.send({"op": "generate", "id": "g", "kind": "completion", "body": {}})
     wait_until(backend.running.is_set, 10, "the generation to start")
     wait_until(lambda: status()["beat_age_s"] >= HUNG_S, 10, "the beat to age")
     hung = status()
     assert (hung["state"], hung["current"]) == ("warm", "g")  # the io thread answers
     backend.unhang.set()
-    until(lambda m: m.get("id") == "g")
+    worker.until(lambda m: m.get("id") == "g")
     wait_until(lambda: status()["beat_age_s"] < 0.1, 10, "the beat to come back")
-    ours.close()
-    thread.join(timeout=10)
-    assert not thread.is_alive()
-    theirs.close()
+    worker.close()
+    assert worker.raised == []
