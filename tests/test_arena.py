@@ -24,7 +24,7 @@ from arbiterd.errors import (
     ArenaUnwritableError,
     BadValueError,
 )
-from tests.conftest import Processes
+from tests.conftest import Processes, RecordProperty
 from tests.support.stamps import overlaps, read_holds
 from tests.support.waiting import wait_until
 
@@ -404,7 +404,9 @@ def test_sixty_alternating_handoffs_between_two_processes(
 
 
 @pytest.mark.slow
-def test_random_kill_fuzz_strands_nobody(arena: Arena, procs: Processes, tmp_path: Path) -> None:
+def test_random_kill_fuzz_strands_nobody(
+    arena: Arena, procs: Processes, tmp_path: Path, record_property: RecordProperty
+) -> None:
     log = tmp_path / "stamps.log"
     stop = tmp_path / "stop"
     log_fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
@@ -434,9 +436,10 @@ def test_random_kill_fuzz_strands_nobody(arena: Arena, procs: Processes, tmp_pat
     served = {hold.pid for hold in holds}
     assert all(p.pid in served for p in live), "a survivor was never served"
     holds_after = sum(1 for hold in holds if hold.start_ns > last_spawn_ns)
-    print(
-        f"fuzz: {len(holds)} holds, {kills} kills, {respawns} respawns, "
-        f"{holds_after} holds after the last kill, 0 stranded"
+    record_property(
+        "counts",
+        f"{len(holds)} holds, {kills} kills, {respawns} respawns, "
+        f"{holds_after} holds after the last kill, 0 stranded",
     )
     assert kills >= 40
     assert arena.observe().holder_pid is None
@@ -445,3 +448,88 @@ def test_random_kill_fuzz_strands_nobody(arena: Arena, procs: Processes, tmp_pat
     with arena.acquire("after", priority=Priority.BATCH, timeout_s=5):
         pass
     assert os.listdir(arena.path / QUEUE_DIR) == []
+
+
+# The aging fuzz: waits last milliseconds here, so classes age, and tickets of different classes
+# pass one another, while they wait (issue 24).
+FUZZ_AGING_S = 0.01
+FUZZ_QUEUED = 6  # arbiterd's waiters (tests/support/arena_actor.py `aging`)
+FUZZ_BARE = 2  # programs of the bare protocol (`bare`)
+FUZZ_HANDOFFS = 10_000
+FUZZ_MAX_S = 150.0
+# The issue's measure of a deadlock: the GPU free this long while someone waits.
+FREE_WHILE_WANTED_S = 1.0
+# A queued waiter not served within this, holds of at most 2 ms, is stranded; bare programs keep
+# the GPU busy now and then, so a stranded queue need not leave it free.
+STRANDED_S = 10.0
+SAMPLE_S = 0.05
+
+
+def queue_line(state: ArenaState) -> str:
+    queue = ", ".join(f"{w.pid} {w.priority}" for w in state.queue)
+    return f"holder {state.holder_pid}, waiters {state.waiter_pids}, queue [{queue}]"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(FUZZ_MAX_S + 60)
+def test_aging_fuzz_with_bare_holders_deadlocks_nobody(
+    arena: Arena, procs: Processes, tmp_path: Path, record_property: RecordProperty
+) -> None:
+    """Random classes aging every 10 ms, waiters of every kind (unbounded, with a deadline,
+    with a cancel, impatient then keeping their ticket) and programs of the bare protocol, for
+    10,000 handoffs: nobody waits with the GPU free, nobody is stranded, no two hold at once."""
+    log = tmp_path / "stamps.log"
+    stop = tmp_path / "stop"
+    log.touch(mode=0o600)
+    fuzz = (str(log), str(stop))
+    actors = [procs.actor(arena, "aging", *fuzz, str(FUZZ_AGING_S)) for _ in range(FUZZ_QUEUED)]
+    actors += [procs.actor(arena, "bare", *fuzz) for _ in range(FUZZ_BARE)]
+    deadline = time.monotonic() + FUZZ_MAX_S
+    free_since: float | None = None
+    stuck = ""  # what the sampler saw, should the GPU stay free or a waiter be stranded
+    samples = 0
+    while time.monotonic() < deadline and not stuck:
+        if samples % 20 == 0 and log.read_bytes().count(b"enter") > FUZZ_HANDOFFS * 1.05:
+            break
+        samples += 1
+        state = arena.observe()
+        now = time.monotonic()
+        if state.holder_pid is not None or not state.waiter_pids:
+            free_since = None
+        elif free_since is None:
+            free_since = now
+        elif now - free_since > FREE_WHILE_WANTED_S:
+            stuck = f"the GPU free for {now - free_since:.1f} s while {queue_line(state)}"
+        longest = max((w.waited_s(state.observed_ns) for w in state.queue), default=0.0)
+        if longest > STRANDED_S:
+            stuck = f"a waiter stranded for {longest:.1f} s: {queue_line(state)}"
+        time.sleep(SAMPLE_S)  # the sampling period; the actors run on their own meanwhile
+    stop.touch()
+    assert not stuck, stuck
+    codes = [p.wait(timeout=30) for p in actors]  # a stranded actor would hang here
+    assert codes == [0] * len(actors)
+    holds = read_holds(log)
+    handoffs = sum(1 for a, b in itertools.pairwise(holds) if a.pid != b.pid)
+    # Free between two holds, with the actors always queueing again: waited on, free.
+    free_s = [(b.start_ns - a.end_ns) / 1e9 for a, b in itertools.pairwise(holds)]
+    longest_wait_s = max(
+        (b.start_ns - a.end_ns) / 1e9
+        for pid in {h.pid for h in holds}
+        for a, b in itertools.pairwise([h for h in holds if h.pid == pid])
+    )
+    found = overlaps(holds)
+    deadlocks = sum(1 for s in free_s if s > FREE_WHILE_WANTED_S)
+    record_property(
+        "counts",
+        f"{len(holds)} holds, {handoffs} handoffs, {len(found)} overlaps, {deadlocks} "
+        f"deadlocks (GPU free > {FREE_WHILE_WANTED_S:g} s while wanted); longest GPU free "
+        f"between holds {max(free_s) * 1000:.1f} ms, longest wait "
+        f"{longest_wait_s * 1000:.1f} ms; aging every {FUZZ_AGING_S * 1000:g} ms, "
+        f"{FUZZ_QUEUED} queued and {FUZZ_BARE} bare contenders",
+    )
+    assert found == []
+    assert deadlocks == 0
+    assert handoffs >= FUZZ_HANDOFFS
+    assert {h.pid for h in holds} == {p.pid for p in actors}  # everyone was served
+    state = arena.observe()
+    assert (state.holder_pid, state.waiter_pids, state.queue) == (None, (), ())

@@ -1,10 +1,13 @@
-"""The arena's queue: waiters are served in order of class then arrival, a dead waiter's ticket
-vanishes, and programs that speak only token.lock + want.lock are still served."""
+"""The arena's queue: waiters are served in order of class (with aging) then arrival, never wait
+on each other as they age, a dead waiter's ticket vanishes, and programs that speak only
+token.lock + want.lock are still served."""
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -24,7 +27,34 @@ from arbiterd.arena import (
     parse_priority,
 )
 from arbiterd.errors import AcquireCancelledError, BadValueError
+from tests.conftest import SUPPORT, Processes
+from tests.support.stamps import overlaps, read_holds
 from tests.support.waiting import wait_until
+from tests.test_protocol_doc import GPU_JOB
+
+# Classes age in seconds here, in every process of the arena (tests/support/aged.py).
+AGING_S = 3.0
+AGED = [sys.executable, str(SUPPORT / "aged.py"), str(AGING_S)]
+# An `arbiterd run` CMD: stamps its hold (tests/support/stamps.py), tagged with its runner's pid;
+# with an argument, holds until a line (or EOF) on stdin.
+STAMPED_JOB = """
+import os, sys, time
+log = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND)
+os.write(log, f"enter {os.getpid()} {time.monotonic_ns()} {os.getppid()}\\n".encode())
+if sys.argv[2:]:
+    sys.stdin.readline()
+os.write(log, f"exit {os.getpid()} {time.monotonic_ns()}\\n".encode())
+"""
+
+
+def queued_pids(arena: Arena) -> set[int]:
+    return {waiter.pid for waiter in arena.observe().queue}
+
+
+def release(proc: subprocess.Popen[str]) -> None:
+    """Let a job that holds until a line on stdin go."""
+    assert proc.stdin is not None
+    proc.stdin.close()
 
 
 class Waiters:
@@ -107,11 +137,101 @@ def test_aging_lifts_a_long_waiting_batch_job_one_class_at_a_time(
 ) -> None:
     monkeypatch.setattr(arena_module, "PRIORITY_AGING_S", 10.0)
     batch = QueuedWaiter(1, Priority.BATCH, since_ns=0, file="a")
-    person = QueuedWaiter(2, Priority.INTERACTIVE, since_ns=25 * 10**9, file="b")
-    assert batch.order(5 * 10**9) > person.order(5 * 10**9)  # fresh: a class below normal
-    assert batch.order(15 * 10**9)[0] == Priority.NORMAL.rank
-    assert batch.order(25 * 10**9)[0] == Priority.INTERACTIVE.rank
-    assert batch.order(26 * 10**9) < person.order(26 * 10**9)  # now by arrival: it came first
+    assert batch.competes_as(5 * 10**9) is Priority.BATCH
+    assert batch.competes_as(15 * 10**9) is Priority.NORMAL
+    assert batch.competes_as(25 * 10**9) is Priority.INTERACTIVE
+    # It stands in line as an interactive waiter that came two periods later: ahead of the
+    # interactive ones that come after that, behind those that came before.
+    late = QueuedWaiter(2, Priority.INTERACTIVE, since_ns=21 * 10**9, file="b")
+    early = QueuedWaiter(3, Priority.INTERACTIVE, since_ns=19 * 10**9, file="c")
+    assert early.order < batch.order < late.order
+
+
+def test_two_tickets_never_change_places_as_they_age(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The order is fixed when a ticket queues, so a waiter never comes to be behind the
+    ticket it waits on (issue 24: they then waited on each other)."""
+    monkeypatch.setattr(arena_module, "PRIORITY_AGING_S", 1.0)
+    rng = random.Random(24)
+    for _ in range(2000):
+        a, b = (
+            QueuedWaiter(1, rng.choice(list(Priority)), rng.randrange(5 * 10**9), name)
+            for name in ("a", "b")
+        )
+        first_now = max(a.since_ns, b.since_ns)
+        ahead = a.order < b.order
+        for now in sorted(rng.randrange(first_now, 10 * 10**9) for _ in range(5)):
+            # the class each competes in now, with aging, never contradicts the order
+            ranks = (a.competes_as(now).rank, b.competes_as(now).rank)
+            assert ranks[0] <= ranks[1] if ahead else ranks[0] >= ranks[1]
+        assert (a.order < b.order) == ahead
+
+
+def test_waiters_that_age_past_one_another_are_all_served(
+    arena: Arena, procs: Processes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 24's deadlock, with the doc's flock(1) job and three `arbiterd run` jobs. While
+    the job holds the GPU, an interactive run queues (it waits on token.lock), then a batch
+    run (it waits on the interactive one's ticket), then a normal run (ahead of the batch one).
+    The interactive run gets the GPU and holds it; the batch run, woken, waits on the normal
+    one's ticket, and ages past it. Under the old aging, the normal run then got the token,
+    saw the batch one ahead of it and waited on its ticket: each on the other, the GPU free,
+    both still blocked a minute later."""
+    monkeypatch.setattr(arena_module, "PRIORITY_AGING_S", AGING_S)  # for our observe()
+    log = tmp_path / "holds.log"
+    log.touch(mode=0o600)
+    env = dict(os.environ, ARBITERD_ARENA=str(arena.path), JOB_NAME="render")
+    job = procs.start(["sh", str(GPU_JOB), "sh", "-c", "read line"], env=env)
+    wait_until(lambda: arena.observe().holder_pid == job.pid, 10, "the flock(1) job to hold")
+
+    def run(priority: Priority, *hold: str) -> subprocess.Popen[str]:
+        cmd = ["--", sys.executable, "-c", STAMPED_JOB, str(log), *hold]
+        proc = procs.start(
+            [*AGED, "arbiterd", "run", "--arena", str(arena.path), "--priority", priority, *cmd]
+        )
+        wait_until(lambda: proc.pid in queued_pids(arena), 10, f"the {priority} run to queue")
+        return proc
+
+    first = run(Priority.INTERACTIVE, "hold")
+    batch = run(Priority.BATCH)
+    normal = run(Priority.NORMAL)
+    release(job)
+    wait_until(lambda: arena.observe().holder_pid == first.pid, 10, "the interactive run to hold")
+    # Until the batch run has waited two aging periods: it competes as interactive now.
+    since_ns = next(w.since_ns for w in arena.observe().queue if w.pid == batch.pid)
+    aged_ns = since_ns + 2 * AGING_S * 1e9
+    wait_until(lambda: time.monotonic_ns() > aged_ns, 3 * AGING_S, "the batch run to age twice")
+    done = subprocess.run(
+        [*AGED, "arbiterd", "arena", "status", "--arena", str(arena.path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    shown = [(w["pid"], w["priority"], w["competes_as"]) for w in json.loads(done.stdout)["queue"]]
+    assert shown == [
+        (normal.pid, "normal", "interactive"),
+        (batch.pid, "batch", "interactive"),
+    ]
+    text = subprocess.run(
+        [*AGED, "arbiterd", "arena", "status", "--arena", str(arena.path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    assert f"(pid {batch.pid}) (batch, aged to interactive) waiting " in text
+    release(first)
+    wait_until(
+        lambda: normal.poll() is not None and batch.poll() is not None,
+        20,
+        "the normal and batch runs to be served (they waited on each other, the GPU free)",
+    )
+    assert (first.wait(timeout=10), normal.returncode, batch.returncode) == (0, 0, 0)
+    holds = read_holds(log)
+    assert [int(h.tag) for h in holds] == [first.pid, normal.pid, batch.pid]  # as shown
+    assert overlaps(holds) == []
+    state = arena.observe()
+    assert (state.holder_pid, state.waiter_pids, state.queue) == (None, (), ())
 
 
 def test_a_killed_waiters_ticket_vanishes_and_blocks_nobody(tmp_path: Path) -> None:

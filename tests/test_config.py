@@ -1041,6 +1041,17 @@ def test_allow_users_takes_user_names_and_uids(tmp_path: Path, env: dict[str, st
     assert load_text(tmp_path, env, MINIMAL).daemon.allow_uids == frozenset()
 
 
+def test_allow_origins_are_read_as_browsers_send_origins(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    origins = '["http://LocalHost:3000", "tauri://localhost", "https://[::1]:8443"]'
+    config = load_text(tmp_path, env, f"[daemon]\nallow_origins = {origins}\n" + MINIMAL)
+    assert config.daemon.allow_origins == frozenset(
+        {"http://localhost:3000", "tauri://localhost", "https://[::1]:8443"}
+    )
+    assert load_text(tmp_path, env, MINIMAL).daemon.allow_origins == frozenset()
+
+
 def test_the_api_socket_is_beside_the_control_socket_unless_set(
     tmp_path: Path, env: dict[str, str]
 ) -> None:
@@ -1056,6 +1067,18 @@ def test_the_header_timeout_defaults_to_ten_seconds(tmp_path: Path, env: dict[st
     assert load_text(tmp_path, env, MINIMAL).daemon.header_timeout_s == 10.0
     text = "[daemon]\nheader_timeout_s = 2.5\n" + MINIMAL
     assert load_text(tmp_path, env, text).daemon.header_timeout_s == 2.5
+
+
+def test_the_holder_timeout_defaults_to_thirty_seconds_and_must_be_above_zero(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    assert load_text(tmp_path, env, MINIMAL).daemon.holder_timeout_s == 30.0
+    text = "[daemon]\nholder_timeout_s = 1.5\n" + MINIMAL
+    assert load_text(tmp_path, env, text).daemon.holder_timeout_s == 1.5
+    for value, expected in (("0", "above 0, got 0"), ("-1", "non-negative"), ('"30"', "seconds")):
+        path = write(tmp_path, f"[daemon]\nholder_timeout_s = {value}\n" + MINIMAL)
+        with pytest.raises(ConfigError, match=f"daemon.holder_timeout_s: expected .*{expected}"):
+            load_config(path, env=env)
 
 
 @pytest.mark.parametrize(
@@ -1116,6 +1139,38 @@ def test_the_http_flag_needs_an_api_key_off_loopback_too(
             id="timeout_string",
         ),
         pytest.param("api_socket = 5", "daemon.api_socket", "a path", id="api_socket_type"),
+        pytest.param(
+            'allow_origins = "http://localhost:3000"',
+            "daemon.allow_origins",
+            "expected an array of web origins, each SCHEME://HOST[:PORT]",
+            id="origins_str",
+        ),
+        pytest.param(
+            'allow_origins = ["http://localhost:3000/"]',
+            "daemon.allow_origins",
+            'without a path or a trailing /, e.g. ["http://localhost:3000"], got '
+            '"http://localhost:3000/"',
+            id="origin_slash",
+        ),
+        pytest.param(
+            'allow_origins = ["localhost:3000"]',
+            "daemon.allow_origins",
+            'got "localhost:3000"',
+            id="origin_no_scheme",
+        ),
+        pytest.param("allow_origins = [3000]", "daemon.allow_origins", "got 3000", id="origin_int"),
+        pytest.param(
+            'allow_origins = ["*"]',
+            "daemon.allow_origins",
+            'got "*": list each origin; every web page would be one',
+            id="origin_any",
+        ),
+        pytest.param(
+            'allow_origins = ["null"]',
+            "daemon.allow_origins",
+            'got "null": it is the origin of sandboxed and file:// pages',
+            id="origin_null",
+        ),
     ],
 )
 def test_http_access_errors_name_the_key(

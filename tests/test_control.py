@@ -373,6 +373,8 @@ def test_a_command_that_closes_the_server_does_not_hang_it(
         (b"\xff\xfe", None, "invalid_request", "not UTF-8"),
         (b"status", None, "invalid_request", "not JSON"),
         (b"[1, 2]", None, "invalid_request", "not a JSON object"),
+        # Past the recursion limit of the parser (issue 24: the connection was dropped).
+        (b'{"a": ' * 100_000, None, "invalid_request", "nested too deeply"),
         (b'"status"', None, "invalid_request", "not a JSON object"),
         (b'{"command": "status", "request_id": [1]}', None, "invalid_request", "scalar"),
         (b'{"request_id": 7}', 7, "invalid_request", "command must be a string"),

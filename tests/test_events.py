@@ -12,6 +12,7 @@ from arbiterd.events import (
     EncoderEvent,
     Event,
     HandoffEvent,
+    HolderSilentEvent,
     HoldEvent,
     OtherEvent,
     OverflowEvent,
@@ -135,6 +136,7 @@ SAMPLES: list[Event] = [
         expected_bytes=64 << 20,
         waited_s=2.0,
     ),
+    HolderSilentEvent(at=T, model="gemma", pid=4242, silent_s=61.5, timeout_s=30.0, killed=True),
     OverflowEvent(at=T),
 ]
 
@@ -219,6 +221,7 @@ GARBLED: dict[str, Any] = {
     "models": ["gemma"],
     "others": "Xorg",
     "errors": 7,
+    "killed": "yes",
     **{
         key: value
         for value, keys in (
@@ -226,7 +229,7 @@ GARBLED: dict[str, Any] = {
             (True, ("weights_bytes", "kv_bytes", "disk_read_bytes", "prompt_tokens", "code")),
             ([1], ("prompt_tokens_evaluated", "completion_tokens", "pid", "holder_pid")),
             (None, ("waited_from", "restored_bytes", "bytes_before", "expected_bytes")),
-            ({}, ("bytes_after", "waited_s")),
+            ({}, ("bytes_after", "waited_s", "silent_s", "timeout_s")),
         )
         for key in keys
     },

@@ -269,6 +269,19 @@ def test_hold_reload_and_vram_lines() -> None:
     assert line(vram) == "vram      gpu0 1.0 GiB used of 8.0 GiB  gemma 1.0 GiB  tiny —"
 
 
+def test_a_silent_holder_is_said_reported_then_killed() -> None:
+    silent = {"event": "holder_silent", "model": "gemma", "pid": 9, "silent_s": 30.5,
+              "timeout_s": 30}  # fmt: skip
+    assert line(silent) == (
+        "holder_silent gemma pid 9 holds the GPU, no sign of life for 30.50 s"
+        " (holder_timeout_s 30.00 s): reported"
+    )
+    assert line({**silent, "silent_s": 60.25, "killed": True}).endswith(
+        "60.25 s (holder_timeout_s 30.00 s): killed"
+    )
+    assert render.stale(3.4) == "stale: no answer for 3 s"
+
+
 def test_an_unknown_kind_shows_its_fields() -> None:
     body = {"event": "thermal", "devices": ["gpu0", "gpu1"], "hot": True, "seq": 7}
     assert line(body) == 'thermal   devices=["gpu0", "gpu1"] hot=true'
@@ -332,6 +345,17 @@ def test_handoffs_and_waits_as_the_tray_titles_and_labels_them() -> None:
             {"event": "worker", "model": "a", "code": None, "reason": "no such file"},
             "Worker failed to start",
             "a: no such file",
+        ),
+        (
+            {"event": "holder_silent", "model": "a", "silent_s": 31.2, "killed": False},
+            "GPU holder not answering",
+            "a holds the GPU and has shown no sign of life for 31 s; killed if it stays silent",
+        ),
+        (
+            {"event": "holder_silent", "model": "a", "silent_s": 60.4, "killed": True},
+            "GPU holder killed",
+            "a holds the GPU and has shown no sign of life for 60 s: killed, so the GPU moves"
+            " on; it restarts",
         ),
     ],
 )

@@ -320,6 +320,10 @@ def _status_row(model: dict[str, Any]) -> tuple[str, ...]:
         last = f"from {handoff.from_model} {render.format_seconds(handoff.total_s)}, "
         last += render.format_ago(ago)
     note = []
+    if model.get("silent_s") is not None:
+        note.append(render.silence(str(model["name"]), float(model["silent_s"])))
+    if model.get("stale_s") is not None:
+        note.append(render.stale(float(model["stale_s"])))
     if model.get("pinned"):
         note.append("pinned")
     if model.get("restarts"):

@@ -218,9 +218,13 @@ def arena_status_json(state: ArenaState) -> dict[str, object]:
         "arena": str(state.path),
         "holder": holder,
         "waiters": [{"pid": pid, "name": process_name(pid)} for pid in state.waiter_pids],
-        # the queued waiters, first to be served first; a waiter missing here has no ticket
-        # (a program that speaks only token.lock + want.lock)
-        "queue": [{**waiter.to_json(), "name": process_name(waiter.pid)} for waiter in state.queue],
+        # the queued waiters, first to be served first (aging included: the order a waiter
+        # keeps); a waiter missing here has no ticket (a program that speaks only token.lock +
+        # want.lock)
+        "queue": [
+            {**waiter.to_json(state.observed_ns), "name": process_name(waiter.pid)}
+            for waiter in state.queue
+        ],
         "stale_holder_file": state.stale_holder.to_json() if state.stale_holder else None,
     }
 
@@ -246,7 +250,10 @@ def _arena_status(args: argparse.Namespace) -> int:
     print(f"waiters  {waiters or 'none'}")
     for place, waiter in enumerate(state.queue, start=1):
         who = render.process(process_name(waiter.pid), waiter.pid)
-        print(f"queue {place:<3}{who} ({waiter.priority.value})")
+        aged = waiter.competes_as(state.observed_ns)
+        klass = waiter.priority.value + ("" if aged is waiter.priority else f", aged to {aged}")
+        waited = render.format_seconds(waiter.waited_s(state.observed_ns))
+        print(f"queue {place:<3}{who} ({klass}) waiting {waited}")
     if state.stale_holder is not None:
         print(
             f"note     holder.json names pid {state.stale_holder.pid} "

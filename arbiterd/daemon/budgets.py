@@ -16,6 +16,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from arbiterd.errors import DaemonError
+from arbiterd.paths import ensure_private_dir
+
 KV_SUFFIX = ".kv"  # <model>.kv; the worker writes ".<model>.kv.<pid>.tmp" first (kvfile.write)
 
 
@@ -155,6 +158,12 @@ class PromptCache:
 
     def path(self, model: str) -> Path:
         return self.folder / f"{model}{KV_SUFFIX}"
+
+    def make_private(self) -> None:
+        """Create the folder 0700, or require the one there to be ours and 0700 (the fix named
+        in the DaemonError): its files hold the KV of the user's prompts, which read back as
+        text (issue 24), and the workers write them into it."""
+        ensure_private_dir(self.folder, DaemonError)
 
     def files(self) -> list[StateFile]:
         """Every state file in the folder (none when there is no folder)."""

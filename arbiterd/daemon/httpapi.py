@@ -9,10 +9,11 @@ string, never leave a stream open after its client has gone, and never import th
 (llama_cpp loads native libraries the daemon process has no use for).
 
 Guard ladder for a completion request: bearer token → body size (Content-Length, then the bytes
-actually read) → JSON → object → known keys → model → prompt/messages → each parameter →
-model exists. The service gets `prompt` or `messages` plus only the engine's parameters. An
-embedding request: bearer token → body size → JSON → object → known keys → model → input →
-encoding_format → dimensions → user → model exists; the service gets `input`, a list of texts.
+actually read) → JSON (every string valid Unicode, integers and nesting bounded: jsonbody.py) →
+object → known keys → model → prompt/messages → each parameter → model exists. The service
+gets `prompt` or `messages` plus only the engine's parameters. An embedding request: bearer
+token → body size → JSON → object → known keys → model → input → encoding_format → dimensions →
+user → model exists; the service gets `input`, a list of texts.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from arbiterd.arena import parse_priority
-from arbiterd.daemon import images, ollama
+from arbiterd.daemon import images, jsonbody, ollama
 from arbiterd.daemon.service import Service
 from arbiterd.errors import ArbiterError, BadValueError, ErrorCode, UnknownModelError
 from arbiterd.spec import COMPLETION_PARAMS, EMBEDDING, IMAGE_MARKER, MAX_IMAGES
@@ -82,12 +83,14 @@ MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls
 MAX_CHOICES = 16
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_TOKEN_ID = 2**31 - 1  # llama.cpp's llama_token is an int32_t
 MAX_TOOLS = 128
 TOOL_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")  # as OpenAI's function names
 
 # Error types and codes of the envelope, as OpenAI spells them where it has one.
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
+INTERNAL_ERROR = "internal_error"  # a bug, ours or a worker's: the daemon's log has its traceback
 
 
 class ApiError(Exception):
@@ -148,12 +151,15 @@ def _wrong_type(key: str, expected: str, value: object) -> ApiError:
     )
 
 
-def _out_of_range(key: str, expected: str, value: object) -> ApiError:
+def _shown(value: object) -> str:
+    """A refused value as a message shows it: its repr, cut short."""
     shown = repr(value)
-    if len(shown) > MAX_SHOWN_CHARS:  # JSON integers may run to 4300 digits
-        shown = shown[: MAX_SHOWN_CHARS - 3] + "..."
+    return shown if len(shown) <= MAX_SHOWN_CHARS else shown[: MAX_SHOWN_CHARS - 3] + "..."
+
+
+def _out_of_range(key: str, expected: str, value: object) -> ApiError:
     return ApiError(
-        400, f"'{key}' must be {expected}, got {shown}", code="invalid_value", param=key
+        400, f"'{key}' must be {expected}, got {_shown(value)}", code="invalid_value", param=key
     )
 
 
@@ -585,10 +591,16 @@ def _logit_bias(value: object) -> dict[str, float]:
     if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS_ENTRIES:
         raise _wrong_type("logit_bias", expected, value)
     for key, bias in value.items():
-        if not key.isascii() or not key.isdigit():
+        # Bounded before int(), which refuses more than 4,300 digits (issue 24).
+        if (
+            not key.isascii()
+            or not key.isdigit()
+            or len(key) > len(str(MAX_TOKEN_ID))
+            or int(key) > MAX_TOKEN_ID
+        ):
             raise ApiError(
                 400,
-                f"'logit_bias' must be {expected}; {key!r} is not a token id",
+                f"'logit_bias' must be {expected}; {_shown(key)} is not a token id",
                 code="invalid_value",
                 param="logit_bias",
             )
@@ -775,19 +787,13 @@ def _include_usage(options: object) -> bool:
     return include
 
 
-def _reject_constant(name: str) -> object:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def _parse_json(raw: bytes) -> object:
-    if not raw.strip():
-        raise ApiError(400, "the request body is empty; expected a JSON object")
+    """The body as JSON whose every string is valid Unicode and every integer of a size int()
+    takes (jsonbody.py), or a 400 naming the field."""
     try:
-        return json.loads(raw, parse_constant=_reject_constant)
-    except RecursionError:
-        raise ApiError(400, "the request body is not valid JSON: nested too deeply") from None
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError both are
-        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+        return jsonbody.parse(raw)
+    except jsonbody.BodyRefused as exc:
+        raise ApiError(400, str(exc), code=exc.code, param=exc.param) from None
 
 
 async def _read_body(request: Request, limit_bytes: int) -> bytes:
@@ -922,7 +928,10 @@ def _unknown_model(model: str, names: list[str]) -> ApiError:
 
 # OpenAI's error codes for ours; any other is "invalid_value" below 500, "model_unavailable" above.
 # The HTTP status of every arbiterd error is errors.OUTCOMES's.
-OPENAI_CODES: dict[ErrorCode, str] = {ErrorCode.CONTEXT_OVERFLOW: "context_length_exceeded"}
+OPENAI_CODES: dict[ErrorCode, str] = {
+    ErrorCode.CONTEXT_OVERFLOW: "context_length_exceeded",
+    ErrorCode.INTERNAL: INTERNAL_ERROR,
+}
 
 
 def _api_error(exc: Exception, names: Callable[[], list[str]]) -> ApiError:
@@ -950,7 +959,12 @@ def _api_error(exc: Exception, names: Callable[[], list[str]]) -> ApiError:
 
 
 def _internal_error() -> ApiError:
-    return ApiError(500, "internal error; the daemon's log has the details", type_=SERVER_ERROR)
+    return ApiError(
+        500,
+        "internal error; the daemon's log has the details",
+        type_=SERVER_ERROR,
+        code=INTERNAL_ERROR,
+    )
 
 
 def _client_left() -> ApiError:
@@ -1239,8 +1253,8 @@ def _admit(
 async def _attach_images(service: Service, parsed: CompletionRequest) -> None:
     """Check a chat request's image parts against its model's policy (images.py) and pass them
     to the engine as body["images"], base64, in order. Each refusal is a 400 naming the part.
-    Runs in a thread: a URL may be fetched, a PNG is inflated to check it is whole, a WebP is
-    converted to PNG."""
+    images.load runs in threads: a URL may be fetched, a PNG is inflated to check it is whole,
+    a WebP is converted to PNG."""
     if not parsed.image_urls:
         return
     policy = service.image_policy(parsed.model)
@@ -1263,7 +1277,7 @@ async def _attach_images(service: Service, parsed: CompletionRequest) -> None:
     total_bytes = 0
     for param, url in parsed.image_urls:
         try:
-            image = await anyio.to_thread.run_sync(partial(images.load, param, url, policy))
+            image = await images.load(param, url, policy)
         except images.ImageRefused as exc:
             raise ApiError(400, str(exc), code="invalid_image", param=exc.param) from None
         loaded.append(base64.b64encode(image.data).decode("ascii"))

@@ -12,12 +12,14 @@ backlog's length (2,048) in one pass, logging a traceback and scheduling a retry
 - Who: each connection's peer is identified once, when it is accepted (arbiterd.daemon.peers). The
   owner and the users in `[daemon] allow_users` get the API; anyone else (another user, or a
   peer that cannot be identified) gets a 403 on every request without the API key
-  (arbiterd.daemon.httpapi.refuse_stranger), before routing.
-- How many: at most `max_connections` open at once, chosen below the fd limit; beyond them the
-  accept loop waits and new clients wait in the kernel's listen backlog, nothing fails.
+  (arbiterd.daemon.httpapi.refuse_stranger), before routing. A web page in the owner's browser
+  is the owner's peer: arbiterd.daemon.browsers refuses what a page sends, per listener.
+- How many: at most `max_connections` open at once, chosen below the fd limit and shared out
+  evenly, each listener its own cap; beyond it the listener's accept loop waits and new
+  clients wait in the kernel's listen backlog, nothing fails.
 - How long: a request head must be complete `header_timeout_s` after the connection opens or
   after its first byte; an idle connection between requests is closed after KEEP_ALIVE_S. A
-  head is at most MAX_HEAD_BYTES (uvicorn answers 400 past it).
+  head is at most MAX_HEAD_BYTES, however it arrives (uvicorn answers 400 past it).
 
 Must never log once per connection or per failed accept: a flood must not become a flood of log.
 """
@@ -29,6 +31,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import resource
 import socket
 import time
@@ -44,6 +47,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
 from arbiterd.daemon import socketfile
+from arbiterd.daemon.browsers import accepted_hosts, guard
 from arbiterd.daemon.httpapi import refuse_stranger
 from arbiterd.daemon.peers import Peer, peer_of
 from arbiterd.errors import ListenError
@@ -52,7 +56,9 @@ from arbiterd.paths import ensure_private_dir
 log = logging.getLogger(__name__)
 
 KEEP_ALIVE_S = 5  # uvicorn's default, named here because it is part of the bound
-MAX_HEAD_BYTES = 16 * 1024  # h11's default
+MAX_HEAD_BYTES = 16 * 1024  # h11's default, which h11 applies only to a head still incomplete
+# Where a request head ends, as h11 finds it (h11/_receivebuffer.py).
+_HEAD_END = re.compile(rb"\n\r?\n")
 SHUTDOWN_TIMEOUT_S = 30  # for requests in flight when the daemon stops
 # Kept free for the rest of the daemon: workers' sockets, model copies, the journal, the
 # control socket and its clients.
@@ -185,6 +191,23 @@ class _AcceptFailures:
             self._count = 0
 
 
+class _BoundedHeads(h11.Connection):
+    """h11's server side, with MAX_HEAD_BYTES on every request head. h11 counts only the bytes of
+    a head still incomplete: one that arrives whole in a single read (asyncio reads up to 256
+    KiB) is parsed at any size; a 64 KiB head was served (issue 24)."""
+
+    def next_event(self) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
+        if self.their_state is h11.IDLE:  # the next bytes are a request head
+            buffered = self.trailing_data[0]
+            if len(buffered) > MAX_HEAD_BYTES:
+                end = _HEAD_END.search(buffered, 0, MAX_HEAD_BYTES)
+                if end is None:
+                    raise h11.RemoteProtocolError(
+                        f"request head over {MAX_HEAD_BYTES} bytes", error_status_hint=431
+                    )
+        return super().next_event()
+
+
 class _Connection(H11Protocol):
     """One HTTP connection: uvicorn's h11 protocol serving the app chosen for its peer, with a
     deadline on each request head. uvicorn bounds only the idle time between requests, and stops
@@ -202,6 +225,7 @@ class _Connection(H11Protocol):
         on_lost: Callable[[], None],
     ) -> None:
         super().__init__(config, server_state, app_state)
+        self.conn = _BoundedHeads(h11.SERVER, MAX_HEAD_BYTES)
         self.app = app
         self._header_timeout_s = header_timeout_s
         self._on_lost = on_lost
@@ -220,6 +244,13 @@ class _Connection(H11Protocol):
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self._watch_head()  # a pipelined request may have begun
+
+    def _should_upgrade(self) -> bool:
+        # The API has no WebSocket route, and uvicorn would hand an upgraded connection to its
+        # WebSocket protocol, which serves config.loaded_app: past this connection's app, so
+        # past refuse_stranger and the browser checks (a web page may open a WebSocket to any
+        # host, and no CORS applies). Served as the plain HTTP request it also is, unlogged.
+        return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_deadline()
@@ -260,8 +291,13 @@ class HttpServer(uvicorn.Server):
         api_key: str,
         max_connections: int,
         header_timeout_s: float,
+        http_host: str,
+        allow_origins: frozenset[str] = frozenset(),
         identify: Callable[[socket.socket], Peer] = peer_of,
     ) -> None:
+        """`max_connections` is shared out among the listeners; `http_host` is the host the
+        TCP listeners were configured with, the name their requests' Host may give
+        (arbiterd.daemon.browsers, as `allow_origins`)."""
         super().__init__(
             uvicorn.Config(
                 app,
@@ -272,6 +308,7 @@ class HttpServer(uvicorn.Server):
                 proxy_headers=False,
                 timeout_keep_alive=KEEP_ALIVE_S,
                 h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+                ws="none",  # no WebSocket routes: see _Connection._should_upgrade
                 timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S,
             )
         )
@@ -281,7 +318,13 @@ class HttpServer(uvicorn.Server):
         self._api_key = api_key
         self._header_timeout_s = header_timeout_s
         self._identify = identify
-        self._slots = asyncio.Semaphore(max_connections)  # one per open connection
+        self._hosts = accepted_hosts(http_host)
+        self._origins = allow_origins
+        # Each listener its own share of the connections: a flood of connections to the TCP
+        # port, which any local user can open, must not hold up api.sock, which only the owner
+        # can (issue 24).
+        share = max(1, max_connections // max(1, len(self._listeners)))
+        self._slots = [asyncio.Semaphore(share) for _ in self._listeners]  # one per connection
         self._accepting: list[asyncio.Task[None]] = []
 
     @contextlib.contextmanager
@@ -292,10 +335,15 @@ class HttpServer(uvicorn.Server):
         # With an empty list uvicorn binds nothing of its own and only marks itself started.
         await super().startup(sockets=[])
         loop = asyncio.get_running_loop()
-        for listener in self._listeners:
+        for listener, slots in zip(self._listeners, self._slots, strict=True):
             listener.setblocking(False)
+            # Host means nothing on a Unix socket: no browser can open one.
+            hosts = None if listener.family == socket.AF_UNIX else self._hosts
+            app = guard(self.config.loaded_app, hosts=hosts, origins=self._origins)
             self._accepting.append(
-                loop.create_task(self._accept(listener), name=f"http-accept-{listener.fileno()}")
+                loop.create_task(
+                    self._accept(listener, slots, app), name=f"http-accept-{listener.fileno()}"
+                )
             )
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
@@ -304,15 +352,17 @@ class HttpServer(uvicorn.Server):
         await asyncio.gather(*self._accepting, return_exceptions=True)
         await super().shutdown(sockets=None)
 
-    async def _accept(self, listener: socket.socket) -> None:
+    async def _accept(
+        self, listener: socket.socket, slots: asyncio.Semaphore, app: ASGIApp
+    ) -> None:
         loop = asyncio.get_running_loop()
         failures = _AcceptFailures(_where(listener))
         while True:
-            await self._slots.acquire()  # given back when the connection is lost
+            await slots.acquire()  # given back when the connection is lost
             try:
                 conn, _ = await loop.sock_accept(listener)
             except BaseException as exc:
-                self._slots.release()
+                slots.release()
                 if not isinstance(exc, OSError):
                     raise  # cancelled: the server is stopping
                 # ECONNABORTED: the client left before its turn; nothing is wrong here.
@@ -321,28 +371,34 @@ class HttpServer(uvicorn.Server):
                     await asyncio.sleep(ACCEPT_RETRY_S)
                 continue
             failures.ended()
-            await self._connect(loop, conn)
+            await self._connect(loop, conn, slots, app)
 
-    async def _connect(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
+    async def _connect(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        conn: socket.socket,
+        slots: asyncio.Semaphore,
+        app: ASGIApp,
+    ) -> None:
         connection = _Connection(
             self.config,
             self.server_state,
             self.lifespan.state,
             # Once per connection: every request on it is served alike.
-            app=self._app_for(self._identify(conn)),
+            app=self._app_for(self._identify(conn), app),
             header_timeout_s=self._header_timeout_s,
-            on_lost=self._slots.release,
+            on_lost=slots.release,
         )
         try:
             await loop.connect_accepted_socket(lambda: connection, conn)
         except BaseException:
             if not connection.made:  # the socket and the slot are still ours
                 conn.close()
-                self._slots.release()
+                slots.release()
             raise
 
-    def _app_for(self, peer: Peer) -> ASGIApp:
-        app: ASGIApp = self.config.loaded_app
+    def _app_for(self, peer: Peer, app: ASGIApp) -> ASGIApp:
+        """`app` (its listener's) for a connection from `peer`."""
         if peer.uid is not None and peer.uid in self._allowed:
             return app
         who = (

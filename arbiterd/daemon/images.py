@@ -25,24 +25,57 @@ animation the client sent. The PNG is larger than the WebP (0.3 to 1.5 bytes a p
 photos in docs/http-api.md): httpapi.py bounds a request's images as the worker takes them.
 
 Checks only bytes and headers of PNG and JPEG: never decodes a JPEG's pixels (the worker's
-decoder does, and its failure is a 400 too). Fetching a URL (when allowed) and converting a WebP
-are blocking: the caller runs `load` in a thread. Nothing here imports llama.cpp.
+decoder does, and its failure is a 400 too). `check` is blocking; `load`, on the event loop,
+reads a URL (when allowed) in a thread and runs `check` on the image threads. Nothing here
+imports llama.cpp.
+
+Memory (issue 24): what the daemon spends on one image beyond its bytes is bounded by
+DECODE_BUDGET_BYTES, and at most MAX_DECODES_AT_ONCE images are checked at once, however many
+requests bring them: `load` runs checks on that many threads of their own, the others wait their
+turn in the event loop (a client that leaves drops its turn). Threads of their own, not a
+semaphore across a shared pool: glibc gives each thread a malloc arena, which keeps memory freed
+under its mmap threshold (up to 32 MiB) for its next allocation, so checks spread over anyio's
+40 threads would each leave up to one image's peak behind. So the daemon's images never take
+more than the one times the other. A PNG's pixel data is inflated as a stream, INFLATE_PIECE_BYTES
+at a time, counted and dropped: never one buffer of the whole image (an 8192x4096 RGBA16 PNG
+of 261 KB inflates to 268 MB; its check took 512 MB at its peak, now about 1 MB). A WebP cannot
+be converted so: libwebp decodes the whole canvas and Pillow copies it, so one whose conversion
+would take more than the budget (WEBP_BYTES_PER_PIXEL, measured) is refused, named, with its
+way round (the same image as PNG or JPEG, which the daemon never decodes whole).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import struct
 import urllib.parse
 import urllib.request
 import zlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from io import BytesIO
 from pathlib import Path
 
 _SEND = "send PNG, JPEG or WebP"
 FETCH_TIMEOUT_S = 10.0  # an http(s) image URL, when allowed
+# The most memory the daemon gives one image's check beyond its bytes, and how many images are
+# checked at once (see the module's docstring): 640 MiB at most for every request's images.
+DECODE_BUDGET_BYTES = 320 * 1024 * 1024
+MAX_DECODES_AT_ONCE = 2
+# A PNG's pixel data is fed to zlib this much at a time and inflated this much at a time: its
+# unconsumed input is copied at each step (zlib's unconsumed_tail), so both stay small.
+INFLATE_INPUT_BYTES = 64 * 1024
+INFLATE_PIECE_BYTES = 256 * 1024
+# What converting a WebP takes per pixel at its peak, measured (VmHWM, Pillow 13): 16 to decode
+# (libwebp's animation decoder keeps two RGBA canvases, Pillow copies one as bytes, then into
+# its image), and up to 4 more for the PNG written from it (RGBA that does not compress). The
+# budget takes WebPs up to 4096x4096 (16.8 Mpx); larger ones are refused.
+WEBP_BYTES_PER_PIXEL = 20
+# The image threads (see the module's docstring); started as the first checks come.
+_checking = ThreadPoolExecutor(MAX_DECODES_AT_ONCE, thread_name_prefix="image-check")
 _PNG = b"\x89PNG\r\n\x1a\n"
 _JPEG = b"\xff\xd8\xff"
 # WebP's container (Google's "WebP Container Specification"): RIFF, size, WEBP, then chunks.
@@ -59,6 +92,16 @@ _UNSUPPORTED = {
 }
 # PNG colour types -> channels (PNG spec, IHDR).
 _PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
+# Adam7's passes (PNG spec, 8.2): each one's first column and row, and its steps across and down.
+_ADAM7 = (
+    (0, 0, 8, 8),
+    (4, 0, 8, 8),
+    (0, 4, 4, 8),
+    (2, 0, 4, 4),
+    (0, 2, 2, 4),
+    (1, 0, 2, 2),
+    (0, 1, 1, 2),
+)
 # JPEG start-of-frame markers (ITU T.81 B.1.1.3): SOF0..SOF15 but DHT, JPG and DAC.
 _JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 
@@ -91,25 +134,30 @@ class Image:
     height: int
 
 
-def load(param: str, url: str, policy: ImagePolicy) -> Image:
-    """The checked image that `url` (an image_url part's, at `param`) holds or names."""
+async def load(param: str, url: str, policy: ImagePolicy) -> Image:
+    """The checked image that `url` (an image_url part's, at `param`) holds or names: its bytes
+    read in a thread (a URL may be fetched), then checked on the image threads."""
+    data = await asyncio.to_thread(_read, param, url, policy)
+    return await asyncio.get_running_loop().run_in_executor(_checking, check, param, data, policy)
+
+
+def _read(param: str, url: str, policy: ImagePolicy) -> bytes:
+    """The bytes `url` holds (a data: URL) or names (blocking: a URL is fetched)."""
     scheme = urllib.parse.urlsplit(url).scheme.lower() if ":" in url else ""
     if scheme == "data":
-        data = _from_data_url(param, url, policy)
-    elif scheme in ("file", "http", "https"):
+        return _from_data_url(param, url, policy)
+    if scheme in ("file", "http", "https"):
         if not policy.allow_urls:
             raise ImageRefused(
                 param,
                 f"{scheme}: image URLs are off for {policy.model} (allow_image_urls = false); "
                 "send the image inline as a data: URL",
             )
-        data = _fetch(param, url, scheme, policy)
-    else:
-        shown = f"{scheme}:" if scheme else "no scheme"
-        raise ImageRefused(
-            param, f"unsupported URL scheme ({shown}); expected data:, file:, http: or https:"
-        )
-    return check(param, data, policy)
+        return _fetch(param, url, scheme, policy)
+    shown = f"{scheme}:" if scheme else "no scheme"
+    raise ImageRefused(
+        param, f"unsupported URL scheme ({shown}); expected data:, file:, http: or https:"
+    )
 
 
 def check(param: str, data: bytes, policy: ImagePolicy) -> Image:
@@ -120,7 +168,7 @@ def check(param: str, data: bytes, policy: ImagePolicy) -> Image:
             param, f"the image is {len(data)} bytes, more than max_image_bytes ({policy.max_bytes})"
         )
     if data.startswith(_PNG):
-        kind, (width, height, row_bytes) = "png", _png_size(param, data)
+        kind, (width, height, inflated_bytes) = "png", _png_size(param, data)
     elif data.startswith(_JPEG):
         kind, (width, height) = "jpeg", _jpeg_size(param, data)
     elif data[:4] == b"RIFF" and data[8:12] == b"WEBP":
@@ -136,9 +184,16 @@ def check(param: str, data: bytes, policy: ImagePolicy) -> Image:
             f"the image is {width}x{height} pixels, more than max_image_pixels "
             f"({policy.max_pixels})",
         )
+    if kind == "webp" and width * height * WEBP_BYTES_PER_PIXEL > DECODE_BUDGET_BYTES:
+        raise ImageRefused(
+            param,
+            f"a WebP of {width}x{height} pixels takes about "
+            f"{width * height * WEBP_BYTES_PER_PIXEL} bytes to convert, more than the daemon "
+            f"gives one image ({DECODE_BUDGET_BYTES}); send it as PNG or JPEG",
+        )
     # Inflated or decoded only now: the pixel limit keeps a decompression bomb out.
     if kind == "png":
-        _png_inflates(param, data, row_bytes * height)
+        _png_inflates(param, data, inflated_bytes)
     elif kind == "webp":
         return Image(_webp_to_png(param, data, width, height), "png", width, height)
     return Image(data, kind, width, height)
@@ -175,7 +230,8 @@ def _fetch(param: str, url: str, scheme: str, policy: ImagePolicy) -> bytes:
 
 
 def _png_size(param: str, data: bytes) -> tuple[int, int, int]:
-    """Width, height and bytes per filtered row of a whole PNG, every chunk's CRC checked."""
+    """Width, height and the bytes its pixel data inflates to (every pass's filtered rows, for
+    an interlaced image) of a whole PNG, every chunk's CRC checked."""
     at, size, seen_end = len(_PNG), None, False
     while at + 8 <= len(data):
         (length,) = struct.unpack(">I", data[at : at + 4])
@@ -187,36 +243,58 @@ def _png_size(param: str, data: bytes) -> tuple[int, int, int]:
         if zlib.crc32(kind + body) & 0xFFFFFFFF != struct.unpack(">I", crc)[0]:
             raise ImageRefused(param, f"a corrupt PNG (chunk {kind!r} fails its checksum)")
         if kind == b"IHDR" and length == 13:
-            width, height, depth, colour = struct.unpack(">IIBB", body[:10])
-            size = (width, height, depth, colour)
+            width, height, depth, colour, _, _, interlace = struct.unpack(">IIBBBBB", body)
+            size = (width, height, depth, colour, interlace)
         elif kind == b"IEND":
             seen_end = True
             break
         at += 12 + length
     if size is None or not seen_end:
         raise ImageRefused(param, "a truncated or corrupt PNG (no IHDR or no IEND)")
-    width, height, depth, colour = size
-    if width == 0 or height == 0 or colour not in _PNG_CHANNELS:
+    width, height, depth, colour, interlace = size
+    if width == 0 or height == 0 or colour not in _PNG_CHANNELS or interlace not in (0, 1):
         raise ImageRefused(param, "a corrupt PNG (its header is invalid)")
-    return width, height, 1 + (width * _PNG_CHANNELS[colour] * depth + 7) // 8
+    bits = _PNG_CHANNELS[colour] * depth  # per pixel
+    if not interlace:
+        return width, height, height * (1 + (width * bits + 7) // 8)
+    inflated = 0
+    for x0, y0, dx, dy in _ADAM7:
+        columns, rows = (width - x0 + dx - 1) // dx, (height - y0 + dy - 1) // dy
+        if columns > 0 and rows > 0:  # a pass of no pixels has no rows, not even filter bytes
+            inflated += rows * (1 + (columns * bits + 7) // 8)
+    return width, height, inflated
 
 
 def _png_inflates(param: str, data: bytes, expected: int) -> None:
     """The PNG's pixel data (its IDAT chunks, whose CRCs `_png_size` checked) inflates to the
-    `expected` bytes (an interlaced image's passes take more: only inflating is checked)."""
-    at, idat = len(_PNG), bytearray()
+    `expected` bytes. Inflated as a stream and counted, never held (the module's docstring)."""
+    inflater, inflated = zlib.decompressobj(), 0
+    try:
+        for piece in _idat_pieces(data):
+            pending: bytes | memoryview = piece
+            while pending and inflated < expected and not inflater.eof:
+                out = inflater.decompress(pending, min(INFLATE_PIECE_BYTES, expected - inflated))
+                inflated += len(out)
+                pending = inflater.unconsumed_tail  # what max_length left of this piece
+            if inflated >= expected or inflater.eof:
+                break
+    except zlib.error:
+        raise ImageRefused(param, "a corrupt PNG (its pixel data does not inflate)") from None
+    if inflated < expected:
+        raise ImageRefused(param, "a truncated PNG (its pixel data ends early)")
+
+
+def _idat_pieces(data: bytes) -> Iterator[memoryview]:
+    """The PNG's pixel data (the bodies of its IDAT chunks, in order), INFLATE_INPUT_BYTES at a
+    time, without copying it."""
+    view, at = memoryview(data), len(_PNG)
     while at + 8 <= len(data):
         (length,) = struct.unpack(">I", data[at : at + 4])
         if data[at + 4 : at + 8] == b"IDAT":
-            idat += data[at + 8 : at + 8 + length]
+            body = view[at + 8 : at + 8 + length]
+            for start in range(0, len(body), INFLATE_INPUT_BYTES):
+                yield body[start : start + INFLATE_INPUT_BYTES]
         at += 12 + length
-    try:
-        pixels = zlib.decompressobj().decompress(bytes(idat), expected + 1)
-    except zlib.error:
-        raise ImageRefused(param, "a corrupt PNG (its pixel data does not inflate)") from None
-    interlaced = data[28] == 1  # IHDR's interlace method, at a fixed offset
-    if len(pixels) < expected and not interlaced:
-        raise ImageRefused(param, "a truncated PNG (its pixel data ends early)")
 
 
 def _jpeg_size(param: str, data: bytes) -> tuple[int, int]:

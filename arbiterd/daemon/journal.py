@@ -14,17 +14,27 @@ Invariants kept here:
   (https://sqlite.org/autoinc.html); followers resume from the last seq they saw.
 - Rows are deleted only oldest-first (`seq <= cutoff`), so the rows always form a suffix of the
   seqs ever issued, and `newest - oldest + 1` bounds their count without a COUNT(*).
-- The file is 0600 in a 0700 directory: events name models and programs of one user. SQLite
-  creates the -wal and -shm files with the database file's permissions.
+- The file is 0600 in a 0700 directory: events name models and programs of one user. The
+  directory is checked as the runtime folder is (paths.ensure_private_dir: a loose one is
+  refused with its fix); the file is created O_EXCL|O_NOFOLLOW 0600, an existing one (and its
+  -wal and -shm) opened O_NOFOLLOW, checked to be ours and put back to 0600 with fchmod, all
+  before SQLite opens them; SQLite then creates -wal and -shm with the database file's mode.
+- A damaged journal never stops the daemon (issue 24): a file SQLite calls not a database or
+  corrupt, as it is opened or checked (PRAGMA quick_check), is moved aside with its -wal and
+  -shm as `<name>.corrupt-<time>` (the evidence kept, a warning logged) and a fresh one is
+  started. A journal of a newer schema is not damaged: it is refused and left alone.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import math
 import os
 import re
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Collection, Iterator, Mapping
@@ -36,7 +46,9 @@ from typing import Any
 
 from arbiterd.errors import BadValueError, DaemonError
 from arbiterd.events import Event, parse_event
-from arbiterd.paths import make_private_dirs
+from arbiterd.paths import ensure_private_dir
+
+log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1  # kept in PRAGMA user_version; a newer file is refused, never rewritten
 DEFAULT_MAX_EVENTS = 100_000
@@ -45,6 +57,13 @@ BUSY_TIMEOUT_S = 5.0  # how long a statement waits for another process's write l
 CHECKPOINT_BUSY_MS = 100  # a checkpoint after a trim waits this long for readers, then gives up
 JOURNAL_SIZE_LIMIT_BYTES = 4 * 1024 * 1024  # the -wal file is cut back to this after checkpoints
 FOLLOW_BATCH = 500  # rows read per query while following
+PRIVATE_FILE_MODE = 0o600
+# The SQLite files beside the database: its write-ahead log and its shared-memory index.
+COMPANIONS = ("-wal", "-shm")
+# What SQLite says of a damaged file (https://sqlite.org/rescode.html), as primary codes: the
+# file is not a database (its header is not SQLite's) or the database is corrupt.
+_DAMAGED = frozenset({26, 11})  # SQLITE_NOTADB, SQLITE_CORRUPT
+_SQLITE_HEADER = b"SQLite format 3\x00"  # every database file's first 16 bytes
 
 _SCHEMA = (
     "CREATE TABLE events ("
@@ -92,8 +111,27 @@ class Journal:
         if isinstance(max_events, bool) or not isinstance(max_events, int) or max_events < 1:
             raise BadValueError(f"max_events must be a positive integer, not {max_events!r}")
         self._setup(path, max_events, readonly=False)
-        make_private_dirs(self.path.parent, DaemonError)
-        _create_private_file(self.path)
+        ensure_private_dir(self.path.parent, DaemonError)
+        try:
+            self._open_for_writing()
+        except _Damaged as damaged:
+            moved = _move_aside(self.path)
+            log.warning(
+                "the journal %s is damaged (%s): moved aside as %s; a fresh journal starts",
+                self.path,
+                damaged,
+                moved,
+            )
+            self._open_for_writing()  # a fresh file: damaged again is an error, not a loop
+
+    def _open_for_writing(self) -> None:
+        """Open (creating it if needed) the file at `path` as a journal; _Damaged when SQLite
+        finds it damaged, DaemonError for anything else that goes wrong."""
+        _open_private_files(self.path)
+        if _not_sqlite(self.path):
+            # Before SQLite sees it: on a file it calls not a database, it would reset the -shm
+            # and delete the -wal as it closes, and they are part of what is moved aside.
+            raise _Damaged("its header is not SQLite's")
         self._conn = self._connect(str(self.path), uri=False)
         try:
             # Journal mode must be set outside a transaction; it is persistent in the file.
@@ -102,10 +140,17 @@ class Journal:
             # (https://sqlite.org/pragma.html#pragma_synchronous).
             self._conn.execute("PRAGMA synchronous=NORMAL")
             self._conn.execute(f"PRAGMA journal_size_limit={JOURNAL_SIZE_LIMIT_BYTES}")
+            # Every page's structure, without matching indexes to their tables: milliseconds
+            # for a journal at its bound, and a damaged page is found now, not by each append.
+            problems = [row[0] for row in self._conn.execute("PRAGMA quick_check").fetchall()]
+            if problems != ["ok"]:
+                raise _Damaged("; ".join(problems[:3]))
             self._create_schema()
             self._oldest_seq = self._conn.execute("SELECT MIN(seq) FROM events").fetchone()[0]
-        except sqlite3.Error as exc:
+        except sqlite3.DatabaseError as exc:
             self._conn.close()
+            if _damaged(exc):
+                raise _Damaged(str(exc)) from exc
             raise DaemonError(f"journal {self.path}: {exc}") from exc
         except BaseException:
             self._conn.close()
@@ -389,16 +434,82 @@ def _row_event(row: tuple[Any, ...]) -> JournalEvent:
     return JournalEvent(seq=seq, at=at, kind=kind, model=model, body=body)
 
 
-def _create_private_file(path: Path) -> None:
-    """Create the database file 0600 before SQLite opens it (SQLite would use 0644 & ~umask)."""
+class _Damaged(Exception):
+    """The journal's file is damaged (SQLite's words, or quick_check's, are the message)."""
+
+
+def _damaged(exc: sqlite3.DatabaseError) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF in _DAMAGED  # an extended code's low byte
+
+
+def _not_sqlite(path: Path) -> bool:
+    """Whether the file at `path` (checked by _open_private_files: ours, not a link) has bytes
+    but not SQLite's header string (https://sqlite.org/fileformat.html, 1.3); an empty file is
+    a journal SQLite has yet to write."""
+    with open(path, "rb") as f:
+        head = f.read(len(_SQLITE_HEADER))
+    return bool(head) and head != _SQLITE_HEADER
+
+
+def _move_aside(path: Path) -> Path:
+    """Rename the damaged journal at `path`, and its -wal and -shm, to `<path>.corrupt-<time>`
+    (and that name's -wal and -shm, so SQLite reads them together); returns the new name."""
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    target = path.with_name(f"{path.name}.corrupt-{stamp}")
+    n = 1
+    while any(Path(f"{target}{suffix}").exists() for suffix in ("", *COMPANIONS)):
+        n += 1  # damaged twice within a second: keep both
+        target = path.with_name(f"{path.name}.corrupt-{stamp}.{n}")
+    for suffix in ("", *COMPANIONS):
+        try:
+            os.rename(f"{path}{suffix}", f"{target}{suffix}")
+        except FileNotFoundError:
+            continue  # no -wal or -shm: nothing was being written
+        except OSError as exc:
+            raise DaemonError(
+                f"the journal {path} is damaged and cannot be moved aside: {exc.strerror}; "
+                "move it away"
+            ) from None
+    return target
+
+
+def _open_private_files(path: Path) -> None:
+    """Before SQLite opens the journal: create it 0600 (SQLite would use 0644 & ~umask), or
+    check the one there, and its -wal and -shm, to be regular files of ours, and put their mode
+    back to 0600 (a journal copied in, or made by an older arbiterd, may be 0644)."""
+    _private_file(path, create=True)
+    for suffix in COMPANIONS:
+        _private_file(Path(f"{path}{suffix}"), create=False)
+
+
+def _private_file(path: Path, *, create: bool) -> None:
+    # O_NOFOLLOW: a symlink planted at the name is refused (ELOOP), never followed.
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    except FileExistsError:
-        return
+        try:
+            fd = os.open(path, flags | (os.O_CREAT | os.O_EXCL if create else 0), PRIVATE_FILE_MODE)
+        except FileExistsError:
+            fd = os.open(path, flags)
+    except FileNotFoundError:
+        return  # an absent -wal or -shm: SQLite creates it with the database's mode
     except OSError as exc:
-        raise DaemonError(f"cannot create the journal {path}: {exc.strerror}") from exc
+        if exc.errno == errno.ELOOP:
+            raise DaemonError(f"{path} is a symbolic link; move it away") from None
+        raise DaemonError(f"cannot open the journal file {path}: {exc.strerror}") from None
     try:
-        os.fchmod(fd, 0o600)  # a umask cannot have widened it, but one may have narrowed it
+        st = os.fstat(fd)  # the file opened, not whatever the name means by now
+        if not stat.S_ISREG(st.st_mode):
+            raise DaemonError(f"{path} is not a regular file; move it away")
+        if st.st_uid != os.getuid():
+            raise DaemonError(f"{path} is owned by uid {st.st_uid}, not by you; move it away")
+        if stat.S_IMODE(st.st_mode) != PRIVATE_FILE_MODE:
+            # A umask may narrow O_CREAT's mode; an old file may be wider. Either way: 0600.
+            if st.st_mode & 0o077:
+                log.warning(
+                    "%s had mode %04o: made %04o", path, stat.S_IMODE(st.st_mode), PRIVATE_FILE_MODE
+                )
+            os.fchmod(fd, PRIVATE_FILE_MODE)
     finally:
         os.close(fd)
 

@@ -10,6 +10,12 @@ exits, the slot lets go of its host copy; the next `load` starts a worker that r
 The folder stays within [daemon] prompt_cache_budget (budgets.PromptCache: the oldest files
 go first; a file larger than the whole budget is not kept). A model with host_copy =
 "page-cache" holds no host copy: its worker loads the file itself, which must be on disk.
+
+A model whose file is gone from disk (issue 24) serves from what it holds (the host copy, or
+the pages its worker mapped), so it is not unloaded: `unload` refuses, naming the file, rather
+than drop the only copy. A start that does not find the file marks the slot's `missing_file`:
+requests are then answered at once (routing.py) instead of waiting out the backoff, a request
+that finds the file back starts it at once, and the start that finds it clears the note.
 Everything runs on the daemon's event loop; copying a model file into memory runs in a thread.
 """
 
@@ -33,13 +39,12 @@ from arbiterd.errors import (
     ArbiterError,
     ConfigError,
     ControlError,
+    DaemonError,
     ModelLoadError,
     ProtocolError,
-    WorkerError,
 )
 from arbiterd.events import Event, PromptCacheEvictEvent, UnloadEvent, WorkerEvent
 from arbiterd.hostcopy import HostCopies, HostCopy
-from arbiterd.paths import make_private_dirs
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +101,7 @@ class Lifecycle:
                 return
             if copy is None:  # page-cache: the worker reads the file, which must be there
                 _require_file(slot)
+            self._found_file(slot)
             # From what the worker loads: ~0.1 s for a large vocabulary, in a thread.
             slot.embedding = await asyncio.to_thread(
                 serves_embeddings, slot.config, None if copy is None else copy.fd
@@ -116,6 +122,8 @@ class Lifecycle:
                 on_event=lambda event: self._on_worker_event(slot, event),
             )
         except (ArbiterError, OSError) as exc:
+            if slot.copy_lease is None and not slot.config.path.is_file():
+                slot.missing_file = slot.config.path  # it, not a retry, is what is awaited
             if self._retired(slot):  # its failure is news to nobody, and it is stopped already
                 self._let_go(slot)
             elif isinstance(exc, PERMANENT):
@@ -159,7 +167,19 @@ class Lifecycle:
     async def _load(self, slot: Slot) -> None:
         if slot.unload_task is not None:  # the next worker reads what this one writes
             await asyncio.shield(slot.unload_task)
-        if slot.state is SlotState.UNLOADED and not self._stopping:
+        if self._stopping:
+            return
+        if slot.state is SlotState.RESTARTING and slot.missing_file is not None:
+            back = await asyncio.to_thread(slot.missing_file.is_file)
+            # Still gone: the caller says so at once. Or its backoff ran out meanwhile and a
+            # start is under way already.
+            if not back or slot.state is not SlotState.RESTARTING:
+                return
+            if slot.restart_task is not None:  # back: start now, not after the backoff
+                slot.restart_task.cancel()
+            slot.move(SlotState.STARTING)
+            await self.start(slot)
+        elif slot.state is SlotState.UNLOADED:
             slot.move(SlotState.STARTING)
             await self.start(slot)
 
@@ -171,6 +191,9 @@ class Lifecycle:
             return await asyncio.shield(slot.unload_task)
         if slot.state is SlotState.UNLOADED:
             return _nothing_kept()
+        refusal = self.unload_refusal(slot)  # before any await: the unload begins at once
+        if refusal:
+            raise ControlError(refusal)
         if slot.state is SlotState.RESTARTING:  # no worker to save anything: do not restart
             if slot.restart_task is not None:
                 slot.restart_task.cancel()
@@ -185,6 +208,24 @@ class Lifecycle:
         task = asyncio.get_running_loop().create_task(self._unload(slot, worker, reason))
         slot.unload_task = task
         return await asyncio.shield(task)
+
+    def unload_refusal(self, slot: Slot) -> str:
+        """Why `slot` must not be unloaded now, or "": its model file is gone from disk and
+        the slot holds what it serves from (one stat, as `_require_file`'s, on the loop)."""
+        path = slot.config.path
+        lease = slot.copy_lease
+        if lease is not None and len(lease.copy.models()) > 1:
+            return ""  # another model keeps the copy, and the next start takes it again
+        if lease is None and slot.worker is None:
+            return ""  # nothing held
+        if path.is_file():
+            return ""
+        held = "the copy in the daemon's memory" if lease is not None else "what its worker mapped"
+        return (
+            f"{slot.name}'s model file {path} is gone from disk: unloading would drop the only "
+            f"copy of it ({held}) and {slot.name} could not start again; put the file back "
+            "first, or remove the model from the config and reload to let it go"
+        )
 
     async def _unload(self, slot: Slot, worker: WorkerClient, reason: str) -> dict[str, Any]:
         try:
@@ -232,12 +273,15 @@ class Lifecycle:
         if cache is None:
             return await self._ask_unload(worker)
         try:
-            await asyncio.to_thread(make_private_dirs, cache.folder, WorkerError)
-        except WorkerError as exc:  # the worker's write fails and says so
-            log.warning("%s: %s", slot.name, exc)
+            await asyncio.to_thread(cache.make_private)
+        except DaemonError as exc:
+            # Checked at start too (Supervisor.start); made loose since: the worker is not
+            # asked to write a user's prompts where others could read them.
+            log.warning("%s: its prompt cache is not kept: %s", slot.name, exc)
+            return _nothing_kept(str(exc))
         expected = 0
         try:
-            live = await worker.request("status", timeout_s=STATUS_TIMEOUT_S)
+            live = await worker.status(timeout_s=STATUS_TIMEOUT_S)
             expected = int(live.get("host_kv_bytes") or 0)  # a cold model's KV, else 0
         except ArbiterError:
             pass  # the unload below finds out what is wrong with the worker
@@ -291,6 +335,13 @@ class Lifecycle:
                 log.info("%s left the config: its prompt cache on disk is removed", name)
         except OSError as exc:
             log.warning("%s: could not remove its prompt cache: %s", name, _os_reason(exc))
+
+    def _found_file(self, slot: Slot) -> None:
+        """A start found the slot's model file (or holds a copy of it): a note that it was
+        missing is stale now."""
+        if slot.missing_file is not None:
+            slot.missing_file = None
+            slot.last_error = ""
 
     def _kv_file(self, slot: Slot) -> Path | None:
         return None if self.prompt_cache is None else self.prompt_cache.path(slot.name)
@@ -358,7 +409,9 @@ class Lifecycle:
         uptime = time.monotonic() - slot.started_at
         slot.failures_in_row = 0 if uptime >= STABLE_UPTIME_S else slot.failures_in_row + 1
         delay = RESTART_BACKOFF_S[min(slot.failures_in_row, len(RESTART_BACKOFF_S) - 1)]
-        reason = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        reason = worker.killed_for or (  # the daemon's own kill says why
+            f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        )
         self._restart_later(slot, f"worker {reason}", delay)
         self._publish(
             WorkerEvent(

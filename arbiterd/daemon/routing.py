@@ -7,6 +7,9 @@ Every failure is published as a `request` event and raised as the error the edge
 request for a model that does not exist, or of a kind its model does not serve (an embedding
 request to a chat model, or the other way round), is refused before any worker sees it, and
 no event is published. A request for an unloaded model (issue 14) starts its worker first.
+A request for a model whose file a start did not find (issue 24) is answered at once, naming
+the file, rather than waiting for a restart that cannot work; once the file is back, it starts
+the model.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from arbiterd.daemon.workerclient import WorkerClient
 from arbiterd.errors import (
     ArbiterError,
     EngineError,
+    ModelLoadError,
     RequestError,
     UnknownModelError,
     WorkerError,
@@ -90,10 +94,16 @@ class Router:
         slot = self.slot_of(model)
         try:
             async with asyncio.timeout(READY_TIMEOUT_S):
-                if slot.state in (SlotState.UNLOADING, SlotState.UNLOADED):
-                    await self._load(slot)
+                missing = slot.missing_file is not None
+                if missing or slot.state in (SlotState.UNLOADING, SlotState.UNLOADED):
+                    await self._load(slot)  # a missing file: started if it is back
                 if slot.state is SlotState.FAILED or slot.residency == "failed":
                     raise EngineError(f"{model} failed to load: {slot.last_error}")
+                if slot.missing_file is not None and slot.state is SlotState.RESTARTING:
+                    raise ModelLoadError(
+                        f"{model} cannot start: its model file {slot.missing_file} is not on "
+                        "disk; put it back (the next request starts it then)"
+                    )
                 await slot.ready.wait()
         except TimeoutError:
             raise WorkerError(f"{model} is not running ({slot.last_error})") from None

@@ -81,6 +81,8 @@ async def _serve(
         api_key=daemon.api_key,
         max_connections=connection_limit(fd_limit),
         header_timeout_s=daemon.header_timeout_s,
+        http_host=daemon.http_host,
+        allow_origins=daemon.allow_origins,
     )
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

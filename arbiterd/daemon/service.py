@@ -38,7 +38,11 @@ Status (`await status()`), one JSON object:
                  "backend": "in-place" | "reload" | None (no worker said hello yet),
                  "fallback_reason": why not in-place ("" for in-place),
                  "warning": "" | one line, e.g. GPU layers asked of an engine that cannot
-                            offload}, ...],
+                            offload,
+                 "stale_s": None | its worker did not answer (issue 24): the worker's
+                            figures are what it said this many seconds ago,
+                 "silent_s": None | its warm worker has shown no sign of life this long,
+                             holder_timeout_s or more (reported; killed at twice that)}, ...],
      "arena": str, "holder": {"pid", "name", "since"} | None,
      "waiters": [{"pid", "name"}, ...], "hold": bool,
      "groups": [{"name", "models", "priority", "holds_token", "handoffs", "failure"}, ...],
@@ -75,6 +79,8 @@ Events (from `subscribe()`), JSON objects with "event" and "at" (seconds since t
     encoder     a vision model's projector did one step of a request: model, id, action
                 (load, encode, free, release, restore), duration_s, bytes, images, path,
                 peak_bytes, reason
+    holder_silent  a warm worker showed no sign of life for holder_timeout_s (killed=false),
+                or twice that and was killed (killed=true): model, pid, silent_s, timeout_s
     vram_not_freed  a release did not give the VRAM back: model, pid, device, bytes_before,
                 bytes_after, expected_bytes, waited_s
     vram        live figures, ~1 Hz while someone subscribes (the "telemetry" object of

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from arbiterd.config import ModelConfig
@@ -69,6 +70,9 @@ class Slot:
     failures_in_row: int = 0
     started_at: float = 0.0  # time.monotonic() of its worker's hello
     last_error: str = ""
+    # The model file its last start did not find, while that is the reason it does not serve
+    # (lifecycle.py sets and clears it; routing.py answers requests at once meanwhile).
+    missing_file: Path | None = None
     last_handoff: dict[str, object] | None = None  # the last time it took the GPU from a model
     copy_lease: Lease | None = None  # on the daemon's memfd of its model file; kept across restarts
     restart_task: asyncio.Task[None] | None = None

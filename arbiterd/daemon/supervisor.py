@@ -6,7 +6,9 @@ Composes the daemon's parts, each with one job, and keeps what ties them togethe
 - `routing.Router` sends requests to them, with one retry rule;
 - `eventbus.EventBus` stamps, counts, journals and fans out every event;
 - `handoffs.Handoffs` turns the waits workers measured into handoffs and waits;
-- `vramwatch.VramWatch` reads VRAM, accounts the engines' figures, verifies teardowns.
+- `vramwatch.VramWatch` reads VRAM, accounts the engines' figures, verifies teardowns;
+- `liveness.judge` decides whether a warm worker that shows no sign of life is reported or
+  killed (issue 24); the watch here asks every worker for its status and applies it.
 Here: which model a name or alias asks for (the config's `resolve`, at each entry point, so
 every edge takes aliases), what a worker's events mean for its slot, status, the commands (hold,
 reload, unload, ...), unloading models that stayed cold and idle for their unload_after_s
@@ -32,6 +34,15 @@ from arbiterd.daemon.handoffs import Handoffs
 from arbiterd.daemon.images import ImagePolicy
 from arbiterd.daemon.journal import Journal
 from arbiterd.daemon.lifecycle import Lifecycle
+from arbiterd.daemon.liveness import (
+    STATUS_ANSWER_S,
+    Verdict,
+    judge,
+    kill_reason,
+    ping_interval_s,
+    silent_s,
+    stale,
+)
 from arbiterd.daemon.metrics import Metrics
 from arbiterd.daemon.modelfile import check_models, vram_budget_for
 from arbiterd.daemon.routing import Router
@@ -43,6 +54,7 @@ from arbiterd.errors import ArbiterError, ControlError
 from arbiterd.events import (
     Event,
     HandoffEvent,
+    HolderSilentEvent,
     HoldEvent,
     RamBudgetEvent,
     ReloadEvent,
@@ -144,6 +156,9 @@ class Supervisor:
     # -- lifetime -----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        cache = self._lifecycle.prompt_cache
+        if cache is not None:  # refused now, with its fix, rather than at the first unload
+            await asyncio.to_thread(cache.make_private)
         for group in self.config.groups.values():
             self._start_keeper(group)
         for name, model in self.config.models.items():
@@ -153,6 +168,7 @@ class Supervisor:
         log.info("VRAM telemetry: %s", self._vram.readers.describe())
         self._vram.start()
         self._spawn(self._unload_idle())
+        self._spawn(self._watch_holders())
 
     async def _start(self, slot: Slot) -> None:
         """Start a new slot's worker, unless it is loaded on demand."""
@@ -298,13 +314,13 @@ class Supervisor:
             "backend": slot.hello.backend if slot.hello is not None else None,
             "fallback_reason": slot.hello.fallback_reason if slot.hello is not None else "",
             "warning": slot.warning,
+            "stale_s": None,
+            "silent_s": None,
         }
         worker = slot.worker
         if worker is not None:
-            try:
-                live = await worker.request("status", timeout_s=STATUS_TIMEOUT_S)
-            except ArbiterError:
-                return report
+            live, report["stale_s"] = await self._live_status(worker)
+            report["silent_s"] = self._silence(slot, worker)
             for key in ("state", "pid", "queue", "resident_bytes", "prompt_tokens_evaluated"):
                 report[key] = live.get(key, report[key])
             report["served"] = live.get("served", 0)
@@ -317,6 +333,27 @@ class Supervisor:
                 )
             )
         return report
+
+    async def _live_status(self, worker: WorkerClient) -> tuple[dict[str, Any], float | None]:
+        """The worker's status and None; or, from a worker that does not answer within
+        STATUS_ANSWER_S (or left a question unanswered that long already), what it said last
+        and how many seconds ago: a frozen worker never holds up status or /v1/models."""
+        if not stale(worker.heard, time.monotonic()):
+            try:
+                return await worker.status(timeout_s=STATUS_ANSWER_S), None
+            except ArbiterError:
+                pass  # a timeout, or gone meanwhile: what it said last is all there is
+        heard = worker.heard
+        return heard.status, round(time.monotonic() - heard.answered_at, 1)
+
+    def _silence(self, slot: Slot, worker: WorkerClient) -> float | None:
+        """How long `slot`'s warm worker has shown no sign of life, once that is reported (at
+        [daemon] holder_timeout_s); else None."""
+        now, timeout_s = time.monotonic(), self.config.daemon.holder_timeout_s
+        warm = slot.residency == "warm"
+        if judge(worker.heard, warm=warm, now=now, timeout_s=timeout_s) is Verdict.LIVE:
+            return None
+        return round(silent_s(worker.heard, now), 1)
 
     def _host_ram(self, slot: Slot, *, host_kv_bytes: int, weights_bytes: int) -> dict[str, Any]:
         """The model's host RAM: its share of the file's copy (split between the models that
@@ -515,14 +552,71 @@ class Supervisor:
             for slot in [s for s in self._slots.values() if unload_due(s, now)]:
                 worker = slot.worker
                 assert worker is not None  # ready
+                if self._lifecycle.unload_refusal(slot):
+                    continue  # its file is gone: it stays (`unload` says why, when asked)
                 try:
-                    live = await worker.request("status", timeout_s=STATUS_TIMEOUT_S)
+                    live = await worker.status(timeout_s=STATUS_TIMEOUT_S)
                     # A request may wait cold for the GPU: not idle.
                     if live.get("queue") or live.get("current") or not unload_due(slot, now):
                         continue
                     await self._lifecycle.unload(slot, "idle")
                 except ArbiterError as exc:
                     log.warning("%s: could not unload it: %s", slot.name, exc)
+
+    async def _watch_holders(self) -> None:
+        """Ask every worker for its status each quarter of [daemon] holder_timeout_s (one
+        question in flight per worker: a frozen one is sent no more) and apply the verdict on
+        each (liveness.judge): a warm worker silent for holder_timeout_s is reported, and
+        killed once silent twice that long, so the kernel frees its token and the lifecycle
+        restarts it as after any crash (issue 24)."""
+        reported: set[WorkerClient] = set()  # the silent ones, each said once per silence
+        while True:
+            await asyncio.sleep(ping_interval_s(self.config.daemon.holder_timeout_s))
+            now = time.monotonic()
+            workers = [(slot, slot.worker) for slot in self._slots.values()]
+            reported &= {worker for _, worker in workers if worker is not None}
+            for slot, worker in workers:
+                if worker is not None:
+                    worker.ask()
+                    self._judge(slot, worker, now, reported)
+
+    def _judge(
+        self, slot: Slot, worker: WorkerClient, now: float, reported: set[WorkerClient]
+    ) -> None:
+        timeout_s = self.config.daemon.holder_timeout_s
+        heard = worker.heard
+        verdict = judge(heard, warm=slot.residency == "warm", now=now, timeout_s=timeout_s)
+        if verdict is Verdict.LIVE:
+            if worker in reported:
+                reported.discard(worker)
+                log.warning("%s shows signs of life again", slot.name)
+            return
+        silent = silent_s(heard, now)
+        if verdict is Verdict.SILENT and worker not in reported:
+            reported.add(worker)
+            log.warning(
+                "%s (pid %d) holds the GPU and has shown no sign of life for %.1f s; "
+                "it is killed at %g s",
+                slot.name,
+                worker.pid,
+                silent,
+                2 * timeout_s,
+            )
+        elif verdict is Verdict.KILL and not worker.killed_for:
+            reason = kill_reason(silent, timeout_s)
+            log.error("%s (pid %d) %s", slot.name, worker.pid, reason)
+            worker.kill_for(reason)  # the lifecycle's watch of its exit restarts the model
+        else:
+            return  # said already
+        self._bus.publish(
+            HolderSilentEvent(
+                model=slot.name,
+                pid=worker.pid,
+                silent_s=round(silent, 3),
+                timeout_s=timeout_s,
+                killed=verdict is Verdict.KILL,
+            )
+        )
 
     def _want_ram_check(self) -> None:
         """Look at the host RAM budget soon (a model went cold, or one loaded)."""
@@ -547,7 +641,7 @@ class Supervisor:
         budget = self.config.daemon.host_ram_budget_bytes
         ready = [s for s in self._slots.values() if s.worker is not None]
         lives = await asyncio.gather(
-            *(s.worker.request("status", timeout_s=STATUS_TIMEOUT_S) for s in ready if s.worker),
+            *(s.worker.status(timeout_s=STATUS_TIMEOUT_S) for s in ready if s.worker),
             return_exceptions=True,
         )
         copies = self._lifecycle.host_copies.leases()
@@ -564,6 +658,7 @@ class Supervisor:
                 and slot.cold_since is not None
                 and idle
                 and not slot.pinned
+                and not self._lifecycle.unload_refusal(slot)
             ):
                 lease = slot.copy_lease
                 copy = None if lease is None else key.get(id(lease.copy))

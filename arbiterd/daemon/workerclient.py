@@ -6,6 +6,12 @@ the process's exit is awaited, not watched by a thread (`spawn` installs a pidfd
 see `use_pidfd_child_watcher`). The worker's hello, read into a `WorkerHello`, says what runs the
 model: its residency backend and what the engine can do.
 
+It also keeps what the daemon last heard of the worker's life (issue 24): its last status and
+when it came, the engine thread's last beat (from that status's `beat_age_s`, or any event or
+chunk, which only the engine thread sends), and the status question still unanswered. One
+status question is in flight at a time, whoever asks: a worker that stopped reading gets one
+line, not one per `arbiterd status`. `heard` is what daemon/liveness.py judges.
+
 `BlockingWorker` drives a `WorkerClient` from ordinary threads, on a private loop; tests and
 benchmarks use it, the daemon never does.
 """
@@ -26,12 +32,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from arbiterd.daemon.liveness import Heard
 from arbiterd.errors import ProtocolError, WorkerError, WorkerGoneError, error_from_wire
 from arbiterd.spec import WORKER_PROTOCOL, WorkerConfig
 from arbiterd.wire import AsyncLineReader, encode
 
 HELLO_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 30.0
+STATUS_TIMEOUT_S = 10.0  # a worker answers status from its io thread, even mid-decode
 # The residency backends a worker may name (engine.py's Backend.kind).
 BACKENDS = frozenset({"in-place", "reload"})
 
@@ -177,6 +185,10 @@ class WorkerClient:
         self._pending: dict[str, asyncio.Queue[dict[str, Any]]] = {}
         self._hello: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         self.hello: WorkerHello | None = None  # set by `spawn` once the worker said it
+        # What the daemon last heard of its life; nothing yet but that it was just started.
+        self.heard = Heard.started(time.monotonic())
+        self._asking: asyncio.Task[dict[str, Any]] | None = None  # the status question in flight
+        self.killed_for = ""  # why the daemon killed it (`kill_for`); "" when it did not
         self._reader = asyncio.get_running_loop().create_task(
             self._read_loop(), name=f"worker-client-{model}"
         )
@@ -296,8 +308,36 @@ class WorkerClient:
         with contextlib.suppress(WorkerGoneError):
             self._send({"op": "cancel", "id": f"cancel-{next(self._ids)}", "target": target})
 
-    async def status(self) -> dict[str, Any]:
-        return await self.request("status", timeout_s=10.0)
+    async def status(self, timeout_s: float | None = STATUS_TIMEOUT_S) -> dict[str, Any]:
+        """The worker's status, from its io thread (also mid-decode). Joins the question in
+        flight, if there is one; WorkerError after `timeout_s`, the question still asked (its
+        answer, when it comes, is what `heard` holds)."""
+        asking = self.ask()
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await asyncio.shield(asking)
+        except TimeoutError:
+            raise WorkerError(f"no answer from {self.model} to status in {timeout_s} s") from None
+
+    def ask(self) -> asyncio.Task[dict[str, Any]]:
+        """The status question in flight, asked now if there is none."""
+        if self._asking is None:
+            self.heard = self.heard.asked(time.monotonic())
+            self._asking = asyncio.get_running_loop().create_task(
+                self._ask(), name=f"worker-status-{self.model}"
+            )
+            self._asking.add_done_callback(self._answered)
+        return self._asking
+
+    async def _ask(self) -> dict[str, Any]:
+        status = await self.request("status", timeout_s=None)
+        self.heard = self.heard.answered(status, time.monotonic())
+        return status
+
+    def _answered(self, asked: asyncio.Task[dict[str, Any]]) -> None:
+        self._asking = None
+        if not asked.cancelled():
+            asked.exception()  # a gone worker's: said to whoever waited; retrieved here
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -313,6 +353,15 @@ class WorkerClient:
             return await self.kill()
         await self._close()
         return self._code()
+
+    def kill_for(self, reason: str) -> None:
+        """SIGKILL the worker now for `reason`, which the requests it had are told (and
+        `killed_for` keeps); whoever awaits its exit reaps it."""
+        if self.process.returncode is not None or self.killed_for:
+            return
+        self.killed_for = reason  # before the signal: the reader sees the socket close after
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
 
     async def kill(self) -> int:
         """SIGKILL the worker (unless it is gone already) and reap it."""
@@ -360,7 +409,8 @@ class WorkerClient:
         except TimeoutError:
             raise WorkerError(f"no answer from {self.model} to {request_id}") from None
         if message.get("gone"):
-            raise WorkerError(f"worker for {self.model} exited during {request_id}")
+            why = f": {self.killed_for}" if self.killed_for else ""
+            raise WorkerError(f"worker for {self.model} exited during {request_id}{why}")
         return message
 
     async def _read_loop(self) -> None:
@@ -382,6 +432,8 @@ class WorkerClient:
                 self._hello.set_exception(WorkerGoneError(f"worker for {self.model} is gone"))
 
     def _route(self, message: dict[str, Any]) -> None:
+        if "event" in message or "chunk" in message:  # only the engine thread sends these
+            self.heard = self.heard.beat(time.monotonic())
         if "hello" in message:
             if not self._hello.done():
                 self._hello.set_result(message["hello"])

@@ -157,8 +157,10 @@ class ModelCard(QFrame):
         )
         self.stripe.setStyleSheet(f"background: {stripe}; border-radius: 2px;")
         holding = state.holding_text(model)
+        stale = None if model.stale_s is None else render.stale(model.stale_s)
         self.state.setText(
-            f"state: {unloaded or model.state}" + (f" · {holding}" if holding else "")
+            f"state: {unloaded or model.state}"
+            + "".join(f" · {part}" for part in (holding, stale) if part)
         )
         host_ram = model.host_ram_bytes
         if unloaded is not None:  # no worker, no host copy: nothing, rather than "not reported"
@@ -184,6 +186,8 @@ class ModelCard(QFrame):
         self.queue.setToolTip(model.fallback_reason)
         self._show_encoder(state.history.last_encoder.get(model.name), state)
         problems = [f"⚠ {model.warning}"] if model.warning else []
+        if model.silent_s is not None:
+            problems.append(f"⚠ {render.silence(model.name, model.silent_s)}")
         if model.last_error:
             problems.append(f"last error: {model.last_error}")
         self.error.setText("\n".join(problems))

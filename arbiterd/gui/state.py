@@ -6,10 +6,12 @@ of those is a function of this state and a time, tested without a socket or a wi
 
 Warnings (the icon turns amber while one is active):
     a model in state failed / restarting        while the status says so
+    a warm model's worker silent (`silent_s`)   while the status says so (issue 24)
     a group whose keeper stopped                while the status says so
     vram_not_freed                              WARNING_HOLD_S, or until that model is warm again
     worker (a crash or a failed start)          WARNING_HOLD_S, or until that model is warm again
     residency to failed                         WARNING_HOLD_S, or until that model is warm again
+    holder_silent (reported, then killed)       WARNING_HOLD_S, or until that model is warm again
 
 Notices (shown in the tooltip, the menu and the cards; the icon stays as it is, because they
 describe the setup, not something that just went wrong):
@@ -24,7 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from arbiterd import render
-from arbiterd.events import Event, ResidencyEvent, VramNotFreedEvent, WorkerEvent
+from arbiterd.events import (
+    Event,
+    HolderSilentEvent,
+    ResidencyEvent,
+    VramNotFreedEvent,
+    WorkerEvent,
+)
 from arbiterd.gui import palette
 from arbiterd.gui.history import DEFAULT_WINDOW_S, History
 from arbiterd.gui.palette import RGB, ModelColours
@@ -74,7 +82,7 @@ class TrayState:
             return False
         at = event.at or 0.0
         # The kinds that may warn (render.failure) are each about one model.
-        about = ResidencyEvent | WorkerEvent | VramNotFreedEvent
+        about = ResidencyEvent | WorkerEvent | VramNotFreedEvent | HolderSilentEvent
         model = event.model if isinstance(event, about) else None
         if isinstance(event, ResidencyEvent) and event.to_state == "warm" and model is not None:
             # Warm again: whatever went wrong with it before is over.
@@ -100,6 +108,9 @@ class TrayState:
                 if model.last_error:
                     line += f": {model.last_error}"
                 texts.insert(0, line)
+            for model in self.status.models:
+                if model.silent_s is not None:
+                    texts.insert(0, render.silence(model.name, model.silent_s))
             for group in self.status.groups:
                 if group.failure:
                     texts.insert(0, f"group {group.name}: its keeper stopped: {group.failure}")

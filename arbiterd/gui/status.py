@@ -72,6 +72,10 @@ class ModelStatus:
     backend: str = ""  # "in-place" | "reload"; "" when the daemon does not say (yet)
     fallback_reason: str = ""  # why not in-place
     warning: str = ""  # e.g. it asks for GPU layers an engine that cannot offload will not give
+    # Issue 24: its worker did not answer, and the figures are what it said this long ago.
+    stale_s: float | None = None
+    # Warm, and no sign of life from its worker this long (holder_timeout_s or more).
+    silent_s: float | None = None
 
     @classmethod
     def read(cls, raw: Mapping[str, Any]) -> ModelStatus:
@@ -90,6 +94,8 @@ class ModelStatus:
             backend=_str(raw.get("backend")),
             fallback_reason=_str(raw.get("fallback_reason")),
             warning=_str(raw.get("warning")),
+            stale_s=_float(raw.get("stale_s")),
+            silent_s=_float(raw.get("silent_s")),
         )
 
     @property

@@ -105,6 +105,7 @@ CUT_CANDIDATES = 64
 MAX_CHOICES = 16
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # in either direction, as OpenAI
+MAX_SHOWN_CHARS = 40  # of a refused value, in an error message
 # llama-cpp-python's name for the chat format that renders the GGUF's own Jinja template.
 GGUF_TEMPLATE = "chat_template.default"
 # llama.cpp's enum llama_pooling_type, and the types that make one vector of an input's tokens:
@@ -525,11 +526,11 @@ class ReloadBackend:
                 f"{len(messages)} messages exceed the context window of {n_ctx} tokens"
             )
         _check_characters(_characters(messages), vocab.max_text_bytes(n_ctx))
-        response_format = _response_format(body)
+        response_format = _response_format(body, vocab)
         if response_format is not None:  # the chat handler turns it into a grammar
             kwargs = {**kwargs, "response_format": response_format}
         tools, forced = _tools(body)
-        call_grammar = _call_grammar(tools, forced, shaped=response_format is not None)
+        call_grammar = _call_grammar(tools, forced, vocab, shaped=response_format is not None)
         if tools:
             self._require_tool_template()
             kwargs["tools"] = tools  # for the template; the choice is ours to enforce
@@ -1416,7 +1417,7 @@ def _request_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
+def _response_format(body: dict[str, Any], vocab: _Vocab) -> dict[str, Any] | None:
     """The chat request's structured output, as llama-cpp-python's chat handlers take it:
     {"type": "json_object"}, with the JSON schema the output must follow when there is one
     ("schema"); None for free text."""
@@ -1430,17 +1431,31 @@ def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
         return {"type": "json_object"}
     if not isinstance(schema, dict):
         raise RequestError("'response_format.schema' must be a JSON schema (an object)")
-    _grammar(schema, "the JSON schema")
+    _grammar(schema, "the JSON schema", vocab)
     return {"type": "json_object", "schema": schema}
 
 
-def _grammar(schema: dict[str, Any], what: str) -> LlamaGrammar:
+def _grammar(schema: dict[str, Any], what: str, vocab: _Vocab) -> LlamaGrammar:
     """The grammar whose sentences are the instances of a JSON schema; RequestError naming
-    `what` when llama-cpp-python's converter cannot follow the schema."""
+    `what` when llama-cpp-python's converter cannot follow the schema, or llama.cpp cannot
+    parse what the converter wrote."""
     try:  # the converter reports what it cannot follow in assorted exceptions
-        return LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
+        grammar = LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
     except Exception as exc:
         raise RequestError(f"{what} cannot be followed: {exc}") from None
+    if not vocab.parses(grammar):
+        raise RequestError(
+            f"{what} cannot be followed: llama.cpp cannot parse the grammar made of it (a"
+            " property name with a form feed, a backspace or a quote, for one)"
+        )
+    return grammar
+
+
+def _shown(value: object) -> str:
+    """`value` as an error message shows it: its repr (which escapes what UTF-8 cannot
+    encode), cut short."""
+    shown = repr(value)
+    return shown if len(shown) <= MAX_SHOWN_CHARS else shown[: MAX_SHOWN_CHARS - 3] + "..."
 
 
 def _logit_bias(body: dict[str, Any], n_vocab: int) -> dict[int, float]:
@@ -1452,16 +1467,19 @@ def _logit_bias(body: dict[str, Any], n_vocab: int) -> dict[int, float]:
         raise RequestError("'logit_bias' must be an object of token ids to biases")
     bias = {}
     for key, value in given.items():
-        token = int(key) if isinstance(key, str) and key.isdigit() else -1
+        # ASCII digits no longer than the largest id, before int(): str.isdigit() also takes
+        # digits int() refuses ("²"), and int() refuses more than 4,300 digits (issue 24).
+        is_id = isinstance(key, str) and key.isascii() and key.isdigit()
+        token = int(key) if is_id and len(key) <= len(str(n_vocab)) else -1
         if not 0 <= token < n_vocab:
             raise RequestError(
-                f"'logit_bias' names token {key!r}; this model's ids are 0 to {n_vocab - 1}"
+                f"'logit_bias' names token {_shown(key)}; this model's ids are 0 to {n_vocab - 1}"
             )
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise RequestError(f"'logit_bias.{key}' must be a number")
+            raise RequestError(f"'logit_bias.{token}' must be a number")
         if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
             raise RequestError(
-                f"'logit_bias.{key}' must be from -{MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}"
+                f"'logit_bias.{token}' must be from -{MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}"
             )
         bias[token] = float(value)
     return bias
@@ -1496,20 +1514,20 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
 
 
 def _call_grammar(
-    tools: list[dict[str, Any]], forced: str | None, *, shaped: bool
+    tools: list[dict[str, Any]], forced: str | None, vocab: _Vocab, *, shaped: bool
 ) -> LlamaGrammar | None:
     """The grammar that makes the answer the call `forced` asks for (None: the model's choice),
     after checking every tool's parameters, called or not: a bad one is the client's bug."""
     for tool in tools:
         function = tool["function"]
-        _grammar(function.get("parameters") or {}, f"tool {function['name']!r}'s parameters")
+        _grammar(function.get("parameters") or {}, f"tool {function['name']!r}'s parameters", vocab)
     if forced is None:
         return None
     if shaped:
         raise RequestError(
             "'response_format' cannot shape an answer that 'tool_choice' makes a call"
         )
-    return _grammar(call_schema(tools, None if forced == "required" else forced), "the call")
+    return _grammar(call_schema(tools, None if forced == "required" else forced), "the call", vocab)
 
 
 def _is_function_tool(tool: object) -> bool:
@@ -1700,6 +1718,20 @@ class _Vocab:
 
     def close(self) -> None:
         self._model.close()  # type: ignore[no-untyped-call]
+
+    def parses(self, grammar: LlamaGrammar) -> bool:
+        """Whether llama.cpp's grammar parser takes `grammar`, tried as the sampler will be:
+        for one it refuses, llama_sampler_init_grammar returns NULL, which llama-cpp-python
+        adds to its sampler chain all the same, and the first sample dereferences (issue 24:
+        a schema whose property name holds a form feed, a backspace or a quote killed the
+        worker with SIGSEGV). The converter writes those as escapes GBNF lacks."""
+        sampler = llama_cpp.llama_sampler_init_grammar(
+            self._vocab, grammar._grammar.encode(), grammar._root.encode()
+        )
+        if not sampler:
+            return False
+        llama_cpp.llama_sampler_free(sampler)
+        return True
 
     def max_text_bytes(self, n_ctx: int) -> int | None:
         """The longest text (bytes, or characters: never more) that n_ctx tokens can hold;

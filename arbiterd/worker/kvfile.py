@@ -20,6 +20,12 @@ Any file that is missing, short, damaged, of another version or made for another
 or params is refused with `KvFileError` (its reason for the log); the caller discards it and
 prefills in full. Writing goes to a temporary file that is renamed over the old one, so a
 reader never sees half a file.
+
+A state file holds the KV of the user's prompts, which another local user could read back as
+text (issue 24), so it is private: the temporary file is created O_EXCL|O_NOFOLLOW with mode
+0600 (and fchmod'ed to it, whatever the umask) before a byte is written, and a file opened to
+be read is put back to 0600 if it is wider (an older arbiterd wrote them with the umask's mode).
+The folder they live in is the daemon's to check (budgets.PromptCache, 0700).
 """
 
 from __future__ import annotations
@@ -27,15 +33,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import struct
 from array import array
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 MAGIC = b"ARBKV\x00\x01\n"
 FORMAT_VERSION = 1
 _HEADER_LEN = struct.Struct("<I")
 MAX_HEADER_BYTES = 64 * 1024  # a header is ~300 bytes; more is a damaged length field
+PRIVATE_FILE_MODE = 0o600
 _TOKEN_BYTES = 4
 
 
@@ -84,7 +93,7 @@ def write(path: Path, key: KvKey, state: KvState) -> int:
     ).encode()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as out:
+        with _create_private(tmp) as out:
             out.write(MAGIC)
             out.write(_HEADER_LEN.pack(len(header)))
             out.write(header)
@@ -104,7 +113,7 @@ def read(path: Path, key: KvKey) -> KvState:
     too). The guard ladder: magic → header length → header JSON → version → key → sizes →
     digest."""
     try:
-        blob = path.read_bytes()
+        blob = _read_private(path)
     except FileNotFoundError:
         raise KvFileError(f"no state file at {path}") from None
     except OSError as exc:
@@ -143,6 +152,36 @@ def read(path: Path, key: KvKey) -> KvState:
     if not _LITTLE:
         tokens.byteswap()
     return KvState(tokens.tolist(), data)
+
+
+def _create_private(tmp: Path) -> BinaryIO:
+    """A new file at `tmp`, mode 0600, open for writing. One left at the name by a worker that
+    died with this pid is removed first: the name is this process's alone."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(tmp, flags, PRIVATE_FILE_MODE)
+    except FileExistsError:
+        tmp.unlink()
+        fd = os.open(tmp, flags, PRIVATE_FILE_MODE)
+    try:
+        os.fchmod(fd, PRIVATE_FILE_MODE)  # a umask may have narrowed it (0400 under 0277)
+        return os.fdopen(fd, "wb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read_private(path: Path) -> bytes:
+    """The bytes of the regular file at `path` (never a symlink's target), its mode put back
+    to 0600 first if it is wider."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise KvFileError(f"{path} is not a regular file")
+        if st.st_mode & 0o077:
+            os.fchmod(fd, PRIVATE_FILE_MODE)
+        return f.read()
 
 
 _LITTLE = struct.pack("=i", 1) == struct.pack("<i", 1)

@@ -13,6 +13,12 @@ Two threads:
   waiter never waits for our tokenizing (issue 10).
 - the **io thread** reads the socket: it answers `status` and `cancel` at once (also during a
   decode: ctypes releases the GIL in llama_decode) and queues everything else for the engine.
+  Its `status` says how old the engine thread's last *beat* is (`beat_age_s`): the engine
+  thread beats each turn of its loop (every PROBE_INTERVAL_S while warm) and before each decode
+  batch and tokenizer piece of a request, through the callbacks the engine already asks. So a
+  long generation beats once per token or prompt batch, and only one native call that runs
+  longer than the daemon's `holder_timeout_s` (a hung driver; a single batch that slow) looks
+  like a hang; the daemon judges (daemon/liveness.py, issue 24).
   When the daemon's end closes, it stops the worker: the current request is cancelled before
   its next decode, the token released, the process exits.
 
@@ -34,6 +40,8 @@ Message protocol (JSON lines, `arbiterd.wire`), version WORKER_PROTOCOL:
                      then exit as on shutdown; the next worker restores it after loading
                      {"op": "cancel", "id", "target": request id}
     worker → daemon  {"id", "chunk": {...}}  {"id", "result": {...}}
+                     a status result: the status fields and "beat_age_s", the age of the
+                     engine thread's last beat when the io thread answered
                      {"id", "error": {"code", "message"}}: code is an errors.ErrorCode
                      {"event": "residency", ...}  {"event": "request", ...}
                      A residency event that ends a load or a warm-up (→ warm) also says how
@@ -61,9 +69,11 @@ from arbiterd.errors import (
     ArbiterError,
     BadValueError,
     EngineError,
+    InternalError,
     ProtocolError,
     RequestError,
     RestoreError,
+    WorkerError,
 )
 from arbiterd.events import EncoderEvent, RequestEvent, ResidencyEvent
 from arbiterd.groups import Gate
@@ -138,6 +148,7 @@ class Worker:
         self._orphaned = threading.Event()  # the daemon is gone: nobody reads our answers
         # Published by the engine thread (one reference assignment), read by the io thread.
         self._status: dict[str, Any] = {}
+        self._beat = time.monotonic()  # the engine thread's last sign of life (see above)
         self._served = 0
         self._served_when_warm = 0  # `_served` when it last became warm
         self._paused = 0  # generations paused for a waiter of a higher class
@@ -177,7 +188,9 @@ class Worker:
             )
             return
         if op == "status":
-            self._out.send({"id": request_id, "result": {**self._status, "queue": self._queued()}})
+            beat_age_s = round(time.monotonic() - self._beat, 3)
+            result = {**self._status, "queue": self._queued(), "beat_age_s": beat_age_s}
+            self._out.send({"id": request_id, "result": result})
         elif op == "cancel":
             target = message.get("target")
             with self._cancel_lock:
@@ -319,6 +332,7 @@ class Worker:
 
     def _serve_forever(self) -> None:
         while not self._stopping.is_set():
+            self._beat = time.monotonic()
             state = self._residency.state
             try:
                 command = self._inbox.get(timeout=PROBE_INTERVAL_S if state is State.WARM else None)
@@ -362,6 +376,8 @@ class Worker:
             self._reply(command.id, {"state": self._residency.state.value})
         except (AcquireCancelledError, RestoreError) as exc:
             self._error(command.id, exc)
+        except Exception as exc:  # a restore that raised what it never should: rolled back
+            self._error(command.id, self._internal(command.id, exc))
 
     def _handle_generate(self, command: Command) -> None:
         if self._is_cancelled(command.id):
@@ -388,6 +404,11 @@ class Worker:
             )
         except ArbiterError as exc:
             failure = exc
+        except Exception as exc:
+            # A bug met by this request alone (issue 24: a lone surrogate in a prompt, a
+            # 5,000-digit token id, each ended the process and kept the model down through the
+            # restart backoff).
+            failure = self._internal(command.id, exc)
         finally:
             if queued is not None:
                 queued[0].leave()
@@ -401,6 +422,7 @@ class Worker:
         if result is None:
             assert failure is not None  # run returned nothing only by raising
             self._error(command.id, failure)
+            self._check_settled()
             return
         self._reply(command.id, _result_json(result))
         self._out.send(
@@ -432,6 +454,29 @@ class Worker:
                 ).to_json()
             )
 
+    def _internal(self, request_id: str, exc: Exception) -> InternalError:
+        """The error a request gets for an exception nothing expected; the traceback is logged
+        here (the worker's stderr is the daemon's log). The message holds no request text:
+        that may be what could not be encoded."""
+        log.error("%s: request %s failed", self.name, request_id, exc_info=exc)
+        return InternalError(
+            f"internal error in the worker of {self.name} ({type(exc).__name__}); "
+            "the daemon's log has its traceback"
+        )
+
+    def _check_settled(self) -> None:
+        """After a failed request: the model must be warm with the token or cold without it,
+        as every request leaves it. A release that raised midway (a pause for a higher class)
+        leaves it cooling with the token, where no request can be served and no waiter would
+        ever get the GPU: the worker exits instead, the kernel frees the token, and the daemon
+        starts another worker."""
+        state, holds = self._residency.state, self._token is not None
+        if (state, holds) not in ((State.WARM, True), (State.COLD, False)):
+            raise WorkerError(
+                f"{self.name} was left {state.value} "
+                f"({'with' if holds else 'without'} the token) by a failed request"
+            )
+
     def _sink(self, command: Command) -> ChunkSink | None:
         if not command.stream:
             return None
@@ -449,7 +494,9 @@ class Worker:
 
     def _stops(self, request_id: str) -> bool:
         """The request was cancelled, or the daemon is gone: nobody waits for its answer. (A
-        shutdown the daemon asks for lets the current request finish.)"""
+        shutdown the daemon asks for lets the current request finish.) Asked before each decode
+        batch and tokenizer piece: the engine thread beats here."""
+        self._beat = time.monotonic()
         return self._orphaned.is_set() or self._is_cancelled(request_id)
 
     def _stops_or_pauses(self, request_id: str, priority: Priority) -> bool:
@@ -548,12 +595,16 @@ class Worker:
         self._emit(self._residency.transition(State.COLD, State.WARMING))
         try:
             moved = self._backend.restore()
-        except EngineError as exc:
-            # Roll back: a model that is not warm must not keep the token.
-            rolled_back = self._residency.transition(State.WARMING, State.COLD, reason=str(exc))
+        except Exception as exc:
+            # Roll back: a model that is not warm must not keep the token. Whatever the restore
+            # raised, the model is cold again and the next request may warm it.
+            reason = str(exc) if isinstance(exc, EngineError) else type(exc).__name__
+            rolled_back = self._residency.transition(State.WARMING, State.COLD, reason=reason)
             self._give_up_token()
             self._emit(rolled_back)
-            raise RestoreError(f"{self.name} could not be restored: {exc}") from None
+            if isinstance(exc, EngineError):
+                raise RestoreError(f"{self.name} could not be restored: {exc}") from None
+            raise
         self._moved(State.WARMING, State.WARM, moved, wait=wait)
         self._warm_since = self._idle_since = time.monotonic()
         self._served_when_warm = self._served

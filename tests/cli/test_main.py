@@ -371,6 +371,23 @@ def test_status_of_a_daemon_whose_workers_did_not_say_hello_yet() -> None:
     assert not any(line.startswith("engine") for line in lines)
 
 
+def test_status_notes_a_silent_holder_and_figures_that_are_stale() -> None:
+    text = render_status(
+        {
+            "models": [
+                status_model("chat", state="warm", stale_s=3.2, silent_s=31.4),
+                status_model("story", stale_s=None, silent_s=None),
+            ]
+        }
+    )
+    chat, story = text.splitlines()[1:3]
+    assert chat.endswith(
+        "chat holds the GPU and has shown no sign of life for 31 s; stale: no answer for 3 s"
+    )
+    assert "stale" not in story
+    assert "sign of life" not in story
+
+
 # -- arbiterd events: the daemon's journal, over its socket ----------------------------------------
 
 AT = 1_718_000_000.5

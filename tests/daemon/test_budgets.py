@@ -4,7 +4,10 @@ folder's bookkeeping, without processes or sleeps."""
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
+
+import pytest
 
 from arbiterd.daemon.budgets import (
     ColdModel,
@@ -14,6 +17,7 @@ from arbiterd.daemon.budgets import (
     cache_evictions,
     ram_plan,
 )
+from arbiterd.errors import DaemonError
 
 MiB = 1 << 20
 
@@ -176,3 +180,22 @@ def test_a_missing_folder_holds_nothing(tmp_path: Path) -> None:
     cache = PromptCache(tmp_path / "absent", budget_bytes=10)
     assert cache.usage() == {"bytes": 0, "files": 0, "budget_bytes": 10}
     assert cache.remove("x") is False
+
+
+def test_the_prompt_cache_folder_is_made_0700_under_umask_022(tmp_path: Path) -> None:
+    folder = tmp_path / "state" / "prompt-cache"
+    old = os.umask(0o022)
+    try:
+        PromptCache(folder, budget_bytes=10).make_private()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert stat.S_IMODE(folder.parent.stat().st_mode) == 0o700
+
+
+def test_a_loose_prompt_cache_folder_is_refused_with_its_fix(tmp_path: Path) -> None:
+    folder = tmp_path / "prompt-cache"
+    folder.mkdir()
+    folder.chmod(0o755)
+    with pytest.raises(DaemonError, match=rf"mode 0755; it must be 0700 \(chmod 700 {folder}\)"):
+        PromptCache(folder, budget_bytes=10).make_private()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -94,9 +96,57 @@ def test_a_journal_that_cannot_write_stops_neither_the_metrics_nor_the_subscribe
     stamped = bus.publish(RequestEvent(model="m", request_id="r1", status="ok"))
     assert drain(events) == [stamped.to_json()]
     assert metric(metrics, "arbiterd_requests_total", model="m", status="ok") == 1.0
-    assert [r.getMessage() for r in caplog.records if r.name == "arbiterd.daemon.eventbus"] == [
-        "could not journal an event"
-    ]
+    [said] = [r for r in caplog.records if r.name == "arbiterd.daemon.eventbus"]
+    assert said.getMessage().startswith(
+        f"could not journal a request event: the journal {journal.path} is closed; "
+    )
+    assert said.exc_info is None  # one line, no traceback
+
+
+# Publishes events through a bus whose journal's file may not grow (RLIMIT_FSIZE: each write
+# past the limit fails with EFBIG, as on a full disk), the clock one second further for each,
+# then lets it grow again; the bus's log lines go to stderr.
+FULL_DISK = """
+import logging, resource, sys
+from pathlib import Path
+from arbiterd.daemon.eventbus import EventBus
+from arbiterd.daemon.journal import Journal
+from arbiterd.daemon.metrics import Metrics
+from arbiterd.events import RequestEvent
+
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
+now = [0.0]
+journal = Journal(Path(sys.argv[1]))
+bus = EventBus(Metrics(), journal, clock=lambda: now[0])
+bus.publish(RequestEvent(model="m", request_id="before", status="ok"))
+grown = max(Path(f"{sys.argv[1]}{s}").stat().st_size for s in ("", "-wal"))
+resource.setrlimit(resource.RLIMIT_FSIZE, (grown, resource.RLIM_INFINITY))
+for i in range(100):
+    bus.publish(RequestEvent(model="m", request_id=f"lost-{i}", status="ok"))
+    now[0] += 1.0
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+bus.publish(RequestEvent(model="m", request_id="after", status="ok"))
+print(" ".join(e.body["id"] for e in journal.read()))
+journal.close()
+"""
+
+
+def test_a_full_disk_is_said_once_a_minute_in_one_line_and_its_end_once(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, str(tmp_path / "journal.sqlite3")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert done.stdout.split() == ["before", "after"]
+    said = [line for line in done.stderr.splitlines() if "arbiterd.daemon.eventbus" in line]
+    assert len(said) == 3, done.stderr
+    assert said[0].startswith("WARNING arbiterd.daemon.eventbus could not journal a request event")
+    assert "events not kept in the last 60 s" in said[1]
+    assert said[1].split("still cannot write: ")[1].startswith("60 events")
+    assert said[2].endswith("the journal writes again; 100 events were not kept")
+    assert "Traceback" not in done.stderr
 
 
 def test_live_figures_reach_the_subscribers_only(journal: Journal) -> None:

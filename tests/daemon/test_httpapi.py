@@ -26,6 +26,7 @@ from arbiterd.daemon.service import Service
 from arbiterd.errors import (
     ContextOverflowError,
     EngineError,
+    InternalError,
     ModelLoadError,
     RequestError,
     UnknownModelError,
@@ -680,7 +681,6 @@ def test_unknown_field_uses_openais_wording(app: FastAPI) -> None:
         pytest.param(b"[" * 100_000, id="nested-too-deep"),
         pytest.param(b"[1, 2]", id="array"),
         pytest.param(b'"text"', id="string"),
-        pytest.param(b'{"model": "tiny", "prompt": "x", "seed": 1' + b"0" * 5000 + b"}", id="int"),
     ],
 )
 def test_bodies_that_are_not_json_objects_are_400(
@@ -690,6 +690,79 @@ def test_bodies_that_are_not_json_objects_are_400(
     for path in ("/v1/completions", "/v1/chat/completions"):
         response = call(app, "POST", path, content=raw, headers=headers)
         assert_error(response, 400, type="invalid_request_error", param=None)
+    assert service.calls == []
+
+
+# What no body may hold, on every route that takes one (issue 24): each a 400 naming the field,
+# before any route reads it (a lone surrogate used to end the worker, or be a 500 in a key).
+LONE = "ab\ud800cd"
+HUGE = "9" * 5000  # an integer literal json.dumps cannot write, int() cannot read
+UNREADABLE_BODIES = [
+    pytest.param("/v1/completions", {**COMPLETION, "prompt": LONE}, "prompt", id="prompt"),
+    pytest.param(
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": LONE}]},
+        "messages[0].content",
+        id="content",
+    ),
+    pytest.param(
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}]},
+        "messages[0].content[0].text",
+        id="text-part",
+    ),
+    pytest.param("/v1/chat/completions", {**CHAT, "metadata": {LONE: 1}}, "metadata", id="key"),
+    pytest.param("/v1/chat/completions", {**CHAT, LONE: 1}, None, id="key-of-the-body"),
+    pytest.param("/v1/chat/completions", {**CHAT, "stop": ["\udfff"]}, "stop[0]", id="stop"),
+    pytest.param("/v1/embeddings", {"model": "tiny", "input": ["a", LONE]}, "input[1]", id="input"),
+    pytest.param(
+        "/api/chat",
+        {"model": "tiny", "messages": [{"role": "user", "content": LONE}]},
+        "messages[0].content",
+        id="ollama-chat",
+    ),
+    pytest.param(
+        "/api/generate", {"model": "tiny", "prompt": LONE}, "prompt", id="ollama-generate"
+    ),
+    pytest.param("/api/embed", {"model": "tiny", "input": LONE}, "input", id="ollama-embed"),
+    pytest.param("/v1/completions", {**COMPLETION, "seed": "HUGE"}, "seed", id="seed"),
+    pytest.param("/v1/chat/completions", {**CHAT, "n": "HUGE"}, "n", id="n"),
+    pytest.param(
+        "/v1/chat/completions", {**CHAT, "max_tokens": "HUGE"}, "max_tokens", id="max_tokens"
+    ),
+    pytest.param(
+        "/v1/chat/completions", {**CHAT, "logit_bias": {"7": "HUGE"}}, "logit_bias.7", id="bias"
+    ),
+    pytest.param(
+        "/api/generate",
+        {"model": "tiny", "prompt": "x", "options": {"num_predict": "HUGE"}},
+        "options.num_predict",
+        id="ollama-num_predict",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), UNREADABLE_BODIES)
+def test_a_lone_surrogate_or_a_huge_integer_anywhere_is_a_400_naming_its_field(
+    app: FastAPI, service: FakeService, path: str, body: dict[str, Any], param: str | None
+) -> None:
+    # ensure_ascii writes a surrogate as its escape, as a client that sends one does.
+    raw = json.dumps(body).replace('"HUGE"', HUGE).encode()
+    response = call(app, "POST", path, content=raw, headers={"content-type": "application/json"})
+    error = assert_error(response, 400, type="invalid_request_error", param=param)
+    assert ("lone surrogate" if HUGE.encode() not in raw else "5000 digits") in error["message"]
+    assert service.calls == []
+
+
+@pytest.mark.parametrize(
+    "key", ["1" * 5000, "2147483648", "99999999999", "\u00b2"], ids=["5000", "2^31", "11", "sup2"]
+)
+def test_a_logit_bias_key_that_is_no_token_id_is_a_400_without_int_of_it(
+    app: FastAPI, service: FakeService, key: str
+) -> None:
+    response = call(app, "POST", "/v1/chat/completions", body={**CHAT, "logit_bias": {key: 1}})
+    error = assert_error(response, 400, code="invalid_value", param="logit_bias")
+    assert len(error["message"]) < 200  # the key is shown cut short
     assert service.calls == []
 
 
@@ -772,6 +845,13 @@ SERVICE_ERRORS = [
     pytest.param(EngineError("engine failed"), 503, "model_unavailable", id="engine"),
     pytest.param(ModelLoadError("corrupt GGUF"), 503, "model_unavailable", id="load"),
     pytest.param(UnknownModelError("no model 'tiny'"), 404, "model_not_found", id="unknown-model"),
+    # A worker's bug met by one request (issue 24): that request's error, the worker lives on.
+    pytest.param(
+        InternalError("internal error in the worker of tiny (ValueError)"),
+        500,
+        "internal_error",
+        id="internal",
+    ),
 ]
 
 
@@ -796,7 +876,7 @@ def test_unexpected_errors_are_500_and_logged(
     service.error = RuntimeError("a bug")
     with caplog.at_level(logging.ERROR, logger="arbiterd.daemon.httpapi"):
         response = call(app, "POST", "/v1/completions", body={**COMPLETION, "stream": stream})
-    assert_error(response, 500, type="server_error")
+    assert_error(response, 500, type="server_error", code="internal_error")
     [record] = caplog.records
     assert record.exc_info is not None
     assert record.exc_info[1] is service.error
@@ -963,7 +1043,7 @@ def test_malformed_stream_options_are_a_400(
 
 @pytest.mark.parametrize(
     ("exc", "status", "code"),
-    [*SERVICE_ERRORS, pytest.param(RuntimeError("a bug"), 500, None, id="unexpected")],
+    [*SERVICE_ERRORS, pytest.param(RuntimeError("a bug"), 500, "internal_error", id="unexpected")],
 )
 def test_error_mid_stream_is_an_error_event_then_done(
     app: FastAPI, service: FakeService, exc: Exception, status: int, code: str | None

@@ -303,11 +303,101 @@ def test_a_journal_from_a_newer_arbiterd_is_refused_and_left_alone(tmp_path: Pat
         conn.close()
 
 
-def test_a_file_that_is_not_a_database_is_a_clear_error(tmp_path: Path) -> None:
+def corrupt_copies(folder: Path) -> list[Path]:
+    return sorted(folder.glob("journal.db.corrupt-*"))
+
+
+def test_a_damaged_journal_header_is_moved_aside_with_its_wal_and_shm_and_a_fresh_one_starts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path = tmp_path / "journal.db"
-    path.write_bytes(b"not sqlite at all, " * 100)
-    with pytest.raises(DaemonError, match=r"journal\.db"):
-        Journal(path)
+    damaged = b"not sqlite at all, " * 100
+    path.write_bytes(damaged)
+    (tmp_path / "journal.db-wal").write_bytes(b"old wal")
+    (tmp_path / "journal.db-shm").write_bytes(b"old shm")
+    with Journal(path) as journal:
+        assert journal.read() == []
+        assert journal.append(request("gemma", 1.0)) == 1
+    kept = corrupt_copies(tmp_path)
+    assert [p.name.split(".corrupt-")[1].count("-") for p in kept] == [0, 1, 1]  # db, -shm, -wal
+    moved = kept[0]
+    assert moved.read_bytes() == damaged  # the evidence, as it was
+    assert Path(f"{moved}-wal").read_bytes() == b"old wal"
+    assert Path(f"{moved}-shm").read_bytes() == b"old shm"
+    [warning] = [r for r in caplog.records if "is damaged (" in r.getMessage()]
+    assert warning.levelname == "WARNING"
+    assert f"moved aside as {moved}; a fresh journal starts" in warning.getMessage()
+    assert "its header is not SQLite's" in warning.getMessage()
+
+
+def test_a_journal_with_a_damaged_page_is_moved_aside_too(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    with Journal(path) as journal:
+        for i in range(500):
+            journal.append(request("gemma", float(i), pad="x" * 200))
+    page = 4096
+    assert path.stat().st_size > 4 * page
+    with path.open("r+b") as f:  # a table page in the middle: its header and cells
+        f.seek(2 * page)
+        f.write(b"\xff" * page)
+    with Journal(path) as journal:
+        assert journal.read() == []
+    assert len(corrupt_copies(tmp_path)) == 1
+
+
+def test_a_journal_damaged_twice_within_a_second_keeps_both_copies(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    for n in range(2):
+        path.write_bytes(b"damaged %d" % n * 100)
+        Journal(path).close()
+    # Two names, whether the second came within the same second (a ".2") or not.
+    contents = sorted(p.read_bytes()[:9] for p in corrupt_copies(tmp_path))
+    assert contents == [b"damaged 0", b"damaged 1"]
+
+
+def test_a_loose_state_folder_is_refused_with_its_fix(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    state.chmod(0o755)
+    with pytest.raises(DaemonError, match=rf"mode 0755; it must be 0700 \(chmod 700 {state}\)"):
+        Journal(state / "journal.db")
+    assert list(state.iterdir()) == []  # nothing written into it
+
+
+def test_a_loose_journal_and_its_wal_and_shm_are_made_0600_when_opened(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "journal.db"
+    old = os.umask(0o022)
+    try:
+        with Journal(path) as journal:
+            journal.append(request("gemma", 1.0))
+            # A reader keeps the -wal and -shm as the writer closes (the last one removes them).
+            reader = sqlite3.connect(path)
+            reader.execute("SELECT COUNT(*) FROM events").fetchone()
+        names = ("journal.db", "journal.db-wal", "journal.db-shm")
+        for name in names:
+            (tmp_path / name).chmod(0o644)  # as an older arbiterd, or a copy, left them
+        with Journal(path) as journal:
+            assert [e.model for e in journal.read()] == ["gemma"]
+            for name in names:
+                mode = stat.S_IMODE((tmp_path / name).stat().st_mode)
+                assert mode == 0o600, f"{name} is {mode:o}"
+        reader.close()
+    finally:
+        os.umask(old)
+    said = [r.getMessage() for r in caplog.records if "had mode 0644" in r.getMessage()]
+    assert len(said) == 3
+
+
+def test_a_symlink_at_the_journal_is_refused_not_followed(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere.db"
+    target.write_bytes(b"")
+    target.chmod(0o644)
+    (tmp_path / "journal.db").symlink_to(target)
+    with pytest.raises(DaemonError, match="is a symbolic link; move it away"):
+        Journal(tmp_path / "journal.db")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644  # not touched through the link
 
 
 def test_a_closed_journal_refuses_appends_and_closes_twice(journal: Journal) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import shutil
 import signal
 import threading
 from collections.abc import Coroutine
@@ -583,7 +584,7 @@ def test_a_page_cache_model_whose_file_is_gone_cannot_start_and_says_why(
 
 
 def write_state(folder: Path, model: str, size: int, mtime_s: int) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, exist_ok=True)  # as the daemon makes it: a loose one is refused
     path = folder / f"{model}.kv"
     path.write_bytes(b"\0" * size)
     os.utime(path, (mtime_s, mtime_s))
@@ -674,3 +675,102 @@ def test_forgetting_a_model_removes_its_prompt_cache(harness: Harness) -> None:
 
     assert kept.exists()
     assert not removed.exists()
+
+
+# -- a model file gone from disk (issue 24) ------------------------------------------------------
+
+
+def test_a_page_cache_model_whose_file_is_gone_is_not_unloaded(
+    harness: Harness, tmp_path: Path
+) -> None:
+    path = tmp_path / "copy.gguf"
+    shutil.copyfile(harness.model, path)
+
+    async def scenario() -> tuple[SlotState, str]:
+        slot = Slot(model_config("m", path, n_ctx=512, host_copy=HostCopyMode.PAGE_CACHE))
+        await harness.lifecycle.start(slot)
+        path.unlink()
+        try:
+            with pytest.raises(ControlError) as refused:
+                await harness.lifecycle.unload(slot, "command")
+            return slot.state, str(refused.value)
+        finally:
+            await harness.lifecycle.stop([slot])
+
+    state, refusal = run(scenario())
+    assert state is SlotState.READY  # left serving
+    assert f"m's model file {path} is gone from disk" in refusal
+    assert "the only copy of it (what its worker mapped)" in refusal
+    assert "remove the model from the config and reload to let it go" in refusal
+
+
+def test_a_model_whose_copy_another_model_keeps_is_unloaded_though_its_file_is_gone(
+    harness: Harness, tmp_path: Path
+) -> None:
+    path = tmp_path / "copy.gguf"
+    shutil.copyfile(harness.model, path)
+
+    async def scenario() -> tuple[SlotState, SlotState]:
+        first, second = (Slot(model_config(n, path, n_ctx=512)) for n in ("a", "b"))
+        await harness.lifecycle.start(first)
+        await harness.lifecycle.start(second)
+        path.unlink()
+        try:
+            await harness.lifecycle.unload(first, "command")
+            refused = harness.lifecycle.unload_refusal(second)  # now the last to hold it
+            assert f"b's model file {path} is gone from disk" in refused
+            await harness.lifecycle.load(first)  # from the copy b keeps
+            return first.state, second.state
+        finally:
+            await harness.lifecycle.stop([first, second])
+
+    assert run(scenario()) == (SlotState.READY, SlotState.READY)
+
+
+def test_a_start_that_misses_the_file_marks_it_and_the_start_that_finds_it_clears_the_note(
+    harness: Harness, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lifecycle, "RESTART_BACKOFF_S", (3600.0,))
+    path = tmp_path / "copy.gguf"
+
+    async def scenario() -> tuple[Path | None, str, SlotState, Path | None, str]:
+        slot = Slot(model_config("m", path, n_ctx=512), state=SlotState.UNLOADED)
+        await harness.lifecycle.load(slot)
+        missing, note = slot.missing_file, slot.last_error
+        await harness.lifecycle.load(slot)  # still gone: nothing is tried
+        shutil.copyfile(harness.model, path)
+        await harness.lifecycle.load(slot)  # back: started now, not after the hour's backoff
+        try:
+            return missing, note, slot.state, slot.missing_file, slot.last_error
+        finally:
+            await harness.lifecycle.stop([slot])
+
+    missing, note, state, after, after_note = run(scenario())
+    assert missing == path
+    assert note == f"could not start: model file not found: {path}"
+    assert (state, after, after_note) == (SlotState.READY, None, "")
+    # One failed start said (the second load tried nothing), then none.
+    starts = [e for e in harness.published_now() if isinstance(e, WorkerEvent)]
+    assert len(starts) == 1
+
+
+def test_a_prompt_cache_folder_made_loose_after_start_gets_no_cache(harness: Harness) -> None:
+    cache = harness.lifecycle.prompt_cache
+    assert cache is not None
+
+    async def scenario() -> dict[str, Any]:
+        slot = harness.slot()
+        await harness.lifecycle.start(slot)
+        assert slot.worker is not None
+        await slot.worker.generate("completion", PROMPT)
+        cache.make_private()
+        cache.folder.chmod(0o755)
+        try:
+            return await harness.lifecycle.unload(slot, "command")
+        finally:
+            await harness.lifecycle.stop([slot])
+
+    saved = run(scenario())
+    assert saved["kv_file"] is None
+    assert f"{cache.folder} has mode 0755; it must be 0700" in saved["error"]
+    assert list(cache.folder.iterdir()) == []  # the worker was not asked to write one

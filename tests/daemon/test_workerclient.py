@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import sys
 import threading
@@ -18,6 +19,7 @@ import pytest
 from arbiterd.daemon.workerclient import BACKENDS, BlockingWorker, WorkerClient
 from arbiterd.errors import ContextOverflowError, WorkerError, WorkerGoneError
 from arbiterd.spec import WORKER_PROTOCOL, ModelSpec, WorkerConfig
+from tests.support.signals import stop
 
 _T = TypeVar("_T")
 PROMPT = " ".join(f"the fox {w} is not a dog" for w in ("one", "two", "three", "four") * 8)
@@ -248,6 +250,55 @@ def test_a_request_in_flight_when_its_worker_dies_is_a_worker_error_not_worker_g
     error = run(scenario())
     assert type(error) is WorkerError
     assert "exited during" in str(error)
+
+
+def test_a_worker_the_daemon_kills_for_a_reason_tells_its_requests_why(configs: Configs) -> None:
+    async def scenario() -> tuple[int, BaseException | None, str]:
+        async with spawned(configs("m")) as worker:
+            chunks = FirstChunk()
+            decoding = asyncio.create_task(worker.generate("completion", LONG, on_chunk=chunks))
+            await chunks.came.wait()
+            worker.kill_for("killed: it held the GPU and showed no sign of life")
+            worker.kill_for("a second reason is not taken")
+            code = await worker.wait()
+            await asyncio.wait([decoding])
+            return code, decoding.exception(), worker.killed_for
+
+    code, error, reason = run(scenario())
+    assert code == -9
+    assert type(error) is WorkerError
+    assert re.fullmatch(
+        r"worker for m exited during r\d+: killed: it held the GPU and showed no sign of life",
+        str(error),
+    )
+    assert reason == "killed: it held the GPU and showed no sign of life"
+
+
+def test_a_stopped_worker_is_asked_status_once_and_its_answer_comes_when_it_resumes(
+    configs: Configs,
+) -> None:
+    async def scenario() -> None:
+        async with spawned(configs("m")) as worker:
+            before = await worker.status()
+            assert worker.heard.status is before
+            stop(worker.pid)
+            try:
+                asked = worker.ask()
+                for _ in range(3):  # each caller waits for the one question in flight
+                    with pytest.raises(WorkerError, match=r"no answer from m to status in 0\.2 s"):
+                        await worker.status(timeout_s=0.2)
+                    assert worker.ask() is asked
+                heard = worker.heard
+                assert heard.status is before  # what it said last, for a stale status
+                assert heard.asked_at is not None
+                assert heard.asked_at > heard.answered_at
+            finally:
+                os.kill(worker.pid, signal.SIGCONT)
+            after = await asked
+            assert (worker.heard.status, worker.heard.asked_at) == (after, None)
+            assert worker.ask() is not asked  # answered: the next caller asks anew
+
+    run(scenario())
 
 
 def test_kill_and_wait_say_the_signal_and_shutdown_a_clean_exit(configs: Configs) -> None:

@@ -50,6 +50,19 @@ def test_an_unreachable_daemon_leaves_its_models_unknown(dashboard: DashboardWin
     assert dashboard.cards["alpha"].warm.isEnabled()
 
 
+def test_a_silent_holders_card_says_so_and_that_its_figures_are_stale(
+    dashboard: DashboardWindow,
+) -> None:
+    state = TrayState()
+    frozen = model("alpha", "warm", stale_s=4.2, silent_s=31.0)
+    state.apply_status(status(frozen, model("beta"), holder="alpha"), T)
+    dashboard.refresh(state, T)
+    card = dashboard.cards["alpha"]
+    assert card.state.text() == "state: warm · holds the GPU · stale: no answer for 4 s"
+    assert card.error.text() == "⚠ alpha holds the GPU and has shown no sign of life for 31 s"
+    assert dashboard.cards["beta"].state.text() == "state: cold"
+
+
 def test_each_card_shows_its_host_ram_and_the_header_the_total(dashboard: DashboardWindow) -> None:
     state = TrayState()
     state.apply_status(

@@ -146,6 +146,21 @@ def test_vram_not_freed_warns_until_the_model_is_warm_again() -> None:
     assert not state.icon_look(T + 3).warning
 
 
+def test_a_silent_holder_is_amber_while_the_status_says_so_and_its_event_notifies() -> None:
+    state = TrayState()
+    state.apply_status(status(model("a", "warm", silent_s=31.0, stale_s=30.5), holder="a"), T)
+    look = state.icon_look(T)
+    assert look.frame == palette.AMBER
+    assert state.warnings(T) == ["a holds the GPU and has shown no sign of life for 31 s"]
+    state.apply_status(status(model("a", "warm", silent_s=None, stale_s=None), holder="a"), T + 1)
+    assert not state.icon_look(T + 1).warning  # it answers again
+    state.apply_event(event(event="holder_silent", at=T + 2, model="a", silent_s=60, killed=True))
+    assert state.icon_look(T + 3).warning
+    assert "GPU holder killed: a holds the GPU" in state.tooltip(T + 3)
+    state.apply_event(residency(T + 9, "a", "loading", "warm"))  # restarted and serving
+    assert not state.icon_look(T + 10).warning
+
+
 def test_a_warning_from_an_event_expires() -> None:
     state = TrayState()
     state.apply_status(status(model("a", "warm"), holder="a"), T)

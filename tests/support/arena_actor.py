@@ -4,6 +4,11 @@
     arena_actor.py ARENA cycle LOG N        N rounds: acquire, stamp, hold until wanted, hand over
     arena_actor.py ARENA fuzz LOG STOPFILE  like cycle with random holds and classes, until
                                             STOPFILE
+    arena_actor.py ARENA aging LOG STOPFILE AGING_S
+                                            like fuzz with classes aging every AGING_S, holds
+                                            of at most a millisecond, and every way to wait
+    arena_actor.py ARENA bare LOG STOPFILE  a program of the bare protocol (token.lock and
+                                            want.lock, no ticket) that holds now and then
 
 Stamps are lines `enter|exit PID MONOTONIC_NS` appended to LOG in the format of
 tests/support/stamps.py: `enter` is written after the token is held and `exit` before it is
@@ -13,13 +18,17 @@ Exit status 3 means "stranded": a holder waited STRANDED_S for a waiter it was t
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import sys
+import threading
 import time
 from pathlib import Path
 
+from arbiterd import arena as arena_module
 from arbiterd.arena import Arena, Priority, Token
+from arbiterd.errors import AcquireTimeoutError
 
 STRANDED_S = 20.0
 PROBE_INTERVAL_S = 0.0005
@@ -61,6 +70,11 @@ def main() -> int:
         return 0
     stop = Path(sys.argv[4])
     rng = random.Random(os.getpid())
+    if mode == "aging":
+        arena_module.PRIORITY_AGING_S = float(sys.argv[5])
+        return aging(arena, log_fd, stop, rng)
+    if mode == "bare":
+        return bare(arena.path, log_fd, stop, rng)
     while True:  # at least one hold: every contender must eventually be served
         token = arena.acquire("fuzz", priority=rng.choice(list(Priority)))
         stamp(log_fd, "enter")
@@ -70,6 +84,56 @@ def main() -> int:
         if stop.exists():
             return 0
         time.sleep(rng.uniform(0.0, 0.005))
+
+
+def aging(arena: Arena, log_fd: int, stop: Path, rng: random.Random) -> int:
+    """Until STOPFILE: take the token in a random class and a random way, hold it up to 1 ms,
+    hand it over, and at once queue again."""
+    while True:
+        token = take(arena, rng.choice(list(Priority)), rng)
+        stamp(log_fd, "enter")
+        time.sleep(rng.uniform(0.0, 0.001))  # the work done on the GPU
+        stamp(log_fd, "exit")
+        token.hand_over()
+        if stop.exists():
+            return 0
+
+
+def take(arena: Arena, priority: Priority, rng: random.Random) -> Token:
+    """The token, waited for in one of the ways arbiterd's callers wait."""
+    way = rng.randrange(4)
+    if way == 0:  # a deadline (a helper thread waits, and the caller checks the clock)
+        return arena.acquire("deadline", priority=priority, timeout_s=60)
+    if way == 1:  # a cancel that never comes (the worker's warm-up)
+        return arena.acquire("cancellable", priority=priority, cancel=threading.Event())
+    if way == 2:  # an impatient try, then the same place without a bound (a kept ticket)
+        ticket = arena.queue(priority)
+        try:
+            try:
+                return arena.acquire("kept", ticket=ticket, timeout_s=rng.uniform(0.0, 0.01))
+            except AcquireTimeoutError:
+                return arena.acquire("kept", ticket=ticket)
+        finally:
+            ticket.leave()
+    return arena.acquire("unbounded", priority=priority)  # `arbiterd run` without --timeout
+
+
+def bare(path: Path, log_fd: int, stop: Path, rng: random.Random) -> int:
+    """Until STOPFILE: the protocol's Acquire and Release with nothing else (no ticket, no
+    holder.json, no handover), as the C example of docs/arena-protocol.md, with pauses."""
+    want = os.open(path / "want.lock", os.O_RDWR | os.O_CLOEXEC)
+    token = os.open(path / "token.lock", os.O_RDWR | os.O_CLOEXEC)
+    while True:
+        fcntl.flock(want, fcntl.LOCK_SH)
+        fcntl.flock(token, fcntl.LOCK_EX)
+        stamp(log_fd, "enter")
+        fcntl.flock(want, fcntl.LOCK_UN)
+        time.sleep(rng.uniform(0.0, 0.002))  # the work done on the GPU
+        stamp(log_fd, "exit")
+        fcntl.flock(token, fcntl.LOCK_UN)
+        if stop.exists():
+            return 0
+        time.sleep(rng.uniform(0.0, 0.02))  # between two jobs
 
 
 if __name__ == "__main__":

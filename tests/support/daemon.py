@@ -71,9 +71,11 @@ class Daemon:
         daemon_keys: dict[str, Any] | None = None,
         groups: dict[str, list[str]] | None = None,
         open_files: tuple[int, int] | None = None,
+        journal: Path | None = None,
     ) -> None:
         """`daemon_keys` are more [daemon] keys; `groups` each [groups.NAME]'s models;
-        `open_files` the daemon's RLIMIT_NOFILE at start, (soft, hard)."""
+        `open_files` the daemon's RLIMIT_NOFILE at start, (soft, hard); `journal` where the
+        journal is (its folder holds the prompt caches too), when not in the daemon's folder."""
         limit = None
         if open_files is not None:
             limit = partial(resource.setrlimit, resource.RLIMIT_NOFILE, open_files)
@@ -82,7 +84,7 @@ class Daemon:
         self.socket = self.dir / "control.sock"
         self.api_socket = self.dir / "api.sock"  # the default: beside the control socket
         self.arena = self.dir / "arena"
-        self.journal = self.dir / "journal.sqlite3"
+        self.journal = journal or self.dir / "journal.sqlite3"
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.log = self.dir / "daemon.log"
         self.config = self.dir / "config.toml"

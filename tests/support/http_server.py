@@ -38,6 +38,7 @@ async def main(open_files: int, max_connections: int, header_timeout_s: float) -
         api_key="",
         max_connections=max_connections,
         header_timeout_s=header_timeout_s,
+        http_host="127.0.0.1",
     )
     asyncio.get_running_loop().add_signal_handler(
         signal.SIGTERM, lambda: setattr(server, "should_exit", True)

@@ -11,7 +11,7 @@ from io import BytesIO
 
 from PIL import Image
 
-__all__ = ["jpeg", "pattern", "png", "png_data_url", "webp"]
+__all__ = ["flat_png", "interlaced_png", "jpeg", "pattern", "png", "png_data_url", "webp"]
 
 
 def _chunk(kind: bytes, data: bytes) -> bytes:
@@ -31,6 +31,47 @@ def png(width: int = 32, height: int = 32, seed: int = 0) -> bytes:
         b"\x89PNG\r\n\x1a\n"
         + _chunk(b"IHDR", header)
         + _chunk(b"IDAT", zlib.compress(rows))
+        + _chunk(b"IEND", b"")
+    )
+
+
+def flat_png(width: int, height: int, *, depth: int = 16, channels: int = 4) -> bytes:
+    """A PNG of `width` x `height` black pixels (RGBA16 by default: 8192x4096 of them inflate to
+    268 MB, and compress to 261 KB), deflated a row at a time: never one buffer of its pixels."""
+    colour = {1: 0, 2: 4, 3: 2, 4: 6}[channels]
+    row = b"\x00" + bytes(width * channels * depth // 8)
+    deflate = zlib.compressobj(9)
+    rows = b"".join([deflate.compress(row) for _ in range(height)] + [deflate.flush()])
+    header = struct.pack(">IIBBBBB", width, height, depth, colour, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _chunk(b"IHDR", header)
+        + _chunk(b"IDAT", rows)
+        + _chunk(b"IEND", b"")
+    )
+
+
+def interlaced_png(width: int, height: int, *, cut_bytes: int = 0) -> bytes:
+    """`png`'s pixels as an Adam7-interlaced PNG: each pass picks its pixels from the whole
+    image (PNG spec, 8.2), its rows filtered with type 0; `cut_bytes` leaves that many bytes of
+    the pixel data out (a truncated image whose chunks are all whole)."""
+    pixels = _pixels(width, height, 0)
+    passes = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2))
+    data = bytearray()
+    for x0, y0, dx, dy in (*passes, (0, 1, 1, 2)):
+        columns = range(x0, width, dx)
+        if not columns:
+            continue
+        for y in range(y0, height, dy):
+            data += b"\x00" + b"".join(
+                pixels[(y * width + x) * 3 : (y * width + x + 1) * 3] for x in columns
+            )
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 1)  # interlace method 1: Adam7
+    rows = zlib.compress(bytes(data[: len(data) - cut_bytes]))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _chunk(b"IHDR", header)
+        + _chunk(b"IDAT", rows)
         + _chunk(b"IEND", b"")
     )
 

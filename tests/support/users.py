@@ -109,7 +109,8 @@ def request(
     headers: dict[str, str] | None = None,
 ) -> tuple[int, bytes]:
     """One HTTP/1.1 request on a new connection; the status and the body of its answer."""
-    lines = [f"{method} {path} HTTP/1.1", "Host: arbiterd", "Connection: close"]
+    # localhost: a name the TCP port answers to (arbiterd.daemon.browsers); api.sock takes any.
+    lines = [f"{method} {path} HTTP/1.1", "Host: localhost", "Connection: close"]
     lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
     if body:
         lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]

@@ -163,6 +163,12 @@ def test_a_hundred_random_schemas_give_json_that_follows_each_of_them(
         {"type": "json_object", "schema": {"$ref": "#/nowhere"}},
         {"type": "json_object", "schema": "an object"},
         {"type": "xml"},
+        # The converter writes these property names as GBNF that llama.cpp cannot parse: the
+        # NULL sampler it makes of them was a SIGSEGV at the first token (issue 24).
+        *(
+            {"type": "json_object", "schema": {"properties": {name: {"type": "string"}}}}
+            for name in ("a\fb", "a\bb", 'a"b')
+        ),
     ],
 )
 def test_a_response_format_that_cannot_be_followed_is_a_request_error(

@@ -145,10 +145,15 @@ def test_a_model_whose_template_has_no_place_for_tools_refuses_them(tiny_model: 
 
 
 @pytest.mark.parametrize("choice", ["auto", "required"])
+@pytest.mark.parametrize(
+    "parameters",
+    [{"type": "odd"}, {"type": "object", "properties": {"a\fb": {"type": "string"}}}],
+    ids=["unknown-type", "unparsable-grammar"],
+)
 def test_a_tool_whose_parameters_cannot_be_followed_is_refused_by_name(
-    backend: ReloadBackend, choice: str
+    backend: ReloadBackend, choice: str, parameters: dict[str, Any]
 ) -> None:
-    broken = {"type": "function", "function": {"name": "broken", "parameters": {"type": "odd"}}}
+    broken = {"type": "function", "function": {"name": "broken", "parameters": parameters}}
     with pytest.raises(RequestError, match=r"tool 'broken''s parameters cannot be followed"):
         chat(backend, tools=[WEATHER, broken], tool_choice=choice)
 
@@ -207,9 +212,22 @@ def test_a_logit_bias_steers_the_sampler(backend: ReloadBackend) -> None:
     assert forced == piece * 5 != free
 
 
-def test_a_logit_bias_for_a_token_the_model_lacks_is_refused(backend: ReloadBackend) -> None:
-    with pytest.raises(RequestError, match="ids are 0 to 511"):
-        backend.generate("completion", {"prompt": "x", "logit_bias": {"512": 1}}, None)
+@pytest.mark.parametrize(
+    "key",
+    [
+        "512",
+        "1" * 5000,  # int() refuses it with a ValueError that ended the worker (issue 24)
+        "\u00b2",  # a digit to str.isdigit(), not to int()
+        "-1",
+    ],
+    ids=["past-the-vocabulary", "5000-digits", "superscript-two", "negative"],
+)
+def test_a_logit_bias_for_a_token_the_model_lacks_is_refused(
+    backend: ReloadBackend, key: str
+) -> None:
+    with pytest.raises(RequestError, match="ids are 0 to 511") as refused:
+        backend.generate("completion", {"prompt": "x", "logit_bias": {key: 1}}, None)
+    assert len(str(refused.value)) < 200  # the key is shown cut short
 
 
 def test_several_choices_differ_share_the_prompt_and_repeat_with_a_seed(

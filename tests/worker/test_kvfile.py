@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 import struct
 from pathlib import Path
 
@@ -128,3 +129,72 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(
     monkeypatch.undo()
     assert kvfile.read(saved, KEY) == STATE
     assert [p.name for p in saved.parent.iterdir()] == ["m.kv"]
+
+
+# -- privacy (issue 24: another local user read a prompt back from a .kv file) ------------------
+
+
+def mode_of(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_a_state_file_is_0600_under_umask_022_and_while_it_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[int] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:  # the temporary, written and about to be renamed into place
+        seen.append(stat.S_IMODE(os.fstat(fd).st_mode))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    old = os.umask(0o022)
+    try:
+        kvfile.write(tmp_path / "m.kv", KEY, STATE)
+    finally:
+        os.umask(old)
+    assert seen == [0o600]
+    assert mode_of(tmp_path / "m.kv") == 0o600
+
+
+def test_a_state_file_is_0600_even_where_the_umask_takes_the_owners_write_bit(
+    tmp_path: Path,
+) -> None:
+    old = os.umask(0o277)
+    try:
+        kvfile.write(tmp_path / "m.kv", KEY, STATE)
+    finally:
+        os.umask(old)
+    assert mode_of(tmp_path / "m.kv") == 0o600
+
+
+def test_a_temporary_left_by_a_dead_worker_of_the_same_pid_is_replaced(tmp_path: Path) -> None:
+    stale = tmp_path / f".m.kv.{os.getpid()}.tmp"
+    stale.write_bytes(b"half a file")
+    stale.chmod(0o644)
+    kvfile.write(tmp_path / "m.kv", KEY, STATE)
+    assert kvfile.read(tmp_path / "m.kv", KEY) == STATE
+    assert [p.name for p in tmp_path.iterdir()] == ["m.kv"]
+
+
+def test_a_symlink_at_the_temporary_is_replaced_not_written_through(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"")
+    (tmp_path / f".m.kv.{os.getpid()}.tmp").symlink_to(target)
+    kvfile.write(tmp_path / "m.kv", KEY, STATE)
+    assert target.read_bytes() == b""
+    assert mode_of(tmp_path / "m.kv") == 0o600
+
+
+def test_a_loose_state_file_is_made_0600_as_it_is_read(saved: Path) -> None:
+    saved.chmod(0o644)  # as an older arbiterd wrote them, under umask 022
+    assert kvfile.read(saved, KEY) == STATE
+    assert mode_of(saved) == 0o600
+
+
+def test_a_symlink_at_the_state_file_is_refused_not_followed(tmp_path: Path, saved: Path) -> None:
+    link = tmp_path / "link.kv"
+    link.symlink_to(saved)
+    with pytest.raises(KvFileError, match="cannot read"):
+        kvfile.read(link, KEY)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -24,6 +25,7 @@ from arbiterd.daemon.workerclient import (
 from arbiterd.errors import (
     ContextOverflowError,
     EngineError,
+    InternalError,
     ModelLoadError,
     ProtocolError,
     RequestError,
@@ -369,6 +371,21 @@ def test_a_prompt_longer_than_the_context_is_refused_and_the_worker_lives(
     assert complete(worker, "the fox")["completion_tokens"] >= 1
 
 
+def test_the_requests_that_ended_a_worker_are_their_own_errors_and_it_lives(
+    workers: Workers,
+) -> None:
+    """Issue 24's requests, sent past the HTTP edge that now refuses them: a lone surrogate in a
+    prompt (a bug's internal error) and a 5,000-digit token id (a bad request)."""
+    worker = workers.spawn("m")
+    with pytest.raises(InternalError, match=r"\(UnicodeEncodeError\)"):
+        complete(worker, "ab\ud800cd")
+    bias = {"prompt": "x", "max_tokens": 1, "logit_bias": {"1" * 5000: 1}}
+    with pytest.raises(RequestError, match="ids are 0 to 511"):
+        worker.generate("completion", bias, timeout_s=60)
+    assert complete(worker, "the fox")["completion_tokens"] >= 1
+    assert worker.returncode is None
+
+
 def test_a_model_that_cannot_load_fails_with_its_reason(workers: Workers, tmp_path: Path) -> None:
     worker = workers.spawn("broken", path=tmp_path / "missing.gguf")
     event = worker.wait_event(lambda e: e.get("to") == "failed")
@@ -483,9 +500,10 @@ class FlakyRestore:
     keeps_kv_on_device = False
     prompt_tokens_evaluated_total = 0
 
-    def __init__(self) -> None:
+    def __init__(self, failure: Exception | None = None) -> None:
         self.spec = ModelSpec(name="flaky", path=Path("/nonexistent"))
         self.warm = False
+        self.failure = failure or RestoreError("out of device memory")
 
     def open(self) -> None:
         pass
@@ -499,7 +517,7 @@ class FlakyRestore:
         return Moved(0.0, 100, 10, 0)
 
     def restore(self) -> Moved:
-        raise RestoreError("out of device memory")
+        raise self.failure
 
     def prepare(self, kind: str, body: dict[str, Any], cancelled: Any) -> Prepared:
         return Prepared(kind, {"prompt": [1]})
@@ -526,10 +544,21 @@ class FlakyRestore:
         self.warm = False
 
 
-def test_a_failed_restore_rolls_back_to_cold_without_the_token(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("failure", "code", "message"),
+    [
+        (RestoreError("out of device memory"), "restore", "out of device memory"),
+        # What a restore should never raise is rolled back all the same (issue 24).
+        (ValueError("a bug"), "internal_error", "(ValueError)"),
+    ],
+    ids=["restore-error", "unexpected"],
+)
+def test_a_failed_restore_rolls_back_to_cold_without_the_token(
+    tmp_path: Path, failure: Exception, code: str, message: str
+) -> None:
     ours, theirs = socket.socketpair()
     config = WorkerConfig(spec=ModelSpec(name="flaky", path=Path("/x")), arena=tmp_path / "arena")
-    worker = Worker(config, FlakyRestore(), theirs, FAKE_ENGINE)
+    worker = Worker(config, FlakyRestore(failure), theirs, FAKE_ENGINE)
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     reader, writer = LineReader(ours), LineWriter(ours)
@@ -548,10 +577,12 @@ def test_a_failed_restore_rolls_back_to_cold_without_the_token(tmp_path: Path) -
     until(lambda m: m.get("id") == "1")
     writer.send({"op": "generate", "id": "2", "kind": "completion", "body": {"prompt": "x"}})
     reply = until(lambda m: m.get("id") == "2")
-    assert reply["error"]["code"] == "restore"
-    assert "out of device memory" in reply["error"]["message"]
+    assert reply["error"]["code"] == code
+    assert message in reply["error"]["message"]
+    writer.send({"op": "warm", "id": "w"})  # a warm-up on command fails the same way
+    assert until(lambda m: m.get("id") == "w")["error"]["code"] == code
     rollback = [m for m in messages if m.get("from") == "warming"]
-    assert [m["to"] for m in rollback] == ["cold"]
+    assert [m["to"] for m in rollback] == ["cold", "cold"]
     assert Arena(tmp_path / "arena").observe().holder_pid is None
     writer.send({"op": "status", "id": "3"})
     assert until(lambda m: m.get("id") == "3")["result"]["state"] == "cold"
@@ -559,6 +590,131 @@ def test_a_failed_restore_rolls_back_to_cold_without_the_token(tmp_path: Path) -
     thread.join(timeout=10)
     assert not thread.is_alive()
     theirs.close()
+
+
+class Buggy(FlakyRestore):
+    """A backend with a bug that one request's body sets off, in preparing or in running it;
+    and, with `breaks_releasing`, a release that raises (its restore works). In place: a
+    generation may pause."""
+
+    kind = "in-place"
+    fallback_reason = ""
+
+    def __init__(self, *, breaks_releasing: bool = False) -> None:
+        super().__init__()
+        self.breaks_releasing = breaks_releasing
+
+    def restore(self) -> Moved:
+        self.warm = True
+        return Moved(0.0, 100, 10, 0)
+
+    def release(self, kv: KvPolicy) -> Moved:
+        if self.breaks_releasing:
+            raise ValueError("a bug in releasing")
+        return super().release(kv)
+
+    def prepare(self, kind: str, body: dict[str, Any], cancelled: Any) -> Prepared:
+        if body.get("bug") == "prepare":
+            "ab\ud800cd".encode()  # what the tokenizer met in issue 24
+        return Prepared(kind, {"prompt": [1], "bug": body.get("bug")})
+
+    def run(self, request: Prepared, sink: Any, cancelled: Any) -> Generation:
+        if request.completion["bug"] == "run":
+            int("1" * 5000)  # what the logit bias met in issue 24
+        while request.completion["bug"] == "until-paused" and not cancelled():
+            time.sleep(0.002)  # a decode
+        return super().run(request, sink, cancelled)
+
+
+class InProcess:
+    """A Worker on `backend` in a thread, and the daemon's end of its socket."""
+
+    def __init__(self, tmp_path: Path, backend: FlakyRestore, **config: Any) -> None:
+        self.arena = tmp_path / "arena"
+        self._ours, self._theirs = socket.socketpair()
+        spec = ModelSpec(name="buggy", path=Path("/x"))
+        worker = Worker(
+            WorkerConfig(spec=spec, arena=self.arena, **config), backend, self._theirs, FAKE_ENGINE
+        )
+        self.raised: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, args=(worker,), daemon=True)
+        self.thread.start()
+        self.reader, self.writer = LineReader(self._ours), LineWriter(self._ours)
+
+    def _run(self, worker: Worker) -> None:
+        try:
+            worker.run()
+        except Exception as exc:  # what ended the worker, for the test to see
+            self.raised.append(exc)
+
+    def until(self, predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        while True:
+            message = self.reader.read()
+            assert message is not None, "the worker closed its socket"
+            if predicate(message):
+                return message
+
+    def ask(self, request_id: str, **message: Any) -> dict[str, Any]:
+        self.writer.send({"id": request_id, **message})
+        return self.until(lambda m: m.get("id") == request_id)
+
+    def generate(self, request_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self.ask(request_id, op="generate", kind="completion", body=body)
+
+    def close(self) -> None:
+        self._ours.close()  # the daemon is gone: the worker stops
+        self.thread.join(timeout=10)
+        assert not self.thread.is_alive()
+        self._theirs.close()
+
+
+def test_a_request_that_meets_a_bug_is_its_own_error_and_the_worker_serves_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    worker = InProcess(tmp_path, Buggy())
+    worker.until(lambda m: m.get("to") == "warm")
+    with caplog.at_level(logging.ERROR, logger="arbiterd.worker.loop"):
+        failed = [worker.generate(where, {"bug": where}) for where in ("prepare", "run")]
+    for reply, kind in zip(failed, ("UnicodeEncodeError", "ValueError"), strict=True):
+        assert reply["error"] == {
+            "code": "internal_error",
+            "message": f"internal error in the worker of buggy ({kind}); "
+            "the daemon's log has its traceback",
+        }
+    # Each traceback is in the log, where the request's own error points.
+    assert [type(r.exc_info[1]).__name__ for r in caplog.records if r.exc_info] == [
+        "UnicodeEncodeError",
+        "ValueError",
+    ]
+    assert "result" in worker.generate("ok", {})
+    status = worker.ask("s", op="status")["result"]
+    assert (status["state"], status["holds_token"], status["served"]) == ("warm", True, 1)
+    worker.close()
+    assert worker.raised == []
+
+
+def test_a_request_whose_release_breaks_midway_ends_the_worker_and_frees_the_gpu(
+    tmp_path: Path,
+) -> None:
+    """A pause for a higher class whose release raises leaves the model cooling with the token:
+    nothing could be served and nobody would get the GPU, so the worker answers the request and
+    exits (the daemon starts another)."""
+    worker = InProcess(
+        tmp_path, Buggy(breaks_releasing=True), priority=Priority.BATCH, min_hold_s=0.0
+    )
+    worker.until(lambda m: m.get("to") == "warm")
+    worker.writer.send(
+        {"op": "generate", "id": "long", "kind": "completion", "body": {"bug": "until-paused"}}
+    )
+    # Queued behind the worker; the pause it asks for breaks; the worker's exit frees the GPU.
+    with Arena(worker.arena).acquire("person", priority=Priority.INTERACTIVE, timeout_s=10):
+        reply = worker.until(lambda m: m.get("id") == "long")
+    assert reply["error"]["code"] == "internal_error"
+    worker.thread.join(timeout=10)
+    assert [str(exc) for exc in worker.raised] == [
+        "buggy was left cooling (with the token) by a failed request"
+    ]
+    worker.close()
 
 
 def test_a_pinned_model_keeps_the_gpu_until_unpinned(workers: Workers) -> None:
