@@ -305,7 +305,8 @@ class WaitEvent(Event):
 @dataclass(frozen=True, kw_only=True)
 class WorkerEvent(Event):
     """A model's worker exited with `code` (negative: killed by that signal), or could not start
-    (`code` and maybe `pid` None); it is started again in `restart_in_s`."""
+    (`code` and maybe `pid` None); it is started again in `restart_in_s`. `last_words`: the last
+    lines it wrote to its stderr (a GGML_ASSERT, a C library's abort message, a traceback)."""
 
     KIND: ClassVar[str] = "worker"
 
@@ -314,6 +315,7 @@ class WorkerEvent(Event):
     code: int | None = None
     reason: str = ""
     restart_in_s: float | None = None
+    last_words: tuple[str, ...] = ()
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> WorkerEvent:
@@ -324,6 +326,7 @@ class WorkerEvent(Event):
             code=_int(obj.get("code")),
             reason=_text(obj.get("reason")),
             restart_in_s=_float(obj.get("restart_in_s")),
+            last_words=_names(obj.get("last_words")),
         )
 
     def _fields(self) -> dict[str, Any]:
@@ -333,6 +336,7 @@ class WorkerEvent(Event):
             "code": self.code,
             "reason": self.reason,
             "restart_in_s": self.restart_in_s,
+            "last_words": list(self.last_words),
         }
 
 

@@ -302,6 +302,8 @@ def _worker(event: WorkerEvent) -> str:
         line += f": {event.reason}"
     if event.restart_in_s is not None:
         line += f", restarting in {event.restart_in_s:.1f} s"
+    if event.last_words:
+        line += f"; its last words: {event.last_words[-1]}"
     return line
 
 

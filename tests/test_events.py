@@ -83,7 +83,15 @@ SAMPLES: list[Event] = [
         waited_from=T - 30,
         wait_s=29.5,
     ),
-    WorkerEvent(at=T, model="gemma", pid=4242, code=-9, reason="killed", restart_in_s=1.0),
+    WorkerEvent(
+        at=T,
+        model="gemma",
+        pid=4242,
+        code=-6,
+        reason="killed by signal 6",
+        restart_in_s=1.0,
+        last_words=("corrupted double-linked list",),
+    ),
     ReloadEvent(at=T, added=("a",), removed=("b", "c"), changed=("d",), warnings=("a: no mmproj",)),
     HoldEvent(at=T, held=True),
     UnloadEvent(

@@ -184,6 +184,12 @@ def test_a_worker_line() -> None:
         "worker    gemma pid 4243 started"
     )
     assert line({"event": "worker", "model": "gemma", "code": 3}) == "worker    gemma exited code 3"
+    crashed = {**body, "code": -6, "reason": "killed by signal 6"}
+    crashed["last_words"] = ["ggml_vulkan: device lost", "corrupted double-linked list"]
+    assert line(crashed) == (
+        "worker    gemma pid 4242 exited code -6 (SIGABRT): killed by signal 6, restarting in"
+        " 1.0 s; its last words: corrupted double-linked list"
+    )
 
 
 def test_unload_lines_say_what_was_kept() -> None:

@@ -403,6 +403,7 @@ class Lifecycle:
 
     async def _watch(self, slot: Slot, worker: WorkerClient) -> None:
         code = await worker.wait()
+        words = await worker.last_words()  # the pipe ends with the process: at once
         if slot.worker is not worker:  # retired: its exit was asked for
             return
         self._on_gone(slot, worker)
@@ -412,10 +413,19 @@ class Lifecycle:
         reason = worker.killed_for or (  # the daemon's own kill says why
             f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
         )
+        if words and not worker.killed_for:
+            log.warning(
+                "worker for %s %s; its last words: %s", slot.name, reason, " | ".join(words)
+            )
         self._restart_later(slot, f"worker {reason}", delay)
         self._publish(
             WorkerEvent(
-                model=slot.name, pid=worker.pid, code=code, reason=reason, restart_in_s=delay
+                model=slot.name,
+                pid=worker.pid,
+                code=code,
+                reason=reason,
+                restart_in_s=delay,
+                last_words=words,
             )
         )
         await worker.kill()  # closes its socket; the process is already reaped

@@ -12,6 +12,11 @@ chunk, which only the engine thread sends), and the status question still unansw
 status question is in flight at a time, whoever asks: a worker that stopped reading gets one
 line, not one per `arbiterd status`. `heard` is what daemon/liveness.py judges.
 
+A worker's stderr is a pipe the client reads (issue 25): every line goes on to the daemon's
+stderr as before (its log), and the last few are kept as the worker's last words, so an exit
+names its reason — ggml's GGML_ASSERT message, glibc's "corrupted double-linked list", a Python
+traceback — in the log and in the `worker` event, not just a signal number.
+
 `BlockingWorker` drives a `WorkerClient` from ordinary threads, on a private loop; tests and
 benchmarks use it, the daemon never does.
 """
@@ -19,6 +24,7 @@ benchmarks use it, the daemon never does.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import os
@@ -40,6 +46,12 @@ from arbiterd.wire import AsyncLineReader, encode
 HELLO_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 30.0
 STATUS_TIMEOUT_S = 10.0  # a worker answers status from its io thread, even mid-decode
+# What a worker's exit keeps of its stderr: its last lines, each cut to a length, and how long
+# the client waits for the pipe's end once the process is gone (a child it left holding the pipe
+# must not hold up its restart).
+LAST_WORDS_LINES = 8
+LAST_WORDS_LINE_CHARS = 300
+STDERR_DRAIN_S = 1.0
 # The residency backends a worker may name (engine.py's Backend.kind).
 BACKENDS = frozenset({"in-place", "reload"})
 
@@ -192,6 +204,10 @@ class WorkerClient:
         self._reader = asyncio.get_running_loop().create_task(
             self._read_loop(), name=f"worker-client-{model}"
         )
+        self._words: collections.deque[str] = collections.deque(maxlen=LAST_WORDS_LINES)
+        self._stderr = asyncio.get_running_loop().create_task(
+            self._read_stderr(), name=f"worker-stderr-{model}"
+        )
 
     @classmethod
     async def spawn(
@@ -221,6 +237,7 @@ class WorkerClient:
                 config.to_json(),
                 pass_fds=[theirs.fileno(), *shared],
                 env=env,
+                stderr=asyncio.subprocess.PIPE,
             )
         except BaseException:
             ours.close()
@@ -243,10 +260,12 @@ class WorkerClient:
             worker._hello.cancel()
             await worker.kill()
             raise WorkerError(f"worker for {config.spec.name} did not say hello") from None
-        except WorkerGoneError:  # its stderr (the daemon's) says why
+        except WorkerGoneError:
             code = await worker.kill()
+            said = await worker.last_words()
             raise WorkerError(
                 f"worker for {config.spec.name} exited ({code}) before its hello"
+                + (f": {said[-1]}" if said else "")
             ) from None
         except BaseException:
             await worker.kill()
@@ -377,6 +396,14 @@ class WorkerClient:
         await self.process.wait()
         return self._code()
 
+    async def last_words(self) -> tuple[str, ...]:
+        """The last lines the worker wrote to its stderr, once the pipe has ended (or
+        STDERR_DRAIN_S after this is asked, for a pipe a child of the worker still holds)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(STDERR_DRAIN_S):
+                await asyncio.shield(self._stderr)
+        return tuple(self._words)
+
     # -- plumbing -----------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
@@ -450,6 +477,26 @@ class WorkerClient:
         with contextlib.suppress(OSError):
             await self._writer.wait_closed()
         await asyncio.gather(self._reader, return_exceptions=True)
+        await self.last_words()
+        self._stderr.cancel()
+        await asyncio.gather(self._stderr, return_exceptions=True)
+
+    async def _read_stderr(self) -> None:
+        """Pass each line of the worker's stderr on to the daemon's and keep the last ones."""
+        stream = self.process.stderr
+        assert stream is not None  # spawned with stderr=PIPE
+        while True:
+            try:
+                line = await stream.readline()
+            except ValueError:  # a line beyond the stream's limit: its start was dropped
+                continue
+            if not line:
+                return
+            with contextlib.suppress(OSError):  # the daemon's stderr closed
+                os.write(2, line)  # where the worker wrote before it had a pipe of its own
+            text = line.decode(errors="replace").rstrip()
+            if text:
+                self._words.append(text[:LAST_WORDS_LINE_CHARS])
 
     def _code(self) -> int:
         code = self.process.returncode

@@ -15,6 +15,11 @@ from arbiterd.errors import EngineError
 
 # enum ggml_backend_dev_type
 _KINDS = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
+# Vulkan drivers that run on the CPU: Mesa's llvmpipe (its Vulkan driver is also called lavapipe)
+# and Google's SwiftShader. ggml-vulkan lists such a device only when GGML_VK_VISIBLE_DEVICES names
+# it, calls it kind "gpu", and reports the driver's fixed heap as its memory: the figures do not
+# move with use (measured on llvmpipe: 2 GiB free whatever is allocated).
+_CPU_VULKAN_DRIVERS = ("llvmpipe", "lavapipe", "swiftshader")
 _LIBGGML = ("libggml.so", "libggml.so.0")
 
 
@@ -27,8 +32,16 @@ class Device:
     total_bytes: int
 
     @property
+    def on_cpu(self) -> bool:
+        """A GPU API device whose driver runs on the CPU (llvmpipe): real Vulkan, no GPU, and
+        memory figures that are the driver's accounting, not a budget."""
+        text = self.description.lower()
+        return self.name.startswith("Vulkan") and any(d in text for d in _CPU_VULKAN_DRIVERS)
+
+    @property
     def label(self) -> str:
-        return f"{self.name}: {self.description}" if self.description else self.name
+        label = f"{self.name}: {self.description}" if self.description else self.name
+        return f"{label} [runs on the CPU]" if self.on_cpu else label
 
 
 def devices(libllama: Path) -> list[Device]:

@@ -1222,7 +1222,8 @@ def _free_device_bytes() -> int | None:
     except (EngineError, OSError, AttributeError) as exc:
         log.warning("cannot read the devices' free memory: %s", exc)
         return None
-    return next((d.free_bytes for d in found if d.kind in _GPU_KINDS), None)
+    # A device whose driver runs on the CPU reports a fixed heap, not what is free: no budget.
+    return next((d.free_bytes for d in found if d.kind in _GPU_KINDS and not d.on_cpu), None)
 
 
 @dataclass(frozen=True)

@@ -220,6 +220,47 @@ def test_a_worker_that_exits_before_its_hello_fails_its_spawn_at_once(
     run(scenario())
 
 
+def dying_env(trigger: Path) -> dict[str, str]:
+    """A worker's environment under which it dies with last words once `trigger` exists."""
+    support = Path(__file__).parents[1] / "support" / "last_words"
+    path = os.pathsep.join(p for p in (str(support), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "ARBITERD_TEST_LAST_WORDS": str(trigger)}
+
+
+def test_a_worker_that_dies_before_its_hello_names_its_last_words(
+    tmp_path: Path, configs: Configs
+) -> None:
+    trigger = tmp_path / "die"
+    trigger.touch()
+
+    async def scenario() -> None:
+        with pytest.raises(WorkerError, match=r"exited \(-6\) before its hello: GGML_ASSERT"):
+            await WorkerClient.spawn(configs("m"), env=dying_env(trigger))
+
+    run(scenario())
+
+
+def test_a_worker_that_aborts_keeps_its_last_words_for_whoever_reaps_it(
+    tmp_path: Path, configs: Configs, capfd: pytest.CaptureFixture[str]
+) -> None:
+    trigger = tmp_path / "die"
+
+    async def scenario() -> tuple[int, tuple[str, ...]]:
+        worker = await WorkerClient.spawn(configs("m"), env=dying_env(trigger))
+        try:
+            await worker.status()
+            trigger.touch()
+            return await worker.wait(), await worker.last_words()
+        finally:
+            await worker.kill()
+
+    code, words = run(scenario())
+    assert code == -signal.SIGABRT
+    assert words[-1] == "GGML_ASSERT(buf != NULL) failed: the last words of a test's worker"
+    assert len(words) <= 8
+    assert "the last words of a test's worker" in capfd.readouterr().err  # the daemon's log too
+
+
 def test_a_request_to_a_worker_known_to_be_dead_is_worker_gone(configs: Configs) -> None:
     async def scenario() -> tuple[int, int]:
         async with spawned(configs("m")) as worker:

@@ -39,3 +39,14 @@ def test_a_libggml_that_is_not_loaded_is_never_opened(tmp_path: Path) -> None:
     with pytest.raises(EngineError, match="no libggml beside"):
         ggml.devices(tmp_path / "libllama.so")
     assert stranger not in mapped_paths()
+
+
+def test_a_vulkan_device_whose_driver_runs_on_the_cpu_says_so() -> None:
+    llvmpipe = ggml.Device("Vulkan0", "llvmpipe (LLVM 15.0.6, 256 bits)", "gpu", 2 << 30, 2 << 30)
+    assert llvmpipe.on_cpu
+    assert llvmpipe.label == "Vulkan0: llvmpipe (LLVM 15.0.6, 256 bits) [runs on the CPU]"
+    radeon = ggml.Device("Vulkan0", "AMD Radeon RX 7900 XTX (RADV NAVI31)", "gpu", 1, 2)
+    cuda = ggml.Device("CUDA0", "NVIDIA H200", "gpu", 1, 2)
+    assert not radeon.on_cpu
+    assert not cuda.on_cpu
+    assert radeon.label == "Vulkan0: AMD Radeon RX 7900 XTX (RADV NAVI31)"

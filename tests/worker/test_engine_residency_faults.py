@@ -36,7 +36,8 @@ CHILD_TIMEOUT_S = 90
 RELEASABLE = TinyModelSpec(n_layer=2, n_embd=512, n_ff=1024, n_vocab=4096)
 HEADROOM_BYTES = 8 * 1024 * 1024
 
-# Shared by the children: an in-place backend on argv[1], warm, with one greedy answer.
+# Shared by the children: an in-place backend on argv[1], warm, with one greedy answer; its
+# layers on the CPU (N_GPU_LAYERS 0, this tier) or on a device (-1: tests/device).
 CHILD_PRELUDE = """
 import json
 import sys
@@ -47,7 +48,7 @@ from arbiterd.spec import KvPolicy, ModelSpec, Residency
 
 BODY = {"prompt": " ".join(["the quick brown fox is not a dog"] * 10), "max_tokens": 8,
         "temperature": 0}
-spec = ModelSpec(name="m", path=Path(sys.argv[1]), n_ctx=512, n_gpu_layers=0,
+spec = ModelSpec(name="m", path=Path(sys.argv[1]), n_ctx=512, n_gpu_layers=N_GPU_LAYERS,
                  residency=Residency.IN_PLACE)
 backend = select_backend(spec)
 assert isinstance(backend, InPlaceBackend), backend
@@ -146,10 +147,11 @@ print(json.dumps({
 """
 
 
-def run_child(script: str, *args: str) -> dict[str, Any]:
+def run_child(script: str, *args: str, n_gpu_layers: int = 0) -> dict[str, Any]:
     """Run CHILD_PRELUDE + script in a fresh interpreter; its one line of JSON on stdout."""
+    prelude = CHILD_PRELUDE.replace("N_GPU_LAYERS", str(n_gpu_layers))
     child = subprocess.run(
-        [sys.executable, "-c", CHILD_PRELUDE + textwrap.dedent(script), *args],
+        [sys.executable, "-c", prelude + textwrap.dedent(script), *args],
         capture_output=True,
         text=True,
         timeout=CHILD_TIMEOUT_S,
@@ -249,8 +251,16 @@ class WorkerLine:
 def test_a_release_sent_during_a_streaming_generation_comes_after_its_last_chunk(
     procs: Processes, tmp_path: Path, tiny_model: Path
 ) -> None:
+    release_during_a_stream(procs, tmp_path, tiny_model, n_gpu_layers=0)
+
+
+def release_during_a_stream(
+    procs: Processes, tmp_path: Path, model: Path, *, n_gpu_layers: int
+) -> None:
+    """A release sent to a real worker while it streams is carried out after its last chunk
+    (the device tier runs it with the model on a device)."""
     spec = ModelSpec(
-        name="m", path=tiny_model, n_ctx=2048, n_gpu_layers=0, residency=Residency.IN_PLACE
+        name="m", path=model, n_ctx=2048, n_gpu_layers=n_gpu_layers, residency=Residency.IN_PLACE
     )
     config = WorkerConfig(spec=spec, arena=tmp_path / "arena", kv_on_release=KvPolicy.HOST)
     worker = WorkerLine(procs, config)
