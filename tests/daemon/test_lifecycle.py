@@ -267,6 +267,7 @@ def test_a_killed_worker_is_said_and_replaced_by_a_new_one(
 
     first, second, said, slot = run(scenario())
     assert second != first
+    assert isinstance(said, WorkerEvent)
     assert said == WorkerEvent(
         at=said.at,
         model="m",
