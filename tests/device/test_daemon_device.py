@@ -267,7 +267,10 @@ def test_a_worker_that_aborts_mid_decode_on_the_device_fails_its_request_and_res
         # Three chunks in, alpha's worker aborts, as on a GGML_ASSERT in a decode.
         with pytest.raises(openai.APIError) as failed:
             read_until_it_fails(stream, then_after_chunks=3, do=trigger.touch)
-        assert "worker for alpha exited" in failed.value.message
+        # The request names why: the signal and the worker's last words.
+        said = failed.value.message
+        assert "worker for alpha exited during" in said
+        assert f"killed by signal {signal.SIGABRT}; its last words: GGML_ASSERT" in said
         wait_until(
             lambda: any(e["pid"] == pid for e in journal_since(daemon, since, "worker")),
             EVENT_TIMEOUT_S,
@@ -292,7 +295,7 @@ def test_a_worker_that_aborts_mid_decode_on_the_device_fails_its_request_and_res
         if e["model"] == "alpha" and e["status"] == "error"
     ]
     assert len(failures) == 1
-    assert "worker for alpha exited" in failures[0]["error"]
+    assert f"killed by signal {signal.SIGABRT}; its last words: GGML_ASSERT" in failures[0]["error"]
     # The new worker's first request evaluates the whole prompt; the next finds it cached.
     assert ask(api, "alpha") == references["alpha"].fresh
     assert ask(api, "alpha") == references["alpha"].cached
