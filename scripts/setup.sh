@@ -113,26 +113,27 @@ find_tool() {
 
 vulkan_build_missing() {
     # What a Vulkan build of the engine lacks here, in words (status 0), or nothing (status 1).
-    # ggml-vulkan compiles its shaders with glslc, needs SPIRV-Headers' CMake package, the
-    # headers from 1.3.239 on (older than Debian 12's were never built; the patch makes that
-    # one build) and the loader to link against. Debian/Ubuntu: glslc libvulkan-dev
-    # spirv-headers; Fedora: glslc vulkan-headers vulkan-loader-devel spirv-headers-devel.
-    local header=/usr/include/vulkan/vulkan_core.h version
-    if ! command -v glslc >/dev/null; then
+    # ggml-vulkan compiles its shaders with glslc, needs the headers from 1.3.239 on (older than
+    # Debian 12's were never built; the patch makes that one build), the loader to link against
+    # and SPIRV-Headers' CMake package. Debian/Ubuntu: glslc libvulkan-dev spirv-headers; Fedora:
+    # glslc vulkan-headers vulkan-loader-devel spirv-headers-devel. With $VULKAN_SDK (LunarG's
+    # SDK, which CMake's FindVulkan also reads) they are looked for there.
+    local root=${VULKAN_SDK:-/usr} header version
+    header="$root/include/vulkan/vulkan_core.h"
+    if [[ -n ${VULKAN_SDK:-} && ! -x $VULKAN_SDK/bin/glslc ]] || ! command -v glslc >/dev/null; then
         echo "glslc (the shader compiler) is missing"
     elif [[ ! -f $header ]]; then
-        echo "the Vulkan headers (vulkan/vulkan_core.h) are missing"
+        echo "the Vulkan headers ($header) are missing"
     elif version="$(sed -n 's/^#define VK_HEADER_VERSION \([0-9]*\)$/\1/p' "$header")" \
         && ((${version:-0} < 239)); then
         echo "the Vulkan headers are too old (1.3.${version:-?}; 1.3.239 or later is needed)"
-    elif ! compgen -G '/usr/share/cmake*/SPIRV-Headers/SPIRV-HeadersConfig.cmake' >/dev/null \
-        && ! compgen -G '/usr/lib*/cmake/SPIRV-Headers/SPIRV-HeadersConfig.cmake' >/dev/null \
-        && ! compgen -G '/usr/lib/*/cmake/SPIRV-Headers/SPIRV-HeadersConfig.cmake' >/dev/null \
-        && [[ -z ${VULKAN_SDK:-} ]]; then
-        echo "SPIRV-Headers (its CMake package) is missing"
-    elif ! compgen -G '/usr/lib*/libvulkan.so' >/dev/null \
-        && ! compgen -G '/usr/lib/*/libvulkan.so' >/dev/null && [[ -z ${VULKAN_SDK:-} ]]; then
+    elif ! compgen -G "$root/lib*/libvulkan.so" >/dev/null \
+        && ! compgen -G "$root/lib/*/libvulkan.so" >/dev/null; then
         echo "the Vulkan loader (libvulkan.so) is missing"
+    elif ! compgen -G "$root/share/cmake*/SPIRV-Headers/SPIRV-HeadersConfig.cmake" >/dev/null \
+        && ! compgen -G "$root/lib*/cmake/SPIRV-Headers/SPIRV-HeadersConfig.cmake" >/dev/null \
+        && ! compgen -G "$root/lib/*/cmake/SPIRV-Headers/SPIRV-HeadersConfig.cmake" >/dev/null; then
+        echo "SPIRV-Headers (its CMake package) is missing"
     else
         return 1
     fi

@@ -305,14 +305,37 @@ def test_a_missing_patch_is_one_line_and_installs_nothing(venv: Path, tmp_path: 
     assert calls(venv) == []
 
 
+def vulkan_sdk(where: Path, *, header_version: int = 239, without: str = "") -> dict[str, str]:
+    """The environment of a Vulkan toolchain laid out as LunarG's SDK is, in `where`: glslc on
+    PATH, the headers of 1.3.`header_version`, the loader, SPIRV-Headers — less `without`."""
+    parts = {
+        "glslc": ("bin/glslc", "#!/bin/sh\nexit 0\n"),
+        "headers": (
+            "include/vulkan/vulkan_core.h",
+            f"#define VK_HEADER_VERSION {header_version}\n",
+        ),
+        "loader": ("lib/libvulkan.so", ""),
+        "spirv": ("share/cmake/SPIRV-Headers/SPIRV-HeadersConfig.cmake", ""),
+    }
+    for name, (relative, text) in parts.items():
+        if name != without:
+            (where / relative).parent.mkdir(parents=True, exist_ok=True)
+            (where / relative).write_text(text)
+            (where / relative).chmod(0o755)
+    return {"VULKAN_SDK": str(where), "PATH": f"{where / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+
+
 @pytest.mark.parametrize(
     ("engine", "flag"),
     [("cuda", "-DGGML_CUDA=on"), ("rocm", "-DGGML_HIP=on"), ("vulkan", "-DGGML_VULKAN=on")],
 )
-def test_another_backend_builds_the_engine_again_for_it(venv: Path, engine: str, flag: str) -> None:
+def test_another_backend_builds_the_engine_again_for_it(
+    venv: Path, tmp_path: Path, engine: str, flag: str
+) -> None:
+    sdk = vulkan_sdk(tmp_path / "sdk") if engine == "vulkan" else {}
     assert setup(venv).returncode == 0
     assert "GGML" not in builds(venv)[0]
-    done = setup(venv, engine=engine)
+    done = setup(venv, engine=engine, path=sdk.get("PATH"), more_env=sdk)
     assert done.returncode == 0, done.stderr
     assert f"setup: engine backend {engine} (ARBITERD_ENGINE={engine})\n" in done.stderr
     assert f"patch) for {engine}, from source" in done.stderr
@@ -348,11 +371,34 @@ def test_a_gpu_toolchain_without_a_device_builds_for_the_cpu(venv: Path, tmp_pat
     assert done.returncode == 0, done.stderr
     assert re.search(
         r"^setup: engine backend cpu \(no GPU toolchain with a device found: nvcc without an "
-        r"NVIDIA GPU, hipcc without /dev/kfd(, glslc without a /dev/dri render node)?; "
+        r"NVIDIA GPU, hipcc without /dev/kfd(, the Vulkan toolchain without a /dev/dri render "
+        r"node)?; "
         r"ARBITERD_ENGINE=cuda\|rocm\|vulkan chooses one\)$",
         done.stderr,
         re.M,
     ), done.stderr
+    assert "GGML" not in builds(venv)[0]
+
+
+@pytest.mark.parametrize(
+    ("without", "header_version", "said"),
+    [
+        ("glslc", 239, "glslc (the shader compiler) is missing"),
+        ("headers", 239, "the Vulkan headers (SDK/include/vulkan/vulkan_core.h) are missing"),
+        ("", 238, "the Vulkan headers are too old (1.3.238; 1.3.239 or later is needed)"),
+        ("loader", 239, "the Vulkan loader (libvulkan.so) is missing"),
+        ("spirv", 239, "SPIRV-Headers (its CMake package) is missing"),
+    ],
+)
+def test_vulkan_without_its_toolchain_says_what_is_missing_in_one_line_and_builds_for_the_cpu(
+    venv: Path, tmp_path: Path, without: str, header_version: int, said: str
+) -> None:
+    sdk = vulkan_sdk(tmp_path / "sdk", header_version=header_version, without=without)
+    done = setup(venv, engine="vulkan", path=sdk["PATH"], more_env=sdk)
+    assert done.returncode == 0, done.stderr
+    said = said.replace("SDK/", f"{tmp_path / 'sdk'}/")
+    assert done.stderr.count(said) == 2  # the one line now, and the build's reason after
+    assert f"setup: no Vulkan engine: {said}; building the CPU engine\n" in done.stderr
     assert "GGML" not in builds(venv)[0]
 
 

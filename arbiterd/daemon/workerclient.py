@@ -423,6 +423,10 @@ class WorkerClient:
         blocks nothing but its own socket buffer)."""
         if self._writer.is_closing() or self._reader.done():
             raise WorkerGoneError(f"worker for {self.model} is gone")
+        if message.get("op") != "status":
+            # Last words are what it wrote since it was last given work (status questions come
+            # every few seconds and are no work): not the start-up lines of its engine.
+            self._words.clear()
         self._writer.write(encode(message))
 
     async def _next(
@@ -436,7 +440,7 @@ class WorkerClient:
         except TimeoutError:
             raise WorkerError(f"no answer from {self.model} to {request_id}") from None
         if message.get("gone"):
-            why = f": {self.killed_for}" if self.killed_for else ""
+            why = await self._why_gone()
             raise WorkerError(f"worker for {self.model} exited during {request_id}{why}")
         return message
 
@@ -480,6 +484,22 @@ class WorkerClient:
         await self.last_words()
         self._stderr.cancel()
         await asyncio.gather(self._stderr, return_exceptions=True)
+
+    async def _why_gone(self) -> str:
+        """Why a worker whose socket closed is gone, for the requests it had: the daemon's own
+        kill, else its exit status and its last words (waited for up to STDERR_DRAIN_S: the
+        socket closes as the process dies, a moment before it can be reaped)."""
+        if self.killed_for:
+            return f": {self.killed_for}"
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(STDERR_DRAIN_S):
+                await self.process.wait()
+        code = self.process.returncode
+        if code is None:
+            return ""
+        why = f": killed by signal {-code}" if code < 0 else f": exited with code {code}"
+        words = await self.last_words()
+        return f"{why}; its last words: {words[-1]}" if words else why
 
     async def _read_stderr(self) -> None:
         """Pass each line of the worker's stderr on to the daemon's and keep the last ones."""

@@ -267,6 +267,7 @@ def test_a_killed_worker_is_said_and_replaced_by_a_new_one(
 
     first, second, said, slot = run(scenario())
     assert second != first
+    assert isinstance(said, WorkerEvent)
     assert said == WorkerEvent(
         at=said.at,
         model="m",
@@ -275,6 +276,7 @@ def test_a_killed_worker_is_said_and_replaced_by_a_new_one(
         reason="killed by signal 9",
         # It lived less than STABLE_UPTIME_S: one more failure in a row, one step back.
         restart_in_s=quick_backoff[1],
+        last_words=said.last_words,  # whatever it wrote last: a SIGKILL leaves no message
     )
     assert slot.restarts == 1
     assert harness.gone == [("m", first), ("m", second)]  # the crash, then the stop

@@ -13,10 +13,6 @@ crash's regression test.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,28 +42,14 @@ CYCLES_PER_POLICY = 50
 FRESH_PROCESSES = 8
 CHILD_TIMEOUT_S = 240  # the first process on a machine compiles llvmpipe's pipelines (~1 min)
 
+# Appended to the fault tests' CHILD_PRELUDE (a warm in-place backend, its first answer).
 ROUND_TRIPS = """
-import json
-import sys
-from pathlib import Path
-
-from arbiterd.spec import KvPolicy, ModelSpec, Residency
-from arbiterd.worker.engine import InPlaceBackend, select_backend
-
-spec = ModelSpec(name="m", path=Path(sys.argv[1]), n_ctx=512, n_gpu_layers=-1,
-                 residency=Residency.IN_PLACE)
-backend = select_backend(spec)
-assert isinstance(backend, InPlaceBackend), backend
-backend.load()
-body = {"prompt": " ".join(["the quick brown fox is not a dog"] * 10), "max_tokens": 8,
-        "temperature": 0}
-first = backend.generate("completion", body, None).response["choices"][0]["text"]
 kv, cycles = KvPolicy(sys.argv[2]), int(sys.argv[3])
 same = released = 0
 for _ in range(cycles):
     released += backend.release(kv).weights_bytes > 0
     backend.restore()
-    same += backend.generate("completion", body, None).response["choices"][0]["text"] == first
+    same += text(backend.generate("completion", BODY, None)) == text(first)
 backend.close()
 print(json.dumps({"cycles": cycles, "same": same, "released": released}))
 """
@@ -92,16 +74,9 @@ def on_device(model: Path) -> InPlaceBackend:
 
 
 def round_trips(model: Path, kv: KvPolicy, cycles: int) -> dict[str, int]:
-    child = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(ROUND_TRIPS), str(model), kv.value, str(cycles)],
-        capture_output=True,
-        text=True,
-        timeout=CHILD_TIMEOUT_S,
-        check=False,
+    return run_child(
+        ROUND_TRIPS, str(model), kv.value, str(cycles), n_gpu_layers=-1, timeout_s=CHILD_TIMEOUT_S
     )
-    assert child.returncode == 0, f"child exited {child.returncode}:\n{child.stderr[-3000:]}"
-    result: dict[str, int] = json.loads(child.stdout)
-    return result
 
 
 @pytest.fixture(scope="module")

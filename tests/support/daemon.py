@@ -135,7 +135,8 @@ class Daemon:
             try:
                 with self.client() as client:
                     status: dict[str, Any] = client.call("status")
-                if all(m["state"] in wanted for m in status["models"]):
+                models = status["models"]  # every daemon serves one at least: none yet is not ready
+                if models and all(m["state"] in wanted for m in models):
                     return status
             except DaemonNotRunningError:
                 pass

@@ -147,14 +147,16 @@ print(json.dumps({
 """
 
 
-def run_child(script: str, *args: str, n_gpu_layers: int = 0) -> dict[str, Any]:
+def run_child(
+    script: str, *args: str, n_gpu_layers: int = 0, timeout_s: float = CHILD_TIMEOUT_S
+) -> dict[str, Any]:
     """Run CHILD_PRELUDE + script in a fresh interpreter; its one line of JSON on stdout."""
     prelude = CHILD_PRELUDE.replace("N_GPU_LAYERS", str(n_gpu_layers))
     child = subprocess.run(
         [sys.executable, "-c", prelude + textwrap.dedent(script), *args],
         capture_output=True,
         text=True,
-        timeout=CHILD_TIMEOUT_S,
+        timeout=timeout_s,
         check=False,
     )
     assert child.returncode == 0, f"child exited {child.returncode}:\n{child.stderr}"
