@@ -2,8 +2,9 @@
 kill-and-reload measured in the same run (issue 15's numbers).
 
     python -m benchmarks.worker_handoff [--backend both|in-place|reload] [--model GGUF]
-        [--n-gpu-layers 0] [--n-ctx N] [--prefix-tokens 1000] [--kv host|device|drop]
-        [--handoffs 60] [--baseline 10] [--release-cycles 5] [--rows] [--out FILE]
+        [--device cpu|vulkan] [--n-gpu-layers 0] [--n-ctx N] [--prefix-tokens 1000]
+        [--kv host|device|drop] [--handoffs 60] [--baseline 10] [--release-cycles 5] [--rows]
+        [--out FILE]
 
 Defaults: the embedded gemma-3-270m Q4_K_M on the CPU, both backends: about 5 minutes on 2 idle
 cores, far more while other programs use them (--kv drop re-prefills on every handoff and takes
@@ -51,6 +52,18 @@ stays in RAM; an in-place worker on the CPU writes its released weights into a m
 its own (in RAM, outside its mappings); on a GPU it copies them into host memory it maps, so
 there a release may grow RSS (a negative freed) while the device's used memory falls.
 
+--device vulkan (issue 25): every layer on the engine's Vulkan device (llvmpipe on a machine
+without a GPU; benchmarks/on_device.py sets GGML_VK_VISIBLE_DEVICES=0 for the workers too, unless
+the environment says otherwise). Before the workers start, this process loads the model once
+with the in-place backend, checks by the engine's residency stats that the weights are in the
+device's buffers, and measures the device's upload and download rates through ggml's own
+tensor set/get on a tensor the size of the weights ("device"). Each backend's section then has
+versus_device: release_vs_download = release median ÷ ((weights + KV bytes the release events
+say were moved) ÷ download rate), restore_vs_upload likewise against the upload rate (goal for
+in-place: ≤ 1.5 both; a reload restore re-creates the model, so its ratio says how far that is
+from a copy), and ratio_first_touch against the first copy into new memory, as a release's new
+shadow and a restore's new buffers get.
+
 Baseline: what a handoff replaces without arbiterd — kill the process, start a new one, load the
 GGUF from disk (residency reload, host_copy=False: plain llama-cpp-python, mmap) and prefill the
 whole prompt again. --baseline times, each iteration spawns a fresh worker on a fresh arena and
@@ -93,6 +106,7 @@ from arbiterd.daemon.workerclient import BlockingWorker
 from arbiterd.errors import ModelLoadError, TelemetryError, WorkerError
 from arbiterd.spec import KvPolicy, ModelSpec, Residency, WorkerConfig
 from arbiterd.worker.engine import ReloadBackend, select_backend
+from benchmarks import on_device
 from benchmarks.common import host_copy_bandwidth, proc_memory, report, summary
 
 N_THREADS = 2
@@ -106,6 +120,7 @@ DEFAULT_MIN_HOLD_S: float = WorkerConfig.min_hold_s  # the class default
 # The backends a run can measure, in the order it measures them.
 BACKENDS: dict[str, Residency] = {"in-place": Residency.IN_PLACE, "reload": Residency.RELOAD}
 RESTORE_GOAL_RATIO = 2.0  # issue 15: an in-place restore within 2x of a memcpy of its bytes
+DEVICE_GOAL_RATIO = 1.5  # issue 25: release and restore within 1.5x of the device's copy rates
 
 TOPICS: dict[str, dict[str, list[str]]] = {
     "harbor": {
@@ -637,6 +652,32 @@ def restore_vs_copy(rows: list[dict[str, Any]], copy_bytes_per_s: float) -> dict
     }
 
 
+def versus_device(rows: list[dict[str, Any]], rates: dict[str, Any]) -> dict[str, Any]:
+    """The release and restore medians against the device's copy rates (`rates`: a DeviceCheck's
+    transfer JSON), for the bytes their events say were moved (weights + KV)."""
+
+    def moved(kind: str) -> int:
+        return int(
+            statistics.median(
+                int(row[f"{kind}_weights_bytes"]) + int(row[f"{kind}_kv_bytes"]) for row in rows
+            )
+        )
+
+    release = on_device.versus_floor(
+        statistics.median(column(rows, "release_s")),
+        moved("released"),
+        float(rates["download_bytes_per_s"]),
+        float(rates["first_download_bytes_per_s"]),
+    )
+    restore = on_device.versus_floor(
+        statistics.median(column(rows, "restore_s")),
+        moved("restored"),
+        float(rates["upload_bytes_per_s"]),
+        float(rates["first_upload_bytes_per_s"]),
+    )
+    return {"release_vs_download": release, "restore_vs_upload": restore}
+
+
 def release_memory(releases: list[dict[str, Any]]) -> dict[str, Any]:
     """Per memory figure: median while warm, median right after the release, and the median
     of warm - cold over the releases (bytes freed; negative: it grew). A figure some reading
@@ -664,9 +705,11 @@ def backend_section(
     kv: KvPolicy,
     prefix_tokens: dict[str, int],
     include_rows: bool,
+    device_rates: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One backend's part of the JSON: its split, its ratios against the run's baselines
-    (`baseline`: kind → median total), its restore against a memcpy, its memory per release.
+    (`baseline`: kind → median total), its restore against a memcpy, its memory per release;
+    with `device_rates` (a device's transfer JSON), its release and restore against those.
     `prefix_tokens` (model → its prefix's prompt tokens) gives each request's suffix length."""
     rows = measured["rows"]
     beyond_suffix = sum(
@@ -714,6 +757,7 @@ def backend_section(
         "ratio_note": "baseline median (per page-cache state) / this backend's handoff total "
         "median",
         "restore_vs_copy": restore_vs_copy(rows, copy_bytes_per_s),
+        **({"versus_device": versus_device(rows, device_rates)} if device_rates else {}),
         "release_memory": release_memory(measured["releases"]),
         "warmups": [
             {
@@ -731,6 +775,26 @@ def backend_section(
         section["rows"] = rows
         section["release_rows"] = measured["releases"]
     return section
+
+
+def headline(section: dict[str, Any]) -> dict[str, Any]:
+    """One backend's figures the JSON leads with, from its section."""
+    figures = {
+        "handoff_total_median_s": section["handoff"]["split"]["total"]["median_s"],
+        "ratio_median_cold_cache": section["ratio_median"]["cold_cache"],
+        "restore_vs_copy_ratio": section["restore_vs_copy"]["ratio"],
+        "rss_freed_median_bytes": (section["release_memory"]["rss_bytes"] or {}).get(
+            "freed_median"
+        ),
+        "device_used_freed_median_bytes": (
+            section["release_memory"]["device_used_bytes"] or {}
+        ).get("freed_median"),
+    }
+    if "versus_device" in section:
+        versus = section["versus_device"]
+        figures["release_vs_download"] = versus["release_vs_download"]["ratio"]
+        figures["restore_vs_upload"] = versus["restore_vs_upload"]["ratio"]
+    return figures
 
 
 def baseline_section(rows: list[dict[str, Any]], what: str) -> dict[str, Any]:
@@ -763,7 +827,15 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     )
     parser.add_argument("--model", type=Path, help="GGUF path (default: gemma-3-270m Q4_K_M)")
     parser.add_argument(
-        "--n-gpu-layers", type=int, default=0, help="layers on the GPU (0: CPU; -1: all)"
+        "--device",
+        choices=on_device.DEVICES,
+        default="cpu",
+        help="vulkan: every layer on the engine's Vulkan device (llvmpipe without a GPU)",
+    )
+    parser.add_argument(
+        "--n-gpu-layers",
+        type=int,
+        help="layers on the GPU (0: CPU; -1: all; default: -1 with --device vulkan, else 0)",
     )
     parser.add_argument(
         "--n-ctx",
@@ -811,11 +883,16 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
         parser.error("need --handoffs >= 2, --baseline >= 1 and --release-cycles >= 1")
     if args.prefix_tokens < 16 or args.max_tokens < 1:
         parser.error("need --prefix-tokens >= 16 and --max-tokens >= 1")
+    try:
+        args.n_gpu_layers = on_device.gpu_layers(args.device, args.n_gpu_layers)
+    except ValueError as exc:
+        parser.error(str(exc))
     return parser, args
 
 
 def main(argv: list[str] | None = None) -> int:
     parser, args = parse_args(argv)
+    on_device.select(args.device)  # before anything asks the engine about its devices
     run_started = time.monotonic()
     load_before = [round(x, 2) for x in os.getloadavg()]  # other work on the CPUs skews it all
     path = model_path(args.model)
@@ -853,6 +930,13 @@ def main(argv: list[str] | None = None) -> int:
         arena_dir=args.dir,
     )
     bandwidth = host_copy_bandwidth()
+    checked = (
+        on_device.check(
+            ModelSpec(name="check", path=path, n_ctx=n_ctx, n_gpu_layers=args.n_gpu_layers)
+        ).to_json()
+        if args.device != "cpu"
+        else None
+    )
     device = DeviceMeter(args.n_gpu_layers)
     measured: dict[str, dict[str, Any]] = {}
     contention: dict[str, Any] = {}
@@ -886,38 +970,31 @@ def main(argv: list[str] | None = None) -> int:
             kv=setup.kv,
             prefix_tokens=prefix_tokens,
             include_rows=args.rows,
+            device_rates=checked["transfer"] if checked else None,
         )
         for backend in backends
     }
-    first = sections[backends[0]]
     result: dict[str, Any] = {
         "benchmark": "worker_handoff",
-        "headline": {
-            backend: {
-                "handoff_total_median_s": section["handoff"]["split"]["total"]["median_s"],
-                "ratio_median_cold_cache": section["ratio_median"]["cold_cache"],
-                "restore_vs_copy_ratio": section["restore_vs_copy"]["ratio"],
-                "rss_freed_median_bytes": (section["release_memory"]["rss_bytes"] or {}).get(
-                    "freed_median"
-                ),
-                "device_used_freed_median_bytes": (
-                    section["release_memory"]["device_used_bytes"] or {}
-                ).get("freed_median"),
-            }
-            for backend, section in sections.items()
-        },
+        "headline": {backend: headline(section) for backend, section in sections.items()},
         "goals": {
             "restore_vs_copy_ratio_at_most": RESTORE_GOAL_RATIO,
+            **(
+                {"in_place_release_vs_download_and_restore_vs_upload_at_most": DEVICE_GOAL_RATIO}
+                if checked
+                else {}
+            ),
             "requests_evaluating_more_than_suffix_plus_1": "0 (--kv host or device)",
             "restore_disk_read_bytes_total": 0,
         },
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
-            "engine": first["worker_says"]["engine"],
+            "engine": sections[backends[0]]["worker_says"]["engine"],
             "nvml_devices": device.devices,
             "nvml_unavailable": device.unavailable,
         },
+        "device": checked or "cpu",
         "model": {"path": str(path), "file_bytes": path.stat().st_size},
         "setup": {
             "backends": backends,

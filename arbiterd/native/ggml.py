@@ -1,15 +1,21 @@
-"""The compute devices the loaded engine offers (CPU, CUDA0, Vulkan0, ...), from ggml's registry.
+"""The compute devices the loaded engine offers (CPU, CUDA0, Vulkan0, ...), from ggml's registry,
+and how fast ggml itself moves bytes to and from one of them.
 
 Owns the ctypes handle on libggml, the library libllama links against (found beside libllama,
-opened RTLD_NOLOAD: never a second copy). Read only: listing devices changes nothing.
+opened RTLD_NOLOAD: never a second copy). Listing devices changes nothing; `transfer_rates`
+allocates a buffer on a device and frees it before it returns, so it must run where the engine
+is used and never while a context decodes (the benchmarks call it between round trips).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from arbiterd.errors import EngineError
 
@@ -21,6 +27,8 @@ _KINDS = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
 # move with use (measured on llvmpipe: 2 GiB free whatever is allocated).
 _CPU_VULKAN_DRIVERS = ("llvmpipe", "lavapipe", "swiftshader")
 _LIBGGML = ("libggml.so", "libggml.so.0")
+GGML_TYPE_I8 = 24  # enum ggml_type: one byte per element, so a tensor of n elements is n bytes
+TRANSFER_FILL = 0x5A  # the byte the host buffer holds; the download must bring it back
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,172 @@ def devices(libllama: Path) -> list[Device]:
                 total_bytes=total.value,
             )
         )
+    return found
+
+
+@dataclass(frozen=True)
+class TransferRates:
+    """How fast ggml's own ggml_backend_tensor_set (upload) and ggml_backend_tensor_get
+    (download) move one tensor of `nbytes` between host memory and a device: the copies the
+    residency patch's release (get, into a host shadow) and restore (set, from it) make."""
+
+    device: str  # ggml's name: "Vulkan0"
+    host_buffer: str  # the host side's buffer type ("Vulkan_Host": pinned), or "pageable"
+    nbytes: int
+    tries: int
+    upload_bytes_per_s: float  # best of `tries`, into the device buffer written once before
+    download_bytes_per_s: float  # best of `tries`, into the host buffer written once before
+    # The first copy each way, into memory nothing has written yet (the device buffer just
+    # allocated; a host buffer just allocated): what a restore's new buffers and a release's new
+    # shadow pay on top, e.g. first-touch page faults where the device's memory is the host's.
+    first_upload_s: float
+    first_download_s: float
+
+    @property
+    def first_upload_bytes_per_s(self) -> float:
+        return self.nbytes / self.first_upload_s
+
+    @property
+    def first_download_bytes_per_s(self) -> float:
+        return self.nbytes / self.first_download_s
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "how": "ggml_backend_tensor_set/get of one I8 tensor in a buffer of the device's "
+            "buffer type, from/to a host buffer of the device's host buffer type (pinned) where "
+            "it has one; best of the tries after the first",
+            "device": self.device,
+            "host_buffer": self.host_buffer,
+            "nbytes": self.nbytes,
+            "tries": self.tries,
+            "upload_bytes_per_s": round(self.upload_bytes_per_s),
+            "download_bytes_per_s": round(self.download_bytes_per_s),
+            "first_upload_s": round(self.first_upload_s, 6),
+            "first_download_s": round(self.first_download_s, 6),
+            "first_upload_bytes_per_s": round(self.first_upload_bytes_per_s),
+            "first_download_bytes_per_s": round(self.first_download_bytes_per_s),
+        }
+
+
+class _InitParams(ctypes.Structure):
+    # struct ggml_init_params, passed by value to ggml_init
+    _fields_ = [
+        ("mem_size", ctypes.c_size_t),
+        ("mem_buffer", ctypes.c_void_p),
+        ("no_alloc", ctypes.c_bool),
+    ]
+
+
+def transfer_rates(
+    libllama: Path, device_name: str, nbytes: int, *, tries: int = 3
+) -> TransferRates:
+    """Measures `device_name`'s upload and download rates through ggml's own tensor set/get.
+
+    Allocates a buffer of the device's buffer type holding one tensor of `nbytes` (fewer when
+    the buffer type's maximum size is smaller: TransferRates.nbytes says), and two host buffers
+    of the device's host buffer type - the pinned memory the patch's release copies the weights
+    into - or, for a device without one, of ordinary memory; times one first copy each way into
+    the untouched memory, then `tries` more each way, and frees everything. Raises EngineError
+    when the device is not there, a buffer cannot be allocated, or the bytes do not come back.
+    """
+    if nbytes <= 0 or tries < 1:
+        raise ValueError("transfer_rates needs nbytes > 0 and tries >= 1")
+    fn = _transfer_functions(_open_ggml(libllama))
+    dev = fn["ggml_backend_dev_by_name"](device_name.encode())
+    if not dev:
+        raise EngineError(f"ggml lists no device named {device_name!r}")
+    buft = fn["ggml_backend_dev_buffer_type"](dev)
+    nbytes = min(nbytes, int(fn["ggml_backend_buft_get_max_size"](buft)))
+    overhead = int(fn["ggml_tensor_overhead"]())
+    ctx = fn["ggml_init"](_InitParams(mem_size=2 * overhead, mem_buffer=None, no_alloc=True))
+    if not ctx:
+        raise EngineError("ggml_init failed")
+    owned: list[int] = []  # the ggml buffers to free
+    try:
+        tensor = fn["ggml_new_tensor_1d"](ctx, GGML_TYPE_I8, nbytes)
+        device_buffer = fn["ggml_backend_alloc_ctx_tensors_from_buft"](ctx, buft)
+        if not device_buffer:
+            raise EngineError(f"cannot allocate {nbytes} bytes on {device_name}")
+        owned.append(device_buffer)
+        host_name, (source, target), _keep = _host_buffers(fn, dev, nbytes, owned)
+        ctypes.memset(source, TRANSFER_FILL, nbytes)  # its pages exist before the clock runs
+
+        def timed(copy: Callable[..., None], host: int) -> float:
+            started = time.perf_counter()
+            copy(tensor, host, 0, nbytes)
+            return time.perf_counter() - started
+
+        upload, download = fn["ggml_backend_tensor_set"], fn["ggml_backend_tensor_get"]
+        first_upload_s = timed(upload, source)
+        first_download_s = timed(download, target)
+        ends = ctypes.string_at(target, 1) + ctypes.string_at(target + nbytes - 1, 1)
+        if ends != bytes([TRANSFER_FILL, TRANSFER_FILL]):
+            raise EngineError(f"{device_name}: the bytes uploaded did not come back")
+        upload_s = min(timed(upload, source) for _ in range(tries))
+        download_s = min(timed(download, target) for _ in range(tries))
+    finally:
+        for buffer in owned:
+            fn["ggml_backend_buffer_free"](buffer)
+        fn["ggml_free"](ctx)
+    return TransferRates(
+        device=device_name,
+        host_buffer=host_name,
+        nbytes=nbytes,
+        tries=tries,
+        upload_bytes_per_s=nbytes / upload_s,
+        download_bytes_per_s=nbytes / download_s,
+        first_upload_s=first_upload_s,
+        first_download_s=first_download_s,
+    )
+
+
+def _host_buffers(
+    fn: dict[str, Callable[..., Any]], dev: int, nbytes: int, owned: list[int]
+) -> tuple[str, tuple[int, int], list[ctypes.Array[ctypes.c_char]]]:
+    """Two host buffers of `nbytes` for transfer_rates: of the device's host (pinned) buffer
+    type, appended to `owned` for the caller to free, or ordinary memory, kept alive by the
+    arrays returned. Returns the host side's name and the two addresses."""
+    host_buft = fn["ggml_backend_dev_host_buffer_type"](dev)
+    if not host_buft:
+        arrays = [ctypes.create_string_buffer(nbytes) for _ in range(2)]
+        return "pageable", (ctypes.addressof(arrays[0]), ctypes.addressof(arrays[1])), arrays
+    name = _text(fn["ggml_backend_buft_name"](host_buft))
+    bases = []
+    for _ in range(2):
+        buffer = fn["ggml_backend_buft_alloc_buffer"](host_buft, nbytes)
+        if not buffer:
+            raise EngineError(f"cannot allocate {nbytes} bytes of {name}")
+        owned.append(buffer)
+        bases.append(int(fn["ggml_backend_buffer_get_base"](buffer)))
+    return name, (bases[0], bases[1]), []
+
+
+def _transfer_functions(lib: ctypes.CDLL) -> dict[str, Callable[..., Any]]:
+    """The ggml functions transfer_rates calls, their signatures set (ggml.h, ggml-alloc.h and
+    ggml-backend.h; those of libggml-base resolve through libggml, which links it)."""
+    p, size, text = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p
+    signatures: dict[str, tuple[list[type], type | None]] = {
+        "ggml_backend_dev_by_name": ([text], p),
+        "ggml_backend_dev_buffer_type": ([p], p),
+        "ggml_backend_dev_host_buffer_type": ([p], p),
+        "ggml_backend_buft_name": ([p], text),
+        "ggml_backend_buft_get_max_size": ([p], size),
+        "ggml_backend_buft_alloc_buffer": ([p, size], p),
+        "ggml_backend_buffer_get_base": ([p], p),
+        "ggml_backend_buffer_free": ([p], None),
+        "ggml_backend_alloc_ctx_tensors_from_buft": ([p, p], p),
+        "ggml_backend_tensor_set": ([p, p, size, size], None),
+        "ggml_backend_tensor_get": ([p, p, size, size], None),
+        "ggml_tensor_overhead": ([], size),
+        "ggml_init": ([_InitParams], p),
+        "ggml_new_tensor_1d": ([p, ctypes.c_int, ctypes.c_int64], p),
+        "ggml_free": ([p], None),
+    }
+    found: dict[str, Callable[..., Any]] = {}
+    for name, (argtypes, restype) in signatures.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, restype
+        found[name] = function
     return found
 
 

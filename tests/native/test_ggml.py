@@ -50,3 +50,19 @@ def test_a_vulkan_device_whose_driver_runs_on_the_cpu_says_so() -> None:
     assert not radeon.on_cpu
     assert not cuda.on_cpu
     assert radeon.label == "Vulkan0: AMD Radeon RX 7900 XTX (RADV NAVI31)"
+
+
+def test_transfer_rates_move_the_bytes_both_ways_on_the_cpu_device() -> None:
+    cpu = next(device for device in ggml.devices(loaded_libllama()) if device.kind == "cpu")
+    rates = ggml.transfer_rates(loaded_libllama(), cpu.name, 1 << 20, tries=2)
+    assert (rates.device, rates.nbytes, rates.tries) == (cpu.name, 1 << 20, 2)
+    assert rates.host_buffer  # the CPU has no pinned host buffer type of its own
+    assert rates.upload_bytes_per_s > 0
+    assert rates.download_bytes_per_s > 0
+    assert rates.first_upload_bytes_per_s > 0
+    assert rates.to_json()["device"] == cpu.name
+
+
+def test_transfer_rates_of_a_device_ggml_does_not_list_is_an_engine_error() -> None:
+    with pytest.raises(EngineError, match="no device named 'Nowhere0'"):
+        ggml.transfer_rates(loaded_libllama(), "Nowhere0", 1 << 20)
