@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from arbiterd.states import (
@@ -18,12 +20,12 @@ ENUMS = (ResidencyState, SlotState, WorkerOp, RequestStatus, BackendKind)
 
 
 @pytest.mark.parametrize("kind", ENUMS)
-def test_a_value_this_version_does_not_know_reads_as_unknown(kind: type) -> None:
+def test_a_value_this_version_does_not_know_reads_as_unknown(kind: Any) -> None:
     assert kind("a-state-from-a-newer-version") is kind.UNKNOWN
 
 
 @pytest.mark.parametrize("kind", ENUMS)
-def test_every_known_value_reads_as_its_member(kind: type) -> None:
+def test_every_known_value_reads_as_its_member(kind: Any) -> None:
     for member in kind:
         assert kind(member.value) is member
         assert member == member.value  # StrEnum: serialises as its value
@@ -33,7 +35,7 @@ def test_every_known_value_reads_as_its_member(kind: type) -> None:
     ("table", "kind"), [(RESIDENCY_TRANSITIONS, ResidencyState), (SLOT_TRANSITIONS, SlotState)]
 )
 def test_the_tables_cover_every_state_and_never_lead_to_or_from_unknown(
-    table: dict, kind: type
+    table: dict[Any, frozenset[Any]], kind: Any
 ) -> None:
     assert set(table) == set(kind)
     assert table[kind.UNKNOWN] == frozenset()
