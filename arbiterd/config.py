@@ -30,7 +30,7 @@
     encoder = "jit"               # with mmproj: "resident" keeps the encoder while warm
     max_image_bytes = 5 MiB, max_image_pixels = 33554432 (8192 x 4096),
     allow_image_urls = false      # file:// and http(s):// image URLs (data: URLs always)
-    [groups.NAME]                 # models that hold the GPU together (arbiterd/groups.py)
+    [groups.NAME]                 # models that hold the GPU together (arbiterd/arena/groups.py)
     models = ["a", "b"]           # two or more [models] names, each in one group at most
     priority = "normal"           # its class in the GPU queue; default: its members' highest
 
@@ -213,7 +213,7 @@ class DaemonConfig:
 
 @dataclass(frozen=True)
 class GroupConfig:
-    """One [groups.NAME] table: models that hold the GPU together (arbiterd/groups.py)."""
+    """One [groups.NAME] table: models that hold the GPU together (arbiterd/arena/groups.py)."""
 
     name: str
     models: tuple[str, ...]

@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from arbiterd.arena import Arena, ArenaState, Gateway, Hold, Place, Priority, parse_priority
+from arbiterd.arena.groups import Gate
 from arbiterd.errors import (
     AcquireCancelledError,
     ArbiterError,
@@ -76,7 +77,6 @@ from arbiterd.errors import (
     WorkerError,
 )
 from arbiterd.events import EncoderEvent, RequestEvent, ResidencyEvent
-from arbiterd.groups import Gate
 from arbiterd.procs import holder_name
 from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, ModelSpec, Residency, WorkerConfig
 from arbiterd.wire import LineReader, LineWriter
