@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from arbiterd.config import Config, ModelConfig, key_path
+from arbiterd.config import Config, ModelConfig
 from arbiterd.errors import ConfigError
+from arbiterd.tomltable import key_path
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)  # version 1 (2023) used 32-bit counts; llama.cpp no longer reads it
