@@ -25,7 +25,7 @@ from arbiterd.daemon.telemetry import (
     device_for_arena,
     select_readers,
 )
-from arbiterd.events import Event, ResidencyEvent, parse_event
+from arbiterd.events import Event, ResidencyEvent
 
 
 class VramWatch:
@@ -140,7 +140,7 @@ class VramWatch:
         self._footprints.record(result)
         event = result.event()
         if event is not None:
-            self._on_leak(parse_event(event))
+            self._on_leak(event)
 
     def _from_sampler(self, snapshot: TelemetrySnapshot) -> None:
         loop = self._loop

@@ -22,8 +22,6 @@ from arbiterd.daemon.telemetry.readers import (
     select_readers,
 )
 from arbiterd.daemon.telemetry.records import (
-    DeviceMemory,
-    ProcessMemory,
     Reader,
     Reading,
     arena_device_name,
@@ -46,6 +44,7 @@ from arbiterd.daemon.telemetry.teardown import (
     teardown_verdict,
 )
 from arbiterd.errors import TelemetryError
+from arbiterd.events import DeviceMemory, ProcessMemory
 
 __all__ = [
     "GPU_CONTEXT_ALLOWANCE_BYTES",
