@@ -75,7 +75,7 @@ from arbiterd.errors import (
     RestoreError,
     WorkerError,
 )
-from arbiterd.events import EncoderEvent, RequestEvent, ResidencyEvent
+from arbiterd.events import RequestEvent, ResidencyEvent
 from arbiterd.groups import Gate
 from arbiterd.procs import holder_name
 from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, ModelSpec, Residency, WorkerConfig
@@ -446,17 +446,8 @@ class Worker:
         )
         for step in result.encoder_steps:  # a vision request's projector, step by step
             self._out.send(
-                EncoderEvent(
-                    at=time.time(),
-                    model=self.name,
-                    request_id=command.id,
-                    action=step.action,
-                    duration_s=round(step.duration_s, 6),
-                    bytes_=step.bytes_,
-                    images=step.images,
-                    path=step.path,
-                    peak_bytes=step.peak_bytes,
-                    reason=step.reason,
+                dataclasses.replace(
+                    step, at=time.time(), model=self.name, request_id=command.id
                 ).to_json()
             )
 
