@@ -4,9 +4,9 @@ embeddings, and the token bookkeeping that lets the prompt cache run across imag
 engine.py, the only module that touches llama_cpp; it never decodes on the model's context
 itself (engine.py does, with the embeddings this module hands back) and never keeps an image.
 
-Just in time (DESIGN.md §4): `Projector.session()` loads the projector right before an image is
-encoded and frees it when the block ends, also on every error path; with `resident` it stays
-loaded until `free()` (the model going cold).
+Just in time (README.md, "Vision models"): `Projector.session()` loads the projector right
+before an image is encoded and frees it when the block ends, also on every error path; with
+`resident` it stays loaded until `free()` (the model going cold).
 
 **Placeholders.** llama-cpp-python's prompt cache is a list of token ids (`Llama.input_ids`)
 compared with the next prompt's ids. An image has no ids: it becomes `n` embeddings at `n`
