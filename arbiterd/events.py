@@ -2,9 +2,10 @@
 
 Owns the shape of every event the daemon publishes on the control socket and keeps in its
 journal (docs/control-protocol.md, "Events"), and the one way to read one: `parse_event(obj)`.
-Reading never raises: a field that is missing or of the wrong type reads as None (or empty),
-extra fields are ignored, so a journal an older daemon wrote and a line a newer one sends both
-read; a kind this module does not know reads as an `OtherEvent` that keeps its fields.
+Reading never raises: a field that is missing or of the wrong type reads as None (or empty), a
+state or status this version does not know as its Enum's UNKNOWN, extra fields are ignored, so
+a journal an older daemon wrote and a line a newer one sends both read; a kind this module does
+not know reads as an `OtherEvent` that keeps its fields.
 `to_json()` gives the object as the daemon sends it, and `parse_event(e.to_json()) == e`.
 
 Shared by every process (worker, daemon, CLI, tray): imports nothing of arbiterd's but the
@@ -50,7 +51,7 @@ from arbiterd.states import RequestStatus, ResidencyState
 #     float | None, int | None   a finite number (not a bool), else None
 #     str | None / str           a string, else None / ""
 #     bool                       true only for JSON true
-#     an Enum of states.py | None   its member (an unknown value: UNKNOWN), a non-string None
+#     a states.py Enum | None    its member (an unknown value: UNKNOWN), a non-string None
 #     tuple[str, ...]            the strings of a list; written as a list
 #     tuple[Record, ...]         the objects of a list, each read as that record; written as a list
 #     tuple[tuple[str, T], ...]  an object of str keys, each value read as T; written as an object
@@ -147,7 +148,13 @@ def _codec_of(hint: Any) -> tuple[_Reader, _Writer]:
     args = typing.get_args(hint)
     if isinstance(hint, types.UnionType) and len(args) == 2 and args[1] is type(None):
         kind = args[0]
-        if isinstance(kind, type) and issubclass(kind, enum.StrEnum):
+        # Only an Enum that reads an unknown value as UNKNOWN (states.py's) keeps reading from
+        # raising.
+        if (
+            isinstance(kind, type)
+            and issubclass(kind, enum.StrEnum)
+            and "UNKNOWN" in kind.__members__
+        ):
             return _member(kind), _value
     if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis:
         item = args[0]
