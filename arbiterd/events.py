@@ -387,9 +387,11 @@ class EncoderEvent(Event):
     weights for load and free, the embeddings made for encode; `images` how many it encoded.
     On the "swap" `path` (the projector did not fit the device budget beside the weights),
     "release" and "restore" are the model's weights leaving before the load and coming back
-    after the free, their KV kept on the device; else the path is "beside". `peak_bytes`: the
-    most the model held on the device (the projector's bytes included) from the session's
-    start up to this step; `reason`: why it swapped, or why it could not."""
+    after the free, their KV kept on the device (their `bytes` are those weights); else the
+    path is "beside". `peak_bytes`: the most the model held on the device (the projector's
+    bytes included) from the session's start up to this step, so the last step has the
+    session's peak; `reason`: why it swapped, or why it could not. The worker's projector keeps
+    each step as this record before the worker loop adds the time, model and request id."""
 
     KIND: ClassVar[str] = "encoder"
 
