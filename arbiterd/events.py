@@ -2,12 +2,15 @@
 
 Owns the shape of every event the daemon publishes on the control socket and keeps in its
 journal (docs/control-protocol.md, "Events"), and the one way to read one: `parse_event(obj)`.
-Reading never raises: a field that is missing or of the wrong type reads as None (or empty),
-extra fields are ignored, so a journal an older daemon wrote and a line a newer one sends both
-read; a kind this module does not know reads as an `OtherEvent` that keeps its fields.
+Reading never raises: a field that is missing or of the wrong type reads as None (or empty), a
+state or status this version does not know as its Enum's UNKNOWN, extra fields are ignored, so
+a journal an older daemon wrote and a line a newer one sends both read; a kind this module does
+not know reads as an `OtherEvent` that keeps its fields.
 `to_json()` gives the object as the daemon sends it, and `parse_event(e.to_json()) == e`.
 
-Shared by every process (worker, daemon, CLI, tray): imports nothing of arbiterd's, and never Qt.
+Shared by every process (worker, daemon, CLI, tray): imports nothing of arbiterd's but the
+states it carries (arbiterd/states.py), and never Qt. Every record but `OtherEvent` is read and
+written by one field codec (below), driven by its fields' types: no record writes its own.
 
     residency       a model's residency state changed (the worker's state machine)
     request         a request ended
@@ -30,10 +33,34 @@ Shared by every process (worker, daemon, CLI, tray): imports nothing of arbiterd
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import math
-from collections.abc import Mapping
+import types
+import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
+
+from arbiterd.states import RequestStatus, ResidencyState
+
+# -- the field codec -------------------------------------------------------------------------
+#
+# One reader and one writer per field, chosen once per record class from the field's type:
+#
+#     float | None, int | None   a finite number (not a bool), else None
+#     str | None / str           a string, else None / ""
+#     bool                       true only for JSON true
+#     a states.py Enum | None    its member (an unknown value: UNKNOWN), a non-string None
+#     tuple[str, ...]            the strings of a list; written as a list
+#     tuple[Record, ...]         the objects of a list, each read as that record; written as a list
+#     tuple[tuple[str, T], ...]  an object of str keys, each value read as T; written as an object
+#
+# A field's JSON name is its own unless its metadata names another (`metadata={"json": "from"}`:
+# a Python keyword, or a name that reads better in Python).
+
+_Reader = Callable[[object], Any]
+_Writer = Callable[[Any], Any]
 
 
 def _float(value: object) -> float | None:
@@ -55,6 +82,10 @@ def _text(value: object) -> str:
     return value if isinstance(value, str) else ""
 
 
+def _true(value: object) -> bool:
+    return value is True
+
+
 def _names(value: object) -> tuple[str, ...]:
     if not isinstance(value, list | tuple):
         return ()
@@ -67,8 +98,116 @@ def _mappings(value: object) -> list[Mapping[str, Any]]:
     return [item for item in value if isinstance(item, Mapping)]
 
 
+def _same(value: Any) -> Any:
+    return value
+
+
+_SCALARS: dict[object, _Reader] = {
+    float | None: _float,
+    int | None: _int,
+    str | None: _str,
+    str: _text,
+    bool: _true,
+}
+
+
+def _member(kind: type[enum.StrEnum]) -> _Reader:
+    def read(value: object) -> Any:
+        return kind(value) if isinstance(value, str) else None
+
+    return read
+
+
+def _value(member: enum.StrEnum | None) -> str | None:
+    return None if member is None else str(member)  # a StrEnum's str() is its value
+
+
+def _records(kind: type[Record]) -> _Reader:
+    def read(value: object) -> tuple[Record, ...]:
+        return tuple(kind.from_json(item) for item in _mappings(value))
+
+    return read
+
+
+def _written_records(records: tuple[Record, ...]) -> list[dict[str, Any]]:
+    return [record.to_json() for record in records]
+
+
+def _pairs(read_value: _Reader) -> _Reader:
+    def read(value: object) -> tuple[tuple[str, Any], ...]:
+        items = value.items() if isinstance(value, Mapping) else ()
+        return tuple((name, read_value(item)) for name, item in items if isinstance(name, str))
+
+    return read
+
+
+def _codec_of(hint: Any) -> tuple[_Reader, _Writer]:
+    """The reader and writer of a field of type `hint` (the table above)."""
+    if hint in _SCALARS:
+        return _SCALARS[hint], _same
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) and len(args) == 2 and args[1] is type(None):
+        kind = args[0]
+        # Only an Enum that reads an unknown value as UNKNOWN (states.py's) keeps reading from
+        # raising.
+        if (
+            isinstance(kind, type)
+            and issubclass(kind, enum.StrEnum)
+            and "UNKNOWN" in kind.__members__
+        ):
+            return _member(kind), _value
+    if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis:
+        item = args[0]
+        if item is str:
+            return _names, list
+        if isinstance(item, type) and issubclass(item, Record):
+            return _records(item), _written_records
+        if typing.get_origin(item) is tuple and typing.get_args(item)[0] is str:
+            return _pairs(_codec_of(typing.get_args(item)[1])[0]), dict
+    raise TypeError(f"events.py has no codec for a field of type {hint!r}")
+
+
+@dataclass(frozen=True)
+class _Field:
+    name: str  # the attribute
+    key: str  # the JSON name
+    read: _Reader
+    write: _Writer
+
+
+# Each record class's fields, made on its first use. Two threads that make one at once make the
+# same tuple: the one stored last wins, harmlessly.
+_CODECS: dict[type[Record], tuple[_Field, ...]] = {}
+
+
+def _fields(kind: type[Record]) -> tuple[_Field, ...]:
+    codec = _CODECS.get(kind)
+    if codec is None:
+        hints = typing.get_type_hints(kind)
+        codec = _CODECS[kind] = tuple(
+            _Field(f.name, f.metadata.get("json", f.name), *_codec_of(hints[f.name]))
+            for f in dataclasses.fields(kind)  # type: ignore[arg-type]
+        )
+    return codec
+
+
+class Record:
+    """A frozen dataclass read and written by the field codec: `from_json` never raises (see
+    the module's docstring), `to_json` gives the object as it travels, fields in their order."""
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> Self:
+        return cls(**{f.name: f.read(obj.get(f.key)) for f in _fields(cls)})
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.key: f.write(getattr(self, f.name)) for f in _fields(type(self))}
+
+
+# -- the records -----------------------------------------------------------------------------
+
+
 @dataclass(frozen=True, kw_only=True)
-class Event:
+class Event(Record):
     """What every event has: its kind and `at`, seconds since the epoch (None: it did not say)."""
 
     KIND: ClassVar[str] = ""
@@ -79,16 +218,8 @@ class Event:
     def kind(self) -> str:
         return self.KIND
 
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> Self:
-        """The record of `obj`; never raises (see the module's docstring)."""
-        return cls(at=_float(obj.get("at")))
-
     def to_json(self) -> dict[str, Any]:
-        return {"event": self.kind, "at": self.at, **self._fields()}
-
-    def _fields(self) -> dict[str, Any]:
-        return {}
+        return {"event": self.kind, **super().to_json()}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,8 +232,8 @@ class ResidencyEvent(Event):
     KIND: ClassVar[str] = "residency"
 
     model: str | None = None
-    from_state: str | None = None
-    to_state: str | None = None
+    from_state: ResidencyState | None = field(default=None, metadata={"json": "from"})
+    to_state: ResidencyState | None = field(default=None, metadata={"json": "to"})
     duration_s: float | None = None
     weights_bytes: int | None = None
     kv_bytes: int | None = None
@@ -118,89 +249,27 @@ class ResidencyEvent(Event):
         """Weights and KV together; 0 when the event did not say."""
         return (self.weights_bytes or 0) + (self.kv_bytes or 0)
 
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> ResidencyEvent:
-        return cls(
-            at=_float(obj.get("at")),
-            model=_str(obj.get("model")),
-            from_state=_str(obj.get("from")),
-            to_state=_str(obj.get("to")),
-            duration_s=_float(obj.get("duration_s")),
-            weights_bytes=_int(obj.get("weights_bytes")),
-            kv_bytes=_int(obj.get("kv_bytes")),
-            disk_read_bytes=_int(obj.get("disk_read_bytes")),
-            reason=_text(obj.get("reason")),
-            waited_from=_float(obj.get("waited_from")),
-            wait_s=_float(obj.get("wait_s")),
-            holder_pid=_int(obj.get("holder_pid")),
-            holder_name=_str(obj.get("holder_name")),
-        )
-
-    def _fields(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "from": self.from_state,
-            "to": self.to_state,
-            "duration_s": self.duration_s,
-            "weights_bytes": self.weights_bytes,
-            "kv_bytes": self.kv_bytes,
-            "disk_read_bytes": self.disk_read_bytes,
-            "reason": self.reason,
-            "waited_from": self.waited_from,
-            "wait_s": self.wait_s,
-            "holder_pid": self.holder_pid,
-            "holder_name": self.holder_name,
-        }
-
 
 @dataclass(frozen=True, kw_only=True)
 class RequestEvent(Event):
-    """A request ended; `status` is "ok", "error" or "cancelled" (None from an older daemon,
-    which said only `cancelled`), and `error` says what went wrong."""
+    """A request ended; `status` is ok, error or cancelled (None from an older daemon, which
+    said only `cancelled`), and `error` says what went wrong."""
 
     KIND: ClassVar[str] = "request"
 
     model: str | None = None
-    request_id: str | None = None
+    request_id: str | None = field(default=None, metadata={"json": "id"})
     duration_s: float | None = None
     prompt_tokens: int | None = None
     prompt_tokens_evaluated: int | None = None
     completion_tokens: int | None = None
     cancelled: bool = False
-    status: str | None = None
+    status: RequestStatus | None = None
     error: str = ""
 
     @property
-    def outcome(self) -> str | None:
-        return self.status or ("cancelled" if self.cancelled else None)
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> RequestEvent:
-        return cls(
-            at=_float(obj.get("at")),
-            model=_str(obj.get("model")),
-            request_id=_str(obj.get("id")),
-            duration_s=_float(obj.get("duration_s")),
-            prompt_tokens=_int(obj.get("prompt_tokens")),
-            prompt_tokens_evaluated=_int(obj.get("prompt_tokens_evaluated")),
-            completion_tokens=_int(obj.get("completion_tokens")),
-            cancelled=obj.get("cancelled") is True,
-            status=_str(obj.get("status")),
-            error=_text(obj.get("error")),
-        )
-
-    def _fields(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "id": self.request_id,
-            "duration_s": self.duration_s,
-            "prompt_tokens": self.prompt_tokens,
-            "prompt_tokens_evaluated": self.prompt_tokens_evaluated,
-            "completion_tokens": self.completion_tokens,
-            "cancelled": self.cancelled,
-            "status": self.status,
-            "error": self.error,
-        }
+    def outcome(self) -> RequestStatus | None:
+        return self.status or (RequestStatus.CANCELLED if self.cancelled else None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,8 +284,8 @@ class HandoffEvent(Event):
 
     KIND: ClassVar[str] = "handoff"
 
-    from_model: str | None = None
-    to_model: str | None = None
+    from_model: str | None = field(default=None, metadata={"json": "from"})
+    to_model: str | None = field(default=None, metadata={"json": "to"})
     holder_pid: int | None = None
     waited_from: float | None = None
     wait_s: float | None = None
@@ -234,34 +303,6 @@ class HandoffEvent(Event):
         if self.waited_from is None:  # an older daemon's: the release came before the wait
             parts.append(self.release_s)
         return sum(part for part in parts if part is not None)
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> HandoffEvent:
-        return cls(
-            at=_float(obj.get("at")),
-            from_model=_str(obj.get("from")),
-            to_model=_str(obj.get("to")),
-            holder_pid=_int(obj.get("holder_pid")),
-            waited_from=_float(obj.get("waited_from")),
-            wait_s=_float(obj.get("wait_s")),
-            release_s=_float(obj.get("release_s")),
-            restore_s=_float(obj.get("restore_s")),
-            restored_bytes=_int(obj.get("restored_bytes")),
-            release_reason=_str(obj.get("release_reason")),
-        )
-
-    def _fields(self) -> dict[str, Any]:
-        return {
-            "from": self.from_model,
-            "to": self.to_model,
-            "holder_pid": self.holder_pid,
-            "waited_from": self.waited_from,
-            "wait_s": self.wait_s,
-            "release_s": self.release_s,
-            "restore_s": self.restore_s,
-            "restored_bytes": self.restored_bytes,
-            "release_reason": self.release_reason,
-        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -281,26 +322,6 @@ class WaitEvent(Event):
     def total_s(self) -> float:
         return self.wait_s or 0.0
 
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> WaitEvent:
-        return cls(
-            at=_float(obj.get("at")),
-            model=_str(obj.get("model")),
-            holder_pid=_int(obj.get("holder_pid")),
-            holder_name=_text(obj.get("holder_name")),
-            waited_from=_float(obj.get("waited_from")),
-            wait_s=_float(obj.get("wait_s")),
-        )
-
-    def _fields(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "holder_pid": self.holder_pid,
-            "holder_name": self.holder_name,
-            "waited_from": self.waited_from,
-            "wait_s": self.wait_s,
-        }
-
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerEvent(Event):
@@ -317,28 +338,6 @@ class WorkerEvent(Event):
     restart_in_s: float | None = None
     last_words: tuple[str, ...] = ()
 
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> WorkerEvent:
-        return cls(
-            at=_float(obj.get("at")),
-            model=_str(obj.get("model")),
-            pid=_int(obj.get("pid")),
-            code=_int(obj.get("code")),
-            reason=_text(obj.get("reason")),
-            restart_in_s=_float(obj.get("restart_in_s")),
-            last_words=_names(obj.get("last_words")),
-        )
-
-    def _fields(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "pid": self.pid,
-            "code": self.code,
-            "reason": self.reason,
-            "restart_in_s": self.restart_in_s,
-            "last_words": list(self.last_words),
-        }
-
 
 @dataclass(frozen=True, kw_only=True)
 class ReloadEvent(Event):
@@ -353,26 +352,6 @@ class ReloadEvent(Event):
     aliases_changed: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
 
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> ReloadEvent:
-        return cls(
-            at=_float(obj.get("at")),
-            added=_names(obj.get("added")),
-            removed=_names(obj.get("removed")),
-            changed=_names(obj.get("changed")),
-            aliases_changed=_names(obj.get("aliases_changed")),
-            warnings=_names(obj.get("warnings")),
-        )
-
-    def _fields(self) -> dict[str, Any]:
-        return {
-            "added": list(self.added),
-            "removed": list(self.removed),
-            "changed": list(self.changed),
-            "aliases_changed": list(self.aliases_changed),
-            "warnings": list(self.warnings),
-        }
-
 
 @dataclass(frozen=True, kw_only=True)
 class HoldEvent(Event):
@@ -381,13 +360,6 @@ class HoldEvent(Event):
     KIND: ClassVar[str] = "hold"
 
     held: bool = False
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> HoldEvent:
-        return cls(at=_float(obj.get("at")), held=obj.get("held") is True)
-
-    def _fields(self) -> dict[str, Any]:
-        return {"held": self.held}
 
 
 @dataclass(frozen=True)
@@ -407,30 +379,6 @@ class UnloadEvent(Event):
     tokens: int | None = None
     error: str = ""
 
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> UnloadEvent:
-        return cls(
-            at=_float(obj.get("at")),
-            model=_str(obj.get("model")),
-            pid=_int(obj.get("pid")),
-            reason=_text(obj.get("reason")),
-            kv_file=_str(obj.get("kv_file")),
-            kv_bytes=_int(obj.get("kv_bytes")),
-            tokens=_int(obj.get("tokens")),
-            error=_text(obj.get("error")),
-        )
-
-    def _fields(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "pid": self.pid,
-            "reason": self.reason,
-            "kv_file": self.kv_file,
-            "kv_bytes": self.kv_bytes,
-            "tokens": self.tokens,
-            "error": self.error,
-        }
-
 
 @dataclass(frozen=True, kw_only=True)
 class EncoderEvent(Event):
@@ -439,49 +387,23 @@ class EncoderEvent(Event):
     weights for load and free, the embeddings made for encode; `images` how many it encoded.
     On the "swap" `path` (the projector did not fit the device budget beside the weights),
     "release" and "restore" are the model's weights leaving before the load and coming back
-    after the free, their KV kept on the device; else the path is "beside". `peak_bytes`: the
-    most the model held on the device (the projector's bytes included) from the session's
-    start up to this step; `reason`: why it swapped, or why it could not."""
+    after the free, their KV kept on the device (their `bytes` are those weights); else the
+    path is "beside". `peak_bytes`: the most the model held on the device (the projector's
+    bytes included) from the session's start up to this step, so the last step has the
+    session's peak; `reason`: why it swapped, or why it could not. The worker's projector keeps
+    each step as this record before the worker loop adds the time, model and request id."""
 
     KIND: ClassVar[str] = "encoder"
 
     model: str | None = None
-    request_id: str | None = None
+    request_id: str | None = field(default=None, metadata={"json": "id"})
     action: str = ""
     duration_s: float | None = None
-    bytes_: int | None = None
+    bytes_: int | None = field(default=None, metadata={"json": "bytes"})
     images: int | None = None
     path: str = ""  # "beside" or "swap"; "" from a daemon before it
     peak_bytes: int | None = None
     reason: str = ""
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> EncoderEvent:
-        return cls(
-            at=_float(obj.get("at")),
-            model=_str(obj.get("model")),
-            request_id=_str(obj.get("id")),
-            action=_text(obj.get("action")),
-            duration_s=_float(obj.get("duration_s")),
-            bytes_=_int(obj.get("bytes")),
-            images=_int(obj.get("images")),
-            path=_text(obj.get("path")),
-            peak_bytes=_int(obj.get("peak_bytes")),
-            reason=_text(obj.get("reason")),
-        )
-
-    def _fields(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "id": self.request_id,
-            "action": self.action,
-            "duration_s": self.duration_s,
-            "bytes": self.bytes_,
-            "images": self.images,
-            "path": self.path,
-            "peak_bytes": self.peak_bytes,
-            "reason": self.reason,
-        }
 
 
 @dataclass(frozen=True)
@@ -498,24 +420,6 @@ class RamBudgetEvent(Event):
     unload: tuple[str, ...] = ()
     after_bytes: int | None = None
 
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> RamBudgetEvent:
-        return cls(
-            at=_float(obj.get("at")),
-            used_bytes=_int(obj.get("used_bytes")),
-            budget_bytes=_int(obj.get("budget_bytes")),
-            unload=_names(obj.get("unload")),
-            after_bytes=_int(obj.get("after_bytes")),
-        )
-
-    def _fields(self) -> dict[str, Any]:
-        return {
-            "used_bytes": self.used_bytes,
-            "budget_bytes": self.budget_bytes,
-            "unload": list(self.unload),
-            "after_bytes": self.after_bytes,
-        }
-
 
 @dataclass(frozen=True)
 class PromptCacheEvictEvent(Event):
@@ -531,77 +435,34 @@ class PromptCacheEvictEvent(Event):
     used_bytes: int | None = None
     budget_bytes: int | None = None
 
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> PromptCacheEvictEvent:
-        return cls(
-            at=_float(obj.get("at")),
-            model=_str(obj.get("model")),
-            evicted=_names(obj.get("evicted")),
-            evicted_bytes=_int(obj.get("evicted_bytes")),
-            used_bytes=_int(obj.get("used_bytes")),
-            budget_bytes=_int(obj.get("budget_bytes")),
-        )
-
-    def _fields(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "evicted": list(self.evicted),
-            "evicted_bytes": self.evicted_bytes,
-            "used_bytes": self.used_bytes,
-            "budget_bytes": self.budget_bytes,
-        }
-
 
 @dataclass(frozen=True)
-class VramDevice:
-    device: str | None
-    name: str | None
+class DeviceMemory(Record):
+    """One device's memory: what a VRAM reader returns (arbiterd/daemon/telemetry) and a `vram`
+    event carries. A reader fills every field; None is what could not be read off the wire."""
+
+    device: str | None  # "gpu0": the arena name (telemetry/records.py, arena_device_name)
+    name: str | None  # for humans: "NVIDIA GeForce RTX 4090", "amdgpu 0000:03:00.0"
     total_bytes: int | None
     used_bytes: int | None
 
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> VramDevice:
-        return cls(
-            device=_str(obj.get("device")),
-            name=_str(obj.get("name")),
-            total_bytes=_int(obj.get("total_bytes")),
-            used_bytes=_int(obj.get("used_bytes")),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "device": self.device,
-            "name": self.name,
-            "total_bytes": self.total_bytes,
-            "used_bytes": self.used_bytes,
-        }
+    @property
+    def free_bytes(self) -> int | None:
+        if self.total_bytes is None or self.used_bytes is None:
+            return None
+        return max(0, self.total_bytes - self.used_bytes)
 
 
 @dataclass(frozen=True)
-class VramProcess:
-    """A GPU program that is not one of the daemon's models (a game, a browser, the desktop)."""
+class ProcessMemory(Record):
+    """What one process holds on one device: a reader's row (a model's worker or any other GPU
+    program), and in a `vram` event one of the programs that are not the daemon's models (a
+    game, a browser, the desktop). A reader always knows `pid` and `device`."""
 
     pid: int | None
     device: str | None
-    used_bytes: int | None  # None: the driver lists it but does not say how much
-    name: str | None
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> VramProcess:
-        return cls(
-            pid=_int(obj.get("pid")),
-            device=_str(obj.get("device")),
-            used_bytes=_int(obj.get("used_bytes")),
-            name=_str(obj.get("name")),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "pid": self.pid,
-            "device": self.device,
-            "used_bytes": self.used_bytes,
-            "name": self.name,
-        }
+    used_bytes: int | None  # None: the driver lists the process but does not say how much
+    name: str | None  # None: gone, or not ours to read
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -612,35 +473,10 @@ class VramEvent(Event):
     KIND: ClassVar[str] = "vram"
 
     source: str | None = None
-    devices: tuple[VramDevice, ...] = ()
+    devices: tuple[DeviceMemory, ...] = ()
     models: tuple[tuple[str, int | None], ...] = ()
-    others: tuple[VramProcess, ...] = ()
+    others: tuple[ProcessMemory, ...] = ()
     errors: tuple[str, ...] = ()
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> VramEvent:
-        models = obj.get("models")
-        return cls(
-            at=_float(obj.get("at")),
-            source=_str(obj.get("source")),
-            devices=tuple(VramDevice.from_json(d) for d in _mappings(obj.get("devices"))),
-            models=tuple(
-                (name, _int(value))
-                for name, value in (models.items() if isinstance(models, Mapping) else ())
-                if isinstance(name, str)
-            ),
-            others=tuple(VramProcess.from_json(p) for p in _mappings(obj.get("others"))),
-            errors=_names(obj.get("errors")),
-        )
-
-    def _fields(self) -> dict[str, Any]:
-        return {
-            "source": self.source,
-            "devices": [device.to_json() for device in self.devices],
-            "models": dict(self.models),
-            "others": [process.to_json() for process in self.others],
-            "errors": list(self.errors),
-        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -658,30 +494,6 @@ class VramNotFreedEvent(Event):
     expected_bytes: int | None = None
     waited_s: float | None = None
 
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> VramNotFreedEvent:
-        return cls(
-            at=_float(obj.get("at")),
-            model=_str(obj.get("model")),
-            pid=_int(obj.get("pid")),
-            device=_str(obj.get("device")),
-            bytes_before=_int(obj.get("bytes_before")),
-            bytes_after=_int(obj.get("bytes_after")),
-            expected_bytes=_int(obj.get("expected_bytes")),
-            waited_s=_float(obj.get("waited_s")),
-        )
-
-    def _fields(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "pid": self.pid,
-            "device": self.device,
-            "bytes_before": self.bytes_before,
-            "bytes_after": self.bytes_after,
-            "expected_bytes": self.expected_bytes,
-            "waited_s": self.waited_s,
-        }
-
 
 @dataclass(frozen=True, kw_only=True)
 class HolderSilentEvent(Event):
@@ -697,26 +509,6 @@ class HolderSilentEvent(Event):
     silent_s: float | None = None
     timeout_s: float | None = None
     killed: bool = False
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> HolderSilentEvent:
-        return cls(
-            at=_float(obj.get("at")),
-            model=_str(obj.get("model")),
-            pid=_int(obj.get("pid")),
-            silent_s=_float(obj.get("silent_s")),
-            timeout_s=_float(obj.get("timeout_s")),
-            killed=obj.get("killed") is True,
-        )
-
-    def _fields(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "pid": self.pid,
-            "silent_s": self.silent_s,
-            "timeout_s": self.timeout_s,
-            "killed": self.killed,
-        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -740,15 +532,15 @@ class OtherEvent(Event):
         return self.name
 
     @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> OtherEvent:
+    def from_json(cls, obj: Mapping[str, Any]) -> Self:
         return cls(
             at=_float(obj.get("at")),
             name=_text(obj.get("event")),
             fields={k: v for k, v in obj.items() if k not in {"event", "at"}},
         )
 
-    def _fields(self) -> dict[str, Any]:
-        return dict(self.fields)
+    def to_json(self) -> dict[str, Any]:
+        return {"event": self.kind, "at": self.at, **self.fields}
 
 
 KINDS: dict[str, type[Event]] = {

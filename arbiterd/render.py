@@ -33,6 +33,7 @@ from arbiterd.events import (
     WaitEvent,
     WorkerEvent,
 )
+from arbiterd.states import ResidencyState
 
 NONE = "—"  # what a missing name or figure shows as
 KIND_WIDTH = 9  # "residency": the kinds line up in `arbiterd events`; longer ones push the text
@@ -206,7 +207,7 @@ def failure(event: Event) -> tuple[str, str] | None:
         return ("VRAM not freed", f"{model} released the GPU but {held} still in use{where}")
     if isinstance(event, HolderSilentEvent):
         return _holder_failure(event)
-    if isinstance(event, ResidencyEvent) and event.to_state == "failed":
+    if isinstance(event, ResidencyEvent) and event.to_state is ResidencyState.FAILED:
         reason = event.reason or "no reason given"
         return ("Model failed", f"{event.model or 'a model'} failed: {reason}")
     if isinstance(event, WorkerEvent):

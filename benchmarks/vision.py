@@ -83,7 +83,7 @@ def timed(call: Callable[[], Generation]) -> tuple[Generation, float]:
 
 
 def step_s(generation: Generation, action: str) -> float:
-    return sum(s.duration_s for s in generation.encoder_steps if s.action == action)
+    return sum(s.duration_s or 0.0 for s in generation.encoder_steps if s.action == action)
 
 
 def answer(generation: Generation) -> str:
@@ -161,7 +161,7 @@ def path_rounds(model: Path, mmproj: Path, rounds: int) -> dict[str, Any]:
                     raise SystemExit(f"round {index}: {name} ran {paths}")
                 run = runs[name]
                 run["request_s"].append(took)
-                run["peak_bytes"].append(float(generation.encoder_steps[-1].peak_bytes))
+                run["peak_bytes"].append(float(generation.encoder_steps[-1].peak_bytes or 0))
                 run["release_s"].append(step_s(generation, "release"))
                 run["restore_s"].append(step_s(generation, "restore"))
                 answers.append(answer(generation))

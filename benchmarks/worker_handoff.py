@@ -349,7 +349,7 @@ class DeviceMeter:
         if self.unavailable is None:
             self._reader = reader
             with contextlib.suppress(TelemetryError):
-                self.devices = [device.name for device in reader.read().devices]
+                self.devices = [str(device.name) for device in reader.read().devices]
 
     def used_bytes(self) -> int | None:
         if self._reader is None:
@@ -358,7 +358,7 @@ class DeviceMeter:
             reading = self._reader.read()
         except TelemetryError:
             return None
-        return sum(device.used_bytes for device in reading.devices)
+        return sum(device.used_bytes or 0 for device in reading.devices)
 
     def close(self) -> None:
         if self._reader is not None:

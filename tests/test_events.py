@@ -9,6 +9,7 @@ import pytest
 
 from arbiterd.events import (
     KINDS,
+    DeviceMemory,
     EncoderEvent,
     Event,
     HandoffEvent,
@@ -16,20 +17,20 @@ from arbiterd.events import (
     HoldEvent,
     OtherEvent,
     OverflowEvent,
+    ProcessMemory,
     PromptCacheEvictEvent,
     RamBudgetEvent,
     ReloadEvent,
     RequestEvent,
     ResidencyEvent,
     UnloadEvent,
-    VramDevice,
     VramEvent,
     VramNotFreedEvent,
-    VramProcess,
     WaitEvent,
     WorkerEvent,
     parse_event,
 )
+from arbiterd.states import RequestStatus, ResidencyState
 
 T = 1_718_000_000.25
 GiB = 1 << 30
@@ -39,8 +40,8 @@ SAMPLES: list[Event] = [
     ResidencyEvent(
         at=T,
         model="gemma",
-        from_state="warming",
-        to_state="warm",
+        from_state=ResidencyState.WARMING,
+        to_state=ResidencyState.WARM,
         duration_s=0.92,
         weights_bytes=300 << 20,
         kv_bytes=12 << 20,
@@ -60,7 +61,7 @@ SAMPLES: list[Event] = [
         prompt_tokens_evaluated=12,
         completion_tokens=40,
         cancelled=True,
-        status="cancelled",
+        status=RequestStatus.CANCELLED,
         error="the client went away",
     ),
     HandoffEvent(
@@ -129,9 +130,9 @@ SAMPLES: list[Event] = [
     VramEvent(
         at=T,
         source="nvml",
-        devices=(VramDevice("gpu0", "NVIDIA H200", 140 * GiB, 3 * GiB),),
+        devices=(DeviceMemory("gpu0", "NVIDIA H200", 140 * GiB, 3 * GiB),),
         models=(("gemma", GiB), ("tiny", None)),
-        others=(VramProcess(9, "gpu0", GiB, "Xorg"),),
+        others=(ProcessMemory(9, "gpu0", GiB, "Xorg"),),
         errors=("fdinfo: permission denied",),
     ),
     VramNotFreedEvent(
@@ -266,7 +267,7 @@ def test_parts_of_a_list_that_are_not_objects_are_left_out() -> None:
     event = parse_event(
         {"event": "vram", "devices": [5, {"device": "gpu0", "used_bytes": "x"}], "others": [[]]}
     )
-    assert event == VramEvent(devices=(VramDevice("gpu0", None, None, None),))
+    assert event == VramEvent(devices=(DeviceMemory("gpu0", None, None, None),))
 
 
 def test_an_unknown_kind_keeps_its_fields_and_round_trips() -> None:
@@ -289,3 +290,13 @@ def test_records_are_frozen() -> None:
     event = SAMPLES[6]
     with pytest.raises(AttributeError):
         event.at = 0.0  # type: ignore[misc]
+
+
+def test_a_state_or_status_this_version_does_not_know_reads_as_unknown() -> None:
+    residency = parse_event({"event": "residency", "from": "warm", "to": "frozen"})
+    request = parse_event({"event": "request", "status": "deferred"})
+    assert residency == ResidencyEvent(
+        from_state=ResidencyState.WARM, to_state=ResidencyState.UNKNOWN
+    )
+    assert request == RequestEvent(status=RequestStatus.UNKNOWN)
+    assert residency.to_json()["to"] == "unknown"

@@ -1,11 +1,16 @@
-"""The shared vocabulary (arbiterd/states.py): tolerant reading and the two transition tables."""
+"""The shared vocabulary (arbiterd/states.py): tolerant reading, the two transition tables, and
+no module but it and the codec naming a state, op, status or kind as a string to compare."""
 
 from __future__ import annotations
 
+import ast
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+import arbiterd
 from arbiterd.states import (
     RESIDENCY_TRANSITIONS,
     SLOT_TRANSITIONS,
@@ -45,3 +50,103 @@ def test_the_tables_cover_every_state_and_never_lead_to_or_from_unknown(
         for state, targets in table.items()
         if state not in (kind.STOPPED, kind.UNKNOWN)
     )
+
+
+# -- no state compared as a string outside the vocabulary and the codecs ------------------------
+
+ARBITERD = Path(arbiterd.__file__).parent
+VALUES = frozenset(member.value for kind in ENUMS for member in kind)
+STATES = frozenset(member.value for kind in (ResidencyState, SlotState) for member in kind)
+# An operand that holds one of these names: a state, a residency, a status or outcome, an op, a
+# backend or kind, an event's from and to.
+NAMES_A_STATE = re.compile(r"state|residency|status|outcome|backend|kind|\bop\b|\bto\b|\bfrom\b")
+_COMPARISONS = (ast.Eq, ast.NotEq, ast.In, ast.NotIn, ast.Is, ast.IsNot)
+# Where the names are strings by right: the vocabulary, and the codec that reads and writes them.
+CODECS = frozenset({"states.py", "events.py"})
+# Modules the other parts of issue 26 still convert; each leaves this list with its conversion
+# (test_the_allow_list_names_only_modules_that_still_compare_strings keeps it so).
+NOT_YET_CONVERTED = frozenset(
+    {"daemon/ollama.py", "daemon/routing.py", "daemon/supervisor.py", "gui/status.py"}
+)
+
+
+def _literals(node: ast.expr) -> frozenset[str]:
+    """The strings `node` writes: one string constant, or a tuple, list or set of them (else
+    none)."""
+    items = node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else [node]
+    strings = set()
+    for item in items:
+        if not (isinstance(item, ast.Constant) and isinstance(item.value, str)):
+            return frozenset()
+        strings.add(item.value)
+    return frozenset(strings)
+
+
+def string_comparisons(source: str) -> list[tuple[int, str]]:
+    """(line, code) of each comparison of a state, op, status or kind with its name as a string
+    literal (`event.to_state == "warm"`, `m.get("state") not in ("failed", "stopped")`), and of
+    each tuple, list or set of two or more state names as strings (`s in ("warm", "cold")`,
+    `TROUBLE = frozenset({"failed", "restarting"})`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            names = _literals(node)
+            if len(names) > 1 and names <= STATES:  # states declared again, as strings
+                found.append((node.lineno, ast.unparse(node)))
+        if not isinstance(node, ast.Compare):
+            continue
+        lefts = [node.left, *node.comparators[:-1]]
+        for op, left, right in zip(node.ops, lefts, node.comparators, strict=True):
+            if not isinstance(op, _COMPARISONS):
+                continue
+            for literal, other in ((right, left), (left, right)):
+                names = _literals(literal)
+                if not names & VALUES:
+                    continue
+                if NAMES_A_STATE.search(ast.unparse(other)):
+                    found.append((node.lineno, ast.unparse(node)))
+    return sorted(found)
+
+
+def _hits() -> dict[str, list[tuple[int, str]]]:
+    hits = {}
+    for path in sorted(ARBITERD.rglob("*.py")):
+        name = path.relative_to(ARBITERD).as_posix()
+        found = string_comparisons(path.read_text())
+        if found and name not in CODECS:
+            hits[name] = found
+    return hits
+
+
+def test_the_check_sees_each_way_of_comparing_a_state_as_a_string() -> None:
+    source = (
+        'a = event.to_state == "warm"\n'
+        'b = m.get("state") not in ("failed", "stopped")\n'
+        'c = all(s in ("warm", "cold") for s in states)\n'
+        'd = "ready" != slot.state\n'
+        'e = command.op == "generate"\n'
+        'f = backend.kind == "in-place"\n'
+        'g = event.status != "ok"\n'
+        'h = frozenset({"failed", "restarting"})\n'
+        # Not states: a control command, a request kind, a key, a state compared as a member.
+        'i = command == "status"\n'
+        'j = kind == "chat"\n'
+        'k = "state" in message\n'
+        "m = event.to_state is ResidencyState.WARM\n"
+        'n = ("warm", "release", "pin")\n'
+    )
+    assert sorted({line for line, _ in string_comparisons(source)}) == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_no_module_compares_a_state_as_a_string_outside_the_vocabulary_and_its_codec() -> None:
+    outside = {
+        f"{name}:{line}: {code}"
+        for name, found in _hits().items()
+        if name not in NOT_YET_CONVERTED
+        for line, code in found
+    }
+    assert not outside, "compare the states.py member instead:\n" + "\n".join(sorted(outside))
+
+
+def test_the_allow_list_names_only_modules_that_still_compare_strings() -> None:
+    assert set(_hits()) >= NOT_YET_CONVERTED, "converted: leave NOT_YET_CONVERTED"

@@ -29,6 +29,7 @@ from arbiterd.cli.controlclient import ControlClient
 from arbiterd.config import embedded_model_path
 from arbiterd.errors import ArbiterError, ConfigError, DaemonNotRunningError
 from arbiterd.events import HandoffEvent
+from arbiterd.states import ResidencyState
 
 STORY, CHAT = "gemma-story", "smollm-chat"
 MODELS = (STORY, CHAT)
@@ -182,7 +183,8 @@ def _wait_for_daemon(control: Path) -> tuple[ControlClient, dict[str, str]]:
             continue
         models = client.call("status")["models"]
         states = {m["name"]: m["state"] for m in models}
-        if all(s in ("warm", "cold") for s in states.values()):
+        reached = {ResidencyState(state) for state in states.values()}
+        if reached <= {ResidencyState.WARM, ResidencyState.COLD}:
             backends = {m["name"]: m["backend"] or "unknown" for m in models}
             print("ready: " + ", ".join(f"{n} {s} ({backends[n]})" for n, s in states.items()))
             for m in models:
@@ -190,7 +192,7 @@ def _wait_for_daemon(control: Path) -> tuple[ControlClient, dict[str, str]]:
                     print(f"  {m['name']} reloads on each warm-up: {m['fallback_reason']}")
             return client, backends
         client.close()
-        if time.monotonic() > deadline or "failed" in states.values():
+        if time.monotonic() > deadline or ResidencyState.FAILED in reached:
             raise DaemonNotRunningError(f"the models did not load: {states}")
         time.sleep(0.2)
 

@@ -1,7 +1,7 @@
 """Handoffs, as the models that got the GPU measured them: pure bookkeeping of residency events.
 
 A worker that ends a load or a warm-up says when it began to ask for the token, how long it
-waited and which process held the token then (worker.py). `Handoffs` turns that into a
+waited and which process held the token then (worker/loop.py). `Handoffs` turns that into a
 `handoff` between two of the daemon's models when the holder was one of their workers (with
 the holder's release time, when that release happened during the wait), or a `wait` behind a
 program that is not one of them (a game, `arbiterd run CMD`, another daemon). Nothing is
@@ -13,6 +13,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from arbiterd.events import HandoffEvent, ResidencyEvent, WaitEvent
+from arbiterd.states import ResidencyState
+
+# The moves to warm that end a wait for the token: a load, or a warm-up from cold.
+_WARMING_UP = frozenset({ResidencyState.LOADING, ResidencyState.WARMING})
 
 
 class Handoffs:
@@ -29,10 +33,10 @@ class Handoffs:
         model = event.model
         if model is None:
             return None
-        if event.from_state == "cooling" and event.to_state == "cold":
+        if event.from_state is ResidencyState.COOLING and event.to_state is ResidencyState.COLD:
             self._releases[model] = event
             return None
-        ends_a_wait = event.to_state == "warm" and event.from_state in ("loading", "warming")
+        ends_a_wait = event.to_state is ResidencyState.WARM and event.from_state in _WARMING_UP
         if not ends_a_wait or event.holder_pid is None:
             return None  # not a warm-up, or the token was free
         holder = models_by_pid.get(event.holder_pid)

@@ -18,6 +18,7 @@ from arbiterd.events import (
     ResidencyEvent,
     WorkerEvent,
 )
+from arbiterd.states import RequestStatus, ResidencyState
 
 # Handoffs on a desktop GPU: from ~1 ms (in place) to tens of seconds (a large reload).
 HANDOFF_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -103,9 +104,10 @@ class Metrics:
 
     def observe(self, event: Event) -> None:
         if isinstance(event, ResidencyEvent) and event.model is not None:
-            self.resident.labels(model=event.model).set(1 if event.to_state == "warm" else 0)
+            warm = event.to_state is ResidencyState.WARM
+            self.resident.labels(model=event.model).set(1 if warm else 0)
         elif isinstance(event, RequestEvent) and event.model is not None:
-            self.requests.labels(model=event.model, status=event.outcome or "ok").inc()
+            self.requests.labels(model=event.model, status=event.outcome or RequestStatus.OK).inc()
             evaluated = event.prompt_tokens_evaluated
             if evaluated is not None and evaluated > 0:
                 self.prompt_tokens_evaluated.labels(model=event.model).inc(evaluated)

@@ -33,6 +33,7 @@ from arbiterd.errors import (
 )
 from arbiterd.events import Event, RequestEvent
 from arbiterd.spec import kind_refusal
+from arbiterd.states import RequestStatus
 
 READY_TIMEOUT_S = 120.0  # how long a request waits for its worker to (re)start
 _T = TypeVar("_T")
@@ -147,7 +148,9 @@ class Router:
             raise
         except ArbiterError as exc:
             self._publish(
-                RequestEvent(model=model, request_id=request_id, status="error", error=str(exc))
+                RequestEvent(
+                    model=model, request_id=request_id, status=RequestStatus.ERROR, error=str(exc)
+                )
             )
             raise
 

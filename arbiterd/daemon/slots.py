@@ -59,7 +59,7 @@ class Slot:
     config: ModelConfig  # the current one: a reload that changes only its aliases swaps it
     state: SlotState = SlotState.STARTING
     worker: WorkerClient | None = None  # set exactly while READY
-    residency: str | None = None  # the worker's residency state (residency.State's values)
+    residency: str | None = None  # the worker's residency state (states.ResidencyState's values)
     hello: WorkerHello | None = None  # its last worker's: what runs it; kept across restarts
     warning: str = ""  # e.g. GPU layers asked of an engine that cannot offload; "" when none
     # Serves embeddings only (spec.EMBEDDING requests); decided as its worker is spawned

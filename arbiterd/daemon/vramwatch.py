@@ -25,7 +25,13 @@ from arbiterd.daemon.telemetry import (
     device_for_arena,
     select_readers,
 )
-from arbiterd.events import Event, ResidencyEvent, parse_event
+from arbiterd.events import Event, ResidencyEvent
+from arbiterd.states import ResidencyState
+
+# The residency states in which a worker holds nothing on the device by its own account.
+_HOLDS_NOTHING = frozenset({ResidencyState.COLD, ResidencyState.FAILED, ResidencyState.STOPPED})
+# The move that ends a release, after which the teardown is verified.
+_RELEASED = (ResidencyState.COOLING, ResidencyState.COLD)
 
 
 class VramWatch:
@@ -89,14 +95,14 @@ class VramWatch:
     def residency(self, pid: int, event: ResidencyEvent) -> None:
         """Account the engine's own figure for `pid` (what the accounting reader reports):
         weights + KV while warm, nothing once cold; after a release, verify the teardown."""
-        if event.to_state == "warm":
+        if event.to_state is ResidencyState.WARM:
             held = event.moved_bytes
-        elif event.to_state in ("cold", "failed", "stopped"):
+        elif event.to_state in _HOLDS_NOTHING:
             held = 0
         else:
             return
         self._accounted = {**self._accounted, pid: held}
-        if event.model is not None and (event.from_state, event.to_state) == ("cooling", "cold"):
+        if event.model is not None and (event.from_state, event.to_state) == _RELEASED:
             self._verify_teardown(event.model, pid)
 
     # -- readings -----------------------------------------------------------------------------
@@ -140,7 +146,7 @@ class VramWatch:
         self._footprints.record(result)
         event = result.event()
         if event is not None:
-            self._on_leak(parse_event(event))
+            self._on_leak(event)
 
     def _from_sampler(self, snapshot: TelemetrySnapshot) -> None:
         loop = self._loop

@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 from arbiterd.daemon.liveness import Heard
 from arbiterd.errors import ProtocolError, WorkerError, WorkerGoneError, error_from_wire
 from arbiterd.spec import WORKER_PROTOCOL, WorkerConfig
+from arbiterd.states import WorkerOp
 from arbiterd.wire import AsyncLineReader, encode
 
 HELLO_TIMEOUT_S = 30.0
@@ -307,7 +308,7 @@ class WorkerClient:
         async with self._open(request_id) as (opened, replies):
             self._send(
                 {
-                    "op": "generate",
+                    "op": WorkerOp.GENERATE,
                     "id": opened,
                     "kind": kind,
                     "body": body,
@@ -325,7 +326,7 @@ class WorkerClient:
     def cancel(self, target: str) -> None:
         """Ask the worker to stop request `target`; a gone worker has stopped it already."""
         with contextlib.suppress(WorkerGoneError):
-            self._send({"op": "cancel", "id": f"cancel-{next(self._ids)}", "target": target})
+            self._send({"op": WorkerOp.CANCEL, "id": f"cancel-{next(self._ids)}", "target": target})
 
     async def status(self, timeout_s: float | None = STATUS_TIMEOUT_S) -> dict[str, Any]:
         """The worker's status, from its io thread (also mid-decode). Joins the question in
@@ -349,7 +350,7 @@ class WorkerClient:
         return self._asking
 
     async def _ask(self) -> dict[str, Any]:
-        status = await self.request("status", timeout_s=None)
+        status = await self.request(WorkerOp.STATUS, timeout_s=None)
         self.heard = self.heard.answered(status, time.monotonic())
         return status
 
@@ -364,7 +365,7 @@ class WorkerClient:
         """Ask the worker to stop (in-flight work finishes), wait, and reap it; a worker that
         is already gone is just reaped."""
         with contextlib.suppress(WorkerGoneError):
-            self._send({"op": "shutdown", "id": "shutdown"})
+            self._send({"op": WorkerOp.SHUTDOWN, "id": "shutdown"})
         try:
             async with asyncio.timeout(timeout_s):
                 await self.process.wait()
@@ -423,7 +424,7 @@ class WorkerClient:
         blocks nothing but its own socket buffer)."""
         if self._writer.is_closing() or self._reader.done():
             raise WorkerGoneError(f"worker for {self.model} is gone")
-        if message.get("op") != "status":
+        if message.get("op") != WorkerOp.STATUS:
             # Last words are what it wrote since it was last given work (status questions come
             # every few seconds and are no work): not the start-up lines of its engine.
             self._words.clear()

@@ -34,6 +34,7 @@ from arbiterd.events import (
     WaitEvent,
 )
 from arbiterd.gui.status import Status
+from arbiterd.states import ResidencyState
 
 DEFAULT_WINDOW_S = 600.0
 # How far before the window the tray asks for history, so the window starts with each model's
@@ -41,7 +42,7 @@ DEFAULT_WINDOW_S = 600.0
 HISTORY_LEAD_S = 3600.0
 MAX_HANDOFFS = 500
 MAX_ENCODER_RECORDS = 500
-_EMPTY_STATES = frozenset({"cold", "failed", "stopped"})
+_EMPTY_STATES = frozenset({ResidencyState.COLD, ResidencyState.FAILED, ResidencyState.STOPPED})
 
 
 @dataclass(frozen=True)
@@ -220,7 +221,7 @@ class History:
         if model is None or to is None:
             return
         self._know(model)
-        if to == "warm":
+        if to is ResidencyState.WARM:
             if event.moved_bytes > 0:
                 self._bytes[model] = event.moved_bytes
         elif to in _EMPTY_STATES:

@@ -37,6 +37,7 @@ from arbiterd.gui import palette
 from arbiterd.gui.history import DEFAULT_WINDOW_S, History
 from arbiterd.gui.palette import RGB, ModelColours
 from arbiterd.gui.status import HOLD_HOLDER_NAME, UNLOADING, ModelStatus, Status
+from arbiterd.states import ResidencyState
 
 WARNING_HOLD_S = 300.0
 
@@ -84,7 +85,8 @@ class TrayState:
         # The kinds that may warn (render.failure) are each about one model.
         about = ResidencyEvent | WorkerEvent | VramNotFreedEvent | HolderSilentEvent
         model = event.model if isinstance(event, about) else None
-        if isinstance(event, ResidencyEvent) and event.to_state == "warm" and model is not None:
+        warm = isinstance(event, ResidencyEvent) and event.to_state is ResidencyState.WARM
+        if warm and model is not None:
             # Warm again: whatever went wrong with it before is over.
             self._warnings = {k: w for k, w in self._warnings.items() if w.model != model}
         failure = render.failure(event)

@@ -62,6 +62,7 @@ from arbiterd.errors import (
     ResidencyCallError,
     RestoreError,
 )
+from arbiterd.events import EncoderEvent
 from arbiterd.hostcopy import copy_into_memfd
 from arbiterd.native import ggml, libllama
 from arbiterd.native.libllama import ResidencyApi, probe_residency_api
@@ -81,7 +82,6 @@ from arbiterd.worker.toolcalls import CallReader, call_schema, template_takes_to
 from arbiterd.worker.vision import (
     MARKER,
     EncoderPath,
-    EncoderStep,
     Projector,
     Span,
     decode_image,
@@ -141,7 +141,7 @@ class Generation:
     prompt_tokens_evaluated: int  # run through llama_decode; prefix-cache hits excluded
     completion_tokens: int
     cancelled: bool = False
-    encoder_steps: tuple[EncoderStep, ...] = ()  # what the projector did for it (issue 12)
+    encoder_steps: tuple[EncoderEvent, ...] = ()  # what the projector did for it (issue 12)
 
 
 @dataclass(frozen=True)

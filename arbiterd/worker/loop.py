@@ -76,9 +76,10 @@ from arbiterd.errors import (
     RestoreError,
     WorkerError,
 )
-from arbiterd.events import EncoderEvent, RequestEvent, ResidencyEvent
+from arbiterd.events import RequestEvent, ResidencyEvent
 from arbiterd.procs import holder_name
 from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, ModelSpec, Residency, WorkerConfig
+from arbiterd.states import BackendKind, RequestStatus, ResidencyState, WorkerOp
 from arbiterd.wire import LineReader, LineWriter
 from arbiterd.worker import kvfile
 from arbiterd.worker.engine import (
@@ -95,7 +96,7 @@ from arbiterd.worker.engine import (
 from arbiterd.worker.kvfile import KvState
 from arbiterd.worker.policy import HoldView, ReleaseReason, preempts, release_reason
 from arbiterd.worker.residency import Residency as ResidencyMachine
-from arbiterd.worker.residency import State, Wait
+from arbiterd.worker.residency import Wait
 
 log = logging.getLogger(__name__)
 
@@ -104,16 +105,13 @@ PROBE_INTERVAL_S = 0.004
 # How often a generation looks for a waiter of a higher class (each look lists the queue and
 # reads /proc/locks).
 PREEMPTION_CHECK_S = 0.02
-OPS = frozenset(
-    {"generate", "status", "release", "warm", "pin", "unpin", "shutdown", "unload", "cancel"}
-)
 
 
 @dataclass(frozen=True)
 class Command:
     """A message the engine thread must act on."""
 
-    op: str
+    op: WorkerOp
     id: str
     kind: str = ""
     body: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -155,7 +153,7 @@ class Worker:
         self._next_preemption_check = 0.0
         # Pausing releases in place, so llama-cpp-python's generation survives it; the reload
         # backend frees the Llama object a generation runs on.
-        self._can_pause = config.preemptible and backend.kind == "in-place"
+        self._can_pause = config.preemptible and backend.kind == BackendKind.IN_PLACE
         self._pinned = False
         self._current: str | None = None
         self._last_error = ""
@@ -181,23 +179,27 @@ class Worker:
             self._dispatch(message)
 
     def _dispatch(self, message: dict[str, Any]) -> None:
-        op, request_id = message.get("op"), message.get("id")
-        if not isinstance(request_id, str) or op not in OPS:
+        raw_op, request_id = message.get("op"), message.get("id")
+        op = WorkerOp(raw_op) if isinstance(raw_op, str) else WorkerOp.UNKNOWN
+        if not isinstance(request_id, str) or op is WorkerOp.UNKNOWN:
             self._out.send(
-                {"id": request_id, "error": {"type": "ProtocolError", "message": f"bad op {op!r}"}}
+                {
+                    "id": request_id,
+                    "error": {"type": "ProtocolError", "message": f"bad op {raw_op!r}"},
+                }
             )
             return
-        if op == "status":
+        if op is WorkerOp.STATUS:
             beat_age_s = round(time.monotonic() - self._beat, 3)
             result = {**self._status, "queue": self._queued(), "beat_age_s": beat_age_s}
             self._out.send({"id": request_id, "result": result})
-        elif op == "cancel":
+        elif op is WorkerOp.CANCEL:
             target = message.get("target")
             with self._cancel_lock:
                 self._cancelled.add(str(target))
             self._wake.set()
             self._out.send({"id": request_id, "result": {"cancelled": target}})
-        elif op == "shutdown":
+        elif op is WorkerOp.SHUTDOWN:
             self._request_stop()
         else:
             body = message.get("body", {})
@@ -214,7 +216,7 @@ class Worker:
     def _request_stop(self) -> None:
         self._stopping.set()
         self._wake.set()
-        self._inbox.put(Command("shutdown", ""))
+        self._inbox.put(Command(WorkerOp.SHUTDOWN, ""))
 
     # -- engine thread ------------------------------------------------------------------------
 
@@ -264,7 +266,7 @@ class Worker:
             self._fail(exc)
             return False
         self._adopt_kept_kv()
-        self._moved(State.LOADING, State.WARM, moved, wait=wait)
+        self._moved(ResidencyState.LOADING, ResidencyState.WARM, moved, wait=wait)
         self._warm_since = self._idle_since = time.monotonic()
         self._served_when_warm = self._served
         return True
@@ -326,7 +328,9 @@ class Worker:
 
     def _fail(self, exc: EngineError) -> None:
         self._last_error = str(exc)
-        failed = self._residency.transition(State.LOADING, State.FAILED, reason=str(exc))
+        failed = self._residency.transition(
+            ResidencyState.LOADING, ResidencyState.FAILED, reason=str(exc)
+        )
         self._give_up_token()  # before telling anyone: a failed model holds nothing
         self._emit(failed)
 
@@ -335,26 +339,28 @@ class Worker:
             self._beat = time.monotonic()
             state = self._residency.state
             try:
-                command = self._inbox.get(timeout=PROBE_INTERVAL_S if state is State.WARM else None)
+                command = self._inbox.get(
+                    timeout=PROBE_INTERVAL_S if state is ResidencyState.WARM else None
+                )
             except queue.Empty:
                 self._maybe_release()
                 continue
-            if command.op == "shutdown":
+            if command.op is WorkerOp.SHUTDOWN:
                 return
-            if command.op == "unload":
+            if command.op is WorkerOp.UNLOAD:
                 self._reply(command.id, self._save_kept_kv())
                 return
-            if command.op == "release":
-                if self._residency.state is State.WARM:
+            if command.op is WorkerOp.RELEASE:
+                if self._residency.state is ResidencyState.WARM:
                     self._cool("command")
                 self._reply(command.id, {"state": self._residency.state.value})
-            elif command.op == "warm":
+            elif command.op is WorkerOp.WARM:
                 self._handle_warm(command)
-            elif command.op in ("pin", "unpin"):
-                self._pinned = command.op == "pin"
+            elif command.op in (WorkerOp.PIN, WorkerOp.UNPIN):
+                self._pinned = command.op is WorkerOp.PIN
                 self._publish()
                 self._reply(command.id, {"pinned": self._pinned})
-            elif command.op == "generate":
+            elif command.op is WorkerOp.GENERATE:
                 self._handle_generate(command)
                 self._maybe_release()
 
@@ -362,16 +368,16 @@ class Worker:
         """A model that cannot load keeps answering, with its reason, until shut down."""
         while True:
             command = self._inbox.get()
-            if command.op == "shutdown":
+            if command.op is WorkerOp.SHUTDOWN:
                 return
-            if command.op == "unload":  # nothing was loaded: nothing to keep
+            if command.op is WorkerOp.UNLOAD:  # nothing was loaded: nothing to keep
                 self._reply(command.id, _kept())
                 return
             self._error(command.id, EngineError(f"{self.name} failed to load: {self._last_error}"))
 
     def _handle_warm(self, command: Command) -> None:
         try:
-            if self._residency.state is State.COLD:
+            if self._residency.state is ResidencyState.COLD:
                 self._warm_up(command.id, self.config.priority)
             self._reply(command.id, {"state": self._residency.state.value})
         except (AcquireCancelledError, RestoreError) as exc:
@@ -390,7 +396,7 @@ class Worker:
         queued: tuple[Place, _Waiting] | None = None
         try:
             priority = _priority(command.body, self.config.priority)
-            if self._residency.state is State.COLD:
+            if self._residency.state is ResidencyState.COLD:
                 # Queue before preparing: the holder releases while we tokenize.
                 queued = self._announce(priority)
             request = self._backend.prepare(
@@ -435,22 +441,13 @@ class Worker:
                 prompt_tokens_evaluated=result.prompt_tokens_evaluated,
                 completion_tokens=result.completion_tokens,
                 cancelled=result.cancelled,
-                status="cancelled" if result.cancelled else "ok",
+                status=RequestStatus.CANCELLED if result.cancelled else RequestStatus.OK,
             ).to_json()
         )
         for step in result.encoder_steps:  # a vision request's projector, step by step
             self._out.send(
-                EncoderEvent(
-                    at=time.time(),
-                    model=self.name,
-                    request_id=command.id,
-                    action=step.action,
-                    duration_s=round(step.duration_s, 6),
-                    bytes_=step.bytes_,
-                    images=step.images,
-                    path=step.path,
-                    peak_bytes=step.peak_bytes,
-                    reason=step.reason,
+                dataclasses.replace(
+                    step, at=time.time(), model=self.name, request_id=command.id
                 ).to_json()
             )
 
@@ -471,7 +468,7 @@ class Worker:
         ever get the GPU: the worker exits instead, the kernel frees the token, and the daemon
         starts another worker."""
         state, holds = self._residency.state, self._token is not None
-        if (state, holds) not in ((State.WARM, True), (State.COLD, False)):
+        if (state, holds) not in ((ResidencyState.WARM, True), (ResidencyState.COLD, False)):
             raise WorkerError(
                 f"{self.name} was left {state.value} "
                 f"({'with' if holds else 'without'} the token) by a failed request"
@@ -529,7 +526,7 @@ class Worker:
         self._warm_up(request_id, priority)
 
     def _maybe_release(self) -> None:
-        if self._residency.state is not State.WARM or self._token is None:
+        if self._residency.state is not ResidencyState.WARM or self._token is None:
             return
         now = time.monotonic()
         view = HoldView(
@@ -548,12 +545,14 @@ class Worker:
 
     def _cool(self, reason: str) -> None:
         """warm → cooling → cold: free the device first, then let go of the token."""
-        self._emit(self._residency.transition(State.WARM, State.COOLING, reason=reason))
+        self._emit(
+            self._residency.transition(ResidencyState.WARM, ResidencyState.COOLING, reason=reason)
+        )
         # A paused generation resumes from its KV: it is kept whatever the policy says.
         kv = self._kv_policy
         if reason == ReleaseReason.PREEMPTED.value and kv is KvPolicy.DROP:
             kv = KvPolicy.HOST
-        self._moved(State.COOLING, State.COLD, self._backend.release(kv), reason)
+        self._moved(ResidencyState.COOLING, ResidencyState.COLD, self._backend.release(kv), reason)
         if reason in (ReleaseReason.WANTED.value, ReleaseReason.PREEMPTED.value):
             token, self._token = self._token, None
             if token is not None:
@@ -592,20 +591,22 @@ class Worker:
         finally:
             ticket.leave()
         wait = waiting.done()
-        self._emit(self._residency.transition(State.COLD, State.WARMING))
+        self._emit(self._residency.transition(ResidencyState.COLD, ResidencyState.WARMING))
         try:
             moved = self._backend.restore()
         except Exception as exc:
             # Roll back: a model that is not warm must not keep the token. Whatever the restore
             # raised, the model is cold again and the next request may warm it.
             reason = str(exc) if isinstance(exc, EngineError) else type(exc).__name__
-            rolled_back = self._residency.transition(State.WARMING, State.COLD, reason=reason)
+            rolled_back = self._residency.transition(
+                ResidencyState.WARMING, ResidencyState.COLD, reason=reason
+            )
             self._give_up_token()
             self._emit(rolled_back)
             if isinstance(exc, EngineError):
                 raise RestoreError(f"{self.name} could not be restored: {exc}") from None
             raise
-        self._moved(State.WARMING, State.WARM, moved, wait=wait)
+        self._moved(ResidencyState.WARMING, ResidencyState.WARM, moved, wait=wait)
         self._warm_since = self._idle_since = time.monotonic()
         self._served_when_warm = self._served
 
@@ -617,7 +618,7 @@ class Worker:
                 break
             if command.id:
                 self._error(command.id, EngineError(f"{self.name} is shutting down"))
-        self._emit(self._residency.transition(self._residency.state, State.STOPPED))
+        self._emit(self._residency.transition(self._residency.state, ResidencyState.STOPPED))
         self._backend.close()
         self._give_up_token()
         self._publish()
@@ -637,7 +638,12 @@ class Worker:
             return request_id in self._cancelled
 
     def _moved(
-        self, expected: State, new: State, moved: Moved, reason: str = "", wait: Wait | None = None
+        self,
+        expected: ResidencyState,
+        new: ResidencyState,
+        moved: Moved,
+        reason: str = "",
+        wait: Wait | None = None,
     ) -> None:
         """A transition that moved weights and KV: the event carries what `moved` reports."""
         self._emit(
@@ -732,7 +738,9 @@ class Unavailable:
     def __init__(self, spec: ModelSpec, error: EngineError) -> None:
         self.spec = spec
         # What the config asked for, as the status shows it (only "in-place" can fail so).
-        self.kind = "in-place" if spec.residency is Residency.IN_PLACE else "reload"
+        self.kind: str = (
+            BackendKind.IN_PLACE if spec.residency is Residency.IN_PLACE else BackendKind.RELOAD
+        )
         self._error = error
 
     def open(self) -> None:

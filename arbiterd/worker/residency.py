@@ -1,47 +1,21 @@
-"""The residency state machine of one model: an Enum, its transition table, one transition function.
+"""The residency state machine of one model: its one transition function.
 
 Owns the model's residency state and the record of every transition (with how long the state
-it left lasted, and the bytes moved). Pure bookkeeping: it moves nothing itself and is owned by
-the worker's engine thread; other threads read the immutable event records it returns
-(events.ResidencyEvent, the record every process reads them as).
-
-    loading ──► warm ──► cooling ──► cold ──► warming ──► warm
-       │          ▲                    ▲         │
-       │          └──── (restore ok) ──┼─────────┘
-       │                               └── (restore failed: rolled back)
-       └──► failed          any state ──► stopped
+it left lasted, and the bytes moved). The states and their table are the shared vocabulary's
+(states.ResidencyState, states.RESIDENCY_TRANSITIONS: the daemon and the tray read the same
+members); no move outside that table is made. Pure bookkeeping: it moves nothing itself and is
+owned by the worker's engine thread; other threads read the immutable event records it returns
+(events.ResidencyEvent, the record every process reads them as). states.py draws the machine.
 """
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass
 
 from arbiterd.errors import InvalidTransitionError
 from arbiterd.events import ResidencyEvent
-
-
-class State(enum.StrEnum):
-    LOADING = "loading"  # holds the token, reading weights onto the device
-    WARM = "warm"  # holds the token; weights and KV on the device
-    COOLING = "cooling"  # releasing the device (saving KV to host)
-    COLD = "cold"  # no token; weights and KV on the host only
-    WARMING = "warming"  # holds the token again; restoring weights and KV
-    FAILED = "failed"  # could not load; the reason is in the event
-    STOPPED = "stopped"  # the worker exited
-
-
-TRANSITIONS: dict[State, frozenset[State]] = {
-    State.LOADING: frozenset({State.WARM, State.FAILED, State.STOPPED}),
-    State.WARM: frozenset({State.COOLING, State.STOPPED}),
-    State.COOLING: frozenset({State.COLD, State.STOPPED}),
-    State.COLD: frozenset({State.WARMING, State.STOPPED}),
-    # warming → cold: the restore failed and was rolled back (the token is given up too).
-    State.WARMING: frozenset({State.WARM, State.COLD, State.STOPPED}),
-    State.FAILED: frozenset({State.STOPPED}),
-    State.STOPPED: frozenset(),
-}
+from arbiterd.states import RESIDENCY_TRANSITIONS, ResidencyState
 
 
 @dataclass(frozen=True)
@@ -60,13 +34,13 @@ class Residency:
 
     def __init__(self, model: str) -> None:
         self.model = model
-        self.state = State.LOADING
+        self.state = ResidencyState.LOADING
         self._entered = time.monotonic()
 
     def transition(
         self,
-        expected: State,
-        new: State,
+        expected: ResidencyState,
+        new: ResidencyState,
         *,
         weights_bytes: int = 0,
         kv_bytes: int = 0,
@@ -80,14 +54,14 @@ class Residency:
             raise InvalidTransitionError(
                 f"{self.model}: expected {expected.value}, but the state is {self.state.value}"
             )
-        if new not in TRANSITIONS[expected]:
+        if new not in RESIDENCY_TRANSITIONS[expected]:
             raise InvalidTransitionError(f"{self.model}: {expected.value} → {new.value}")
         now = time.monotonic()
         event = ResidencyEvent(
             at=time.time(),
             model=self.model,
-            from_state=expected.value,
-            to_state=new.value,
+            from_state=expected,
+            to_state=new,
             duration_s=round(now - self._entered, 6),
             weights_bytes=weights_bytes,
             kv_bytes=kv_bytes,

@@ -4,9 +4,9 @@ embeddings, and the token bookkeeping that lets the prompt cache run across imag
 engine.py, the only module that touches llama_cpp; it never decodes on the model's context
 itself (engine.py does, with the embeddings this module hands back) and never keeps an image.
 
-Just in time (DESIGN.md §4): `Projector.session()` loads the projector right before an image is
-encoded and frees it when the block ends, also on every error path; with `resident` it stays
-loaded until `free()` (the model going cold).
+Just in time (README.md, "Vision models"): `Projector.session()` loads the projector right
+before an image is encoded and frees it when the block ends, also on every error path; with
+`resident` it stays loaded until `free()` (the model going cold).
 
 **Placeholders.** llama-cpp-python's prompt cache is a list of token ids (`Llama.input_ids`)
 compared with the next prompt's ids. An image has no ids: it becomes `n` embeddings at `n`
@@ -27,7 +27,13 @@ the device budget; when they do not, the model *swaps*: its weights leave the de
 stays), the projector is loaded, encodes and is freed, and only then do the weights come back,
 so the device never holds both. `plan_encoder` decides from the figures alone; every step of a
 request's projector session says which path ran and the most the model held so far
-(`EncoderStep.peak_bytes`, sampled from the engine's own accounting after each step).
+(`EncoderEvent.peak_bytes`, sampled from the engine's own accounting after each step).
+
+**Steps.** Each thing a session does is kept as the `encoder` event that will report it
+(events.EncoderEvent, its fields described there), without its time, model and request id,
+which the worker loop fills in: "load", "encode" or "free" (the projector), or, on the swap
+path, "release" and "restore" (the model's weights, its KV kept on the device). Outside a
+request's session a step's path and reason are "" and its peak 0.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ import numpy.typing as npt
 from llama_cpp import mtmd_cpp
 
 from arbiterd.errors import ModelLoadError, RequestError
+from arbiterd.events import EncoderEvent
 from arbiterd.render import format_bytes
 from arbiterd.spec import IMAGE_MARKER
 
@@ -113,36 +120,6 @@ def plan_encoder(
     if swap_refusal:
         return EncoderPlan(EncoderPath.BESIDE, f"{over}, but {swap_refusal}: loaded beside")
     return EncoderPlan(EncoderPath.SWAP, f"{over}: the weights left the device while it encoded")
-
-
-@dataclass(frozen=True)
-class EncoderStep:
-    """One thing a projector session did: "load", "encode" or "free" (the projector), or, on the
-    swap path, "release" and "restore" (the model's weights, its KV kept on the device); how
-    long it took, the bytes it concerned (the projector's weights for load and free, the
-    embeddings made for encode, the model's weights for release and restore) and, for encode,
-    how many images. `path` and `reason` are the session's plan; `peak_bytes`, the most the
-    model held on the device by the engine's accounting, from the session's start up to this
-    step (its last step has the session's peak); "" and 0 outside a request's session."""
-
-    action: str
-    duration_s: float
-    bytes_: int
-    images: int = 0
-    path: str = ""
-    peak_bytes: int = 0
-    reason: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "action": self.action,
-            "duration_s": round(self.duration_s, 6),
-            "bytes": self.bytes_,
-            "images": self.images,
-            "path": self.path,
-            "peak_bytes": self.peak_bytes,
-            "reason": self.reason,
-        }
 
 
 @dataclass(frozen=True)
@@ -236,7 +213,7 @@ class Projector:
         # Image digest -> its spans (placeholder ids, wrapper text ids), as mtmd laid it out;
         # in the order they were last used, at most MAX_LAYOUTS.
         self.layouts: OrderedDict[bytes, tuple[Span, ...]] = OrderedDict()
-        self.steps: list[EncoderStep] = []  # what it did since the last `take_steps`
+        self.steps: list[EncoderEvent] = []  # what it did since the last `take_steps`
         # The request session under way (`begin` .. `end`): its plan, how to read the model's
         # device bytes, and the most read so far.
         self._plan: EncoderPlan | None = None
@@ -257,7 +234,7 @@ class Projector:
         before any, its file's size (what a load will measure)."""
         return self._weights_bytes or _tensor_bytes(self.path)
 
-    def take_steps(self) -> tuple[EncoderStep, ...]:
+    def take_steps(self) -> tuple[EncoderEvent, ...]:
         steps, self.steps = tuple(self.steps), []
         return steps
 
@@ -280,11 +257,11 @@ class Projector:
         if plan is not None:
             self._peak = max(self._peak, self._meter())
         self.steps.append(
-            EncoderStep(
-                action,
-                duration_s,
-                bytes_,
-                images,
+            EncoderEvent(
+                action=action,
+                duration_s=round(duration_s, 6),
+                bytes_=bytes_,
+                images=images,
                 path="" if plan is None else plan.path.value,
                 peak_bytes=self._peak,
                 reason="" if plan is None else plan.reason,

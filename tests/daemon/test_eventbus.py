@@ -24,6 +24,7 @@ from arbiterd.events import (
     VramEvent,
     WorkerEvent,
 )
+from arbiterd.states import RequestStatus, ResidencyState
 
 
 def metric(metrics: Metrics, name: str, **labels: str) -> float | None:
@@ -61,15 +62,17 @@ def test_an_event_without_a_time_is_stamped_now_and_one_with_a_time_keeps_it() -
 def test_subscribers_get_the_stamped_event_as_it_is_sent() -> None:
     bus = EventBus(Metrics(), None)
     first, second = bus.subscribe(), bus.subscribe()
-    stamped = bus.publish(RequestEvent(model="m", request_id="r1", status="ok"))
+    stamped = bus.publish(RequestEvent(model="m", request_id="r1", status=RequestStatus.OK))
     assert drain(first) == drain(second) == [stamped.to_json()]
 
 
 def test_the_metrics_see_every_published_event() -> None:
     metrics = Metrics()
     bus = EventBus(metrics, None)
-    bus.publish(RequestEvent(model="m", request_id="r1", status="error", error="boom"))
-    bus.publish(ResidencyEvent(model="m", from_state="warming", to_state="warm"))
+    bus.publish(RequestEvent(model="m", request_id="r1", status=RequestStatus.ERROR, error="boom"))
+    bus.publish(
+        ResidencyEvent(model="m", from_state=ResidencyState.WARMING, to_state=ResidencyState.WARM)
+    )
     bus.publish(HandoffEvent(from_model="a", to_model="m", wait_s=0.5, restore_s=0.25))
     bus.publish(WorkerEvent(model="m", code=-9, restart_in_s=2.0))
     assert metric(metrics, "arbiterd_requests_total", model="m", status="error") == 1.0
@@ -82,7 +85,7 @@ def test_the_metrics_see_every_published_event() -> None:
 def test_the_journal_keeps_each_published_event_with_its_stamp(journal: Journal) -> None:
     bus = EventBus(Metrics(), journal)
     first = bus.publish(WorkerEvent(model="m", code=1, reason="exited with code 1"))
-    second = bus.publish(RequestEvent(at=5.0, model="m", request_id="r1", status="ok"))
+    second = bus.publish(RequestEvent(at=5.0, model="m", request_id="r1", status=RequestStatus.OK))
     assert [stored.event for stored in journal.read()] == [first, second]
 
 
@@ -93,7 +96,7 @@ def test_a_journal_that_cannot_write_stops_neither_the_metrics_nor_the_subscribe
     bus = EventBus(metrics, journal)
     events = bus.subscribe()
     journal.close()  # every append now raises, as on a full disk
-    stamped = bus.publish(RequestEvent(model="m", request_id="r1", status="ok"))
+    stamped = bus.publish(RequestEvent(model="m", request_id="r1", status=RequestStatus.OK))
     assert drain(events) == [stamped.to_json()]
     assert metric(metrics, "arbiterd_requests_total", model="m", status="ok") == 1.0
     [said] = [r for r in caplog.records if r.name == "arbiterd.daemon.eventbus"]
@@ -169,11 +172,13 @@ def test_a_full_subscriber_misses_events_and_the_others_still_get_them(
     slow, fast = bus.subscribe(), bus.subscribe()
     sent: list[Event] = []
     for n in range(3):
-        sent.append(bus.publish(RequestEvent(model="m", request_id=f"r{n}", status="ok")))
+        sent.append(
+            bus.publish(RequestEvent(model="m", request_id=f"r{n}", status=RequestStatus.OK))
+        )
         assert drain(fast) == [sent[-1].to_json()]
     assert slow.full()
     assert drain(slow) == [sent[0].to_json(), sent[1].to_json()]  # the third found it full
-    bus.publish(RequestEvent(model="m", request_id="r3", status="ok"))
+    bus.publish(RequestEvent(model="m", request_id="r3", status=RequestStatus.OK))
     assert len(drain(slow)) == 1  # once it has room again, it gets the next one
 
 
@@ -211,5 +216,5 @@ def test_the_metrics_and_the_journal_have_an_event_before_the_subscribers_hear_o
         put(item)
 
     monkeypatch.setattr(events, "put_nowait", put_and_look)
-    bus.publish(RequestEvent(model="m", request_id="r1", status="ok"))
+    bus.publish(RequestEvent(model="m", request_id="r1", status=RequestStatus.OK))
     assert seen_when_sent == [(1.0, 1)]

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from arbiterd.daemon.handoffs import Handoffs
 from arbiterd.events import HandoffEvent, ResidencyEvent, WaitEvent
+from arbiterd.states import ResidencyState
 
 A_PID, B_PID, GAME_PID = 1001, 1002, 4242
 WORKERS = {A_PID: "a", B_PID: "b"}
@@ -14,7 +15,11 @@ WORKERS = {A_PID: "a", B_PID: "b"}
 
 def released(model: str, at: float, duration_s: float = 0.25) -> ResidencyEvent:
     return ResidencyEvent(
-        at=at, model=model, from_state="cooling", to_state="cold", duration_s=duration_s
+        at=at,
+        model=model,
+        from_state=ResidencyState.COOLING,
+        to_state=ResidencyState.COLD,
+        duration_s=duration_s,
     )
 
 
@@ -30,8 +35,8 @@ def warmed(
     return ResidencyEvent(
         at=103.0,
         model=model,
-        from_state=from_state,
-        to_state="warm",
+        from_state=ResidencyState(from_state),
+        to_state=ResidencyState.WARM,
         duration_s=0.5,
         weights_bytes=3000,
         kv_bytes=200,
@@ -139,7 +144,11 @@ def test_events_that_end_no_wait_are_neither() -> None:
         ("warming", "cold"),  # a failed restore rolled back
     ]:
         event = ResidencyEvent(
-            at=103.0, model="b", from_state=from_state, to_state=to_state, holder_pid=A_PID
+            at=103.0,
+            model="b",
+            from_state=ResidencyState(from_state),
+            to_state=ResidencyState(to_state),
+            holder_pid=A_PID,
         )
         assert handoffs.observe(event, WORKERS) is None, (from_state, to_state)
     nameless = warmed("b", holder_pid=A_PID)

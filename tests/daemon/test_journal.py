@@ -27,6 +27,7 @@ from arbiterd.daemon.journal import (
 )
 from arbiterd.errors import BadValueError, DaemonError
 from arbiterd.events import HandoffEvent, HoldEvent, RequestEvent
+from arbiterd.states import RequestStatus
 from tests.conftest import Processes
 from tests.support.waiting import wait_until
 
@@ -139,7 +140,7 @@ def test_stored_events_read_back_as_records(journal: Journal) -> None:
                     "release_s": 0.1, "wait_s": 0.0, "restore_s": 0.9})  # fmt: skip
     records = [stored.event for stored in journal.read()]
     assert records == [
-        RequestEvent(at=100.0, model="gemma", prompt_tokens=5, status="ok"),
+        RequestEvent(at=100.0, model="gemma", prompt_tokens=5, status=RequestStatus.OK),
         HandoffEvent(
             at=101.0, from_model="gemma", to_model="tiny", release_s=0.1, wait_s=0.0, restore_s=0.9
         ),

@@ -13,6 +13,7 @@ from arbiterd.events import (
     ResidencyEvent,
     WorkerEvent,
 )
+from arbiterd.states import RequestStatus, ResidencyState
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -35,17 +36,21 @@ def test_a_model_has_its_series_at_zero_before_its_first_event() -> None:
 
 def test_residency_sets_the_resident_gauge_by_the_state_it_reaches() -> None:
     metrics = Metrics()
-    metrics.observe(ResidencyEvent(model="m", from_state="warming", to_state="warm"))
+    metrics.observe(
+        ResidencyEvent(model="m", from_state=ResidencyState.WARMING, to_state=ResidencyState.WARM)
+    )
     assert samples(metrics)[("arbiterd_model_resident", (("model", "m"),))] == 1
-    metrics.observe(ResidencyEvent(model="m", from_state="cooling", to_state="cold"))
+    metrics.observe(
+        ResidencyEvent(model="m", from_state=ResidencyState.COOLING, to_state=ResidencyState.COLD)
+    )
     assert samples(metrics)[("arbiterd_model_resident", (("model", "m"),))] == 0
 
 
 def test_requests_count_by_outcome_and_only_evaluated_prompt_tokens_add_up() -> None:
     metrics = Metrics()
-    metrics.observe(RequestEvent(model="m", status="ok", prompt_tokens_evaluated=40))
+    metrics.observe(RequestEvent(model="m", status=RequestStatus.OK, prompt_tokens_evaluated=40))
     metrics.observe(RequestEvent(model="m", cancelled=True, prompt_tokens_evaluated=2))
-    metrics.observe(RequestEvent(model="m", status="error"))
+    metrics.observe(RequestEvent(model="m", status=RequestStatus.ERROR))
     figures = samples(metrics)
     for status in ("ok", "cancelled", "error"):
         assert figures[("arbiterd_requests_total", (("model", "m"), ("status", status)))] == 1

@@ -22,6 +22,7 @@ from arbiterd.errors import (
     WorkerGoneError,
 )
 from arbiterd.events import Event, RequestEvent
+from arbiterd.states import RequestStatus
 from tests.support.models import model_config
 
 _T = TypeVar("_T")
@@ -225,7 +226,10 @@ def test_a_request_is_retried_only_once() -> None:
     request_id = first.requests[0][2]
     assert daemon.published == [
         RequestEvent(
-            model="m", request_id=request_id, status="error", error="worker for w2 is gone"
+            model="m",
+            request_id=request_id,
+            status=RequestStatus.ERROR,
+            error="worker for w2 is gone",
         )
     ]
 
@@ -244,7 +248,7 @@ def test_a_failed_request_is_published_as_an_error_and_raised_as_itself() -> Non
         RequestEvent(
             model="m",
             request_id=worker.requests[0][2],
-            status="error",
+            status=RequestStatus.ERROR,
             error="the prompt exceeds the context window (64 tokens)",
         )
     ]

@@ -20,6 +20,7 @@ from arbiterd.daemon.telemetry import (
 )
 from arbiterd.daemon.vramwatch import VramWatch
 from arbiterd.events import Event, ResidencyEvent, VramNotFreedEvent
+from arbiterd.states import ResidencyState
 
 _T = TypeVar("_T")
 GiB = 1 << 30
@@ -81,8 +82,8 @@ def residency(
     return ResidencyEvent(
         at=1.0,
         model=model,
-        from_state=from_state,
-        to_state=to_state,
+        from_state=ResidencyState(from_state),
+        to_state=ResidencyState(to_state),
         weights_bytes=weights,
         kv_bytes=kv,
     )

@@ -1,5 +1,6 @@
 """The tray is only a client: of arbiterd's own modules, its modules import only the shared
-records and rendering, errors, config and paths, and the control protocol (issue 17)."""
+records and their states, rendering, errors, config and paths, and the control protocol
+(issue 17)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ GUI = Path(arbiterd.gui.__file__).parent
 ALLOWED = frozenset(
     {
         "arbiterd.events",
+        "arbiterd.states",
         "arbiterd.render",
         "arbiterd.errors",
         "arbiterd.config",

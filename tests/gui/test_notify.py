@@ -25,6 +25,7 @@ from arbiterd.gui.notify import (
     parse_notify_reply,
     session_bus_available,
 )
+from arbiterd.states import ResidencyState
 from tests.gui.fakes import RecordingSink
 from tests.support.waiting import wait_until
 
@@ -45,7 +46,7 @@ def test_ordinary_events_do_not_notify() -> None:
     sink = RecordingSink()
     notifier = FailureNotifier(sink)
     assert not notifier.event(HandoffEvent(at=1.0, from_model="a", to_model="b"))
-    assert not notifier.event(ResidencyEvent(at=1.0, model="a", to_state="cold"))
+    assert not notifier.event(ResidencyEvent(at=1.0, model="a", to_state=ResidencyState.COLD))
     assert sink.calls == []
 
 

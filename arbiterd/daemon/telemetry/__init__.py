@@ -1,7 +1,8 @@
-"""Measured VRAM (DESIGN.md §6, issue 5): per device and per process, sampled by a named thread,
-and a verified teardown after every release.
+"""Measured VRAM (issue 5; README.md, "Measured VRAM"): per device and per process, sampled by a
+named thread, and a verified teardown after every release.
 
-    records.py     the records readers return, the Reader protocol, device ↔ arena names
+    records.py     Reading (its rows: events.DeviceMemory, events.ProcessMemory), the Reader
+                   protocol, device ↔ arena names
     nvml.py        NVIDIA through pynvml — the only module that calls NVML
     drm.py         AMD sysfs totals; any DRM driver's per-process fdinfo (amdgpu, i915, xe)
     readers.py     AccountingReader (no GPU: the engines' own figures), select_readers, ReaderSet
@@ -22,8 +23,6 @@ from arbiterd.daemon.telemetry.readers import (
     select_readers,
 )
 from arbiterd.daemon.telemetry.records import (
-    DeviceMemory,
-    ProcessMemory,
     Reader,
     Reading,
     arena_device_name,
@@ -46,6 +45,7 @@ from arbiterd.daemon.telemetry.teardown import (
     teardown_verdict,
 )
 from arbiterd.errors import TelemetryError
+from arbiterd.events import DeviceMemory, ProcessMemory
 
 __all__ = [
     "GPU_CONTEXT_ALLOWANCE_BYTES",

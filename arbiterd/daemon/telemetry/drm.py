@@ -23,12 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from arbiterd.daemon.telemetry.records import (
-    DeviceMemory,
-    ProcessMemory,
     Reading,
     arena_device_name,
 )
 from arbiterd.errors import TelemetryError
+from arbiterd.events import DeviceMemory, ProcessMemory
 from arbiterd.procs import process_name
 
 SYSFS = Path("/sys")

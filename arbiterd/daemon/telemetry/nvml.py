@@ -14,12 +14,11 @@ from collections.abc import Callable
 from typing import Any
 
 from arbiterd.daemon.telemetry.records import (
-    DeviceMemory,
-    ProcessMemory,
     Reading,
     arena_device_name,
 )
 from arbiterd.errors import TelemetryError
+from arbiterd.events import DeviceMemory, ProcessMemory
 from arbiterd.procs import process_name
 
 log = logging.getLogger(__name__)

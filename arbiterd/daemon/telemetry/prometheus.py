@@ -40,7 +40,7 @@ def vram_series(snapshot: TelemetrySnapshot) -> list[VramSeries]:
             key = (row.device, row.model)
             totals[key] = totals.get(key, 0) + row.used_bytes
     for process in snapshot.others:
-        if process.used_bytes is not None:
+        if process.used_bytes is not None and process.device is not None:
             key = (process.device, process.name or UNKNOWN_OWNER)
             totals[key] = totals.get(key, 0) + process.used_bytes
     return [VramSeries(device, owner, value) for (device, owner), value in sorted(totals.items())]

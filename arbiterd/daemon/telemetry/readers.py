@@ -18,13 +18,12 @@ import psutil
 from arbiterd.daemon.telemetry.drm import PROCFS, SYSFS, AmdSysfsReader, DrmFdinfoReader
 from arbiterd.daemon.telemetry.nvml import NvmlReader
 from arbiterd.daemon.telemetry.records import (
-    DeviceMemory,
-    ProcessMemory,
     Reader,
     Reading,
     arena_device_name,
 )
 from arbiterd.errors import TelemetryError
+from arbiterd.events import DeviceMemory, ProcessMemory
 from arbiterd.procs import process_name
 
 log = logging.getLogger(__name__)
@@ -112,8 +111,8 @@ class ReaderSet:
             reader.close()
 
     def read(self) -> Reading:
-        devices: dict[str, DeviceMemory] = {}
-        processes: dict[tuple[int, str], ProcessMemory] = {}
+        devices: dict[str | None, DeviceMemory] = {}
+        processes: dict[tuple[int | None, str | None], ProcessMemory] = {}
         measured: set[str] = set()
         errors: list[str] = []
         failures = 0
@@ -133,8 +132,8 @@ class ReaderSet:
         if self.readers and failures == len(self.readers):
             raise TelemetryError("; ".join(errors))
         return Reading(
-            devices=tuple(sorted(devices.values(), key=lambda d: d.device)),
-            processes=tuple(sorted(processes.values(), key=lambda p: (p.device, p.pid))),
+            devices=tuple(sorted(devices.values(), key=lambda d: d.device or "")),
+            processes=tuple(sorted(processes.values(), key=lambda p: (p.device or "", p.pid or 0))),
             measured=frozenset(measured),
             errors=tuple(errors),
         )

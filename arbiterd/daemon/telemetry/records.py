@@ -1,8 +1,9 @@
 """What every VRAM reader returns, and the one interface readers share.
 
-Owns the immutable records (a device's memory, a process's memory, one reading), the `Reader`
-protocol and the device ↔ arena naming ("gpu0", "gpu1", …: one arena per GPU). Holds no state and
-touches no driver: the readers live in nvml.py, drm.py and readers.py.
+Owns the record of one reading, the `Reader` protocol and the device ↔ arena naming ("gpu0",
+"gpu1", …: one arena per GPU). A reading's rows are the records a `vram` event carries
+(events.DeviceMemory, events.ProcessMemory: one definition for the reader and the wire). Holds
+no state and touches no driver: the readers live in nvml.py, drm.py and readers.py.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
+
+from arbiterd.events import DeviceMemory, ProcessMemory
 
 _ARENA_DEVICE = re.compile(r"gpu(\d+)")
 
@@ -32,42 +35,6 @@ def device_for_arena(arena: Path) -> str:
     """The device an arena stands for: its directory name (…/arena/gpu1 → "gpu1"); an arena
     named otherwise (a custom --arena DIR) stands for the first GPU, as the default does."""
     return arena.name if device_index(arena.name) is not None else arena_device_name(0)
-
-
-@dataclass(frozen=True)
-class DeviceMemory:
-    device: str  # "gpu0": the arena name, see arena_device_name
-    name: str  # for humans: "NVIDIA GeForce RTX 4090", "amdgpu 0000:03:00.0"
-    total_bytes: int
-    used_bytes: int
-
-    @property
-    def free_bytes(self) -> int:
-        return max(0, self.total_bytes - self.used_bytes)
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "device": self.device,
-            "name": self.name,
-            "total_bytes": self.total_bytes,
-            "used_bytes": self.used_bytes,
-        }
-
-
-@dataclass(frozen=True)
-class ProcessMemory:
-    pid: int
-    device: str
-    used_bytes: int | None  # None: the driver lists the process but does not say how much
-    name: str | None  # None: gone, or not ours to read
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "pid": self.pid,
-            "device": self.device,
-            "used_bytes": self.used_bytes,
-            "name": self.name,
-        }
 
 
 @dataclass(frozen=True)

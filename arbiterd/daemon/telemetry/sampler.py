@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from arbiterd.daemon.telemetry.records import DeviceMemory, ProcessMemory, Reader, Reading
+from arbiterd.daemon.telemetry.records import Reader, Reading
+from arbiterd.events import DeviceMemory, ProcessMemory
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +92,8 @@ def build_snapshot(
     models: list[ModelMemory] = []
     others: list[ProcessMemory] = []
     for process in reading.processes:
-        model = model_of.get(process.pid)
-        if model is None:
+        model = None if process.pid is None else model_of.get(process.pid)
+        if model is None or process.pid is None or process.device is None:
             others.append(process)
         else:
             models.append(ModelMemory(model, process.pid, process.device, process.used_bytes))

@@ -1,7 +1,8 @@
 """Verified teardown: after a model goes cold, prove its worker gave the VRAM back.
 
 Owns the verdict (a pure function of the figures seen so far), the bounded polling around it,
-the `vram_not_freed` event and each model's *cold footprint* — what a cold worker still holds,
+when to say `vram_not_freed` (events.VramNotFreedEvent, the record) and each model's *cold
+footprint* — what a cold worker still holds,
 e.g. its CUDA/ROCm context. Never decides anything about residency: it measures and reports.
 
 Why: "VRAM not freed" is the most repeated complaint about every peer (llama-swap #97, Ollama's
@@ -16,10 +17,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from arbiterd.daemon.telemetry.records import Reader
 from arbiterd.errors import TelemetryError
+from arbiterd.events import VramNotFreedEvent
 
 log = logging.getLogger(__name__)
 
@@ -84,25 +85,19 @@ class TeardownResult:
     def freed(self) -> bool:
         return self.outcome is TeardownOutcome.FREED
 
-    def event(self) -> dict[str, Any] | None:
+    def event(self) -> VramNotFreedEvent | None:
         """The `vram_not_freed` event when the memory did not come back, else None."""
         if self.outcome is not TeardownOutcome.NOT_FREED:
             return None
-        figures = self.to_json()
-        del figures["outcome"]
-        return {"event": "vram_not_freed", **figures}
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "outcome": self.outcome.value,
-            "model": self.model,
-            "pid": self.pid,
-            "device": self.device,
-            "bytes_before": self.bytes_before,
-            "bytes_after": self.bytes_after,
-            "expected_bytes": self.expected_bytes,
-            "waited_s": round(self.waited_s, 3),
-        }
+        return VramNotFreedEvent(
+            model=self.model,
+            pid=self.pid,
+            device=self.device,
+            bytes_before=self.bytes_before,
+            bytes_after=self.bytes_after,
+            expected_bytes=self.expected_bytes,
+            waited_s=round(self.waited_s, 3),
+        )
 
 
 class TeardownCheck:

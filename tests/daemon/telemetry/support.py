@@ -31,7 +31,7 @@ def copied_tree(machine: str, tmp_path: Path) -> tuple[Path, Path]:
     return root / "sys", root / "proc"
 
 
-def by_pid(reading: Reading) -> dict[tuple[int, str], int | None]:
+def by_pid(reading: Reading) -> dict[tuple[int | None, str | None], int | None]:
     return {(p.pid, p.device): p.used_bytes for p in reading.processes}
 
 

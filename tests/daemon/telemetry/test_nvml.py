@@ -91,7 +91,7 @@ def test_the_real_pynvml_either_reads_or_says_why_not() -> None:
         if reason is None:  # a machine with an NVIDIA driver
             reading = reader.read()
             assert reading.devices
-            assert all(d.total_bytes > 0 for d in reading.devices)
+            assert all(d.total_bytes is not None and d.total_bytes > 0 for d in reading.devices)
         else:  # here: no libnvidia-ml.so
             assert reason.startswith("nvml: nvmlInit: ")
     finally:

@@ -19,6 +19,7 @@ from arbiterd.daemon.telemetry import (
     select_readers,
     teardown_verdict,
 )
+from arbiterd.events import VramNotFreedEvent
 from tests.daemon.telemetry.support import (
     WAIT_S,
     WORKER_PID,
@@ -115,16 +116,15 @@ def test_check_reports_vram_not_freed_after_the_deadline() -> None:
     )
     result = check.run("qwen", WORKER_PID, expected_bytes=EXPECTED, device="gpu0")
     assert result.outcome is TeardownOutcome.NOT_FREED
-    assert result.event() == {
-        "event": "vram_not_freed",
-        "model": "qwen",
-        "pid": WORKER_PID,
-        "device": "gpu0",
-        "bytes_before": 6 * GiB,  # the first sample, none was given
-        "bytes_after": 3 * GiB,
-        "expected_bytes": EXPECTED,
-        "waited_s": 2.0,
-    }
+    assert result.event() == VramNotFreedEvent(
+        model="qwen",
+        pid=WORKER_PID,
+        device="gpu0",
+        bytes_before=6 * GiB,  # the first sample, none was given
+        bytes_after=3 * GiB,
+        expected_bytes=EXPECTED,
+        waited_s=2.0,
+    )
     assert sum(time_.waits) == pytest.approx(2.0)
     assert reader.reads == 21  # at 0 s, then every 0.1 s up to 2 s
 
@@ -136,7 +136,7 @@ def test_check_that_cannot_measure_says_so_and_raises_no_alarm() -> None:
     result = check.run("qwen", WORKER_PID, expected_bytes=0)
     assert result.outcome is TeardownOutcome.UNMEASURED
     assert result.event() is None
-    assert result.to_json()["outcome"] == "unmeasured"
+    assert result.outcome.value == "unmeasured"
 
 
 def test_cancelled_check_stops_waiting_at_once() -> None:
@@ -197,9 +197,9 @@ def test_teardown_on_the_amdgpu_tree_catches_vram_that_stays(tmp_path: Path) -> 
     footprints.record(result)
     event = result.event()
     assert event is not None
-    assert event["event"] == "vram_not_freed"
-    assert event["bytes_after"] == 6144 * MiB + 262148 * KiB
-    assert event["expected_bytes"] == GPU_CONTEXT_ALLOWANCE_BYTES
+    assert event.kind == "vram_not_freed"
+    assert event.bytes_after == 6144 * MiB + 262148 * KiB
+    assert event.expected_bytes == GPU_CONTEXT_ALLOWANCE_BYTES
     assert footprints.footprint("qwen") == 6144 * MiB + 262148 * KiB  # shown to the user
     assert footprints.expected("qwen") == GPU_CONTEXT_ALLOWANCE_BYTES  # a leak is not learned
     footprints.forget("qwen")
