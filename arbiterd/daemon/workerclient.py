@@ -52,7 +52,7 @@ STATUS_TIMEOUT_S = 10.0  # a worker answers status from its io thread, even mid-
 LAST_WORDS_LINES = 8
 LAST_WORDS_LINE_CHARS = 300
 STDERR_DRAIN_S = 1.0
-# The residency backends a worker may name (engine.py's Backend.kind).
+# The residency backends a worker may name (arbiterd/worker/engine's Backend.kind).
 BACKENDS = frozenset({"in-place", "reload"})
 
 EventListener = Callable[[dict[str, Any]], None]
