@@ -18,7 +18,6 @@ import pytest
 from arbiterd.arena import Arena, Priority
 from arbiterd.daemon.workerclient import (
     HELLO_TIMEOUT_S,
-    BlockingWorker,
     EngineReport,
     WorkerHello,
 )
@@ -37,6 +36,7 @@ from arbiterd.wire import LineReader, LineWriter
 from arbiterd.worker.engine import EngineInfo, Generation, Moved, Prepared, engine_info
 from arbiterd.worker.kvfile import KvState
 from arbiterd.worker.loop import Unavailable, Worker
+from tests.support.blocking_worker import BlockingWorker
 from tests.support.waiting import wait_until
 
 PREFIX = " ".join(f"the fox {w} is not a dog" for w in ("one", "two", "three", "four") * 8)
