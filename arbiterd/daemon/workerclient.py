@@ -37,6 +37,7 @@ from typing import Any
 from arbiterd.daemon.liveness import Heard
 from arbiterd.errors import ProtocolError, WorkerError, WorkerGoneError, error_from_wire
 from arbiterd.spec import WORKER_PROTOCOL, WorkerConfig
+from arbiterd.states import BackendKind
 from arbiterd.wire import AsyncLineReader, encode
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ LAST_WORDS_LINES = 8
 LAST_WORDS_LINE_CHARS = 300
 STDERR_DRAIN_S = 1.0
 # The residency backends a worker may name (arbiterd/worker/engine's Backend.kind).
-BACKENDS = frozenset({"in-place", "reload"})
+BACKENDS = frozenset(kind for kind in BackendKind if kind is not BackendKind.UNKNOWN)
 
 EventListener = Callable[[dict[str, Any]], None]
 ChunkListener = Callable[[dict[str, Any]], None]
@@ -87,7 +88,7 @@ class WorkerHello:
     protocol: int
     model: str
     pid: int
-    backend: str  # one of BACKENDS
+    backend: BackendKind  # one of BACKENDS
     fallback_reason: str  # "" for in-place; else why in-place was not available
     engine: EngineReport
 
@@ -107,7 +108,8 @@ class WorkerHello:
             raise ProtocolError(f"hello: unknown backend {backend!r}")
         if not isinstance(reason, str):
             raise ProtocolError(f"hello: fallback_reason is not a string: {reason!r}")
-        return cls(protocol, model, pid, str(backend), reason, EngineReport.read(raw.get("engine")))
+        engine = EngineReport.read(raw.get("engine"))
+        return cls(protocol, model, pid, BackendKind(backend), reason, engine)
 
 
 class _PidfdChildWatcher(asyncio.AbstractChildWatcher):

@@ -32,6 +32,7 @@ from arbiterd.errors import (
     WorkerError,
 )
 from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, ModelSpec, Residency, WorkerConfig
+from arbiterd.states import BackendKind
 from arbiterd.wire import LineReader, LineWriter
 from arbiterd.worker.engine import EngineInfo, Generation, Moved, Prepared, engine_info
 from arbiterd.worker.kvfile import KvState
@@ -495,7 +496,7 @@ def test_an_unload_that_cannot_write_still_unloads_and_says_why(
 class FlakyRestore:
     """A backend whose restore fails: the worker must roll back to cold and free the token."""
 
-    kind = "reload"
+    kind = BackendKind.RELOAD
     fallback_reason = "test double: no residency API"
     keeps_kv_on_device = False
     prompt_tokens_evaluated_total = 0
@@ -597,7 +598,7 @@ class Buggy(FlakyRestore):
     and, with `breaks_releasing`, a release that raises (its restore works). In place: a
     generation may pause."""
 
-    kind = "in-place"
+    kind = BackendKind.IN_PLACE
     fallback_reason = ""
 
     def __init__(self, *, breaks_releasing: bool = False) -> None:
@@ -838,7 +839,7 @@ def test_the_hello_and_the_status_say_the_backend_and_the_engine(workers: Worker
 
 
 class InPlaceDouble(FlakyRestore):
-    kind = "in-place"
+    kind = BackendKind.IN_PLACE
     fallback_reason = ""
 
 

@@ -19,6 +19,7 @@ import llama_cpp
 
 from arbiterd.errors import EngineError, RequestError, RestoreError
 from arbiterd.spec import KvPolicy
+from arbiterd.states import BackendKind
 from arbiterd.worker.engine.backend import LlamaBackend, disk_read_bytes, load_kv, save_kv
 from arbiterd.worker.engine.records import Moved
 
@@ -26,7 +27,7 @@ from arbiterd.worker.engine.records import Moved
 class ReloadBackend(LlamaBackend):
     """Portable residency: free everything on release, reload from the host copy on restore."""
 
-    kind = "reload"
+    kind = BackendKind.RELOAD
     keeps_kv_on_device = False
     # Why the projector cannot swap with the weights: freeing them frees the whole context.
     swap_refusal = (
