@@ -1,6 +1,6 @@
-"""Reload residency, the portable mechanism (README "Residency"): a release frees the
-context and the model (the KV, as its policy says, saved to host bytes first); a restore loads
-the model again from its host copy and sets the KV back. Part of the engine
+"""Reload residency, the portable mechanism (any llama-cpp-python, no engine patch): a release
+frees the context and the model (the KV, as its policy says, saved to host bytes first); a
+restore loads the model again from its host copy and sets the KV back. Part of the engine
 (arbiterd/worker/engine/): it calls llama_cpp, on the engine thread only.
 
 - cold: `llama_state_get_data` copies the KV cache into host bytes (with the token list it
