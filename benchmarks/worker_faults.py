@@ -37,12 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from arbiterd.arena import Arena
-from arbiterd.daemon.workerclient import BlockingWorker
 from arbiterd.errors import ContextOverflowError
 from arbiterd.spec import ModelSpec, WorkerConfig
 from arbiterd.wire import LineReader, LineWriter
 from benchmarks.common import report, summary
 from benchmarks.worker_handoff import CpuMeter
+from tests.support.blocking_worker import BlockingWorker
 
 N_CTX = 4096
 N_THREADS = 2
@@ -56,7 +56,7 @@ import json, sys, time
 from pathlib import Path
 from llama_cpp._internals import LlamaModel
 import llama_cpp
-from arbiterd.worker.engine import _Vocab
+from arbiterd.worker.engine.vocab import Vocab
 
 def rss_bytes():
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -68,7 +68,7 @@ path = sys.argv[1]
 Path(path).read_bytes()  # in the page cache, as the worker's memfd host copy would be
 before = rss_bytes()
 started = time.monotonic()
-vocab = _Vocab(path, Path(path))
+vocab = Vocab(path, Path(path))
 total_s = time.monotonic() - started
 rss = rss_bytes() - before
 vocab.close()

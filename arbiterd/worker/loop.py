@@ -42,7 +42,9 @@ Message protocol (JSON lines, `arbiterd.wire`), version WORKER_PROTOCOL:
     worker → daemon  {"id", "chunk": {...}}  {"id", "result": {...}}
                      a status result: the status fields and "beat_age_s", the age of the
                      engine thread's last beat when the io thread answered
-                     {"id", "error": {"code", "message"}}: code is an errors.ErrorCode
+                     {"id", "error": {"code", "message"}}: code is an errors.ErrorCode; a
+                     message the worker cannot read, or one with a bad op, is answered so with
+                     "bad_message" and the id it names (null when none could be read)
                      {"event": "residency", ...}  {"event": "request", ...}
                      A residency event that ends a load or a warm-up (→ warm) also says how
                      the token was had: "waited_from" (epoch s), "wait_s", and the holder when
@@ -153,7 +155,7 @@ class Worker:
         self._next_preemption_check = 0.0
         # Pausing releases in place, so llama-cpp-python's generation survives it; the reload
         # backend frees the Llama object a generation runs on.
-        self._can_pause = config.preemptible and backend.kind == BackendKind.IN_PLACE
+        self._can_pause = config.preemptible and backend.kind is BackendKind.IN_PLACE
         self._pinned = False
         self._current: str | None = None
         self._last_error = ""
@@ -167,8 +169,8 @@ class Worker:
         while True:
             try:
                 message = self._reader.read()
-            except ProtocolError as exc:
-                self._out.send({"error": {"type": "ProtocolError", "message": str(exc)}})
+            except ProtocolError as exc:  # answered to its request, when its id could be read
+                self._out.send({"id": exc.request_id, "error": exc.to_wire()})
                 continue
             except OSError:
                 message = None
@@ -182,12 +184,13 @@ class Worker:
         raw_op, request_id = message.get("op"), message.get("id")
         op = WorkerOp(raw_op) if isinstance(raw_op, str) else WorkerOp.UNKNOWN
         if not isinstance(request_id, str) or op is WorkerOp.UNKNOWN:
-            self._out.send(
-                {
-                    "id": request_id,
-                    "error": {"type": "ProtocolError", "message": f"bad op {raw_op!r}"},
-                }
+            readable = request_id if isinstance(request_id, str) else None
+            problem = (
+                f"bad op {raw_op!r}"
+                if op is WorkerOp.UNKNOWN
+                else f"a {op} message without a string id"
             )
+            self._out.send({"id": readable, "error": ProtocolError(problem).to_wire()})
             return
         if op is WorkerOp.STATUS:
             beat_age_s = round(time.monotonic() - self._beat, 3)
@@ -738,7 +741,7 @@ class Unavailable:
     def __init__(self, spec: ModelSpec, error: EngineError) -> None:
         self.spec = spec
         # What the config asked for, as the status shows it (only "in-place" can fail so).
-        self.kind: str = (
+        self.kind = (
             BackendKind.IN_PLACE if spec.residency is Residency.IN_PLACE else BackendKind.RELOAD
         )
         self._error = error

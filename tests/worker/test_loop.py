@@ -18,7 +18,6 @@ import pytest
 from arbiterd.arena import Arena, Priority
 from arbiterd.daemon.workerclient import (
     HELLO_TIMEOUT_S,
-    BlockingWorker,
     EngineReport,
     WorkerHello,
 )
@@ -33,10 +32,12 @@ from arbiterd.errors import (
     WorkerError,
 )
 from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, ModelSpec, Residency, WorkerConfig
+from arbiterd.states import BackendKind
 from arbiterd.wire import LineReader, LineWriter
 from arbiterd.worker.engine import EngineInfo, Generation, Moved, Prepared, engine_info
 from arbiterd.worker.kvfile import KvState
 from arbiterd.worker.loop import Unavailable, Worker
+from tests.support.blocking_worker import BlockingWorker
 from tests.support.waiting import wait_until
 
 PREFIX = " ".join(f"the fox {w} is not a dog" for w in ("one", "two", "three", "four") * 8)
@@ -495,7 +496,7 @@ def test_an_unload_that_cannot_write_still_unloads_and_says_why(
 class FlakyRestore:
     """A backend whose restore fails: the worker must roll back to cold and free the token."""
 
-    kind = "reload"
+    kind = BackendKind.RELOAD
     fallback_reason = "test double: no residency API"
     keeps_kv_on_device = False
     prompt_tokens_evaluated_total = 0
@@ -597,7 +598,7 @@ class Buggy(FlakyRestore):
     and, with `breaks_releasing`, a release that raises (its restore works). In place: a
     generation may pause."""
 
-    kind = "in-place"
+    kind = BackendKind.IN_PLACE
     fallback_reason = ""
 
     def __init__(self, *, breaks_releasing: bool = False) -> None:
@@ -661,6 +662,10 @@ class InProcess:
     def generate(self, request_id: str, body: dict[str, Any]) -> dict[str, Any]:
         return self.ask(request_id, op="generate", kind="completion", body=body)
 
+    def send_line(self, line: bytes) -> None:
+        """Write one raw line, as a daemon with a bug could."""
+        self._ours.sendall(line + b"\n")
+
     def close(self) -> None:
         self._ours.close()  # the daemon is gone: the worker stops
         self.thread.join(timeout=10)
@@ -689,6 +694,32 @@ def test_a_request_that_meets_a_bug_is_its_own_error_and_the_worker_serves_on(
     assert "result" in worker.generate("ok", {})
     status = worker.ask("s", op="status")["result"]
     assert (status["state"], status["holds_token"], status["served"]) == ("warm", True, 1)
+    worker.close()
+    assert worker.raised == []
+
+
+@pytest.mark.parametrize(
+    ("line", "request_id", "problem"),
+    [
+        (b'{"op": "dance", "id": "d1"}', "d1", "bad op 'dance'"),
+        (b'{"op": "generate", "id": 7}', None, "a generate message without a string id"),
+        (b'{"op": "generate", "id": "g1", "body": {', "g1", "not JSON"),
+        (b'{"op": "generate", "id": "u1", "body": "\xff"}', "u1", "not UTF-8"),
+        (b"[1, 2]", None, "not a JSON object"),
+    ],
+    ids=["bad-op", "no-id", "not-json", "not-utf8", "not-an-object"],
+)
+def test_a_malformed_message_is_answered_with_its_code_and_the_id_it_names(
+    tmp_path: Path, line: bytes, request_id: str | None, problem: str
+) -> None:
+    worker = InProcess(tmp_path, FlakyRestore())
+    worker.until(lambda m: m.get("to") == "warm")
+    worker.send_line(line)
+    reply = worker.until(lambda m: "error" in m)
+    assert reply["id"] == request_id
+    assert reply["error"]["code"] == "bad_message"
+    assert problem in reply["error"]["message"]
+    assert "result" in worker.generate("next", {})  # the worker serves on
     worker.close()
     assert worker.raised == []
 
@@ -808,7 +839,7 @@ def test_the_hello_and_the_status_say_the_backend_and_the_engine(workers: Worker
 
 
 class InPlaceDouble(FlakyRestore):
-    kind = "in-place"
+    kind = BackendKind.IN_PLACE
     fallback_reason = ""
 
 
