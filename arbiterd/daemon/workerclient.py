@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 
 from arbiterd.daemon.liveness import Heard
 from arbiterd.errors import ProtocolError, WorkerError, WorkerGoneError, error_from_wire
+from arbiterd.request import GenerateRequest
 from arbiterd.spec import WORKER_PROTOCOL, WorkerConfig
 from arbiterd.wire import AsyncLineReader, encode
 
@@ -295,8 +296,7 @@ class WorkerClient:
 
     async def generate(
         self,
-        kind: str,
-        body: dict[str, Any],
+        request: GenerateRequest,
         *,
         on_chunk: ChunkListener | None = None,
         timeout_s: float | None = 600.0,
@@ -309,8 +309,7 @@ class WorkerClient:
                 {
                     "op": "generate",
                     "id": opened,
-                    "kind": kind,
-                    "body": body,
+                    "request": request.to_json(),
                     "stream": on_chunk is not None,
                 }
             )
@@ -596,8 +595,7 @@ class BlockingWorker:
 
     def generate(
         self,
-        kind: str,
-        body: dict[str, Any],
+        request: GenerateRequest,
         *,
         on_chunk: ChunkListener | None = None,
         timeout_s: float | None = 600.0,
@@ -605,7 +603,7 @@ class BlockingWorker:
     ) -> dict[str, Any]:
         return self._call(
             self.client.generate(
-                kind, body, on_chunk=on_chunk, timeout_s=timeout_s, request_id=request_id
+                request, on_chunk=on_chunk, timeout_s=timeout_s, request_id=request_id
             )
         )
 

@@ -31,8 +31,9 @@ Message protocol (JSON lines, `arbiterd.wire`), version WORKER_PROTOCOL:
                      loaded llama.cpp can do (engine.EngineInfo; offload false = CPU only).
                      The daemon reads all six; fields are only ever added to the hello, and
                      WORKER_PROTOCOL changes when one changes meaning or goes (issue 15).
-    daemon → worker  {"op": "generate", "id", "kind": "completion"|"chat"|"embedding", "body",
-                      "stream"}   an embedding model takes "embedding" only, any other the rest
+    daemon → worker  {"op": "generate", "id", "request", "stream"}   request: a GenerateRequest
+                     (arbiterd/request.py) as its to_json writes it; an embedding model takes
+                     kind "embedding" only, any other "completion" and "chat"
                      {"op": "status"|"release"|"warm"|"pin"|"unpin"|"shutdown", "id"}
                      {"op": "unload", "id"}  save the prompt cache to the config's kv_file
                      (worker/kvfile.py), answer {"kv_file", "kv_bytes", "tokens", "error"}
@@ -200,13 +201,14 @@ class Worker:
         elif op == "shutdown":
             self._request_stop()
         else:
-            body = message.get("body", {})
+            body = message.get("request", {})
+            body = body if isinstance(body, dict) else {}
             self._inbox.put(
                 Command(
                     op,
                     request_id,
-                    kind=str(message.get("kind", "")),
-                    body=body if isinstance(body, dict) else {},
+                    kind=str(body.get("kind", "")),
+                    body=body,
                     stream=bool(message.get("stream")),
                 )
             )
