@@ -207,8 +207,13 @@ def daemon_gone(arena: Path, model: Path, rounds: int) -> dict[str, Any]:
                 pass_fds=[fd],
             )
         reader, writer = LineReader(ours), LineWriter(ours)
-        body = {"prompt": "Once upon a time", "max_tokens": 3000, "temperature": 0}
-        message = {"op": "generate", "id": "1", "kind": "completion", "body": body}
+        request = {
+            "kind": "completion",
+            "prompt": "Once upon a time",
+            "max_tokens": 3000,
+            "temperature": 0,
+        }
+        message = {"op": "generate", "id": "1", "request": request}
         writer.send({**message, "stream": True})
         while True:  # the first streamed token: the worker is decoding
             line = reader.read()

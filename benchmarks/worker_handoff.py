@@ -263,7 +263,9 @@ def token_counter(path: Path, target: int) -> Iterator[Callable[[str], int]]:
 
         def count(text: str) -> int:
             body = {"prompt": text, "max_tokens": 1}
-            return len(backend.prepare("completion", body, lambda: False).prompt_tokens)
+            return len(
+                backend.prepare(request_for("completion", body), lambda: False).prompt_tokens
+            )
 
         yield count
     finally:

@@ -53,7 +53,6 @@ Message protocol (JSON lines, `arbiterd.wire`), version WORKER_PROTOCOL:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import queue
@@ -64,11 +63,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from arbiterd.arena import Arena, ArenaState, Gateway, Hold, Place, Priority, parse_priority
+from arbiterd.arena import Arena, ArenaState, Gateway, Hold, Place, Priority
 from arbiterd.errors import (
     AcquireCancelledError,
     ArbiterError,
-    BadValueError,
     EngineError,
     InternalError,
     ProtocolError,
@@ -79,6 +77,7 @@ from arbiterd.errors import (
 from arbiterd.events import EncoderEvent, RequestEvent, ResidencyEvent
 from arbiterd.groups import Gate
 from arbiterd.procs import holder_name
+from arbiterd.request import GenerateRequest
 from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, ModelSpec, Residency, WorkerConfig
 from arbiterd.wire import LineReader, LineWriter
 from arbiterd.worker import kvfile
@@ -116,8 +115,9 @@ class Command:
 
     op: str
     id: str
-    kind: str = ""
-    body: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # A generate op's GenerateRequest as the wire carried it: read in the engine thread, where
+    # a malformed one fails its request.
+    request: object = None
     stream: bool = False
 
 
@@ -201,14 +201,11 @@ class Worker:
         elif op == "shutdown":
             self._request_stop()
         else:
-            body = message.get("request", {})
-            body = body if isinstance(body, dict) else {}
             self._inbox.put(
                 Command(
                     op,
                     request_id,
-                    kind=str(body.get("kind", "")),
-                    body=body,
+                    request=message.get("request"),
                     stream=bool(message.get("stream")),
                 )
             )
@@ -391,18 +388,19 @@ class Worker:
         failure: ArbiterError | None = None
         queued: tuple[Place, _Waiting] | None = None
         try:
-            priority = _priority(command.body, self.config.priority)
+            request = GenerateRequest.from_json(command.request)
+            # The class it waits for the GPU in: its own (from the HTTP edge's header) or the
+            # model's.
+            priority = request.priority or self.config.priority
             if self._residency.state is State.COLD:
                 # Queue before preparing: the holder releases while we tokenize.
                 queued = self._announce(priority)
-            request = self._backend.prepare(
-                command.kind, command.body, lambda: self._between_pieces(command.id)
-            )
+            prepared = self._backend.prepare(request, lambda: self._between_pieces(command.id))
             if queued is not None:
                 self._warm_up(command.id, priority, queued)
             started = time.monotonic()
             result = self._backend.run(
-                request, self._sink(command), lambda: self._stops_or_pauses(command.id, priority)
+                prepared, self._sink(command), lambda: self._stops_or_pauses(command.id, priority)
             )
         except ArbiterError as exc:
             failure = exc
@@ -749,7 +747,7 @@ class Unavailable:
     def restore(self) -> Moved:
         raise self._error
 
-    def prepare(self, kind: str, body: dict[str, Any], cancelled: Cancelled) -> Prepared:
+    def prepare(self, request: GenerateRequest, cancelled: Cancelled) -> Prepared:
         raise self._error
 
     def run(self, request: Prepared, sink: ChunkSink | None, cancelled: Cancelled) -> Generation:
@@ -772,18 +770,6 @@ class Unavailable:
 
     def close(self) -> None:
         return None
-
-
-def _priority(body: dict[str, Any], default: Priority) -> Priority:
-    """The class a request waits for the GPU in: its own ("priority", from the HTTP edge's
-    header) or the model's."""
-    given = body.get("priority")
-    if given is None:
-        return default
-    try:
-        return parse_priority(str(given), "'priority'")
-    except BadValueError as exc:
-        raise RequestError(str(exc)) from None
 
 
 def _kept(

@@ -32,6 +32,7 @@ from arbiterd.errors import (
     RestoreError,
     WorkerError,
 )
+from arbiterd.request import GenerateRequest
 from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, ModelSpec, Residency, WorkerConfig
 from arbiterd.wire import LineReader, LineWriter
 from arbiterd.worker.engine import EngineInfo, Generation, Moved, Prepared, engine_info
@@ -388,7 +389,7 @@ def test_the_requests_that_ended_a_worker_are_their_own_errors_and_it_lives(
     with pytest.raises(InternalError, match=r"\(UnicodeEncodeError\)"):
         complete(worker, "ab\ud800cd")
     bias = {"kind": "completion", "prompt": "x", "max_tokens": 1, "logit_bias": {"1" * 5000: 1}}
-    with pytest.raises(RequestError, match="ids are 0 to 511"):
+    with pytest.raises(RequestError, match="which is not a token id"):
         worker.request("generate", request=bias, timeout_s=60)
     assert complete(worker, "the fox")["completion_tokens"] >= 1
     assert worker.returncode is None
@@ -527,8 +528,8 @@ class FlakyRestore:
     def restore(self) -> Moved:
         raise self.failure
 
-    def prepare(self, kind: str, body: dict[str, Any], cancelled: Any) -> Prepared:
-        return Prepared(kind, {"prompt": [1]})
+    def prepare(self, request: GenerateRequest, cancelled: Any) -> Prepared:
+        return Prepared(request.kind, {"prompt": [1]})
 
     def run(self, request: Prepared, sink: Any, cancelled: Any) -> Generation:
         return Generation({"choices": []}, 1, 1, 1)
@@ -621,10 +622,10 @@ class Buggy(FlakyRestore):
             raise ValueError("a bug in releasing")
         return super().release(kv)
 
-    def prepare(self, kind: str, body: dict[str, Any], cancelled: Any) -> Prepared:
-        if body.get("prompt") == "prepare":
+    def prepare(self, request: GenerateRequest, cancelled: Any) -> Prepared:
+        if request.prompt == "prepare":
             "ab\ud800cd".encode()  # what the tokenizer met in issue 24
-        return Prepared(kind, {"prompt": [1], "bug": body.get("prompt")})
+        return Prepared(request.kind, {"prompt": [1], "bug": request.prompt})
 
     def run(self, request: Prepared, sink: Any, cancelled: Any) -> Generation:
         if request.completion["bug"] == "run":
@@ -758,7 +759,7 @@ class SlowToPrepare(FlakyRestore):
         self.warm = True
         return Moved(0.0, 100, 10, 0)
 
-    def prepare(self, kind: str, body: dict[str, Any], cancelled: Any) -> Prepared:
+    def prepare(self, request: GenerateRequest, cancelled: Any) -> Prepared:
         while not cancelled():
             self.pieces += 1
             time.sleep(0.002)  # tokenizing one piece
