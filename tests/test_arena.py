@@ -15,8 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from arbiterd import arena as arena_module
-from arbiterd.arena import QUEUE_DIR, Arena, ArenaState, HolderInfo, Priority, parse_proc_locks
+from arbiterd.arena import (
+    QUEUE_DIR,
+    Arena,
+    ArenaState,
+    HolderInfo,
+    Priority,
+    parse_proc_locks,
+    procfs,
+)
+from arbiterd.arena import token as arena_token
 from arbiterd.errors import (
     AcquireCancelledError,
     AcquireTimeoutError,
@@ -51,7 +59,7 @@ def finish(proc: subprocess.Popen[str]) -> None:
 
 def our_locks(arena: Arena) -> list[object]:
     text = Path("/proc/locks").read_text()
-    inodes = {arena_module._inode_key(os.stat(arena.path / f)) for f in ("token.lock", "want.lock")}
+    inodes = {procfs.inode_key(os.stat(arena.path / f)) for f in ("token.lock", "want.lock")}
     return [r for r in parse_proc_locks(text) if r.pid == os.getpid() and r.inode in inodes]
 
 
@@ -228,10 +236,10 @@ def test_holder_is_named_when_proc_locks_has_lost_the_lockers_pid(
     # Seen from another pid namespace, /proc/locks shows pid 0 once the locker's pid is freed
     # (fs/locks.c locks_translate_pid), while processes that share its description hold on.
     with arena.acquire("heir"):
-        token_ino = arena_module._inode_key((arena.path / "token.lock").stat())
+        token_ino = procfs.inode_key((arena.path / "token.lock").stat())
         fake = tmp_path / "locks"
         fake.write_text("1: FLOCK  ADVISORY  WRITE 0 {:02x}:{:02x}:{} 0 EOF\n".format(*token_ino))
-        monkeypatch.setattr(arena_module, "PROC_LOCKS", fake)
+        monkeypatch.setattr(arena_token, "PROC_LOCKS", fake)
         state = arena.observe()
         assert state.holder_pid == os.getpid()  # holds it, as its fdinfo shows
         assert state.holder is not None
@@ -267,7 +275,7 @@ def test_filesystem_without_flock_is_a_clear_error(
     def no_flock(fd: int, operation: int) -> None:
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
-    monkeypatch.setattr("arbiterd.arena.fcntl.flock", no_flock)
+    monkeypatch.setattr("arbiterd.arena.locks.fcntl.flock", no_flock)
     with pytest.raises(ArenaUnsupportedError, match="does not support flock"):
         Arena(tmp_path / "arena")
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from arbiterd import arena as arena_module
 from arbiterd.arena import (
     QUEUE_DIR,
     Arena,
@@ -26,6 +25,7 @@ from arbiterd.arena import (
     Token,
     parse_priority,
 )
+from arbiterd.arena import records as arena_records
 from arbiterd.errors import AcquireCancelledError, BadValueError
 from tests.conftest import SUPPORT, Processes
 from tests.support.stamps import overlaps, read_holds
@@ -135,7 +135,7 @@ def test_a_waiter_of_a_higher_class_overtakes_the_one_already_blocked_on_the_tok
 def test_aging_lifts_a_long_waiting_batch_job_one_class_at_a_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(arena_module, "PRIORITY_AGING_S", 10.0)
+    monkeypatch.setattr(arena_records, "PRIORITY_AGING_S", 10.0)
     batch = QueuedWaiter(1, Priority.BATCH, since_ns=0, file="a")
     assert batch.competes_as(5 * 10**9) is Priority.BATCH
     assert batch.competes_as(15 * 10**9) is Priority.NORMAL
@@ -150,7 +150,7 @@ def test_aging_lifts_a_long_waiting_batch_job_one_class_at_a_time(
 def test_two_tickets_never_change_places_as_they_age(monkeypatch: pytest.MonkeyPatch) -> None:
     """The order is fixed when a ticket queues, so a waiter never comes to be behind the
     ticket it waits on (issue 24: they then waited on each other)."""
-    monkeypatch.setattr(arena_module, "PRIORITY_AGING_S", 1.0)
+    monkeypatch.setattr(arena_records, "PRIORITY_AGING_S", 1.0)
     rng = random.Random(24)
     for _ in range(2000):
         a, b = (
@@ -176,7 +176,7 @@ def test_waiters_that_age_past_one_another_are_all_served(
     one's ticket, and ages past it. Under the old aging, the normal run then got the token,
     saw the batch one ahead of it and waited on its ticket: each on the other, the GPU free,
     both still blocked a minute later."""
-    monkeypatch.setattr(arena_module, "PRIORITY_AGING_S", AGING_S)  # for our observe()
+    monkeypatch.setattr(arena_records, "PRIORITY_AGING_S", AGING_S)  # for our observe()
     log = tmp_path / "holds.log"
     log.touch(mode=0o600)
     env = dict(os.environ, ARBITERD_ARENA=str(arena.path), JOB_NAME="render")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from arbiterd.arena import Priority
+from arbiterd.cli.starter import starter_config_text
 from arbiterd.config import (
     DEFAULT_MAX_IMAGE_BYTES,
     Config,
@@ -18,11 +19,10 @@ from arbiterd.config import (
     Load,
     default_config_path,
     load_config,
-    parse_size,
-    starter_config_text,
 )
 from arbiterd.errors import BadValueError, ConfigError, RuntimeDirError
 from arbiterd.spec import KvPolicy, Residency, WorkerConfig
+from arbiterd.tomltable import parse_size
 
 FULL = """\
 [daemon]

@@ -1,4 +1,4 @@
-"""Groups (arbiterd/groups.py): members are warm together under one token the keeper holds; a
+"""Groups (arbiterd/arena/groups.py): members are warm together under one token the keeper holds; a
 waiter from outside makes every member go cold before the token moves; members never hand the
 GPU to each other; a killed member holds nothing."""
 
@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import pytest
 
 from arbiterd.arena import Arena, Priority
+from arbiterd.arena.groups import Gate, GateHold, Keeper, group_dir
 from arbiterd.errors import AcquireCancelledError, BadValueError
-from arbiterd.groups import Gate, GateHold, Keeper, group_dir
 from tests.support.waiting import wait_until
 
 
@@ -175,7 +175,7 @@ MEMBER = """
 import sys, time
 from pathlib import Path
 from arbiterd.arena import Arena, Priority
-from arbiterd.groups import Gate
+from arbiterd.arena.groups import Gate
 ticket = Gate(Arena(Path(sys.argv[1])), "pair").queue(Priority.NORMAL)
 hold = ticket.take("victim")
 ticket.leave()

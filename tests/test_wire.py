@@ -119,6 +119,33 @@ def test_the_tail_of_an_oversized_line_is_never_read_as_a_message() -> None:
     assert drain(framer) == [{"op": "status"}]
 
 
+@pytest.mark.parametrize(
+    ("line", "request_id"),
+    [
+        (b'{"op": "generate", "id": "r7", "body": {', "r7"),  # not JSON
+        (b'{"op":"generate","id":"r8","body":"\xff"}', "r8"),  # not UTF-8
+        (b'{"op": "generate", "body": {', None),  # names no id
+        (b'[{"id": "r9"}]', None),  # JSON but not an object: it is no request
+        (b'{"op": "generate", "pad": "' + b"x" * 300 + b'", "id": "late", ', None),  # past the peek
+    ],
+)
+def test_a_line_that_cannot_be_read_names_the_request_id_it_plainly_carries(
+    line: bytes, request_id: str | None
+) -> None:
+    with pytest.raises(ProtocolError) as refused:
+        decode(line)
+    assert refused.value.request_id == request_id
+
+
+@pytest.mark.usefixtures("small_limit")
+def test_a_line_refused_for_its_size_before_it_ends_names_its_request_id() -> None:
+    framer = Framer()
+    framer.feed(b'{"op":"generate","id":"big","body":"' + b"x" * LIMIT)
+    with pytest.raises(ProtocolError, match=f"exceeds {LIMIT}") as refused:
+        framer.next()
+    assert refused.value.request_id == "big"
+
+
 def test_the_line_reader_reads_messages_then_none_at_the_end_of_the_stream(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:

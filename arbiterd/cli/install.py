@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from arbiterd.config import APP_DIR, default_config_path, starter_config_text
+from arbiterd.cli.starter import starter_config_text
+from arbiterd.config import APP_DIR, default_config_path
 from arbiterd.errors import InstallError
 from arbiterd.paths import make_private_dirs
 

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from arbiterd.config import Config, ModelConfig, key_path
+from arbiterd.config import Config, ModelConfig
 from arbiterd.errors import ConfigError
+from arbiterd.tomltable import key_path
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)  # version 1 (2023) used 32-bit counts; llama.cpp no longer reads it
@@ -342,7 +343,7 @@ def _gib(size: int) -> str:
 def _check_projector(label: str, model: ModelConfig) -> None:
     """A vision model's mmproj must be a readable GGUF of llama.cpp's "clip" architecture (what
     mtmd_init_from_file loads). Whether its output width matches the model's n_embd takes the
-    loader itself: the worker tries it when the model loads (engine.py, issue 12)."""
+    loader itself: the worker tries it when the model loads (arbiterd/worker/engine/, issue 12)."""
     assert model.mmproj is not None
     where = f"{label}: {key_path('models', model.name, 'mmproj')}"
     path = model.mmproj

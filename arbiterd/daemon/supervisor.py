@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from arbiterd.arena import Arena, Token
+from arbiterd.arena.groups import Keeper
 from arbiterd.config import Config, GroupConfig, Load, ModelConfig
 from arbiterd.control import MODEL_COMMANDS
 from arbiterd.daemon.budgets import ColdModel, CopyUse, ram_plan
@@ -62,7 +63,6 @@ from arbiterd.events import (
     VramEvent,
     parse_event,
 )
-from arbiterd.groups import Keeper
 from arbiterd.procs import holder_name, process_name
 from arbiterd.request import GenerateRequest
 

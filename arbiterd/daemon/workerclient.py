@@ -27,6 +27,7 @@ import asyncio
 import collections
 import contextlib
 import itertools
+import logging
 import os
 import queue
 import socket
@@ -44,6 +45,8 @@ from arbiterd.request import GenerateRequest
 from arbiterd.spec import WORKER_PROTOCOL, WorkerConfig
 from arbiterd.wire import AsyncLineReader, encode
 
+log = logging.getLogger(__name__)
+
 HELLO_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 30.0
 STATUS_TIMEOUT_S = 10.0  # a worker answers status from its io thread, even mid-decode
@@ -53,7 +56,7 @@ STATUS_TIMEOUT_S = 10.0  # a worker answers status from its io thread, even mid-
 LAST_WORDS_LINES = 8
 LAST_WORDS_LINE_CHARS = 300
 STDERR_DRAIN_S = 1.0
-# The residency backends a worker may name (engine.py's Backend.kind).
+# The residency backends a worker may name (arbiterd/worker/engine's Backend.kind).
 BACKENDS = frozenset({"in-place", "reload"})
 
 EventListener = Callable[[dict[str, Any]], None]
@@ -448,7 +451,8 @@ class WorkerClient:
             while True:
                 try:
                     message = await self._lines.read()
-                except ProtocolError:
+                except ProtocolError as exc:
+                    self._refused(exc)
                     continue
                 except OSError:
                     message = None
@@ -471,9 +475,22 @@ class WorkerClient:
             if self._on_event is not None:
                 self._on_event(message)
         else:
-            replies = self._pending.get(str(message.get("id")))
+            request_id = message.get("id")
+            replies = self._pending.get(request_id) if isinstance(request_id, str) else None
             if replies is not None:
                 replies.put_nowait(message)
+            elif "error" in message:  # e.g. a line of ours it could not read and name
+                log.warning("%s: an error for no request waiting: %s", self.model, message["error"])
+
+    def _refused(self, error: ProtocolError) -> None:
+        """A line of the worker's that cannot be read fails the request it names at once (a
+        reply that never comes would keep it waiting for its timeout); one that names none
+        is logged."""
+        replies = self._pending.get(error.request_id) if error.request_id else None
+        if replies is not None:
+            replies.put_nowait({"id": error.request_id, "error": error.to_wire()})
+        else:
+            log.warning("%s sent a line that cannot be read: %s", self.model, error)
 
     async def _close(self) -> None:
         self._writer.close()

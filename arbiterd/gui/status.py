@@ -25,7 +25,7 @@ UNLOADING, UNLOADED = "unloading", "unloaded"
 UNLOADED_STATES = frozenset({UNLOADING, UNLOADED})
 # The name the daemon's own hold (game mode) takes the arena token under (supervisor._take_hold).
 HOLD_HOLDER_NAME = "arbiterd hold"
-# A group's keeper holds the arena token as "group NAME" (arbiterd/groups.py, Files.holder_name).
+# A group's keeper holds the arena token as "group NAME" (arena/groups.py, _Files.holder_name).
 GROUP_HOLDER_PREFIX = "group "
 
 

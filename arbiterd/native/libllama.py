@@ -1,11 +1,11 @@
 """Finding the libllama that llama_cpp loaded, and probing it for the in-place residency API.
 
 Owns every ctypes handle arbiterd opens on libllama itself. Stock llama.cpp frees device memory
-only by freeing the model and context, so the portable backend reloads (engine.py). The arbiterd
-engine build - llama-cpp-python with `llama-residency.patch` (README.md beside this file) - can
-instead move a live context's buffers to host memory and back in place; this module binds that
-API when the library exports it. The C ABI, version `ABI` (include/llama-residency.h of the
-patched llama.cpp):
+only by freeing the model and context, so the portable backend reloads
+(arbiterd/worker/engine/reload.py). The arbiterd engine build - llama-cpp-python with
+`llama-residency.patch` (README.md beside this file) - can instead move a live context's buffers
+to host memory and back in place; this module binds that API when the library exports it. The
+C ABI, version `ABI` (include/llama-residency.h of the patched llama.cpp):
 
     int32_t llama_residency_abi(void);
     int32_t llama_context_release_device(struct llama_context * ctx, uint32_t flags);

@@ -43,7 +43,9 @@ Message protocol (JSON lines, `arbiterd.wire`), version WORKER_PROTOCOL:
     worker → daemon  {"id", "chunk": {...}}  {"id", "result": {...}}
                      a status result: the status fields and "beat_age_s", the age of the
                      engine thread's last beat when the io thread answered
-                     {"id", "error": {"code", "message"}}: code is an errors.ErrorCode
+                     {"id", "error": {"code", "message"}}: code is an errors.ErrorCode; a
+                     message the worker cannot read, or one with a bad op, is answered so with
+                     "bad_message" and the id it names (null when none could be read)
                      {"event": "residency", ...}  {"event": "request", ...}
                      A residency event that ends a load or a warm-up (→ warm) also says how
                      the token was had: "waited_from" (epoch s), "wait_s", and the holder when
@@ -64,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from arbiterd.arena import Arena, ArenaState, Gateway, Hold, Place, Priority
+from arbiterd.arena.groups import Gate
 from arbiterd.errors import (
     AcquireCancelledError,
     ArbiterError,
@@ -75,7 +78,6 @@ from arbiterd.errors import (
     WorkerError,
 )
 from arbiterd.events import EncoderEvent, RequestEvent, ResidencyEvent
-from arbiterd.groups import Gate
 from arbiterd.procs import holder_name
 from arbiterd.request import GenerateRequest
 from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, ModelSpec, Residency, WorkerConfig
@@ -170,8 +172,8 @@ class Worker:
         while True:
             try:
                 message = self._reader.read()
-            except ProtocolError as exc:
-                self._out.send({"error": {"type": "ProtocolError", "message": str(exc)}})
+            except ProtocolError as exc:  # answered to its request, when its id could be read
+                self._out.send({"id": exc.request_id, "error": exc.to_wire()})
                 continue
             except OSError:
                 message = None
@@ -184,9 +186,9 @@ class Worker:
     def _dispatch(self, message: dict[str, Any]) -> None:
         op, request_id = message.get("op"), message.get("id")
         if not isinstance(request_id, str) or op not in OPS:
-            self._out.send(
-                {"id": request_id, "error": {"type": "ProtocolError", "message": f"bad op {op!r}"}}
-            )
+            readable = request_id if isinstance(request_id, str) else None
+            problem = f"bad op {op!r}" if op not in OPS else f"a {op} message without a string id"
+            self._out.send({"id": readable, "error": ProtocolError(problem).to_wire()})
             return
         if op == "status":
             beat_age_s = round(time.monotonic() - self._beat, 3)

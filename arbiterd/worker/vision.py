@@ -1,8 +1,9 @@
 """Vision (issue 12): owns llama.cpp's multimodal library (libmtmd, through `llama_cpp.mtmd_cpp`)
 for one model: its projector (the mmproj "encoder") loaded just in time, images turned into
 embeddings, and the token bookkeeping that lets the prompt cache run across images. Besides
-engine.py, the only module that touches llama_cpp; it never decodes on the model's context
-itself (engine.py does, with the embeddings this module hands back) and never keeps an image.
+the engine (arbiterd/worker/engine/), the only module that touches llama_cpp; it never decodes
+on the model's context itself (the engine's images.py does, with the embeddings this module
+hands back) and never keeps an image.
 
 Just in time (DESIGN.md §4): `Projector.session()` loads the projector right before an image is
 encoded and frees it when the block ends, also on every error path; with `resident` it stays

@@ -9,6 +9,7 @@ import re
 import signal
 import sys
 import threading
+import time
 import warnings
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
@@ -17,8 +18,9 @@ from typing import Any, TypeVar
 import pytest
 
 from arbiterd.daemon.workerclient import BACKENDS, BlockingWorker, WorkerClient
-from arbiterd.errors import ContextOverflowError, WorkerError, WorkerGoneError
+from arbiterd.errors import ContextOverflowError, ProtocolError, WorkerError, WorkerGoneError
 from arbiterd.spec import WORKER_PROTOCOL, ModelSpec, WorkerConfig
+from arbiterd.wire import MAX_MESSAGE_BYTES
 from tests.support.requests import request_for
 from tests.support.signals import stop
 
@@ -197,6 +199,34 @@ def test_an_error_reply_is_raised_as_its_own_class_and_the_worker_lives(
             return await worker.generate(request_for("completion", SHORT))
 
     assert run(scenario())["completion_tokens"] == 4
+
+
+def test_a_message_the_worker_cannot_take_fails_its_request_at_once_and_the_worker_serves_on(
+    configs: Configs,
+) -> None:
+    """The worker answers it with "bad_message" and the request's id, so the request fails now
+    rather than after its timeout (600 s for a generate)."""
+
+    async def scenario() -> tuple[list[str], float, dict[str, Any]]:
+        async with spawned(configs("m")) as worker:
+            started = time.monotonic()
+            problems = []
+            with pytest.raises(ProtocolError) as too_big:
+                await worker.generate(
+                    request_for("completion", {"prompt": "x" * MAX_MESSAGE_BYTES})
+                )
+            problems.append(str(too_big.value))
+            with pytest.raises(ProtocolError) as unknown:
+                await worker.request("dance")
+            problems.append(str(unknown.value))
+            took_s = time.monotonic() - started
+            return problems, took_s, await worker.generate(request_for("completion", SHORT))
+
+    problems, took_s, after = run(scenario())
+    assert f"exceeds {MAX_MESSAGE_BYTES}" in problems[0]  # refused whole or as it grew
+    assert problems[1] == "bad op 'dance'"
+    assert took_s < 30
+    assert after["completion_tokens"] == 4
 
 
 def test_a_request_without_an_answer_in_time_is_a_worker_error_and_the_worker_serves_on(

@@ -26,8 +26,8 @@ import threading
 import time
 from pathlib import Path
 
-from arbiterd import arena as arena_module
 from arbiterd.arena import Arena, Priority, Token
+from arbiterd.arena import records as arena_records
 from arbiterd.errors import AcquireTimeoutError
 
 STRANDED_S = 20.0
@@ -71,7 +71,7 @@ def main() -> int:
     stop = Path(sys.argv[4])
     rng = random.Random(os.getpid())
     if mode == "aging":
-        arena_module.PRIORITY_AGING_S = float(sys.argv[5])
+        arena_records.PRIORITY_AGING_S = float(sys.argv[5])
         return aging(arena, log_fd, stop, rng)
     if mode == "bare":
         return bare(arena.path, log_fd, stop, rng)

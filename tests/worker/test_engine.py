@@ -20,7 +20,9 @@ import pytest
 from arbiterd.cli.demo import smollm_model_path
 from arbiterd.errors import ContextOverflowError, ModelLoadError, RequestError, RestoreError
 from arbiterd.spec import KvPolicy, ModelSpec
-from arbiterd.worker.engine import TOKENIZE_PIECE_BYTES, ReloadBackend, disk_read_bytes
+from arbiterd.worker.engine import ReloadBackend
+from arbiterd.worker.engine.backend import disk_read_bytes
+from arbiterd.worker.engine.vocab import TOKENIZE_PIECE_BYTES
 from arbiterd.worker.kvfile import KvState
 from tests.support.pagecache import drop_page_cache
 from tests.support.requests import request_for

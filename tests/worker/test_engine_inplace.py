@@ -19,6 +19,7 @@ from arbiterd.native.libllama import ProbeMiss, ResidencyApi, probe_residency_ap
 from arbiterd.spec import KvPolicy, ModelSpec, Residency
 from arbiterd.worker import engine
 from arbiterd.worker.engine import Generation, InPlaceBackend, ReloadBackend, select_backend
+from arbiterd.worker.engine import backend as engine_backend
 from tests.support.pagecache import drop_page_cache
 from tests.support.requests import request_for
 from tests.support.tiny_gguf import TinyModelSpec, write_tiny_llama
@@ -197,9 +198,9 @@ def test_a_restore_reads_nothing_from_disk_even_without_the_host_copy(tiny_model
         chosen.load()
         chosen.release(KvPolicy.HOST)
         drop_page_cache(tiny_model)
-        before = engine.disk_read_bytes()
+        before = engine_backend.disk_read_bytes()
         assert chosen.restore().disk_read_bytes == 0
-        assert engine.disk_read_bytes() == before
+        assert engine_backend.disk_read_bytes() == before
     finally:
         chosen.close()
 

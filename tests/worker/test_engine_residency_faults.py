@@ -117,7 +117,7 @@ print(json.dumps({
 MISUSE = """
 import llama_cpp
 
-from arbiterd.worker.engine import _context_pointer
+from arbiterd.worker.engine.inplace import context_pointer
 from arbiterd.errors import ResidencyCallError
 
 
@@ -130,7 +130,7 @@ def status_of(call):
 
 
 llm = backend._require_llm()
-ctx = _context_pointer(llm)
+ctx = context_pointer(llm)
 api = backend._api
 flags = backend._flags(KvPolicy.HOST)
 backend.release(KvPolicy.HOST)

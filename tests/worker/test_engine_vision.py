@@ -16,13 +16,10 @@ import pytest
 
 from arbiterd.errors import ModelLoadError, RequestError
 from arbiterd.spec import KvPolicy, ModelSpec, Residency
-from arbiterd.worker import engine as engine_module
-from arbiterd.worker.engine import (
-    InPlaceBackend,
-    ReloadBackend,
-    _decode_embeddings,
-    select_backend,
-)
+from arbiterd.worker.engine import InPlaceBackend, ReloadBackend, select_backend
+from arbiterd.worker.engine import backend as backend_module
+from arbiterd.worker.engine.backend import LlamaBackend
+from arbiterd.worker.engine.images import decode_embeddings
 from arbiterd.worker.vision import MARKER, placeholder_ids
 from tests.support.images import jpeg, png
 from tests.support.requests import request_for
@@ -55,7 +52,7 @@ def eye(tiny_model: Path, tiny_mmproj: Path) -> Iterator[ReloadBackend]:
     engine.close()
 
 
-def encoder_loaded(engine: ReloadBackend) -> bool:
+def encoder_loaded(engine: LlamaBackend) -> bool:
     assert engine._projector is not None
     return engine._projector.loaded
 
@@ -302,13 +299,13 @@ def test_a_bidirectional_image_is_decoded_in_one_batch_or_refused(tiny_model: Pa
     try:
         llm.eval([300, 301])
         embd = np.zeros((6, TinyModelSpec().n_embd), dtype=np.float32)
-        _decode_embeddings(llm, embd, placeholder_ids(b"\0" * 32, 0, 6), non_causal=True)
+        decode_embeddings(llm, embd, placeholder_ids(b"\0" * 32, 0, 6), non_causal=True)
         assert llm.n_tokens == 8
         assert min(llm.input_ids[2:8]) < 0
         llm.eval([302])  # text decodes after it
         too_big = np.zeros((9, TinyModelSpec().n_embd), dtype=np.float32)
         with pytest.raises(RequestError, match="exceeds the model's batch of 8"):
-            _decode_embeddings(llm, too_big, placeholder_ids(b"\1" * 32, 0, 9), non_causal=True)
+            decode_embeddings(llm, too_big, placeholder_ids(b"\1" * 32, 0, 9), non_causal=True)
     finally:
         llm.close()
 
@@ -469,9 +466,9 @@ def test_without_a_budget_a_gpu_model_measures_the_free_memory(
     # as a model offloaded to a GPU sees it: what it holds plus what the device has free
     monkeypatch.setattr(eye, "spec", dataclasses.replace(eye.spec, n_gpu_layers=-1))
     monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: True)
-    monkeypatch.setattr(engine_module, "_free_device_bytes", lambda: 1000)
+    monkeypatch.setattr(backend_module, "free_device_bytes", lambda: 1000)
     assert eye._encoder_budget(5000) == 6000
-    monkeypatch.setattr(engine_module, "_free_device_bytes", lambda: None)  # ggml cannot tell
+    monkeypatch.setattr(backend_module, "free_device_bytes", lambda: None)  # ggml cannot tell
     assert eye._encoder_budget(5000) == 0
     eye.vram_budget = 7000  # a configured budget wins
     assert eye._encoder_budget(5000) == 7000

@@ -670,6 +670,10 @@ class InProcess:
     def generate(self, request_id: str, prompt: str) -> dict[str, Any]:
         return self.ask(request_id, op="generate", request={"kind": "completion", "prompt": prompt})
 
+    def send_line(self, line: bytes) -> None:
+        """Write one raw line, as a daemon with a bug could."""
+        self._ours.sendall(line + b"\n")
+
     def close(self) -> None:
         self._ours.close()  # the daemon is gone: the worker stops
         self.thread.join(timeout=10)
@@ -698,6 +702,32 @@ def test_a_request_that_meets_a_bug_is_its_own_error_and_the_worker_serves_on(
     assert "result" in worker.generate("ok", "the fox")
     status = worker.ask("s", op="status")["result"]
     assert (status["state"], status["holds_token"], status["served"]) == ("warm", True, 1)
+    worker.close()
+    assert worker.raised == []
+
+
+@pytest.mark.parametrize(
+    ("line", "request_id", "problem"),
+    [
+        (b'{"op": "dance", "id": "d1"}', "d1", "bad op 'dance'"),
+        (b'{"op": "generate", "id": 7}', None, "a generate message without a string id"),
+        (b'{"op": "generate", "id": "g1", "body": {', "g1", "not JSON"),
+        (b'{"op": "generate", "id": "u1", "body": "\xff"}', "u1", "not UTF-8"),
+        (b"[1, 2]", None, "not a JSON object"),
+    ],
+    ids=["bad-op", "no-id", "not-json", "not-utf8", "not-an-object"],
+)
+def test_a_malformed_message_is_answered_with_its_code_and_the_id_it_names(
+    tmp_path: Path, line: bytes, request_id: str | None, problem: str
+) -> None:
+    worker = InProcess(tmp_path, FlakyRestore())
+    worker.until(lambda m: m.get("to") == "warm")
+    worker.send_line(line)
+    reply = worker.until(lambda m: "error" in m)
+    assert reply["id"] == request_id
+    assert reply["error"]["code"] == "bad_message"
+    assert problem in reply["error"]["message"]
+    assert "result" in worker.generate("next", "the fox")  # the worker serves on
     worker.close()
     assert worker.raised == []
 

@@ -25,13 +25,12 @@ arena and both sides of its protocol (specified in docs/arena-protocol.md § Gro
 
 Programs outside arbiterd see the arena protocol unchanged: one holder, one token.
 `Gate` and its parts follow arena.Gateway, arena.Place and arena.Hold, so a worker is written
-once for both ways to the GPU. Only this module and arena.py import fcntl.
+once for both ways to the GPU. Its flock calls are locks.py's, as the token's are.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import logging
 import os
 import threading
@@ -39,7 +38,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from arbiterd.arena import Arena, ArenaState, Priority, contended, try_flock
+from arbiterd.arena.locks import EXCLUSIVE, SHARED, contended, lock, try_flock, unlock
+from arbiterd.arena.records import ArenaState, Priority
+from arbiterd.arena.token import Arena
 from arbiterd.config import GROUP_NAME_EXPECTED, GROUP_NAME_RE
 from arbiterd.errors import AcquireCancelledError, ArenaError, BadValueError
 
@@ -62,7 +63,7 @@ def group_dir(arena: Arena, group: str) -> Path:
 
 
 class _Files:
-    """A group's two lock files, created once and never unlinked (as the arena's own)."""
+    """A group's three lock files, created once and never unlinked (as the arena's own)."""
 
     def __init__(self, arena: Arena, group: str) -> None:
         self.arena = arena
@@ -120,7 +121,7 @@ class GateTicket:
         self._files = files
         fd = files.arena.open_lock(files.want_path)
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
+            lock(fd, SHARED)
         except BaseException:
             os.close(fd)
             raise
@@ -145,7 +146,7 @@ class GateTicket:
         probe_fd = files.arena.open_lock(files.leave_path)
         try:
             while True:
-                if not contended(probe_fd, fcntl.LOCK_SH) and try_flock(gate_fd, fcntl.LOCK_SH):
+                if not contended(probe_fd, SHARED) and try_flock(gate_fd, SHARED):
                     # Open means "not shut": a gate no keeper has shut yet (or any more) is
                     # open too. Inside it, the token must be the keeper's: it cannot go while
                     # we are in (the keeper shuts the gate first).
@@ -154,7 +155,7 @@ class GateTicket:
                         gate_fd = probe_fd = -1  # the hold owns them now
                         self.leave()
                         return hold
-                    fcntl.flock(gate_fd, fcntl.LOCK_UN)
+                    unlock(gate_fd)
                 if on_wait is not None and before is not None:
                     on_wait(before)
                     on_wait = None
@@ -186,7 +187,7 @@ class GateHold:
         stops."""
         if self._gate_fd is None:
             raise ArenaError("wanted() on a released gate hold")
-        return contended(self._probe_fd, fcntl.LOCK_SH)
+        return contended(self._probe_fd, SHARED)
 
     def hand_over(self) -> None:
         """Leave the gate; the keeper hands the token over once every member has."""
@@ -246,9 +247,9 @@ class Keeper:
         leave_fd = files.arena.open_lock(files.leave_path)
         try:
             # Shut while we hold no token. A member of an earlier daemon may still be leaving.
-            fcntl.flock(gate_fd, fcntl.LOCK_EX)
+            lock(gate_fd, EXCLUSIVE)
             while not self._stop.is_set():
-                if not contended(waiters_fd, fcntl.LOCK_EX):
+                if not contended(waiters_fd, EXCLUSIVE):
                     self._stop.wait(GROUP_POLL_S)
                     continue
                 try:
@@ -267,7 +268,7 @@ class Keeper:
                         token.hand_over()
                     else:
                         token.release()
-                    fcntl.flock(leave_fd, fcntl.LOCK_UN)  # the next holding starts fresh
+                    unlock(leave_fd)  # the next holding starts fresh
         except Exception as exc:  # a thread's end: said in status, not lost in a traceback
             log.exception("group %s: its keeper stopped", self.group)
             self.failure = f"{type(exc).__name__}: {exc}"
@@ -282,7 +283,7 @@ class Keeper:
         """Open the gate and keep it open while the group may use the GPU; return with it shut
         (every member cold), and whether an outside waiter is why. From the moment it must
         leave, leave.lock says so to the members (the caller unlocks it)."""
-        fcntl.flock(gate_fd, fcntl.LOCK_UN)
+        unlock(gate_fd)
         outside = leaving = False
         while True:
             self._stop.wait(GROUP_POLL_S)
@@ -291,14 +292,14 @@ class Keeper:
                 leaving = outside or self._stop.is_set()
                 if leaving:
                     # Blocks only for a member's probe (microseconds).
-                    fcntl.flock(leave_fd, fcntl.LOCK_EX)
-                elif contended(waiters_fd, fcntl.LOCK_EX):
+                    lock(leave_fd, EXCLUSIVE)
+                elif contended(waiters_fd, EXCLUSIVE):
                     continue  # a member waits to come in: nothing to shut
-            if not try_flock(gate_fd, fcntl.LOCK_EX):
+            if not try_flock(gate_fd, EXCLUSIVE):
                 continue  # a member is warm
-            if leaving or not contended(waiters_fd, fcntl.LOCK_EX):
+            if leaving or not contended(waiters_fd, EXCLUSIVE):
                 return outside
-            fcntl.flock(gate_fd, fcntl.LOCK_UN)  # one came as we shut: open again
+            unlock(gate_fd)  # one came as we shut: open again
 
     def _set_holding(self, holding: bool) -> None:
         self._holding = holding

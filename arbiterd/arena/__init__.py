@@ -1,0 +1,78 @@
+"""The arena: one GPU's token, held with flock(2), and "someone wants it" kept as kernel lock state.
+
+Owns the files of an arena directory and every lock taken on them. Its modules:
+
+    records.py  what is read and written: Priority, QueuedWaiter, HolderInfo, ArenaState, and
+                the protocols of a way to the GPU (Gateway, Place, Hold)
+    token.py    Arena (the directory, its queue, observing it), Ticket and Token
+    groups.py   models that hold the GPU together: a group's gate inside an arena (issue 14)
+    locks.py    the flock(2) calls: the only module of arbiterd that imports `fcntl`
+    procfs.py   reading /proc/locks and /proc/PID/fdinfo
+
+The protocol is specified in docs/arena-protocol.md; in short:
+
+    token.lock   LOCK_EX by the holder: a program is resident on the GPU iff it holds this
+    want.lock    LOCK_SH by every waiter while it waits; dropped only after the token is owned
+    holder.json  who holds the token (pid, name, model, since, command_pid); informational,
+                 written by rename
+    queue/       one ticket file per queued waiter, PRIORITY.SINCE_NS.PID.THREAD.ticket, held
+                 LOCK_EX by it while it waits: the token goes to the first live ticket in the
+                 order (arrival, put back one aging period per class below interactive). A
+                 waiter waits for the ticket just ahead of it to go, and only the first one
+                 blocks on token.lock. Programs that speak only token.lock + want.lock take no
+                 ticket and race the first waiter.
+
+Invariants kept here (each one cost a hang in an earlier design):
+- Lock files are created once and never unlinked: unlinking splits later lockers across two
+  inodes, and then two programs can hold "the" token at once.
+- The holder asks "wanted?" with LOCK_EX|LOCK_NB on its *own* open file description of
+  want.lock. flock locks belong to open file descriptions; a second flock on a description that
+  already holds a lock converts that lock instead of conflicting with it.
+- EWOULDBLOCK/EAGAIN is contention, never an error.
+- A ticket is locked before it is visible (created under a dot name, locked, renamed) and
+  unlinked before it is unlocked: a ticket file that is not locked is a dead waiter's, and any
+  waiter may remove it.
+- The order of two tickets never changes while both wait (QueuedWaiter.order is fixed by the
+  name): a waiter only ever waits on a ticket ahead of it, so no two can wait on each other.
+  (Issue 24: when aging reordered tickets as they waited, one that aged past the ticket it was
+  blocked on was in turn waited on by that ticket's owner, both for good, the GPU free.)
+- A process that dies holds nothing: the kernel drops its locks, so nothing can go stale except
+  holder.json, which readers check against the live lock owner in /proc/locks. (A process it
+  shared the locked description with, such as `arbiterd run`'s CMD, keeps the token alive.)
+- Whoever can write an arena file can take, block or fake the token (issue 10 item 6). Every
+  file is opened with O_NOFOLLOW and checked on the opened descriptor (fstat: no window between
+  check and use): ours, regular, not writable by group or others; a refusal names the file and
+  the one-line fix. Temp files are created with O_EXCL in the arena folder, which
+  paths.ensure_private_dir keeps ours and 0700.
+"""
+
+from arbiterd.arena.procfs import parse_proc_locks
+from arbiterd.arena.records import (
+    PRIORITY_CHOICES,
+    ArenaState,
+    Gateway,
+    Hold,
+    HolderInfo,
+    Place,
+    Priority,
+    QueuedWaiter,
+    parse_priority,
+)
+from arbiterd.arena.token import QUEUE_DIR, Arena, Ticket, Token
+
+__all__ = [
+    "PRIORITY_CHOICES",
+    "QUEUE_DIR",
+    "Arena",
+    "ArenaState",
+    "Gateway",
+    "Hold",
+    "HolderInfo",
+    "Place",
+    "Priority",
+    "QueuedWaiter",
+    "Ticket",
+    "Token",
+    "parse_priority",
+    "parse_proc_locks",
+]

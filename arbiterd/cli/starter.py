@@ -1,0 +1,108 @@
+"""The commented config.toml that `arbiterd install` writes: every key explained, and each
+GGUF it found as a [models.NAME] table ready to serve. The keys and defaults are config.py's.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from arbiterd.config import (
+    DEFAULT_HTTP,
+    HEADER_TIMEOUT_S,
+    HOLDER_TIMEOUT_S,
+    MAX_MODEL_NAME_CHARS,
+    STARTER_N_CTX,
+    Load,
+)
+from arbiterd.tomltable import toml_key, toml_string
+
+
+def starter_config_text(found: list[Path]) -> str:
+    """A commented config for `arbiterd install`: every key explained, and each GGUF in `found`
+    as a [models.NAME] table ready to serve (comment a table out to leave that model out)."""
+    lines = [
+        "# arbiterd configuration, read when the daemon starts (and on `arbiterd reload`).",
+        "# Paths may start with ~; relative paths are relative to this file's directory.",
+        "",
+        "[daemon]",
+        f'# http = "{DEFAULT_HTTP}"   # the OpenAI-compatible API, HOST:PORT',
+        '# api_key = ""              # a bearer token the HTTP API requires; "" = none',
+        '# allow_users = []          # other users the HTTP API serves, e.g. ["alice", 1001];',
+        "#                           # by default it serves only you, and others need the key",
+        "# allow_origins = []        # web pages that may use the API, e.g.",
+        '#                           # ["http://localhost:3000"]; by default none may',
+        "# api_socket = PATH  the HTTP API on a Unix socket; default api.sock beside `socket`",
+        f"# header_timeout_s = {HEADER_TIMEOUT_S:g}     # a client's time to send a request head",
+        f"# holder_timeout_s = {HOLDER_TIMEOUT_S:g}     # a warm model silent this long is said;",
+        "#                           # twice as long: killed, so the GPU moves on",
+        "# socket = PATH   the control socket; default $XDG_RUNTIME_DIR/arbiterd/control.sock",
+        "# arena = DIR     the GPU arena; default $XDG_RUNTIME_DIR/arbiterd/arena/gpu0",
+        "# journal = PATH  the handoff history; default $XDG_STATE_HOME/arbiterd/journal.sqlite3",
+        '# host_ram_budget = 0       host RAM for file copies and cold KV caches, e.g. "16GiB";',
+        "#                           # above it the least recently used cold models unload",
+        '# prompt_cache_budget = "4GiB"  disk for unloaded models\' prompt caches, oldest go first',
+        "",
+        "# One [models.NAME] table per model; NAME (1-64 of A-Z a-z 0-9 . _ -) is the `model`",
+        '# requests ask for; quote it when it contains a dot: [models."qwen2.5-7b"]. Keys:',
+        '#   path = "/models/x.gguf"   required',
+        '#   aliases = []              more names for it, e.g. ["gpt-4o-mini", "qwen2.5:7b"]',
+        f"#   n_ctx = {STARTER_N_CTX}              context length in tokens",
+        "#   n_gpu_layers = -1         layers on the GPU; -1 = all",
+        "#   n_threads = 0             CPU threads; 0 = the library's default",
+        '#   chat_format = ""          e.g. "chatml", for a GGUF without a chat template',
+        '#   mmproj = ""               a vision model\'s projector GGUF: images in chat',
+        '#   encoder = "jit"           the projector on the device only to encode ("resident")',
+        "#   max_image_bytes = 5242880, max_image_pixels = 33554432   limits per image",
+        "#   allow_image_urls = false  file:// and http(s):// image URLs besides data: URLs",
+        "#   embedding = true          serve embeddings only; absent: as the GGUF says",
+        '#   kv_on_release = "host"    the KV cache on release: "host", "device" or "drop"',
+        '#   residency = "auto"        "in-place" (the arbiterd engine), "reload" or "auto"',
+        "#   min_hold_s = 0.1          once warm, hold the GPU this long or until a request ran",
+        "#   idle_release_s = 0        release after idling this long; 0 = only when wanted",
+        '#   priority = "normal"       its class in the GPU queue: interactive, normal or batch',
+        "#   preemptible = true        a generation pauses for a waiter of a higher class",
+        "#   strict_api = false        refuse API fields that change nothing here (400)",
+        '#   load = "start"            "demand": start its worker at its first request',
+        "#   unload_after_s = 0        unload after cold and idle this long; 0 = never",
+        '#   host_copy = "memfd"       "page-cache": no copy of the file in RAM (restores may',
+        "#                             read the disk; the file must stay there)",
+    ]
+    used: set[str] = set()
+    skipped = 0
+    for gguf in found:
+        text = str(gguf.absolute())
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a non-UTF-8 file name cannot be written in TOML
+            skipped += 1
+            continue
+        name = _unique_name(_name_from_file(gguf), used)
+        lines += [
+            "",
+            f"[models.{toml_key(name)}]",
+            f"path = {toml_string(text)}",
+            f"n_ctx = {STARTER_N_CTX}",
+            # Every GGUF install finds is served, and none takes memory before it is asked for.
+            f'load = "{Load.DEMAND.value}"',
+        ]
+    if skipped:
+        lines += ["", f"# ({skipped} GGUF file(s) left out: their names are not UTF-8)"]
+    if not used:
+        lines += ["", "# [models.my-model]", '# path = "~/models/my-model.gguf"']
+    return "\n".join(lines) + "\n"
+
+
+def _name_from_file(gguf: Path) -> str:
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", gguf.stem).strip("-.")
+    return name[:MAX_MODEL_NAME_CHARS] or "model"
+
+
+def _unique_name(name: str, used: set[str]) -> str:
+    candidate, n = name, 1
+    while candidate in used:
+        n += 1
+        suffix = f"-{n}"
+        candidate = name[: MAX_MODEL_NAME_CHARS - len(suffix)] + suffix
+    used.add(candidate)
+    return candidate

@@ -1,0 +1,485 @@
+"""What both residency mechanisms share: one model's llama objects (its vocabulary, its Llama, the
+projector of a vision model), loading them, the prompt cache kept across a load, the projector's
+sessions beside or swapped with the weights, and handing requests to preparation and generation.
+The mechanisms themselves, how a release and a restore move the model, are the subclasses':
+reload.py (free everything, load again) and inplace.py (move the buffers' bytes, the objects
+kept). Part of the engine (arbiterd/worker/engine/): it calls llama_cpp, on the engine thread only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import numpy as np
+import numpy.typing as npt
+
+from arbiterd.errors import (
+    ArbiterError,
+    ContextOverflowError,
+    ModelLoadError,
+    RequestError,
+    RestoreError,
+)
+from arbiterd.hostcopy import copy_into_memfd
+from arbiterd.request import GenerateRequest, RequestKind
+from arbiterd.spec import MAX_N_CTX, KvPolicy, ModelSpec
+from arbiterd.worker.engine.generate import Generator
+from arbiterd.worker.engine.images import (
+    Prefill,
+    common_prefix,
+    decode_embeddings,
+    free_device_bytes,
+    lay_out,
+)
+from arbiterd.worker.engine.prepare import GGUF_TEMPLATE, ChatFormat, Preparer
+from arbiterd.worker.engine.records import Cancelled, ChunkSink, Generation, Moved, Prepared, never
+from arbiterd.worker.engine.vocab import Vocab
+from arbiterd.worker.kvfile import KvState
+from arbiterd.worker.toolcalls import template_takes_tools
+from arbiterd.worker.vision import (
+    EncoderPath,
+    Projector,
+    digest_of,
+    plan_encoder,
+)
+
+log = logging.getLogger(__name__)
+
+# llama.cpp's enum llama_pooling_type, and the types that make one vector of an input's tokens:
+# "none" gives one per token, "rank" a reranker's score.
+POOLING_TYPES = {
+    llama_cpp.LLAMA_POOLING_TYPE_NONE: "none",
+    llama_cpp.LLAMA_POOLING_TYPE_MEAN: "mean",
+    llama_cpp.LLAMA_POOLING_TYPE_CLS: "cls",
+    llama_cpp.LLAMA_POOLING_TYPE_LAST: "last",
+    llama_cpp.LLAMA_POOLING_TYPE_RANK: "rank",
+}
+POOLED = ("mean", "cls", "last")
+
+
+class LlamaBackend(ABC):
+    """One model's llama objects and what is done with them whichever way they move; a subclass
+    says how a release and a restore move them (its `kind`)."""
+
+    kind: str  # "in-place" or "reload", as status, /metrics and the tray name it
+    keeps_kv_on_device: bool  # whether release(KvPolicy.DEVICE) is possible
+    # Why the projector cannot swap with the weights ("" where it can: `_weights_off`).
+    swap_refusal: str
+
+    def __init__(self, spec: ModelSpec, fallback_reason: str = "", *, vram_budget: int = 0) -> None:
+        self.spec = spec
+        self.fallback_reason = fallback_reason  # why not in-place, when that was looked for
+        # Device bytes a projector session may bring the model to ([daemon] vram_budget); 0:
+        # the model's bytes plus the device's free memory when it can be measured, else none.
+        self.vram_budget = vram_budget
+        self._use_mmap = True
+        self._llm: llama_cpp.Llama | None = None
+        self._host_fd: int | None = None
+        self._vocab: Vocab | None = None
+        self._chat: ChatFormat | None = None
+        self._kv: KvState | None = None
+        self._generator = Generator(spec.name)
+        self._projector = (
+            None
+            if spec.mmproj is None
+            else Projector(
+                spec.mmproj,
+                resident=spec.encoder_resident,
+                n_threads=spec.n_threads,
+                use_gpu=spec.n_gpu_layers != 0,
+            )
+        )
+
+    @abstractmethod
+    def release(self, kv: KvPolicy) -> Moved:
+        """Take the model off the device, its KV kept as `kv` says."""
+
+    @abstractmethod
+    def restore(self) -> Moved:
+        """Bring a released model back onto the device, warm."""
+
+    @abstractmethod
+    def resident_bytes(self) -> int:
+        """Device bytes the model holds now, by the backend's own accounting."""
+
+    @abstractmethod
+    def host_weights_bytes(self) -> int:
+        """Host memory of this worker's own holding the weights."""
+
+    @abstractmethod
+    def _weights_off(self) -> int:
+        """Take the weights off the device, the KV left there; the bytes moved. Only a backend
+        without a `swap_refusal` is asked."""
+
+    @abstractmethod
+    def _weights_on(self) -> int:
+        """Bring the weights `_weights_off` took back."""
+
+    @property
+    def prompt_tokens_evaluated_total(self) -> int:
+        return self._generator.prompt_tokens_evaluated_total
+
+    # -- residency --------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Get what needs no GPU: the host copy of the file and its vocabulary. The worker calls
+        this before it asks for the token; `load` does when nobody did."""
+        if self._vocab is not None:
+            return
+        if self.spec.host_copy_fd is not None:
+            self._host_fd = self.spec.host_copy_fd  # the daemon's copy, shared by its workers
+        elif self.spec.host_copy and self._host_fd is None:
+            self._host_fd = copy_into_memfd(self.spec.path).fd
+        self._vocab = Vocab(self._model_path(ModelLoadError), self.spec.path)
+
+    def load(self) -> Moved:
+        started, read_before = time.monotonic(), disk_read_bytes()
+        self.open()
+        self._llm = self._new_llama(ModelLoadError)
+        if self._projector is not None:
+            self._projector.n_threads = self._llm.context_params.n_threads
+            try:
+                self._projector.check(self._llm.model)
+            except ModelLoadError:
+                self._llm.close()
+                self._llm = None
+                raise
+            self._log_projector_steps("checked at load")
+        return Moved(
+            duration_s=time.monotonic() - started,
+            weights_bytes=self._weights_bytes(),
+            kv_bytes=0,
+            disk_read_bytes=disk_read_bytes() - read_before,
+        )
+
+    def host_kv_bytes(self) -> int:
+        """Host memory the KV cache of a cold model takes (the weights' host copy is the
+        daemon's, shared by the workers on the same file)."""
+        return len(self._kv.data) if self._kv else 0
+
+    def kept_kv(self) -> KvState | None:
+        """The prompt cache to keep while the model is unloaded (issue 14): a warm model's, or
+        the host copy a cold one saved on release; None when there is none (empty, dropped, or
+        left on the device by an in-place release, where it cannot be read without a restore).
+        """
+        if self._kv is not None:
+            return self._kv
+        llm = self._llm
+        if llm is None or self._is_released() or llm.n_tokens == 0:
+            return None
+        return save_kv(llm)
+
+    def adopt_kv(self, kv: KvState) -> None:
+        """Set a kept prompt cache into the freshly loaded, warm context: the next request then
+        evaluates only what its prompt adds. RestoreError when it does not fit; the context is
+        then left empty (a full prefill, never a half-set cache)."""
+        llm = self._require_llm()
+        if self._is_released() or llm.n_tokens != 0:
+            raise RestoreError(f"{self.spec.name} has a prompt cache already")
+        if len(kv.tokens) > llm.n_ctx():
+            raise RestoreError(f"{len(kv.tokens)} tokens do not fit a context of {llm.n_ctx()}")
+        try:
+            load_kv(llm, kv)
+        except RestoreError:
+            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
+            llm.n_tokens = 0
+            raise
+
+    def _is_released(self) -> bool:
+        """Whether the context is alive but its buffers released (the in-place backend)."""
+        return False
+
+    def close(self) -> None:
+        self._free_projector()
+        if self._llm is not None:
+            self._llm.close()
+            self._llm = None
+        if self._vocab is not None:
+            self._vocab.close()
+            self._vocab = None
+        if self._host_fd is not None:
+            os.close(self._host_fd)
+            self._host_fd = None
+        self._kv = None
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def prepare(self, request: GenerateRequest, cancelled: Cancelled) -> Prepared:
+        """Check, render and tokenize a request with the vocabulary alone (`Preparer.prepare`):
+        no device state is touched, so a cold model prepares as well as a warm one."""
+        preparer = Preparer(
+            self.spec, self._require_vocab(), self._chat, takes_images=self._projector is not None
+        )
+        return preparer.prepare(request, cancelled)
+
+    def run(self, request: Prepared, sink: ChunkSink | None, cancelled: Cancelled) -> Generation:
+        """Generate for a prepared request on the warm model (`Generator.run`), its images
+        first laid out and encoded (`_prefill_images`), or embed its inputs."""
+        llm = self._require_llm()
+        if request.kind is RequestKind.EMBEDDING:
+            return self._generator.embed(llm, request.inputs, cancelled)
+        prefill: Prefill | None = None
+        if request.images:
+            try:
+                prefill = self._prefill_images(llm, request)
+            except ArbiterError:
+                self._log_projector_steps("a failed request")  # none is left for the next one
+                raise
+        return self._generator.run(
+            llm, request, sink, cancelled, prefill=prefill, projector=self._projector
+        )
+
+    def generate(self, request: GenerateRequest, sink: ChunkSink | None) -> Generation:
+        """`prepare` and `run` in one call, never cancelled: for callers that drive a backend
+        directly and hold the GPU anyway (tests, benchmarks)."""
+        return self.run(self.prepare(request, never), sink, never)
+
+    # -- images -----------------------------------------------------------------------------
+
+    def _prefill_images(self, llm: llama_cpp.Llama, request: Prepared) -> Prefill:
+        """Lay a vision request's prompt out with its images and evaluate it up to its last
+        token, which `Llama.generate` evaluates (its prefix match then finds every position
+        but that one cached, and samples from fresh logits).
+
+        The projector is loaded only when something needs it: an image never laid out (the
+        worker's first sight of it), or one that is not in the cached prefix (to encode it).
+        It encodes every such image, is freed (just in time), and only then are the text and
+        the embeddings decoded on the model's context. A follow-up turn whose images are all
+        in the cached prefix loads nothing and leaves the whole suffix to `generate`."""
+        projector = self._projector
+        if projector is None:
+            raise RequestError(f"{self.spec.name} takes no images")
+        data = {digest_of(image): image for image in request.images}
+        digests = [digest_of(image) for image in request.images]
+        embeddings: dict[bytes, list[npt.NDArray[np.float32]]] = {}
+        non_causal = False
+        with ExitStack() as stack:
+            if not projector.known(digests):
+                unknown = {d: data[d] for d in digests if d not in projector.layouts}
+                stack.enter_context(self._encoder_session(llm, projector))
+                projector.lay_out(unknown)
+            tokens, placed = lay_out(request, digests, projector.layouts)
+            if len(tokens) >= llm.n_ctx():
+                raise ContextOverflowError(
+                    f"Requested tokens ({len(tokens)}) exceed context window of {llm.n_ctx()}"
+                )
+            if tokens[-1] < 0:
+                raise RequestError("the prompt ends with an image: the template must end in text")
+            cached = common_prefix(llm.input_ids[: llm.n_tokens].tolist(), tokens[:-1])
+            pending = [p for p in placed if p[0] + len(p[2].ids) > cached]
+            if not pending:
+                return Prefill(tokens, 0, 0)
+            start = min(cached, pending[0][0])
+            if not projector.loaded:
+                stack.enter_context(self._encoder_session(llm, projector))
+            for _, digest, _ in pending:
+                if digest not in embeddings:
+                    embeddings[digest] = projector.encode(data[digest])
+            non_causal = projector.non_causal()
+        # The projector is freed here (unless resident), and swapped-out weights are back:
+        # the model's context decodes alone.
+        counted = self._generator.count_evals()  # the text evaluated below (Llama.eval counts)
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(llm.ctx), -1, start, -1)
+        llm.n_tokens = start
+        image_positions = 0
+        for at, digest, span in pending:
+            if at > llm.n_tokens:
+                llm.eval(tokens[llm.n_tokens : at])
+            decode_embeddings(llm, embeddings[digest][span.chunk], span.ids, non_causal)
+            image_positions += len(span.ids)
+        if len(tokens) - 1 > llm.n_tokens:
+            llm.eval(tokens[llm.n_tokens : len(tokens) - 1])
+        text = sum(counted.evals)
+        return Prefill(tokens, start, text + image_positions)
+
+    @contextmanager
+    def _encoder_session(self, llm: llama_cpp.Llama, projector: Projector) -> Iterator[None]:
+        """The projector loaded for the block, beside the weights or swapped with them as
+        `plan_encoder` decides: on the swap path the weights leave first (the KV stays), and
+        come back only after the projector is freed, also when the block fails. Each step is
+        recorded with the path and the peak of `resident_bytes`."""
+        resident = self.resident_bytes()
+        plan = plan_encoder(
+            resident_bytes=resident,
+            encoder_bytes=0 if projector.loaded else projector.weights_bytes(),
+            budget_bytes=self._encoder_budget(resident),
+            swap_refusal=(
+                'the projector is resident (encoder = "resident")'
+                if projector.resident
+                else self.swap_refusal
+            ),
+        )
+        if plan.reason:
+            log.info("%s: projector %s: %s", self.spec.name, plan.path.value, plan.reason)
+        projector.begin(plan, self.resident_bytes)
+        try:
+            with ExitStack() as stack:
+                if plan.path is EncoderPath.SWAP:
+                    started = time.monotonic()
+                    moved = self._weights_off()
+                    projector.record("release", time.monotonic() - started, moved)
+                    stack.callback(self._swap_back, projector)
+                # Entered last, left first: the projector is freed before the weights return.
+                stack.enter_context(projector.session(llm.model))
+                yield
+        finally:
+            projector.end()
+
+    def _swap_back(self, projector: Projector) -> None:
+        started = time.monotonic()
+        moved = self._weights_on()
+        projector.record("restore", time.monotonic() - started, moved)
+
+    def _encoder_budget(self, resident_bytes: int) -> int:
+        """The device bytes the model may reach with its projector: `vram_budget`, else what
+        it holds plus the device's free memory, else 0 (unknown: a model on the CPU, where
+        the engine cannot tell)."""
+        if self.vram_budget > 0:
+            return self.vram_budget
+        if self.spec.n_gpu_layers == 0 or not llama_cpp.llama_supports_gpu_offload():
+            return 0
+        free = free_device_bytes()
+        return 0 if free is None else resident_bytes + free
+
+    def _free_projector(self) -> int:
+        """Free a loaded projector (going cold, closing); the bytes it held on the device, which
+        the release reports with the weights. Its step is logged, not left for a request."""
+        if self._projector is None or not self._projector.loaded:
+            return 0
+        held = self._projector.loaded_bytes()
+        self._projector.free()
+        self._log_projector_steps("going cold")
+        return held
+
+    def _warm_projector(self) -> int:
+        """Load a resident projector with the model it belongs to (warming up); the bytes it
+        put on the device. One that cannot be loaded now leaves the model warm without it: the
+        next image tries again, and fails its request with the reason."""
+        projector, llm = self._projector, self._llm
+        if projector is None or not projector.resident or llm is None:
+            return 0
+        try:
+            with projector.session(llm.model):
+                pass
+        except RequestError as exc:
+            log.warning("%s: resident projector not loaded on warm-up: %s", self.spec.name, exc)
+            return 0
+        self._log_projector_steps("loaded on warm-up")
+        return projector.loaded_bytes()
+
+    def _log_projector_steps(self, why: str) -> None:
+        """Log the projector's steps that no request reports (`why` they are not)."""
+        if self._projector is not None:
+            for step in self._projector.take_steps():
+                log.info("%s: projector, %s: %s", self.spec.name, why, step.to_json())
+
+    def _projector_bytes(self) -> int:
+        return 0 if self._projector is None else self._projector.loaded_bytes()
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _require_llm(self) -> llama_cpp.Llama:
+        if self._llm is None:
+            raise RequestError(f"{self.spec.name} is not warm")
+        return self._llm
+
+    def _weights_bytes(self) -> int:
+        llm = self._llm
+        return 0 if llm is None else int(llama_cpp.llama_model_size(llm.model))
+
+    def _require_vocab(self) -> Vocab:
+        if self._vocab is None:
+            raise RequestError(f"{self.spec.name} has not been opened yet")
+        return self._vocab
+
+    def _model_path(self, error: type[ModelLoadError] | type[RestoreError]) -> str:
+        if self._host_fd is not None:
+            return f"/proc/self/fd/{self._host_fd}"
+        if self.spec.path.is_file():
+            return str(self.spec.path)
+        raise error(f"model file not found: {self.spec.path}")
+
+    def _new_llama(self, error: type[ModelLoadError] | type[RestoreError]) -> llama_cpp.Llama:
+        spec = self.spec
+        if not 0 < spec.n_ctx <= MAX_N_CTX:
+            raise error(f"n_ctx must be between 1 and {MAX_N_CTX}, got {spec.n_ctx}")
+        path = self._model_path(error)
+        kwargs: dict[str, Any] = {
+            "model_path": path,
+            "n_ctx": spec.n_ctx,
+            "n_gpu_layers": spec.n_gpu_layers,
+            "seed": spec.seed,
+            "use_mmap": self._use_mmap,
+            "verbose": False,
+        }
+        if spec.n_threads:
+            kwargs["n_threads"] = spec.n_threads
+        if spec.chat_format:
+            kwargs["chat_format"] = spec.chat_format
+        if spec.embedding:
+            # An input is embedded in one decode: llama.cpp encodes a model that attends both
+            # ways (BERT) in one micro-batch, and Llama.n_batch caps a decode's tokens. Both
+            # hold the whole context, so every input that fits the context can be embedded.
+            kwargs |= {"embedding": True, "n_batch": spec.n_ctx, "n_ubatch": spec.n_ctx}
+        try:
+            llm = llama_cpp.Llama(**kwargs)
+        except (ValueError, RuntimeError, OSError, MemoryError) as exc:
+            # llama-cpp-python names the path it was given: the user knows their own.
+            reason = str(exc).replace(path, str(spec.path))
+            raise error(f"cannot load {spec.path}: {reason}") from None
+        if spec.embedding:
+            pooling = llama_cpp.llama_pooling_type(llm.ctx)
+            pooling_name = POOLING_TYPES.get(pooling, str(pooling))
+            if pooling_name not in POOLED:
+                llm.close()
+                raise error(
+                    f"cannot serve embeddings with {spec.path}: its pooling type is"
+                    f" {pooling_name}, which makes no single vector per input"
+                    f" ({', '.join(POOLED)} would; an embedding model's GGUF names one as"
+                    " <architecture>.pooling_type)"
+                )
+        self._generator.instrument(llm)
+        template = llm.metadata.get("tokenizer.chat_template", "")
+        self._chat = ChatFormat(
+            llm.chat_handler,
+            llm._chat_handlers,
+            llm.chat_format,
+            takes_tools=llm.chat_format == GGUF_TEMPLATE and template_takes_tools(template),
+        )
+        return llm
+
+
+def disk_read_bytes() -> int:
+    """Bytes this process caused to be fetched from storage (page-cache hits excluded)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def save_kv(llm: llama_cpp.Llama) -> KvState:
+    size = llama_cpp.llama_state_get_size(llm.ctx)
+    buffer = (ctypes.c_uint8 * size)()
+    written = llama_cpp.llama_state_get_data(llm.ctx, buffer, size)
+    return KvState(list(llm.input_ids[: llm.n_tokens]), bytes(buffer)[:written])
+
+
+def load_kv(llm: llama_cpp.Llama, kv: KvState) -> None:
+    size = len(kv.data)
+    buffer = (ctypes.c_uint8 * size).from_buffer_copy(kv.data)
+    if llama_cpp.llama_state_set_data(llm.ctx, buffer, size) != size:
+        raise RestoreError("the saved KV state does not fit the new context")
+    n = len(kv.tokens)
+    llm.input_ids[:n] = kv.tokens
+    llm.n_tokens = n
+    # The state holds the KV only, no logits: make generate() decode at least one token again.
+    llm._requires_eval = True

@@ -1,0 +1,203 @@
+"""In-place residency, through the arbiterd engine build (arbiterd/native/llama-residency.patch):
+the model and context stay alive and only their buffers' bytes move between the device and the
+host, so nothing is re-parsed or re-read; the KV may even stay on the device. Part of the engine
+(arbiterd/worker/engine/): it calls llama_cpp and the residency API, on the engine thread only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+
+import llama_cpp
+
+from arbiterd.errors import EngineError, RequestError, ResidencyCallError, RestoreError
+from arbiterd.native import libllama
+from arbiterd.native.libllama import ResidencyApi
+from arbiterd.spec import KvPolicy, ModelSpec
+from arbiterd.worker.engine.backend import LlamaBackend, disk_read_bytes, load_kv, save_kv
+from arbiterd.worker.engine.records import Cancelled, ChunkSink, Generation, Moved, Prepared
+
+_LIBC = ctypes.CDLL(None)  # this process's C library (malloc_trim, where it is glibc)
+
+
+class InPlaceBackend(LlamaBackend):
+    """Residency through the arbiterd engine build (arbiterd/native/llama-residency.patch): the
+    model and context stay alive and only their buffers' bytes move, so nothing is re-parsed or
+    re-read; the KV may even stay on the device. Loading and generation are LlamaBackend's
+    (backend.py).
+
+    KV policies: `device` keeps the KV buffers where they are; `host` saves the KV with the state
+    API (only the cells in use, with their tokens) before the release and sets it back after the
+    restore; `drop` clears it. A model that runs on the CPU (n_gpu_layers = 0, or an engine that
+    cannot offload) is loaded without mmap and releases its host buffers too, so the same
+    mechanism frees its RAM: the weights' copy then lives in a memory file outside the worker's
+    mappings."""
+
+    kind = "in-place"
+    keeps_kv_on_device = True
+    swap_refusal = ""
+
+    def __init__(self, spec: ModelSpec, api: ResidencyApi, *, vram_budget: int = 0) -> None:
+        super().__init__(spec, vram_budget=vram_budget)
+        self._api = api
+        self._released = False
+        # The weights are off the device for a projector (the swap path), or stayed off when
+        # bringing them back failed: the next request or release tries again.
+        self._swapped_out = False
+        self._host_buffers = spec.n_gpu_layers == 0 or not llama_cpp.llama_supports_gpu_offload()
+        self._use_mmap = not self._host_buffers  # mapped weights live in the file, not in buffers
+        self._kept_kv_bytes = 0  # KV left on the device by a `device` release
+
+    def release(self, kv: KvPolicy) -> Moved:
+        llm = self._require_llm()
+        if self._released:
+            raise RequestError(f"{self.spec.name} is already cold")
+        self._heal_swap()
+        started = time.monotonic()
+        projector_bytes = self._free_projector()  # going cold frees a resident encoder
+        ctx = context_pointer(llm)
+        flags = self._flags(kv)
+        if kv is KvPolicy.DROP:
+            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
+            llm.n_tokens = 0
+        self._kv = save_kv(llm) if kv is KvPolicy.HOST and llm.n_tokens > 0 else None
+        kept = self._api.stats(ctx, self._flags(KvPolicy.HOST)).kv_bytes
+        self._kept_kv_bytes = kept if kv is KvPolicy.DEVICE else 0
+        try:
+            self._api.release_device(ctx, flags)
+        except ResidencyCallError as exc:
+            self._kv = None
+            raise EngineError(str(exc)) from None
+        if self._host_buffers:
+            _return_freed_heap()
+        stats = self._api.stats(ctx, flags)
+        self._released = True
+        return Moved(
+            duration_s=time.monotonic() - started,
+            weights_bytes=stats.weights_bytes + projector_bytes,
+            kv_bytes=len(self._kv.data) if self._kv else 0,
+            disk_read_bytes=0,
+        )
+
+    def restore(self) -> Moved:
+        llm = self._require_llm()
+        if not self._released:
+            raise RestoreError(f"{self.spec.name} is already warm")
+        started, read_before = time.monotonic(), disk_read_bytes()
+        ctx = context_pointer(llm)
+        weights = self._api.stats(ctx, 0).weights_bytes
+        try:
+            self._api.restore_device(ctx)
+        except ResidencyCallError as exc:
+            # Still released, the weights' copy intact, the saved KV kept: the next warm-up
+            # tries again.
+            raise RestoreError(f"restore failed: {exc}") from None
+        self._released = False
+        kv_bytes = 0
+        if self._kv is not None:
+            try:
+                load_kv(llm, self._kv)
+            except RestoreError:
+                self._api.release_device(ctx, self._flags(KvPolicy.HOST))  # stay cold, KV kept
+                self._released = True
+                raise
+            kv_bytes = len(self._kv.data)
+            self._kv = None
+        elif self._kept_kv_bytes == 0:
+            llm.n_tokens = 0  # the cache came back empty
+        self._kept_kv_bytes = 0
+        llm._requires_eval = True  # decode one token again rather than trust kept logits
+        weights += self._warm_projector()
+        return Moved(
+            duration_s=time.monotonic() - started,
+            weights_bytes=weights,
+            kv_bytes=kv_bytes,
+            disk_read_bytes=disk_read_bytes() - read_before,
+        )
+
+    def resident_bytes(self) -> int:
+        """Device bytes (host bytes for a CPU model) by the engine's own figures: weights, KV
+        and compute buffers while warm; the KV kept by a `device` release while cold."""
+        llm = self._llm
+        if llm is None:
+            return 0
+        if self._released or self._swapped_out:
+            return self._kept_kv_bytes + self._projector_bytes()
+        stats = self._api.stats(context_pointer(llm), self._flags(KvPolicy.HOST))
+        return stats.device_bytes + self._projector_bytes()
+
+    def _is_released(self) -> bool:
+        return self._released
+
+    def host_weights_bytes(self) -> int:
+        """Host memory holding the released weights, this worker's own (0 while warm): the
+        engine keeps the device's tensors as they were laid out there, beside the daemon's copy
+        of the file they were loaded from."""
+        llm = self._llm
+        if llm is None or not self._released:
+            return 0
+        return self._api.stats(context_pointer(llm), 0).host_bytes
+
+    def run(self, request: Prepared, sink: ChunkSink | None, cancelled: Cancelled) -> Generation:
+        if self._released:
+            raise RequestError(f"{self.spec.name} is not warm")
+        self._heal_swap()
+        return super().run(request, sink, cancelled)
+
+    def _weights_off(self) -> int:
+        """Release the weights and compute buffers with KEEP_KV: the KV cells stay where they
+        are, so the encode costs no prompt evaluation and no KV copy."""
+        ctx = context_pointer(self._require_llm())
+        flags = self._flags(KvPolicy.DEVICE)
+        kept = self._api.stats(ctx, self._flags(KvPolicy.HOST)).kv_bytes
+        try:
+            self._api.release_device(ctx, flags)
+        except ResidencyCallError as exc:
+            raise EngineError(f"cannot make room for the projector: {exc}") from None
+        if self._host_buffers:
+            _return_freed_heap()
+        self._swapped_out, self._kept_kv_bytes = True, kept
+        return self._api.stats(ctx, flags).weights_bytes
+
+    def _weights_on(self) -> int:
+        """Bring the weights back after the projector; the KV never left. On failure they stay
+        off (the context released, its copies intact) and RestoreError says so."""
+        llm = self._require_llm()
+        ctx = context_pointer(llm)
+        weights = self._api.stats(ctx, 0).weights_bytes
+        try:
+            self._api.restore_device(ctx)
+        except ResidencyCallError as exc:
+            raise RestoreError(
+                f"{self.spec.name}'s weights could not come back after the projector: {exc}"
+            ) from None
+        self._swapped_out, self._kept_kv_bytes = False, 0
+        llm._requires_eval = True  # decode one token again rather than trust kept logits
+        return weights
+
+    def _heal_swap(self) -> None:
+        """Weights a failed swap left off the device come back before anything else runs
+        (RestoreError again if they still cannot)."""
+        if self._swapped_out:
+            self._weights_on()
+
+    def _flags(self, kv: KvPolicy) -> int:
+        flags = libllama.KEEP_KV if kv is KvPolicy.DEVICE else 0
+        return flags | (libllama.HOST_BUFFERS if self._host_buffers else 0)
+
+
+def _return_freed_heap() -> None:
+    """Hand the heap pages freed host buffers leave back to the system. glibc keeps freed blocks
+    below its mmap threshold (which grows up to 32 MiB as a process frees large blocks) in its
+    arenas, so without this a CPU model's release would not lower the worker's RSS."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+def context_pointer(llm: llama_cpp.Llama) -> int:
+    pointer = ctypes.cast(llm.ctx, ctypes.c_void_p).value
+    if not pointer:
+        raise EngineError("the llama context is gone")
+    return pointer
