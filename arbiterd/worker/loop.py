@@ -81,6 +81,7 @@ from arbiterd.events import EncoderEvent, RequestEvent, ResidencyEvent
 from arbiterd.procs import holder_name
 from arbiterd.request import GenerateRequest
 from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, ModelSpec, Residency, WorkerConfig
+from arbiterd.states import BackendKind
 from arbiterd.wire import LineReader, LineWriter
 from arbiterd.worker import kvfile
 from arbiterd.worker.engine import (
@@ -158,7 +159,7 @@ class Worker:
         self._next_preemption_check = 0.0
         # Pausing releases in place, so llama-cpp-python's generation survives it; the reload
         # backend frees the Llama object a generation runs on.
-        self._can_pause = config.preemptible and backend.kind == "in-place"
+        self._can_pause = config.preemptible and backend.kind is BackendKind.IN_PLACE
         self._pinned = False
         self._current: str | None = None
         self._last_error = ""
@@ -734,7 +735,9 @@ class Unavailable:
     def __init__(self, spec: ModelSpec, error: EngineError) -> None:
         self.spec = spec
         # What the config asked for, as the status shows it (only "in-place" can fail so).
-        self.kind = "in-place" if spec.residency is Residency.IN_PLACE else "reload"
+        self.kind = (
+            BackendKind.IN_PLACE if spec.residency is Residency.IN_PLACE else BackendKind.RELOAD
+        )
         self._error = error
 
     def open(self) -> None:

@@ -17,10 +17,11 @@ from typing import Any, TypeVar
 
 import pytest
 
-from arbiterd.daemon.workerclient import BACKENDS, BlockingWorker, WorkerClient
+from arbiterd.daemon.workerclient import BACKENDS, WorkerClient
 from arbiterd.errors import ContextOverflowError, ProtocolError, WorkerError, WorkerGoneError
 from arbiterd.spec import WORKER_PROTOCOL, ModelSpec, WorkerConfig
 from arbiterd.wire import MAX_MESSAGE_BYTES
+from tests.support.blocking_worker import BlockingWorker
 from tests.support.requests import request_for
 from tests.support.signals import stop
 

@@ -18,10 +18,10 @@ import httpx
 import pytest
 
 from arbiterd.arena import Arena
-from arbiterd.daemon.workerclient import BlockingWorker
 from arbiterd.errors import ContextOverflowError
 from arbiterd.spec import ModelSpec, WorkerConfig
 from arbiterd.wire import LineReader, LineWriter
+from tests.support.blocking_worker import BlockingWorker
 from tests.support.daemon import Daemon
 from tests.support.requests import request_for
 from tests.support.waiting import wait_until

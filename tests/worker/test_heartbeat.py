@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from arbiterd.daemon.workerclient import BlockingWorker
 from arbiterd.spec import ModelSpec, WorkerConfig
 from arbiterd.worker.engine import Generation, Moved, Prepared
+from tests.support.blocking_worker import BlockingWorker
 from tests.support.requests import request_for
 from tests.support.waiting import wait_until
 from tests.worker.test_loop import FlakyRestore, InProcess

@@ -18,7 +18,6 @@ import pytest
 from arbiterd.arena import Arena, Priority
 from arbiterd.daemon.workerclient import (
     HELLO_TIMEOUT_S,
-    BlockingWorker,
     EngineReport,
     WorkerHello,
 )
@@ -34,10 +33,12 @@ from arbiterd.errors import (
 )
 from arbiterd.request import GenerateRequest
 from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, ModelSpec, Residency, WorkerConfig
+from arbiterd.states import BackendKind
 from arbiterd.wire import LineReader, LineWriter
 from arbiterd.worker.engine import EngineInfo, Generation, Moved, Prepared, engine_info
 from arbiterd.worker.kvfile import KvState
 from arbiterd.worker.loop import Unavailable, Worker
+from tests.support.blocking_worker import BlockingWorker
 from tests.support.requests import request_for
 from tests.support.waiting import wait_until
 
@@ -504,7 +505,7 @@ def test_an_unload_that_cannot_write_still_unloads_and_says_why(
 class FlakyRestore:
     """A backend whose restore fails: the worker must roll back to cold and free the token."""
 
-    kind = "reload"
+    kind = BackendKind.RELOAD
     fallback_reason = "test double: no residency API"
     keeps_kv_on_device = False
     prompt_tokens_evaluated_total = 0
@@ -606,7 +607,7 @@ class Buggy(FlakyRestore):
     and, with `breaks_releasing`, a release that raises (its restore works). In place: a
     generation may pause."""
 
-    kind = "in-place"
+    kind = BackendKind.IN_PLACE
     fallback_reason = ""
 
     def __init__(self, *, breaks_releasing: bool = False) -> None:
@@ -851,7 +852,7 @@ def test_the_hello_and_the_status_say_the_backend_and_the_engine(workers: Worker
 
 
 class InPlaceDouble(FlakyRestore):
-    kind = "in-place"
+    kind = BackendKind.IN_PLACE
     fallback_reason = ""
 
 

@@ -47,6 +47,7 @@ from arbiterd.native import ggml, libllama
 from arbiterd.native.libllama import ResidencyApi, probe_residency_api
 from arbiterd.request import GenerateRequest
 from arbiterd.spec import KvPolicy, ModelSpec, Residency
+from arbiterd.states import BackendKind
 from arbiterd.worker.engine.inplace import InPlaceBackend
 from arbiterd.worker.engine.records import Cancelled, ChunkSink, Generation, Moved, Prepared
 from arbiterd.worker.engine.reload import ReloadBackend
@@ -76,7 +77,7 @@ class Backend(Protocol):
     inside its `cancelled` callback."""
 
     spec: ModelSpec
-    kind: str  # "in-place" or "reload", as status, /metrics and the tray name it
+    kind: BackendKind  # as status, /metrics and the tray name it
     fallback_reason: str  # why not in-place, when that was looked for and not found; else ""
     keeps_kv_on_device: bool  # whether release(KvPolicy.DEVICE) is possible
 

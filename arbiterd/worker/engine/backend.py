@@ -32,6 +32,7 @@ from arbiterd.errors import (
 from arbiterd.hostcopy import copy_into_memfd
 from arbiterd.request import GenerateRequest, RequestKind
 from arbiterd.spec import MAX_N_CTX, KvPolicy, ModelSpec
+from arbiterd.states import BackendKind
 from arbiterd.worker.engine.generate import Generator
 from arbiterd.worker.engine.images import (
     Prefill,
@@ -70,7 +71,7 @@ class LlamaBackend(ABC):
     """One model's llama objects and what is done with them whichever way they move; a subclass
     says how a release and a restore move them (its `kind`)."""
 
-    kind: str  # "in-place" or "reload", as status, /metrics and the tray name it
+    kind: BackendKind  # as status, /metrics and the tray name it
     keeps_kv_on_device: bool  # whether release(KvPolicy.DEVICE) is possible
     # Why the projector cannot swap with the weights ("" where it can: `_weights_off`).
     swap_refusal: str

@@ -15,6 +15,7 @@ from arbiterd.errors import EngineError, RequestError, ResidencyCallError, Resto
 from arbiterd.native import libllama
 from arbiterd.native.libllama import ResidencyApi
 from arbiterd.spec import KvPolicy, ModelSpec
+from arbiterd.states import BackendKind
 from arbiterd.worker.engine.backend import LlamaBackend, disk_read_bytes, load_kv, save_kv
 from arbiterd.worker.engine.records import Cancelled, ChunkSink, Generation, Moved, Prepared
 
@@ -34,7 +35,7 @@ class InPlaceBackend(LlamaBackend):
     mechanism frees its RAM: the weights' copy then lives in a memory file outside the worker's
     mappings."""
 
-    kind = "in-place"
+    kind = BackendKind.IN_PLACE
     keeps_kv_on_device = True
     swap_refusal = ""
 

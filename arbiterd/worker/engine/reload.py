@@ -1,6 +1,6 @@
-"""Reload residency, the portable mechanism (README "Residency"): a release frees the
-context and the model (the KV, as its policy says, saved to host bytes first); a restore loads
-the model again from its host copy and sets the KV back. Part of the engine
+"""Reload residency, the portable mechanism (any llama-cpp-python, no engine patch): a release
+frees the context and the model (the KV, as its policy says, saved to host bytes first); a
+restore loads the model again from its host copy and sets the KV back. Part of the engine
 (arbiterd/worker/engine/): it calls llama_cpp, on the engine thread only.
 
 - cold: `llama_state_get_data` copies the KV cache into host bytes (with the token list it
@@ -19,6 +19,7 @@ import llama_cpp
 
 from arbiterd.errors import EngineError, RequestError, RestoreError
 from arbiterd.spec import KvPolicy
+from arbiterd.states import BackendKind
 from arbiterd.worker.engine.backend import LlamaBackend, disk_read_bytes, load_kv, save_kv
 from arbiterd.worker.engine.records import Moved
 
@@ -26,7 +27,7 @@ from arbiterd.worker.engine.records import Moved
 class ReloadBackend(LlamaBackend):
     """Portable residency: free everything on release, reload from the host copy on restore."""
 
-    kind = "reload"
+    kind = BackendKind.RELOAD
     keeps_kv_on_device = False
     # Why the projector cannot swap with the weights: freeing them frees the whole context.
     swap_refusal = (
