@@ -171,7 +171,7 @@ class GenerateRequest:
         try:
             kind = RequestKind(str(wire.get("kind")))
         except ValueError:
-            raise RequestError(f"unknown request kind {_shown(wire.get('kind'))}") from None
+            raise RequestError(f"unknown request kind {shown(wire.get('kind'))}") from None
         if kind is not RequestKind.CHAT and wire.get("images"):
             raise RequestError("images go in chat requests, not completions")
         tools, choice, name = _tools(wire)
@@ -195,11 +195,11 @@ class GenerateRequest:
         )
 
 
-def _shown(value: object) -> str:
+def shown(value: object) -> str:
     """A refused value as a message shows it: its repr (which escapes what UTF-8 cannot
     encode), cut short."""
-    shown = repr(value)
-    return shown if len(shown) <= MAX_SHOWN_CHARS else shown[: MAX_SHOWN_CHARS - 3] + "..."
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN_CHARS else text[: MAX_SHOWN_CHARS - 3] + "..."
 
 
 def _prompt(wire: dict[str, Any]) -> str:
@@ -257,7 +257,7 @@ def _logit_bias(given: object) -> dict[int, float]:
         # digits int() refuses ("²"), and int() refuses more than 4,300 digits (issue 24).
         is_id = isinstance(key, str) and key.isascii() and key.isdigit()
         if not is_id or len(key) > len(str(MAX_TOKEN_ID)) or int(key) > MAX_TOKEN_ID:
-            raise RequestError(f"'logit_bias' names {_shown(key)}, which is not a token id")
+            raise RequestError(f"'logit_bias' names {shown(key)}, which is not a token id")
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise RequestError(f"'logit_bias.{key}' must be a number")
         if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
@@ -320,7 +320,7 @@ def _tools(wire: dict[str, Any]) -> tuple[tuple[Tool, ...], ToolChoice, str]:
     names = [tool.name for tool in tools]
     if not isinstance(name, str) or name not in names:
         raise RequestError(
-            f"'tool_choice' names {_shown(name)}, which is not among the tools: {', '.join(names)}"
+            f"'tool_choice' names {shown(name)}, which is not among the tools: {', '.join(names)}"
         )
     return tools, ToolChoice.FUNCTION, name
 

@@ -1,8 +1,8 @@
 """OpenAI's request bodies as the one record the daemon serves (arbiterd.request.GenerateRequest),
 built once at the HTTP edge; Ollama's routes come here too, as ollama.py translates them.
 
-Owns the field-by-field checks of a body and the OpenAI error envelope each refusal is: a 400
-(or a 413, 404...) naming the field, as OpenAI words it where it has words. What a check needs
+Owns the field-by-field checks of a body and the OpenAI error envelope (`ApiError`) each
+refusal is: a 400 naming the field, as OpenAI words it where it has words. What a check needs
 of the model (its vocabulary, grammar compiler, context, template) is the engine's; what it
 needs of the config (does the model exist, is it strict, does it take images) httpapi.py asks
 the service once the body parsed.
@@ -35,6 +35,7 @@ from arbiterd.request import (
     Sampling,
     Tool,
     ToolChoice,
+    shown,
 )
 from arbiterd.spec import COMPLETION_PARAMS, IMAGE_MARKER
 
@@ -59,7 +60,6 @@ MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls
 # tools offered. Each over its limit is a 400.
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_TOOLS = 128
-MAX_SHOWN_CHARS = 40  # of a rejected value, in an error message
 TOOL_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")  # as OpenAI's function names
 
 # Error types and codes of the envelope, as OpenAI spells them where it has one.
@@ -126,15 +126,9 @@ def _wrong_type(key: str, expected: str, value: object) -> ApiError:
     )
 
 
-def _shown(value: object) -> str:
-    """A refused value as a message shows it: its repr, cut short."""
-    shown = repr(value)
-    return shown if len(shown) <= MAX_SHOWN_CHARS else shown[: MAX_SHOWN_CHARS - 3] + "..."
-
-
 def _out_of_range(key: str, expected: str, value: object) -> ApiError:
     return ApiError(
-        400, f"'{key}' must be {expected}, got {_shown(value)}", code="invalid_value", param=key
+        400, f"'{key}' must be {expected}, got {shown(value)}", code="invalid_value", param=key
     )
 
 
@@ -580,7 +574,7 @@ def _logit_bias(value: object) -> dict[int, float]:
         ):
             raise ApiError(
                 400,
-                f"'logit_bias' must be {expected}; {_shown(key)} is not a token id",
+                f"'logit_bias' must be {expected}; {shown(key)} is not a token id",
                 code="invalid_value",
                 param="logit_bias",
             )
