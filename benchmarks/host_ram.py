@@ -46,6 +46,7 @@ from arbiterd.spec import ModelSpec, Residency, WorkerConfig
 from arbiterd.worker import kvfile
 from benchmarks.common import report
 from tests.support.blocking_worker import BlockingWorker
+from tests.support.requests import request_for
 
 N_CTX = 2048
 START_TIMEOUT_S = 300.0
@@ -290,7 +291,7 @@ def separate_copies(directory: Path, files: dict[str, Path], residency: str) -> 
             )
             workers.append(BlockingWorker.spawn(WorkerConfig(spec=spec, arena=arena)))
         for worker in workers:
-            worker.generate("completion", WARMUP)
+            worker.generate(request_for("completion", WARMUP))
         for worker in workers:
             worker.request("release")
         states = [worker.status()["state"] for worker in workers]

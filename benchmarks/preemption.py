@@ -25,6 +25,7 @@ from arbiterd.arena import Priority
 from arbiterd.spec import ModelSpec, WorkerConfig
 from benchmarks.common import report
 from tests.support.blocking_worker import BlockingWorker
+from tests.support.requests import request_for
 
 MIN_HOLD_S = 0.1
 QUESTION = {"prompt": "Q: What is the capital of France?\nA:", "max_tokens": 8, "temperature": 0}
@@ -56,9 +57,9 @@ def interrupted_run(
             halfway.set()
 
     def run_a() -> None:
-        a.generate("completion", RESET)
+        a.generate(request_for("completion", RESET))
         started = time.monotonic()
-        outcome["a"] = a.generate("completion", body, on_chunk=on_chunk)
+        outcome["a"] = a.generate(request_for("completion", body), on_chunk=on_chunk)
         outcome["a_s"] = time.monotonic() - started
 
     thread = threading.Thread(target=run_a)
@@ -67,7 +68,7 @@ def interrupted_run(
     first = threading.Event()
     asked = time.monotonic()
     question = {**QUESTION, "priority": Priority.INTERACTIVE.value}
-    outcome["b"] = b.generate("completion", question, on_chunk=lambda _c: first.set())
+    outcome["b"] = b.generate(request_for("completion", question), on_chunk=lambda _c: first.set())
     outcome["b_first_token_s"] = round(time.monotonic() - asked, 4) if first.is_set() else None
     thread.join(600)
     return outcome
@@ -98,10 +99,10 @@ def main() -> int:
         b = spawn("b", arena)
         try:
             for worker in (a, stubborn, b):
-                worker.generate("completion", {"prompt": "Hello", "max_tokens": 1})
-            a.generate("completion", RESET)
+                worker.generate(request_for("completion", {"prompt": "Hello", "max_tokens": 1}))
+            a.generate(request_for("completion", RESET))
             started = time.monotonic()
-            reference = a.generate("completion", body)
+            reference = a.generate(request_for("completion", body))
             reference_s = time.monotonic() - started
             for worker in (a, stubborn, b):
                 residency_split(worker)

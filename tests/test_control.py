@@ -47,6 +47,7 @@ from arbiterd.errors import (
     DaemonNotRunningError,
     UnknownModelError,
 )
+from arbiterd.request import GenerateRequest
 from arbiterd.wire import LineReader
 from tests.support.waiting import wait_until
 
@@ -92,10 +93,10 @@ class FakeService:
     def resolve(self, model: str) -> str | None:
         return model if model in self.models else None
 
-    async def complete(self, model: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def complete(self, model: str, request: GenerateRequest) -> dict[str, Any]:
         raise NotImplementedError
 
-    def stream(self, model: str, kind: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    def stream(self, model: str, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
         raise NotImplementedError
 
     async def status(self) -> dict[str, Any]:

@@ -40,7 +40,8 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from arbiterd.config import is_loopback
-from arbiterd.daemon.httpapi import IGNORED_HEADER, ApiError
+from arbiterd.daemon.httpapi import IGNORED_HEADER
+from arbiterd.daemon.openai_requests import ApiError
 
 JSON_MEDIA_TYPE = "application/json"
 # A preflight's answer: what an allowed origin's page may send, and how long its browser may

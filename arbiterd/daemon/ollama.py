@@ -28,6 +28,7 @@ from typing import Any
 
 from arbiterd.config import DEFAULT_TAG
 from arbiterd.errors import BadValueError
+from arbiterd.request import RequestKind
 
 # Ollama's option name → the OpenAI parameter the engine runs.
 OPTIONS = {
@@ -48,7 +49,7 @@ CONFIG_OPTIONS = frozenset({"num_ctx", "num_gpu", "num_thread", "num_batch", "us
 VERSION = "0.6.3"
 
 
-def chat_request(payload: object) -> tuple[str, dict[str, Any], bool]:
+def chat_request(payload: object) -> tuple[RequestKind, dict[str, Any], bool]:
     """/api/chat's body as (kind, OpenAI payload, stream)."""
     body = _object(payload)
     messages = body.get("messages")
@@ -60,7 +61,7 @@ def chat_request(payload: object) -> tuple[str, dict[str, Any], bool]:
     }
     if body.get("tools"):
         openai["tools"] = body["tools"]
-    return "chat", _with_common(body, openai), _stream(body)
+    return RequestKind.CHAT, _with_common(body, openai), _stream(body)
 
 
 def _message(message: dict[str, Any]) -> dict[str, Any]:
@@ -134,7 +135,7 @@ def calls_line(model: str, calls: dict[int, dict[str, Any]]) -> dict[str, Any]:
     return line
 
 
-def generate_request(payload: object) -> tuple[str, dict[str, Any], bool]:
+def generate_request(payload: object) -> tuple[RequestKind, dict[str, Any], bool]:
     """/api/generate's body as (kind, OpenAI payload, stream): a raw prompt is a completion,
     any other goes through the model's chat template, as Ollama does."""
     body = _object(payload)
@@ -145,7 +146,7 @@ def generate_request(payload: object) -> tuple[str, dict[str, Any], bool]:
         raise BadValueError("images are taken by /api/chat, not /api/generate, for now")
     if body.get("raw") is True:
         return (
-            "completion",
+            RequestKind.COMPLETION,
             _with_common(body, {"model": body.get("model"), "prompt": prompt}),
             (_stream(body)),
         )
@@ -155,7 +156,7 @@ def generate_request(payload: object) -> tuple[str, dict[str, Any], bool]:
         messages.append({"role": "system", "content": system})
     messages.append({"role": "user", "content": prompt})
     openai = {"model": body.get("model"), "messages": messages}
-    return "chat", _with_common(body, openai), _stream(body)
+    return RequestKind.CHAT, _with_common(body, openai), _stream(body)
 
 
 def embed_request(payload: object) -> dict[str, Any]:
@@ -184,27 +185,30 @@ def embed_answer(response: dict[str, Any], total_s: float) -> dict[str, Any]:
     }
 
 
-def answer(kind: str, route: str, response: dict[str, Any], total_s: float) -> dict[str, Any]:
+def answer(
+    kind: RequestKind, route: str, response: dict[str, Any], total_s: float
+) -> dict[str, Any]:
     """A whole OpenAI response as Ollama's final object for `route` ("chat" or "generate")."""
     choice = response["choices"][0]
-    text = choice["message"]["content"] if kind == "chat" else choice["text"]
+    text = choice["message"]["content"] if kind is RequestKind.CHAT else choice["text"]
     whole = {
         **_piece(route, response["model"], text or ""),
         **_done(choice.get("finish_reason"), response.get("usage"), total_s),
     }
-    if kind == "chat" and choice["message"].get("tool_calls"):
+    if kind is RequestKind.CHAT and choice["message"].get("tool_calls"):
         whole["message"]["tool_calls"] = tool_calls(choice["message"]["tool_calls"])
     return whole
 
 
-def chunk(kind: str, route: str, openai_chunk: dict[str, Any]) -> dict[str, Any] | None:
+def chunk(kind: RequestKind, route: str, openai_chunk: dict[str, Any]) -> dict[str, Any] | None:
     """One streamed OpenAI chunk as an Ollama line; None for a chunk without text (a role, or
     the usage chunk, whose figures go into the last line instead)."""
     choices = openai_chunk.get("choices") or []
     if not choices:
         return None
     choice = choices[0]
-    text = (choice.get("delta") or {}).get("content") if kind == "chat" else choice.get("text")
+    delta = choice.get("delta") or {}
+    text = delta.get("content") if kind is RequestKind.CHAT else choice.get("text")
     if not text:
         return None
     return _piece(route, str(openai_chunk.get("model", "")), text)

@@ -32,6 +32,7 @@ from arbiterd.errors import (
     WorkerGoneError,
 )
 from arbiterd.events import Event, RequestEvent
+from arbiterd.request import GenerateRequest
 from arbiterd.spec import kind_refusal
 from arbiterd.states import RequestStatus
 
@@ -53,29 +54,28 @@ class Router:
         self._load = load
         self._ids = itertools.count(1)
 
-    async def complete(self, model: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def complete(self, model: str, request: GenerateRequest) -> dict[str, Any]:
         request_id = self._request_id()
         result = await self._send(
             model,
-            kind,
+            request.kind,
             request_id,
-            lambda worker: worker.generate(kind, body, request_id=request_id),
+            lambda worker: worker.generate(request, request_id=request_id),
         )
         response: dict[str, Any] = result["response"]
         return response
 
-    async def stream(
-        self, model: str, kind: str, body: dict[str, Any]
-    ) -> AsyncGenerator[dict[str, Any]]:
+    async def stream(self, model: str, request: GenerateRequest) -> AsyncGenerator[dict[str, Any]]:
         request_id = self._request_id()
         chunks: asyncio.Queue[object] = asyncio.Queue()
 
         def generate(worker: WorkerClient) -> Awaitable[dict[str, Any]]:
-            return worker.generate(kind, body, on_chunk=chunks.put_nowait, request_id=request_id)
+            return worker.generate(request, on_chunk=chunks.put_nowait, request_id=request_id)
 
-        await self._serving(model, kind)  # an unknown, failed or wrong model: before any chunk
+        # An unknown, failed or wrong model: before any chunk.
+        await self._serving(model, request.kind)
         sending = asyncio.get_running_loop().create_task(
-            self._send(model, kind, request_id, generate)
+            self._send(model, request.kind, request_id, generate)
         )
         sending.add_done_callback(lambda _: chunks.put_nowait(_DONE))
         try:

@@ -94,6 +94,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from arbiterd.daemon.images import ImagePolicy
+from arbiterd.request import GenerateRequest
 
 
 class Service(Protocol):
@@ -114,13 +115,13 @@ class Service(Protocol):
         """The name of the configured model that `model` names; None when it names none."""
         ...
 
-    async def complete(self, model: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
-        """Run one request ("completion" with body["prompt"], "chat" with body["messages"], or
-        "embedding" with body["input"], a list of texts, for an embedding model) to the end;
-        returns the OpenAI response object."""
+    async def complete(self, model: str, request: GenerateRequest) -> dict[str, Any]:
+        """Run one request (an EMBEDDING request for an embedding model, a COMPLETION or CHAT
+        request for any other) on `model`, a name or an alias, to the end; returns the OpenAI
+        response object, which names the model as `model` does."""
         ...
 
-    def stream(self, model: str, kind: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    def stream(self, model: str, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
         """Yield OpenAI chunk objects as they come. Errors are raised from the iterator, before
         or during the stream; closing the iterator early or cancelling the task awaiting it
         (the client went away) cancels the request in its worker. `complete` is cancelled the

@@ -64,6 +64,7 @@ from arbiterd.events import (
     parse_event,
 )
 from arbiterd.procs import holder_name, process_name
+from arbiterd.request import GenerateRequest
 
 log = logging.getLogger(__name__)
 
@@ -238,14 +239,12 @@ class Supervisor:
         list of models."""
         return self.config.resolve(model) or model
 
-    async def complete(self, model: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
-        response = await self._router.complete(self._name(model), kind, body)
+    async def complete(self, model: str, request: GenerateRequest) -> dict[str, Any]:
+        response = await self._router.complete(self._name(model), request)
         return {**response, "model": model}  # as asked: clients compare it with their request
 
-    async def stream(
-        self, model: str, kind: str, body: dict[str, Any]
-    ) -> AsyncIterator[dict[str, Any]]:
-        chunks = self._router.stream(self._name(model), kind, body)
+    async def stream(self, model: str, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+        chunks = self._router.stream(self._name(model), request)
         try:
             async for chunk in chunks:
                 yield {**chunk, "model": model}  # as asked, as in `complete`

@@ -36,6 +36,7 @@ from typing import Any
 
 from arbiterd.daemon.liveness import Heard
 from arbiterd.errors import ProtocolError, WorkerError, WorkerGoneError, error_from_wire
+from arbiterd.request import GenerateRequest
 from arbiterd.spec import WORKER_PROTOCOL, WorkerConfig
 from arbiterd.states import BackendKind, WorkerOp
 from arbiterd.wire import AsyncLineReader, encode
@@ -294,8 +295,7 @@ class WorkerClient:
 
     async def generate(
         self,
-        kind: str,
-        body: dict[str, Any],
+        request: GenerateRequest,
         *,
         on_chunk: ChunkListener | None = None,
         timeout_s: float | None = 600.0,
@@ -308,8 +308,7 @@ class WorkerClient:
                 {
                     "op": WorkerOp.GENERATE,
                     "id": opened,
-                    "kind": kind,
-                    "body": body,
+                    "request": request.to_json(),
                     "stream": on_chunk is not None,
                 }
             )

@@ -31,8 +31,9 @@ Message protocol (JSON lines, `arbiterd.wire`), version WORKER_PROTOCOL:
                      loaded llama.cpp can do (engine.EngineInfo; offload false = CPU only).
                      The daemon reads all six; fields are only ever added to the hello, and
                      WORKER_PROTOCOL changes when one changes meaning or goes (issue 15).
-    daemon → worker  {"op": "generate", "id", "kind": "completion"|"chat"|"embedding", "body",
-                      "stream"}   an embedding model takes "embedding" only, any other the rest
+    daemon → worker  {"op": "generate", "id", "request", "stream"}   request: a GenerateRequest
+                     (arbiterd/request.py) as its to_json writes it; an embedding model takes
+                     kind "embedding" only, any other "completion" and "chat"
                      {"op": "status"|"release"|"warm"|"pin"|"unpin"|"shutdown", "id"}
                      {"op": "unload", "id"}  save the prompt cache to the config's kv_file
                      (worker/kvfile.py), answer {"kv_file", "kv_bytes", "tokens", "error"}
@@ -65,12 +66,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from arbiterd.arena import Arena, ArenaState, Gateway, Hold, Place, Priority, parse_priority
+from arbiterd.arena import Arena, ArenaState, Gateway, Hold, Place, Priority
 from arbiterd.arena.groups import Gate
 from arbiterd.errors import (
     AcquireCancelledError,
     ArbiterError,
-    BadValueError,
     EngineError,
     InternalError,
     ProtocolError,
@@ -80,6 +80,7 @@ from arbiterd.errors import (
 )
 from arbiterd.events import RequestEvent, ResidencyEvent
 from arbiterd.procs import holder_name
+from arbiterd.request import GenerateRequest
 from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, ModelSpec, Residency, WorkerConfig
 from arbiterd.states import BackendKind, RequestStatus, ResidencyState, WorkerOp
 from arbiterd.wire import LineReader, LineWriter
@@ -115,8 +116,9 @@ class Command:
 
     op: WorkerOp
     id: str
-    kind: str = ""
-    body: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # A generate op's GenerateRequest as the wire carried it: read in the engine thread, where
+    # a malformed one fails its request.
+    request: object = None
     stream: bool = False
 
 
@@ -205,13 +207,11 @@ class Worker:
         elif op is WorkerOp.SHUTDOWN:
             self._request_stop()
         else:
-            body = message.get("body", {})
             self._inbox.put(
                 Command(
                     op,
                     request_id,
-                    kind=str(message.get("kind", "")),
-                    body=body if isinstance(body, dict) else {},
+                    request=message.get("request"),
                     stream=bool(message.get("stream")),
                 )
             )
@@ -398,18 +398,19 @@ class Worker:
         failure: ArbiterError | None = None
         queued: tuple[Place, _Waiting] | None = None
         try:
-            priority = _priority(command.body, self.config.priority)
+            request = GenerateRequest.from_json(command.request)
+            # The class it waits for the GPU in: its own (from the HTTP edge's header) or the
+            # model's.
+            priority = request.priority or self.config.priority
             if self._residency.state is ResidencyState.COLD:
                 # Queue before preparing: the holder releases while we tokenize.
                 queued = self._announce(priority)
-            request = self._backend.prepare(
-                command.kind, command.body, lambda: self._between_pieces(command.id)
-            )
+            prepared = self._backend.prepare(request, lambda: self._between_pieces(command.id))
             if queued is not None:
                 self._warm_up(command.id, priority, queued)
             started = time.monotonic()
             result = self._backend.run(
-                request, self._sink(command), lambda: self._stops_or_pauses(command.id, priority)
+                prepared, self._sink(command), lambda: self._stops_or_pauses(command.id, priority)
             )
         except ArbiterError as exc:
             failure = exc
@@ -758,7 +759,7 @@ class Unavailable:
     def restore(self) -> Moved:
         raise self._error
 
-    def prepare(self, kind: str, body: dict[str, Any], cancelled: Cancelled) -> Prepared:
+    def prepare(self, request: GenerateRequest, cancelled: Cancelled) -> Prepared:
         raise self._error
 
     def run(self, request: Prepared, sink: ChunkSink | None, cancelled: Cancelled) -> Generation:
@@ -781,18 +782,6 @@ class Unavailable:
 
     def close(self) -> None:
         return None
-
-
-def _priority(body: dict[str, Any], default: Priority) -> Priority:
-    """The class a request waits for the GPU in: its own ("priority", from the HTTP edge's
-    header) or the model's."""
-    given = body.get("priority")
-    if given is None:
-        return default
-    try:
-        return parse_priority(str(given), "'priority'")
-    except BadValueError as exc:
-        raise RequestError(str(exc)) from None
 
 
 def _kept(

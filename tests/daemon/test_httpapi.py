@@ -20,8 +20,9 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from starlette.types import ASGIApp, Message, Scope
 
 from arbiterd.config import model_key
-from arbiterd.daemon.httpapi import ENGINE_CHECKS, IGNORED_HEADER, create_app, refuse_stranger
+from arbiterd.daemon.httpapi import IGNORED_HEADER, create_app, refuse_stranger
 from arbiterd.daemon.images import ImagePolicy
+from arbiterd.daemon.openai_requests import ENGINE_CHECKS
 from arbiterd.daemon.service import Service
 from arbiterd.errors import (
     ContextOverflowError,
@@ -32,7 +33,9 @@ from arbiterd.errors import (
     UnknownModelError,
     WorkerError,
 )
+from arbiterd.request import GenerateRequest
 from arbiterd.spec import COMPLETION_PARAMS
+from tests.support.requests import wire_of
 from tests.support.waiting import wait_until
 
 MODELS = ["tiny", "small"]
@@ -76,7 +79,8 @@ class FakeService:
                 return name
         return None
 
-    async def complete(self, model: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def complete(self, model: str, request: GenerateRequest) -> dict[str, Any]:
+        kind, body = wire_of(request)
         self.calls.append((model, kind, body))
         if self.error is not None:
             raise self.error
@@ -95,7 +99,8 @@ class FakeService:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "stop"}
         return _response("text_completion", model, choice, usage)
 
-    def stream(self, model: str, kind: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    def stream(self, model: str, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+        kind, body = wire_of(request)
         self.calls.append((model, kind, body))
         if self.eager_error is not None:
             raise self.eager_error

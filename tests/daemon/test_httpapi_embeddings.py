@@ -10,9 +10,12 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 
-from arbiterd.daemon.httpapi import MAX_EMBEDDING_INPUTS, create_app
+from arbiterd.daemon.httpapi import create_app
+from arbiterd.daemon.openai_requests import MAX_EMBEDDING_INPUTS
 from arbiterd.errors import ContextOverflowError, RequestError
+from arbiterd.request import GenerateRequest, RequestKind
 from tests.daemon.test_httpapi import FakeService, assert_error, call
+from tests.support.requests import wire_of
 
 
 def vector_of(text: str) -> list[float]:
@@ -23,9 +26,10 @@ def vector_of(text: str) -> list[float]:
 class EmbeddingService(FakeService):
     """The Service double, answering embedding requests as the engine does."""
 
-    async def complete(self, model: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
-        if kind != "embedding":
-            return await super().complete(model, kind, body)
+    async def complete(self, model: str, request: GenerateRequest) -> dict[str, Any]:
+        if request.kind is not RequestKind.EMBEDDING:
+            return await super().complete(model, request)
+        kind, body = wire_of(request)
         self.calls.append((model, kind, body))
         if self.error is not None:
             raise self.error

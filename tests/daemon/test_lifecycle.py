@@ -29,8 +29,10 @@ from arbiterd.hostcopy import Lease
 from arbiterd.spec import Residency
 from tests.support.models import model_config
 from tests.support.pagecache import drop_page_cache
+from tests.support.requests import request_for
 
 _T = TypeVar("_T")
+
 REAL_SPAWN = WorkerClient.spawn
 
 
@@ -608,7 +610,7 @@ def unload_with_cache(
         slot = harness.slot()
         await harness.lifecycle.start(slot)
         assert slot.worker is not None
-        await slot.worker.generate("completion", PROMPT)
+        await slot.worker.generate(request_for("completion", PROMPT))
         if release:
             await slot.worker.request("release")
         harness.published_now()
@@ -764,7 +766,7 @@ def test_a_prompt_cache_folder_made_loose_after_start_gets_no_cache(harness: Har
         slot = harness.slot()
         await harness.lifecycle.start(slot)
         assert slot.worker is not None
-        await slot.worker.generate("completion", PROMPT)
+        await slot.worker.generate(request_for("completion", PROMPT))
         cache.make_private()
         cache.folder.chmod(0o755)
         try:

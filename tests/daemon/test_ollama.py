@@ -8,6 +8,7 @@ import pytest
 
 from arbiterd.daemon import ollama
 from arbiterd.errors import BadValueError
+from arbiterd.request import RequestKind
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 SCHEMA = {"type": "object"}
@@ -103,15 +104,19 @@ def test_a_whole_answer_and_a_stream_end_with_the_counts() -> None:
         "choices": [{"message": {"content": "hello"}, "finish_reason": "length"}],
         "usage": {"prompt_tokens": 9, "completion_tokens": 2},
     }
-    whole = ollama.answer("chat", "chat", response, 0.5)
+    whole = ollama.answer(RequestKind.CHAT, "chat", response, 0.5)
     assert whole["message"] == {"role": "assistant", "content": "hello"}
     assert (whole["done"], whole["done_reason"]) == (True, "length")
     assert (whole["prompt_eval_count"], whole["eval_count"]) == (9, 2)
     assert whole["total_duration"] == 500_000_000
-    piece = ollama.chunk("completion", "generate", {"model": "m", "choices": [{"text": "fo"}]})
+    piece = ollama.chunk(
+        RequestKind.COMPLETION, "generate", {"model": "m", "choices": [{"text": "fo"}]}
+    )
     assert piece is not None
     assert (piece["response"], piece["done"]) == ("fo", False)
-    assert ollama.chunk("chat", "chat", {"model": "m", "choices": [], "usage": {}}) is None
+    assert (
+        ollama.chunk(RequestKind.CHAT, "chat", {"model": "m", "choices": [], "usage": {}}) is None
+    )
     last = ollama.last_line("generate", "m", "stop", None, 1.0)
     assert (last["response"], last["done"], last["eval_count"]) == ("", True, 0)
 
@@ -156,7 +161,7 @@ def test_calls_come_back_with_their_arguments_as_objects() -> None:
         ],
         "usage": {},
     }
-    whole = ollama.answer("chat", "chat", response, 0.1)
+    whole = ollama.answer(RequestKind.CHAT, "chat", response, 0.1)
     assert whole["message"] == {
         "role": "assistant",
         "content": "",

@@ -22,11 +22,14 @@ from arbiterd.errors import (
     WorkerGoneError,
 )
 from arbiterd.events import Event, RequestEvent
+from arbiterd.request import GenerateRequest
 from arbiterd.states import RequestStatus
 from tests.support.models import model_config
+from tests.support.requests import request_for, wire_of
 
 _T = TypeVar("_T")
 BODY = {"prompt": "the fox", "max_tokens": 4}
+CHAT = {"messages": [{"role": "user", "content": "the fox"}], "max_tokens": 4}
 # What a fake worker does with one request: its chunks go to on_chunk; it returns the result.
 Behaviour = Callable[["FakeWorker", ChunkListener | None], Awaitable[dict[str, Any]]]
 
@@ -77,13 +80,13 @@ class FakeWorker:
 
     async def generate(
         self,
-        kind: str,
-        body: dict[str, Any],
+        request: GenerateRequest,
         *,
         on_chunk: ChunkListener | None = None,
         timeout_s: float | None = 600.0,
         request_id: str | None = None,
     ) -> dict[str, Any]:
+        kind, body = wire_of(request)
         self.requests.append((kind, body, request_id))
         self.received.set()
         return await self.behaviour(self, on_chunk)
@@ -148,15 +151,15 @@ def test_a_request_gets_its_workers_response_under_a_fresh_request_id() -> None:
     async def scenario() -> tuple[list[dict[str, Any]], FakeWorker, Daemon]:
         daemon = Daemon("m")
         worker = daemon.serve("m", FakeWorker("w1"))
-        first = await daemon.router.complete("m", "completion", BODY)
-        second = await daemon.router.complete("m", "chat", BODY)
+        first = await daemon.router.complete("m", request_for("completion", BODY))
+        second = await daemon.router.complete("m", request_for("chat", CHAT))
         return [first, second], worker, daemon
 
     responses, worker, daemon = run(scenario())
     assert responses == [{"text": "answered by w1"}] * 2
     assert [(kind, body) for kind, body, _ in worker.requests] == [
         ("completion", BODY),
-        ("chat", BODY),
+        ("chat", CHAT),
     ]
     ids = [request_id for _, _, request_id in worker.requests]
     assert ids[0] != ids[1]
@@ -167,7 +170,7 @@ def test_a_request_gets_its_workers_response_under_a_fresh_request_id() -> None:
 def test_a_request_waits_for_a_starting_model_and_is_served_once_it_is_ready() -> None:
     async def scenario() -> dict[str, Any]:
         daemon = Daemon("m")
-        request = asyncio.create_task(daemon.router.complete("m", "completion", BODY))
+        request = asyncio.create_task(daemon.router.complete("m", request_for("completion", BODY)))
         await asyncio.sleep(0)
         assert not request.done()
         daemon.serve("m", FakeWorker("w1"))
@@ -183,9 +186,9 @@ def test_a_request_for_an_unloaded_model_starts_its_worker_once() -> None:
         ready(slot, FakeWorker("w1"))
         slot.move(SlotState.UNLOADING)
         slot.move(SlotState.UNLOADED)
-        first = asyncio.create_task(daemon.router.complete("m", "completion", BODY))
+        first = asyncio.create_task(daemon.router.complete("m", request_for("completion", BODY)))
         await asyncio.sleep(0)
-        second = await daemon.router.complete("m", "completion", BODY)
+        second = await daemon.router.complete("m", request_for("completion", BODY))
         return [await first, second], daemon
 
     responses, daemon = run(scenario())
@@ -199,7 +202,7 @@ def test_a_request_whose_worker_was_gone_is_sent_once_more_to_its_successor() ->
         first = daemon.serve("m", FakeWorker("w1", gone))
         successor = FakeWorker("w2")
         replacing = asyncio.create_task(daemon.lifecycle_replaces("m", first, successor))
-        response = await daemon.router.complete("m", "completion", BODY)
+        response = await daemon.router.complete("m", request_for("completion", BODY))
         await replacing
         return response, first, successor, daemon
 
@@ -217,7 +220,7 @@ def test_a_request_is_retried_only_once() -> None:
         successor = FakeWorker("w2", gone)
         replacing = asyncio.create_task(daemon.lifecycle_replaces("m", first, successor))
         with pytest.raises(WorkerGoneError, match="worker for w2 is gone"):
-            await daemon.router.complete("m", "completion", BODY)
+            await daemon.router.complete("m", request_for("completion", BODY))
         await replacing
         return first, successor, daemon
 
@@ -239,7 +242,7 @@ def test_a_failed_request_is_published_as_an_error_and_raised_as_itself() -> Non
         daemon = Daemon("m")
         worker = daemon.serve("m", FakeWorker("w1", overflows))
         with pytest.raises(ContextOverflowError, match="context window"):
-            await daemon.router.complete("m", "completion", BODY)
+            await daemon.router.complete("m", request_for("completion", BODY))
         return worker, daemon
 
     worker, daemon = run(scenario())
@@ -257,7 +260,7 @@ def test_a_failed_request_is_published_as_an_error_and_raised_as_itself() -> Non
 def test_an_unknown_model_is_refused_at_once_naming_the_models_there_are() -> None:
     async def scenario() -> None:
         with pytest.raises(UnknownModelError, match=r"no model named 'x'; available: a, b"):
-            await Daemon("a", "b").router.complete("x", "completion", BODY)
+            await Daemon("a", "b").router.complete("x", request_for("completion", BODY))
         with pytest.raises(UnknownModelError, match=r"available: none"):
             await Daemon().router.worker_of("x")
 
@@ -269,7 +272,7 @@ def test_a_failed_model_is_refused_at_once_with_its_reason() -> None:
         daemon = Daemon("m")
         daemon.slots["m"].move(SlotState.FAILED, reason="could not start: mmproj is not supported")
         with pytest.raises(EngineError, match="m failed to load: could not start: mmproj"):
-            await daemon.router.complete("m", "completion", BODY)
+            await daemon.router.complete("m", request_for("completion", BODY))
 
     run(scenario())
 
@@ -281,7 +284,7 @@ def test_a_model_whose_worker_failed_to_load_is_refused_at_once() -> None:
         slot = daemon.slots["m"]
         slot.residency, slot.last_error = "failed", "missing.gguf: no such file"
         with pytest.raises(EngineError, match=r"m failed to load: missing\.gguf: no such file"):
-            await daemon.router.complete("m", "completion", BODY)
+            await daemon.router.complete("m", request_for("completion", BODY))
         return worker
 
     assert run(scenario()).requests == []
@@ -294,14 +297,16 @@ def test_a_request_of_a_kind_its_model_does_not_serve_never_reaches_the_worker()
         talker = daemon.serve("chat", FakeWorker("w1"))
         embedder = daemon.serve("embed", FakeWorker("w2"))
         with pytest.raises(RequestError, match="'chat' is not an embedding model"):
-            await daemon.router.complete("chat", "embedding", {"input": ["the fox"]})
+            await daemon.router.complete("chat", request_for("embedding", {"input": ["the fox"]}))
         with pytest.raises(
             RequestError, match=r"'embed' is an embedding model: .* not completions"
         ):
-            await daemon.router.complete("embed", "completion", BODY)
+            await daemon.router.complete("embed", request_for("completion", BODY))
         with pytest.raises(RequestError, match="not chat completions"):
-            await anext(daemon.router.stream("embed", "chat", BODY))
-        assert await daemon.router.complete("embed", "embedding", {"input": ["the fox"]})
+            await anext(daemon.router.stream("embed", request_for("chat", CHAT)))
+        assert await daemon.router.complete(
+            "embed", request_for("embedding", {"input": ["the fox"]})
+        )
         return talker, embedder, daemon
 
     talker, embedder, daemon = run(scenario())
@@ -319,7 +324,7 @@ def test_a_model_that_does_not_become_ready_in_time_is_a_worker_error(
         daemon = Daemon("m")
         daemon.slots["m"].move(SlotState.RESTARTING, reason="worker exited with code 1")
         with pytest.raises(WorkerError, match=r"m is not running \(worker exited with code 1\)"):
-            await daemon.router.complete("m", "completion", BODY)
+            await daemon.router.complete("m", request_for("completion", BODY))
 
     run(scenario())
 
@@ -328,7 +333,7 @@ def test_a_client_that_goes_away_cancels_its_request_in_the_worker() -> None:
     async def scenario() -> tuple[FakeWorker, Daemon]:
         daemon = Daemon("m")
         worker = daemon.serve("m", FakeWorker("w1", decodes_until_cancelled))
-        request = asyncio.create_task(daemon.router.complete("m", "completion", BODY))
+        request = asyncio.create_task(daemon.router.complete("m", request_for("completion", BODY)))
         await worker.received.wait()
         request.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -345,14 +350,14 @@ def test_a_stream_yields_the_workers_chunks_in_order() -> None:
     async def scenario() -> list[dict[str, Any]]:
         daemon = Daemon("m")
         daemon.serve("m", FakeWorker("w1"))
-        return [chunk async for chunk in daemon.router.stream("m", "completion", BODY)]
+        return [chunk async for chunk in daemon.router.stream("m", request_for("completion", BODY))]
 
     assert run(scenario()) == [{"text": "chunk 0"}, {"text": "chunk 1"}, {"text": "chunk 2"}]
 
 
 def test_a_stream_of_an_unknown_model_fails_before_any_chunk() -> None:
     async def scenario() -> None:
-        stream = Daemon("m").router.stream("x", "completion", BODY)
+        stream = Daemon("m").router.stream("x", request_for("completion", BODY))
         with pytest.raises(UnknownModelError):
             await anext(stream)
 
@@ -363,7 +368,7 @@ def test_a_stream_that_fails_raises_its_error_to_the_consumer_and_publishes_it()
     async def scenario() -> Daemon:
         daemon = Daemon("m")
         daemon.serve("m", FakeWorker("w1", overflows))
-        stream = daemon.router.stream("m", "completion", BODY)
+        stream = daemon.router.stream("m", request_for("completion", BODY))
         with pytest.raises(ContextOverflowError):
             await anext(stream)  # the error, where the first chunk would have been
         return daemon
@@ -380,7 +385,9 @@ def test_a_stream_whose_worker_was_gone_is_sent_once_more_to_its_successor() -> 
         first = daemon.serve("m", FakeWorker("w1", gone))
         successor = FakeWorker("w2")
         replacing = asyncio.create_task(daemon.lifecycle_replaces("m", first, successor))
-        chunks = [chunk async for chunk in daemon.router.stream("m", "completion", BODY)]
+        chunks = [
+            chunk async for chunk in daemon.router.stream("m", request_for("completion", BODY))
+        ]
         await replacing
         return chunks, successor
 
@@ -393,7 +400,7 @@ def test_closing_a_stream_early_cancels_the_request_in_the_worker() -> None:
     async def scenario() -> tuple[dict[str, Any], FakeWorker]:
         daemon = Daemon("m")
         worker = daemon.serve("m", FakeWorker("w1", decodes_until_cancelled))
-        stream = daemon.router.stream("m", "completion", BODY)
+        stream = daemon.router.stream("m", request_for("completion", BODY))
         first = await anext(stream)
         await stream.aclose()  # the HTTP client hung up
         await asyncio.wait_for(worker.cancelled.wait(), timeout=10)
@@ -412,7 +419,7 @@ def test_a_streaming_client_whose_task_is_cancelled_cancels_the_request_in_the_w
         first_chunk = asyncio.Event()
 
         async def client() -> None:
-            async for _ in daemon.router.stream("m", "completion", BODY):
+            async for _ in daemon.router.stream("m", request_for("completion", BODY)):
                 first_chunk.set()
 
         consuming = asyncio.create_task(client())

@@ -22,9 +22,11 @@ from arbiterd.errors import ContextOverflowError, ProtocolError, WorkerError, Wo
 from arbiterd.spec import WORKER_PROTOCOL, ModelSpec, WorkerConfig
 from arbiterd.wire import MAX_MESSAGE_BYTES
 from tests.support.blocking_worker import BlockingWorker
+from tests.support.requests import request_for
 from tests.support.signals import stop
 
 _T = TypeVar("_T")
+
 PROMPT = " ".join(f"the fox {w} is not a dog" for w in ("one", "two", "three", "four") * 8)
 SHORT = {"prompt": "the fox", "max_tokens": 4, "temperature": 0}
 LONG = {"prompt": "the fox", "max_tokens": 3000, "temperature": 0}  # ends only when cancelled
@@ -118,7 +120,7 @@ def test_a_request_returns_the_workers_result_and_its_events_reach_on_event(
 
     async def scenario() -> tuple[dict[str, Any], dict[str, Any]]:
         async with spawned(configs("m"), events) as worker:
-            result = await worker.generate("completion", SHORT, request_id="mine")
+            result = await worker.generate(request_for("completion", SHORT), request_id="mine")
             # The worker says the request ended just after its reply.
             said = await events.wait_for(lambda e: e["event"] == "request")
             return result, said
@@ -139,7 +141,7 @@ def test_a_streamed_request_calls_on_chunk_for_each_piece_before_it_returns(
         chunks = FirstChunk()
         async with spawned(configs("m")) as worker:
             result = await worker.generate(
-                "completion", {**SHORT, "max_tokens": 6}, on_chunk=chunks
+                request_for("completion", {**SHORT, "max_tokens": 6}), on_chunk=chunks
             )
         return chunks.chunks, result
 
@@ -154,12 +156,12 @@ def test_cancel_stops_a_streaming_request_and_the_worker_goes_on(configs: Config
         async with spawned(configs("m")) as worker:
             chunks = FirstChunk()
             decoding = asyncio.create_task(
-                worker.generate("completion", LONG, on_chunk=chunks, request_id="long")
+                worker.generate(request_for("completion", LONG), on_chunk=chunks, request_id="long")
             )
             await chunks.came.wait()
             worker.cancel("long")
             cancelled = await decoding
-            return cancelled, await worker.generate("completion", SHORT)
+            return cancelled, await worker.generate(request_for("completion", SHORT))
 
     cancelled, after = run(scenario())
     assert cancelled["cancelled"] is True
@@ -172,7 +174,7 @@ def test_status_is_answered_while_a_request_decodes(configs: Configs) -> None:
         async with spawned(configs("m")) as worker:
             chunks = FirstChunk()
             decoding = asyncio.create_task(
-                worker.generate("completion", LONG, on_chunk=chunks, request_id="long")
+                worker.generate(request_for("completion", LONG), on_chunk=chunks, request_id="long")
             )
             await chunks.came.wait()
             status = await worker.status()
@@ -192,8 +194,10 @@ def test_an_error_reply_is_raised_as_its_own_class_and_the_worker_lives(
     async def scenario() -> dict[str, Any]:
         async with spawned(configs("m", n_ctx=64)) as worker:
             with pytest.raises(ContextOverflowError, match="context window"):
-                await worker.generate("completion", {"prompt": PROMPT, "max_tokens": 4})
-            return await worker.generate("completion", SHORT)
+                await worker.generate(
+                    request_for("completion", {"prompt": PROMPT, "max_tokens": 4})
+                )
+            return await worker.generate(request_for("completion", SHORT))
 
     assert run(scenario())["completion_tokens"] == 4
 
@@ -209,13 +213,15 @@ def test_a_message_the_worker_cannot_take_fails_its_request_at_once_and_the_work
             started = time.monotonic()
             problems = []
             with pytest.raises(ProtocolError) as too_big:
-                await worker.generate("completion", {"prompt": "x" * MAX_MESSAGE_BYTES})
+                await worker.generate(
+                    request_for("completion", {"prompt": "x" * MAX_MESSAGE_BYTES})
+                )
             problems.append(str(too_big.value))
             with pytest.raises(ProtocolError) as unknown:
                 await worker.request("dance")
             problems.append(str(unknown.value))
             took_s = time.monotonic() - started
-            return problems, took_s, await worker.generate("completion", SHORT)
+            return problems, took_s, await worker.generate(request_for("completion", SHORT))
 
     problems, took_s, after = run(scenario())
     assert f"exceeds {MAX_MESSAGE_BYTES}" in problems[0]  # refused whole or as it grew
@@ -296,7 +302,7 @@ def test_a_request_to_a_worker_known_to_be_dead_is_worker_gone(configs: Configs)
             os.kill(worker.pid, signal.SIGKILL)
             code = await worker.wait()
             with pytest.raises(WorkerGoneError, match="worker for m is gone"):
-                await worker.generate("completion", SHORT)
+                await worker.generate(request_for("completion", SHORT))
             worker.cancel("anything")  # a gone worker has stopped everything already
             return code, await worker.shutdown()
 
@@ -311,7 +317,9 @@ def test_a_request_in_flight_when_its_worker_dies_is_a_worker_error_not_worker_g
     async def scenario() -> BaseException | None:
         async with spawned(configs("m")) as worker:
             chunks = FirstChunk()
-            decoding = asyncio.create_task(worker.generate("completion", LONG, on_chunk=chunks))
+            decoding = asyncio.create_task(
+                worker.generate(request_for("completion", LONG), on_chunk=chunks)
+            )
             await chunks.came.wait()
             os.kill(worker.pid, signal.SIGKILL)
             await asyncio.wait([decoding])
@@ -326,7 +334,9 @@ def test_a_worker_the_daemon_kills_for_a_reason_tells_its_requests_why(configs: 
     async def scenario() -> tuple[int, BaseException | None, str]:
         async with spawned(configs("m")) as worker:
             chunks = FirstChunk()
-            decoding = asyncio.create_task(worker.generate("completion", LONG, on_chunk=chunks))
+            decoding = asyncio.create_task(
+                worker.generate(request_for("completion", LONG), on_chunk=chunks)
+            )
             await chunks.came.wait()
             worker.kill_for("killed: it held the GPU and showed no sign of life")
             worker.kill_for("a second reason is not taken")
@@ -423,7 +433,7 @@ def test_a_blocking_worker_serves_plain_threads(configs: Configs) -> None:
         assert worker.hello.pid == worker.pid
         warm = worker.wait_event(lambda e: e.get("to") == "warm")
         assert warm["model"] == "m"
-        result = worker.generate("completion", SHORT)
+        result = worker.generate(request_for("completion", SHORT))
         assert result["completion_tokens"] == 4
         assert worker.status()["state"] == "warm"
         assert worker.returncode is None

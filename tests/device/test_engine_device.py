@@ -25,6 +25,7 @@ from arbiterd.spec import KvPolicy, ModelSpec, Residency
 from arbiterd.worker import engine
 from arbiterd.worker.engine import Generation, InPlaceBackend, select_backend
 from tests.conftest import Processes
+from tests.support.requests import request_for
 from tests.support.tiny_gguf import write_tiny_llama
 from tests.worker.test_engine_residency_faults import (
     HEADROOM_BYTES,
@@ -49,7 +50,7 @@ same = released = 0
 for _ in range(cycles):
     released += backend.release(kv).weights_bytes > 0
     backend.restore()
-    same += text(backend.generate("completion", BODY, None)) == text(first)
+    same += text(backend.generate(BODY, None)) == text(first)
 backend.close()
 print(json.dumps({"cycles": cycles, "same": same, "released": released}))
 """
@@ -96,11 +97,15 @@ def backend(vulkan0: ggml.Device, tiny_model: Path) -> Iterator[InPlaceBackend]:
 def test_a_round_trip_on_the_device_gives_bit_identical_logits_and_keeps_the_prompt(
     backend: InPlaceBackend, kv: KvPolicy
 ) -> None:
-    first = backend.generate("completion", greedy(), None)
+    first = backend.generate(request_for("completion", greedy()), None)
     assert first.prompt_tokens_evaluated == first.prompt_tokens > 50
     # The control: the same request again on the warm context, which decodes what a restored
     # one with its KV decodes (the prompt's last token); with `drop` the whole prompt, as first.
-    control = first if kv is KvPolicy.DROP else backend.generate("completion", greedy(), None)
+    control = (
+        first
+        if kv is KvPolicy.DROP
+        else backend.generate(request_for("completion", greedy()), None)
+    )
     warm_bytes = backend.resident_bytes()
     released = backend.release(kv)
     assert released.weights_bytes > 0  # the weights were on the device, and left it
@@ -118,7 +123,7 @@ def test_a_round_trip_on_the_device_gives_bit_identical_logits_and_keeps_the_pro
         0,
     )
     assert backend.resident_bytes() == warm_bytes
-    again = backend.generate("completion", greedy(), None)
+    again = backend.generate(request_for("completion", greedy()), None)
     assert choice(again) == choice(control)
     assert again.prompt_tokens_evaluated == (first.prompt_tokens if kv is KvPolicy.DROP else 1)
 

@@ -19,6 +19,7 @@ from arbiterd.native import ggml
 from arbiterd.spec import KvPolicy, ModelSpec, Residency
 from arbiterd.worker.engine import Generation, InPlaceBackend, select_backend
 from tests.support.images import png
+from tests.support.requests import request_for
 from tests.worker.test_engine_vision import CONVERSATION, actions, chat, encoder_loaded
 
 SETUP_HINT = "the installed llama_cpp is not the arbiterd engine build"
@@ -86,9 +87,13 @@ def test_on_the_device_the_weights_leave_while_the_projector_encodes_and_answer_
         assert warm_bytes == beside.resident_bytes() > 0  # the model's device buffers
         for seed in IMAGE_SEEDS:
             image = png(seed=seed)
-            expected = beside.generate("chat", asked(CONVERSATION, images=(image,)), None)
+            expected = beside.generate(
+                request_for("chat", asked(CONVERSATION, images=(image,))), None
+            )
             assert {step.path for step in expected.encoder_steps} == {"beside"}
-            swapped = swapping.generate("chat", asked(CONVERSATION, images=(image,)), None)
+            swapped = swapping.generate(
+                request_for("chat", asked(CONVERSATION, images=(image,))), None
+            )
             assert actions(swapped) == ["release", "load", "encode", "free", "restore"]
             steps = swapped.encoder_steps
             assert {step.path for step in steps} == {"swap"}
@@ -108,8 +113,8 @@ def test_on_the_device_the_weights_leave_while_the_projector_encodes_and_answer_
             # The KV stayed on the device through the swap: the next turn evaluates only its
             # suffix, and answers as the model that never moved.
             turns = follow_up(swapped)
-            again = swapping.generate("chat", asked(*turns, images=(image,)), None)
-            reference = beside.generate("chat", asked(*turns, images=(image,)), None)
+            again = swapping.generate(request_for("chat", asked(*turns, images=(image,))), None)
+            reference = beside.generate(request_for("chat", asked(*turns, images=(image,))), None)
             assert actions(again) == []
             assert again.prompt_tokens_evaluated <= again.prompt_tokens - swapped.prompt_tokens + 1
             assert answer(again) == answer(reference)
@@ -121,16 +126,16 @@ def test_a_failed_encode_on_the_device_swap_brings_the_weights_back_to_answer_as
     beside: InPlaceBackend, tiny_model: Path, tiny_mmproj: Path
 ) -> None:
     text = asked(("user", "still there"))
-    expected = beside.generate("chat", text, None)
+    expected = beside.generate(request_for("chat", text), None)
     swapping = on_device(tiny_model, tiny_mmproj, vram_budget=tight_budget(beside, tiny_mmproj))
     try:
         warm_bytes = swapping.resident_bytes()
         with pytest.raises(RequestError, match="corrupt or truncated"):
-            swapping.generate("chat", asked(CONVERSATION, images=(png()[:60],)), None)
+            swapping.generate(request_for("chat", asked(CONVERSATION, images=(png()[:60],))), None)
         assert not swapping._swapped_out
         assert not encoder_loaded(swapping)
         assert swapping.resident_bytes() == warm_bytes
-        assert answer(swapping.generate("chat", text, None)) == answer(expected)
+        assert answer(swapping.generate(request_for("chat", text), None)) == answer(expected)
     finally:
         swapping.close()
 
@@ -147,11 +152,11 @@ def follow_up_reference(
     the whole conversation in the same batches as a dropped cache does (logits depend on how a
     prompt is split into batches)."""
     if kv is not KvPolicy.DROP:
-        return beside.generate("chat", asked(*turns, images=(image,)), None)
+        return beside.generate(request_for("chat", asked(*turns, images=(image,))), None)
     assert beside._projector is not None
     fresh = on_device(tiny_model, beside._projector.path)
     try:
-        return fresh.generate("chat", asked(*turns, images=(image,)), None)
+        return fresh.generate(request_for("chat", asked(*turns, images=(image,))), None)
     finally:
         fresh.close()
 
@@ -161,10 +166,10 @@ def test_a_resident_projector_leaves_the_device_with_the_model_and_comes_back_wi
     beside: InPlaceBackend, tiny_model: Path, tiny_mmproj: Path, kv: KvPolicy
 ) -> None:
     image = png(seed=5)
-    expected = beside.generate("chat", asked(CONVERSATION, images=(image,)), None)
+    expected = beside.generate(request_for("chat", asked(CONVERSATION, images=(image,))), None)
     engine = on_device(tiny_model, tiny_mmproj, encoder_resident=True)
     try:
-        first = engine.generate("chat", asked(CONVERSATION, images=(image,)), None)
+        first = engine.generate(request_for("chat", asked(CONVERSATION, images=(image,))), None)
         assert actions(first) == ["encode"]  # loaded on the device with the model
         assert answer(first) == answer(expected)
         released = engine.release(kv)
@@ -175,7 +180,7 @@ def test_a_resident_projector_leaves_the_device_with_the_model_and_comes_back_wi
         assert restored.weights_bytes == released.weights_bytes
         assert encoder_loaded(engine)
         turns = follow_up(first)
-        again = engine.generate("chat", asked(*turns, images=(image,)), None)
+        again = engine.generate(request_for("chat", asked(*turns, images=(image,))), None)
         assert answer(again) == answer(follow_up_reference(beside, turns, image, kv, tiny_model))
         if kv is KvPolicy.DROP:
             # The cache went: the image is encoded again, by the projector loaded on warm-up.

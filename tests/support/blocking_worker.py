@@ -20,6 +20,7 @@ from arbiterd.daemon.workerclient import (
     WorkerHello,
 )
 from arbiterd.errors import WorkerError
+from arbiterd.request import GenerateRequest
 from arbiterd.spec import WorkerConfig
 
 _T = TypeVar("_T")
@@ -88,8 +89,7 @@ class BlockingWorker:
 
     def generate(
         self,
-        kind: str,
-        body: dict[str, Any],
+        request: GenerateRequest,
         *,
         on_chunk: ChunkListener | None = None,
         timeout_s: float | None = 600.0,
@@ -97,7 +97,7 @@ class BlockingWorker:
     ) -> dict[str, Any]:
         return self._call(
             self.client.generate(
-                kind, body, on_chunk=on_chunk, timeout_s=timeout_s, request_id=request_id
+                request, on_chunk=on_chunk, timeout_s=timeout_s, request_id=request_id
             )
         )
 

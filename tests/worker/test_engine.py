@@ -25,6 +25,7 @@ from arbiterd.worker.engine.backend import disk_read_bytes
 from arbiterd.worker.engine.vocab import TOKENIZE_PIECE_BYTES
 from arbiterd.worker.kvfile import KvState
 from tests.support.pagecache import drop_page_cache
+from tests.support.requests import request_for
 
 PREFIX = " ".join(f"the fox {w} is not a dog" for w in ("one", "two", "three", "four") * 8)
 SUFFIX = " and the cat is quick"
@@ -48,7 +49,7 @@ def backend(tiny_model: Path) -> Iterator[ReloadBackend]:
 
 
 def test_round_trip_reuses_the_prompt_cache(backend: ReloadBackend) -> None:
-    first = backend.generate("completion", greedy(PREFIX), None)
+    first = backend.generate(request_for("completion", greedy(PREFIX)), None)
     assert first.prompt_tokens >= 200
     assert first.prompt_tokens_evaluated == first.prompt_tokens
     released = backend.release(KvPolicy.HOST)
@@ -56,16 +57,16 @@ def test_round_trip_reuses_the_prompt_cache(backend: ReloadBackend) -> None:
     assert backend.resident_bytes() == 0
     restored = backend.restore()
     assert restored.kv_bytes == released.kv_bytes
-    follow_up = backend.generate("completion", greedy(PREFIX + SUFFIX), None)
+    follow_up = backend.generate(request_for("completion", greedy(PREFIX + SUFFIX)), None)
     suffix_tokens = follow_up.prompt_tokens - first.prompt_tokens
     assert 0 < suffix_tokens < 10
     assert follow_up.prompt_tokens_evaluated <= suffix_tokens + 1
 
 
 def test_usage_says_how_much_of_the_prompt_came_from_the_cache(backend: ReloadBackend) -> None:
-    first = backend.generate("completion", greedy(PREFIX), None).response["usage"]
+    first = backend.generate(request_for("completion", greedy(PREFIX)), None).response["usage"]
     assert first["prompt_tokens_details"] == {"cached_tokens": 0}
-    again = backend.generate("completion", greedy(PREFIX + SUFFIX), None)
+    again = backend.generate(request_for("completion", greedy(PREFIX + SUFFIX)), None)
     cached = again.response["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached == again.prompt_tokens - again.prompt_tokens_evaluated
     assert cached >= first["prompt_tokens"] - 1  # all of the first prompt but its last token
@@ -81,11 +82,11 @@ def test_a_stream_that_asks_ends_with_a_chunk_of_its_usage(
     else:
         body["prompt"] = "the fox"
     chunks: list[dict[str, Any]] = []
-    plain = backend.generate(kind, body, chunks.append)
+    plain = backend.generate(request_for(kind, body), chunks.append)
     assert all(chunk["choices"] for chunk in chunks)  # not asked: no usage chunk
     chunks.clear()
     asked = backend.generate(
-        kind, {**body, "stream_options": {"include_usage": True}}, chunks.append
+        request_for(kind, {**body, "stream_options": {"include_usage": True}}), chunks.append
     )
     *text, last = chunks
     assert all(chunk["choices"] for chunk in text)
@@ -152,7 +153,7 @@ def test_a_hundred_random_schemas_give_json_that_follows_each_of_them(
             "temperature": 0,
             "response_format": {"type": "json_object", "schema": schema},
         }
-        result = backend.generate("chat", body, None).response["choices"][0]
+        result = backend.generate(request_for("chat", body), None).response["choices"][0]
         assert result["finish_reason"] == "stop", (schema, result)
         answer = json.loads(result["message"]["content"])
         assert follows(answer, schema), (schema, answer)
@@ -178,34 +179,35 @@ def test_a_response_format_that_cannot_be_followed_is_a_request_error(
 ) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "response_format": response_format}
     with pytest.raises(RequestError, match=r"response_format|JSON schema"):
-        backend.generate("chat", body, None)
+        backend.generate(request_for("chat", body), None)
 
 
 def test_greedy_output_is_identical_after_a_round_trip(backend: ReloadBackend) -> None:
-    before = text_of(backend.generate("completion", greedy(PREFIX), None))
+    before = text_of(backend.generate(request_for("completion", greedy(PREFIX)), None))
     backend.release(KvPolicy.HOST)
     backend.restore()
-    after = backend.generate("completion", greedy(PREFIX), None)
+    after = backend.generate(request_for("completion", greedy(PREFIX)), None)
     assert text_of(after) == before
     assert after.prompt_tokens_evaluated == 1  # only the last token is decoded again
 
 
 def test_greedy_output_matches_a_fresh_process(backend: ReloadBackend, tiny_model: Path) -> None:
-    backend.generate("completion", greedy(PREFIX), None)
+    backend.generate(request_for("completion", greedy(PREFIX)), None)
     backend.release(KvPolicy.HOST)
     backend.restore()
-    warm_text = text_of(backend.generate("completion", greedy(PREFIX + SUFFIX), None))
+    warm_text = text_of(backend.generate(request_for("completion", greedy(PREFIX + SUFFIX)), None))
     script = textwrap.dedent(
         """
         import sys
         from pathlib import Path
         from arbiterd.worker.engine import ReloadBackend
+        from arbiterd.request import GenerateRequest
         from arbiterd.spec import ModelSpec
         spec = ModelSpec(name="t", path=Path(sys.argv[1]), n_ctx=1024, n_gpu_layers=0)
         backend = ReloadBackend(spec)
         backend.load()
-        body = {"prompt": sys.argv[2], "max_tokens": 12, "temperature": 0}
-        result = backend.generate("completion", body, None)
+        body = {"kind": "completion", "prompt": sys.argv[2], "max_tokens": 12, "temperature": 0}
+        result = backend.generate(GenerateRequest.from_json(body), None)
         sys.stdout.write(result.response["choices"][0]["text"])
         """
     )
@@ -222,8 +224,8 @@ def test_greedy_output_matches_a_fresh_process(backend: ReloadBackend, tiny_mode
 def test_a_kept_prompt_cache_restores_into_a_new_backend(
     backend: ReloadBackend, tiny_model: Path
 ) -> None:
-    first = backend.generate("completion", greedy(PREFIX), None)
-    expected = text_of(backend.generate("completion", greedy(PREFIX + SUFFIX), None))
+    first = backend.generate(request_for("completion", greedy(PREFIX)), None)
+    expected = text_of(backend.generate(request_for("completion", greedy(PREFIX + SUFFIX)), None))
     kept = backend.kept_kv()
     assert kept is not None
     backend.close()  # as an unloaded worker exits
@@ -231,7 +233,7 @@ def test_a_kept_prompt_cache_restores_into_a_new_backend(
     fresh.load()
     try:
         fresh.adopt_kv(kept)
-        again = fresh.generate("completion", greedy(PREFIX + SUFFIX), None)
+        again = fresh.generate(request_for("completion", greedy(PREFIX + SUFFIX)), None)
     finally:
         fresh.close()
     assert text_of(again) == expected
@@ -240,7 +242,7 @@ def test_a_kept_prompt_cache_restores_into_a_new_backend(
 
 
 def test_a_cold_model_keeps_the_cache_it_saved_on_release(backend: ReloadBackend) -> None:
-    backend.generate("completion", greedy(PREFIX), None)
+    backend.generate(request_for("completion", greedy(PREFIX)), None)
     backend.release(KvPolicy.HOST)
     kept = backend.kept_kv()
     assert kept is not None
@@ -253,7 +255,7 @@ def test_a_cold_model_keeps_the_cache_it_saved_on_release(backend: ReloadBackend
 def test_a_kept_cache_that_does_not_fit_leaves_the_context_empty(
     backend: ReloadBackend, tiny_model: Path
 ) -> None:
-    backend.generate("completion", greedy(PREFIX), None)
+    backend.generate(request_for("completion", greedy(PREFIX)), None)
     kept = backend.kept_kv()
     assert kept is not None
     backend.close()
@@ -264,22 +266,22 @@ def test_a_kept_cache_that_does_not_fit_leaves_the_context_empty(
             other.adopt_kv(KvState(kept.tokens, kept.data[: len(kept.data) // 2]))
         with pytest.raises(RestoreError):
             other.adopt_kv(kept)  # more tokens than its context holds
-        again = other.generate("completion", greedy("the fox"), None)
+        again = other.generate(request_for("completion", greedy("the fox")), None)
     finally:
         other.close()
     assert again.prompt_tokens_evaluated == again.prompt_tokens  # a full prefill
 
 
 def test_dropping_the_kv_means_a_full_prefill(backend: ReloadBackend) -> None:
-    first = backend.generate("completion", greedy(PREFIX), None)
+    first = backend.generate(request_for("completion", greedy(PREFIX)), None)
     assert backend.release(KvPolicy.DROP).kv_bytes == 0
     assert backend.restore().kv_bytes == 0
-    again = backend.generate("completion", greedy(PREFIX), None)
+    again = backend.generate(request_for("completion", greedy(PREFIX)), None)
     assert again.prompt_tokens_evaluated == first.prompt_tokens
 
 
 def test_restore_reads_nothing_from_disk_with_the_host_copy(backend: ReloadBackend) -> None:
-    backend.generate("completion", greedy(PREFIX), None)
+    backend.generate(request_for("completion", greedy(PREFIX)), None)
     backend.release(KvPolicy.HOST)
     drop_page_cache(backend.spec.path)
     before = disk_read_bytes()
@@ -308,7 +310,7 @@ def never() -> bool:
 
 def test_a_cancel_stops_generation_before_the_next_decode(backend: ReloadBackend) -> None:
     chunks: list[dict[str, object]] = []
-    request = backend.prepare("completion", greedy(PREFIX, max_tokens=50), never)
+    request = backend.prepare(request_for("completion", greedy(PREFIX, max_tokens=50)), never)
     result = backend.run(request, chunks.append, lambda: len(chunks) >= 3)
     assert result.cancelled
     assert len(chunks) == 3
@@ -328,12 +330,12 @@ def test_a_cancel_stops_a_long_prompt_between_batches(tiny_model: Path) -> None:
             return asked > 1
 
         stopped = engine.run(
-            engine.prepare("completion", long_prompt, never), None, after_one_batch
+            engine.prepare(request_for("completion", long_prompt), never), None, after_one_batch
         )
         assert stopped.cancelled
         assert (stopped.prompt_tokens_evaluated, stopped.completion_tokens) == (512, 0)
         # What was decoded before the cancel stays usable: the rest is evaluated, no more.
-        again = engine.generate("completion", long_prompt, None)
+        again = engine.generate(request_for("completion", long_prompt), None)
         assert again.prompt_tokens > 2000
         assert again.prompt_tokens_evaluated == again.prompt_tokens - 512
     finally:
@@ -341,9 +343,9 @@ def test_a_cancel_stops_a_long_prompt_between_batches(tiny_model: Path) -> None:
 
 
 def test_a_request_is_prepared_while_the_model_is_cold(backend: ReloadBackend) -> None:
-    warm = backend.generate("completion", greedy(PREFIX), None)
+    warm = backend.generate(request_for("completion", greedy(PREFIX)), None)
     backend.release(KvPolicy.HOST)
-    request = backend.prepare("completion", greedy(PREFIX), never)
+    request = backend.prepare(request_for("completion", greedy(PREFIX)), never)
     assert backend.resident_bytes() == 0
     assert len(request.prompt_tokens) == warm.prompt_tokens
     backend.restore()
@@ -358,7 +360,7 @@ def test_prepared_chat_is_what_create_chat_completion_runs(
         {"role": "user", "content": "hello </s> the fox"},
     ]
     body = {"messages": messages, "max_tokens": 6, "temperature": 0}
-    ours = backend.generate("chat", body, None).response
+    ours = backend.generate(request_for("chat", body), None).response
     library = llama_cpp.Llama(model_path=str(tiny_model), n_ctx=1024, n_gpu_layers=0, verbose=False)
     try:
         theirs = library.create_chat_completion(messages=messages, max_tokens=6, temperature=0)
@@ -378,7 +380,9 @@ def test_a_chat_format_that_cannot_render_is_a_request_error(tiny_model: Path) -
     engine.load()
     try:
         with pytest.raises(RequestError, match="nope"):
-            engine.prepare("chat", {"messages": [{"role": "user", "content": "hi"}]}, never)
+            engine.prepare(
+                request_for("chat", {"messages": [{"role": "user", "content": "hi"}]}), never
+            )
     finally:
         engine.close()
 
@@ -432,7 +436,7 @@ def tokenize_calls(engine: ReloadBackend, prompt: str) -> Calls:
 
     llama_cpp.llama_tokenize = counting
     try:
-        tokens = engine.prepare("completion", {"prompt": prompt}, never).prompt_tokens
+        tokens = engine.prepare(request_for("completion", {"prompt": prompt}), never).prompt_tokens
     finally:
         llama_cpp.llama_tokenize = original
     return Calls(tokens, count)
@@ -458,7 +462,7 @@ def test_too_many_messages_are_refused_before_anything_is_rendered(backend: Relo
     messages = [{"role": "user", "content": "word"}] * 100_000  # issue 10's 3.4 MB request
     started = time.monotonic()
     with pytest.raises(ContextOverflowError, match="100000 messages exceed"):
-        backend.prepare("chat", {"messages": messages}, never)
+        backend.prepare(request_for("chat", {"messages": messages}), never)
     assert time.monotonic() - started < 0.5
 
 
@@ -471,10 +475,10 @@ def test_a_text_too_long_for_the_context_is_refused_unread(backend: ReloadBacken
         return False
 
     with pytest.raises(ContextOverflowError, match="characters exceed"):
-        backend.prepare("completion", {"prompt": "word " * 700_000}, cancelled)
+        backend.prepare(request_for("completion", {"prompt": "word " * 700_000}), cancelled)
     message = [{"role": "user", "content": "word " * 700_000}]
     with pytest.raises(ContextOverflowError, match="characters exceed"):
-        backend.prepare("chat", {"messages": message}, cancelled)
+        backend.prepare(request_for("chat", {"messages": message}), cancelled)
     assert calls == 0  # never got as far as the tokenizer's first piece
 
 
@@ -491,7 +495,7 @@ def test_tokenizing_stops_once_the_context_is_full(tiny_model: Path) -> None:
     try:
         # Within the character limit (4096 x 8), but 16,000 tokens: one piece is enough.
         with pytest.raises(ContextOverflowError, match="context window"):
-            engine.prepare("completion", {"prompt": "a " * 16_000}, cancelled)
+            engine.prepare(request_for("completion", {"prompt": "a " * 16_000}), cancelled)
         assert calls == 1
     finally:
         engine.close()
@@ -509,7 +513,9 @@ def test_a_cancel_stops_tokenizing_between_pieces(tiny_model: Path) -> None:
             return calls > 2
 
         with pytest.raises(RequestError, match="cancelled"):
-            engine.prepare("completion", {"prompt": "the fox </s> " * 100_000}, after_two_pieces)
+            engine.prepare(
+                request_for("completion", {"prompt": "the fox </s> " * 100_000}), after_two_pieces
+            )
         assert calls == 3
     finally:
         engine.close()
@@ -517,7 +523,7 @@ def test_a_cancel_stops_tokenizing_between_pieces(tiny_model: Path) -> None:
 
 def test_chat_requests_use_the_models_template(backend: ReloadBackend) -> None:
     body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
-    result = backend.generate("chat", body, None)
+    result = backend.generate(request_for("chat", body), None)
     message = result.response["choices"][0]["message"]
     assert message["role"] == "assistant"
     assert result.completion_tokens >= 1
@@ -528,8 +534,11 @@ def test_prompt_longer_than_the_context_is_a_request_error(tiny_model: Path) -> 
     engine.load()
     try:
         with pytest.raises(ContextOverflowError, match="context window"):
-            engine.generate("completion", greedy(PREFIX), None)
-        assert text_of(engine.generate("completion", greedy("the fox", 2), None)) is not None
+            engine.generate(request_for("completion", greedy(PREFIX)), None)
+        assert (
+            text_of(engine.generate(request_for("completion", greedy("the fox", 2)), None))
+            is not None
+        )
     finally:
         engine.close()
 
@@ -547,7 +556,7 @@ def test_bad_parameters_are_request_errors(
     backend: ReloadBackend, body: dict[str, object], message: str
 ) -> None:
     with pytest.raises(RequestError, match=message):
-        backend.generate("completion", body, None)
+        backend.generate(request_for("completion", body), None)
 
 
 def test_missing_and_corrupt_models_fail_to_load(tmp_path: Path) -> None:
@@ -573,16 +582,16 @@ def test_gemma_round_trip_keeps_the_prompt_cache_and_the_output(gemma_model: Pat
     )
     engine.load()
     try:
-        first = engine.generate("completion", greedy(PREFIX, 8), None)
+        first = engine.generate(request_for("completion", greedy(PREFIX, 8)), None)
         assert first.prompt_tokens >= 200
         engine.release(KvPolicy.HOST)
         drop_page_cache(gemma_model)
         restored = engine.restore()
         assert restored.disk_read_bytes == 0
-        again = engine.generate("completion", greedy(PREFIX, 8), None)
+        again = engine.generate(request_for("completion", greedy(PREFIX, 8)), None)
         assert text_of(again) == text_of(first)
         assert again.prompt_tokens_evaluated == 1
-        follow_up = engine.generate("completion", greedy(PREFIX + SUFFIX, 8), None)
+        follow_up = engine.generate(request_for("completion", greedy(PREFIX + SUFFIX, 8)), None)
         suffix_tokens = follow_up.prompt_tokens - first.prompt_tokens
         assert follow_up.prompt_tokens_evaluated <= suffix_tokens + 1
     finally:

@@ -13,6 +13,7 @@ import pytest
 from arbiterd.errors import ContextOverflowError, ModelLoadError, RequestError
 from arbiterd.spec import KvPolicy, ModelSpec
 from arbiterd.worker.engine import ReloadBackend
+from tests.support.requests import request_for
 from tests.support.tiny_gguf import DEFAULT_SPEC
 
 N_CTX = 32
@@ -44,7 +45,7 @@ def embedder(tiny_embedding_model: Path) -> Iterator[ReloadBackend]:
 
 
 def test_each_input_is_one_unit_vector_as_wide_as_the_model(embedder: ReloadBackend) -> None:
-    made = embedder.generate("embedding", {"input": TEXTS}, None)
+    made = embedder.generate(request_for("embedding", {"input": TEXTS}), None)
     response = made.response
     assert response["object"] == "list"
     assert response["model"] == "embed"
@@ -69,7 +70,9 @@ def test_the_vector_is_llama_cpp_pythons_own_normalized(
     embedder: ReloadBackend, tiny_embedding_model: Path
 ) -> None:
     ours = vectors(
-        embedder.generate("embedding", {"input": ["the quick brown fox"]}, None).response
+        embedder.generate(
+            request_for("embedding", {"input": ["the quick brown fox"]}), None
+        ).response
     )
     reference = llama_cpp.Llama(
         model_path=str(tiny_embedding_model), n_ctx=N_CTX, embedding=True, verbose=False
@@ -83,11 +86,14 @@ def test_the_vector_is_llama_cpp_pythons_own_normalized(
 
 
 def test_a_round_trip_through_the_host_gives_the_same_vectors(embedder: ReloadBackend) -> None:
-    before = vectors(embedder.generate("embedding", {"input": TEXTS}, None).response)
+    before = vectors(embedder.generate(request_for("embedding", {"input": TEXTS}), None).response)
     embedder.release(KvPolicy.HOST)
     assert embedder.resident_bytes() == 0
     embedder.restore()
-    assert vectors(embedder.generate("embedding", {"input": TEXTS}, None).response) == before
+    assert (
+        vectors(embedder.generate(request_for("embedding", {"input": TEXTS}), None).response)
+        == before
+    )
 
 
 def test_an_input_that_fills_the_context_fits_and_one_token_more_is_refused_cold(
@@ -97,19 +103,19 @@ def test_an_input_that_fills_the_context_fits_and_one_token_more_is_refused_cold
     engine = ReloadBackend(spec)
     engine.open()  # the vocabulary only: nothing is loaded
     try:
-        full = engine.prepare("embedding", {"input": [words(N_CTX - 1)]}, never)
+        full = engine.prepare(request_for("embedding", {"input": [words(N_CTX - 1)]}), never)
         assert [len(tokens) for tokens in full.inputs] == [N_CTX]
         with pytest.raises(ContextOverflowError, match=r"input\[1\] is 33 tokens long"):
-            engine.prepare("embedding", {"input": ["x", words(N_CTX)]}, never)
+            engine.prepare(request_for("embedding", {"input": ["x", words(N_CTX)]}), never)
         with pytest.raises(ContextOverflowError, match=r"input\[0\]: .* bytes exceeds"):
-            engine.prepare("embedding", {"input": ["fox" * 10_000]}, never)
+            engine.prepare(request_for("embedding", {"input": ["fox" * 10_000]}), never)
         assert engine.resident_bytes() == 0
     finally:
         engine.close()
 
 
 def test_every_input_that_fits_the_context_is_embedded(embedder: ReloadBackend) -> None:
-    made = embedder.generate("embedding", {"input": [words(N_CTX - 1), "fox"]}, None)
+    made = embedder.generate(request_for("embedding", {"input": [words(N_CTX - 1), "fox"]}), None)
     assert made.prompt_tokens == N_CTX + 2
 
 
@@ -126,14 +132,16 @@ def test_malformed_input_is_a_request_error(
     embedder: ReloadBackend, body: dict[str, Any], problem: str
 ) -> None:
     with pytest.raises(RequestError, match=problem):
-        embedder.prepare("embedding", body, never)
+        embedder.prepare(request_for("embedding", body), never)
 
 
 def test_an_embedding_model_serves_nothing_else(embedder: ReloadBackend) -> None:
     with pytest.raises(RequestError, match=r"'embed' is an embedding model: .* not chat"):
-        embedder.prepare("chat", {"messages": [{"role": "user", "content": "hi"}]}, never)
+        embedder.prepare(
+            request_for("chat", {"messages": [{"role": "user", "content": "hi"}]}), never
+        )
     with pytest.raises(RequestError, match="not completions"):
-        embedder.prepare("completion", {"prompt": "the fox"}, never)
+        embedder.prepare(request_for("completion", {"prompt": "the fox"}), never)
 
 
 def test_a_generative_model_makes_no_embeddings(tiny_model: Path) -> None:
@@ -141,7 +149,7 @@ def test_a_generative_model_makes_no_embeddings(tiny_model: Path) -> None:
     engine.open()
     try:
         with pytest.raises(RequestError, match="'tiny' is not an embedding model"):
-            engine.prepare("embedding", {"input": ["the fox"]}, never)
+            engine.prepare(request_for("embedding", {"input": ["the fox"]}), never)
     finally:
         engine.close()
 
@@ -158,7 +166,7 @@ def test_a_model_that_pools_nothing_cannot_be_loaded_for_embeddings(tiny_model: 
 
 
 def test_a_cancel_stops_between_two_inputs(embedder: ReloadBackend) -> None:
-    prepared = embedder.prepare("embedding", {"input": TEXTS}, never)
+    prepared = embedder.prepare(request_for("embedding", {"input": TEXTS}), never)
     asked: list[int] = []
 
     def cancelled() -> bool:

@@ -21,6 +21,7 @@ from arbiterd.worker import engine
 from arbiterd.worker.engine import Generation, InPlaceBackend, ReloadBackend, select_backend
 from arbiterd.worker.engine import backend as engine_backend
 from tests.support.pagecache import drop_page_cache
+from tests.support.requests import request_for
 from tests.support.tiny_gguf import TinyModelSpec, write_tiny_llama
 
 PROMPT = " ".join(["the quick brown fox is not a dog"] * 10)
@@ -86,7 +87,7 @@ def test_the_installed_engine_is_the_arbiterd_build() -> None:
 
 @pytest.mark.parametrize("kv", list(KvPolicy))
 def test_a_round_trip_gives_the_same_text(backend: InPlaceBackend, kv: KvPolicy) -> None:
-    first = backend.generate("completion", greedy(), None)
+    first = backend.generate(request_for("completion", greedy()), None)
     assert first.prompt_tokens_evaluated == first.prompt_tokens > 50
     warm_bytes = backend.resident_bytes()
     assert warm_bytes > 0
@@ -105,7 +106,7 @@ def test_a_round_trip_gives_the_same_text(backend: InPlaceBackend, kv: KvPolicy)
     )
     assert restored.disk_read_bytes == 0
     assert backend.resident_bytes() == warm_bytes
-    again = backend.generate("completion", greedy(), None)
+    again = backend.generate(request_for("completion", greedy()), None)
     assert text_of(again) == text_of(first)
     # host and device kept the prompt's KV: only the last token is decoded again.
     expected = first.prompt_tokens if kv is KvPolicy.DROP else 1
@@ -113,10 +114,10 @@ def test_a_round_trip_gives_the_same_text(backend: InPlaceBackend, kv: KvPolicy)
 
 
 def test_a_follow_up_after_a_round_trip_evaluates_only_its_suffix(backend: InPlaceBackend) -> None:
-    first = backend.generate("completion", greedy(), None)
+    first = backend.generate(request_for("completion", greedy()), None)
     backend.release(KvPolicy.HOST)
     backend.restore()
-    follow_up = backend.generate("completion", greedy(PROMPT + " and the cat"), None)
+    follow_up = backend.generate(request_for("completion", greedy(PROMPT + " and the cat")), None)
     suffix_tokens = follow_up.prompt_tokens - first.prompt_tokens
     assert 0 < suffix_tokens < 10
     assert follow_up.prompt_tokens_evaluated <= suffix_tokens + 1
@@ -129,7 +130,7 @@ def test_a_release_frees_the_weights_from_the_process_and_a_restore_takes_them_b
     chosen = in_place(releasable_model)
     try:
         chosen.load()
-        first = chosen.generate("completion", greedy(), None)
+        first = chosen.generate(request_for("completion", greedy()), None)
         warm_rss = rss_bytes()
         released = chosen.release(kv)
         cold_rss = rss_bytes()
@@ -140,7 +141,7 @@ def test_a_release_frees_the_weights_from_the_process_and_a_restore_takes_them_b
         chosen.restore()
         assert rss_bytes() - cold_rss >= RSS_SHARE * weights
         assert chosen.host_weights_bytes() == 0
-        assert text_of(chosen.generate("completion", greedy(), None)) == text_of(first)
+        assert text_of(chosen.generate(request_for("completion", greedy()), None)) == text_of(first)
     finally:
         chosen.close()
 
@@ -168,7 +169,7 @@ def test_a_restored_cpu_model_runs_on_its_memfd_so_later_round_trips_copy_nothin
     chosen = in_place(releasable_model)
     try:
         chosen.load()
-        first = text_of(chosen.generate("completion", greedy(), None))
+        first = text_of(chosen.generate(request_for("completion", greedy()), None))
         assert mapped_memfd_bytes() == 0  # loaded into ordinary memory
         for round_trip in range(3):
             warm_rss = rss_bytes()
@@ -184,7 +185,7 @@ def test_a_restored_cpu_model_runs_on_its_memfd_so_later_round_trips_copy_nothin
                 assert written - written_before < weights / 100  # later ones only unmap
             assert read - read_before < weights / 100  # a restore maps, it never reads back
             assert mapped_memfd_bytes() >= weights
-            assert text_of(chosen.generate("completion", greedy(), None)) == first
+            assert text_of(chosen.generate(request_for("completion", greedy()), None)) == first
     finally:
         chosen.close()
 
@@ -213,14 +214,14 @@ def test_releasing_twice_is_refused_and_the_model_stays_cold(backend: InPlaceBac
         backend.release(KvPolicy.HOST)
     assert backend.resident_bytes() == 0
     backend.restore()
-    assert backend.generate("completion", greedy(), None).completion_tokens > 0
+    assert backend.generate(request_for("completion", greedy()), None).completion_tokens > 0
 
 
 def test_restoring_a_warm_model_is_refused_and_it_keeps_serving(backend: InPlaceBackend) -> None:
-    first = backend.generate("completion", greedy(), None)
+    first = backend.generate(request_for("completion", greedy()), None)
     with pytest.raises(RestoreError, match="m is already warm"):
         backend.restore()
-    again = backend.generate("completion", greedy(), None)
+    again = backend.generate(request_for("completion", greedy()), None)
     assert text_of(again) == text_of(first)
     assert again.prompt_tokens_evaluated == 1  # nothing was released or cleared
 
@@ -229,9 +230,9 @@ def test_restoring_a_warm_model_is_refused_and_it_keeps_serving(backend: InPlace
 def test_a_released_model_does_not_generate(backend: InPlaceBackend, kv: KvPolicy) -> None:
     backend.release(kv)
     with pytest.raises(RequestError, match="m is not warm"):
-        backend.generate("completion", greedy(), None)
+        backend.generate(request_for("completion", greedy()), None)
     backend.restore()
-    assert backend.generate("completion", greedy(), None).completion_tokens > 0
+    assert backend.generate(request_for("completion", greedy()), None).completion_tokens > 0
 
 
 # -- select_backend honours `residency` ------------------------------------------------------
@@ -291,13 +292,17 @@ def test_gemma_round_trip_in_place_frees_its_weights_and_keeps_its_kv(gemma_mode
     chosen = in_place(gemma_model, n_threads=1)
     try:
         chosen.load()
-        first = chosen.generate("completion", greedy("The capital of France is", 6), None)
+        first = chosen.generate(
+            request_for("completion", greedy("The capital of France is", 6)), None
+        )
         warm_rss = rss_bytes()
         released = chosen.release(KvPolicy.HOST)
         assert released.weights_bytes > 200_000_000
         assert warm_rss - rss_bytes() >= RSS_SHARE * released.weights_bytes
         assert chosen.restore().disk_read_bytes == 0
-        again = chosen.generate("completion", greedy("The capital of France is", 6), None)
+        again = chosen.generate(
+            request_for("completion", greedy("The capital of France is", 6)), None
+        )
         assert text_of(again) == text_of(first)
         assert again.prompt_tokens_evaluated == 1
     finally:

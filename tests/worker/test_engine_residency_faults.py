@@ -44,16 +44,19 @@ import sys
 from pathlib import Path
 
 from arbiterd.worker.engine import InPlaceBackend, select_backend
+from arbiterd.request import GenerateRequest
 from arbiterd.spec import KvPolicy, ModelSpec, Residency
 
-BODY = {"prompt": " ".join(["the quick brown fox is not a dog"] * 10), "max_tokens": 8,
-        "temperature": 0}
+BODY = GenerateRequest.from_json({
+    "kind": "completion", "prompt": " ".join(["the quick brown fox is not a dog"] * 10),
+    "max_tokens": 8, "temperature": 0,
+})
 spec = ModelSpec(name="m", path=Path(sys.argv[1]), n_ctx=512, n_gpu_layers=N_GPU_LAYERS,
                  residency=Residency.IN_PLACE)
 backend = select_backend(spec)
 assert isinstance(backend, InPlaceBackend), backend
 backend.load()
-first = backend.generate("completion", BODY, None)
+first = backend.generate(BODY, None)
 
 
 def text(generation):
@@ -88,7 +91,7 @@ if error is None:  # the restore succeeded: nothing more to see
     print(json.dumps({"released_weights_bytes": released.weights_bytes, "error": None}))
     sys.exit(0)
 try:
-    backend.generate("completion", BODY, None)
+    backend.generate(BODY, None)
     refused = None
 except RequestError as exc:
     refused = str(exc)
@@ -99,7 +102,7 @@ after_failure = {
     "generate": refused,
 }
 restored = backend.restore()
-again = backend.generate("completion", BODY, None)
+again = backend.generate(BODY, None)
 print(json.dumps({
     "released_weights_bytes": released.weights_bytes,
     "released_kv_bytes": released.kv_bytes,
@@ -136,7 +139,7 @@ tokens = (llama_cpp.llama_token * 1)(llm.token_bos())
 decode_released = int(llama_cpp.llama_decode(llm.ctx, llama_cpp.llama_batch_get_one(tokens, 1)))
 backend.restore()
 restore_warm = status_of(lambda: api.restore_device(ctx))
-again = backend.generate("completion", BODY, None)
+again = backend.generate(BODY, None)
 print(json.dumps({
     "release_again": release_again,
     "decode_released": decode_released,
@@ -270,8 +273,8 @@ def release_during_a_stream(
         hello = worker.until(lambda m: "hello" in m)["hello"]
         assert hello["backend"] == "in-place", hello
         worker.until(lambda m: m.get("to") == "warm")
-        body = {"prompt": "the fox", "max_tokens": 1000, "temperature": 0}
-        generate = {"op": "generate", "id": "long", "kind": "completion", "body": body}
+        body = {"kind": "completion", "prompt": "the fox", "max_tokens": 1000, "temperature": 0}
+        generate = {"op": "generate", "id": "long", "request": body}
         worker.send({**generate, "stream": True})
         worker.until(lambda m: m.get("id") == "long" and "chunk" in m)
         worker.send({"op": "release", "id": "release"})

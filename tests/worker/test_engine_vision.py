@@ -22,6 +22,7 @@ from arbiterd.worker.engine.backend import LlamaBackend
 from arbiterd.worker.engine.images import decode_embeddings
 from arbiterd.worker.vision import MARKER, placeholder_ids
 from tests.support.images import jpeg, png
+from tests.support.requests import request_for
 from tests.support.tiny_gguf import TinyModelSpec, write_tiny_llama
 from tests.support.tiny_mmproj import TinyProjectorSpec, write_tiny_mmproj
 
@@ -62,11 +63,11 @@ def actions(generation: Any) -> list[str]:
 
 def test_an_image_is_encoded_by_a_projector_loaded_just_for_it(eye: ReloadBackend) -> None:
     generation = eye.generate(
-        "chat", chat(("user", f"what is {MARKER} this"), images=[png()]), None
+        request_for("chat", chat(("user", f"what is {MARKER} this"), images=[png()])), None
     )
     assert actions(generation) == ["load", "encode", "free"]
     # the image became positions of the prompt: its text plus N_IMAGE
-    text_only = eye.prepare("chat", chat(("user", "what is  this")), lambda: False)
+    text_only = eye.prepare(request_for("chat", chat(("user", "what is  this"))), lambda: False)
     assert generation.prompt_tokens >= N_IMAGE + len(text_only.prompt_tokens) - 2
     assert generation.prompt_tokens_evaluated == generation.prompt_tokens
     assert generation.completion_tokens > 0
@@ -93,7 +94,7 @@ def test_the_encoder_is_alive_only_while_it_encodes(
         return encode(data)
 
     monkeypatch.setattr(projector, "encode", watched)
-    eye.generate("chat", chat(("user", f"{MARKER} hello"), images=[png()]), None)
+    eye.generate(request_for("chat", chat(("user", f"{MARKER} hello"), images=[png()])), None)
     assert seen == [(True, tiny_mmproj.stat().st_size)]  # counted in resident_bytes meanwhile
     assert not projector.loaded
     assert projector.loaded_bytes() == 0
@@ -104,10 +105,10 @@ CONVERSATION = ("user", f"look {MARKER} what is it")
 
 def test_a_follow_up_turn_evaluates_only_its_suffix(eye: ReloadBackend) -> None:
     image = png()
-    first = eye.generate("chat", chat(CONVERSATION, images=[image]), None)
+    first = eye.generate(request_for("chat", chat(CONVERSATION, images=[image])), None)
     answer = first.response["choices"][0]["message"]["content"]
     turns = (CONVERSATION, ("assistant", answer), ("user", "and the dog"))
-    follow = eye.generate("chat", chat(*turns, images=[image]), None)
+    follow = eye.generate(request_for("chat", chat(*turns, images=[image])), None)
     suffix = follow.prompt_tokens - first.prompt_tokens  # the answer and the new question
     assert 0 < suffix < 60
     assert follow.prompt_tokens_evaluated <= suffix + 1
@@ -118,12 +119,12 @@ def test_a_follow_up_turn_evaluates_only_its_suffix(eye: ReloadBackend) -> None:
 
 def test_the_cache_survives_a_cold_round_trip(eye: ReloadBackend) -> None:
     image = png(seed=3)
-    first = eye.generate("chat", chat(CONVERSATION, images=[image]), None)
+    first = eye.generate(request_for("chat", chat(CONVERSATION, images=[image])), None)
     eye.release(KvPolicy.HOST)
     eye.restore()
     answer = first.response["choices"][0]["message"]["content"]
     turns = (CONVERSATION, ("assistant", answer), ("user", "more"))
-    again = eye.generate("chat", chat(*turns, images=[image]), None)
+    again = eye.generate(request_for("chat", chat(*turns, images=[image])), None)
     assert again.prompt_tokens_evaluated <= again.prompt_tokens - first.prompt_tokens + 1
     assert actions(again) == []
 
@@ -146,7 +147,7 @@ def test_the_in_place_backend_keeps_images_in_its_cache_across_a_release(
     engine.load()
     try:
         image = png(seed=5)
-        first = engine.generate("chat", chat(CONVERSATION, images=[image]), None)
+        first = engine.generate(request_for("chat", chat(CONVERSATION, images=[image])), None)
         assert encoder_loaded(engine)  # resident
         engine.release(kv)
         assert not encoder_loaded(engine)  # going cold frees it
@@ -154,7 +155,7 @@ def test_the_in_place_backend_keeps_images_in_its_cache_across_a_release(
         assert encoder_loaded(engine)  # and warming up loads it again
         answer = first.response["choices"][0]["message"]["content"]
         turns = (CONVERSATION, ("assistant", answer), ("user", "more"))
-        again = engine.generate("chat", chat(*turns, images=[image]), None)
+        again = engine.generate(request_for("chat", chat(*turns, images=[image])), None)
         assert again.prompt_tokens_evaluated <= again.prompt_tokens - first.prompt_tokens + 1
         assert actions(again) == []
     finally:
@@ -165,7 +166,7 @@ def test_a_kept_cache_serves_a_new_worker_which_lays_the_image_out_but_never_enc
     eye: ReloadBackend, tiny_model: Path, tiny_mmproj: Path
 ) -> None:
     image = png(seed=6)
-    first = eye.generate("chat", chat(CONVERSATION, images=[image]), None)
+    first = eye.generate(request_for("chat", chat(CONVERSATION, images=[image])), None)
     kept = eye.kept_kv()  # what an unload writes to its state file (issue 14)
     assert kept is not None
     assert min(kept.tokens) < 0  # the image's placeholders are part of it
@@ -175,7 +176,7 @@ def test_a_kept_cache_serves_a_new_worker_which_lays_the_image_out_but_never_enc
         fresh.adopt_kv(kept)
         answer = first.response["choices"][0]["message"]["content"]
         turns = (CONVERSATION, ("assistant", answer), ("user", "more"))
-        again = fresh.generate("chat", chat(*turns, images=[image]), None)
+        again = fresh.generate(request_for("chat", chat(*turns, images=[image])), None)
         assert actions(again) == ["load", "free"]  # laid out (a new worker knows no image)
         assert again.prompt_tokens_evaluated <= again.prompt_tokens - first.prompt_tokens + 1
     finally:
@@ -183,8 +184,8 @@ def test_a_kept_cache_serves_a_new_worker_which_lays_the_image_out_but_never_enc
 
 
 def test_another_image_is_encoded_again(eye: ReloadBackend) -> None:
-    eye.generate("chat", chat(CONVERSATION, images=[png(seed=1)]), None)
-    other = eye.generate("chat", chat(CONVERSATION, images=[png(seed=2)]), None)
+    eye.generate(request_for("chat", chat(CONVERSATION, images=[png(seed=1)])), None)
+    other = eye.generate(request_for("chat", chat(CONVERSATION, images=[png(seed=2)])), None)
     assert actions(other) == ["load", "encode", "free"]
     # the text before the image is still cached; the image and what follows are not
     assert other.prompt_tokens_evaluated >= N_IMAGE
@@ -198,7 +199,7 @@ def test_a_resident_encoder_stays_while_warm_and_goes_when_cold(
     engine.load()
     try:
         assert encoder_loaded(engine)
-        first = engine.generate("chat", chat(CONVERSATION, images=[png()]), None)
+        first = engine.generate(request_for("chat", chat(CONVERSATION, images=[png()])), None)
         assert actions(first) == ["encode"]  # loaded with the model, kept since
         assert encoder_loaded(engine)
         released = engine.release(KvPolicy.HOST)
@@ -208,7 +209,7 @@ def test_a_resident_encoder_stays_while_warm_and_goes_when_cold(
         restored = engine.restore()
         assert encoder_loaded(engine)  # warm again: loaded with the model
         assert restored.weights_bytes > tiny_mmproj.stat().st_size
-        again = engine.generate("chat", chat(CONVERSATION, images=[png(seed=8)]), None)
+        again = engine.generate(request_for("chat", chat(CONVERSATION, images=[png(seed=8)])), None)
         assert actions(again) == ["encode"]
     finally:
         engine.close()
@@ -217,10 +218,10 @@ def test_a_resident_encoder_stays_while_warm_and_goes_when_cold(
 def test_a_corrupt_image_is_a_bad_request_and_frees_the_encoder(eye: ReloadBackend) -> None:
     truncated = png()[:60]
     with pytest.raises(RequestError, match="corrupt or truncated"):
-        eye.generate("chat", chat(CONVERSATION, images=[truncated]), None)
+        eye.generate(request_for("chat", chat(CONVERSATION, images=[truncated])), None)
     assert eye._projector is not None
     assert not eye._projector.loaded
-    text = eye.generate("chat", chat(("user", "still there")), None)
+    text = eye.generate(request_for("chat", chat(("user", "still there"))), None)
     assert text.completion_tokens > 0
     assert actions(text) == []  # the failed request's load and free are not reported here
 
@@ -228,7 +229,7 @@ def test_a_corrupt_image_is_a_bad_request_and_frees_the_encoder(eye: ReloadBacke
 def test_a_jpeg_is_decoded_and_one_the_decoder_refuses_is_a_bad_request(
     eye: ReloadBackend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    answered = eye.generate("chat", chat(CONVERSATION, images=[jpeg(40, 24)]), None)
+    answered = eye.generate(request_for("chat", chat(CONVERSATION, images=[jpeg(40, 24)])), None)
     assert actions(answered) == ["load", "encode", "free"]
     # libmtmd hands what stb_image refuses to ffprobe, from PATH: never a client's bytes.
     ran = tmp_path / "ran"
@@ -238,7 +239,7 @@ def test_a_jpeg_is_decoded_and_one_the_decoder_refuses_is_a_bad_request(
         program.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     with pytest.raises(RequestError, match="corrupt or truncated"):
-        eye.generate("chat", chat(CONVERSATION, images=[jpeg(lossless=True)]), None)
+        eye.generate(request_for("chat", chat(CONVERSATION, images=[jpeg(lossless=True)])), None)
     assert not encoder_loaded(eye)
     assert not ran.exists()
 
@@ -257,7 +258,7 @@ def test_bad_images_are_refused_before_the_model_runs(
     eye: ReloadBackend, body: dict[str, Any], message: str
 ) -> None:
     with pytest.raises(RequestError, match=message):
-        eye.prepare("chat", body, lambda: False)
+        eye.prepare(request_for("chat", body), lambda: False)
 
 
 def test_a_model_without_a_projector_refuses_images(tiny_model: Path) -> None:
@@ -265,7 +266,7 @@ def test_a_model_without_a_projector_refuses_images(tiny_model: Path) -> None:
     engine.load()
     try:
         with pytest.raises(RequestError, match="takes no images: its config names no mmproj"):
-            engine.prepare("chat", chat(CONVERSATION, images=[png()]), lambda: False)
+            engine.prepare(request_for("chat", chat(CONVERSATION, images=[png()])), lambda: False)
     finally:
         engine.close()
 
@@ -345,7 +346,7 @@ def test_a_projector_that_fits_goes_beside_the_weights(tiny_model: Path, tiny_mm
     budget = tight_budget(tiny_model, tiny_mmproj) + 1
     engine = in_place_eye(tiny_model, tiny_mmproj, vram_budget=budget)
     try:
-        generation = engine.generate("chat", chat(CONVERSATION, images=[png()]), None)
+        generation = engine.generate(request_for("chat", chat(CONVERSATION, images=[png()])), None)
         assert actions(generation) == ["load", "encode", "free"]
         assert {step.path for step in generation.encoder_steps} == {"beside"}
         # the peak is the warm model and the projector together: the budget, exactly
@@ -361,7 +362,7 @@ def test_under_a_tight_budget_the_weights_leave_while_the_projector_encodes(
     image = png(seed=11)
     beside = in_place_eye(tiny_model, tiny_mmproj)
     try:
-        expected = beside.generate("chat", chat(CONVERSATION, images=[image]), None)
+        expected = beside.generate(request_for("chat", chat(CONVERSATION, images=[image])), None)
     finally:
         beside.close()
     engine = in_place_eye(tiny_model, tiny_mmproj, vram_budget=budget)
@@ -381,7 +382,7 @@ def test_under_a_tight_budget_the_weights_leave_while_the_projector_encodes(
     monkeypatch.setattr(projector, "_load", watched_load)
     monkeypatch.setattr(engine, "_weights_on", watched_weights_on)
     try:
-        generation = engine.generate("chat", chat(CONVERSATION, images=[image]), None)
+        generation = engine.generate(request_for("chat", chat(CONVERSATION, images=[image])), None)
         assert seen == ["load with the weights off", "weights on with the projector freed"]
         assert actions(generation) == ["release", "load", "encode", "free", "restore"]
         steps = generation.encoder_steps
@@ -399,7 +400,7 @@ def test_under_a_tight_budget_the_weights_leave_while_the_projector_encodes(
         assert not engine._swapped_out
         # The KV stayed on the device: a follow-up turn evaluates only its suffix.
         turns = (CONVERSATION, ("assistant", answer_of(generation)), ("user", "and the dog"))
-        follow = engine.generate("chat", chat(*turns, images=[image]), None)
+        follow = engine.generate(request_for("chat", chat(*turns, images=[image])), None)
         assert follow.prompt_tokens_evaluated <= follow.prompt_tokens - generation.prompt_tokens + 1
         assert actions(follow) == []
     finally:
@@ -414,10 +415,10 @@ def test_a_failed_encode_on_the_swap_path_brings_the_weights_back(
     )
     try:
         with pytest.raises(RequestError, match="corrupt or truncated"):
-            engine.generate("chat", chat(CONVERSATION, images=[png()[:60]]), None)
+            engine.generate(request_for("chat", chat(CONVERSATION, images=[png()[:60]])), None)
         assert not engine._swapped_out
         assert not encoder_loaded(engine)
-        text = engine.generate("chat", chat(("user", "still there")), None)
+        text = engine.generate(request_for("chat", chat(("user", "still there"))), None)
         assert text.completion_tokens > 0
     finally:
         engine.close()
@@ -432,7 +433,7 @@ def test_the_reload_backend_cannot_swap_and_says_it_loaded_beside(
     )
     engine.load()
     try:
-        generation = engine.generate("chat", chat(CONVERSATION, images=[png()]), None)
+        generation = engine.generate(request_for("chat", chat(CONVERSATION, images=[png()])), None)
         assert actions(generation) == ["load", "encode", "free"]
         load = generation.encoder_steps[0]
         assert load.path == "beside"
@@ -449,7 +450,7 @@ def test_a_resident_projector_stays_beside_whatever_the_budget(
     engine.vram_budget = 1
     engine.load()
     try:
-        generation = engine.generate("chat", chat(CONVERSATION, images=[png()]), None)
+        generation = engine.generate(request_for("chat", chat(CONVERSATION, images=[png()])), None)
         assert actions(generation) == ["encode"]
         assert generation.encoder_steps[0].path == "beside"
     finally:
@@ -459,7 +460,7 @@ def test_a_resident_projector_stays_beside_whatever_the_budget(
 def test_without_a_budget_a_cpu_model_loads_its_projector_beside(eye: ReloadBackend) -> None:
     # the engine cannot measure free memory for a model on the CPU: the budget is unknown
     assert eye._encoder_budget(eye.resident_bytes()) == 0
-    generation = eye.generate("chat", chat(CONVERSATION, images=[png()]), None)
+    generation = eye.generate(request_for("chat", chat(CONVERSATION, images=[png()])), None)
     assert [step.path for step in generation.encoder_steps] == ["beside"] * 3
     assert generation.encoder_steps[0].reason == ""
 

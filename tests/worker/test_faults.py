@@ -23,9 +23,11 @@ from arbiterd.spec import ModelSpec, WorkerConfig
 from arbiterd.wire import LineReader, LineWriter
 from tests.support.blocking_worker import BlockingWorker
 from tests.support.daemon import Daemon
+from tests.support.requests import request_for
 from tests.support.waiting import wait_until
 
 # Issue 10's goals: another model is served, and a dead daemon's token is free, within 1 s.
+
 SERVED_WITHIN_S = 1.0
 RELEASED_WITHIN_S = 1.0
 # Issue 10's hostile request: 100,000 one-word messages, 3.4 MB of JSON.
@@ -53,7 +55,7 @@ def spawn(tmp_path: Path, tiny_model: Path) -> Iterator[Callable[[str], Blocking
 
 def complete(worker: BlockingWorker, prompt: str) -> dict[str, Any]:
     body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
-    return worker.generate("completion", body, timeout_s=30)
+    return worker.generate(request_for("completion", body), timeout_s=30)
 
 
 def test_a_huge_chat_request_is_refused_while_another_model_is_served(
@@ -66,7 +68,7 @@ def test_a_huge_chat_request_is_refused_while_another_model_is_served(
 
     def send_huge() -> None:
         try:
-            a.generate("chat", HUGE_CHAT, timeout_s=30)
+            a.generate(request_for("chat", HUGE_CHAT), timeout_s=30)
         except ContextOverflowError as exc:
             refused.append(exc)
 
@@ -117,7 +119,11 @@ def test_a_worker_whose_daemon_is_gone_frees_the_gpu_and_exits(
         worker.until(lambda m: m.get("to") == "warm")
         body = {"prompt": "the fox", "max_tokens": 3000, "temperature": 0}  # ~30 s of tokens
         for request_id in ("1", "2"):  # one streaming, one queued behind it
-            message = {"op": "generate", "id": request_id, "kind": "completion", "body": body}
+            message = {
+                "op": "generate",
+                "id": request_id,
+                "request": {"kind": "completion", **body},
+            }
             worker.writer.send({**message, "stream": True})
         worker.until(lambda m: m.get("id") == "1" and "chunk" in m)
         worker.sock.close()  # the daemon is gone

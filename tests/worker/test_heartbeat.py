@@ -14,6 +14,7 @@ import pytest
 from arbiterd.spec import ModelSpec, WorkerConfig
 from arbiterd.worker.engine import Generation, Moved, Prepared
 from tests.support.blocking_worker import BlockingWorker
+from tests.support.requests import request_for
 from tests.support.waiting import wait_until
 from tests.worker.test_loop import FlakyRestore, InProcess
 
@@ -34,7 +35,9 @@ def worker(tmp_path: Path, tiny_model: Path) -> Iterator[BlockingWorker]:
 def test_the_beat_stays_fresh_through_a_long_generation(worker: BlockingWorker) -> None:
     generating = threading.Thread(
         target=worker.generate,
-        args=("completion", {"prompt": "the fox", "max_tokens": 4000, "temperature": 0}),
+        args=(
+            request_for("completion", {"prompt": "the fox", "max_tokens": 4000, "temperature": 0}),
+        ),
         kwargs={"timeout_s": 120, "request_id": "long"},
     )
     generating.start()
@@ -82,7 +85,9 @@ def test_the_beat_stops_while_a_native_call_hangs_and_status_still_answers(
         return result
 
     worker.until(lambda m: m.get("to") == "warm")
-    worker.writer.send({"op": "generate", "id": "g", "kind": "completion", "body": {}})
+    worker.writer.send(
+        {"op": "generate", "id": "g", "request": {"kind": "completion", "prompt": ""}}
+    )
     wait_until(backend.running.is_set, 10, "the generation to start")
     wait_until(lambda: status()["beat_age_s"] >= HUNG_S, 10, "the beat to age")
     hung = status()

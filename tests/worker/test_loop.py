@@ -31,6 +31,7 @@ from arbiterd.errors import (
     RestoreError,
     WorkerError,
 )
+from arbiterd.request import GenerateRequest
 from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, ModelSpec, Residency, WorkerConfig
 from arbiterd.states import BackendKind
 from arbiterd.wire import LineReader, LineWriter
@@ -38,9 +39,11 @@ from arbiterd.worker.engine import EngineInfo, Generation, Moved, Prepared, engi
 from arbiterd.worker.kvfile import KvState
 from arbiterd.worker.loop import Unavailable, Worker
 from tests.support.blocking_worker import BlockingWorker
+from tests.support.requests import request_for
 from tests.support.waiting import wait_until
 
 PREFIX = " ".join(f"the fox {w} is not a dog" for w in ("one", "two", "three", "four") * 8)
+
 # What the doubles' engine says it is: no llama.cpp is asked.
 FAKE_ENGINE = EngineInfo(offload=True, devices=("CPU: test cpu", "CUDA0: test gpu"))
 
@@ -78,7 +81,7 @@ def workers(tmp_path: Path, tiny_model: Path) -> Iterator[Workers]:
 
 def complete(worker: BlockingWorker, prompt: str, max_tokens: int = 4) -> dict[str, Any]:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    return worker.generate("completion", body, timeout_s=60)
+    return worker.generate(request_for("completion", body), timeout_s=60)
 
 
 def wait_state(worker: BlockingWorker, state: str) -> None:
@@ -183,7 +186,7 @@ def test_a_cold_model_queues_in_its_class_or_its_requests(workers: Workers) -> N
 
     def person_request() -> None:
         body = {"prompt": "the dog", "max_tokens": 4, "priority": "interactive"}
-        person_model.generate("completion", body)
+        person_model.generate(request_for("completion", body))
         order.append("person")
 
     with arena.acquire("game"):
@@ -215,7 +218,7 @@ def test_a_batch_generation_pauses_for_an_interactive_request_and_resumes_identi
         wait_state(worker, "warm")
     assert batch.status()["backend"] == "in-place"  # pausing needs the engine build
     body = {"prompt": "the fox", "max_tokens": 1200, "temperature": 0}
-    reference = batch.generate("completion", body)
+    reference = batch.generate(request_for("completion", body))
     assert reference["completion_tokens"] == 1200
     batch.request("release")
     streamed = threading.Event()
@@ -223,14 +226,16 @@ def test_a_batch_generation_pauses_for_an_interactive_request_and_resumes_identi
     finished: list[str] = []
 
     def long_batch_job() -> None:
-        results["batch"] = batch.generate("completion", body, on_chunk=lambda _c: streamed.set())
+        results["batch"] = batch.generate(
+            request_for("completion", body), on_chunk=lambda _c: streamed.set()
+        )
         finished.append("batch")
 
     thread = threading.Thread(target=long_batch_job)
     thread.start()
     assert streamed.wait(60)
     question = {"prompt": "the dog", "max_tokens": 4, "priority": "interactive"}
-    results["person"] = person.generate("completion", question)
+    results["person"] = person.generate(request_for("completion", question))
     finished.append("person")
     thread.join(timeout=120)
     assert finished == ["person", "batch"]  # the interactive request did not wait it out
@@ -251,7 +256,7 @@ def test_a_worker_killed_while_paused_fails_its_request_and_strands_nothing(
     def long_batch_job() -> None:
         body = {"prompt": "the fox", "max_tokens": 1500, "temperature": 0}
         try:
-            batch.generate("completion", body, on_chunk=lambda _c: streamed.set())
+            batch.generate(request_for("completion", body), on_chunk=lambda _c: streamed.set())
         except Exception as exc:
             failures.append(exc)
 
@@ -281,7 +286,9 @@ def test_a_model_that_is_not_preemptible_finishes_first(workers: Workers) -> Non
     streamed = threading.Event()
     body = {"prompt": "the fox", "max_tokens": 600, "temperature": 0}
     thread = threading.Thread(
-        target=lambda: batch.generate("completion", body, on_chunk=lambda _c: streamed.set())
+        target=lambda: batch.generate(
+            request_for("completion", body), on_chunk=lambda _c: streamed.set()
+        )
     )
     thread.start()
     assert streamed.wait(60)
@@ -337,7 +344,9 @@ def test_cancel_stops_a_streaming_request(workers: Workers) -> None:
             worker.cancel("streamed")
 
     body = {"prompt": "the fox", "max_tokens": 1000, "temperature": 0}
-    result = worker.generate("completion", body, on_chunk=on_chunk, request_id="streamed")
+    result = worker.generate(
+        request_for("completion", body), on_chunk=on_chunk, request_id="streamed"
+    )
     assert result["cancelled"]
     assert result["completion_tokens"] < 1000
     assert complete(worker, "the dog")["completion_tokens"] >= 1  # still serving
@@ -380,9 +389,9 @@ def test_the_requests_that_ended_a_worker_are_their_own_errors_and_it_lives(
     worker = workers.spawn("m")
     with pytest.raises(InternalError, match=r"\(UnicodeEncodeError\)"):
         complete(worker, "ab\ud800cd")
-    bias = {"prompt": "x", "max_tokens": 1, "logit_bias": {"1" * 5000: 1}}
-    with pytest.raises(RequestError, match="ids are 0 to 511"):
-        worker.generate("completion", bias, timeout_s=60)
+    bias = {"kind": "completion", "prompt": "x", "max_tokens": 1, "logit_bias": {"1" * 5000: 1}}
+    with pytest.raises(RequestError, match="which is not a token id"):
+        worker.request("generate", request=bias, timeout_s=60)
     assert complete(worker, "the fox")["completion_tokens"] >= 1
     assert worker.returncode is None
 
@@ -414,7 +423,7 @@ def test_shutdown_lets_the_current_request_finish(workers: Workers) -> None:
     body = {"prompt": "the fox", "max_tokens": 200, "temperature": 0}
     thread = threading.Thread(
         target=lambda: results.append(
-            worker.generate("completion", body, on_chunk=lambda _: first_chunk.set())
+            worker.generate(request_for("completion", body), on_chunk=lambda _: first_chunk.set())
         )
     )
     thread.start()
@@ -520,8 +529,8 @@ class FlakyRestore:
     def restore(self) -> Moved:
         raise self.failure
 
-    def prepare(self, kind: str, body: dict[str, Any], cancelled: Any) -> Prepared:
-        return Prepared(kind, {"prompt": [1]})
+    def prepare(self, request: GenerateRequest, cancelled: Any) -> Prepared:
+        return Prepared(request.kind, {"prompt": [1]})
 
     def run(self, request: Prepared, sink: Any, cancelled: Any) -> Generation:
         return Generation({"choices": []}, 1, 1, 1)
@@ -576,7 +585,7 @@ def test_a_failed_restore_rolls_back_to_cold_without_the_token(
     until(lambda m: m.get("to") == "warm")
     writer.send({"op": "release", "id": "1"})
     until(lambda m: m.get("id") == "1")
-    writer.send({"op": "generate", "id": "2", "kind": "completion", "body": {"prompt": "x"}})
+    writer.send({"op": "generate", "id": "2", "request": {"kind": "completion", "prompt": "x"}})
     reply = until(lambda m: m.get("id") == "2")
     assert reply["error"]["code"] == code
     assert message in reply["error"]["message"]
@@ -594,7 +603,7 @@ def test_a_failed_restore_rolls_back_to_cold_without_the_token(
 
 
 class Buggy(FlakyRestore):
-    """A backend with a bug that one request's body sets off, in preparing or in running it;
+    """A backend with a bug that one request's prompt sets off, in preparing or in running it;
     and, with `breaks_releasing`, a release that raises (its restore works). In place: a
     generation may pause."""
 
@@ -614,10 +623,10 @@ class Buggy(FlakyRestore):
             raise ValueError("a bug in releasing")
         return super().release(kv)
 
-    def prepare(self, kind: str, body: dict[str, Any], cancelled: Any) -> Prepared:
-        if body.get("bug") == "prepare":
+    def prepare(self, request: GenerateRequest, cancelled: Any) -> Prepared:
+        if request.prompt == "prepare":
             "ab\ud800cd".encode()  # what the tokenizer met in issue 24
-        return Prepared(kind, {"prompt": [1], "bug": body.get("bug")})
+        return Prepared(request.kind, {"prompt": [1], "bug": request.prompt})
 
     def run(self, request: Prepared, sink: Any, cancelled: Any) -> Generation:
         if request.completion["bug"] == "run":
@@ -659,8 +668,8 @@ class InProcess:
         self.writer.send({"id": request_id, **message})
         return self.until(lambda m: m.get("id") == request_id)
 
-    def generate(self, request_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self.ask(request_id, op="generate", kind="completion", body=body)
+    def generate(self, request_id: str, prompt: str) -> dict[str, Any]:
+        return self.ask(request_id, op="generate", request={"kind": "completion", "prompt": prompt})
 
     def send_line(self, line: bytes) -> None:
         """Write one raw line, as a daemon with a bug could."""
@@ -679,7 +688,7 @@ def test_a_request_that_meets_a_bug_is_its_own_error_and_the_worker_serves_on(
     worker = InProcess(tmp_path, Buggy())
     worker.until(lambda m: m.get("to") == "warm")
     with caplog.at_level(logging.ERROR, logger="arbiterd.worker.loop"):
-        failed = [worker.generate(where, {"bug": where}) for where in ("prepare", "run")]
+        failed = [worker.generate(where, where) for where in ("prepare", "run")]
     for reply, kind in zip(failed, ("UnicodeEncodeError", "ValueError"), strict=True):
         assert reply["error"] == {
             "code": "internal_error",
@@ -691,7 +700,7 @@ def test_a_request_that_meets_a_bug_is_its_own_error_and_the_worker_serves_on(
         "UnicodeEncodeError",
         "ValueError",
     ]
-    assert "result" in worker.generate("ok", {})
+    assert "result" in worker.generate("ok", "the fox")
     status = worker.ask("s", op="status")["result"]
     assert (status["state"], status["holds_token"], status["served"]) == ("warm", True, 1)
     worker.close()
@@ -719,7 +728,7 @@ def test_a_malformed_message_is_answered_with_its_code_and_the_id_it_names(
     assert reply["id"] == request_id
     assert reply["error"]["code"] == "bad_message"
     assert problem in reply["error"]["message"]
-    assert "result" in worker.generate("next", {})  # the worker serves on
+    assert "result" in worker.generate("next", "the fox")  # the worker serves on
     worker.close()
     assert worker.raised == []
 
@@ -735,7 +744,11 @@ def test_a_request_whose_release_breaks_midway_ends_the_worker_and_frees_the_gpu
     )
     worker.until(lambda m: m.get("to") == "warm")
     worker.writer.send(
-        {"op": "generate", "id": "long", "kind": "completion", "body": {"bug": "until-paused"}}
+        {
+            "op": "generate",
+            "id": "long",
+            "request": {"kind": "completion", "prompt": "until-paused"},
+        }
     )
     # Queued behind the worker; the pause it asks for breaks; the worker's exit frees the GPU.
     with Arena(worker.arena).acquire("person", priority=Priority.INTERACTIVE, timeout_s=10):
@@ -777,7 +790,7 @@ class SlowToPrepare(FlakyRestore):
         self.warm = True
         return Moved(0.0, 100, 10, 0)
 
-    def prepare(self, kind: str, body: dict[str, Any], cancelled: Any) -> Prepared:
+    def prepare(self, request: GenerateRequest, cancelled: Any) -> Prepared:
         while not cancelled():
             self.pieces += 1
             time.sleep(0.002)  # tokenizing one piece
@@ -800,7 +813,7 @@ def test_a_warm_worker_tokenizing_lets_a_waiter_in_and_stops_on_cancel(tmp_path:
                 return message
 
     until(lambda m: m.get("to") == "warm")
-    writer.send({"op": "generate", "id": "big", "kind": "chat", "body": {}})
+    writer.send({"op": "generate", "id": "big", "request": {"kind": "chat", "messages": [{}]}})
     wait_until(lambda: backend.pieces > 0, 10, "the tokenizing to begin")
     started = time.monotonic()
     with Arena(tmp_path / "arena").acquire("game", timeout_s=10):
@@ -918,7 +931,7 @@ def test_a_backend_that_cannot_be_made_is_a_failed_model_that_says_why(tmp_path:
     failed = reader.read()
     assert failed is not None
     assert (failed["to"], failed["reason"]) == ("failed", str(refused))
-    writer.send({"op": "generate", "id": "1", "kind": "completion", "body": {"prompt": "x"}})
+    writer.send({"op": "generate", "id": "1", "request": {"kind": "completion", "prompt": "x"}})
     reply = reader.read()
     assert reply is not None
     assert reply["error"]["message"] == f"strict failed to load: {refused}"

@@ -45,6 +45,7 @@ import llama_cpp
 from arbiterd.errors import EngineError, ModelLoadError
 from arbiterd.native import ggml, libllama
 from arbiterd.native.libllama import ResidencyApi, probe_residency_api
+from arbiterd.request import GenerateRequest
 from arbiterd.spec import KvPolicy, ModelSpec, Residency
 from arbiterd.states import BackendKind
 from arbiterd.worker.engine.inplace import InPlaceBackend
@@ -91,7 +92,7 @@ class Backend(Protocol):
 
     def restore(self) -> Moved: ...
 
-    def prepare(self, kind: str, body: dict[str, Any], cancelled: Cancelled) -> Prepared: ...
+    def prepare(self, request: GenerateRequest, cancelled: Cancelled) -> Prepared: ...
 
     def run(
         self, request: Prepared, sink: ChunkSink | None, cancelled: Cancelled

@@ -30,7 +30,8 @@ from arbiterd.errors import (
     RestoreError,
 )
 from arbiterd.hostcopy import copy_into_memfd
-from arbiterd.spec import EMBEDDING, MAX_N_CTX, KvPolicy, ModelSpec
+from arbiterd.request import GenerateRequest, RequestKind
+from arbiterd.spec import MAX_N_CTX, KvPolicy, ModelSpec
 from arbiterd.states import BackendKind
 from arbiterd.worker.engine.generate import Generator
 from arbiterd.worker.engine.images import (
@@ -213,19 +214,19 @@ class LlamaBackend(ABC):
 
     # -- requests ---------------------------------------------------------------------------
 
-    def prepare(self, kind: str, body: dict[str, Any], cancelled: Cancelled) -> Prepared:
+    def prepare(self, request: GenerateRequest, cancelled: Cancelled) -> Prepared:
         """Check, render and tokenize a request with the vocabulary alone (`Preparer.prepare`):
         no device state is touched, so a cold model prepares as well as a warm one."""
         preparer = Preparer(
             self.spec, self._require_vocab(), self._chat, takes_images=self._projector is not None
         )
-        return preparer.prepare(kind, body, cancelled)
+        return preparer.prepare(request, cancelled)
 
     def run(self, request: Prepared, sink: ChunkSink | None, cancelled: Cancelled) -> Generation:
         """Generate for a prepared request on the warm model (`Generator.run`), its images
         first laid out and encoded (`_prefill_images`), or embed its inputs."""
         llm = self._require_llm()
-        if request.kind == EMBEDDING:
+        if request.kind is RequestKind.EMBEDDING:
             return self._generator.embed(llm, request.inputs, cancelled)
         prefill: Prefill | None = None
         if request.images:
@@ -238,10 +239,10 @@ class LlamaBackend(ABC):
             llm, request, sink, cancelled, prefill=prefill, projector=self._projector
         )
 
-    def generate(self, kind: str, body: dict[str, Any], sink: ChunkSink | None) -> Generation:
+    def generate(self, request: GenerateRequest, sink: ChunkSink | None) -> Generation:
         """`prepare` and `run` in one call, never cancelled: for callers that drive a backend
         directly and hold the GPU anyway (tests, benchmarks)."""
-        return self.run(self.prepare(kind, body, never), sink, never)
+        return self.run(self.prepare(request, never), sink, never)
 
     # -- images -----------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ import numpy.typing as npt
 from llama_cpp._internals import LlamaBatch
 
 from arbiterd.errors import EngineError, RequestError
+from arbiterd.request import RequestKind
 from arbiterd.worker.choices import Choice, TokenLogprob
 from arbiterd.worker.engine.images import Prefill
 from arbiterd.worker.engine.records import Cancelled, ChunkSink, Generation, Prepared, never
@@ -128,7 +129,7 @@ class Generator:
             if stopped:
                 break
         self.prompt_tokens_evaluated_total += evaluated
-        chat = request.kind == "chat"
+        chat = request.kind is RequestKind.CHAT
         response = {
             "id": head.get("id", ""),
             "object": "chat.completion" if chat else "text_completion",

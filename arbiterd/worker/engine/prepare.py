@@ -1,8 +1,10 @@
-"""Request preparation: a completion, chat or embedding request checked, rendered and tokenized
-into a `Prepared`, with the model's vocabulary and chat format alone, never its weights or its
-context, so a cold model prepares as well as a warm one (issue 10). Part of the engine
-(arbiterd/worker/engine/): it calls llama_cpp's chat handlers and grammar converter; it touches
-no device state.
+"""Request preparation: a completion, chat or embedding request (arbiterd.request.GenerateRequest,
+whose every field the HTTP edge checked) rendered and tokenized into a `Prepared`, checked only
+for what needs the model: the kind it serves, its vocabulary's token ids, a schema's grammar, a
+template with a place for tools, the context. It reads the model's vocabulary and chat format
+alone, never its weights or its context, so a cold model prepares as well as a warm one (issue
+10). Part of the engine (arbiterd/worker/engine/): it calls llama_cpp's chat handlers and grammar
+converter; it touches no device state.
 """
 
 from __future__ import annotations
@@ -17,23 +19,13 @@ from llama_cpp import llama_chat_format
 from llama_cpp.llama_grammar import LlamaGrammar
 
 from arbiterd.errors import ContextOverflowError, RequestError
-from arbiterd.spec import (
-    COMPLETION_PARAMS,
-    EMBEDDING,
-    MAX_IMAGES,
-    ModelSpec,
-    kind_refusal,
-)
+from arbiterd.request import GenerateRequest, RequestKind, ResponseFormat, ToolChoice
+from arbiterd.spec import ModelSpec, kind_refusal
 from arbiterd.worker.engine.records import Cancelled, Prepared
 from arbiterd.worker.engine.vocab import Vocab
 from arbiterd.worker.toolcalls import call_schema
 from arbiterd.worker.vision import MARKER, decode_image
 
-# The most choices (`n`) and most likely tokens per place (`top_logprobs`) a request may ask for.
-MAX_CHOICES = 16
-MAX_TOP_LOGPROBS = 20
-MAX_LOGIT_BIAS = 100.0  # in either direction, as OpenAI
-MAX_SHOWN_CHARS = 40  # of a refused value, in an error message
 # llama-cpp-python's name for the chat format that renders the GGUF's own Jinja template.
 GGUF_TEMPLATE = "chat_template.default"
 
@@ -49,74 +41,60 @@ class Preparer:
     chat: ChatFormat | None
     takes_images: bool
 
-    def prepare(self, kind: str, body: dict[str, Any], cancelled: Cancelled) -> Prepared:
-        """Check, render and tokenize one completion ("completion": body["prompt"]), chat
-        ("chat": body["messages"]) or embedding (EMBEDDING: body["input"]) request, with the
-        vocabulary alone: no device state is touched, so a cold model prepares as well as a
-        warm one. A kind the model does not serve is a RequestError.
+    def prepare(self, request: GenerateRequest, cancelled: Cancelled) -> Prepared:
+        """Render and tokenize one completion, chat or embedding request, with the vocabulary
+        alone: no device state is touched, so a cold model prepares as well as a warm one. Only
+        what needs the model is checked here (the HTTP edge checked every field): the kind it
+        serves (a RequestError), its vocabulary's token ids, the grammar of a schema, a template
+        with a place for tools, and the context.
 
         Sizes are checked before any native call: more messages than the context has tokens,
         or more characters than n_ctx of the longest tokens could cover, cannot fit. The
         tokenizer stops as soon as the context is full, and when `cancelled` says so between
         two of its pieces (RequestError)."""
         vocab = self.vocab
-        refusal = kind_refusal(self.spec.name, kind, self.spec.embedding)
+        refusal = kind_refusal(self.spec.name, request.kind, self.spec.embedding)
         if refusal:
             raise RequestError(refusal)
-        if kind == EMBEDDING:
-            return self._prepare_embedding(vocab, body, cancelled)
+        if request.kind is RequestKind.EMBEDDING:
+            return self._prepare_embedding(vocab, request.inputs, cancelled)
         n_ctx = self.spec.n_ctx
-        kwargs = _request_kwargs(body)
-        bias = _logit_bias(body, vocab.n_tokens)
+        kwargs = request.sampling.kwargs()
+        bias = _logit_bias(request.logit_bias, vocab.n_tokens)
         if bias:
             kwargs["logit_bias"] = bias
-        max_chars = vocab.max_text_bytes(n_ctx)
-        tools: list[dict[str, Any]] = []
-        forced: str | None = None
         images: tuple[bytes, ...] = ()
         image_at: tuple[int, ...] = ()
-        if kind == "chat":
-            images = self._images(body)
-            completion, tools, forced, image_at = self._prepare_chat(
-                vocab, body, kwargs, cancelled, len(images)
+        if request.kind is RequestKind.CHAT:
+            images = self._images(request.images)
+            completion, image_at = self._prepare_chat(
+                vocab, request, kwargs, cancelled, len(images)
             )
-        elif kind == "completion":
-            if body.get("images"):
-                raise RequestError("images go in chat requests, not completions")
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str):
-                raise RequestError("'prompt' must be a string")
-            _check_characters(len(prompt), max_chars)
-            tokens = vocab.completion_prompt(prompt, limit=n_ctx, cancelled=cancelled)
-            completion = {"prompt": tokens, "stream": True, **kwargs}
         else:
-            raise RequestError(f"unknown request kind {kind!r}")
-        request = Prepared(
-            kind,
+            _check_characters(len(request.prompt), vocab.max_text_bytes(n_ctx))
+            tokens = vocab.completion_prompt(request.prompt, limit=n_ctx, cancelled=cancelled)
+            completion = {"prompt": tokens, "stream": True, **kwargs}
+        prepared = Prepared(
+            request.kind,
             completion,
-            include_usage=_include_usage(body),
-            n=_choices(body),
-            top_logprobs=_top_logprobs(body),
-            tools=tuple(tool["function"]["name"] for tool in tools),
-            forced_call=forced is not None,
-            parallel_calls=body.get("parallel_tool_calls") is not False,
+            include_usage=request.include_usage,
+            n=request.n,
+            top_logprobs=request.logprobs,
+            tools=tuple(tool.name for tool in request.tools),
+            forced_call=request.tool_choice is not ToolChoice.AUTO,
+            parallel_calls=request.parallel_tool_calls,
             images=images,
             image_at=image_at,
         )
-        if len(request.prompt_tokens) >= n_ctx:  # the test create_completion makes, made early
+        if len(prepared.prompt_tokens) >= n_ctx:  # the test create_completion makes, made early
             raise ContextOverflowError(
-                f"Requested tokens ({len(request.prompt_tokens)}) exceed context window of {n_ctx}"
+                f"Requested tokens ({len(prepared.prompt_tokens)}) exceed context window of {n_ctx}"
             )
-        return request
+        return prepared
 
-    def _images(self, body: dict[str, Any]) -> tuple[bytes, ...]:
-        """A chat request's images (body["images"], base64, one per marker in its messages, as
-        the HTTP edge made them), checked to be images this model can take."""
-        given = body.get("images") or []
-        if not isinstance(given, list) or not all(isinstance(i, str) for i in given):
-            raise RequestError("'images' must be a list of base64 strings")
-        if len(given) > MAX_IMAGES:
-            raise RequestError(f"a request may carry at most {MAX_IMAGES} images")
+    def _images(self, given: tuple[str, ...]) -> tuple[bytes, ...]:
+        """A chat request's images (base64, one per marker in its messages, as the HTTP edge
+        made them), checked to be images this model can take."""
         if given and not self.takes_images:
             raise RequestError(
                 f"{self.spec.name} takes no images: its config names no mmproj (a projector)"
@@ -126,17 +104,15 @@ class Preparer:
     def _prepare_chat(
         self,
         vocab: Vocab,
-        body: dict[str, Any],
+        request: GenerateRequest,
         kwargs: dict[str, Any],
         cancelled: Cancelled,
         n_images: int = 0,
-    ) -> tuple[dict[str, Any], list[dict[str, Any]], str | None, tuple[int, ...]]:
-        """A chat request's completion arguments, the tools it offers, the call it forces and
-        where its `n_images` images go among the prompt's tokens."""
+    ) -> tuple[dict[str, Any], tuple[int, ...]]:
+        """A chat request's completion arguments, and where its `n_images` images go among the
+        prompt's tokens."""
         n_ctx = self.spec.n_ctx
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("'messages' must be a non-empty list")
+        messages = list(request.messages)
         # Chat templates put at least a role marker around every message: each takes a
         # token at least, so more messages than the context has tokens cannot fit.
         if len(messages) > n_ctx:
@@ -144,10 +120,15 @@ class Preparer:
                 f"{len(messages)} messages exceed the context window of {n_ctx} tokens"
             )
         _check_characters(_characters(messages), vocab.max_text_bytes(n_ctx))
-        response_format = _response_format(body, vocab)
+        response_format = _response_format(request.response_format, vocab)
         if response_format is not None:  # the chat handler turns it into a grammar
             kwargs = {**kwargs, "response_format": response_format}
-        tools, forced = _tools(body)
+        tools = [tool.to_json() for tool in request.tools]
+        forced = {
+            ToolChoice.AUTO: None,
+            ToolChoice.REQUIRED: "required",
+            ToolChoice.FUNCTION: request.tool_name,
+        }[request.tool_choice]
         call_grammar = _call_grammar(tools, forced, vocab, shaped=response_format is not None)
         if tools:
             self._require_tool_template()
@@ -157,17 +138,14 @@ class Preparer:
         )
         if call_grammar is not None:
             completion["grammar"] = call_grammar
-        return completion, tools, forced, image_at
+        return completion, image_at
 
     def _prepare_embedding(
-        self, vocab: Vocab, body: dict[str, Any], cancelled: Cancelled
+        self, vocab: Vocab, texts: tuple[str, ...], cancelled: Cancelled
     ) -> Prepared:
-        """Tokenize each text of body["input"] as `Llama.embed` does: with the vocabulary's
-        BOS/EOS (BERT's CLS/SEP), special tokens taken as plain text. Each input is embedded
-        in one decode, so each must fit the context on its own."""
-        texts = body.get("input")
-        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-            raise RequestError("'input' must be a non-empty list of strings")
+        """Tokenize each text as `Llama.embed` does: with the vocabulary's BOS/EOS (BERT's
+        CLS/SEP), special tokens taken as plain text. Each input is embedded in one decode, so
+        each must fit the context on its own."""
         n_ctx = self.spec.n_ctx
         inputs = []
         for index, text in enumerate(texts):
@@ -191,7 +169,7 @@ class Preparer:
             if not tokens:
                 raise RequestError(f"input[{index}] makes no tokens: there is nothing to embed")
             inputs.append(tokens)
-        return Prepared(EMBEDDING, {}, inputs=tuple(inputs))
+        return Prepared(RequestKind.EMBEDDING, {}, inputs=tuple(inputs))
 
     def _chat_completion(
         self,
@@ -255,37 +233,16 @@ class Preparer:
             )
 
 
-def _request_kwargs(body: dict[str, Any]) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {}
-    for key, types in COMPLETION_PARAMS.items():
-        if key not in body or body[key] is None:
-            continue
-        value = body[key]
-        if isinstance(value, bool) or not isinstance(value, types):
-            expected = " or ".join(t.__name__ for t in types)
-            raise RequestError(f"'{key}' must be {expected}, got {type(value).__name__}")
-        kwargs[key] = value
-    if "max_tokens" in kwargs and kwargs["max_tokens"] < 1:
-        raise RequestError("'max_tokens' must be at least 1")
-    return kwargs
-
-
-def _response_format(body: dict[str, Any], vocab: Vocab) -> dict[str, Any] | None:
+def _response_format(wanted: ResponseFormat | None, vocab: Vocab) -> dict[str, Any] | None:
     """The chat request's structured output, as llama-cpp-python's chat handlers take it:
     {"type": "json_object"}, with the JSON schema the output must follow when there is one
-    ("schema"); None for free text."""
-    wanted = body.get("response_format")
+    ("schema"), checked to compile to a grammar; None for free text."""
     if wanted is None:
         return None
-    if not isinstance(wanted, dict) or wanted.get("type") != "json_object":
-        raise RequestError('\'response_format\' must be {"type": "json_object"}, with a "schema"')
-    schema = wanted.get("schema")
-    if schema is None:
+    if wanted.schema is None:
         return {"type": "json_object"}
-    if not isinstance(schema, dict):
-        raise RequestError("'response_format.schema' must be a JSON schema (an object)")
-    _grammar(schema, "the JSON schema", vocab)
-    return {"type": "json_object", "schema": schema}
+    _grammar(wanted.schema, "the JSON schema", vocab)
+    return {"type": "json_object", "schema": wanted.schema}
 
 
 def _grammar(schema: dict[str, Any], what: str, vocab: Vocab) -> LlamaGrammar:
@@ -304,66 +261,14 @@ def _grammar(schema: dict[str, Any], what: str, vocab: Vocab) -> LlamaGrammar:
     return grammar
 
 
-def _shown(value: object) -> str:
-    """`value` as an error message shows it: its repr (which escapes what UTF-8 cannot
-    encode), cut short."""
-    shown = repr(value)
-    return shown if len(shown) <= MAX_SHOWN_CHARS else shown[: MAX_SHOWN_CHARS - 3] + "..."
-
-
-def _logit_bias(body: dict[str, Any], n_vocab: int) -> dict[int, float]:
-    """OpenAI's logit_bias ({"token id": bias}) as llama-cpp-python takes it."""
-    given = body.get("logit_bias")
-    if given is None:
-        return {}
-    if not isinstance(given, dict):
-        raise RequestError("'logit_bias' must be an object of token ids to biases")
-    bias = {}
-    for key, value in given.items():
-        # ASCII digits no longer than the largest id, before int(): str.isdigit() also takes
-        # digits int() refuses ("²"), and int() refuses more than 4,300 digits (issue 24).
-        is_id = isinstance(key, str) and key.isascii() and key.isdigit()
-        token = int(key) if is_id and len(key) <= len(str(n_vocab)) else -1
+def _logit_bias(given: dict[int, float], n_vocab: int) -> dict[int, float]:
+    """The request's logit bias, checked to name tokens of this model's vocabulary."""
+    for token in given:
         if not 0 <= token < n_vocab:
             raise RequestError(
-                f"'logit_bias' names token {_shown(key)}; this model's ids are 0 to {n_vocab - 1}"
+                f"'logit_bias' names token {token}; this model's ids are 0 to {n_vocab - 1}"
             )
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise RequestError(f"'logit_bias.{token}' must be a number")
-        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-            raise RequestError(
-                f"'logit_bias.{token}' must be from -{MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}"
-            )
-        bias[token] = float(value)
-    return bias
-
-
-def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
-    """The tools a chat request offers the model (none when tool_choice is "none"), and the call
-    it must make: None (its choice), "required" (any tool) or a tool's name."""
-    tools = body.get("tools") or []
-    if not isinstance(tools, list) or not all(_is_function_tool(tool) for tool in tools):
-        raise RequestError(
-            '\'tools\' must be a list of {"type": "function", "function": {"name": ...}}'
-        )
-    choice = body.get("tool_choice", "auto" if tools else "none")
-    if choice == "none" or not tools:
-        if choice not in ("none", "auto"):
-            raise RequestError("'tool_choice' asks for a call, but the request offers no tools")
-        return [], None
-    if choice == "auto":
-        return tools, None
-    if choice == "required":
-        return tools, "required"
-    function = choice.get("function") if isinstance(choice, dict) else None
-    name = function.get("name") if isinstance(function, dict) else None
-    names = [tool["function"]["name"] for tool in tools]
-    if name not in names:
-        raise RequestError(
-            f"'tool_choice' names {name!r}, which is not among the tools: {', '.join(names)}"
-        )
-    assert isinstance(name, str)
-    return tools, name
+    return dict(given)
 
 
 def _call_grammar(
@@ -381,16 +286,6 @@ def _call_grammar(
             "'response_format' cannot shape an answer that 'tool_choice' makes a call"
         )
     return _grammar(call_schema(tools, None if forced == "required" else forced), "the call", vocab)
-
-
-def _is_function_tool(tool: object) -> bool:
-    function = tool.get("function") if isinstance(tool, dict) else None
-    return (
-        isinstance(tool, dict)
-        and tool.get("type") == "function"
-        and isinstance(function, dict)
-        and isinstance(function.get("name"), str)
-    )
 
 
 def _template_messages(messages: list[Any]) -> list[Any]:
@@ -415,34 +310,6 @@ def _template_messages(messages: list[Any]) -> list[Any]:
             calls.append({**call, "function": {**function, "arguments": arguments}})
         shaped.append({**message, "content": message.get("content") or "", "tool_calls": calls})
     return shaped
-
-
-def _choices(body: dict[str, Any]) -> int:
-    n = body.get("n", 1)
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
-        raise RequestError(f"'n' must be an integer from 1 to {MAX_CHOICES}")
-    return n
-
-
-def _top_logprobs(body: dict[str, Any]) -> int | None:
-    """How many alternatives to report with each token's log-probability; None: none at all."""
-    wanted = body.get("logprobs")
-    if wanted is None:
-        return None
-    if isinstance(wanted, bool) or not isinstance(wanted, int):
-        raise RequestError("'logprobs' must be the number of alternatives to report")
-    if not 0 <= wanted <= MAX_TOP_LOGPROBS:
-        raise RequestError(f"'logprobs' must be from 0 to {MAX_TOP_LOGPROBS}")
-    return wanted
-
-
-def _include_usage(body: dict[str, Any]) -> bool:
-    options = body.get("stream_options")
-    if options is None:
-        return False
-    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
-        raise RequestError("'stream_options' must be an object whose include_usage is a boolean")
-    return bool(options.get("include_usage", False))
 
 
 def _characters(messages: list[Any]) -> int:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from arbiterd.events import EncoderEvent
+from arbiterd.request import RequestKind
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Prepared:
     the prompt as tokens; for an embedding request, each input's tokens. Made from the
     vocabulary alone, so without the GPU."""
 
-    kind: str  # "completion", "chat" or EMBEDDING
+    kind: RequestKind
     completion: dict[str, Any]  # {} for an embedding request
     include_usage: bool = False  # a streamed request ends with a chunk of its usage
     n: int = 1  # choices, generated one after the other
