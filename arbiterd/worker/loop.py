@@ -63,7 +63,6 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from arbiterd.arena import Arena, ArenaState, Gateway, Hold, Place, Priority
@@ -84,7 +83,7 @@ from arbiterd.request import GenerateRequest
 from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, ModelSpec, Residency, WorkerConfig
 from arbiterd.states import BackendKind, RequestStatus, ResidencyState, WorkerOp
 from arbiterd.wire import LineReader, LineWriter
-from arbiterd.worker import kvfile
+from arbiterd.worker import keptkv
 from arbiterd.worker.engine import (
     Backend,
     Cancelled,
@@ -123,6 +122,16 @@ class Command:
 
 
 class Worker:
+    """One model's worker: the engine thread's state and steps, and the io thread's answers.
+
+    Over 400 lines, on purpose: it is the one owner of the worker's mutable state (the model
+    through its backend, the residency, the token), and its methods are the engine thread's
+    steps, each reading that state directly; the io thread touches only what `__init__` marks
+    as shared. What can stand alone does: when to release is worker/policy.py's, how a state
+    changes worker/residency.py's, the kept prompt cache worker/keptkv.py's, and the model
+    itself worker/engine/'s.
+    """
+
     def __init__(
         self, config: WorkerConfig, backend: Backend, sock: socket.socket, engine: EngineInfo
     ) -> None:
@@ -268,66 +277,11 @@ class Worker:
         except EngineError as exc:
             self._fail(exc)
             return False
-        self._adopt_kept_kv()
+        keptkv.adopt(self.config, self._backend)
         self._moved(ResidencyState.LOADING, ResidencyState.WARM, moved, wait=wait)
         self._warm_since = self._idle_since = time.monotonic()
         self._served_when_warm = self._served
         return True
-
-    def _save_kept_kv(self) -> dict[str, Any]:
-        """On unload: write the prompt cache to the state file (issue 14). A write that fails
-        (a full disk) is logged and said in the reply; the unload goes on regardless."""
-        path = self.config.kv_file
-        kv = self._backend.kept_kv() if path is not None else None
-        if path is None or kv is None:
-            if path is not None:
-                _remove(path)  # an older cache than the one we had: stale
-            return _kept()
-        try:
-            written = kvfile.write(path, self._kv_key(), kv)
-        except (OSError, kvfile.KvFileError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            error = f"could not save the prompt cache to {path}: {reason}"
-            log.warning("%s: %s; unloading without it", self.name, error)
-            return _kept(error=error)
-        log.info(
-            "%s: saved %d tokens of prompt cache (%d bytes) to %s",
-            self.name,
-            len(kv.tokens),
-            written,
-            path,
-        )
-        return _kept(path, written, len(kv.tokens))
-
-    def _adopt_kept_kv(self) -> None:
-        """After loading: restore the prompt cache an unload kept, if it was made for this
-        model file and these params; any other file is discarded with a warning (a full
-        prefill, never a wrong answer). The file is used once: it is removed either way."""
-        path = self.config.kv_file
-        if path is None or not path.exists():
-            return
-        try:
-            kv = kvfile.read(path, self._kv_key())
-            self._backend.adopt_kv(kv)
-        except (OSError, kvfile.KvFileError, RestoreError) as exc:
-            log.warning("%s: discarding the kept prompt cache: %s", self.name, exc)
-        else:
-            log.info(
-                "%s: restored %d tokens of prompt cache from %s", self.name, len(kv.tokens), path
-            )
-        finally:
-            _remove(path)
-
-    def _kv_key(self) -> kvfile.KvKey:
-        """What this worker's prompt cache is made for: the version of the model file it
-        loaded (the one the daemon's host copy holds, else the file as it is now) and the
-        context params. OSError when the file must be stat'ed and cannot be."""
-        spec = self.config.spec
-        version = self.config.model_version
-        if version is None:
-            return kvfile.KvKey.of(spec.path, n_ctx=spec.n_ctx, embedding=spec.embedding)
-        size, mtime_ns = version
-        return kvfile.KvKey(size, mtime_ns, spec.n_ctx, spec.embedding)
 
     def _fail(self, exc: EngineError) -> None:
         self._last_error = str(exc)
@@ -351,7 +305,7 @@ class Worker:
             if command.op is WorkerOp.SHUTDOWN:
                 return
             if command.op is WorkerOp.UNLOAD:
-                self._reply(command.id, self._save_kept_kv())
+                self._reply(command.id, keptkv.save(self.config, self._backend))
                 return
             if command.op is WorkerOp.RELEASE:
                 if self._residency.state is ResidencyState.WARM:
@@ -374,7 +328,7 @@ class Worker:
             if command.op is WorkerOp.SHUTDOWN:
                 return
             if command.op is WorkerOp.UNLOAD:  # nothing was loaded: nothing to keep
-                self._reply(command.id, _kept())
+                self._reply(command.id, keptkv.kept())
                 return
             self._error(command.id, EngineError(f"{self.name} failed to load: {self._last_error}"))
 
@@ -782,28 +736,6 @@ class Unavailable:
 
     def close(self) -> None:
         return None
-
-
-def _kept(
-    kv_file: Path | None = None, kv_bytes: int = 0, tokens: int = 0, error: str = ""
-) -> dict[str, Any]:
-    """An unload's reply: where the prompt cache was kept, its size, and its tokens; or why
-    none was kept when one should have been."""
-    return {
-        "kv_file": None if kv_file is None else str(kv_file),
-        "kv_bytes": kv_bytes,
-        "tokens": tokens,
-        "error": error,
-    }
-
-
-def _remove(path: Path) -> None:
-    """Remove a state file that was used or is stale; one that cannot be removed is said (a
-    file left behind is checked like any other before a worker uses it)."""
-    try:
-        path.unlink(missing_ok=True)
-    except OSError as exc:
-        log.warning("cannot remove %s: %s", path, exc.strerror or exc)
 
 
 def _result_json(result: Generation) -> dict[str, Any]:
