@@ -65,9 +65,7 @@ _COMPARISONS = (ast.Eq, ast.NotEq, ast.In, ast.NotIn, ast.Is, ast.IsNot)
 CODECS = frozenset({"states.py", "events.py"})
 # Modules the other parts of issue 26 still convert; each leaves this list with its conversion
 # (test_the_allow_list_names_only_modules_that_still_compare_strings keeps it so).
-NOT_YET_CONVERTED = frozenset(
-    {"daemon/ollama.py", "daemon/routing.py", "daemon/supervisor.py", "gui/status.py"}
-)
+NOT_YET_CONVERTED = frozenset({"daemon/ollama.py", "gui/status.py"})
 
 
 def _literals(node: ast.expr) -> frozenset[str]:

@@ -47,7 +47,7 @@ from arbiterd.daemon.liveness import (
 from arbiterd.daemon.metrics import Metrics
 from arbiterd.daemon.modelfile import check_models, vram_budget_for
 from arbiterd.daemon.routing import Router
-from arbiterd.daemon.slots import Slot, SlotState
+from arbiterd.daemon.slots import Slot
 from arbiterd.daemon.telemetry import ReaderSet, TelemetrySnapshot
 from arbiterd.daemon.vramwatch import VramWatch
 from arbiterd.daemon.workerclient import EngineReport, WorkerClient, WorkerHello
@@ -64,6 +64,7 @@ from arbiterd.events import (
     parse_event,
 )
 from arbiterd.procs import holder_name, process_name
+from arbiterd.states import ResidencyState, SlotState
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def unload_due(slot: Slot, now: float) -> bool:
     return (
         after_s > 0
         and slot.state is SlotState.READY
-        and slot.residency == "cold"
+        and slot.residency is ResidencyState.COLD
         and slot.cold_since is not None
         and now - slot.cold_since >= after_s
     )
@@ -350,7 +351,7 @@ class Supervisor:
         """How long `slot`'s warm worker has shown no sign of life, once that is reported (at
         [daemon] holder_timeout_s); else None."""
         now, timeout_s = time.monotonic(), self.config.daemon.holder_timeout_s
-        warm = slot.residency == "warm"
+        warm = slot.residency is ResidencyState.WARM
         if judge(worker.heard, warm=warm, now=now, timeout_s=timeout_s) is Verdict.LIVE:
             return None
         return round(silent_s(worker.heard, now), 1)
@@ -398,7 +399,7 @@ class Supervisor:
             return {"model": model, "state": slot.shown_state}  # not started to release it
         worker = await self._router.worker_of(model)
         if name in ("pin", "unpin"):
-            self._slots[model].pinned = name == "pin"
+            self._slots[model].pin(name == "pin")
         result = await worker.request(name, timeout_s=COMMAND_TIMEOUT_S)
         return {"model": model, **result}
 
@@ -455,7 +456,7 @@ class Supervisor:
             if name not in self._keepers:
                 self._start_keeper(group)
         for name, slot in self._slots.items():  # kept: the same worker, perhaps new aliases
-            slot.config = new.models[name]
+            slot.reconfigure(new.models[name])
         for name, slot in fresh.items():
             self._slots[name] = slot
             self.metrics.add_model(name)
@@ -524,14 +525,13 @@ class Supervisor:
         assert worker is not None  # ready: spawned
         hello: WorkerHello | None = worker.hello
         assert hello is not None  # spawn returns once the hello is read
-        slot.hello = hello
         if hello.engine != self._engine:  # every worker loads the same llama.cpp: said once
             devices = ", ".join(hello.engine.devices) or "none listed"
             offload = "can" if hello.engine.offload else "cannot"
             log.info("engine: %s offload to a GPU; devices: %s", offload, devices)
         self._engine = hello.engine
         self.metrics.set_backend(slot.name, hello.backend)
-        slot.warning = offload_warning(slot.config.n_gpu_layers, hello.engine)
+        slot.said_hello(hello, warning=offload_warning(slot.config.n_gpu_layers, hello.engine))
         if slot.warning:
             log.warning("%s %s", slot.name, slot.warning)
         self._vram.worker_started(slot.name, worker.pid)
@@ -585,7 +585,8 @@ class Supervisor:
     ) -> None:
         timeout_s = self.config.daemon.holder_timeout_s
         heard = worker.heard
-        verdict = judge(heard, warm=slot.residency == "warm", now=now, timeout_s=timeout_s)
+        warm = slot.residency is ResidencyState.WARM
+        verdict = judge(heard, warm=warm, now=now, timeout_s=timeout_s)
         if verdict is Verdict.LIVE:
             if worker in reported:
                 reported.discard(worker)
@@ -654,7 +655,7 @@ class Supervisor:
             own_bytes += own
             idle = not live.get("queue") and not live.get("current")
             if (
-                slot.residency == "cold"
+                slot.residency is ResidencyState.COLD
                 and slot.cold_since is not None
                 and idle
                 and not slot.pinned
@@ -695,7 +696,11 @@ class Supervisor:
         for name in plan.unload:
             victim = self._slots.get(name)
             # Woken meanwhile (or gone): it is in use again, not least recently used.
-            if victim is None or victim.residency != "cold" or victim.worker is None:
+            if (
+                victim is None
+                or victim.residency is not ResidencyState.COLD
+                or victim.worker is None
+            ):
                 continue
             await self._lifecycle.unload(victim, "host_ram_budget")
 
@@ -720,19 +725,16 @@ class Supervisor:
         worker = slot.worker
         if worker is None or event.model != slot.name:
             return
-        slot.residency = event.to_state
-        slot.cold_since = time.monotonic() if event.to_state == "cold" else None
-        if event.to_state == "cold" or event.from_state == "loading":
+        slot.report_residency(event.to_state, now=time.monotonic(), reason=event.reason)
+        if event.to_state is ResidencyState.COLD or event.from_state is ResidencyState.LOADING:
             self._want_ram_check()
-        if event.to_state == "failed":
-            slot.last_error = event.reason
         self._vram.residency(worker.pid, event)
         self._bus.publish(event)
         made = self._handoffs.observe(event, self._vram.models_by_pid)
         if made is not None:
             published = self._bus.publish(made)
             if isinstance(published, HandoffEvent):
-                slot.last_handoff = published.to_json()
+                slot.took_gpu(published.to_json())
 
     def _on_snapshot(self, snapshot: TelemetrySnapshot) -> None:
         self.metrics.observe_vram(snapshot)

@@ -8,9 +8,10 @@ from typing import cast
 
 import pytest
 
-from arbiterd.daemon.slots import TRANSITIONS, Slot, SlotState
+from arbiterd.daemon.slots import Slot
 from arbiterd.daemon.workerclient import WorkerClient
 from arbiterd.errors import InvalidTransitionError
+from arbiterd.states import SLOT_TRANSITIONS, ResidencyState, SlotState
 from tests.support.models import model_config
 
 WORKER = cast(WorkerClient, object())  # a slot only keeps its worker; it never calls it
@@ -24,9 +25,12 @@ PATH_TO: dict[SlotState, tuple[SlotState, ...]] = {
     SlotState.UNLOADING: (SlotState.READY, SlotState.UNLOADING),
     SlotState.UNLOADED: (SlotState.READY, SlotState.UNLOADING, SlotState.UNLOADED),
 }
+# UNKNOWN is only read, never moved to or from (tests/test_states.py): not a state a slot is in.
+KNOWN = [state for state in SlotState if state is not SlotState.UNKNOWN]
+TRANSITIONS = {state: SLOT_TRANSITIONS[state] for state in KNOWN}
 ALLOWED = [(old, new) for old, targets in TRANSITIONS.items() for new in sorted(targets)]
 REFUSED = [
-    (old, new) for old, new in itertools.product(SlotState, repeat=2) if new not in TRANSITIONS[old]
+    (old, new) for old, new in itertools.product(KNOWN, repeat=2) if new not in TRANSITIONS[old]
 ]
 
 
@@ -34,9 +38,9 @@ def move(slot: Slot, new: SlotState, reason: str = "") -> None:
     slot.move(new, worker=WORKER if new is SlotState.READY else None, reason=reason)
 
 
-def report(slot: Slot, residency: str) -> None:
+def report(slot: Slot, residency: str, now: float = 0.0) -> None:
     """What the supervisor does with a worker's residency event."""
-    slot.residency = residency
+    slot.report_residency(ResidencyState(residency), now=now)
 
 
 def slot_in(state: SlotState) -> Slot:
@@ -48,8 +52,8 @@ def slot_in(state: SlotState) -> Slot:
 
 
 def test_the_table_has_every_state_and_any_state_but_stopped_can_stop() -> None:
-    assert set(TRANSITIONS) == set(SlotState)
-    assert [s for s in SlotState if SlotState.STOPPED not in TRANSITIONS[s]] == [SlotState.STOPPED]
+    assert set(TRANSITIONS) == set(KNOWN)
+    assert [s for s in KNOWN if SlotState.STOPPED not in TRANSITIONS[s]] == [SlotState.STOPPED]
     assert len(ALLOWED) == 15  # the diagram in slots.py's docstring, edge by edge
 
 
@@ -149,8 +153,7 @@ def test_a_slot_is_named_after_its_model() -> None:
 
 def test_an_unloaded_slot_shows_unloaded_and_forgets_its_residency() -> None:
     slot = slot_in(SlotState.READY)
-    report(slot, "cold")
-    slot.cold_since = 1.0
+    report(slot, "cold", now=1.0)
     move(slot, SlotState.UNLOADING)
     assert slot.shown_state == "unloading"
     assert slot.worker is None

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from arbiterd.config import Load, load_config
 from arbiterd.daemon import lifecycle
 from arbiterd.daemon.metrics import Metrics
-from arbiterd.daemon.slots import Slot, SlotState
+from arbiterd.daemon.slots import Slot
 from arbiterd.daemon.supervisor import (
     ENGINE_REBUILD_HINT,
     Supervisor,
@@ -27,6 +27,7 @@ from arbiterd.daemon.supervisor import (
 )
 from arbiterd.daemon.telemetry import DeviceMemory, ProcessMemory, ReaderSet, Reading
 from arbiterd.daemon.workerclient import BACKENDS, EngineReport, WorkerClient
+from arbiterd.states import ResidencyState, SlotState
 from tests.support.models import model_config
 
 GiB = 1 << 30
@@ -240,14 +241,14 @@ def pid_of(status: dict[str, Any], name: str) -> int:
 def test_a_model_is_due_for_unloading_once_cold_for_its_unload_after_s() -> None:
     slot = Slot(model_config("m", unload_after_s=60.0))
     slot.move(SlotState.READY, worker=cast(WorkerClient, object()))
-    slot.residency, slot.cold_since = "cold", 1000.0
+    slot.report_residency(ResidencyState.COLD, now=1000.0)
     assert not unload_due(slot, 1059.0)
     assert unload_due(slot, 1060.0)
-    slot.residency = "warm"  # the supervisor clears cold_since then too; the state alone says no
+    slot.residency = ResidencyState.WARM  # cold_since is cleared then too; the state alone says no
     assert not unload_due(slot, 2000.0)
     never = Slot(model_config("n"))  # unload_after_s = 0
     never.move(SlotState.READY, worker=cast(WorkerClient, object()))
-    never.residency, never.cold_since = "cold", 0.0
+    never.report_residency(ResidencyState.COLD, now=0.0)
     assert not unload_due(never, 1e9)
 
 
