@@ -18,42 +18,9 @@ Errors the methods raise (arbiterd.errors), which each edge maps once:
     EngineError            the model failed to load/restore    HTTP 503
     ControlError           a command that cannot be done now   control: error reply
 
-Status (`await status()`), one JSON object:
-    {"models": [{"name", "aliases": [str, ...], "n_ctx",
-                 "host_copy": "memfd" | "page-cache",
-                 "state": the worker's residency while it runs (loading, warm, cooling, cold,
-                          warming, failed), else the slot's (starting, restarting, failed,
-                          stopped, unloading, unloaded),
-                 "pid", "pinned", "queue", "resident_bytes", "prompt_tokens_evaluated",
-                 "served", "restarts", "last_error",
-                 "last_handoff": handoff event | None,
-                 "vram_bytes": measured device bytes | None (cannot be told),
-                 "cold_footprint_bytes": what its worker holds while cold | None,
-                 "host_ram_bytes": its share of its file's host copy + host_kv_bytes
-                                   + host_weights_bytes | None,
-                 "host_kv_bytes": the KV cache it keeps on the host,
-                 "host_weights_bytes": the weights an in-place release keeps on the host,
-                 "host_copy_bytes": the size of its file's host copy (when it has one),
-                 "host_copy_shared_with": [other models on the same copy],
-                 "backend": "in-place" | "reload" | None (no worker said hello yet),
-                 "fallback_reason": why not in-place ("" for in-place),
-                 "warning": "" | one line, e.g. GPU layers asked of an engine that cannot
-                            offload,
-                 "stale_s": None | its worker did not answer (issue 24): the worker's
-                            figures are what it said this many seconds ago,
-                 "silent_s": None | its warm worker has shown no sign of life this long,
-                             holder_timeout_s or more (reported; killed at twice that)}, ...],
-     "arena": str, "holder": {"pid", "name", "since"} | None,
-     "waiters": [{"pid", "name"}, ...], "hold": bool,
-     "groups": [{"name", "models", "priority", "holds_token", "handoffs", "failure"}, ...],
-     "host_ram_bytes": every host copy once + every model's host KV and released weights,
-     "host_ram": {"host_copies_bytes", "host_kv_bytes", "host_weights_bytes", "budget_bytes"},
-     "prompt_cache": {"bytes", "files", "budget_bytes"} | None,
-     "engine": {"offload": bool, "devices": [str, ...]} | None (no worker said hello yet),
-     "telemetry": {"at", "source", "readers", "device",
-                   "devices": [{"device", "name", "total_bytes", "used_bytes"}, ...],
-                   "models": {name: bytes | None}, "others": [{"pid", "device",
-                   "used_bytes", "name"}, ...], "errors": [...]}}
+Status (`await status()`): a `DaemonStatus` (arbiterd/status.py), which the control socket
+writes as JSON and the HTTP API's /v1/models and Ollama routes read; docs/control-protocol.md
+describes it field by field.
 
 Events (from `subscribe()`), JSON objects with "event" and "at" (seconds since the epoch):
     residency   a model's state changed: model, from, to, duration_s, weights_bytes, kv_bytes,
@@ -94,6 +61,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from arbiterd.daemon.images import ImagePolicy
+from arbiterd.status import DaemonStatus
 
 
 class Service(Protocol):
@@ -127,7 +95,9 @@ class Service(Protocol):
         same way."""
         ...
 
-    async def status(self) -> dict[str, Any]: ...
+    async def status(self) -> DaemonStatus:
+        """What the daemon is doing now (arbiterd/status.py): built once, for every edge."""
+        ...
 
     def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
         """A queue that receives every event from now on, until `unsubscribe`."""

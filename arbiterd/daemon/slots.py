@@ -21,6 +21,7 @@ from typing import Any
 from arbiterd.config import ModelConfig
 from arbiterd.daemon.workerclient import WorkerClient, WorkerHello
 from arbiterd.errors import InvalidTransitionError
+from arbiterd.events import HandoffEvent
 from arbiterd.hostcopy import Lease
 from arbiterd.states import SLOT_TRANSITIONS, ResidencyState, SlotState
 
@@ -44,7 +45,7 @@ class Slot:
     # The model file its last start did not find, while that is the reason it does not serve
     # (routing.py answers requests at once meanwhile).
     missing_file: Path | None = None
-    last_handoff: dict[str, object] | None = None  # the last time it took the GPU from a model
+    last_handoff: HandoffEvent | None = None  # the last time it took the GPU from a model
     copy_lease: Lease | None = None  # on the daemon's memfd of its model file; kept across restarts
     restart_task: asyncio.Task[None] | None = None
     # Set while unloading: what its worker said (lifecycle.Lifecycle.unload); awaited by
@@ -119,7 +120,7 @@ class Slot:
         if state is ResidencyState.FAILED:
             self.last_error = reason
 
-    def took_gpu(self, handoff: dict[str, object]) -> None:
+    def took_gpu(self, handoff: HandoffEvent) -> None:
         """It took the GPU from another model: the handoff event, as published."""
         self.last_handoff = handoff
 

@@ -33,6 +33,8 @@ from arbiterd.errors import (
     WorkerError,
 )
 from arbiterd.spec import COMPLETION_PARAMS
+from arbiterd.states import BackendKind, ResidencyState
+from arbiterd.status import DaemonStatus, ModelStatus
 from tests.support.waiting import wait_until
 
 MODELS = ["tiny", "small"]
@@ -118,20 +120,20 @@ class FakeService:
             self.closed.set()
             raise
 
-    async def status(self) -> dict[str, Any]:
-        models = [
-            {
-                "name": name,
-                "aliases": ALIASES[name],
-                "n_ctx": 2048,
-                "state": "warm" if name == "tiny" else "cold",
-                "backend": "in-place",
-                "vram_bytes": 100 if name == "tiny" else 0,
-                "host_copy_bytes": 1000,
-            }
+    async def status(self) -> DaemonStatus:
+        models = tuple(
+            ModelStatus(
+                name=name,
+                aliases=tuple(ALIASES[name]),
+                n_ctx=2048,
+                state=ResidencyState.WARM if name == "tiny" else ResidencyState.COLD,
+                backend=BackendKind.IN_PLACE,
+                vram_bytes=100 if name == "tiny" else 0,
+                host_copy_bytes=1000,
+            )
             for name in MODELS
-        ]
-        return {"models": models, "arena": "", "holder": None, "waiters": [], "hold": False}
+        )
+        return DaemonStatus(models=models)
 
     def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
         return asyncio.Queue()

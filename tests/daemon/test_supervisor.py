@@ -94,7 +94,7 @@ def test_a_release_that_does_not_free_vram_is_reported(tmp_path: Path, tiny_mode
             await supervisor.command("warm", "m")
             await supervisor.command("release", "m")
             leak = await next_event(events, "vram_not_freed")
-            status = await supervisor.status()
+            status = (await supervisor.status()).to_json()
             return leak, status
         finally:
             await supervisor.stop()
@@ -135,7 +135,7 @@ def test_a_spawn_that_fails_on_an_os_error_is_said_and_retried(
         await supervisor.start()
         try:
             failed = await next_event(events, "worker")
-            starting = (await supervisor.status())["models"][0]
+            starting = (await supervisor.status()).to_json()["models"][0]
             await next_event(events, "residency")  # the retried worker loaded its model
             return failed, starting
         finally:
@@ -208,12 +208,12 @@ def test_each_model_says_its_backend_and_gpu_layers_an_engine_cannot_give_warn_o
         events = supervisor.subscribe()
         await supervisor.start()
         try:
-            first = await supervisor.status()
+            first = (await supervisor.status()).to_json()
             await supervisor.status()  # the status says it again; the log does not
             os.kill(pid_of(first, "gpu"), signal.SIGKILL)
             await next_event(events, "worker")
             await supervisor.command("warm", "gpu")  # waits for the restarted worker
-            again = await supervisor.status()
+            again = (await supervisor.status()).to_json()
             return first, again, (await supervisor.metrics_text()).decode()
         finally:
             await supervisor.stop()
