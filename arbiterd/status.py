@@ -20,9 +20,9 @@ from typing import Any
 from arbiterd.events import DeviceMemory, HandoffEvent, ProcessMemory, Record
 from arbiterd.states import TROUBLE, WITHOUT_WORKER, BackendKind, ResidencyState, SlotState
 
-# The name the daemon's own hold (game mode) takes the arena token under.
+# The name the daemon's own hold (game mode) takes the arena token under (supervisor.py).
 HOLD_HOLDER_NAME = "arbiterd hold"
-# A group's keeper holds the arena token as "group NAME" (arena/groups.py).
+# A group's keeper holds the arena token as "group NAME" (arena/groups.py, _Files.holder_name).
 GROUP_HOLDER_PREFIX = "group "
 
 

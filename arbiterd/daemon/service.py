@@ -22,36 +22,8 @@ Status (`await status()`): a `DaemonStatus` (arbiterd/status.py), which the cont
 writes as JSON and the HTTP API's /v1/models and Ollama routes read; docs/control-protocol.md
 describes it field by field.
 
-Events (from `subscribe()`), JSON objects with "event" and "at" (seconds since the epoch):
-    residency   a model's state changed: model, from, to, duration_s, weights_bytes, kv_bytes,
-                disk_read_bytes, reason; ending a load or warm-up also waited_from, wait_s,
-                holder_pid, holder_name
-    request     a request ended: model, id, duration_s, prompt_tokens, prompt_tokens_evaluated,
-                completion_tokens, cancelled, status ("ok" | "error" | "cancelled")
-    handoff     the GPU changed hands between models, as the model that got it measured:
-                from, to, holder_pid, waited_from, wait_s, release_s (when "from" released
-                during the wait), restore_s, restored_bytes,
-                release_reason ("wanted" | "preempted" | None)
-    wait        a model waited behind a program that is not one of ours: model, holder_pid,
-                holder_name, waited_from, wait_s
-    worker      a worker exited or restarted: model, pid, code, reason, restart_in_s
-    reload      the config was read again: added, removed, changed (restarted),
-                aliases_changed (applied without a restart), warnings
-    hold        the user took (held=true) or gave back (held=false) the GPU
-    unload      a model was unloaded: model, pid, reason, kv_file, kv_bytes, tokens, error
-    host_ram_budget  host RAM went over [daemon] host_ram_budget: used_bytes, budget_bytes,
-                unload (the cold models unloaded for it), after_bytes
-    prompt_cache_evict  state files removed for [daemon] prompt_cache_budget: model, evicted,
-                evicted_bytes, used_bytes, budget_bytes
-    encoder     a vision model's projector did one step of a request: model, id, action
-                (load, encode, free, release, restore), duration_s, bytes, images, path,
-                peak_bytes, reason
-    holder_silent  a warm worker showed no sign of life for holder_timeout_s (killed=false),
-                or twice that and was killed (killed=true): model, pid, silent_s, timeout_s
-    vram_not_freed  a release did not give the VRAM back: model, pid, device, bytes_before,
-                bytes_after, expected_bytes, waited_s
-    vram        live figures, ~1 Hz while someone subscribes (the "telemetry" object of
-                status); sent to subscribers only, never journaled
+Events (from `subscribe()`): JSON objects, each an arbiterd/events.py record as its `to_json`
+writes it (`parse_event` reads one back); docs/control-protocol.md ("Events") lists them.
 """
 
 from __future__ import annotations

@@ -67,6 +67,7 @@ from arbiterd.events import (
 from arbiterd.procs import holder_name, process_name
 from arbiterd.states import BackendKind, ResidencyState, SlotState
 from arbiterd.status import (
+    HOLD_HOLDER_NAME,
     DaemonStatus,
     Engine,
     GroupStatus,
@@ -500,7 +501,7 @@ class Supervisor:
             if slot.worker is not None:
                 await slot.worker.request("release", timeout_s=COMMAND_TIMEOUT_S)
         self._hold = await asyncio.to_thread(
-            self._arena.acquire, "arbiterd hold", timeout_s=COMMAND_TIMEOUT_S
+            self._arena.acquire, HOLD_HOLDER_NAME, timeout_s=COMMAND_TIMEOUT_S
         )
         self._bus.publish(HoldEvent(held=True))
         return {"hold": True}

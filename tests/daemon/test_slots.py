@@ -161,3 +161,21 @@ def test_an_unloaded_slot_shows_unloaded_and_forgets_its_residency() -> None:
     move(slot, SlotState.UNLOADED)
     assert slot.shown_state == "unloaded"
     assert not slot.ready.is_set()
+
+
+def test_a_wait_for_another_worker_wakes_when_the_slot_moves_on_from_it() -> None:
+    async def scenario() -> tuple[bool, bool]:
+        slot = slot_in(SlotState.READY)
+        waiting = asyncio.create_task(slot.worker_changed(WORKER))
+        await asyncio.sleep(0)
+        still_waiting = not waiting.done()
+        move(slot, SlotState.RESTARTING, reason="worker exited with code 1")
+        await asyncio.wait_for(waiting, timeout=10)
+        return still_waiting, slot.worker is None
+
+    assert asyncio.run(scenario()) == (True, True)
+
+
+def test_a_wait_for_another_worker_returns_at_once_when_it_is_not_the_slots() -> None:
+    slot = Slot(model_config("m"))  # starting: no worker
+    asyncio.run(asyncio.wait_for(slot.worker_changed(WORKER), timeout=10))
