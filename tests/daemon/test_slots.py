@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import dataclasses
 import itertools
+import re
+from pathlib import Path
 from typing import cast
 
 import pytest
 
+import arbiterd
 from arbiterd.daemon.slots import Slot
 from arbiterd.daemon.workerclient import WorkerClient
 from arbiterd.errors import InvalidTransitionError
@@ -179,3 +184,61 @@ def test_a_wait_for_another_worker_wakes_when_the_slot_moves_on_from_it() -> Non
 def test_a_wait_for_another_worker_returns_at_once_when_it_is_not_the_slots() -> None:
     slot = Slot(model_config("m"))  # starting: no worker
     asyncio.run(asyncio.wait_for(slot.worker_changed(WORKER), timeout=10))
+
+
+# -- one owner: no module but slots.py writes a slot's fields ------------------------------------
+
+FIELDS = frozenset(f.name for f in dataclasses.fields(Slot))
+# An object that holds a slot, as the daemon's modules name one.
+NAMES_A_SLOT = re.compile(r"slot|victim|retired")
+
+
+def slot_writes(source: str) -> list[str]:
+    """Each assignment to a slot's field (`slot.residency = ...`, `self._slots[n].pinned = ...`,
+    `slot.restarts += 1`) in `source`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        else:
+            continue
+        for target in targets:
+            for item in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if (
+                    isinstance(item, ast.Attribute)
+                    and item.attr in FIELDS
+                    and NAMES_A_SLOT.search(ast.unparse(item.value))
+                ):
+                    found.append(ast.unparse(item))
+    return found
+
+
+def test_the_check_sees_each_way_of_writing_a_slots_field() -> None:
+    source = (
+        "slot.residency = 'cold'\n"
+        "self._slots[name].pinned = True\n"
+        "slot.restarts += 1\n"
+        "victim.worker, slot.cold_since = None, 0.0\n"
+        "self.state = 1\n"  # an object's own field, not a slot's
+        "worker.hello = hello\n"
+    )
+    assert slot_writes(source) == [
+        "slot.residency",
+        "self._slots[name].pinned",
+        "slot.restarts",
+        "victim.worker",
+        "slot.cold_since",
+    ]
+
+
+def test_no_module_but_the_slot_writes_its_fields() -> None:
+    package = Path(arbiterd.__file__).parent
+    writes = {
+        f"{path.relative_to(package)}: {write}"
+        for path in sorted(package.rglob("*.py"))
+        if path.name != "slots.py"
+        for write in slot_writes(path.read_text())
+    }
+    assert not writes, "change a slot through its methods:\n" + "\n".join(sorted(writes))
