@@ -10,7 +10,8 @@ not know reads as an `OtherEvent` that keeps its fields.
 
 Shared by every process (worker, daemon, CLI, tray): imports nothing of arbiterd's but the
 states it carries (arbiterd/states.py), and never Qt. Every record but `OtherEvent` is read and
-written by one field codec (below), driven by its fields' types: no record writes its own.
+written by one field codec (below), driven by its fields' types: no record writes its own
+(the status records, arbiterd/status.py, are read and written by it too).
 
     residency       a model's residency state changed (the worker's state machine)
     request         a request ended
