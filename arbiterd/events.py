@@ -10,7 +10,8 @@ not know reads as an `OtherEvent` that keeps its fields.
 
 Shared by every process (worker, daemon, CLI, tray): imports nothing of arbiterd's but the
 states it carries (arbiterd/states.py), and never Qt. Every record but `OtherEvent` is read and
-written by one field codec (below), driven by its fields' types: no record writes its own.
+written by one field codec (below), driven by its fields' types: no record writes its own
+(the status records, arbiterd/status.py, are read and written by it too).
 
     residency       a model's residency state changed (the worker's state machine)
     request         a request ended
@@ -49,9 +50,13 @@ from arbiterd.states import RequestStatus, ResidencyState
 # One reader and one writer per field, chosen once per record class from the field's type:
 #
 #     float | None, int | None   a finite number (not a bool), else None
+#     int                        a finite number (not a bool), else 0
 #     str | None / str           a string, else None / ""
 #     bool                       true only for JSON true
 #     a states.py Enum | None    its member (an unknown value: UNKNOWN), a non-string None
+#     Enum | Enum (states.py's)  the member of the first that knows the value, else the first's
+#                                UNKNOWN (a non-string too): one name that may be either
+#     Record | None              an object read as that record, else None
 #     tuple[str, ...]            the strings of a list; written as a list
 #     tuple[Record, ...]         the objects of a list, each read as that record; written as a list
 #     tuple[tuple[str, T], ...]  an object of str keys, each value read as T; written as an object
@@ -72,6 +77,11 @@ def _float(value: object) -> float | None:
 def _int(value: object) -> int | None:
     number = _float(value)
     return None if number is None else int(number)
+
+
+def _count(value: object) -> int:
+    number = _int(value)
+    return 0 if number is None else number
 
 
 def _str(value: object) -> str | None:
@@ -105,6 +115,7 @@ def _same(value: Any) -> Any:
 _SCALARS: dict[object, _Reader] = {
     float | None: _float,
     int | None: _int,
+    int: _count,
     str | None: _str,
     str: _text,
     bool: _true,
@@ -120,6 +131,35 @@ def _member(kind: type[enum.StrEnum]) -> _Reader:
 
 def _value(member: enum.StrEnum | None) -> str | None:
     return None if member is None else str(member)  # a StrEnum's str() is its value
+
+
+def _tolerant(kind: object) -> bool:
+    """Whether `kind` is an Enum that reads an unknown value as UNKNOWN (states.py's): only
+    such an Enum keeps reading from raising."""
+    return (
+        isinstance(kind, type) and issubclass(kind, enum.StrEnum) and "UNKNOWN" in kind.__members__
+    )
+
+
+def _either(kinds: tuple[type[enum.StrEnum], ...]) -> _Reader:
+    def read(value: object) -> Any:
+        for kind in kinds:
+            if isinstance(value, str) and (member := kind(value)) is not kind("unknown"):
+                return member
+        return kinds[0]("unknown")
+
+    return read
+
+
+def _record(kind: type[Record]) -> _Reader:
+    def read(value: object) -> Record | None:
+        return kind.from_json(value) if isinstance(value, Mapping) else None
+
+    return read
+
+
+def _written_record(record: Record | None) -> dict[str, Any] | None:
+    return None if record is None else record.to_json()
 
 
 def _records(kind: type[Record]) -> _Reader:
@@ -141,21 +181,26 @@ def _pairs(read_value: _Reader) -> _Reader:
     return read
 
 
+def _union_codec(args: tuple[Any, ...]) -> tuple[_Reader, _Writer] | None:
+    """The codec of an optional Enum or record, or of a union of Enums; None for another."""
+    if len(args) == 2 and args[1] is type(None):
+        kind = args[0]
+        if _tolerant(kind):
+            return _member(kind), _value
+        if isinstance(kind, type) and issubclass(kind, Record):
+            return _record(kind), _written_record
+    if all(_tolerant(kind) for kind in args):
+        return _either(args), str
+    return None
+
+
 def _codec_of(hint: Any) -> tuple[_Reader, _Writer]:
     """The reader and writer of a field of type `hint` (the table above)."""
     if hint in _SCALARS:
         return _SCALARS[hint], _same
     args = typing.get_args(hint)
-    if isinstance(hint, types.UnionType) and len(args) == 2 and args[1] is type(None):
-        kind = args[0]
-        # Only an Enum that reads an unknown value as UNKNOWN (states.py's) keeps reading from
-        # raising.
-        if (
-            isinstance(kind, type)
-            and issubclass(kind, enum.StrEnum)
-            and "UNKNOWN" in kind.__members__
-        ):
-            return _member(kind), _value
+    if isinstance(hint, types.UnionType) and (codec := _union_codec(args)) is not None:
+        return codec
     if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis:
         item = args[0]
         if item is str:

@@ -48,19 +48,19 @@ from arbiterd.errors import (
     UnknownModelError,
 )
 from arbiterd.request import GenerateRequest
+from arbiterd.states import ResidencyState
+from arbiterd.status import DaemonStatus, ModelStatus
 from arbiterd.wire import LineReader
 from tests.support.waiting import wait_until
 
 T = TypeVar("T")
 WAIT_S = 10.0
 DOC = Path(__file__).parents[1] / "docs" / "control-protocol.md"
-STATUS = {
-    "models": [{"name": "alpha", "state": "warm", "pid": 4242, "pinned": False, "queue": 0}],
-    "arena": "/run/user/0/arbiterd/arena/gpu0",
-    "holder": None,
-    "waiters": [],
-    "hold": False,
-}
+# A status as the control socket writes it (arbiterd/status.py's record, every field).
+STATUS = DaemonStatus(
+    models=(ModelStatus(name="alpha", state=ResidencyState.WARM, pid=4242),),
+    arena="/run/user/0/arbiterd/arena/gpu0",
+).to_json()
 AT = 1_718_000_000.5  # a time events happened at
 
 
@@ -99,8 +99,8 @@ class FakeService:
     def stream(self, model: str, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
         raise NotImplementedError
 
-    async def status(self) -> dict[str, Any]:
-        return STATUS
+    async def status(self) -> DaemonStatus:
+        return DaemonStatus.from_json(STATUS)
 
     def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
         events: asyncio.Queue[dict[str, Any]] = asyncio.Queue(self.queue_max)

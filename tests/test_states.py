@@ -63,11 +63,6 @@ NAMES_A_STATE = re.compile(r"state|residency|status|outcome|backend|kind|\bop\b|
 _COMPARISONS = (ast.Eq, ast.NotEq, ast.In, ast.NotIn, ast.Is, ast.IsNot)
 # Where the names are strings by right: the vocabulary, and the codec that reads and writes them.
 CODECS = frozenset({"states.py", "events.py"})
-# Modules the other parts of issue 26 still convert; each leaves this list with its conversion
-# (test_the_allow_list_names_only_modules_that_still_compare_strings keeps it so).
-NOT_YET_CONVERTED = frozenset(
-    {"daemon/ollama.py", "daemon/routing.py", "daemon/supervisor.py", "gui/status.py"}
-)
 
 
 def _literals(node: ast.expr) -> frozenset[str]:
@@ -139,14 +134,5 @@ def test_the_check_sees_each_way_of_comparing_a_state_as_a_string() -> None:
 
 
 def test_no_module_compares_a_state_as_a_string_outside_the_vocabulary_and_its_codec() -> None:
-    outside = {
-        f"{name}:{line}: {code}"
-        for name, found in _hits().items()
-        if name not in NOT_YET_CONVERTED
-        for line, code in found
-    }
+    outside = {f"{name}:{line}: {code}" for name, found in _hits().items() for line, code in found}
     assert not outside, "compare the states.py member instead:\n" + "\n".join(sorted(outside))
-
-
-def test_the_allow_list_names_only_modules_that_still_compare_strings() -> None:
-    assert set(_hits()) >= NOT_YET_CONVERTED, "converted: leave NOT_YET_CONVERTED"

@@ -24,7 +24,8 @@ from arbiterd.cli.controlclient import ControlClient
 from arbiterd.config import Config, load_config, load_daemon_config
 from arbiterd.daemon.journal import Journal, parse_since
 from arbiterd.errors import DaemonNotRunningError
-from arbiterd.events import HandoffEvent, parse_event
+from arbiterd.events import parse_event
+from arbiterd.status import DaemonStatus, ModelStatus
 
 # warm may load a model and hold may wait for every model to release: minutes, not seconds.
 COMMAND_TIMEOUT_S = 600.0
@@ -138,7 +139,7 @@ def show_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status))
     else:
-        print(render_status(status))
+        print(render_status(DaemonStatus.from_json(status)))
     return 0
 
 
@@ -219,9 +220,9 @@ def _from_journal(path: Path, since: float | None, *, follow: bool) -> Iterator[
 # -- rendering --------------------------------------------------------------------------------
 
 
-def render_status(status: dict[str, Any]) -> str:
+def render_status(status: DaemonStatus) -> str:
     """The status as a table a person reads at a glance."""
-    models = status.get("models", [])
+    models = status.models
     rows: list[tuple[str, ...]] = [
         (
             "MODEL",
@@ -242,108 +243,102 @@ def render_status(status: dict[str, Any]) -> str:
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1]
         for row in rows
     ]
-    engine = status.get("engine")
-    if engine:
-        offload, devices = engine.get("offload") is True, engine.get("devices") or []
-        lines.append("engine: " + render.describe_engine(offload, devices))
+    engine = status.engine
+    if engine is not None:
+        lines.append("engine: " + render.describe_engine(engine.offload, engine.devices))
     # Every worker loads the same engine: a reason or a warning usually holds for all models.
-    reasons = ((m["name"], m.get("fallback_reason") or "") for m in models)
-    for names, reason in render.grouped(reasons):
+    for names, reason in render.grouped((m.name, m.fallback_reason) for m in models):
         lines.append(f"backend reload ({', '.join(names)}): {reason}")
-    for names, warning in render.grouped((m["name"], m.get("warning") or "") for m in models):
+    for names, warning in render.grouped((m.name, m.warning) for m in models):
         lines.append(f"warning ({', '.join(names)}): {warning}")
     lines += _memory_lines(status)
-    telemetry = status.get("telemetry") or {}
-    for device in telemetry.get("devices", []):
+    telemetry = status.telemetry
+    source = telemetry.source if telemetry is not None and telemetry.source else "?"
+    for device in status.devices:
         lines.append(
-            f"{device['device']}: {render.format_bytes(int(device['used_bytes']))} used of "
-            f"{render.format_bytes(int(device['total_bytes']))} ({telemetry.get('source', '?')})"
+            f"{device.device}: {render.format_bytes(device.used_bytes or 0)} used of "
+            f"{render.format_bytes(device.total_bytes or 0)} ({source})"
         )
-    for other in telemetry.get("others", []):
-        if other.get("used_bytes"):
+    for other in status.others:
+        if other.used_bytes:
             lines.append(
-                f"  also on {other['device']}: {render.process(other.get('name'), other['pid'])} "
-                f"{render.format_bytes(int(other['used_bytes']))}"
+                f"  also on {other.device}: {render.process(other.name, other.pid)} "
+                f"{render.format_bytes(other.used_bytes)}"
             )
-    for group in status.get("groups", []):
-        holds = "holds the GPU" if group.get("holds_token") else "does not hold the GPU"
-        failure = f"; its keeper stopped: {group['failure']}" if group.get("failure") else ""
-        lines.append(f"group {group['name']} ({', '.join(group['models'])}): {holds}{failure}")
-    holder = status.get("holder")
-    if holder:
-        lines.append(f"GPU held by {render.process(holder.get('name'), holder['pid'])}")
+    for group in status.groups:
+        holds = "holds the GPU" if group.holds_token else "does not hold the GPU"
+        failure = f"; its keeper stopped: {group.failure}" if group.failure else ""
+        lines.append(f"group {group.name} ({', '.join(group.models)}): {holds}{failure}")
+    holder = status.holder
+    if holder is not None:
+        lines.append(f"GPU held by {render.process(holder.name, holder.pid)}")
     else:
         lines.append("GPU free")
-    waiters = status.get("waiters") or []
-    if waiters:
-        lines.append(render.waiters_line([(w.get("name"), w["pid"]) for w in waiters]))
-    if status.get("hold"):
+    if status.waiters:
+        lines.append(render.waiters_line([(w.name, w.pid) for w in status.waiters]))
+    if status.hold:
         lines.append("hold: the GPU is held for you (arbiterd unhold gives it back)")
     return "\n".join(line.rstrip() for line in lines)
 
 
-def _memory_lines(status: dict[str, Any]) -> list[str]:
+def _memory_lines(status: DaemonStatus) -> list[str]:
     """Host RAM against its budget, and the prompt caches on disk against theirs (issue 14)."""
     lines = []
-    ram = status.get("host_ram")
-    if isinstance(ram, dict):
-        budget = int(ram.get("budget_bytes") or 0)
+    ram = status.host_ram
+    if ram is not None:
+        budget = ram.budget_bytes
         lines.append(
-            f"host RAM: {render.format_bytes(int(status.get('host_ram_bytes') or 0))} = "
-            f"model file copies {render.format_bytes(int(ram.get('host_copies_bytes') or 0))} "
+            f"host RAM: {render.format_bytes(status.host_ram_bytes or 0)} = "
+            f"model file copies {render.format_bytes(ram.host_copies_bytes)} "
             "(each counted once) + KV caches kept on the host "
-            f"{render.format_bytes(int(ram.get('host_kv_bytes') or 0))} + released weights "
-            f"{render.format_bytes(int(ram.get('host_weights_bytes') or 0))}; budget "
+            f"{render.format_bytes(ram.host_kv_bytes)} + released weights "
+            f"{render.format_bytes(ram.host_weights_bytes)}; budget "
             + (render.format_bytes(budget) if budget else "none")
         )
-    elif status.get("host_ram_bytes") is not None:  # a daemon from before issue 14's budgets
+    elif status.host_ram_bytes is not None:  # a daemon from before issue 14's budgets
         lines.append(
-            f"host RAM: {render.format_bytes(int(status['host_ram_bytes']))} "
+            f"host RAM: {render.format_bytes(status.host_ram_bytes)} "
             "(model file copies, each counted once, and KV caches kept on the host)"
         )
-    cache = status.get("prompt_cache")
-    if isinstance(cache, dict):
+    cache = status.prompt_cache
+    if cache is not None:
         lines.append(
-            f"prompt cache on disk: {render.format_bytes(int(cache.get('bytes') or 0))} in "
-            f"{int(cache.get('files') or 0)} file(s); budget "
-            f"{render.format_bytes(int(cache.get('budget_bytes') or 0))}"
+            f"prompt cache on disk: {render.format_bytes(cache.bytes_)} in "
+            f"{cache.files} file(s); budget {render.format_bytes(cache.budget_bytes)}"
         )
     return lines
 
 
-def _status_row(model: dict[str, Any]) -> tuple[str, ...]:
-    raw = model.get("last_handoff")
-    handoff = HandoffEvent.from_json(raw) if isinstance(raw, dict) else None
+def _status_row(model: ModelStatus) -> tuple[str, ...]:
+    handoff = model.last_handoff
     last = "-"
     if handoff is not None and handoff.from_model is not None:
         ago = time.time() - (handoff.at or time.time())
         last = f"from {handoff.from_model} {render.format_seconds(handoff.total_s)}, "
         last += render.format_ago(ago)
     note = []
-    if model.get("silent_s") is not None:
-        note.append(render.silence(str(model["name"]), float(model["silent_s"])))
-    if model.get("stale_s") is not None:
-        note.append(render.stale(float(model["stale_s"])))
-    if model.get("pinned"):
+    if model.silent_s is not None:
+        note.append(render.silence(model.name, model.silent_s))
+    if model.stale_s is not None:
+        note.append(render.stale(model.stale_s))
+    if model.pinned:
         note.append("pinned")
-    if model.get("restarts"):
-        note.append(f"{model['restarts']} restarts")
-    if model.get("host_copy_shared_with"):
-        note.append("file copy shared with " + ", ".join(model["host_copy_shared_with"]))
-    if model.get("last_error"):
-        note.append(str(model["last_error"]))
-    vram = model.get("vram_bytes")
-    cold = model.get("cold_footprint_bytes")
-    host = model.get("host_ram_bytes")
+    if model.restarts:
+        note.append(f"{model.restarts} restarts")
+    if model.host_copy_shared_with:
+        note.append("file copy shared with " + ", ".join(model.host_copy_shared_with))
+    if model.last_error:
+        note.append(model.last_error)
+    vram, cold, host = model.vram_bytes, model.cold_footprint_bytes, model.host_ram_bytes
     return (
-        str(model["name"]),
-        str(model["state"]),
-        str(model.get("backend") or "-"),
-        "?" if vram is None else render.format_bytes(int(vram)),
-        "-" if cold is None else render.format_bytes(int(cold)),
-        "-" if host is None else render.format_bytes(int(host)),
-        str(model.get("queue", 0)),
-        str(model.get("served", 0)),
+        model.name,
+        str(model.state),
+        str(model.backend or "-"),
+        "?" if vram is None else render.format_bytes(vram),
+        "-" if cold is None else render.format_bytes(cold),
+        "-" if host is None else render.format_bytes(host),
+        str(model.queue),
+        str(model.served),
         last,
         "; ".join(note),
     )

@@ -338,7 +338,7 @@ class _Connection:
                 "commands": list(CONTROL_COMMANDS),
             }
         if command == "status":
-            return await self._service.status()
+            return (await self._service.status()).to_json()  # the one place status is written
         if command == "subscribe":
             if self._events is None:
                 self._events = self._service.subscribe()

@@ -54,6 +54,7 @@ from arbiterd.daemon.service import Service
 from arbiterd.errors import ArbiterError, ErrorCode, UnknownModelError
 from arbiterd.request import RequestKind
 from arbiterd.spec import MAX_IMAGES
+from arbiterd.status import ModelStatus
 from arbiterd.wire import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
@@ -393,16 +394,16 @@ def create_app(
     @app.get("/v1/models", dependencies=guarded)
     async def list_models() -> dict[str, Any]:
         # Each alias an entry too: clients pick the model they were set up for from this list.
-        models = (await service.status())["models"]
-        data = [_model_object(m, n, created) for m in models for n in (m["name"], *m["aliases"])]
+        models = (await service.status()).models
+        data = [_model_object(m, n, created) for m in models for n in (m.name, *m.aliases)]
         return {"object": "list", "data": data}
 
     @app.get("/v1/models/{model:path}", dependencies=guarded)
     async def get_model(model: str) -> dict[str, Any]:
         name = service.resolve(model)
-        for report in (await service.status())["models"]:
-            if report["name"] == name:
-                return _model_object(report, model, created)
+        report = (await service.status()).model(name) if name is not None else None
+        if report is not None:
+            return _model_object(report, model, created)
         raise _unknown_model(model, names())
 
     async def serve(request: Request, kind: RequestKind) -> Response:
@@ -508,22 +509,22 @@ def _refuse_if_strict(service: Service, model: str, asked: str, ignored: tuple[s
         )
 
 
-def _model_object(model: dict[str, Any], id_: str, created: int) -> dict[str, Any]:
+def _model_object(model: ModelStatus, id_: str, created: int) -> dict[str, Any]:
     """OpenAI's model object for `id_`, the name of the status report `model` or another name
     for it, with what a client choosing a model can use beyond OpenAI's fields."""
-    entry = {
+    entry: dict[str, Any] = {
         "id": id_,
         "object": "model",
         "created": created,
         "owned_by": "arbiterd",
-        "context_length": model["n_ctx"],
-        "state": model["state"],
-        "backend": model["backend"],
+        "context_length": model.n_ctx,
+        "state": model.state,
+        "backend": model.backend,
     }
-    if id_ == model["name"]:
-        entry["aliases"] = model["aliases"]
+    if id_ == model.name:
+        entry["aliases"] = list(model.aliases)
     else:
-        entry["alias_of"] = model["name"]
+        entry["alias_of"] = model.name
     return entry
 
 
@@ -567,11 +568,11 @@ def _add_ollama_routes(
 
     @app.get("/api/tags", dependencies=guarded)
     async def ollama_tags() -> dict[str, Any]:
-        return ollama.tags((await service.status())["models"])
+        return ollama.tags((await service.status()).models)
 
     @app.get("/api/ps", dependencies=guarded)
     async def ollama_ps() -> dict[str, Any]:
-        return ollama.ps((await service.status())["models"])
+        return ollama.ps((await service.status()).models)
 
     async def serve_ollama(request: Request, route: str) -> Response:
         try:

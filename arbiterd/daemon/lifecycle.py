@@ -33,7 +33,7 @@ from typing import Any
 from arbiterd.config import PROMPT_CACHE_BUDGET_BYTES, HostCopyMode, ModelConfig
 from arbiterd.daemon.budgets import PromptCache, StateFile
 from arbiterd.daemon.modelfile import serves_embeddings
-from arbiterd.daemon.slots import Slot, SlotState
+from arbiterd.daemon.slots import Slot
 from arbiterd.daemon.workerclient import WorkerClient
 from arbiterd.errors import (
     ArbiterError,
@@ -45,6 +45,7 @@ from arbiterd.errors import (
 )
 from arbiterd.events import Event, PromptCacheEvictEvent, UnloadEvent, WorkerEvent
 from arbiterd.hostcopy import HostCopies, HostCopy
+from arbiterd.states import SlotState
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +102,12 @@ class Lifecycle:
                 return
             if copy is None:  # page-cache: the worker reads the file, which must be there
                 _require_file(slot)
-            self._found_file(slot)
+            slot.file_found()
             # From what the worker loads: ~0.1 s for a large vocabulary, in a thread.
-            slot.embedding = await asyncio.to_thread(
-                serves_embeddings, slot.config, None if copy is None else copy.fd
+            slot.serves_embeddings(
+                await asyncio.to_thread(
+                    serves_embeddings, slot.config, None if copy is None else copy.fd
+                )
             )
             worker = await WorkerClient.spawn(
                 slot.config.worker_config(
@@ -123,7 +126,7 @@ class Lifecycle:
             )
         except (ArbiterError, OSError) as exc:
             if slot.copy_lease is None and not slot.config.path.is_file():
-                slot.missing_file = slot.config.path  # it, not a retry, is what is awaited
+                slot.file_missing()
             if self._retired(slot):  # its failure is news to nobody, and it is stopped already
                 self._let_go(slot)
             elif isinstance(exc, PERMANENT):
@@ -142,9 +145,7 @@ class Lifecycle:
             await worker.shutdown()
             self._let_go(slot)
             return
-        slot.started_at = time.monotonic()
-        slot.move(SlotState.READY, worker=worker)
-        slot.residency = "loading"  # a worker loads (or waits to) once it said hello
+        slot.serve(worker, now=time.monotonic())
         self._on_ready(slot)
         watch = asyncio.get_running_loop().create_task(self._watch(slot, worker))
         self._watches.add(watch)
@@ -156,10 +157,11 @@ class Lifecycle:
         share one start, and one that is cancelled (a client gone) does not cancel it."""
         task = slot.load_task
         if task is None:
-            task = slot.load_task = asyncio.get_running_loop().create_task(self._load(slot))
+            task = asyncio.get_running_loop().create_task(self._load(slot))
+            slot.loading(task)
 
             def forget(_: asyncio.Task[None]) -> None:
-                slot.load_task = None
+                slot.loading(None)
 
             task.add_done_callback(forget)
         await asyncio.shield(task)
@@ -206,7 +208,7 @@ class Lifecycle:
             raise ControlError(f"{slot.name} is {slot.shown_state}: it cannot be unloaded now")
         slot.move(SlotState.UNLOADING)  # new requests wait for the next worker
         task = asyncio.get_running_loop().create_task(self._unload(slot, worker, reason))
-        slot.unload_task = task
+        slot.unloading(task)
         return await asyncio.shield(task)
 
     def unload_refusal(self, slot: Slot) -> str:
@@ -261,7 +263,7 @@ class Lifecycle:
                 "error": event.error,
             }
         finally:
-            slot.unload_task = None
+            slot.unloading(None)
 
     async def _save_prompt_cache(self, slot: Slot, worker: WorkerClient) -> dict[str, Any]:
         """Have the unloading worker save its prompt cache within the budget: room is made
@@ -336,13 +338,6 @@ class Lifecycle:
         except OSError as exc:
             log.warning("%s: could not remove its prompt cache: %s", name, _os_reason(exc))
 
-    def _found_file(self, slot: Slot) -> None:
-        """A start found the slot's model file (or holds a copy of it): a note that it was
-        missing is stale now."""
-        if slot.missing_file is not None:
-            slot.missing_file = None
-            slot.last_error = ""
-
     def _kv_file(self, slot: Slot) -> Path | None:
         return None if self.prompt_cache is None else self.prompt_cache.path(slot.name)
 
@@ -375,16 +370,16 @@ class Lifecycle:
         for a model with host_copy = "page-cache", which has none."""
         if slot.config.host_copy is HostCopyMode.PAGE_CACHE:
             return None
-        if slot.copy_lease is None:
-            slot.copy_lease = await asyncio.to_thread(
-                self.host_copies.acquire, slot.config.path, slot.name
-            )
-        return slot.copy_lease.copy
+        lease = slot.copy_lease
+        if lease is None:
+            lease = await asyncio.to_thread(self.host_copies.acquire, slot.config.path, slot.name)
+            slot.hold_copy(lease)
+        return lease.copy
 
     def drop_copy(self, slot: Slot) -> None:
-        if slot.copy_lease is not None:
-            self.host_copies.release(slot.copy_lease)
-            slot.copy_lease = None
+        lease = slot.drop_copy()
+        if lease is not None:
+            self.host_copies.release(lease)
 
     def _retired(self, slot: Slot) -> bool:
         """Whether `retire` or `stop` came while `start` awaited (only `start` moves a slot
@@ -397,7 +392,7 @@ class Lifecycle:
         if self._stopping:
             # stop() closes every copy, perhaps already this one: releasing it again would
             # close its fd twice. The daemon is going away.
-            slot.copy_lease = None
+            slot.drop_copy()
         else:
             self.drop_copy(slot)
 
@@ -408,7 +403,7 @@ class Lifecycle:
             return
         self._on_gone(slot, worker)
         uptime = time.monotonic() - slot.started_at
-        slot.failures_in_row = 0 if uptime >= STABLE_UPTIME_S else slot.failures_in_row + 1
+        slot.worker_exited(stable=uptime >= STABLE_UPTIME_S)
         delay = RESTART_BACKOFF_S[min(slot.failures_in_row, len(RESTART_BACKOFF_S) - 1)]
         reason = worker.killed_for or (  # the daemon's own kill says why
             f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
@@ -435,18 +430,18 @@ class Lifecycle:
         returns the delay."""
         if delay_s is None:
             delay_s = RESTART_BACKOFF_S[min(slot.failures_in_row, len(RESTART_BACKOFF_S) - 1)]
-            slot.failures_in_row += 1
+            slot.start_failed()
         slot.move(SlotState.RESTARTING, reason=reason)
         if self._stopping:
             return delay_s
 
         async def restart() -> None:
             await asyncio.sleep(delay_s)
-            slot.restarts += 1
+            slot.restarted()
             slot.move(SlotState.STARTING)
             await self.start(slot)
 
-        slot.restart_task = asyncio.get_running_loop().create_task(restart())
+        slot.restarting(asyncio.get_running_loop().create_task(restart()))
         return delay_s
 
 

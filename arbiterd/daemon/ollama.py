@@ -29,6 +29,8 @@ from typing import Any
 from arbiterd.config import DEFAULT_TAG
 from arbiterd.errors import BadValueError
 from arbiterd.request import RequestKind
+from arbiterd.states import ResidencyState, SlotState
+from arbiterd.status import ModelStatus
 
 # Ollama's option name → the OpenAI parameter the engine runs.
 OPTIONS = {
@@ -225,18 +227,22 @@ def last_line(
     return {**_piece(route, model, ""), **_done(finish_reason, usage, total_s)}
 
 
-def tags(models: list[dict[str, Any]]) -> dict[str, Any]:
+def tags(models: tuple[ModelStatus, ...]) -> dict[str, Any]:
     """/api/tags from the daemon's status models."""
     return {"models": [entry for m in models for entry in _entries(m)]}
 
 
-def ps(models: list[dict[str, Any]]) -> dict[str, Any]:
+# A model in one of these has nothing loaded (its worker failed, or the daemon stopped it).
+_NOT_LOADED = frozenset({ResidencyState.FAILED, SlotState.FAILED, SlotState.STOPPED})
+
+
+def ps(models: tuple[ModelStatus, ...]) -> dict[str, Any]:
     """/api/ps: every model is loaded (resident in RAM); size_vram is what holds the GPU now."""
     return {
         "models": [
-            {**entry, "size_vram": m.get("vram_bytes") or 0, "expires_at": None}
+            {**entry, "size_vram": m.vram_bytes or 0, "expires_at": None}
             for m in models
-            if m.get("state") not in ("failed", "stopped")
+            if m.state not in _NOT_LOADED
             for entry in _entries(m)
         ]
     }
@@ -247,15 +253,14 @@ def _tagged(name: str) -> str:
     return name if ":" in name else f"{name}:{DEFAULT_TAG}"
 
 
-def _entries(status: dict[str, Any]) -> list[dict[str, Any]]:
+def _entries(status: ModelStatus) -> list[dict[str, Any]]:
     """One entry for the model and one for each of its aliases: apps pick a name from the list,
     and each name they may ask for is there."""
-    names = [str(status.get("name", "")), *status.get("aliases", [])]
     return [
         {
             "name": _tagged(name),
             "model": _tagged(name),
-            "size": status.get("host_copy_bytes") or 0,
+            "size": status.host_copy_bytes or 0,
             "digest": "",
             "details": {
                 "format": "gguf",
@@ -263,10 +268,10 @@ def _entries(status: dict[str, Any]) -> list[dict[str, Any]]:
                 "parameter_size": "",
                 "quantization_level": "",
             },
-            "state": status.get("state"),
-            "backend": status.get("backend"),
+            "state": status.state,
+            "backend": status.backend,
         }
-        for name in names
+        for name in (status.name, *status.aliases)
     ]
 
 

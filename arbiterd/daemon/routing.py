@@ -20,7 +20,7 @@ import os
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
-from arbiterd.daemon.slots import Slot, SlotState
+from arbiterd.daemon.slots import Slot
 from arbiterd.daemon.workerclient import WorkerClient
 from arbiterd.errors import (
     ArbiterError,
@@ -34,7 +34,7 @@ from arbiterd.errors import (
 from arbiterd.events import Event, RequestEvent
 from arbiterd.request import GenerateRequest
 from arbiterd.spec import kind_refusal
-from arbiterd.states import RequestStatus
+from arbiterd.states import RequestStatus, ResidencyState, SlotState
 
 READY_TIMEOUT_S = 120.0  # how long a request waits for its worker to (re)start
 _T = TypeVar("_T")
@@ -98,7 +98,7 @@ class Router:
                 missing = slot.missing_file is not None
                 if missing or slot.state in (SlotState.UNLOADING, SlotState.UNLOADED):
                     await self._load(slot)  # a missing file: started if it is back
-                if slot.state is SlotState.FAILED or slot.residency == "failed":
+                if slot.state is SlotState.FAILED or slot.residency is ResidencyState.FAILED:
                     raise EngineError(f"{model} failed to load: {slot.last_error}")
                 if slot.missing_file is not None and slot.state is SlotState.RESTARTING:
                     raise ModelLoadError(
@@ -162,8 +162,8 @@ class Router:
         except TimeoutError:
             raise WorkerError(f"{model}'s worker closed its socket but keeps running") from None
         slot = self._slots.get(model)
-        while slot is not None and slot.worker is gone:  # the lifecycle's watch of its exit
-            await asyncio.sleep(0)  # runs next and detaches it
+        if slot is not None:  # the lifecycle's watch of its exit detaches it
+            await slot.worker_changed(gone)
         return await self.worker_of(model)
 
     def _request_id(self) -> str:

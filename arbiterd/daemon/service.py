@@ -18,73 +18,12 @@ Errors the methods raise (arbiterd.errors), which each edge maps once:
     EngineError            the model failed to load/restore    HTTP 503
     ControlError           a command that cannot be done now   control: error reply
 
-Status (`await status()`), one JSON object:
-    {"models": [{"name", "aliases": [str, ...], "n_ctx",
-                 "host_copy": "memfd" | "page-cache",
-                 "state": the worker's residency while it runs (loading, warm, cooling, cold,
-                          warming, failed), else the slot's (starting, restarting, failed,
-                          stopped, unloading, unloaded),
-                 "pid", "pinned", "queue", "resident_bytes", "prompt_tokens_evaluated",
-                 "served", "restarts", "last_error",
-                 "last_handoff": handoff event | None,
-                 "vram_bytes": measured device bytes | None (cannot be told),
-                 "cold_footprint_bytes": what its worker holds while cold | None,
-                 "host_ram_bytes": its share of its file's host copy + host_kv_bytes
-                                   + host_weights_bytes | None,
-                 "host_kv_bytes": the KV cache it keeps on the host,
-                 "host_weights_bytes": the weights an in-place release keeps on the host,
-                 "host_copy_bytes": the size of its file's host copy (when it has one),
-                 "host_copy_shared_with": [other models on the same copy],
-                 "backend": "in-place" | "reload" | None (no worker said hello yet),
-                 "fallback_reason": why not in-place ("" for in-place),
-                 "warning": "" | one line, e.g. GPU layers asked of an engine that cannot
-                            offload,
-                 "stale_s": None | its worker did not answer (issue 24): the worker's
-                            figures are what it said this many seconds ago,
-                 "silent_s": None | its warm worker has shown no sign of life this long,
-                             holder_timeout_s or more (reported; killed at twice that)}, ...],
-     "arena": str, "holder": {"pid", "name", "since"} | None,
-     "waiters": [{"pid", "name"}, ...], "hold": bool,
-     "groups": [{"name", "models", "priority", "holds_token", "handoffs", "failure"}, ...],
-     "host_ram_bytes": every host copy once + every model's host KV and released weights,
-     "host_ram": {"host_copies_bytes", "host_kv_bytes", "host_weights_bytes", "budget_bytes"},
-     "prompt_cache": {"bytes", "files", "budget_bytes"} | None,
-     "engine": {"offload": bool, "devices": [str, ...]} | None (no worker said hello yet),
-     "telemetry": {"at", "source", "readers", "device",
-                   "devices": [{"device", "name", "total_bytes", "used_bytes"}, ...],
-                   "models": {name: bytes | None}, "others": [{"pid", "device",
-                   "used_bytes", "name"}, ...], "errors": [...]}}
+Status (`await status()`): a `DaemonStatus` (arbiterd/status.py), which the control socket
+writes as JSON and the HTTP API's /v1/models and Ollama routes read; docs/control-protocol.md
+describes it field by field.
 
-Events (from `subscribe()`), JSON objects with "event" and "at" (seconds since the epoch):
-    residency   a model's state changed: model, from, to, duration_s, weights_bytes, kv_bytes,
-                disk_read_bytes, reason; ending a load or warm-up also waited_from, wait_s,
-                holder_pid, holder_name
-    request     a request ended: model, id, duration_s, prompt_tokens, prompt_tokens_evaluated,
-                completion_tokens, cancelled, status ("ok" | "error" | "cancelled")
-    handoff     the GPU changed hands between models, as the model that got it measured:
-                from, to, holder_pid, waited_from, wait_s, release_s (when "from" released
-                during the wait), restore_s, restored_bytes,
-                release_reason ("wanted" | "preempted" | None)
-    wait        a model waited behind a program that is not one of ours: model, holder_pid,
-                holder_name, waited_from, wait_s
-    worker      a worker exited or restarted: model, pid, code, reason, restart_in_s
-    reload      the config was read again: added, removed, changed (restarted),
-                aliases_changed (applied without a restart), warnings
-    hold        the user took (held=true) or gave back (held=false) the GPU
-    unload      a model was unloaded: model, pid, reason, kv_file, kv_bytes, tokens, error
-    host_ram_budget  host RAM went over [daemon] host_ram_budget: used_bytes, budget_bytes,
-                unload (the cold models unloaded for it), after_bytes
-    prompt_cache_evict  state files removed for [daemon] prompt_cache_budget: model, evicted,
-                evicted_bytes, used_bytes, budget_bytes
-    encoder     a vision model's projector did one step of a request: model, id, action
-                (load, encode, free, release, restore), duration_s, bytes, images, path,
-                peak_bytes, reason
-    holder_silent  a warm worker showed no sign of life for holder_timeout_s (killed=false),
-                or twice that and was killed (killed=true): model, pid, silent_s, timeout_s
-    vram_not_freed  a release did not give the VRAM back: model, pid, device, bytes_before,
-                bytes_after, expected_bytes, waited_s
-    vram        live figures, ~1 Hz while someone subscribes (the "telemetry" object of
-                status); sent to subscribers only, never journaled
+Events (from `subscribe()`): JSON objects, each an arbiterd/events.py record as its `to_json`
+writes it (`parse_event` reads one back); docs/control-protocol.md ("Events") lists them.
 """
 
 from __future__ import annotations
@@ -95,6 +34,7 @@ from typing import Any, Protocol
 
 from arbiterd.daemon.images import ImagePolicy
 from arbiterd.request import GenerateRequest
+from arbiterd.status import DaemonStatus
 
 
 class Service(Protocol):
@@ -128,7 +68,9 @@ class Service(Protocol):
         same way."""
         ...
 
-    async def status(self) -> dict[str, Any]: ...
+    async def status(self) -> DaemonStatus:
+        """What the daemon is doing now (arbiterd/status.py): built once, for every edge."""
+        ...
 
     def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
         """A queue that receives every event from now on, until `unsubscribe`."""

@@ -1,24 +1,19 @@
-"""A model slot: one configured model in the daemon, and its lifecycle as an Enum and a table.
+"""A model slot: one configured model in the daemon, and its lifecycle (states.SlotState and
+states.SLOT_TRANSITIONS, drawn in arbiterd/states.py's docstring).
 
 Owns what the daemon knows of one model between its workers: the lifecycle state, the worker
 that serves it now, what that worker's hello said, the residency it last reported, whether it
 is an embedding model, its restarts and its last error, and the unload or load (issue 14) in
-progress. Pure bookkeeping, mutated only on the daemon's event loop; the parts that act on it
-(lifecycle.py starts, restarts and unloads workers, routing.py sends requests) move it through
-`move`, which refuses a transition the table does not list.
-
-    starting ──► ready ──► restarting ──► starting
-        │  └──────────────────▲    └──► unloaded   (an `unload` cancels the restart)
-        └──► failed              (permanent: the reason is kept; `reload` starts it again)
-    ready ──► unloading ──► unloaded ──► starting  (issue 14: `unload` or unload_after_s;
-                                                    a demand model begins unloaded)
-    any ──► stopped
+progress. Pure bookkeeping, on the daemon's event loop. The slot is the one writer of its
+fields: the parts that act on it (lifecycle.py starts, restarts and unloads workers,
+supervisor.py applies what workers report, routing.py sends requests) change it only through
+the methods below, and read the fields. `move` refuses a transition the table does not list;
+every move wakes whoever awaits a change (`ready`, `worker_changed`) instead of polling.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,32 +21,9 @@ from typing import Any
 from arbiterd.config import ModelConfig
 from arbiterd.daemon.workerclient import WorkerClient, WorkerHello
 from arbiterd.errors import InvalidTransitionError
+from arbiterd.events import HandoffEvent
 from arbiterd.hostcopy import Lease
-
-
-class SlotState(enum.StrEnum):
-    STARTING = "starting"  # its worker is being spawned
-    READY = "ready"  # a worker said hello and serves; `residency` says how
-    RESTARTING = "restarting"  # no worker; one is spawned again after a backoff
-    FAILED = "failed"  # cannot start until the config changes: `last_error` says why
-    STOPPED = "stopped"  # the daemon stopped it (shutdown, or removed by a reload)
-    # Its worker saves the prompt cache to disk and exits; a request waits for it to finish,
-    # then starts a new worker (which reads that file).
-    UNLOADING = "unloading"
-    UNLOADED = "unloaded"  # no worker, no host copy: started by its next request or `warm`
-
-
-TRANSITIONS: dict[SlotState, frozenset[SlotState]] = {
-    SlotState.STARTING: frozenset(
-        {SlotState.READY, SlotState.RESTARTING, SlotState.FAILED, SlotState.STOPPED}
-    ),
-    SlotState.READY: frozenset({SlotState.RESTARTING, SlotState.UNLOADING, SlotState.STOPPED}),
-    SlotState.RESTARTING: frozenset({SlotState.STARTING, SlotState.UNLOADED, SlotState.STOPPED}),
-    SlotState.FAILED: frozenset({SlotState.STOPPED}),
-    SlotState.STOPPED: frozenset(),
-    SlotState.UNLOADING: frozenset({SlotState.UNLOADED, SlotState.STOPPED}),
-    SlotState.UNLOADED: frozenset({SlotState.STARTING, SlotState.STOPPED}),
-}
+from arbiterd.states import SLOT_TRANSITIONS, ResidencyState, SlotState
 
 
 @dataclass
@@ -59,7 +31,7 @@ class Slot:
     config: ModelConfig  # the current one: a reload that changes only its aliases swaps it
     state: SlotState = SlotState.STARTING
     worker: WorkerClient | None = None  # set exactly while READY
-    residency: str | None = None  # the worker's residency state (states.ResidencyState's values)
+    residency: ResidencyState | None = None  # the worker's residency state, as it last said
     hello: WorkerHello | None = None  # its last worker's: what runs it; kept across restarts
     warning: str = ""  # e.g. GPU layers asked of an engine that cannot offload; "" when none
     # Serves embeddings only (spec.EMBEDDING requests); decided as its worker is spawned
@@ -71,9 +43,9 @@ class Slot:
     started_at: float = 0.0  # time.monotonic() of its worker's hello
     last_error: str = ""
     # The model file its last start did not find, while that is the reason it does not serve
-    # (lifecycle.py sets and clears it; routing.py answers requests at once meanwhile).
+    # (routing.py answers requests at once meanwhile).
     missing_file: Path | None = None
-    last_handoff: dict[str, object] | None = None  # the last time it took the GPU from a model
+    last_handoff: HandoffEvent | None = None  # the last time it took the GPU from a model
     copy_lease: Lease | None = None  # on the daemon's memfd of its model file; kept across restarts
     restart_task: asyncio.Task[None] | None = None
     # Set while unloading: what its worker said (lifecycle.Lifecycle.unload); awaited by
@@ -84,15 +56,19 @@ class Slot:
     # while it is not cold.
     cold_since: float | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # set exactly while READY
+    # Set, and replaced by a fresh one, at every move: `worker_changed` awaits it.
+    _moved: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     @property
     def name(self) -> str:
         return self.config.name
 
+    # -- the lifecycle ----------------------------------------------------------------------
+
     def move(self, new: SlotState, *, worker: WorkerClient | None = None, reason: str = "") -> None:
         """Go to `new` (with its worker when READY, with the reason when FAILED or RESTARTING);
         raises InvalidTransitionError for a move the table does not list."""
-        if new not in TRANSITIONS[self.state]:
+        if new not in SLOT_TRANSITIONS[self.state]:
             raise InvalidTransitionError(f"{self.name}: {self.state.value} → {new.value}")
         if (new is SlotState.READY) != (worker is not None):
             raise InvalidTransitionError(f"{self.name}: a worker belongs to ready, and only to it")
@@ -106,10 +82,97 @@ class Slot:
             self.ready.set()
         else:
             self.ready.clear()
+        moved, self._moved = self._moved, asyncio.Event()
+        moved.set()
+
+    def serve(self, worker: WorkerClient, *, now: float) -> None:
+        """`worker` said hello (at `now`, time.monotonic()): ready, and loading (or waiting to)."""
+        self.move(SlotState.READY, worker=worker)
+        self.started_at = now
+        self.residency = ResidencyState.LOADING
+
+    async def worker_changed(self, worker: WorkerClient) -> None:
+        """Return once `worker` is no longer this slot's (the lifecycle's watch of its exit
+        detaches it)."""
+        while self.worker is worker:
+            await self._moved.wait()
 
     @property
-    def shown_state(self) -> str:
+    def shown_state(self) -> ResidencyState | SlotState:
         """What status shows: the worker's residency while ready, else the slot's state."""
         if self.state is SlotState.READY and self.residency is not None:
             return self.residency
-        return self.state.value
+        return self.state
+
+    # -- what its worker says ---------------------------------------------------------------
+
+    def said_hello(self, hello: WorkerHello, *, warning: str) -> None:
+        """Keep what runs the model (kept across restarts) and what to warn of about it."""
+        self.hello, self.warning = hello, warning
+
+    def report_residency(
+        self, state: ResidencyState | None, *, now: float, reason: str = ""
+    ) -> None:
+        """Its worker's residency changed to `state` at `now` (time.monotonic()); a failed one
+        keeps `reason` as the last error."""
+        self.residency = state
+        self.cold_since = now if state is ResidencyState.COLD else None
+        if state is ResidencyState.FAILED:
+            self.last_error = reason
+
+    def took_gpu(self, handoff: HandoffEvent) -> None:
+        """It took the GPU from another model: the handoff event, as published."""
+        self.last_handoff = handoff
+
+    # -- what the daemon decides ------------------------------------------------------------
+
+    def reconfigure(self, config: ModelConfig) -> None:
+        """A reload changed nothing its worker depends on (perhaps its aliases)."""
+        self.config = config
+
+    def pin(self, pinned: bool) -> None:
+        self.pinned = pinned
+
+    def serves_embeddings(self, embedding: bool) -> None:
+        self.embedding = embedding
+
+    def file_missing(self) -> None:
+        """A start did not find its model file: that, not a retry, is what is awaited."""
+        self.missing_file = self.config.path
+
+    def file_found(self) -> None:
+        """A start found its model file (or holds a copy of it): the note is stale now."""
+        if self.missing_file is not None:
+            self.missing_file = None
+            self.last_error = ""
+
+    def hold_copy(self, lease: Lease) -> None:
+        self.copy_lease = lease
+
+    def drop_copy(self) -> Lease | None:
+        """Forget its lease on the host copy; returns it, for the caller to release."""
+        lease, self.copy_lease = self.copy_lease, None
+        return lease
+
+    # -- restarts and the tasks that change it ----------------------------------------------
+
+    def worker_exited(self, *, stable: bool) -> None:
+        """Its worker exited: after a stable uptime the backoff starts over."""
+        self.failures_in_row = 0 if stable else self.failures_in_row + 1
+
+    def start_failed(self) -> None:
+        self.failures_in_row += 1
+
+    def restarted(self) -> None:
+        self.restarts += 1
+
+    def restarting(self, task: asyncio.Task[None]) -> None:
+        self.restart_task = task
+
+    def unloading(self, task: asyncio.Task[dict[str, Any]] | None) -> None:
+        """The unload in progress (None: it ended)."""
+        self.unload_task = task
+
+    def loading(self, task: asyncio.Task[None] | None) -> None:
+        """The load in progress (None: it ended)."""
+        self.load_task = task

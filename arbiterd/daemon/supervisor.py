@@ -20,6 +20,7 @@ loop; no request waits on a thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -47,7 +48,7 @@ from arbiterd.daemon.liveness import (
 from arbiterd.daemon.metrics import Metrics
 from arbiterd.daemon.modelfile import check_models, vram_budget_for
 from arbiterd.daemon.routing import Router
-from arbiterd.daemon.slots import Slot, SlotState
+from arbiterd.daemon.slots import Slot
 from arbiterd.daemon.telemetry import ReaderSet, TelemetrySnapshot
 from arbiterd.daemon.vramwatch import VramWatch
 from arbiterd.daemon.workerclient import EngineReport, WorkerClient, WorkerHello
@@ -65,6 +66,18 @@ from arbiterd.events import (
 )
 from arbiterd.procs import holder_name, process_name
 from arbiterd.request import GenerateRequest
+from arbiterd.states import BackendKind, ResidencyState, SlotState
+from arbiterd.status import (
+    HOLD_HOLDER_NAME,
+    DaemonStatus,
+    Engine,
+    GroupStatus,
+    Holder,
+    HostRam,
+    ModelStatus,
+    PromptCache,
+    Waiter,
+)
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +98,7 @@ def unload_due(slot: Slot, now: float) -> bool:
     return (
         after_s > 0
         and slot.state is SlotState.READY
-        and slot.residency == "cold"
+        and slot.residency is ResidencyState.COLD
         and slot.cold_since is not None
         and now - slot.cold_since >= after_s
     )
@@ -198,19 +211,19 @@ class Supervisor:
         keepers = [self._keepers.pop(name) for name in names]
         await asyncio.gather(*(asyncio.to_thread(keeper.stop) for keeper in keepers))
 
-    def _groups_status(self) -> list[dict[str, Any]]:
-        return [
-            {
-                "name": group.name,
-                "models": list(group.models),
-                "priority": group.priority.value,
-                "holds_token": keeper.holding,
-                "handoffs": keeper.handoffs,
-                "failure": keeper.failure,
-            }
+    def _groups_status(self) -> tuple[GroupStatus, ...]:
+        return tuple(
+            GroupStatus(
+                name=group.name,
+                models=tuple(group.models),
+                priority=group.priority.value,
+                holds_token=keeper.holding,
+                handoffs=keeper.handoffs,
+                failure=keeper.failure,
+            )
             for group in self.config.groups.values()
             if (keeper := self._keepers.get(group.name)) is not None
-        ]
+        )
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -253,85 +266,86 @@ class Supervisor:
 
     # -- status and commands ------------------------------------------------------------------
 
-    async def status(self) -> dict[str, Any]:
+    async def status(self) -> DaemonStatus:
         slots = list(self._slots.values())
         # A fresh reading, not the last periodic one (up to 5 s old when nobody subscribes).
         snapshot = await self._vram.fresh()
-        reports = await asyncio.gather(*(self._slot_status(s, snapshot) for s in slots))
+        models = await asyncio.gather(*(self._slot_status(s, snapshot) for s in slots))
         arena = self._arena.observe()
         holder = None
         if arena.holder_pid is not None:
-            holder = {
-                "pid": arena.holder_pid,
-                "name": holder_name(arena),
-                "since": arena.holder.since if arena.holder else None,
-            }
-        host_kv_bytes = sum(int(r.get("host_kv_bytes") or 0) for r in reports)
-        weights_bytes = sum(int(r.get("host_weights_bytes") or 0) for r in reports)
-        copies_bytes = self._lifecycle.host_copies.total_bytes()
-        cache = self._lifecycle.prompt_cache
-        return {
-            "models": reports,
-            "arena": str(arena.path),
-            "holder": holder,
-            "waiters": [{"pid": p, "name": process_name(p)} for p in arena.waiter_pids],
-            "hold": self._hold is not None,
-            "groups": self._groups_status(),
-            "telemetry": self._vram.status(snapshot),
-            # Each copy once, however many models share it.
-            "host_ram_bytes": copies_bytes + host_kv_bytes + weights_bytes,
-            "host_ram": {
-                "host_copies_bytes": copies_bytes,
-                "host_kv_bytes": host_kv_bytes,
-                "host_weights_bytes": weights_bytes,
-                "budget_bytes": self.config.daemon.host_ram_budget_bytes,  # 0: none
-            },
-            "prompt_cache": None if cache is None else await asyncio.to_thread(cache.usage),
-            "engine": None if self._engine is None else self._engine.to_json(),
-        }
-
-    async def _slot_status(self, slot: Slot, snapshot: TelemetrySnapshot | None) -> dict[str, Any]:
-        report: dict[str, Any] = {
-            "name": slot.name,
-            "aliases": list(slot.config.aliases),
-            "n_ctx": slot.config.n_ctx,
-            "host_copy": slot.config.host_copy.value,
-            "state": slot.shown_state,
-            "pid": None,
-            "pinned": slot.pinned,
-            "queue": 0,
-            "resident_bytes": 0,
-            "prompt_tokens_evaluated": 0,
-            "served": 0,
-            "restarts": slot.restarts,
-            "last_error": slot.last_error,
-            "last_handoff": slot.last_handoff,
-            "vram_bytes": self._vram.model_bytes(snapshot, slot.name),
-            "cold_footprint_bytes": self._vram.footprint(slot.name),
-            **self._host_ram(slot, host_kv_bytes=0, weights_bytes=0),
-            # None until its first worker said hello.
-            "backend": slot.hello.backend if slot.hello is not None else None,
-            "fallback_reason": slot.hello.fallback_reason if slot.hello is not None else "",
-            "warning": slot.warning,
-            "stale_s": None,
-            "silent_s": None,
-        }
-        worker = slot.worker
-        if worker is not None:
-            live, report["stale_s"] = await self._live_status(worker)
-            report["silent_s"] = self._silence(slot, worker)
-            for key in ("state", "pid", "queue", "resident_bytes", "prompt_tokens_evaluated"):
-                report[key] = live.get(key, report[key])
-            report["served"] = live.get("served", 0)
-            report["last_error"] = live.get("last_error") or slot.last_error
-            report.update(
-                self._host_ram(
-                    slot,
-                    host_kv_bytes=int(live.get("host_kv_bytes") or 0),
-                    weights_bytes=int(live.get("host_weights_bytes") or 0),
-                )
+            holder = Holder(
+                pid=arena.holder_pid,
+                name=holder_name(arena),
+                since=arena.holder.since if arena.holder else None,
             )
-        return report
+        host_ram = HostRam(
+            host_copies_bytes=self._lifecycle.host_copies.total_bytes(),
+            host_kv_bytes=sum(m.host_kv_bytes for m in models),
+            host_weights_bytes=sum(m.host_weights_bytes for m in models),
+            budget_bytes=self.config.daemon.host_ram_budget_bytes,  # 0: none
+        )
+        cache = self._lifecycle.prompt_cache
+        usage = None if cache is None else await asyncio.to_thread(cache.usage)
+        engine = self._engine
+        return DaemonStatus(
+            models=tuple(models),
+            arena=str(arena.path),
+            holder=holder,
+            waiters=tuple(Waiter(pid=p, name=process_name(p)) for p in arena.waiter_pids),
+            hold=self._hold is not None,
+            groups=self._groups_status(),
+            telemetry=self._vram.status(snapshot),
+            # Each copy once, however many models share it.
+            host_ram_bytes=(
+                host_ram.host_copies_bytes + host_ram.host_kv_bytes + host_ram.host_weights_bytes
+            ),
+            host_ram=host_ram,
+            prompt_cache=None
+            if usage is None
+            else PromptCache(usage["bytes"], usage["files"], usage["budget_bytes"]),
+            engine=None if engine is None else Engine(engine.offload, engine.devices),
+        )
+
+    async def _slot_status(self, slot: Slot, snapshot: TelemetrySnapshot | None) -> ModelStatus:
+        hello = slot.hello
+        report = ModelStatus(
+            name=slot.name,
+            aliases=slot.config.aliases,
+            n_ctx=slot.config.n_ctx,
+            host_copy=slot.config.host_copy.value,
+            state=slot.shown_state,
+            pinned=slot.pinned,
+            restarts=slot.restarts,
+            last_error=slot.last_error,
+            last_handoff=slot.last_handoff,
+            vram_bytes=self._vram.model_bytes(snapshot, slot.name),
+            cold_footprint_bytes=self._vram.footprint(slot.name),
+            # None until its first worker said hello.
+            backend=None if hello is None else BackendKind(hello.backend),
+            fallback_reason="" if hello is None else hello.fallback_reason,
+            warning=slot.warning,
+        )
+        worker = slot.worker
+        if worker is None:
+            return self._host_ram(slot, report)
+        live, stale_s = await self._live_status(worker)
+        state = live.get("state")
+        report = dataclasses.replace(
+            report,
+            state=report.state if state is None else ResidencyState(state),
+            pid=live.get("pid", report.pid),
+            queue=live.get("queue", report.queue),
+            resident_bytes=live.get("resident_bytes", report.resident_bytes),
+            prompt_tokens_evaluated=live.get("prompt_tokens_evaluated", 0),
+            served=live.get("served", 0),
+            last_error=live.get("last_error") or slot.last_error,
+            host_kv_bytes=int(live.get("host_kv_bytes") or 0),
+            host_weights_bytes=int(live.get("host_weights_bytes") or 0),
+            stale_s=stale_s,
+            silent_s=self._silence(slot, worker),
+        )
+        return self._host_ram(slot, report)
 
     async def _live_status(self, worker: WorkerClient) -> tuple[dict[str, Any], float | None]:
         """The worker's status and None; or, from a worker that does not answer within
@@ -349,27 +363,27 @@ class Supervisor:
         """How long `slot`'s warm worker has shown no sign of life, once that is reported (at
         [daemon] holder_timeout_s); else None."""
         now, timeout_s = time.monotonic(), self.config.daemon.holder_timeout_s
-        warm = slot.residency == "warm"
+        warm = slot.residency is ResidencyState.WARM
         if judge(worker.heard, warm=warm, now=now, timeout_s=timeout_s) is Verdict.LIVE:
             return None
         return round(silent_s(worker.heard, now), 1)
 
-    def _host_ram(self, slot: Slot, *, host_kv_bytes: int, weights_bytes: int) -> dict[str, Any]:
-        """The model's host RAM: its share of the file's copy (split between the models that
-        use it, so the shares add up to the total) plus what its worker keeps on the host for
-        it alone: the KV cache, and the weights an in-place release moved off the device."""
-        own = host_kv_bytes + weights_bytes
-        figures = {"host_kv_bytes": host_kv_bytes, "host_weights_bytes": weights_bytes}
+    def _host_ram(self, slot: Slot, report: ModelStatus) -> ModelStatus:
+        """`report` with the model's host RAM: its share of the file's copy (split between the
+        models that use it, so the shares add up to the total) plus what its worker keeps on
+        the host for it alone: the KV cache, and the weights an in-place release moved off the
+        device."""
+        own = report.host_kv_bytes + report.host_weights_bytes
         lease = slot.copy_lease
         if lease is None:
-            return {"host_ram_bytes": own or None, **figures}
+            return dataclasses.replace(report, host_ram_bytes=own or None)
         models = lease.copy.models()
-        return {
-            "host_ram_bytes": lease.copy.size // len(models) + own,
-            **figures,
-            "host_copy_bytes": lease.copy.size,
-            "host_copy_shared_with": [m for m in models if m != slot.name],
-        }
+        return dataclasses.replace(
+            report,
+            host_ram_bytes=lease.copy.size // len(models) + own,
+            host_copy_bytes=lease.copy.size,
+            host_copy_shared_with=tuple(m for m in models if m != slot.name),
+        )
 
     async def command(self, name: str, model: str | None = None) -> dict[str, Any]:
         if name in MODEL_COMMANDS:
@@ -397,7 +411,7 @@ class Supervisor:
             return {"model": model, "state": slot.shown_state}  # not started to release it
         worker = await self._router.worker_of(model)
         if name in ("pin", "unpin"):
-            self._slots[model].pinned = name == "pin"
+            self._slots[model].pin(name == "pin")
         result = await worker.request(name, timeout_s=COMMAND_TIMEOUT_S)
         return {"model": model, **result}
 
@@ -454,7 +468,7 @@ class Supervisor:
             if name not in self._keepers:
                 self._start_keeper(group)
         for name, slot in self._slots.items():  # kept: the same worker, perhaps new aliases
-            slot.config = new.models[name]
+            slot.reconfigure(new.models[name])
         for name, slot in fresh.items():
             self._slots[name] = slot
             self.metrics.add_model(name)
@@ -486,7 +500,7 @@ class Supervisor:
             if slot.worker is not None:
                 await slot.worker.request("release", timeout_s=COMMAND_TIMEOUT_S)
         self._hold = await asyncio.to_thread(
-            self._arena.acquire, "arbiterd hold", timeout_s=COMMAND_TIMEOUT_S
+            self._arena.acquire, HOLD_HOLDER_NAME, timeout_s=COMMAND_TIMEOUT_S
         )
         self._bus.publish(HoldEvent(held=True))
         return {"hold": True}
@@ -523,14 +537,13 @@ class Supervisor:
         assert worker is not None  # ready: spawned
         hello: WorkerHello | None = worker.hello
         assert hello is not None  # spawn returns once the hello is read
-        slot.hello = hello
         if hello.engine != self._engine:  # every worker loads the same llama.cpp: said once
             devices = ", ".join(hello.engine.devices) or "none listed"
             offload = "can" if hello.engine.offload else "cannot"
             log.info("engine: %s offload to a GPU; devices: %s", offload, devices)
         self._engine = hello.engine
         self.metrics.set_backend(slot.name, hello.backend)
-        slot.warning = offload_warning(slot.config.n_gpu_layers, hello.engine)
+        slot.said_hello(hello, warning=offload_warning(slot.config.n_gpu_layers, hello.engine))
         if slot.warning:
             log.warning("%s %s", slot.name, slot.warning)
         self._vram.worker_started(slot.name, worker.pid)
@@ -584,7 +597,8 @@ class Supervisor:
     ) -> None:
         timeout_s = self.config.daemon.holder_timeout_s
         heard = worker.heard
-        verdict = judge(heard, warm=slot.residency == "warm", now=now, timeout_s=timeout_s)
+        warm = slot.residency is ResidencyState.WARM
+        verdict = judge(heard, warm=warm, now=now, timeout_s=timeout_s)
         if verdict is Verdict.LIVE:
             if worker in reported:
                 reported.discard(worker)
@@ -653,7 +667,7 @@ class Supervisor:
             own_bytes += own
             idle = not live.get("queue") and not live.get("current")
             if (
-                slot.residency == "cold"
+                slot.residency is ResidencyState.COLD
                 and slot.cold_since is not None
                 and idle
                 and not slot.pinned
@@ -694,7 +708,11 @@ class Supervisor:
         for name in plan.unload:
             victim = self._slots.get(name)
             # Woken meanwhile (or gone): it is in use again, not least recently used.
-            if victim is None or victim.residency != "cold" or victim.worker is None:
+            if (
+                victim is None
+                or victim.residency is not ResidencyState.COLD
+                or victim.worker is None
+            ):
                 continue
             await self._lifecycle.unload(victim, "host_ram_budget")
 
@@ -719,19 +737,16 @@ class Supervisor:
         worker = slot.worker
         if worker is None or event.model != slot.name:
             return
-        slot.residency = event.to_state
-        slot.cold_since = time.monotonic() if event.to_state == "cold" else None
-        if event.to_state == "cold" or event.from_state == "loading":
+        slot.report_residency(event.to_state, now=time.monotonic(), reason=event.reason)
+        if event.to_state is ResidencyState.COLD or event.from_state is ResidencyState.LOADING:
             self._want_ram_check()
-        if event.to_state == "failed":
-            slot.last_error = event.reason
         self._vram.residency(worker.pid, event)
         self._bus.publish(event)
         made = self._handoffs.observe(event, self._vram.models_by_pid)
         if made is not None:
             published = self._bus.publish(made)
             if isinstance(published, HandoffEvent):
-                slot.last_handoff = published.to_json()
+                slot.took_gpu(published)
 
     def _on_snapshot(self, snapshot: TelemetrySnapshot) -> None:
         self.metrics.observe_vram(snapshot)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from arbiterd.daemon.telemetry import (
     ColdFootprints,
@@ -27,6 +26,7 @@ from arbiterd.daemon.telemetry import (
 )
 from arbiterd.events import Event, ResidencyEvent
 from arbiterd.states import ResidencyState
+from arbiterd.status import Telemetry
 
 # The residency states in which a worker holds nothing on the device by its own account.
 _HOLDS_NOTHING = frozenset({ResidencyState.COLD, ResidencyState.FAILED, ResidencyState.STOPPED})
@@ -117,9 +117,21 @@ class VramWatch:
     def footprint(self, model: str) -> int | None:
         return self._footprints.footprint(model)
 
-    def status(self, snapshot: TelemetrySnapshot | None) -> dict[str, Any]:
-        figures: dict[str, Any] = snapshot.to_json() if snapshot is not None else {}
-        return {**figures, "readers": self.readers.describe(), "device": self.device}
+    def status(self, snapshot: TelemetrySnapshot | None) -> Telemetry:
+        """Status's `telemetry`: which readers, the arena's device, and `snapshot`'s figures."""
+        readers = self.readers.describe()
+        if snapshot is None:
+            return Telemetry(readers=readers, device=self.device)
+        return Telemetry(
+            at=snapshot.at,
+            source=snapshot.source,
+            devices=snapshot.devices,
+            models=tuple((name, snapshot.model_bytes(name)) for name in snapshot.model_pids),
+            others=snapshot.others,
+            errors=snapshot.errors,
+            readers=readers,
+            device=self.device,
+        )
 
     # -- plumbing -----------------------------------------------------------------------------
 

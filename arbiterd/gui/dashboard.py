@@ -44,8 +44,8 @@ from arbiterd.gui import palette
 from arbiterd.gui.history import EncoderRecord, HandoffRecord
 from arbiterd.gui.palette import RGB, hex_colour
 from arbiterd.gui.state import TrayState
-from arbiterd.gui.status import ModelStatus
 from arbiterd.gui.timeline import TimelineWidget
+from arbiterd.status import ModelStatus
 
 CARD_COLUMNS = 4
 SCREENSHOT_SIZE = QSize(1120, 820)
@@ -167,7 +167,7 @@ class ModelCard(QFrame):
             self.vram.setText("VRAM: none")
             self.host_ram.setText("host RAM: none")
         else:
-            self.vram.setText(f"VRAM: {render.format_bytes(model.resident_bytes)}")
+            self.vram.setText(f"VRAM: {render.format_bytes(model.device_bytes)}")
             self.host_ram.setText(
                 "host RAM: "
                 + ("not reported" if host_ram is None else render.format_bytes(host_ram))

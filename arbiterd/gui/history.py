@@ -33,8 +33,8 @@ from arbiterd.events import (
     UnloadEvent,
     WaitEvent,
 )
-from arbiterd.gui.status import Status
 from arbiterd.states import ResidencyState
+from arbiterd.status import DaemonStatus
 
 DEFAULT_WINDOW_S = 600.0
 # How far before the window the tray asks for history, so the window starts with each model's
@@ -164,12 +164,12 @@ class History:
 
     # -- feeding -------------------------------------------------------------------------------
 
-    def add_status(self, status: Status, at: float) -> None:
+    def add_status(self, status: DaemonStatus, at: float) -> None:
         # The daemon's (config) order, so the bands stack the same way in every run; owners
         # it no longer lists (a model removed by reload) keep their place after them.
         order = [m.name for m in status.models]
         self.models = order + [name for name in self.models if name not in order]
-        self._bytes = {m.name: m.resident_bytes for m in status.models}
+        self._bytes = {m.name: m.device_bytes for m in status.models}
         self._others = status.others_bytes
         if status.total_bytes is not None:
             self.total_bytes = status.total_bytes

@@ -36,8 +36,8 @@ from arbiterd.events import (
 from arbiterd.gui import palette
 from arbiterd.gui.history import DEFAULT_WINDOW_S, History
 from arbiterd.gui.palette import RGB, ModelColours
-from arbiterd.gui.status import HOLD_HOLDER_NAME, UNLOADING, ModelStatus, Status
-from arbiterd.states import ResidencyState
+from arbiterd.states import ResidencyState, SlotState
+from arbiterd.status import HOLD_HOLDER_NAME, DaemonStatus, ModelStatus
 
 WARNING_HOLD_S = 300.0
 
@@ -64,7 +64,7 @@ class IconLook:
 
 class TrayState:
     def __init__(self, window_s: float = DEFAULT_WINDOW_S) -> None:
-        self.status: Status | None = None
+        self.status: DaemonStatus | None = None
         self.reachable = False
         self.unreachable_reason = "connecting to arbiterd…"
         self.history = History(window_s=window_s)
@@ -73,7 +73,7 @@ class TrayState:
     # -- feeding -------------------------------------------------------------------------------
 
     def apply_status(self, raw: Mapping[str, Any], at: float) -> None:
-        self.status = Status.read(raw)
+        self.status = DaemonStatus.from_json(raw)
         self.reachable = True
         self.history.add_status(self.status, at)
 
@@ -213,9 +213,9 @@ class TrayState:
         if ram is None:
             return None
         return (
-            f"model file copies {render.format_bytes(ram.copies_bytes)} (each counted once) + "
-            f"KV caches kept on the host {render.format_bytes(ram.kv_bytes)} + "
-            f"released weights {render.format_bytes(ram.weights_bytes)}"
+            f"model file copies {render.format_bytes(ram.host_copies_bytes)} (each counted once) + "
+            f"KV caches kept on the host {render.format_bytes(ram.host_kv_bytes)} + "
+            f"released weights {render.format_bytes(ram.host_weights_bytes)}"
         )
 
     def prompt_cache_text(self) -> str | None:
@@ -248,7 +248,7 @@ class TrayState:
         """What is left of an unloaded model (issue 14), or None when it is not unloaded."""
         if not model.unloaded:
             return None
-        if model.state == UNLOADING:
+        if model.state is SlotState.UNLOADING:
             return "unloading — saving its prompt cache"
         return "unloaded — " + self._prompt_cache_fate(model.name)
 

@@ -36,7 +36,7 @@ from arbiterd.gui.icon import make_icon, qcolor
 from arbiterd.gui.launch import daemon_start_command
 from arbiterd.gui.notify import FailureNotifier, NotificationSink
 from arbiterd.gui.state import IconLook, TrayState
-from arbiterd.gui.status import ModelStatus
+from arbiterd.status import ModelStatus
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +304,7 @@ class TrayApp(QObject):
                 colours.of(m.name),
                 m.state,
                 m.pinned,
-                render.format_bytes(m.resident_bytes),
+                render.format_bytes(m.device_bytes),
                 m.queue,
                 m.backend,
                 m.fallback_reason,
@@ -378,7 +378,7 @@ class TrayApp(QObject):
         name = model.name
         title = f"{name} — {model.state}"
         if not model.unloaded:  # an unloaded model holds nothing: no "0 B" to read into
-            title += f", {render.format_bytes(model.resident_bytes)}"
+            title += f", {render.format_bytes(model.device_bytes)}"
         if model.pinned:
             title += " · pinned"
         if model.queue:

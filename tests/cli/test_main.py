@@ -28,6 +28,7 @@ from arbiterd.cli.commands import render_status
 from arbiterd.daemon.controlserver import ControlServer
 from arbiterd.daemon.journal import Journal
 from arbiterd.events import parse_event
+from arbiterd.status import DaemonStatus
 from tests.conftest import Processes
 from tests.support.waiting import wait_until
 from tests.test_control import FakeService, LoopThread
@@ -322,12 +323,17 @@ STOCK = "libllama at /x/libllama.so does not export llama_context_release_device
 CPU_WARNING = "asks for n_gpu_layers=-1 but this engine cannot offload to a GPU: rebuild it"
 
 
+def rendered(status: dict[str, Any]) -> str:
+    """`arbiterd status` of the status object a daemon sent."""
+    return render_status(DaemonStatus.from_json(status))
+
+
 def status_model(name: str, **fields: object) -> dict[str, object]:
     return {"name": name, "state": "cold", "queue": 0, "served": 0, **fields}
 
 
 def test_status_shows_each_backend_the_engine_and_each_reason_and_warning_once() -> None:
-    text = render_status(
+    text = rendered(
         {
             "models": [
                 status_model("story", backend="reload", fallback_reason=STOCK, warning=CPU_WARNING),
@@ -353,7 +359,7 @@ def test_status_shows_each_backend_the_engine_and_each_reason_and_warning_once()
 
 
 def test_status_of_in_place_models_on_a_gpu_has_no_reason_or_warning() -> None:
-    text = render_status(
+    text = rendered(
         {
             "models": [status_model("chat", backend="in-place", fallback_reason="", warning="")],
             "engine": {"offload": True, "devices": ["CPU: test cpu", "CUDA0: NVIDIA H200"]},
@@ -366,13 +372,13 @@ def test_status_of_in_place_models_on_a_gpu_has_no_reason_or_warning() -> None:
 
 
 def test_status_of_a_daemon_whose_workers_did_not_say_hello_yet() -> None:
-    lines = render_status({"models": [status_model("chat", backend=None)]}).splitlines()
+    lines = rendered({"models": [status_model("chat", backend=None)]}).splitlines()
     assert lines[1].split()[:3] == ["chat", "cold", "-"]
     assert not any(line.startswith("engine") for line in lines)
 
 
 def test_status_notes_a_silent_holder_and_figures_that_are_stale() -> None:
-    text = render_status(
+    text = rendered(
         {
             "models": [
                 status_model("chat", state="warm", stale_s=3.2, silent_s=31.4),
@@ -517,7 +523,7 @@ def test_events_follow_prints_each_new_event_as_the_daemon_journals_it(
 def test_status_names_each_group_and_whether_it_holds_the_gpu() -> None:
     group = {"name": "rag", "models": ["qwen", "nomic"], "holds_token": True, "failure": ""}
     stopped = {**group, "name": "pair", "holds_token": False, "failure": "OSError: gone"}
-    lines = render_status(
+    lines = rendered(
         {
             "models": [status_model("qwen"), status_model("nomic")],
             "groups": [group, stopped],
@@ -538,7 +544,7 @@ def test_status_splits_host_ram_into_copies_kv_and_released_weights() -> None:
         "host_weights_bytes": 246 << 20,
         "budget_bytes": 0,
     }
-    lines = render_status(
+    lines = rendered(
         {"models": [status_model("chat")], "host_ram_bytes": 595 << 20, "host_ram": ram}
     ).splitlines()
     assert (

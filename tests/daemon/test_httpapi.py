@@ -35,6 +35,8 @@ from arbiterd.errors import (
 )
 from arbiterd.request import GenerateRequest
 from arbiterd.spec import COMPLETION_PARAMS
+from arbiterd.states import BackendKind, ResidencyState
+from arbiterd.status import DaemonStatus, ModelStatus
 from tests.support.requests import wire_of
 from tests.support.waiting import wait_until
 
@@ -123,20 +125,20 @@ class FakeService:
             self.closed.set()
             raise
 
-    async def status(self) -> dict[str, Any]:
-        models = [
-            {
-                "name": name,
-                "aliases": ALIASES[name],
-                "n_ctx": 2048,
-                "state": "warm" if name == "tiny" else "cold",
-                "backend": "in-place",
-                "vram_bytes": 100 if name == "tiny" else 0,
-                "host_copy_bytes": 1000,
-            }
+    async def status(self) -> DaemonStatus:
+        models = tuple(
+            ModelStatus(
+                name=name,
+                aliases=tuple(ALIASES[name]),
+                n_ctx=2048,
+                state=ResidencyState.WARM if name == "tiny" else ResidencyState.COLD,
+                backend=BackendKind.IN_PLACE,
+                vram_bytes=100 if name == "tiny" else 0,
+                host_copy_bytes=1000,
+            )
             for name in MODELS
-        ]
-        return {"models": models, "arena": "", "holder": None, "waiters": [], "hold": False}
+        )
+        return DaemonStatus(models=models)
 
     def subscribe(self) -> asyncio.Queue[dict[str, Any]]:
         return asyncio.Queue()

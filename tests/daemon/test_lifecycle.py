@@ -21,12 +21,13 @@ from arbiterd.config import HostCopyMode
 from arbiterd.daemon import lifecycle
 from arbiterd.daemon.budgets import PromptCache
 from arbiterd.daemon.lifecycle import Lifecycle
-from arbiterd.daemon.slots import Slot, SlotState
+from arbiterd.daemon.slots import Slot
 from arbiterd.daemon.workerclient import WorkerClient
 from arbiterd.errors import ConfigError, ControlError, ProtocolError, WorkerError
 from arbiterd.events import Event, PromptCacheEvictEvent, UnloadEvent, WorkerEvent
 from arbiterd.hostcopy import Lease
 from arbiterd.spec import Residency
+from arbiterd.states import SlotState
 from tests.support.models import model_config
 from tests.support.pagecache import drop_page_cache
 from tests.support.requests import request_for

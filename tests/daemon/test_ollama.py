@@ -9,6 +9,7 @@ import pytest
 from arbiterd.daemon import ollama
 from arbiterd.errors import BadValueError
 from arbiterd.request import RequestKind
+from arbiterd.status import ModelStatus
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 SCHEMA = {"type": "object"}
@@ -186,11 +187,14 @@ def test_calls_come_back_with_their_arguments_as_objects() -> None:
 
 
 def test_ps_lists_every_resident_model_and_the_vram_of_the_warm_one() -> None:
-    models: list[dict[str, Any]] = [
-        {"name": "a", "aliases": [], "state": "warm", "vram_bytes": 100, "host_copy_bytes": 1000},
-        {"name": "b", "aliases": [], "state": "cold", "vram_bytes": 0, "host_copy_bytes": 1000},
-        {"name": "c", "aliases": [], "state": "failed"},
-    ]
+    models = tuple(
+        ModelStatus.from_json(m)
+        for m in (
+            {"name": "a", "state": "warm", "vram_bytes": 100, "host_copy_bytes": 1000},
+            {"name": "b", "state": "cold", "vram_bytes": 0, "host_copy_bytes": 1000},
+            {"name": "c", "state": "failed"},
+        )
+    )
     listed = ollama.ps(models)["models"]
     assert [(m["model"], m["size_vram"], m["size"]) for m in listed] == [
         ("a:latest", 100, 1000),
@@ -204,8 +208,10 @@ def test_ps_lists_every_resident_model_and_the_vram_of_the_warm_one() -> None:
 
 
 def test_each_alias_is_listed_as_a_model_of_its_own_with_its_tag() -> None:
-    model = {"name": "qwen", "aliases": ["llama3", "qwen2.5:7b"], "state": "cold"}
-    for listed in (ollama.tags([model]), ollama.ps([model])):
+    model = ModelStatus.from_json(
+        {"name": "qwen", "aliases": ["llama3", "qwen2.5:7b"], "state": "cold"}
+    )
+    for listed in (ollama.tags((model,)), ollama.ps((model,))):
         names = [(m["name"], m["model"], m["state"]) for m in listed["models"]]
         assert names == [
             ("qwen:latest", "qwen:latest", "cold"),

@@ -11,7 +11,7 @@ import pytest
 
 from arbiterd.daemon import routing
 from arbiterd.daemon.routing import Router
-from arbiterd.daemon.slots import Slot, SlotState
+from arbiterd.daemon.slots import Slot
 from arbiterd.daemon.workerclient import ChunkListener, WorkerClient
 from arbiterd.errors import (
     ContextOverflowError,
@@ -23,7 +23,7 @@ from arbiterd.errors import (
 )
 from arbiterd.events import Event, RequestEvent
 from arbiterd.request import GenerateRequest
-from arbiterd.states import RequestStatus
+from arbiterd.states import RequestStatus, ResidencyState, SlotState
 from tests.support.models import model_config
 from tests.support.requests import request_for, wire_of
 
@@ -282,7 +282,7 @@ def test_a_model_whose_worker_failed_to_load_is_refused_at_once() -> None:
         daemon = Daemon("m")
         worker = daemon.serve("m", FakeWorker("w1"))
         slot = daemon.slots["m"]
-        slot.residency, slot.last_error = "failed", "missing.gguf: no such file"
+        slot.report_residency(ResidencyState.FAILED, now=0.0, reason="missing.gguf: no such file")
         with pytest.raises(EngineError, match=r"m failed to load: missing\.gguf: no such file"):
             await daemon.router.complete("m", request_for("completion", BODY))
         return worker
@@ -293,7 +293,7 @@ def test_a_model_whose_worker_failed_to_load_is_refused_at_once() -> None:
 def test_a_request_of_a_kind_its_model_does_not_serve_never_reaches_the_worker() -> None:
     async def scenario() -> tuple[FakeWorker, FakeWorker, Daemon]:
         daemon = Daemon("chat", "embed")
-        daemon.slots["embed"].embedding = True
+        daemon.slots["embed"].serves_embeddings(True)
         talker = daemon.serve("chat", FakeWorker("w1"))
         embedder = daemon.serve("embed", FakeWorker("w2"))
         with pytest.raises(RequestError, match="'chat' is not an embedding model"):

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from arbiterd.config import Load, load_config
 from arbiterd.daemon import lifecycle
 from arbiterd.daemon.metrics import Metrics
-from arbiterd.daemon.slots import Slot, SlotState
+from arbiterd.daemon.slots import Slot
 from arbiterd.daemon.supervisor import (
     ENGINE_REBUILD_HINT,
     Supervisor,
@@ -27,6 +27,7 @@ from arbiterd.daemon.supervisor import (
 )
 from arbiterd.daemon.telemetry import DeviceMemory, ProcessMemory, ReaderSet, Reading
 from arbiterd.daemon.workerclient import BACKENDS, EngineReport, WorkerClient
+from arbiterd.states import ResidencyState, SlotState
 from tests.support.models import model_config
 
 GiB = 1 << 30
@@ -93,7 +94,7 @@ def test_a_release_that_does_not_free_vram_is_reported(tmp_path: Path, tiny_mode
             await supervisor.command("warm", "m")
             await supervisor.command("release", "m")
             leak = await next_event(events, "vram_not_freed")
-            status = await supervisor.status()
+            status = (await supervisor.status()).to_json()
             return leak, status
         finally:
             await supervisor.stop()
@@ -134,7 +135,7 @@ def test_a_spawn_that_fails_on_an_os_error_is_said_and_retried(
         await supervisor.start()
         try:
             failed = await next_event(events, "worker")
-            starting = (await supervisor.status())["models"][0]
+            starting = (await supervisor.status()).to_json()["models"][0]
             await next_event(events, "residency")  # the retried worker loaded its model
             return failed, starting
         finally:
@@ -207,12 +208,12 @@ def test_each_model_says_its_backend_and_gpu_layers_an_engine_cannot_give_warn_o
         events = supervisor.subscribe()
         await supervisor.start()
         try:
-            first = await supervisor.status()
+            first = (await supervisor.status()).to_json()
             await supervisor.status()  # the status says it again; the log does not
             os.kill(pid_of(first, "gpu"), signal.SIGKILL)
             await next_event(events, "worker")
             await supervisor.command("warm", "gpu")  # waits for the restarted worker
-            again = await supervisor.status()
+            again = (await supervisor.status()).to_json()
             return first, again, (await supervisor.metrics_text()).decode()
         finally:
             await supervisor.stop()
@@ -240,14 +241,14 @@ def pid_of(status: dict[str, Any], name: str) -> int:
 def test_a_model_is_due_for_unloading_once_cold_for_its_unload_after_s() -> None:
     slot = Slot(model_config("m", unload_after_s=60.0))
     slot.move(SlotState.READY, worker=cast(WorkerClient, object()))
-    slot.residency, slot.cold_since = "cold", 1000.0
+    slot.report_residency(ResidencyState.COLD, now=1000.0)
     assert not unload_due(slot, 1059.0)
     assert unload_due(slot, 1060.0)
-    slot.residency = "warm"  # the supervisor clears cold_since then too; the state alone says no
+    slot.residency = ResidencyState.WARM  # cold_since is cleared then too; the state alone says no
     assert not unload_due(slot, 2000.0)
     never = Slot(model_config("n"))  # unload_after_s = 0
     never.move(SlotState.READY, worker=cast(WorkerClient, object()))
-    never.residency, never.cold_since = "cold", 0.0
+    never.report_residency(ResidencyState.COLD, now=0.0)
     assert not unload_due(never, 1e9)
 
 

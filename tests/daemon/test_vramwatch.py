@@ -165,7 +165,7 @@ def test_a_fresh_reading_agrees_with_the_residency_just_reported(tmp_path: Path)
 
 def test_status_says_the_readers_and_the_device(tmp_path: Path) -> None:
     watch = Watch(tmp_path / "gpu1")
-    status = watch.vram.status(None)
+    status = watch.vram.status(None).to_json()
     assert status == {
         "readers": "accounting (not used: nvml: not in these tests)",
         "device": "gpu1",

@@ -16,6 +16,7 @@ ALLOWED = frozenset(
     {
         "arbiterd.events",
         "arbiterd.states",
+        "arbiterd.status",
         "arbiterd.render",
         "arbiterd.errors",
         "arbiterd.config",

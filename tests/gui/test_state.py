@@ -14,7 +14,7 @@ from arbiterd.events import Event, HandoffEvent, WaitEvent, parse_event
 from arbiterd.gui import palette
 from arbiterd.gui.replay import apply_replay, load_replay
 from arbiterd.gui.state import WARNING_HOLD_S, TrayState
-from arbiterd.gui.status import Group, HostRam, PromptCache, Status
+from arbiterd.status import DaemonStatus, GroupStatus, HostRam, PromptCache
 from tests.gui.conftest import SAMPLE_REPLAY
 from tests.gui.fakes import GiB, MiB, model, status
 
@@ -66,7 +66,9 @@ def event(**fields: Any) -> Event:
 
 
 def test_a_status_with_missing_or_odd_keys_still_reads() -> None:
-    read = Status.read({"models": [{"name": "a", "resident_bytes": "lots"}, 7], "holder": 3})
+    read = DaemonStatus.from_json(
+        {"models": [{"name": "a", "resident_bytes": "lots"}, 7], "holder": 3}
+    )
     assert [m.name for m in read.models] == ["a"]
     assert read.models[0].resident_bytes == 0
     assert read.models[0].state == "unknown"
@@ -75,7 +77,7 @@ def test_a_status_with_missing_or_odd_keys_still_reads() -> None:
 
 
 def test_devices_and_others_from_telemetry_are_used_when_present() -> None:
-    read = Status.read(
+    read = DaemonStatus.from_json(
         status(
             model("a", "warm", resident_bytes=2 * GiB),
             holder="a",
@@ -91,15 +93,19 @@ def test_devices_and_others_from_telemetry_are_used_when_present() -> None:
 
 
 def test_host_ram_is_read_per_model_and_in_all_and_none_when_not_said() -> None:
-    read = Status.read(status(model("a", host_ram_bytes=GiB), model("b"), host_ram_bytes=GiB + 5))
+    read = DaemonStatus.from_json(
+        status(model("a", host_ram_bytes=GiB), model("b"), host_ram_bytes=GiB + 5)
+    )
     assert [m.host_ram_bytes for m in read.models] == [GiB, None]
     assert read.host_ram_bytes == GiB + 5
-    older = Status.read({"models": [{"name": "a", "host_ram_bytes": "lots"}]})  # no key, odd key
+    older = DaemonStatus.from_json(
+        {"models": [{"name": "a", "host_ram_bytes": "lots"}]}
+    )  # no key, odd key
     assert (older.models[0].host_ram_bytes, older.host_ram_bytes) == (None, None)
 
 
 def test_without_devices_the_models_own_count_is_the_vram_in_use() -> None:
-    read = Status.read(status(model("a", "warm", resident_bytes=GiB), model("b")))
+    read = DaemonStatus.from_json(status(model("a", "warm", resident_bytes=GiB), model("b")))
     assert read.used_bytes == GiB
     assert read.total_bytes is None
 
@@ -353,7 +359,7 @@ CPU_ENGINE = {"offload": False, "devices": ["CPU: test cpu"]}
 
 
 def test_backend_warning_and_engine_are_read_and_absent_from_an_older_daemon() -> None:
-    read = Status.read(
+    read = DaemonStatus.from_json(
         status(
             model("a", backend="reload", fallback_reason="a stock build", warning=CPU_WARNING),
             engine=CPU_ENGINE,
@@ -363,8 +369,8 @@ def test_backend_warning_and_engine_are_read_and_absent_from_an_older_daemon() -
     assert (a.backend, a.fallback_reason, a.warning) == ("reload", "a stock build", CPU_WARNING)
     assert read.engine is not None
     assert (read.engine.offload, read.engine.devices) == (False, ("CPU: test cpu",))
-    older = Status.read({"models": [{"name": "a", "backend": 3}], "engine": "gpu"})
-    assert (older.models[0].backend, older.models[0].warning, older.engine) == ("", "", None)
+    older = DaemonStatus.from_json({"models": [{"name": "a", "backend": 3}], "engine": "gpu"})
+    assert (older.models[0].backend, older.models[0].warning, older.engine) == (None, "", None)
 
 
 def test_a_models_warning_is_in_the_tooltip_once_for_all_and_leaves_the_icon_alone() -> None:
@@ -401,7 +407,7 @@ def unload(at: float, name: str, **fields: Any) -> Event:
 
 
 def test_budgets_and_groups_are_read_and_an_older_daemon_has_none() -> None:
-    read = Status.read(
+    read = DaemonStatus.from_json(
         status(
             model("qwen"),
             host_ram={
@@ -415,14 +421,17 @@ def test_budgets_and_groups_are_read_and_an_older_daemon_has_none() -> None:
         )
     )
     assert read.host_ram == HostRam(
-        copies_bytes=3 * GiB, kv_bytes=GiB, budget_bytes=8 * GiB, weights_bytes=2 * GiB
+        host_copies_bytes=3 * GiB,
+        host_kv_bytes=GiB,
+        budget_bytes=8 * GiB,
+        host_weights_bytes=2 * GiB,
     )
     assert read.prompt_cache == PromptCache(bytes_=12 * MiB, files=2, budget_bytes=4 * GiB)
     assert read.groups == (
-        Group("rag", ("qwen", "nomic"), holds_token=True, failure=""),
-        Group("odd", (), holds_token=False, failure=""),
+        GroupStatus("rag", ("qwen", "nomic"), "normal", holds_token=True, handoffs=2, failure=""),
+        GroupStatus("odd", (), "", holds_token=False, handoffs=0, failure=""),
     )
-    older = Status.read({"models": [], "host_ram": 5, "prompt_cache": None})
+    older = DaemonStatus.from_json({"models": [], "host_ram": 5, "prompt_cache": None})
     assert (older.host_ram, older.prompt_cache, older.groups) == (None, None, ())
 
 

@@ -1,0 +1,250 @@
+"""The daemon's status as typed records: what `status` answers on the control socket.
+
+Owns the shape of the status object (docs/control-protocol.md, "Status", describes these
+records field by field). The supervisor builds a `DaemonStatus`; the control socket writes it
+once, with `to_json`; every reader (the CLI, the tray, the HTTP API's /v1/models and the Ollama
+routes) reads the same record, in-process or with `DaemonStatus.from_json`. Reading never
+raises, as for events (arbiterd/events.py's field codec, which these records use): a missing or
+odd field reads as None or empty, a state this version does not know as UNKNOWN, so a newer or
+older daemon never crashes a client.
+
+Shared by every process: imports nothing of arbiterd's but the events and states it carries,
+and never Qt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from arbiterd.events import DeviceMemory, HandoffEvent, ProcessMemory, Record
+from arbiterd.states import TROUBLE, WITHOUT_WORKER, BackendKind, ResidencyState, SlotState
+
+# The name the daemon's own hold (game mode) takes the arena token under (supervisor.py).
+HOLD_HOLDER_NAME = "arbiterd hold"
+# A group's keeper holds the arena token as "group NAME" (arena/groups.py, _Files.holder_name).
+GROUP_HOLDER_PREFIX = "group "
+
+
+@dataclass(frozen=True)
+class ModelStatus(Record):
+    """One configured model. `state` is its worker's residency while it runs, else the slot's
+    state. The byte counts: `resident_bytes` on the device by the engine's own accounting,
+    `vram_bytes` as measured (None: cannot be told), `cold_footprint_bytes` what its worker
+    holds while cold, `host_ram_bytes` its share of its file's host copy plus the KV cache
+    (`host_kv_bytes`) and the released weights (`host_weights_bytes`) its worker keeps on the
+    host; `host_copy_bytes` the size of that copy and `host_copy_shared_with` the other models
+    on it (both only while it has one). `stale_s`: its worker did not answer (issue 24), and
+    its figures are what it said this long ago; `silent_s`: its warm worker has shown no sign of
+    life this long, holder_timeout_s or more."""
+
+    name: str = ""
+    aliases: tuple[str, ...] = ()
+    n_ctx: int = 0
+    host_copy: str = ""  # "memfd" | "page-cache"
+    state: ResidencyState | SlotState = SlotState.UNKNOWN
+    pid: int | None = None
+    pinned: bool = False
+    queue: int = 0
+    resident_bytes: int = 0
+    prompt_tokens_evaluated: int = 0
+    served: int = 0
+    restarts: int = 0
+    last_error: str = ""
+    last_handoff: HandoffEvent | None = None
+    vram_bytes: int | None = None
+    cold_footprint_bytes: int | None = None
+    host_ram_bytes: int | None = None
+    host_kv_bytes: int = 0
+    host_weights_bytes: int = 0
+    host_copy_bytes: int | None = None
+    host_copy_shared_with: tuple[str, ...] = ()
+    backend: BackendKind | None = None  # None: no worker said hello yet
+    fallback_reason: str = ""  # why not in-place ("" for in-place)
+    warning: str = ""  # e.g. GPU layers asked of an engine that cannot offload
+    stale_s: float | None = None
+    silent_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        obj = super().to_json()
+        if self.host_copy_bytes is None:  # no host copy: nothing to say of one
+            del obj["host_copy_bytes"], obj["host_copy_shared_with"]
+        return obj
+
+    @property
+    def device_bytes(self) -> int:
+        """What it holds on the device: measured when telemetry can tell, else the engine's
+        own account."""
+        return max(0, self.resident_bytes if self.vram_bytes is None else self.vram_bytes)
+
+    @property
+    def unloaded(self) -> bool:
+        """No worker (unloading or unloaded): nothing on the device, nothing in host RAM."""
+        return self.state in WITHOUT_WORKER
+
+    @property
+    def troubled(self) -> bool:
+        """Failed, or restarting after a crash: the tray turns amber while it lasts."""
+        return self.state in TROUBLE or self.state is ResidencyState.FAILED
+
+
+@dataclass(frozen=True)
+class Holder(Record):
+    """Who holds the arena token: a model's worker, a group's keeper ("group NAME"), the
+    daemon's hold (HOLD_HOLDER_NAME) or any other program; `since` when it took it."""
+
+    pid: int | None = None
+    name: str | None = None
+    since: float | None = None
+
+
+@dataclass(frozen=True)
+class Waiter(Record):
+    """A process waiting for the arena token."""
+
+    pid: int | None = None
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class GroupStatus(Record):
+    """Models that hold the GPU together behind one keeper (issue 14, `[groups.NAME]`):
+    `holds_token` while its keeper holds the arena's token, `handoffs` how often it let the
+    token go to an outside waiter, `failure` why its keeper stopped ("" while it runs)."""
+
+    name: str = ""
+    models: tuple[str, ...] = ()
+    priority: str = ""
+    holds_token: bool = False
+    handoffs: int = 0
+    failure: str = ""
+
+
+@dataclass(frozen=True)
+class HostRam(Record):
+    """The daemon's host RAM: each model file's host copy once, the KV caches and the weights
+    cold workers keep on the host, and `[daemon] host_ram_budget` (0: none)."""
+
+    host_copies_bytes: int = 0
+    host_kv_bytes: int = 0
+    host_weights_bytes: int = 0
+    budget_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class PromptCache(Record):
+    """The prompt caches unloaded models keep on disk, and `[daemon] prompt_cache_budget`."""
+
+    bytes_: int = field(default=0, metadata={"json": "bytes"})
+    files: int = 0
+    budget_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Engine(Record):
+    """What the workers' engine (llama.cpp) can do, as the latest worker's hello said."""
+
+    offload: bool = False  # False: everything runs on the CPU
+    devices: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Telemetry(Record):
+    """The daemon's VRAM reading: `readers` (which, and which were not used) and the arena's
+    `device` always; once a reading exists, when it was taken (`at`), by which `source`, each
+    device, each model's bytes (None: cannot be told), every other GPU program, and what could
+    not be read."""
+
+    at: float | None = None
+    source: str | None = None
+    devices: tuple[DeviceMemory, ...] = ()
+    models: tuple[tuple[str, int | None], ...] = ()
+    others: tuple[ProcessMemory, ...] = ()
+    errors: tuple[str, ...] = ()
+    readers: str = ""
+    device: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        obj = super().to_json()
+        if self.at is None:  # no reading yet: only what reads
+            return {"readers": obj["readers"], "device": obj["device"]}
+        return obj
+
+
+@dataclass(frozen=True)
+class DaemonStatus(Record):
+    """The whole status: every model, the arena and who holds or waits for its token, the
+    user's hold, the groups, the VRAM reading, host RAM (each host copy once, plus every
+    model's host KV and released weights, in `host_ram_bytes`; by part in `host_ram`), the
+    prompt caches on disk (None: none are kept) and the engine (None until a worker said)."""
+
+    models: tuple[ModelStatus, ...] = ()
+    arena: str = ""
+    holder: Holder | None = None
+    waiters: tuple[Waiter, ...] = ()
+    hold: bool = False
+    groups: tuple[GroupStatus, ...] = ()
+    telemetry: Telemetry | None = None
+    host_ram_bytes: int | None = None
+    host_ram: HostRam | None = None
+    prompt_cache: PromptCache | None = None
+    engine: Engine | None = None
+
+    def model(self, name: str) -> ModelStatus | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    @property
+    def holder_model(self) -> str | None:
+        """The model that holds the GPU, or None when it is free or held by anything else."""
+        if self.holder is None or self.holder.name is None:
+            return None
+        return self.holder.name if self.model(self.holder.name) is not None else None
+
+    @property
+    def holder_group(self) -> GroupStatus | None:
+        """The group whose keeper holds the GPU (its members may be warm together), or None."""
+        if self.holder is None:
+            return None
+        holder = self.holder.name
+        return next((g for g in self.groups if holder == GROUP_HOLDER_PREFIX + g.name), None)
+
+    def group_of(self, model: str) -> GroupStatus | None:
+        """The group `model` is a member of, or None."""
+        return next((g for g in self.groups if model in g.models), None)
+
+    @property
+    def troubled(self) -> tuple[ModelStatus, ...]:
+        return tuple(m for m in self.models if m.troubled)
+
+    @property
+    def devices(self) -> tuple[DeviceMemory, ...]:
+        return () if self.telemetry is None else self.telemetry.devices
+
+    @property
+    def others(self) -> tuple[ProcessMemory, ...]:
+        return () if self.telemetry is None else self.telemetry.others
+
+    @property
+    def models_bytes(self) -> int:
+        return sum(m.device_bytes for m in self.models)
+
+    @property
+    def others_bytes(self) -> int:
+        """VRAM used by anything but the models: the listed processes, and on a device that
+        reports its use, whatever else it counts (the desktop, the driver)."""
+        listed = sum(max(0, o.used_bytes or 0) for o in self.others)
+        if not self.devices:
+            return listed
+        return max(listed, self.used_bytes - self.models_bytes)
+
+    @property
+    def used_bytes(self) -> int:
+        if self.devices:
+            return sum(max(0, d.used_bytes or 0) for d in self.devices)
+        return self.models_bytes + self.others_bytes
+
+    @property
+    def total_bytes(self) -> int | None:
+        """The devices' memory, or None until telemetry reports it."""
+        total = sum(max(0, d.total_bytes or 0) for d in self.devices)
+        return total or None
