@@ -124,6 +124,16 @@ def offload_warning(n_gpu_layers: int, engine: EngineReport) -> str:
 
 
 class Supervisor:
+    """The daemon's `Service`, and what ties its parts together (the module docstring lists
+    them).
+
+    Over 400 lines, on purpose: it is every method the edges call plus the reactions to the
+    parts' events, and each of those is a few lines that apply a decision made elsewhere — a
+    pure function (budgets.ram_plan, liveness.judge, unload_due, Handoffs.observe) or a part's
+    own method (a Slot's changes are slots.py's, a worker's lifecycle.py's, a request's path
+    routing.py's). Split further, its pieces would each need most of the others.
+    """
+
     def __init__(
         self,
         config: Config,
