@@ -251,7 +251,7 @@ class ApiRequest:
     stream: bool = False
     ignored: tuple[str, ...] = ()  # fields accepted that change nothing here (IGNORED_*)
     # A chat request's image parts, in order: (field, URL), checked against the model's
-    # policy once the model is known (httpapi's `_attach_images`), which fills request.images.
+    # policy once the model is known (httpapi's `_load_images`), which fills request.images.
     image_urls: tuple[tuple[str, str], ...] = ()
     # An embedding request's: each vector as base64 of its little-endian float32s, not a list
     # of numbers.
