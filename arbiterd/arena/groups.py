@@ -23,6 +23,13 @@ arena and both sides of its protocol (specified in docs/arena-protocol.md § Gro
   nobody), while shared probes never conflict with each other. So members never see each other
   and never hand the GPU to each other.
 
+Nobody polls (issue 29): each side sleeps on a doorbell (doorbell.py) armed on the files the
+other side opens or closes, and probes the locks when it rings. A member waits to be warm on
+gate.lock and leave.lock and, warm, on leave.lock; the keeper on the group's want.lock (a member
+waiting), gate.lock being closed (a member leaving the gate) and, while it holds the token, the
+arena's bells. A flock call makes no inotify event, so the keeper rings gate.lock and leave.lock
+after it changes their locks.
+
 Programs outside arbiterd see the arena protocol unchanged: one holder, one token.
 `Gate` and its parts follow arena.Gateway, arena.Place and arena.Hold, so a worker is written
 once for both ways to the GPU. Its flock calls are locks.py's, as the token's are.
@@ -34,11 +41,19 @@ import dataclasses
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-from arbiterd.arena.locks import EXCLUSIVE, SHARED, contended, lock, try_flock, unlock
+from arbiterd.arena.doorbell import SAFETY_PROBE_S, Bell, Change, Doorbell, ring
+from arbiterd.arena.locks import (
+    CANCEL_POLL_S,
+    EXCLUSIVE,
+    SHARED,
+    contended,
+    lock,
+    try_flock,
+    unlock,
+)
 from arbiterd.arena.records import ArenaState, Priority
 from arbiterd.arena.token import Arena
 from arbiterd.config import GROUP_NAME_EXPECTED, GROUP_NAME_RE
@@ -50,9 +65,6 @@ GROUPS_DIR = "groups"
 GATE_FILE = "gate.lock"
 GROUP_WANT_FILE = "want.lock"
 LEAVE_FILE = "leave.lock"
-# How often a waiting member looks at the gate, and the keeper at the group's waiters and the
-# gate (a non-blocking flock each: microseconds). Bounds what a group adds to a handoff.
-GROUP_POLL_S = 0.002
 
 
 def group_dir(arena: Arena, group: str) -> Path:
@@ -144,14 +156,21 @@ class GateTicket:
         before = files.arena.observe() if on_wait is not None else None
         gate_fd = files.arena.open_lock(files.gate_path)
         probe_fd = files.arena.open_lock(files.leave_path)
+        doorbell = Doorbell()
         try:
+            # The keeper rings both after it changes their locks; armed before the first look.
+            doorbell.arm(
+                (Bell(files.gate_path, Change.OPENED), Bell(files.leave_path, Change.OPENED))
+            )
+            # How long a sleep may last: a cancel is an Event, which no doorbell hears.
+            nap_s = SAFETY_PROBE_S if cancel is None else CANCEL_POLL_S
             while True:
                 if not contended(probe_fd, SHARED) and try_flock(gate_fd, SHARED):
                     # Open means "not shut": a gate no keeper has shut yet (or any more) is
                     # open too. Inside it, the token must be the keeper's: it cannot go while
                     # we are in (the keeper shuts the gate first).
                     if files.keeper_holds_token():
-                        hold = GateHold(gate_fd, probe_fd)
+                        hold = GateHold(gate_fd, probe_fd, files.leave_path)
                         gate_fd = probe_fd = -1  # the hold owns them now
                         self.leave()
                         return hold
@@ -159,11 +178,11 @@ class GateTicket:
                 if on_wait is not None and before is not None:
                     on_wait(before)
                     on_wait = None
-                if cancel is None:
-                    time.sleep(GROUP_POLL_S)
-                elif cancel.wait(GROUP_POLL_S):
+                doorbell.wait(nap_s)
+                if cancel is not None and cancel.is_set():
                     raise AcquireCancelledError("gave up waiting for the group's gate")
         finally:
+            doorbell.close()
             for fd in (gate_fd, probe_fd):
                 if fd >= 0:
                     os.close(fd)
@@ -178,9 +197,10 @@ class GateTicket:
 class GateHold:
     """A warm member's place inside the open gate (LOCK_SH on gate.lock)."""
 
-    def __init__(self, gate_fd: int, probe_fd: int) -> None:
+    def __init__(self, gate_fd: int, probe_fd: int, leave_path: Path) -> None:
         self._gate_fd: int | None = gate_fd
         self._probe_fd = probe_fd  # the group's leave.lock
+        self._leave_path = leave_path
 
     def wanted(self) -> bool:
         """True when the group must leave the GPU: someone outside it waits, or its keeper
@@ -188,6 +208,10 @@ class GateHold:
         if self._gate_fd is None:
             raise ArenaError("wanted() on a released gate hold")
         return contended(self._probe_fd, SHARED)
+
+    def bells(self) -> tuple[Bell, ...]:
+        """The keeper rings leave.lock once it has locked it."""
+        return (Bell(self._leave_path, Change.OPENED),)
 
     def hand_over(self) -> None:
         """Leave the gate; the keeper hands the token over once every member has."""
@@ -221,6 +245,7 @@ class Keeper:
         self.priority = priority
         self._on_change = on_change
         self._stop = threading.Event()
+        self._doorbell: Doorbell | None = None  # the thread's, made by start(); stop() wakes it
         self._holding = False
         self.handoffs = 0  # how often it let the token go to an outside waiter
         self.failure = ""  # why its thread ended early; "" while it runs or stopped cleanly
@@ -232,12 +257,15 @@ class Keeper:
         return self._holding
 
     def start(self) -> None:
+        self._doorbell = Doorbell()
         self._thread.start()
 
     def stop(self) -> None:
         """Let go of the token once every member is cold, and end the thread. Blocks until
         then: members still warm are told to leave and go cold by their policy."""
         self._stop.set()
+        if self._doorbell is not None:
+            self._doorbell.wake()
         self._thread.join()
 
     def _run(self) -> None:
@@ -245,12 +273,23 @@ class Keeper:
         gate_fd = files.arena.open_lock(files.gate_path)
         waiters_fd = files.arena.open_lock(files.want_path)
         leave_fd = files.arena.open_lock(files.leave_path)
+        doorbell = self._doorbell
+        assert doorbell is not None  # made by start()
         try:
+            # A member waiting opens want.lock, and one leaving the gate closes gate.lock.
+            doorbell.arm(
+                (
+                    Bell(files.want_path, Change.OPENED),
+                    Bell(files.gate_path, Change.CLOSED),
+                    *self.arena.bells(),
+                )
+            )
             # Shut while we hold no token. A member of an earlier daemon may still be leaving.
             lock(gate_fd, EXCLUSIVE)
             while not self._stop.is_set():
                 if not contended(waiters_fd, EXCLUSIVE):
-                    self._stop.wait(GROUP_POLL_S)
+                    # Members open want.lock anew for each wait: no safety probe needed.
+                    doorbell.wait(None)
                     continue
                 try:
                     token = self.arena.acquire(
@@ -273,6 +312,7 @@ class Keeper:
             log.exception("group %s: its keeper stopped", self.group)
             self.failure = f"{type(exc).__name__}: {exc}"
         finally:
+            doorbell.close()
             os.close(leave_fd)
             os.close(waiters_fd)
             os.close(gate_fd)
@@ -283,23 +323,31 @@ class Keeper:
         """Open the gate and keep it open while the group may use the GPU; return with it shut
         (every member cold), and whether an outside waiter is why. From the moment it must
         leave, leave.lock says so to the members (the caller unlocks it)."""
+        files, doorbell = self._files, self._doorbell
+        assert doorbell is not None  # made by start()
         unlock(gate_fd)
+        ring(files.gate_path)  # members waiting for the gate look now
         outside = leaving = False
         while True:
-            self._stop.wait(GROUP_POLL_S)
             if not leaving:
                 outside = outside_waits()
                 leaving = outside or self._stop.is_set()
                 if leaving:
                     # Blocks only for a member's probe (microseconds).
                     lock(leave_fd, EXCLUSIVE)
+                    ring(files.leave_path)  # warm members go cold now
                 elif contended(waiters_fd, EXCLUSIVE):
-                    continue  # a member waits to come in: nothing to shut
-            if not try_flock(gate_fd, EXCLUSIVE):
-                continue  # a member is warm
-            if leaving or not contended(waiters_fd, EXCLUSIVE):
-                return outside
-            unlock(gate_fd)  # one came as we shut: open again
+                    # A member waits to come in: nothing to shut until it has left again.
+                    doorbell.wait(SAFETY_PROBE_S)
+                    continue
+            if try_flock(gate_fd, EXCLUSIVE):  # fails while a member is warm
+                if leaving or not contended(waiters_fd, EXCLUSIVE):
+                    return outside
+                unlock(gate_fd)  # one came as we shut: open again
+                ring(files.gate_path)
+            # Until an outside waiter or a member leaving the gate rings; the safety probe is
+            # for outside programs that keep the arena's want.lock open across their waits.
+            doorbell.wait(SAFETY_PROBE_S)
 
     def _set_holding(self, holding: bool) -> None:
         self._holding = holding

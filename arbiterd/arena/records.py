@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from arbiterd.arena.doorbell import Bell
 from arbiterd.errors import BadValueError
 
 TICKET_SUFFIX = ".ticket"
@@ -161,6 +162,9 @@ class Hold(Protocol):
     """The GPU held: the arena's token (`Token`), or a place inside a group's open gate."""
 
     def wanted(self) -> bool: ...  # someone the holder must yield to waits
+
+    # What rings when wanted() may have become true (doorbell.py): a holder sleeps on them.
+    def bells(self) -> tuple[Bell, ...]: ...
 
     def hand_over(self) -> None: ...  # let go to the waiters
 

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import errno
 import json
+import logging
 import os
 import stat
 import threading
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
+from arbiterd.arena.doorbell import Bell, Change
 from arbiterd.arena.locks import (
     EXCLUSIVE,
     SHARED,
@@ -40,6 +42,8 @@ from arbiterd.arena.procfs import (
 from arbiterd.arena.records import TICKET_SUFFIX, ArenaState, HolderInfo, Priority, QueuedWaiter
 from arbiterd.errors import ArenaError, ArenaUnwritableError, BadValueError
 from arbiterd.paths import ensure_private_dir
+
+log = logging.getLogger(__name__)
 
 TOKEN_FILE = "token.lock"  # noqa: S105 (a file name, not a password)
 WANT_FILE = "want.lock"
@@ -80,6 +84,15 @@ class Arena:
     @property
     def want_path(self) -> Path:
         return self._want_path
+
+    @property
+    def queue_path(self) -> Path:
+        return self._queue_path
+
+    def bells(self) -> tuple[Bell, ...]:
+        """What a waiter of this arena does first, for a holder to sleep on (doorbell.py):
+        opening want.lock, which it then locks shared, or renaming its ticket into the queue."""
+        return (Bell(self._want_path, Change.OPENED), Bell(self._queue_path, Change.ARRIVED))
 
     def ensure_dir(self, path: Path) -> None:
         """A folder of the arena, made ours alone as the arena's own (for groups.py)."""
@@ -448,6 +461,11 @@ class Token:
             raise ArenaError("wanted() on a released token")
         return contended(self._probe_fd, EXCLUSIVE)
 
+    def bells(self) -> tuple[Bell, ...]:
+        """The arena's (Arena.bells). Our own probe's descriptor was opened before anyone
+        watched, so it rings nothing."""
+        return self.arena.bells()
+
     def hand_over(self, timeout_s: float = HAND_OVER_TIMEOUT_S) -> None:
         """Release to the programs waiting now: return once one of them holds the token, nobody
         waits any more, or `timeout_s` passed.
@@ -480,6 +498,11 @@ class Token:
             return
         try:
             self.arena._write_holder_file(None)
+        except ArenaUnwritableError:
+            if self.arena.path.exists():
+                raise
+            # Removed under us (the doorbell said so): nobody can read a holder.json there.
+            log.warning("%s: the arena folder is gone; released all the same", self.arena.path)
         finally:
             os.close(self._probe_fd)
             unlock(fd)

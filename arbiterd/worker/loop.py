@@ -5,16 +5,20 @@
 Owns the model (through a `Backend`), its residency state and its hold on the arena token.
 Two threads:
 - the **engine thread** (the main thread) owns the llama objects, the residency state machine
-  and the token. It serves requests one at a time, and between requests — and every
-  PROBE_INTERVAL_S while idle — it probes `wanted()` itself and goes cold when the policy says so.
-  The decision reads live lock state, never a flag set by another thread. A request is
+  and the token. It serves requests one at a time, and between requests it probes `wanted()`
+  itself and goes cold when the policy says so. Idle and warm, it sleeps on a doorbell
+  (arena/doorbell.py) armed on what a waiter does first, and probes when it rings, when the
+  io thread queues a command, when the policy's next deadline comes, and at least every
+  SAFETY_PROBE_S (issue 29). The decision reads live lock state, never a flag set by another
+  thread. A request is
   prepared (sized, rendered, tokenized: CPU work with the vocabulary alone) before the worker
   asks for the GPU; a warm model preparing one probes between the tokenizer's pieces, so a
   waiter never waits for our tokenizing (issue 10).
 - the **io thread** reads the socket: it answers `status` and `cancel` at once (also during a
   decode: ctypes releases the GIL in llama_decode) and queues everything else for the engine.
-  Its `status` says how old the engine thread's last *beat* is (`beat_age_s`): the engine
-  thread beats each turn of its loop (every PROBE_INTERVAL_S while warm) and before each decode
+  Its `status` says how old the engine thread's last *beat* is (`beat_age_s`; 0 while it
+  sleeps on the doorbell, which no hung driver does): the engine thread beats each turn of its
+  loop and before each decode
   batch and tokenizer piece of a request, through the callbacks the engine already asks. So a
   long generation beats once per token or prompt batch, and only one native call that runs
   longer than the daemon's `holder_timeout_s` (a hung driver; a single batch that slow) looks
@@ -66,6 +70,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from arbiterd.arena import Arena, ArenaState, Gateway, Hold, Place, Priority
+from arbiterd.arena.doorbell import SAFETY_PROBE_S, Doorbell
 from arbiterd.arena.groups import Gate
 from arbiterd.errors import (
     AcquireCancelledError,
@@ -96,14 +101,18 @@ from arbiterd.worker.engine import (
     select_backend,
 )
 from arbiterd.worker.kvfile import KvState
-from arbiterd.worker.policy import HoldView, ReleaseReason, preempts, release_reason
+from arbiterd.worker.policy import (
+    HoldView,
+    ReleaseReason,
+    decided_again_in_s,
+    preempts,
+    release_reason,
+)
 from arbiterd.worker.residency import Residency as ResidencyMachine
 from arbiterd.worker.residency import Wait
 
 log = logging.getLogger(__name__)
 
-# How often an idle warm model probes want.lock (a non-blocking flock: ~2 µs each).
-PROBE_INTERVAL_S = 0.004
 # How often a generation looks for a waiter of a higher class (each look lists the queue and
 # reads /proc/locks).
 PREEMPTION_CHECK_S = 0.02
@@ -155,6 +164,9 @@ class Worker:
         self._cancelled: set[str] = set()
         self._cancel_lock = threading.Lock()
         self._wake = threading.Event()  # interrupts a wait for the token
+        # The engine thread's sleep while warm and idle; the io thread wakes it for a command.
+        self._doorbell = Doorbell()
+        self._asleep = False  # the engine thread sleeps on the doorbell (see `beat_age_s`)
         self._stopping = threading.Event()
         self._orphaned = threading.Event()  # the daemon is gone: nobody reads our answers
         # Published by the engine thread (one reference assignment), read by the io thread.
@@ -204,7 +216,7 @@ class Worker:
             self._out.send({"id": readable, "error": ProtocolError(problem).to_wire()})
             return
         if op is WorkerOp.STATUS:
-            beat_age_s = round(time.monotonic() - self._beat, 3)
+            beat_age_s = 0.0 if self._asleep else round(time.monotonic() - self._beat, 3)
             result = {**self._status, "queue": self._queued(), "beat_age_s": beat_age_s}
             self._out.send({"id": request_id, "result": result})
         elif op is WorkerOp.CANCEL:
@@ -224,11 +236,13 @@ class Worker:
                     stream=bool(message.get("stream")),
                 )
             )
+            self._doorbell.wake()
 
     def _request_stop(self) -> None:
         self._stopping.set()
         self._wake.set()
         self._inbox.put(Command(WorkerOp.SHUTDOWN, ""))
+        self._doorbell.wake()
 
     # -- engine thread ------------------------------------------------------------------------
 
@@ -262,8 +276,8 @@ class Worker:
         # The token before the weights: loading can then never push a resident model out of VRAM.
         place, waiting = self._announce(self.config.priority)
         try:
-            self._token = place.take(
-                self.name, model=self.name, cancel=self._stopping, on_wait=waiting.saw
+            self._got_token(
+                place.take(self.name, model=self.name, cancel=self._stopping, on_wait=waiting.saw)
             )
         except AcquireCancelledError:
             return False
@@ -292,16 +306,19 @@ class Worker:
         self._emit(failed)
 
     def _serve_forever(self) -> None:
+        look_in_s: float | None = 0.0  # just warm: probe before the first sleep
         while not self._stopping.is_set():
             self._beat = time.monotonic()
-            state = self._residency.state
-            try:
-                command = self._inbox.get(
-                    timeout=PROBE_INTERVAL_S if state is ResidencyState.WARM else None
-                )
-            except queue.Empty:
-                self._maybe_release()
-                continue
+            if self._residency.state is ResidencyState.WARM:
+                try:
+                    command = self._inbox.get_nowait()
+                except queue.Empty:
+                    if look_in_s is None or look_in_s > 0:
+                        self._sleep(look_in_s)
+                    look_in_s = self._maybe_release()
+                    continue
+            else:
+                command = self._inbox.get()
             if command.op is WorkerOp.SHUTDOWN:
                 return
             if command.op is WorkerOp.UNLOAD:
@@ -319,7 +336,19 @@ class Worker:
                 self._reply(command.id, {"pinned": self._pinned})
             elif command.op is WorkerOp.GENERATE:
                 self._handle_generate(command)
-                self._maybe_release()
+            look_in_s = 0.0  # a command may have made it warm, or left it idle: probe
+
+    def _sleep(self, timeout_s: float | None) -> None:
+        """Warm and idle: wait for a bell, a command, `timeout_s` (the policy's next deadline)
+        or the safety probe, whichever comes first."""
+        self._asleep = True
+        try:
+            self._doorbell.wait(
+                min(SAFETY_PROBE_S, SAFETY_PROBE_S if timeout_s is None else timeout_s)
+            )
+        finally:
+            self._asleep = False
+            self._beat = time.monotonic()
 
     def _fail_forever(self) -> None:
         """A model that cannot load keeps answering, with its reason, until shut down."""
@@ -483,9 +512,11 @@ class Worker:
         self._cool(ReleaseReason.PREEMPTED.value)
         self._warm_up(request_id, priority)
 
-    def _maybe_release(self) -> None:
+    def _maybe_release(self) -> float | None:
+        """Release if the policy says so; else how long its answer holds without a bell (None:
+        until one rings, or for good)."""
         if self._residency.state is not ResidencyState.WARM or self._token is None:
-            return
+            return None
         now = time.monotonic()
         view = HoldView(
             wanted=self._token.wanted(),  # live lock state, probed here where we decide
@@ -495,11 +526,12 @@ class Worker:
             pinned=self._pinned,
             served_since_warm=self._served > self._served_when_warm,
         )
-        reason = release_reason(
-            view, min_hold_s=self.config.min_hold_s, idle_release_s=self.config.idle_release_s
-        )
-        if reason is not None:
-            self._cool(reason.value)
+        min_hold_s, idle_release_s = self.config.min_hold_s, self.config.idle_release_s
+        reason = release_reason(view, min_hold_s=min_hold_s, idle_release_s=idle_release_s)
+        if reason is None:
+            return decided_again_in_s(view, min_hold_s=min_hold_s, idle_release_s=idle_release_s)
+        self._cool(reason.value)
+        return None
 
     def _cool(self, reason: str) -> None:
         """warm → cooling → cold: free the device first, then let go of the token."""
@@ -513,6 +545,7 @@ class Worker:
         self._moved(ResidencyState.COOLING, ResidencyState.COLD, self._backend.release(kv), reason)
         if reason in (ReleaseReason.WANTED.value, ReleaseReason.PREEMPTED.value):
             token, self._token = self._token, None
+            self._doorbell.disarm()
             if token is not None:
                 token.hand_over()
         else:
@@ -539,8 +572,10 @@ class Worker:
             while True:
                 self._wake.clear()
                 try:
-                    self._token = ticket.take(
-                        self.name, model=self.name, cancel=self._wake, on_wait=waiting.saw
+                    self._got_token(
+                        ticket.take(
+                            self.name, model=self.name, cancel=self._wake, on_wait=waiting.saw
+                        )
                     )
                     break
                 except AcquireCancelledError:
@@ -579,10 +614,18 @@ class Worker:
         self._emit(self._residency.transition(self._residency.state, ResidencyState.STOPPED))
         self._backend.close()
         self._give_up_token()
+        self._doorbell.close()
         self._publish()
+
+    def _got_token(self, token: Hold) -> None:
+        """The token is ours: sleep on its bells from now on, so that a waiter who comes while
+        the model loads or restores is seen at the first probe after."""
+        self._token = token
+        self._doorbell.arm(token.bells())
 
     def _give_up_token(self) -> None:
         token, self._token = self._token, None
+        self._doorbell.disarm()
         if token is not None:
             token.release()
 

@@ -53,3 +53,18 @@ def release_reason(
     if idle_release_s > 0 and not view.busy and view.idle_s >= idle_release_s:
         return ReleaseReason.IDLE
     return None
+
+
+def decided_again_in_s(view: HoldView, *, min_hold_s: float, idle_release_s: float) -> float | None:
+    """How long release_reason's None for `view` holds with nothing new to see (no waiter
+    arriving, no request): until the minimum hold ends for a waiter that came early, or until
+    the idle release is due. None: it holds until something happens. Always > 0 otherwise."""
+    if view.pinned:
+        return None
+    due = []
+    if view.wanted and not view.served_since_warm:
+        due.append(min_hold_s - view.held_s)
+    if idle_release_s > 0 and not view.busy:
+        due.append(idle_release_s - view.idle_s)
+    later = [s for s in due if s > 0]
+    return min(later) if later else None

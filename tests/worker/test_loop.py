@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from arbiterd.arena import Arena, Priority
+from arbiterd.arena.doorbell import SAFETY_PROBE_S
 from arbiterd.daemon.workerclient import (
     HELLO_TIMEOUT_S,
     EngineReport,
@@ -38,6 +39,7 @@ from arbiterd.wire import LineReader, LineWriter
 from arbiterd.worker.engine import EngineInfo, Generation, Moved, Prepared, engine_info
 from arbiterd.worker.kvfile import KvState
 from arbiterd.worker.loop import Unavailable, Worker
+from tests.conftest import Processes
 from tests.support.blocking_worker import BlockingWorker
 from tests.support.requests import request_for
 from tests.support.waiting import wait_until
@@ -370,6 +372,37 @@ def test_idle_release_goes_cold_by_itself(workers: Workers) -> None:
     event = worker.wait_event(lambda e: e.get("to") == "cold", timeout_s=10)
     assert event["reason"] == "idle"
     assert complete(worker, "the fox")["completion_tokens"] >= 1  # and warms on demand
+
+
+GPU_JOB = Path(__file__).parents[2] / "docs" / "examples" / "gpu-job.sh"
+
+
+@pytest.mark.parametrize("waiter", ["arbiterd", "the document's shell example"])
+def test_a_waiter_that_comes_while_a_warm_worker_sleeps_is_served_before_its_safety_probe(
+    workers: Workers, procs: Processes, waiter: str
+) -> None:
+    """Warm and idle, the worker sleeps on its doorbell: by itself it would next probe
+    SAFETY_PROBE_S after it went to sleep, which it did after its event saying it is warm. A
+    release that starts before then (the events' own times) was started by the waiter's ring."""
+    worker = workers.spawn("m", min_hold_s=0.0)
+    warm = worker.wait_event(lambda e: e.get("to") == "warm")
+    time.sleep(0.2)  # not a measurement: the worker's first probe is over, it sleeps
+    arena = Arena(workers.arena)
+    if waiter == "arbiterd":
+        taker = procs.actor(arena, "hold", "waiter")
+    else:
+        env = dict(os.environ, ARBITERD_ARENA=str(arena.path))
+        taker = procs.start(["sh", str(GPU_JOB), "true"], env=env)
+    cooling = worker.wait_event(lambda e: e.get("to") == "cooling")
+    assert cooling["reason"] == "wanted"
+    assert cooling["at"] < warm["at"] + SAFETY_PROBE_S, (
+        f"released {cooling['at'] - warm['at']:.2f} s after it was warm: by its safety probe"
+    )
+    if waiter == "arbiterd":
+        assert taker.stdout is not None
+        assert taker.stdout.readline().strip() == "acquired"
+    else:
+        assert taker.wait(timeout=30) == 0
 
 
 def test_a_prompt_longer_than_the_context_is_refused_and_the_worker_lives(
