@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import subprocess
@@ -266,6 +267,7 @@ def measure(source: Path, model: Path, rounds: int, seed: int) -> dict[str, Any]
     env = source_env(source)
     draw = random.Random(seed)
     rows: list[dict[str, Any]] = []
+    load_before = [round(x, 2) for x in os.getloadavg()]
     with serving({MODEL: tiny(model)}, env=env) as daemon:
         for _ in range(rounds):
             for kind in KINDS:
@@ -273,6 +275,9 @@ def measure(source: Path, model: Path, rounds: int, seed: int) -> dict[str, Any]
     return {
         "source": describe_source(source),
         "waiters": {kind: kind_figures([r for r in rows if r["kind"] == kind]) for kind in KINDS},
+        # On a machine shared with other work, the latencies include its scheduling delays.
+        "loadavg_before": load_before,
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "rounds": rows,
     }
 

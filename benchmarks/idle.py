@@ -294,6 +294,7 @@ def idle_state_reached(found: Mapping[str, Any]) -> bool:
 def measure(source: Path, model: Path, seconds: float) -> dict[str, Any]:
     """One daemon from `source`, set up idle, read for `seconds`."""
     models = {name: tiny(model) for name in (WARM, COLD, *MEMBERS)}
+    load_before = [round(x, 2) for x in os.getloadavg()]
     with serving(models, env=source_env(source), groups={GROUP: list(MEMBERS)}) as daemon:
         with ControlClient.connect(daemon.socket, timeout_s=STATE_TIMEOUT_S) as client:
             client.call("warm", model=WARM)
@@ -323,6 +324,10 @@ def measure(source: Path, model: Path, seconds: float) -> dict[str, Any]:
         "still_idle_after": idle_state_reached(after)
         and {m["name"]: m["pid"] for m in after["models"]} == workers,
         "events_meanwhile": dict(kinds),
+        # On a machine shared with other work, its load wakes nothing here but delays what
+        # wakes (nonvoluntary switches, late timers): how busy the CPUs were.
+        "loadavg_before": load_before,
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
     }
 
 
