@@ -175,20 +175,24 @@ class Supervisor:
         # more after it.
         self._ram_check: asyncio.Task[None] | None = None
         self._ram_check_again = False
+        # One reload at a time, and none before the slots exist: the control socket listens
+        # before the workers start, and two reloads at once would each replace the slots.
+        self._config_lock = asyncio.Lock()
         self.stopped = asyncio.Event()  # set by the shutdown command; the daemon awaits it
 
     # -- lifetime -----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        cache = self._lifecycle.prompt_cache
-        if cache is not None:  # refused now, with its fix, rather than at the first unload
-            await asyncio.to_thread(cache.make_private)
-        for group in self.config.groups.values():
-            self._start_keeper(group)
-        for name, model in self.config.models.items():
-            self._slots[name] = new_slot(model)
-            self.metrics.add_model(name)
-        await asyncio.gather(*(self._start(slot) for slot in self._slots.values()))
+        async with self._config_lock:
+            cache = self._lifecycle.prompt_cache
+            if cache is not None:  # refused now, with its fix, rather than at the first unload
+                await asyncio.to_thread(cache.make_private)
+            for group in self.config.groups.values():
+                self._start_keeper(group)
+            for name, model in self.config.models.items():
+                self._slots[name] = new_slot(model)
+                self.metrics.add_model(name)
+            await asyncio.gather(*(self._start(slot) for slot in self._slots.values()))
         log.info("VRAM telemetry: %s", self._vram.readers.describe())
         self._vram.start()
         self._spawn(self._unload_idle())
@@ -431,7 +435,12 @@ class Supervisor:
         aliases changed (those apply at once). [daemon] changes need a restart."""
         if self._reload_config is None:
             raise ControlError("running on the embedded default: there is no config to reload")
-        new = await asyncio.to_thread(self._reload_config)
+        async with self._config_lock:
+            return await self._reload_from(self._reload_config)
+
+    async def _reload_from(self, read: Callable[[], Config]) -> dict[str, Any]:
+        """The reload, under the config lock, of the config `read` returns."""
+        new = await asyncio.to_thread(read)
         # The whole new config is checked before anything changes: a bad file applies nothing.
         warnings = await asyncio.to_thread(
             check_models, new, copy_held=self._lifecycle.host_copies.holds
