@@ -5,10 +5,11 @@ to be had said once. `apply` here records the file as it is when called, as the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,16 @@ class Applies:
         if self.error is not None:
             raise self.error
         return {}
+
+
+@contextlib.asynccontextmanager
+async def watching(config: Path, applies: Applies) -> AsyncIterator[ConfigWatch]:
+    watch = ConfigWatch(config, applies)
+    watch.start()
+    try:
+        yield watch
+    finally:
+        await watch.close()
 
 
 @pytest.fixture
@@ -86,16 +97,12 @@ def test_a_burst_of_writes_is_one_apply_of_the_last(config: Path) -> None:
     applies = Applies(config)
 
     async def scenario() -> None:
-        watch = ConfigWatch(config, applies)
-        watch.start()
-        try:
+        async with watching(config, applies):
             for n in range(3):  # well within the debounce of each other
                 config.write_text(f"burst {n}\n")
             await until(lambda: applies.seen, "the burst applied")
             config.write_text("later\n")
             await until(lambda: len(applies.seen) == 2, "the later save applied")
-        finally:
-            await watch.close()
 
     asyncio.run(scenario())
     assert applies.seen == ["burst 2\n", "later\n"]
@@ -107,9 +114,7 @@ def test_a_file_renamed_over_or_deleted_and_created_again_is_followed(
     applies = Applies(config)
 
     async def scenario() -> None:
-        watch = ConfigWatch(config, applies)
-        watch.start()
-        try:
+        async with watching(config, applies):
             temporary = config.with_name(".config.toml.swp")
             temporary.write_text("renamed over\n")
             os.replace(temporary, config)
@@ -117,8 +122,6 @@ def test_a_file_renamed_over_or_deleted_and_created_again_is_followed(
             config.unlink()
             config.write_text("created again\n")
             await until(lambda: len(applies.seen) == 2, "the new file applied")
-        finally:
-            await watch.close()
 
     asyncio.run(scenario())
     assert applies.seen == ["renamed over\n", "created again\n"]
@@ -131,9 +134,7 @@ def test_a_save_of_the_same_bytes_applies_nothing(
     applies = Applies(config)
 
     async def scenario() -> None:
-        watch = ConfigWatch(config, applies)
-        watch.start()
-        try:
+        async with watching(config, applies):
             config.write_text("first\n")  # what the daemon started with
             await until(lambda: logged("saved unchanged"), "the unchanged save settled")
             config.write_text("second\n")
@@ -141,8 +142,6 @@ def test_a_save_of_the_same_bytes_applies_nothing(
             os.utime(config)  # a touch: no event it follows, and no byte changed
             config.write_text("second\n")
             await until(lambda: len(logged("saved unchanged")) == 2, "the second one settled")
-        finally:
-            await watch.close()
 
     asyncio.run(scenario())
     assert applies.seen == ["second\n"]
@@ -154,9 +153,7 @@ def test_a_mistake_is_logged_once_and_the_next_save_applies(
     applies = Applies(config, error=ConfigError(f"{config}: models.bad.path: expected a path"))
 
     async def scenario() -> None:
-        watch = ConfigWatch(config, applies)
-        watch.start()
-        try:
+        async with watching(config, applies):
             config.write_text("bad\n")
             await until(lambda: logged("applies nothing"), "the mistake reported")
             config.write_text("bad\n")  # saved again as it was: said once
@@ -164,8 +161,6 @@ def test_a_mistake_is_logged_once_and_the_next_save_applies(
             applies.error = None
             config.write_text("fixed\n")
             await until(lambda: len(applies.seen) == 2, "the fix applied")
-        finally:
-            await watch.close()
 
     asyncio.run(scenario())
     assert applies.seen == ["bad\n", "fixed\n"]
@@ -179,15 +174,11 @@ def test_a_deleted_file_is_said_once_and_followed_again_when_back(
     applies = Applies(config)
 
     async def scenario() -> None:
-        watch = ConfigWatch(config, applies)
-        watch.start()
-        try:
+        async with watching(config, applies):
             config.unlink()
             await until(lambda: logged(" is gone"), "the deletion said")
             config.write_text("back\n")
             await until(lambda: applies.seen, "the file applied again")
-        finally:
-            await watch.close()
 
     asyncio.run(scenario())
     assert applies.seen == ["back\n"]
@@ -202,15 +193,11 @@ def test_a_removed_directory_is_said_and_nothing_more_is_followed(
     applies = Applies(config)
 
     async def scenario() -> None:
-        watch = ConfigWatch(config, applies)
-        watch.start()
-        assert watch.following
-        try:
+        async with watching(config, applies) as watch:
+            assert watch.following
             config.unlink()
             config.parent.rmdir()
             await until(lambda: not watch.following, "the watch dropped")
-        finally:
-            await watch.close()
 
     asyncio.run(scenario())
     assert applies.seen == []
@@ -229,10 +216,8 @@ def test_no_inotify_to_be_had_is_one_warning_and_no_watch(
     applies = Applies(config)
 
     async def scenario() -> None:
-        watch = ConfigWatch(config, applies)
-        watch.start()
-        assert not watch.following
-        await watch.close()
+        async with watching(config, applies) as watch:
+            assert not watch.following
 
     asyncio.run(scenario())
     (said,) = logged("not following")

@@ -5,15 +5,14 @@ leaves it serving; `watch_config = false` follows nothing."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import openai
 
 from arbiterd.daemon.journal import Journal
-from tests.support.daemon import Daemon, tiny
+from tests.daemon.test_serve import arbiterd
+from tests.support.daemon import Daemon, serving, tiny
 from tests.support.waiting import wait_until
 
 APPLIED_S = 30.0  # a reload restarts nothing here; models start in a few seconds at worst
@@ -51,9 +50,8 @@ def reload_events(daemon: Daemon) -> list[dict[str, Any]]:
 def test_a_saved_config_applies_whether_written_in_place_or_renamed_over(
     tiny_model: Path,
 ) -> None:
-    running = Daemon({"m": tiny(tiny_model, aliases=["old"])})
-    try:
-        pid = running.wait_ready()["models"][0]["pid"]
+    with serving({"m": tiny(tiny_model, aliases=["old"])}) as running:
+        pid = models(running)["m"]["pid"]
         assert running.config.parent.stat().st_ino in watched_directories(running.process.pid)
         text = running.config.read_text()
         running.config.write_text(text.replace('aliases = ["old"]', 'aliases = ["new"]'))
@@ -70,14 +68,10 @@ def test_a_saved_config_applies_whether_written_in_place_or_renamed_over(
             (e.get("aliases_changed", []), e.get("added", [])) for e in reload_events(running)
         ]
         assert events == [(["m"], []), ([], ["added"])]  # one save, one reload
-    finally:
-        running.cleanup()
 
 
 def test_a_saved_mistake_applies_nothing_and_is_logged(tiny_model: Path) -> None:
-    running = Daemon({"m": tiny(tiny_model)})
-    try:
-        running.wait_ready()
+    with serving({"m": tiny(tiny_model)}) as running:
         text = running.config.read_text()
         running.config.write_text(text + "\n[models.bad]\nn_ctx = 1\n")
         wait_until(lambda: "applies nothing" in running.log.read_text(), APPLIED_S, "the report")
@@ -89,14 +83,10 @@ def test_a_saved_mistake_applies_nothing_and_is_logged(tiny_model: Path) -> None
         assert reload_events(running) == []
         running.config.write_text(text.replace("[models.m]", "[models.fixed]"))
         wait_until(lambda: list(models(running)) == ["fixed"], APPLIED_S, "the fixed file")
-    finally:
-        running.cleanup()
 
 
 def test_a_deleted_config_leaves_the_daemon_serving_until_it_is_back(tiny_model: Path) -> None:
-    running = Daemon({"m": tiny(tiny_model)})
-    try:
-        running.wait_ready()
+    with serving({"m": tiny(tiny_model)}) as running:
         text = running.config.read_text()
         running.config.unlink()
         wait_until(lambda: "is gone" in running.log.read_text(), APPLIED_S, "the deletion said")
@@ -105,39 +95,24 @@ def test_a_deleted_config_leaves_the_daemon_serving_until_it_is_back(tiny_model:
         running.config.write_text(text.replace("[models.m]", "[models.back]"))
         wait_until(lambda: list(models(running)) == ["back"], APPLIED_S, "the file back")
         assert running.log.read_text().count("is gone") == 1
-    finally:
-        running.cleanup()
 
 
 def test_a_model_given_an_unload_after_s_by_a_save_unloads_once_due(tiny_model: Path) -> None:
     # Cold long before the save: due at once, which only the reload's wake can tell the unload
     # watch, asleep without a deadline while no model had an unload_after_s.
-    running = Daemon({"m": tiny(tiny_model, idle_release_s=0.2)})
-    try:
-        running.wait_ready()
+    with serving({"m": tiny(tiny_model, idle_release_s=0.2)}) as running:
         wait_until(lambda: models(running)["m"]["state"] == "cold", APPLIED_S, "m cold")
         text = running.config.read_text()
         running.config.write_text(text + "unload_after_s = 0.5\n")  # m's table is the last
         wait_until(lambda: models(running)["m"]["state"] == "unloaded", APPLIED_S, "m unloaded")
-    finally:
-        running.cleanup()
 
 
 def test_with_watch_config_false_only_reload_applies_a_save(tiny_model: Path) -> None:
-    running = Daemon({"m": tiny(tiny_model, aliases=["old"])}, daemon_keys={"watch_config": False})
-    try:
-        running.wait_ready()
+    model = {"m": tiny(tiny_model, aliases=["old"])}
+    with serving(model, daemon_keys={"watch_config": False}) as running:
         assert running.config.parent.stat().st_ino not in watched_directories(running.process.pid)
         text = running.config.read_text()
         running.config.write_text(text.replace('aliases = ["old"]', 'aliases = ["new"]'))
-        done = subprocess.run(
-            [sys.executable, "-m", "arbiterd", "reload", "--socket", str(running.socket)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
+        done = arbiterd("reload", "--socket", str(running.socket))
         assert done.stdout.strip() == "reloaded (aliases changed: m)", done.stderr
         assert len(reload_events(running)) == 1
-    finally:
-        running.cleanup()
