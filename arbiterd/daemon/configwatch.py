@@ -6,7 +6,8 @@ the file: an editor that writes a temporary file and renames it over the config,
 file and creates it again, puts a new inode under the name, and a watch on the old inode would
 see nothing after the first save. The events are filtered to the file's name and read through
 the asyncio loop's `add_reader` on the inotify fd: no thread, and no timer while nothing happens
-(the one timer is the debounce, armed by an event). Once settled, the file is read once and
+(the one timer is the debounce, armed by an event); a config that is a symlink is seen when the
+link is replaced, not when its target is edited elsewhere. Once settled, the file is read once and
 compared with the bytes last applied: the same bytes (a `touch`, an editor that rewrites the
 text it read) apply nothing.
 
