@@ -17,6 +17,7 @@
     vram_budget = 0               # device bytes for a group or a model + projector; 0 = unchecked
     host_ram_budget = 0           # bytes (or "8GiB") of host copies + cold KV; 0 = no budget
     prompt_cache_budget = "4GiB"  # bytes of prompt caches unloaded models keep on disk
+    watch_config = true           # a saved change to this file applies as `arbiterd reload`
     [models.NAME]                 # one table per model; NAME is what requests ask for
     path = "/models/x.gguf"       # required
     aliases = []                  # more names requests may ask for, e.g. ["gpt-4o-mini"]
@@ -123,6 +124,7 @@ DAEMON_KEYS = (
     "vram_budget",
     "host_ram_budget",
     "prompt_cache_budget",
+    "watch_config",
 )
 MODEL_KEYS = (
     "path",
@@ -211,6 +213,8 @@ class DaemonConfig:
     host_ram_budget_bytes: int = 0
     # Issue 14: the prompt caches of unloaded models on disk; the oldest go first.
     prompt_cache_budget_bytes: int = PROMPT_CACHE_BUDGET_BYTES
+    # Issue 29: the daemon follows its config file (daemon/configwatch.py); read at start only.
+    watch_config: bool = True
 
 
 @dataclass(frozen=True)
@@ -477,6 +481,7 @@ class _DaemonValues:
     host_ram_budget_bytes: int = 0
     holder_timeout_s: float = HOLDER_TIMEOUT_S
     prompt_cache_budget_bytes: int = PROMPT_CACHE_BUDGET_BYTES
+    watch_config: bool = True
 
     def resolve(self, env: Mapping[str, str]) -> DaemonConfig:
         # Only defaults in use are resolved: they may need $XDG_RUNTIME_DIR, which the flags
@@ -498,6 +503,7 @@ class _DaemonValues:
             vram_budget=self.vram_budget,
             host_ram_budget_bytes=self.host_ram_budget_bytes,
             prompt_cache_budget_bytes=self.prompt_cache_budget_bytes,
+            watch_config=self.watch_config,
         )
 
 
@@ -551,6 +557,7 @@ def _daemon(src: Source, raw: object, overrides: _Overrides) -> _DaemonValues:
         host_ram_budget_bytes=table.size("host_ram_budget"),
         prompt_cache_budget_bytes=table.size("prompt_cache_budget", PROMPT_CACHE_BUDGET_BYTES),
         holder_timeout_s=holder_timeout_s,
+        watch_config=table.boolean("watch_config", True),
     )
 
 

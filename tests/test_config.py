@@ -1081,6 +1081,17 @@ def test_the_holder_timeout_defaults_to_thirty_seconds_and_must_be_above_zero(
             load_config(path, env=env)
 
 
+def test_the_daemon_follows_its_config_file_unless_told_not_to(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    assert load_text(tmp_path, env, MINIMAL).daemon.watch_config is True
+    text = "[daemon]\nwatch_config = false\n" + MINIMAL
+    assert load_text(tmp_path, env, text).daemon.watch_config is False
+    path = write(tmp_path, '[daemon]\nwatch_config = "no"\n' + MINIMAL)
+    with pytest.raises(ConfigError, match=r"daemon\.watch_config: expected true or false"):
+        load_config(path, env=env)
+
+
 @pytest.mark.parametrize(
     "http", ["127.0.0.1:1", "127.0.0.2:1", "localhost:1", "[::1]:1", "[::ffff:127.0.0.1]:1"]
 )

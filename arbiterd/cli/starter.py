@@ -22,7 +22,8 @@ def starter_config_text(found: list[Path]) -> str:
     """A commented config for `arbiterd install`: every key explained, and each GGUF in `found`
     as a [models.NAME] table ready to serve (comment a table out to leave that model out)."""
     lines = [
-        "# arbiterd configuration, read when the daemon starts (and on `arbiterd reload`).",
+        "# arbiterd configuration, read when the daemon starts and again whenever it is saved",
+        "# (as `arbiterd reload` does: a mistake applies nothing; [daemon] keys need a restart).",
         "# Paths may start with ~; relative paths are relative to this file's directory.",
         "",
         "[daemon]",
@@ -42,6 +43,7 @@ def starter_config_text(found: list[Path]) -> str:
         '# host_ram_budget = 0       host RAM for file copies and cold KV caches, e.g. "16GiB";',
         "#                           # above it the least recently used cold models unload",
         '# prompt_cache_budget = "4GiB"  disk for unloaded models\' prompt caches, oldest go first',
+        "# watch_config = true       # false: a saved change applies only at `arbiterd reload`",
         "",
         "# One [models.NAME] table per model; NAME (1-64 of A-Z a-z 0-9 . _ -) is the `model`",
         '# requests ask for; quote it when it contains a dot: [models."qwen2.5-7b"]. Keys:',

@@ -22,6 +22,9 @@ backlog's length (2,048) in one pass, logging a traceback and scheduling a retry
   head is at most MAX_HEAD_BYTES, however it arrives (uvicorn answers 400 past it).
 
 Must never log once per connection or per failed accept: a flood must not become a flood of log.
+Must not wake while nothing is served (issue 29): uvicorn's main loop ticks every 0.1 s, to look
+at `should_exit` and to refresh the Date header; here `should_exit` wakes the loop itself and the
+Date is made per response (`_DatedState`).
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ import os
 import re
 import resource
 import socket
+import threading
 import time
 from collections.abc import Callable, Generator, Sequence
+from email.utils import formatdate
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -208,6 +213,24 @@ class _BoundedHeads(h11.Connection):
         return super().next_event()
 
 
+class _DatedState(ServerState):
+    """uvicorn's server state, whose default headers carry the Date as each response starts
+    (uvicorn's tick, which HttpServer does not run, refreshes it every second)."""
+
+    def __init__(self) -> None:
+        self._headers: list[tuple[bytes, bytes]] = []
+        super().__init__()
+
+    @property
+    def default_headers(self) -> list[tuple[bytes, bytes]]:
+        # RFC 9110 section 6.6.1: an origin server with a clock sends Date in every response.
+        return [(b"date", formatdate(usegmt=True).encode()), *self._headers]
+
+    @default_headers.setter
+    def default_headers(self, headers: list[tuple[bytes, bytes]]) -> None:
+        self._headers = headers
+
+
 class _Connection(H11Protocol):
     """One HTTP connection: uvicorn's h11 protocol serving the app chosen for its peer, with a
     deadline on each request head. uvicorn bounds only the idle time between requests, and stops
@@ -298,6 +321,12 @@ class HttpServer(uvicorn.Server):
         """`max_connections` is shared out among the listeners; `http_host` is the host the
         TCP listeners were configured with, the name their requests' Host may give
         (arbiterd.daemon.browsers, as `allow_origins`)."""
+        # Before uvicorn's __init__, which sets should_exit. The lock orders should_exit, which
+        # any thread may set, with main_loop's start and end.
+        self._exit_lock = threading.Lock()
+        self._exit_asked = False
+        self._exit = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None  # while main_loop waits
         super().__init__(
             uvicorn.Config(
                 app,
@@ -312,6 +341,7 @@ class HttpServer(uvicorn.Server):
                 timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S,
             )
         )
+        self.server_state = _DatedState()
         self._listeners = list(listeners)
         self._owner = os.getuid()
         self._allowed = allow_uids | {self._owner}
@@ -331,9 +361,36 @@ class HttpServer(uvicorn.Server):
     def capture_signals(self) -> Generator[None, None, None]:
         yield
 
+    @property
+    def should_exit(self) -> bool:
+        return self._exit_asked
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        """Asked from any thread (a test's server runs in a thread of its own): wakes
+        main_loop's wait through call_soon_threadsafe, as an asyncio.Event is not thread-safe."""
+        with self._exit_lock:  # held: the loop cannot leave main_loop and close meanwhile
+            self._exit_asked = value
+            if value and self._loop is not None:
+                self._loop.call_soon_threadsafe(self._exit.set)
+
+    async def main_loop(self) -> None:
+        """Wait for should_exit, without uvicorn's tick every 0.1 s (its on_tick refreshes the
+        Date header, which _DatedState makes per response, and looks at should_exit)."""
+        with self._exit_lock:
+            self._loop = asyncio.get_running_loop()
+            asked = self._exit_asked
+        try:
+            if not asked:
+                await self._exit.wait()
+        finally:
+            with self._exit_lock:
+                self._loop = None
+
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         # With an empty list uvicorn binds nothing of its own and only marks itself started.
         await super().startup(sockets=[])
+        self.server_state.default_headers = list(self.config.encoded_headers)  # server: uvicorn
         loop = asyncio.get_running_loop()
         for listener, slots in zip(self._listeners, self._slots, strict=True):
             listener.setblocking(False)

@@ -2,9 +2,10 @@
 
 Owns the daemon's lifetime: check every model file, bind the HTTP port, the API's Unix socket and
 the control socket, and only then start the workers (a mistake or a taken port costs no model
-load); tell systemd when serving (READY=1 to $NOTIFY_SOCKET, Type=notify); stop gracefully on
-SIGTERM/SIGINT or the `shutdown` command (in-flight requests finish, workers stop and release the
-GPU, the journal is closed).
+load); follow the config file unless `[daemon] watch_config = false` (configwatch.py); tell
+systemd when serving (READY=1 to $NOTIFY_SOCKET, Type=notify); stop gracefully on SIGTERM/SIGINT
+or the `shutdown` command (in-flight requests finish, workers stop and release the GPU, the
+journal is closed).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import socket
 from collections.abc import Callable
 
 from arbiterd.config import Config
+from arbiterd.daemon.configwatch import ConfigWatch
 from arbiterd.daemon.controlserver import ControlServer
 from arbiterd.daemon.httpapi import create_app
 from arbiterd.daemon.httpserver import (
@@ -74,6 +76,11 @@ async def _serve(
     journal = Journal(daemon.journal)
     supervisor = Supervisor(config, journal, reload_config)
     control = ControlServer(supervisor, daemon.socket, history=journal.read)
+    watch = None
+    if reload_config is not None and config.source is not None and daemon.watch_config:
+        # Applied as the control socket's `reload` is: the supervisor holds any change that
+        # comes while it starts until its slots exist.
+        watch = ConfigWatch(config.source, lambda: supervisor.command("reload"))
     http = HttpServer(
         create_app(supervisor, api_key=daemon.api_key),
         listeners,
@@ -90,6 +97,8 @@ async def _serve(
     http_task: asyncio.Task[None] | None = None
     try:
         await control.start()
+        if watch is not None:
+            watch.start()  # before the workers start: a save while they load is not missed
         await supervisor.start()
         http_task = loop.create_task(http.serve())
         while not http.started:
@@ -116,6 +125,8 @@ async def _serve(
             with contextlib.suppress(Exception):
                 await http_task
         await control.close()
+        if watch is not None:
+            await watch.close()
         await supervisor.stop()
         journal.close()
         for signum in (signal.SIGTERM, signal.SIGINT):

@@ -20,10 +20,11 @@ loop; no request waits on a thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
 from typing import Any
 
 from arbiterd.arena import Arena, Token
@@ -83,24 +84,48 @@ log = logging.getLogger(__name__)
 
 COMMAND_TIMEOUT_S = 300.0
 STATUS_TIMEOUT_S = 10.0
-# How often models with an unload_after_s are looked at (a status request to each cold one).
-UNLOAD_CHECK_S = 1.0
+# A model due for unloading but not idle (a request waits for the GPU in it) is looked at again
+# this soon; one that is not unloaded for another reason (its file gone, its worker not
+# answering), one unload_after_s later.
+UNLOAD_RETRY_S = 1.0
 # Beside the journal: the prompt caches unloaded models keep (lifecycle.py, worker/kvfile.py).
 KV_DIR = "prompt-cache"
 # How to get an engine that offloads (scripts/setup.sh builds llama-cpp-python for it).
 ENGINE_REBUILD_HINT = "rebuild it with ARBITERD_ENGINE=cuda|rocm|vulkan ./scripts/setup.sh"
 
 
+def unload_at(slot: Slot) -> float | None:
+    """When `slot` will have been cold for its unload_after_s (time.monotonic()), if it stays
+    cold; None while it is not cold, or has no unload_after_s."""
+    after_s = slot.config.unload_after_s
+    if (
+        after_s <= 0
+        or slot.state is not SlotState.READY
+        or slot.residency is not ResidencyState.COLD
+        or slot.cold_since is None
+    ):
+        return None
+    return slot.cold_since + after_s
+
+
 def unload_due(slot: Slot, now: float) -> bool:
     """Whether `slot` has been cold for its unload_after_s by `now` (time.monotonic()); whether
     it is also idle (nothing queued) its worker's status says."""
-    after_s = slot.config.unload_after_s
-    return (
-        after_s > 0
-        and slot.state is SlotState.READY
-        and slot.residency is ResidencyState.COLD
-        and slot.cold_since is not None
-        and now - slot.cold_since >= after_s
+    at = unload_at(slot)
+    return at is not None and now >= at
+
+
+def next_unload_check(slots: Iterable[Slot], retry: Mapping[str, float]) -> float | None:
+    """When there is next a model to look at for unloading (time.monotonic()): the first
+    moment one is due, or for one found due but not unloaded then, the time in `retry` (by
+    name) to look at it again; None while none can become due, however long the daemon idles."""
+    return min(
+        (
+            max(at, retry.get(slot.name, at))
+            for slot in slots
+            if (at := unload_at(slot)) is not None
+        ),
+        default=None,
     )
 
 
@@ -175,20 +200,28 @@ class Supervisor:
         # more after it.
         self._ram_check: asyncio.Task[None] | None = None
         self._ram_check_again = False
+        # Set when a model may have become due for unloading sooner: a worker's residency
+        # changed, or a reload changed the slots; the unload watch sleeps until then, or until
+        # the first one is due (issue 29).
+        self._unload_wake = asyncio.Event()
+        # One reload at a time, and none before the slots exist: the control socket listens
+        # before the workers start, and two reloads at once would each replace the slots.
+        self._config_lock = asyncio.Lock()
         self.stopped = asyncio.Event()  # set by the shutdown command; the daemon awaits it
 
     # -- lifetime -----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        cache = self._lifecycle.prompt_cache
-        if cache is not None:  # refused now, with its fix, rather than at the first unload
-            await asyncio.to_thread(cache.make_private)
-        for group in self.config.groups.values():
-            self._start_keeper(group)
-        for name, model in self.config.models.items():
-            self._slots[name] = new_slot(model)
-            self.metrics.add_model(name)
-        await asyncio.gather(*(self._start(slot) for slot in self._slots.values()))
+        async with self._config_lock:
+            cache = self._lifecycle.prompt_cache
+            if cache is not None:  # refused now, with its fix, rather than at the first unload
+                await asyncio.to_thread(cache.make_private)
+            for group in self.config.groups.values():
+                self._start_keeper(group)
+            for name, model in self.config.models.items():
+                self._slots[name] = new_slot(model)
+                self.metrics.add_model(name)
+            await asyncio.gather(*(self._start(slot) for slot in self._slots.values()))
         log.info("VRAM telemetry: %s", self._vram.readers.describe())
         self._vram.start()
         self._spawn(self._unload_idle())
@@ -431,7 +464,14 @@ class Supervisor:
         aliases changed (those apply at once). [daemon] changes need a restart."""
         if self._reload_config is None:
             raise ControlError("running on the embedded default: there is no config to reload")
-        new = await asyncio.to_thread(self._reload_config)
+        async with self._config_lock:
+            result = await self._reload_from(self._reload_config)
+        self._unload_wake.set()  # unload_after_s may have changed, slots come and gone
+        return result
+
+    async def _reload_from(self, read: Callable[[], Config]) -> dict[str, Any]:
+        """The reload, under the config lock, of the config `read` returns."""
+        new = await asyncio.to_thread(read)
         # The whole new config is checked before anything changes: a bad file applies nothing.
         warnings = await asyncio.to_thread(
             check_models, new, copy_held=self._lifecycle.host_copies.holds
@@ -567,23 +607,50 @@ class Supervisor:
         return task
 
     async def _unload_idle(self) -> None:
-        """Unload each model that stayed cold and idle for its unload_after_s (issue 14)."""
+        """Unload each model that stayed cold and idle for its unload_after_s (issue 14).
+
+        Sleeps until the first model is due (next_unload_check), or until woken because one
+        may be due sooner (`_unload_wake`): a daemon none of whose models is cold with an
+        unload_after_s never wakes for it (issue 29)."""
+        retry: dict[str, float] = {}  # found due but not unloaded: looked at again then
         while True:
-            await asyncio.sleep(UNLOAD_CHECK_S)
+            self._unload_wake.clear()  # before the slots are read: a change after it wakes
+            at = next_unload_check(self._slots.values(), retry)
+            delay_s = None if at is None else max(0.0, at - time.monotonic())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay_s):
+                    await self._unload_wake.wait()
             now = time.monotonic()
-            for slot in [s for s in self._slots.values() if unload_due(s, now)]:
-                worker = slot.worker
-                assert worker is not None  # ready
-                if self._lifecycle.unload_refusal(slot):
-                    continue  # its file is gone: it stays (`unload` says why, when asked)
-                try:
-                    live = await worker.status(timeout_s=STATUS_TIMEOUT_S)
-                    # A request may wait cold for the GPU: not idle.
-                    if live.get("queue") or live.get("current") or not unload_due(slot, now):
-                        continue
-                    await self._lifecycle.unload(slot, "idle")
-                except ArbiterError as exc:
-                    log.warning("%s: could not unload it: %s", slot.name, exc)
+            due = [s for s in self._slots.values() if unload_due(s, now)]
+            retry = {s.name: retry[s.name] for s in due if s.name in retry}
+            for slot in due:
+                if retry.get(slot.name, now) <= now:
+                    later = await self._unload_if_idle(slot, now)
+                    if later is None:
+                        retry.pop(slot.name, None)
+                    else:
+                        retry[slot.name] = later
+
+    async def _unload_if_idle(self, slot: Slot, now: float) -> float | None:
+        """Unload `slot`, due at `now`, if its worker is idle; else when to look again (None:
+        no need, its residency changed meanwhile, which wakes the watch)."""
+        worker = slot.worker
+        assert worker is not None  # ready
+        if self._lifecycle.unload_refusal(slot):
+            # Its file is gone: it stays (`unload` says why, when asked), unless the file is
+            # back by the next look.
+            return now + slot.config.unload_after_s
+        try:
+            live = await worker.status(timeout_s=STATUS_TIMEOUT_S)
+            # A request may wait cold for the GPU: not idle.
+            if live.get("queue") or live.get("current"):
+                return now + UNLOAD_RETRY_S
+            if unload_due(slot, now):
+                await self._lifecycle.unload(slot, "idle")
+        except ArbiterError as exc:
+            log.warning("%s: could not unload it: %s", slot.name, exc)
+            return now + slot.config.unload_after_s
+        return None
 
     async def _watch_holders(self) -> None:
         """Ask every worker for its status each quarter of [daemon] holder_timeout_s (one
@@ -748,6 +815,7 @@ class Supervisor:
         if worker is None or event.model != slot.name:
             return
         slot.report_residency(event.to_state, now=time.monotonic(), reason=event.reason)
+        self._unload_wake.set()  # cold now, or no longer: its unload is due at another time
         if event.to_state is ResidencyState.COLD or event.from_state is ResidencyState.LOADING:
             self._want_ram_check()
         self._vram.residency(worker.pid, event)

@@ -6,6 +6,7 @@ tests/daemon/test_peers.py's), and in a process of its own where a low fd limit 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import resource
@@ -16,6 +17,7 @@ import stat
 import subprocess
 import sys
 import time
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +28,13 @@ from arbiterd.daemon.httpserver import (
     FD_RESERVE,
     MAX_CONNECTIONS,
     MAX_HEAD_BYTES,
+    HttpServer,
     UnixListener,
     connection_limit,
 )
 from arbiterd.daemon.peers import Peer
 from arbiterd.errors import ListenError
+from tests.support.http_server import hello
 from tests.support.inprocess_http import DEADLINE_S, serving
 from tests.support.waiting import wait_until
 
@@ -312,6 +316,47 @@ def test_the_soft_fd_limit_is_raised_to_the_hard_one() -> None:
     ).stdout
     returned, soft, hard, before = map(int, out.split())
     assert returned == soft == hard == before
+
+
+# -- while idle (issue 29) ------------------------------------------------------------------------
+
+
+def test_the_server_waits_for_should_exit_from_any_thread_without_ticking(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    server = HttpServer(
+        hello,
+        [],
+        allow_uids=frozenset(),
+        api_key="",
+        max_connections=1,
+        header_timeout_s=DEADLINE_S,
+        http_host="127.0.0.1",
+    )
+    ticks: list[int] = []
+
+    async def tick(counter: int) -> bool:  # uvicorn's, every 0.1 s of its main loop
+        ticks.append(counter)
+        return server.should_exit
+
+    monkeypatch.setattr(server, "on_tick", tick)
+
+    async def scenario() -> None:
+        waiting = asyncio.create_task(server.main_loop())
+        await asyncio.sleep(0)  # to its wait
+        await asyncio.to_thread(setattr, server, "should_exit", True)  # as tests stop theirs
+        await asyncio.wait_for(waiting, DEADLINE_S)
+
+    asyncio.run(scenario())
+    assert ticks == []
+
+
+def test_each_response_carries_the_date_it_was_made_at() -> None:
+    with serving(peer=Peer(os.getuid())) as served, httpx.Client(base_url=served.url) as c:
+        response = c.get("/")
+    made = parsedate_to_datetime(response.headers["date"]).timestamp()
+    assert abs(made - time.time()) < 2  # a second's resolution, and the test's own time
+    assert response.headers["server"] == "uvicorn"  # the other default header, as before
 
 
 # -- the Unix socket ------------------------------------------------------------------------------

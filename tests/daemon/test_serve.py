@@ -27,6 +27,9 @@ from tests.support.waiting import wait_until
 
 ALIASES = ["gpt-4o-mini", "qwen2.5:7b"]  # alpha's, as an OpenAI app and an Ollama app ask
 PREFIX = " ".join(f"the fox {w} is not a dog" for w in ("one", "two", "three", "four") * 8)
+# For tests of what `arbiterd reload` answers: the daemon would otherwise apply the saved file
+# itself too, maybe first (tests/daemon/test_serve_configwatch.py tests that).
+BY_RELOAD = {"watch_config": False}
 
 
 @pytest.fixture(scope="module")
@@ -535,7 +538,7 @@ def test_a_scrape_right_after_each_handoff_agrees_with_itself(
 
 
 def test_reload_starts_added_models_and_stops_removed_ones(tiny_model: Path) -> None:
-    running = Daemon({"keep": tiny(tiny_model), "drop": tiny(tiny_model)})
+    running = Daemon({"keep": tiny(tiny_model), "drop": tiny(tiny_model)}, daemon_keys=BY_RELOAD)
     try:
         running.wait_ready()
         text = running.config.read_text()
@@ -559,7 +562,7 @@ def test_reload_starts_added_models_and_stops_removed_ones(tiny_model: Path) -> 
 
 
 def test_a_reload_that_changes_only_aliases_keeps_the_worker(tiny_model: Path) -> None:
-    running = Daemon({"m": tiny(tiny_model, aliases=["old"])})
+    running = Daemon({"m": tiny(tiny_model, aliases=["old"])}, daemon_keys=BY_RELOAD)
     try:
         before = running.wait_ready()
         text = running.config.read_text()
@@ -583,7 +586,7 @@ def test_a_reload_that_changes_only_aliases_keeps_the_worker(tiny_model: Path) -
 def test_reload_keeps_serving_a_model_whose_file_vanished(tiny_model: Path, tmp_path: Path) -> None:
     own = tmp_path / "own.gguf"
     own.write_bytes(tiny_model.read_bytes())
-    running = Daemon({"kept": tiny(own), "other": tiny(tiny_model)})
+    running = Daemon({"kept": tiny(own), "other": tiny(tiny_model)}, daemon_keys=BY_RELOAD)
     try:
         running.wait_ready()
         own.unlink()

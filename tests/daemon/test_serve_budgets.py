@@ -146,7 +146,10 @@ def test_a_page_cache_model_keeps_no_copy_and_status_shows_both_budgets(
 
 
 def test_a_model_removed_by_a_reload_leaves_no_prompt_cache_behind(tiny_model: Path) -> None:
-    running = Daemon({"keep": tiny(tiny_model), "drop": tiny(tiny_model)})
+    # What `arbiterd reload` answers is tested: the daemon must not apply the save itself first.
+    running = Daemon(
+        {"keep": tiny(tiny_model), "drop": tiny(tiny_model)}, daemon_keys={"watch_config": False}
+    )
     folder = running.dir / "prompt-cache"
     try:
         running.wait_ready()
