@@ -62,6 +62,7 @@ from typing import IO, Any
 
 from arbiterd.cli.controlclient import ControlClient
 from benchmarks.common import (
+    add_source_arguments,
     describe_source,
     events_after,
     last_seq,
@@ -285,15 +286,7 @@ def measure(source: Path, model: Path, rounds: int, seed: int) -> dict[str, Any]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30, help="rounds per waiter (>= 1)")
-    parser.add_argument(
-        "--source",
-        type=Path,
-        default=Path(__file__).resolve().parent.parent,
-        help="the arbiterd checkout the daemon runs from (default: this one)",
-    )
-    parser.add_argument(
-        "--baseline-source", type=Path, help="a checkout to measure the same way first"
-    )
+    add_source_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="for the idle pauses")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)

@@ -4,6 +4,7 @@ daemon from another checkout (a before/after in one run), and reading a daemon's
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -94,6 +95,20 @@ def host_copy_bandwidth(nbytes: int = COPY_ARRAY_BYTES, tries: int = COPY_TRIES)
         "best_s": round(best_s, 6),
         "bytes_per_s": round(nbytes / best_s),
     }
+
+
+def add_source_arguments(parser: argparse.ArgumentParser) -> None:
+    """--source and --baseline-source: the checkouts a benchmark runs the daemon from (see
+    source_env), the baseline measured the same way first in the same run."""
+    parser.add_argument(
+        "--source",
+        type=Path,
+        default=Path(__file__).resolve().parent.parent,
+        help="the arbiterd checkout the daemon runs from (default: this one)",
+    )
+    parser.add_argument(
+        "--baseline-source", type=Path, help="a checkout to measure the same way first"
+    )
 
 
 def source_env(source: Path) -> dict[str, str]:

@@ -49,7 +49,15 @@ from pathlib import Path
 from typing import Any
 
 from arbiterd.cli.controlclient import ControlClient
-from benchmarks.common import describe_source, events_after, last_seq, ratio, report, source_env
+from benchmarks.common import (
+    add_source_arguments,
+    describe_source,
+    events_after,
+    last_seq,
+    ratio,
+    report,
+    source_env,
+)
 from tests.support.daemon import serving, tiny
 from tests.support.tiny_gguf import write_tiny_llama
 
@@ -334,15 +342,7 @@ def measure(source: Path, model: Path, seconds: float) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=60.0, help="how long to read (> 0)")
-    parser.add_argument(
-        "--source",
-        type=Path,
-        default=Path(__file__).resolve().parent.parent,
-        help="the arbiterd checkout the daemon runs from (default: this one)",
-    )
-    parser.add_argument(
-        "--baseline-source", type=Path, help="a checkout to measure the same way first"
-    )
+    add_source_arguments(parser)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if args.seconds <= 0:
