@@ -3,16 +3,12 @@ daemon's events, the figures, goals and ratios) and its --help."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from benchmarks.announce import comparison, kind_figures, parse_trace, release_start
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.support.benchmark_help import benchmark_help
 
 # What bash printed for `. gpu-job.sh true` with PS4='+${EPOCHREALTIME} ' (shortened paths).
 TRACE = """\
@@ -110,14 +106,6 @@ def test_ratios_are_ours_over_the_baseline_for_each_waiter_both_ran() -> None:
 
 
 def test_help_names_every_option() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.announce", "--help"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
+    text = benchmark_help("announce")
     for option in ("--rounds", "--baseline-source", "--source", "--seed", "--out"):
-        assert option in done.stdout
+        assert option in text

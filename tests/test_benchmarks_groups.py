@@ -3,9 +3,6 @@ events, the figures and ratios) and its --help."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 from benchmarks.groups import (
@@ -17,8 +14,7 @@ from benchmarks.groups import (
     releases,
     waits,
 )
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.support.benchmark_help import benchmark_help
 
 
 def residency(model: str, from_: str, to: str) -> dict[str, Any]:
@@ -88,14 +84,6 @@ def test_the_game_summary_says_whether_every_round_released_each_member_once() -
 
 
 def test_help_names_every_option() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.groups", "--help"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
+    text = benchmark_help("groups")
     for option in ("--rounds", "--game-rounds", "--out"):
-        assert option in done.stdout
+        assert option in text

@@ -4,9 +4,6 @@ goals and ratios, the idle state it waits for) and its --help."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,8 +20,7 @@ from benchmarks.idle import (
     process_figures,
     read_process,
 )
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.support.benchmark_help import benchmark_help
 
 STATUS = """\
 Name:\tpython
@@ -143,14 +139,6 @@ def test_idle_is_warm_holding_the_token_and_everything_else_cold() -> None:
 
 
 def test_help_names_every_option() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.idle", "--help"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
+    text = benchmark_help("idle")
     for option in ("--seconds", "--baseline-source", "--source", "--out"):
-        assert option in done.stdout
+        assert option in text

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,8 +24,7 @@ from benchmarks.worker_handoff import (
     release_memory,
     restore_vs_copy,
 )
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.support.benchmark_help import benchmark_help
 
 
 def words_plus_bos(text: str) -> int:
@@ -113,17 +110,9 @@ def test_restore_is_compared_with_a_memcpy_of_the_weights_and_kv_it_moved() -> N
 
 
 def test_help_names_every_option() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.worker_handoff", "--help"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
+    text = benchmark_help("worker_handoff")
     for option in ("--backend", "--model", "--n-gpu-layers", "--n-ctx", "--prefix-tokens", "--kv"):
-        assert option in done.stdout
+        assert option in text
 
 
 def test_a_run_without_the_in_place_engine_stops_before_it_measures(
