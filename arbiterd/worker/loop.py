@@ -10,19 +10,17 @@ Two threads:
   (arena/doorbell.py) armed on what a waiter does first, and probes when it rings, when the
   io thread queues a command, when the policy's next deadline comes, and at least every
   SAFETY_PROBE_S (issue 29). The decision reads live lock state, never a flag set by another
-  thread. A request is
-  prepared (sized, rendered, tokenized: CPU work with the vocabulary alone) before the worker
-  asks for the GPU; a warm model preparing one probes between the tokenizer's pieces, so a
-  waiter never waits for our tokenizing (issue 10).
+  thread. A request is prepared (sized, rendered, tokenized: CPU work with the vocabulary
+  alone) before the worker asks for the GPU; a warm model preparing one probes between the
+  tokenizer's pieces, so a waiter never waits for our tokenizing (issue 10).
 - the **io thread** reads the socket: it answers `status` and `cancel` at once (also during a
   decode: ctypes releases the GIL in llama_decode) and queues everything else for the engine.
   Its `status` says how old the engine thread's last *beat* is (`beat_age_s`; 0 while it
   sleeps on the doorbell, which no hung driver does): the engine thread beats each turn of its
-  loop and before each decode
-  batch and tokenizer piece of a request, through the callbacks the engine already asks. So a
-  long generation beats once per token or prompt batch, and only one native call that runs
-  longer than the daemon's `holder_timeout_s` (a hung driver; a single batch that slow) looks
-  like a hang; the daemon judges (daemon/liveness.py, issue 24).
+  loop and before each decode batch and tokenizer piece of a request, through the callbacks
+  the engine already asks. So a long generation beats once per token or prompt batch, and
+  only one native call that runs longer than the daemon's `holder_timeout_s` (a hung driver;
+  a single batch that slow) looks like a hang; the daemon judges (daemon/liveness.py, issue 24).
   When the daemon's end closes, it stops the worker: the current request is cancelled before
   its next decode, the token released, the process exits.
 
