@@ -308,13 +308,10 @@ class Worker:
         while not self._stopping.is_set():
             self._beat = time.monotonic()
             if self._residency.state is ResidencyState.WARM:
-                try:
-                    command = self._inbox.get_nowait()
-                except queue.Empty:
-                    if look_in_s is None or look_in_s > 0:
-                        self._sleep(look_in_s)
-                    look_in_s = self._maybe_release()
+                queued, look_in_s = self._while_warm(look_in_s)
+                if queued is None:
                     continue
+                command = queued
             else:
                 command = self._inbox.get()
             if command.op is WorkerOp.SHUTDOWN:
@@ -335,6 +332,20 @@ class Worker:
             elif command.op is WorkerOp.GENERATE:
                 self._handle_generate(command)
             look_in_s = 0.0  # a command may have made it warm, or left it idle: probe
+
+    def _while_warm(self, look_in_s: float | None) -> tuple[Command | None, float | None]:
+        """Warm: the next command if one is queued; else sleep until `look_in_s` (0: do not
+        sleep) and probe, and say when to look next. A command that comes during the sleep goes
+        first, the probe after it, as it always did."""
+        try:
+            return self._inbox.get_nowait(), look_in_s
+        except queue.Empty:
+            pass
+        if look_in_s is None or look_in_s > 0:
+            self._sleep(look_in_s)
+            if not self._inbox.empty():
+                return None, look_in_s
+        return None, self._maybe_release()
 
     def _sleep(self, timeout_s: float | None) -> None:
         """Warm and idle: wait for a bell, a command, `timeout_s` (the policy's next deadline)
