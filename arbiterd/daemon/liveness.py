@@ -6,7 +6,8 @@ Owns `Heard`, what the daemon last heard of one worker (workerclient.WorkerClien
 `judge`, a pure function of a `Heard`, the worker's residency and a clock: LIVE, SILENT (report
 it: an event, the tray amber, `status`) or KILL (SIGKILL it: the kernel frees its token, which
 moves on, and the lifecycle restarts it as after any crash). Never sends, kills or sleeps: the
-supervisor asks every worker for its status each `ping_interval_s` and applies the verdicts.
+supervisor asks every warm worker for its status each `ping_interval_s` and applies the
+verdicts.
 
 How the daemon knows the engine thread lives (worker/loop.py): the worker's io thread answers
 status even mid-decode (ctypes releases the GIL in llama_decode) and says how old the engine

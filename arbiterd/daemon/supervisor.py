@@ -653,11 +653,13 @@ class Supervisor:
         return None
 
     async def _watch_holders(self) -> None:
-        """Ask every worker for its status each quarter of [daemon] holder_timeout_s (one
+        """Ask every warm worker for its status each quarter of [daemon] holder_timeout_s (one
         question in flight per worker: a frozen one is sent no more) and apply the verdict on
         each (liveness.judge): a warm worker silent for holder_timeout_s is reported, and
         killed once silent twice that long, so the kernel frees its token and the lifecycle
-        restarts it as after any crash (issue 24)."""
+        restarts it as after any crash (issue 24). Only the warm are asked, and a reported one
+        until it is said to live again: `judge` finds every other worker live, and asking it
+        would wake it and the daemon for nothing (issue 29); `status` asks everyone."""
         reported: set[WorkerClient] = set()  # the silent ones, each said once per silence
         while True:
             await asyncio.sleep(ping_interval_s(self.config.daemon.holder_timeout_s))
@@ -665,7 +667,9 @@ class Supervisor:
             workers = [(slot, slot.worker) for slot in self._slots.values()]
             reported &= {worker for _, worker in workers if worker is not None}
             for slot, worker in workers:
-                if worker is not None:
+                if worker is not None and (
+                    slot.residency is ResidencyState.WARM or worker in reported
+                ):
                     worker.ask()
                     self._judge(slot, worker, now, reported)
 

@@ -5,7 +5,9 @@ otherwise), the engines' own figures for machines without a GPU reader (the acco
 weights + KV while a model is warm, updated on each of its residency events), the verified
 teardown after every release (in a thread: it polls the driver for seconds) and each model's
 cold footprint. It reaches the event loop only through the callbacks it is given, hopping
-there from its threads.
+there from its threads, and only while someone watches: otherwise a periodic reading is kept
+as the latest (a teardown's "before") and the loop sleeps on; `status` and a /metrics scrape
+take a reading of their own (issue 29).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class VramWatch:
         readers: ReaderSet | None = None,
     ) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._watched = watched
         self._on_snapshot = on_snapshot
         self._on_leak = on_leak
         # Read by the sampler's thread: replaced whole on every change, never mutated.
@@ -162,5 +165,5 @@ class VramWatch:
 
     def _from_sampler(self, snapshot: TelemetrySnapshot) -> None:
         loop = self._loop
-        if loop is not None and not loop.is_closed():
+        if loop is not None and not loop.is_closed() and self._watched():
             loop.call_soon_threadsafe(self._on_snapshot, snapshot)

@@ -55,14 +55,16 @@ class LeakyGpu:
 class Watch:
     """A VramWatch and what it told its callbacks."""
 
-    def __init__(self, arena: Path, readers: ReaderSet | None = None) -> None:
+    def __init__(
+        self, arena: Path, readers: ReaderSet | None = None, *, watched: bool = True
+    ) -> None:
         self.snapshots: asyncio.Queue[TelemetrySnapshot] = asyncio.Queue()
         self.leaks: asyncio.Queue[Event] = asyncio.Queue()
         self.vram = VramWatch(
             arena,
             on_snapshot=self.snapshots.put_nowait,
             on_leak=self.leaks.put_nowait,
-            watched=lambda: True,
+            watched=lambda: watched,
             readers=readers,
         )
 
@@ -215,3 +217,21 @@ def test_the_sampler_hands_its_readings_to_the_loop(tmp_path: Path) -> None:
         return snapshot.model_bytes("a")
 
     assert run(scenario()) == 2 * GiB
+
+
+def test_with_nobody_watching_the_readings_stay_off_the_loop(tmp_path: Path) -> None:
+    async def scenario() -> tuple[int, int | None]:
+        watch = Watch(tmp_path / "arena", watched=False)
+        watch.vram.worker_started("a", A_PID)
+        watch.vram.residency(A_PID, residency("a", "loading", "warm", weights=GiB, kv=GiB))
+        watch.vram.start()
+        try:
+            # A reading taken as status and a scrape take one: the sampler's hop to the loop,
+            # had it made one, was scheduled before this await's result, so it would be queued.
+            fresh = await watch.vram.fresh()
+            queued = watch.snapshots.qsize()
+        finally:
+            await watch.vram.stop()
+        return queued, None if fresh is None else fresh.model_bytes("a")
+
+    assert run(scenario()) == (0, 2 * GiB)
