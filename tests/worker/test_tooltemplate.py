@@ -185,3 +185,41 @@ def test_a_template_from_the_config_replaces_the_ggufs(tiny_model: Path) -> None
         assert info.chat_template == template
     finally:
         backend.close()
+
+
+# gemma-3's rules, in short: a system turn is folded into the first user turn, user and model
+# turns must alternate, and there is no tool role.
+ALTERNATING_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% set first = messages[0]['content'] + '\n\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set first = '' %}{% set turns = messages %}{% endif %}"
+    "{% for m in turns %}"
+    "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+    "{% endif %}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ first if loop.first else '' }}{{ m['content'] }}<end_of_turn>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def test_a_template_whose_roles_must_alternate_renders_a_history_of_calls(
+    tiny_model: Path,
+) -> None:
+    spec = ModelSpec(
+        name="alternating",
+        path=tiny_model,
+        n_ctx=2048,  # the tiny vocabulary spells JSON a byte a token
+        n_gpu_layers=0,
+        chat_template=ALTERNATING_TEMPLATE,
+    )
+    backend = ReloadBackend(spec)
+    backend.load()
+    try:
+        prompt = _prompt(backend, {"messages": CALLED, "tools": [WEATHER]})
+        assert prompt.count("<start_of_turn>user") == 2  # both results in one user turn
+        assert prompt.index("get_weather") < prompt.index("What is the weather in Oslo?")
+        assert prompt.endswith("<start_of_turn>model\n")
+    finally:
+        backend.close()
