@@ -99,24 +99,27 @@ def generic_tool_messages(messages: list[Any], tools: list[dict[str, Any]]) -> l
     system message, else a new one before the others), and earlier calls and tool results as
     text the template prints whatever roles it knows."""
     described = _tools_text(tools)
+    names: dict[str, str] = {}  # call id → the tool it called, to name each result
     shaped: list[Any] = []
+    results_open = False  # the last turn is tool results, which the next one joins
     for message in messages:
+        is_result = isinstance(message, dict) and message.get("role") == "tool"
         if not isinstance(message, dict):
             shaped.append(message)
-        elif message.get("role") == "tool":
-            result = _result_text(message)
-            previous = shaped[-1] if shaped else None
-            if isinstance(previous, dict) and previous.get("_tool_results"):
-                # Consecutive results are one turn: templates that insist on alternating
-                # user and assistant turns render them.
-                previous["content"] += "\n" + result
-            else:
-                shaped.append({"role": "user", "content": result, "_tool_results": True})
+        elif is_result and results_open:
+            # Consecutive results are one turn: templates that insist on alternating user
+            # and assistant turns render them.
+            shaped[-1] = {
+                **shaped[-1],
+                "content": shaped[-1]["content"] + "\n" + _result_text(message, names),
+            }
+        elif is_result:
+            shaped.append({"role": "user", "content": _result_text(message, names)})
         elif message.get("role") == "assistant" and message.get("tool_calls"):
-            shaped.append({"role": "assistant", "content": _calls_text(message)})
+            shaped.append({"role": "assistant", "content": _calls_text(message, names)})
         else:
             shaped.append(message)
-    shaped = [_without_marker(message) for message in shaped]
+        results_open = is_result
     first = shaped[0] if shaped else None
     if isinstance(first, dict) and first.get("role") == "system":
         content = first.get("content")
@@ -126,12 +129,6 @@ def generic_tool_messages(messages: list[Any], tools: list[dict[str, Any]]) -> l
             merged = f"{content or ''}\n\n{described}".lstrip("\n")
         return [{**first, "content": merged}, *shaped[1:]]
     return [{"role": "system", "content": described}, *shaped]
-
-
-def _without_marker(message: Any) -> Any:
-    if isinstance(message, dict) and "_tool_results" in message:
-        return {key: value for key, value in message.items() if key != "_tool_results"}
-    return message
 
 
 def _tools_text(tools: list[dict[str, Any]]) -> str:
@@ -145,12 +142,16 @@ def _tools_text(tools: list[dict[str, Any]]) -> str:
     )
 
 
-def _calls_text(message: dict[str, Any]) -> str:
+def _calls_text(message: dict[str, Any], names: dict[str, str]) -> str:
+    """An assistant turn's calls as the answer that makes them, each call's id noted in
+    `names` with the tool it called."""
     calls = []
     for call in message["tool_calls"]:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict):
             continue
+        if isinstance(call.get("id"), str) and isinstance(function.get("name"), str):
+            names[call["id"]] = function["name"]
         arguments = function.get("arguments")
         if isinstance(arguments, str):
             with contextlib.suppress(json.JSONDecodeError):  # shown as the client sent it
@@ -162,9 +163,13 @@ def _calls_text(message: dict[str, Any]) -> str:
     return f"{content}\n{text}" if isinstance(content, str) and content else text
 
 
-def _result_text(message: dict[str, Any]) -> str:
+def _result_text(message: dict[str, Any], names: dict[str, str]) -> str:
+    """A tool result as a line naming the tool (by the call it answers) and the call's id."""
     content = message.get("content")
     if isinstance(content, list):
         content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    name = message.get("name") or message.get("tool_call_id") or "the tool"
-    return f"The result of {name}: {content}"
+    call_id = message.get("tool_call_id")
+    name = message.get("name") or (names.get(call_id) if isinstance(call_id, str) else None)
+    if name and call_id:
+        return f"The result of {name} ({call_id}): {content or ''}"
+    return f"The result of {name or call_id or 'the tool'}: {content or ''}"

@@ -72,7 +72,9 @@ def test_earlier_calls_and_results_become_turns_any_template_renders() -> None:
     call = {"name": "get_weather", "arguments": {"city": "Oslo"}}
     assert json.loads(shaped[2]["content"]) == call
     # Two results in a row are one user turn: templates that make roles alternate render it.
-    assert shaped[3]["content"] == "The result of call_1: sunny\nThe result of call_1: 12 C"
+    assert shaped[3]["content"] == (
+        "The result of get_weather (call_1): sunny\nThe result of get_weather (call_1): 12 C"
+    )
 
 
 # -- checking a template from the config ------------------------------------------------------
@@ -139,7 +141,7 @@ def test_a_template_without_tools_gets_them_in_the_system_turn(engine: ReloadBac
     prompt = _prompt(engine, {"messages": CALLED, "tools": [WEATHER]})
     assert prompt.index("<|system|>") < prompt.index("get_weather") < prompt.index("<|user|>")
     assert '{"name": "get_weather", "arguments": {"city": "Oslo"}}' in prompt  # the call
-    assert "The result of call_1: sunny" in prompt
+    assert "The result of get_weather (call_1): sunny" in prompt
     assert engine.capabilities() == (Capability.COMPLETION, Capability.CHAT, Capability.TOOLS)
 
 
