@@ -29,6 +29,9 @@
     unload_after_s = 0,           # unload after cold and idle this long; 0 = never
     host_copy = "memfd",          # "page-cache": no copy in RAM; the kernel may reclaim it
     encoder = "jit"               # with mmproj: "resident" keeps the encoder while warm
+    tools = "offer"               # "refuse": chat requests may not offer tools
+    chat_template = "…"           # a Jinja chat template replacing the GGUF's (or
+    chat_template_file = "…"      # a file holding one); checked here (chattemplate.py)
     max_image_bytes = 5 MiB, max_image_pixels = 33554432 (8192 x 4096),
     allow_image_urls = false      # file:// and http(s):// image URLs (data: URLs always)
     [groups.NAME]                 # models that hold the GPU together (arbiterd/arena/groups.py)
@@ -57,6 +60,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from arbiterd.arena import PRIORITY_CHOICES, Priority
+from arbiterd.chattemplate import template_problem
 from arbiterd.errors import BadValueError, ConfigError
 from arbiterd.paths import default_arena, runtime_dir
 from arbiterd.spec import MAX_N_CTX, KvPolicy, ModelSpec, Residency, WorkerConfig
@@ -149,11 +153,21 @@ MODEL_KEYS = (
     "max_image_bytes",
     "max_image_pixels",
     "allow_image_urls",
+    "tools",
+    "chat_template",
+    "chat_template_file",
 )
 STARTER_N_CTX = 4096
 # Issue 14: a state file is a few MB to a few GB (the KV of the tokens in use); 4 GiB keeps a
 # handful of large ones.
 PROMPT_CACHE_BUDGET_BYTES = 4 << 30
+
+
+class Tools(enum.StrEnum):
+    """Whether chat requests may offer a model tools (issue 30)."""
+
+    OFFER = "offer"  # by its template, or described in the system turn when it has no place
+    REFUSE = "refuse"  # a request that offers tools is refused
 
 
 class Encoder(enum.StrEnum):
@@ -257,6 +271,10 @@ class ModelConfig:
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     allow_image_urls: bool = False
+    tools: Tools = Tools.OFFER
+    # The chat template replacing the GGUF's (chat_template, or chat_template_file's text),
+    # checked to parse and render a generation prompt; None: the GGUF's.
+    chat_template: str | None = None
 
     def same_worker(self, other: ModelConfig) -> bool:
         """Whether `other` runs the same worker as this config: equal but for the aliases,
@@ -303,6 +321,8 @@ class ModelConfig:
             host_copy_fd=host_copy_fd,
             mmproj=self.mmproj,
             encoder_resident=self.encoder is Encoder.RESIDENT,
+            tools=self.tools is Tools.OFFER,
+            chat_template=self.chat_template,
         )
         return WorkerConfig(
             spec=spec,
@@ -414,6 +434,8 @@ _RESIDENCY_EXPECTED = 'one of "auto", "in-place", "reload"'
 _LOAD_EXPECTED = 'one of "start", "demand"'
 _HOST_COPY_EXPECTED = 'one of "memfd", "page-cache"'
 _ENCODER_EXPECTED = 'one of "jit", "resident"'
+_TOOLS_EXPECTED = 'one of "offer", "refuse"'
+_TEMPLATE_EXPECTED = 'a Jinja chat template ("" = the GGUF\'s own)'
 _ALIASES_EXPECTED = 'an array of aliases, e.g. ["gpt-4o-mini", "qwen2.5:7b"]'
 _EMBEDDING_EXPECTED = "true or false (leave it out: as the GGUF says)"
 # Origins that stand for pages the owner cannot name: allowing one would let any page in.
@@ -670,6 +692,7 @@ def _model(src: Source, name: str, raw: object) -> ModelConfig:
     embedding = raw.get("embedding")
     if embedding is not None and not isinstance(embedding, bool):
         raise src.expected(table.keys("embedding"), _EMBEDDING_EXPECTED, embedding)
+    chat_template = _chat_template(table, chat_format)
     return ModelConfig(
         name=name,
         aliases=_aliases(table),
@@ -704,7 +727,37 @@ def _model(src: Source, name: str, raw: object) -> ModelConfig:
             ok=lambda v: v > 0,
         ),
         allow_image_urls=table.boolean("allow_image_urls", False),
+        tools=table.choice("tools", Tools.OFFER, _TOOLS_EXPECTED),
+        chat_template=chat_template,
     )
+
+
+def _chat_template(table: Table, chat_format: str) -> str | None:
+    """The model's chat_template, or the text of its chat_template_file, checked to parse and
+    to render a generation prompt (chattemplate.template_problem); None when it names neither."""
+    src = table.src
+    text = table.string("chat_template", "", _TEMPLATE_EXPECTED)
+    path = table.optional_path("chat_template_file")
+    key = "chat_template" if text else "chat_template_file"
+    if text and path is not None:
+        raise src.fail(
+            table.keys("chat_template_file"), "give chat_template or chat_template_file, not both"
+        )
+    if path is not None:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "it is not UTF-8 text"
+            raise src.fail(table.keys(key), f"cannot read {path}: {reason}") from None
+    if not text:
+        return None
+    if chat_format:
+        raise src.fail(table.keys(key), "give chat_format or a chat template, not both")
+    problem = template_problem(text)
+    if problem:
+        shown = f" ({path})" if path is not None else ""
+        raise src.fail(table.keys(key), f"{problem}{shown}")
+    return text
 
 
 def _aliases(table: Table) -> tuple[str, ...]:

@@ -120,6 +120,12 @@ def describe_engine(offload: bool, devices: Sequence[str]) -> str:
     return f"{', '.join(gpus)} (GPU offload)" if gpus else "GPU offload"
 
 
+def capabilities_text(capabilities: Sequence[str]) -> str:
+    """What a model can be asked for, as the CLI's status and the tray say it ("" before its
+    worker told: nothing is claimed)."""
+    return ", ".join(capabilities)
+
+
 def grouped(pairs: Iterable[tuple[str, str]]) -> list[tuple[list[str], str]]:
     """(names, text) for each distinct non-empty text of (name, text) pairs, in the order each
     text first comes: the same warning for several models is said once, naming them all."""

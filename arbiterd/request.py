@@ -7,8 +7,8 @@ by field and answers each bad one with a 400 naming it; what reaches this record
 what the engine runs. `from_json` reads a record off the wire with a ladder of guard clauses,
 each failure a RequestError naming the field, so that a malformed message fails its request
 and never the worker (issue 24). The checks that need the model (token ids within its
-vocabulary, a schema its grammar compiler follows, a prompt its context holds, a template with
-a place for tools) are the engine's. Imports nothing heavy: the daemon and the worker share it.
+vocabulary, a schema its grammar compiler follows, a prompt its context holds, a model that
+takes tools) are the engine's. Imports nothing heavy: the daemon and the worker share it.
 """
 
 from __future__ import annotations

@@ -87,6 +87,11 @@ class ModelSpec:
     mmproj: Path | None = None
     # Keep the projector loaded while warm; False: load it for each encode, free it right after.
     encoder_resident: bool = False
+    # Chat requests may offer tools (issue 30); False: the config's tools = "refuse".
+    tools: bool = True
+    # The config's chat_template (or chat_template_file's text), checked at config load; it
+    # replaces the GGUF's own. None: the GGUF's (or chat_format's).
+    chat_template: str | None = None
 
 
 def kind_refusal(model: str, kind: str, embedding: bool) -> str:
@@ -101,6 +106,45 @@ def kind_refusal(model: str, kind: str, embedding: bool) -> str:
             "not embeddings"
         )
     return ""
+
+
+class Capability(enum.StrEnum):
+    """What a model can be asked for, as /v1/models, /api/tags, /api/show and status name it."""
+
+    CHAT = "chat"  # it has a chat template (its GGUF's, a chat_format or the config's)
+    COMPLETION = "completion"  # every generative model completes a prompt
+    TOOLS = "tools"  # chat requests may offer tools (unless tools = "refuse")
+    VISION = "vision"  # its config names a projector (mmproj)
+    EMBEDDING = "embedding"  # an embedding model, which serves nothing else
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a model's GGUF says of it, as its worker read it: the architecture, the context it
+    was trained for (0: not said) and the chat template chats are rendered with ("": none)."""
+
+    architecture: str
+    trained_context: int
+    chat_template: str
+
+
+def capabilities(spec: ModelSpec, *, has_chat_template: bool) -> tuple[Capability, ...]:
+    """What the model `spec` describes can do, `has_chat_template` saying whether its GGUF has
+    a chat template: an embedding model only embeds; any other completes, chats when it has a
+    template (the GGUF's, a chat_format or the config's), takes tools with chat unless its
+    config refuses them (a template without a place for them gets them in the system turn,
+    arbiterd/chattemplate.py), and images when a projector is named."""
+    if spec.embedding:
+        return (Capability.EMBEDDING,)
+    chat = has_chat_template or spec.chat_format is not None or spec.chat_template is not None
+    found = [Capability.COMPLETION]
+    if chat:
+        found.append(Capability.CHAT)
+        if spec.tools:
+            found.append(Capability.TOOLS)
+        if spec.mmproj is not None:
+            found.append(Capability.VISION)
+    return tuple(found)
 
 
 @dataclass(frozen=True)

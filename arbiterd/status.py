@@ -36,10 +36,18 @@ class ModelStatus(Record):
     host; `host_copy_bytes` the size of that copy and `host_copy_shared_with` the other models
     on it (both only while it has one). `stale_s`: its worker did not answer (issue 24), and
     its figures are what it said this long ago; `silent_s`: its warm worker has shown no sign of
-    life this long, holder_timeout_s or more."""
+    life this long, holder_timeout_s or more. `capabilities`: what it can be asked for
+    (arbiterd.spec.Capability: chat, completion, tools, vision, embedding), as its worker
+    tells from its GGUF and config; empty until a worker has opened the model. `architecture`,
+    `trained_context` and `chat_template`: what its GGUF says (the template the config's
+    chat_template replaces it with), as its worker read them; "" and 0 until then."""
 
     name: str = ""
     aliases: tuple[str, ...] = ()
+    capabilities: tuple[str, ...] = ()
+    architecture: str = ""
+    trained_context: int = 0
+    chat_template: str = ""
     n_ctx: int = 0
     host_copy: str = ""  # "memfd" | "page-cache"
     state: ResidencyState | SlotState = SlotState.UNKNOWN
@@ -86,6 +94,21 @@ class ModelStatus(Record):
     def troubled(self) -> bool:
         """Failed, or restarting after a crash: the tray turns amber while it lasts."""
         return self.state in TROUBLE or self.state is ResidencyState.FAILED
+
+
+def model_info_fields(raw: object) -> dict[str, Any]:
+    """ModelStatus's `architecture`, `trained_context` and `chat_template` from a worker
+    status's "model_info" (None before the worker opened the model): the fields it has right,
+    never an exception."""
+    info = raw if isinstance(raw, dict) else {}
+    fields: dict[str, Any] = {}
+    if isinstance(info.get("architecture"), str):
+        fields["architecture"] = info["architecture"]
+    if isinstance(info.get("trained_context"), int):
+        fields["trained_context"] = info["trained_context"]
+    if isinstance(info.get("chat_template"), str):
+        fields["chat_template"] = info["chat_template"]
+    return fields
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ FULL = DaemonStatus(
         ModelStatus(
             name="story",
             aliases=("gpt-4o-mini",),
+            capabilities=("completion", "chat", "tools"),
             n_ctx=2048,
             host_copy="memfd",
             state=ResidencyState.WARM,

@@ -247,6 +247,9 @@ def render_status(status: DaemonStatus) -> str:
     if engine is not None:
         lines.append("engine: " + render.describe_engine(engine.offload, engine.devices))
     # Every worker loads the same engine: a reason or a warning usually holds for all models.
+    capabilities = ((m.name, render.capabilities_text(m.capabilities)) for m in models)
+    for names, can in render.grouped(capabilities):
+        lines.append(f"capabilities ({', '.join(names)}): {can}")
     for names, reason in render.grouped((m.name, m.fallback_reason) for m in models):
         lines.append(f"backend reload ({', '.join(names)}): {reason}")
     for names, warning in render.grouped((m.name, m.warning) for m in models):

@@ -518,6 +518,7 @@ def _model_object(model: ModelStatus, id_: str, created: int) -> dict[str, Any]:
         "created": created,
         "owned_by": "arbiterd",
         "context_length": model.n_ctx,
+        "capabilities": list(model.capabilities),
         "state": model.state,
         "backend": model.backend,
     }
@@ -573,6 +574,18 @@ def _add_ollama_routes(
     @app.get("/api/ps", dependencies=guarded)
     async def ollama_ps() -> dict[str, Any]:
         return ollama.ps((await service.status()).models)
+
+    @app.post("/api/show", dependencies=guarded)
+    async def ollama_show(request: Request) -> Response:
+        try:
+            model = ollama.show_model(_parse_json(await _read_body(request, max_body_bytes)))
+        except Exception as exc:
+            return _api_error(exc, names).response()
+        name = service.resolve(model)
+        report = (await service.status()).model(name) if name is not None else None
+        if report is None:
+            return _unknown_model(model, names()).response()
+        return JSONResponse(ollama.show(report))
 
     async def serve_ollama(request: Request, route: str) -> Response:
         try:

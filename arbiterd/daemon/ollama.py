@@ -5,10 +5,17 @@ daemon serves, and the answers back in Ollama's shapes. Pure functions; httpapi.
                          keep_alive}
     POST /api/generate  {model, prompt, system, raw, stream, options, format, keep_alive}
     POST /api/embed     {model, input, truncate, dimensions, options, keep_alive}
+    POST /api/show      {model}: details, model_info, capabilities, template, parameters
     GET  /api/tags, /api/ps, /api/version
 
 /api/tags and /api/ps list each model and each of its aliases as its own entry, named as Ollama
 names models: NAME:TAG, a name without a tag as NAME:latest (a request may say either).
+Each entry, and /api/show, names the model's capabilities as status does (chat, completion,
+tools, vision, embedding; Ollama's own names but for "chat", which it leaves implied).
+/api/show's model_info has `general.architecture` and `<architecture>.context_length`, the
+context the GGUF says it was trained for (the configured n_ctx when it says none), and its
+parameters `num_ctx`, the context arbiterd serves it with; `template` is the Jinja chat
+template its chats are rendered with (Ollama writes Go templates; arbiterd has none).
 A streamed answer is NDJSON, one object per line, the last with "done": true and the counts.
 Tools are OpenAI's (Ollama takes the same objects); a call comes back as Ollama writes it,
 `message.tool_calls: [{"function": {"name", "arguments": {...}}}]`, in a streamed answer on
@@ -161,6 +168,15 @@ def generate_request(payload: object) -> tuple[RequestKind, dict[str, Any], bool
     return RequestKind.CHAT, _with_common(body, openai), _stream(body)
 
 
+def show_model(payload: object) -> str:
+    """The model /api/show's body asks about: `model`, or `name` as older clients send it."""
+    body = _object(payload)
+    model = body.get("model") or body.get("name")
+    if not isinstance(model, str) or not model:
+        raise BadValueError("'model' must name a model")
+    return model
+
+
 def embed_request(payload: object) -> dict[str, Any]:
     """/api/embed's body as the OpenAI /v1/embeddings payload."""
     body = _object(payload)
@@ -248,6 +264,33 @@ def ps(models: tuple[ModelStatus, ...]) -> dict[str, Any]:
     }
 
 
+def show(status: ModelStatus) -> dict[str, Any]:
+    """/api/show for the model `status` reports, as Ollama's clients read it."""
+    architecture = status.architecture
+    info: dict[str, Any] = {"general.architecture": architecture}
+    if architecture:
+        info[f"{architecture}.context_length"] = status.trained_context or status.n_ctx
+    return {
+        "modelfile": "",
+        "parameters": f"num_ctx {status.n_ctx}",
+        "template": status.chat_template,
+        "details": _details(status),
+        "model_info": info,
+        "capabilities": list(status.capabilities),
+    }
+
+
+def _details(status: ModelStatus) -> dict[str, Any]:
+    return {
+        "parent_model": "",
+        "format": "gguf",
+        "family": status.architecture,
+        "families": [status.architecture] if status.architecture else None,
+        "parameter_size": "",
+        "quantization_level": "",
+    }
+
+
 def _tagged(name: str) -> str:
     """A model name or alias as Ollama spells it: NAME:TAG, with its default tag if it has none."""
     return name if ":" in name else f"{name}:{DEFAULT_TAG}"
@@ -262,12 +305,8 @@ def _entries(status: ModelStatus) -> list[dict[str, Any]]:
             "model": _tagged(name),
             "size": status.host_copy_bytes or 0,
             "digest": "",
-            "details": {
-                "format": "gguf",
-                "family": "",
-                "parameter_size": "",
-                "quantization_level": "",
-            },
+            "details": _details(status),
+            "capabilities": list(status.capabilities),
             "state": status.state,
             "backend": status.backend,
         }

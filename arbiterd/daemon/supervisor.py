@@ -78,6 +78,7 @@ from arbiterd.status import (
     ModelStatus,
     PromptCache,
     Waiter,
+    model_info_fields,
 )
 
 log = logging.getLogger(__name__)
@@ -380,6 +381,8 @@ class Supervisor:
             pid=live.get("pid", report.pid),
             queue=live.get("queue", report.queue),
             resident_bytes=live.get("resident_bytes", report.resident_bytes),
+            capabilities=tuple(live.get("capabilities") or report.capabilities),
+            **model_info_fields(live.get("model_info")),
             prompt_tokens_evaluated=live.get("prompt_tokens_evaluated", 0),
             served=live.get("served", 0),
             last_error=live.get("last_error") or slot.last_error,

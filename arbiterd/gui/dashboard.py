@@ -182,6 +182,8 @@ class ModelCard(QFrame):
             extra.append(f"{model.restarts} restart{'s' if model.restarts != 1 else ''}")
         if model.backend:
             extra.append(f"{model.backend} backend")
+        if model.capabilities:  # what it can be asked for, once its worker told (issue 30)
+            extra.append(render.capabilities_text(model.capabilities))
         self.queue.setText(" · ".join(extra))
         self.queue.setToolTip(model.fallback_reason)
         self._show_encoder(state.history.last_encoder.get(model.name), state)

@@ -83,7 +83,15 @@ from arbiterd.errors import (
 from arbiterd.events import RequestEvent, ResidencyEvent
 from arbiterd.procs import holder_name
 from arbiterd.request import GenerateRequest
-from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, ModelSpec, Residency, WorkerConfig
+from arbiterd.spec import (
+    WORKER_PROTOCOL,
+    Capability,
+    KvPolicy,
+    ModelInfo,
+    ModelSpec,
+    Residency,
+    WorkerConfig,
+)
 from arbiterd.states import BackendKind, RequestStatus, ResidencyState, WorkerOp
 from arbiterd.wire import LineReader, LineWriter
 from arbiterd.worker import keptkv
@@ -673,6 +681,7 @@ class Worker:
         self._out.send(event.to_json())
 
     def _publish(self) -> None:
+        info = self._backend.model_info()
         self._status = {
             "model": self.name,
             "pid": os.getpid(),
@@ -684,6 +693,8 @@ class Worker:
             "served": self._served,
             "paused": self._paused,
             "resident_bytes": self._backend.resident_bytes(),
+            "capabilities": [str(capability) for capability in self._backend.capabilities()],
+            "model_info": None if info is None else dataclasses.asdict(info),
             "host_kv_bytes": self._backend.host_kv_bytes(),
             "host_weights_bytes": self._backend.host_weights_bytes(),
             "prompt_tokens_evaluated": self._backend.prompt_tokens_evaluated_total,
@@ -773,6 +784,12 @@ class Unavailable:
 
     def resident_bytes(self) -> int:
         return 0
+
+    def capabilities(self) -> tuple[Capability, ...]:
+        return ()
+
+    def model_info(self) -> ModelInfo | None:
+        return None
 
     def host_kv_bytes(self) -> int:
         return 0

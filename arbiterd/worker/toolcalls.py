@@ -8,6 +8,8 @@ and the arguments (or "parameters"), or a list of them:
     [TOOL_CALLS][{"name": ..., "arguments": {...}}]               Mistral
     <|python_tag|>{"name": ..., "parameters": {...}}              Llama 3.1+
     {"name": ..., "arguments": {...}}                              the bare object, at the start
+(the bare object is also what arbiterd/chattemplate.py's generic rendering asks of a model whose
+template has no place for tools).
 A call is read only when every JSON value there is a call of a tool the request offered;
 anything else stays the assistant's text. A call must start at a marker, or with the first
 character of the answer: text that merely quotes JSON later on stays text.

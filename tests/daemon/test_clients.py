@@ -1,6 +1,7 @@
-"""Client libraries we did not write, against a real daemon of tiny models: the openai SDK,
-LangChain and litellm, each as its users call it (tools, structured output, logprobs, several
-choices, usage in streams)."""
+"""Client libraries we did not write, against a real daemon of tiny models and SmolLM2-135M-
+Instruct (whose template has no place for tools: the generic rendering offers them): the openai
+SDK, LangChain, litellm and the ollama client, each as its users call it (tools, structured
+output, logprobs, several choices, usage in streams, a model's capabilities)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMessageParam
 
+from arbiterd.cli.demo import smollm_model_path
 from tests.support.daemon import Daemon, openai_client, serving, tiny
 from tests.support.tiny_gguf import TOOLS_CHAT_TEMPLATE, TinyModelSpec, write_tiny_llama
 
@@ -59,6 +62,8 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterat
             "tools": tiny(tools_model),
             "plain": tiny(tiny_model),
             "strict": tiny(tiny_model, strict_api=True),
+            "refusing": tiny(tiny_model, tools="refuse"),
+            "smollm": tiny(smollm_model_path()),
         }
     ) as running:
         yield running
@@ -162,8 +167,8 @@ def test_a_strict_model_refuses_what_another_ignores(api: openai.OpenAI) -> None
 
 
 def test_openai_sdk_errors_name_what_was_wrong(api: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError, match="plain cannot be offered tools"):
-        api.chat.completions.create(model="plain", messages=ASK, tools=[ADD], max_tokens=5)
+    with pytest.raises(openai.BadRequestError, match="refusing cannot be offered tools"):
+        api.chat.completions.create(model="refusing", messages=ASK, tools=[ADD], max_tokens=5)
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         api.chat.completions.create(
             model="plain", messages=ASK, logprobs=True, top_logprobs=21, max_tokens=1
@@ -194,8 +199,38 @@ def test_the_ollama_client_sends_tools_and_a_history_of_calls(daemon: Daemon) ->
         bare = client.chat(model="tools", messages=history, options={"num_predict": 4})
         assert offered.done
         assert (offered.prompt_eval_count or 0) > (bare.prompt_eval_count or 0)  # tools rendered
-        with pytest.raises(ollama.ResponseError, match="plain cannot be offered tools"):
-            client.chat(model="plain", messages=history[:1], tools=[dict(ADD)])
+        with pytest.raises(ollama.ResponseError, match="refusing cannot be offered tools"):
+            client.chat(model="refusing", messages=history[:1], tools=[dict(ADD)])
+
+
+def test_the_ollama_client_shows_a_models_context_template_and_capabilities(
+    daemon: Daemon,
+) -> None:
+    import ollama  # noqa: PLC0415
+
+    daemon.wait_ready()
+    with ollama.Client(host=daemon.url.removesuffix("/v1"), timeout=60) as client:
+        shown = client.show("smollm")
+        assert shown.details is not None
+        assert shown.details.family == "llama"
+        assert shown.modelinfo is not None
+        assert shown.modelinfo["general.architecture"] == "llama"
+        assert shown.modelinfo["llama.context_length"] == 8192  # as SmolLM2's GGUF says
+        assert shown.capabilities == ["completion", "chat", "tools"]
+        assert shown.template is not None
+        assert "<|im_start|>" in shown.template  # its own chat template
+        assert shown.parameters == "num_ctx 2048"
+        refusing = client.show("refusing:latest")
+        assert refusing.capabilities == ["completion", "chat"]
+        with pytest.raises(ollama.ResponseError, match="nonesuch"):
+            client.show("nonesuch")
+    tags = httpx.get(daemon.url.removesuffix("/v1") + "/api/tags", timeout=30).json()
+    listed = {entry["model"]: entry["capabilities"] for entry in tags["models"]}
+    assert listed["refusing:latest"] == ["completion", "chat"]
+    assert listed["smollm:latest"] == ["completion", "chat", "tools"]
+    with openai_client(daemon) as api:
+        models = {model.id: model.model_dump() for model in api.models.list()}
+    assert models["smollm"]["capabilities"] == ["completion", "chat", "tools"]
 
 
 # -- LangChain --------------------------------------------------------------------------------
@@ -232,6 +267,31 @@ def test_langchain_bind_tools_and_structured_output(daemon: Daemon) -> None:
         assert isinstance(result["rank"], int)
 
 
+def test_langchain_tools_on_a_model_whose_template_has_no_place_for_them(daemon: Daemon) -> None:
+    from langchain_openai import ChatOpenAI  # noqa: PLC0415 (heavy; only these tests need it)
+    from pydantic import SecretStr  # noqa: PLC0415
+
+    llm = ChatOpenAI(
+        model="smollm",
+        base_url=daemon.url,
+        api_key=SecretStr("unused"),
+        max_retries=0,
+        max_completion_tokens=100,
+        temperature=0,
+    )
+    called = llm.bind_tools([dict(ADD)], tool_choice="add").invoke("What is 2 + 3?")
+    assert [call["name"] for call in called.tool_calls] == ["add"]
+    args = called.tool_calls[0]["args"]
+    assert set(args) == {"a", "b"}
+    assert all(isinstance(value, int) for value in args.values())
+    schema = {"title": "answer", "description": "A ranked city", **SCHEMA}
+    structured = llm.with_structured_output(schema, method="function_calling")
+    result = structured.invoke("Which city is first?")
+    assert isinstance(result, dict)
+    assert set(result) == {"city", "rank"}
+    assert isinstance(result["rank"], int)
+
+
 # -- litellm ----------------------------------------------------------------------------------
 
 
@@ -250,3 +310,6 @@ def test_litellm_tools_json_schema_and_streamed_usage(daemon: Daemon) -> None:
     assert set(got["call"]["arguments"]) == {"a", "b"}
     assert set(got["shaped"]) == {"city", "rank"}
     assert got["streamed_completion_tokens"] == 3
+    # SmolLM2's template has no place for tools: they are described in its system turn.
+    assert got["generic_call"]["name"] == "add"
+    assert set(got["generic_call"]["arguments"]) == {"a", "b"}

@@ -253,3 +253,42 @@ def test_an_embedding_answer_is_ollamas() -> None:
         "load_duration": 0,
         "prompt_eval_count": 6,
     }
+
+
+def test_show_has_ollamas_shape_with_the_trained_context_and_capabilities() -> None:
+    model = ModelStatus.from_json(
+        {
+            "name": "chat",
+            "n_ctx": 2048,
+            "architecture": "llama",
+            "trained_context": 8192,
+            "chat_template": "{{ messages }}",
+            "capabilities": ["completion", "chat", "tools"],
+        }
+    )
+    shown = ollama.show(model)
+    assert shown["model_info"] == {"general.architecture": "llama", "llama.context_length": 8192}
+    assert shown["details"]["family"] == "llama"
+    assert shown["details"]["families"] == ["llama"]
+    assert shown["capabilities"] == ["completion", "chat", "tools"]
+    assert shown["template"] == "{{ messages }}"
+    assert shown["parameters"] == "num_ctx 2048"
+    assert ollama.tags((model,))["models"][0]["capabilities"] == ["completion", "chat", "tools"]
+
+
+def test_show_falls_back_to_the_served_context_when_the_gguf_says_none() -> None:
+    model = ModelStatus.from_json({"name": "m", "n_ctx": 512, "architecture": "gemma3"})
+    assert ollama.show(model)["model_info"]["gemma3.context_length"] == 512
+
+
+@pytest.mark.parametrize(
+    ("body", "model"), [({"model": "m:latest"}, "m:latest"), ({"name": "old"}, "old")]
+)
+def test_show_takes_the_model_or_the_name_older_clients_send(body: object, model: str) -> None:
+    assert ollama.show_model(body) == model
+
+
+@pytest.mark.parametrize("body", [{}, {"model": 3}, [], "m"])
+def test_show_without_a_model_is_bad_input(body: object) -> None:
+    with pytest.raises(BadValueError):
+        ollama.show_model(body)

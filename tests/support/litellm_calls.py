@@ -40,6 +40,14 @@ def main(url: str) -> dict[str, Any]:
         model="openai/tools", messages=ASK, tools=[ADD], tool_choice="required", **common
     )
     call = called.choices[0].message.tool_calls[0]
+    generic = litellm.completion(
+        model="openai/smollm",
+        messages=ASK,
+        tools=[ADD],
+        tool_choice={"type": "function", "function": {"name": "add"}},
+        **common,
+    )
+    generic_call = generic.choices[0].message.tool_calls[0]
     shaped = litellm.completion(
         model="openai/plain",
         messages=[{"role": "user", "content": "Answer in JSON."}],
@@ -58,6 +66,10 @@ def main(url: str) -> dict[str, Any]:
     usage = [chunk.usage for chunk in chunks if getattr(chunk, "usage", None)]
     return {
         "call": {"name": call.function.name, "arguments": json.loads(call.function.arguments)},
+        "generic_call": {
+            "name": generic_call.function.name,
+            "arguments": json.loads(generic_call.function.arguments),
+        },
         "shaped": json.loads(shaped.choices[0].message.content),
         "streamed_completion_tokens": usage[-1].completion_tokens if usage else None,
     }

@@ -138,32 +138,6 @@ def test_the_tools_and_earlier_calls_are_rendered_by_the_template(backend: Reloa
     assert "<|tool|>\nsunny" in vocab_text
 
 
-def test_a_model_whose_template_has_no_place_for_tools_refuses_them(tiny_model: Path) -> None:
-    engine = ReloadBackend(ModelSpec(name="plain", path=tiny_model, n_ctx=512, n_gpu_layers=0))
-    engine.load()
-    try:
-        with pytest.raises(RequestError, match="plain cannot be offered tools"):
-            engine.prepare(
-                request_for("chat", {"messages": ASK, "tools": [WEATHER]}), lambda: False
-            )
-    finally:
-        engine.close()
-
-
-@pytest.mark.parametrize("choice", ["auto", "required"])
-@pytest.mark.parametrize(
-    "parameters",
-    [{"type": "odd"}, {"type": "object", "properties": {"a\fb": {"type": "string"}}}],
-    ids=["unknown-type", "unparsable-grammar"],
-)
-def test_a_tool_whose_parameters_cannot_be_followed_is_refused_by_name(
-    backend: ReloadBackend, choice: str, parameters: dict[str, Any]
-) -> None:
-    broken = {"type": "function", "function": {"name": "broken", "parameters": parameters}}
-    with pytest.raises(RequestError, match=r"tool 'broken''s parameters cannot be followed"):
-        chat(backend, tools=[WEATHER, broken], tool_choice=choice)
-
-
 def test_a_forced_call_and_a_response_format_together_are_refused(backend: ReloadBackend) -> None:
     with pytest.raises(RequestError, match="response_format"):
         chat(

@@ -33,7 +33,15 @@ from arbiterd.errors import (
     WorkerError,
 )
 from arbiterd.request import GenerateRequest
-from arbiterd.spec import WORKER_PROTOCOL, KvPolicy, ModelSpec, Residency, WorkerConfig
+from arbiterd.spec import (
+    WORKER_PROTOCOL,
+    Capability,
+    KvPolicy,
+    ModelInfo,
+    ModelSpec,
+    Residency,
+    WorkerConfig,
+)
 from arbiterd.states import BackendKind
 from arbiterd.wire import LineReader, LineWriter
 from arbiterd.worker.engine import EngineInfo, Generation, Moved, Prepared, engine_info
@@ -570,6 +578,12 @@ class FlakyRestore:
 
     def resident_bytes(self) -> int:
         return 100 if self.warm else 0
+
+    def capabilities(self) -> tuple[Capability, ...]:
+        return (Capability.COMPLETION,)
+
+    def model_info(self) -> ModelInfo | None:
+        return None
 
     def host_kv_bytes(self) -> int:
         return 0 if self.warm else 10

@@ -46,7 +46,7 @@ from arbiterd.errors import EngineError, ModelLoadError
 from arbiterd.native import ggml, libllama
 from arbiterd.native.libllama import ResidencyApi, probe_residency_api
 from arbiterd.request import GenerateRequest
-from arbiterd.spec import KvPolicy, ModelSpec, Residency
+from arbiterd.spec import Capability, KvPolicy, ModelInfo, ModelSpec, Residency
 from arbiterd.states import BackendKind
 from arbiterd.worker.engine.inplace import InPlaceBackend
 from arbiterd.worker.engine.records import Cancelled, ChunkSink, Generation, Moved, Prepared
@@ -99,6 +99,10 @@ class Backend(Protocol):
     ) -> Generation: ...
 
     def resident_bytes(self) -> int: ...
+
+    def capabilities(self) -> tuple[Capability, ...]: ...
+
+    def model_info(self) -> ModelInfo | None: ...
 
     def host_kv_bytes(self) -> int: ...
 

@@ -21,6 +21,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 import numpy.typing as npt
+from llama_cpp import llama_chat_format
 
 from arbiterd.errors import (
     ArbiterError,
@@ -31,7 +32,7 @@ from arbiterd.errors import (
 )
 from arbiterd.hostcopy import copy_into_memfd
 from arbiterd.request import GenerateRequest, RequestKind
-from arbiterd.spec import MAX_N_CTX, KvPolicy, ModelSpec
+from arbiterd.spec import MAX_N_CTX, Capability, KvPolicy, ModelInfo, ModelSpec, capabilities
 from arbiterd.states import BackendKind
 from arbiterd.worker.engine.generate import Generator
 from arbiterd.worker.engine.images import (
@@ -213,6 +214,24 @@ class LlamaBackend(ABC):
         self._kv = None
 
     # -- requests ---------------------------------------------------------------------------
+
+    def capabilities(self) -> tuple[Capability, ...]:
+        """What this model can be asked for (spec.capabilities), once its vocabulary is open:
+        whether its GGUF has a chat template is read there; () before."""
+        if self._vocab is None:
+            return ()
+        return capabilities(self.spec, has_chat_template=bool(self._vocab.chat_template))
+
+    def model_info(self) -> ModelInfo | None:
+        """What its GGUF says of the model, with the chat template chats are rendered with (the
+        config's, else the GGUF's); None before its vocabulary is open."""
+        vocab = self._vocab
+        if vocab is None:
+            return None
+        template = self.spec.chat_template
+        if template is None:
+            template = vocab.chat_template
+        return ModelInfo(vocab.architecture, vocab.trained_context, template)
 
     def prepare(self, request: GenerateRequest, cancelled: Cancelled) -> Prepared:
         """Check, render and tokenize a request with the vocabulary alone (`Preparer.prepare`):
@@ -450,6 +469,9 @@ class LlamaBackend(ABC):
                 )
         self._generator.instrument(llm)
         template = llm.metadata.get("tokenizer.chat_template", "")
+        if spec.chat_template is not None:  # the config's replaces the GGUF's
+            template = spec.chat_template
+            _use_template(llm, template)
         self._chat = ChatFormat(
             llm.chat_handler,
             llm._chat_handlers,
@@ -457,6 +479,20 @@ class LlamaBackend(ABC):
             takes_tools=llm.chat_format == GGUF_TEMPLATE and template_takes_tools(template),
         )
         return llm
+
+
+def _use_template(llm: llama_cpp.Llama, template: str) -> None:
+    """Make `llm` render chats with `template`, as `Llama.__init__` makes it render with the
+    GGUF's: a Jinja formatter under GGUF_TEMPLATE, with the model's BOS and EOS."""
+    model = llm._model
+    eos, bos = llm.token_eos(), llm.token_bos()
+    llm._chat_handlers[GGUF_TEMPLATE] = llama_chat_format.Jinja2ChatFormatter(
+        template=template,
+        eos_token=model.token_get_text(eos) if eos != -1 else "",
+        bos_token=model.token_get_text(bos) if bos != -1 else "",
+        stop_token_ids=[eos],
+    ).to_chat_handler()
+    llm.chat_format = GGUF_TEMPLATE
 
 
 def disk_read_bytes() -> int:

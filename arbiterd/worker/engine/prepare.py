@@ -1,10 +1,11 @@
 """Request preparation: a completion, chat or embedding request (arbiterd.request.GenerateRequest,
 whose every field the HTTP edge checked) rendered and tokenized into a `Prepared`, checked only
 for what needs the model: the kind it serves, its vocabulary's token ids, a schema's grammar, a
-template with a place for tools, the context. It reads the model's vocabulary and chat format
-alone, never its weights or its context, so a cold model prepares as well as a warm one (issue
-10). Part of the engine (arbiterd/worker/engine/): it calls llama_cpp's chat handlers and grammar
-converter; it touches no device state.
+model that takes tools (by its template, or the generic rendering of arbiterd/chattemplate.py
+when the template has no place for them), the context. It reads the model's vocabulary and chat
+format alone, never its weights or its context, so a cold model prepares as well as a warm
+one (issue 10). Part of the engine (arbiterd/worker/engine/): it calls llama_cpp's chat
+handlers and grammar converter; it touches no device state.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import llama_cpp
 from llama_cpp import llama_chat_format
 from llama_cpp.llama_grammar import LlamaGrammar
 
+from arbiterd.chattemplate import generic_tool_messages
 from arbiterd.errors import ContextOverflowError, RequestError
 from arbiterd.request import GenerateRequest, RequestKind, ResponseFormat, ToolChoice
 from arbiterd.spec import ModelSpec, kind_refusal
@@ -46,7 +48,7 @@ class Preparer:
         alone: no device state is touched, so a cold model prepares as well as a warm one. Only
         what needs the model is checked here (the HTTP edge checked every field): the kind it
         serves (a RequestError), its vocabulary's token ids, the grammar of a schema, a template
-        with a place for tools, and the context.
+        a model that takes tools, and the context.
 
         Sizes are checked before any native call: more messages than the context has tokens,
         or more characters than n_ctx of the longest tokens could cover, cannot fit. The
@@ -130,12 +132,14 @@ class Preparer:
             ToolChoice.FUNCTION: request.tool_name,
         }[request.tool_choice]
         call_grammar = _call_grammar(tools, forced, vocab, shaped=response_format is not None)
-        if tools:
-            self._require_tool_template()
+        if tools and self._template_takes_tools():
             kwargs["tools"] = tools  # for the template; the choice is ours to enforce
-        completion, image_at = self._chat_completion(
-            vocab, _template_messages(messages), kwargs, cancelled, n_images
-        )
+            shaped = _template_messages(messages)
+        elif tools:  # the template has no place for them: the generic rendering
+            shaped = generic_tool_messages(messages, tools)
+        else:
+            shaped = _template_messages(messages)
+        completion, image_at = self._chat_completion(vocab, shaped, kwargs, cancelled, n_images)
         if call_grammar is not None:
             completion["grammar"] = call_grammar
         return completion, image_at
@@ -219,18 +223,17 @@ class Preparer:
             raise RequestError(str(exc)) from None
         return call.arguments, tuple(image_at)
 
-    def _require_tool_template(self) -> None:
+    def _template_takes_tools(self) -> bool:
+        """Whether the chat template renders the tools itself (False: they go in the system
+        turn, chattemplate.generic_tool_messages); RequestError when the model's config
+        refuses tools (`tools = "refuse"`)."""
+        if not self.spec.tools:
+            raise RequestError(
+                f'{self.spec.name} cannot be offered tools: its config says tools = "refuse"'
+            )
         if self.chat is None:
             raise RequestError(f"{self.spec.name} has not been loaded yet")
-        if not self.chat.takes_tools:
-            how = (
-                f'its chat_format "{self.chat.chat_format}"'
-                if self.chat.chat_format != GGUF_TEMPLATE
-                else "the chat template in its GGUF"
-            )
-            raise RequestError(
-                f"{self.spec.name} cannot be offered tools: {how} has no place for them"
-            )
+        return self.chat.takes_tools
 
 
 def _response_format(wanted: ResponseFormat | None, vocab: Vocab) -> dict[str, Any] | None:

@@ -45,6 +45,13 @@ class Vocab:
         except ValueError:
             raise ModelLoadError(f"cannot load the vocabulary of {shown}") from None
         vocab = self._vocab = self._model.vocab
+        metadata = self._model.metadata()
+        # The GGUF's own chat template ("" when it has none), its architecture and the context
+        # it was trained for (0: not said), as /api/show and status tell them (issue 30).
+        self.chat_template = metadata.get("tokenizer.chat_template", "")
+        self.architecture = metadata.get("general.architecture", "")
+        trained = metadata.get(f"{self.architecture}.context_length", "")
+        self.trained_context = int(trained) if trained.isdigit() else 0
         self.bos = llama_cpp.llama_vocab_bos(vocab)
         self.eos = llama_cpp.llama_vocab_eos(vocab)
         self.sep = llama_cpp.llama_vocab_sep(vocab)
