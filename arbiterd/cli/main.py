@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Sequence
 from functools import partial
@@ -26,7 +27,9 @@ from arbiterd.errors import ArbiterError, BadValueError, MissingPartError, Usage
 from arbiterd.paths import resolve_arena
 from arbiterd.procs import holder_name, process_name
 
-RUN_USAGE = "arbiterd run [--arena DIR] [--name NAME] [--timeout S] -- CMD [ARG...]"
+RUN_USAGE = "arbiterd run [--arena DIR] [--name NAME] [--priority P] [--timeout S] -- CMD [ARG...]"
+# A command whose reader closed the pipe ends as a shell reports one killed by SIGPIPE.
+EXIT_BROKEN_PIPE = 128 + 13
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -152,6 +155,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ArbiterError as exc:
         print(f"{prefix}: {exc}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:
+        # The reader went away (`arbiterd events | head -1`): not an error of ours. Whatever
+        # is still buffered goes nowhere, so the interpreter's last flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 def _dispatch(argv: list[str]) -> int:

@@ -551,3 +551,29 @@ def test_status_splits_host_ram_into_copies_kv_and_released_weights() -> None:
         "host RAM: 595.0 MiB = model file copies 253.0 MiB (each counted once) + KV caches kept "
         "on the host 96.0 MiB + released weights 246.0 MiB; budget none"
     ) in lines
+
+
+def test_events_into_a_pipe_its_reader_closed_ends_quietly(tmp_path: Path) -> None:
+    path = tmp_path / "journal.sqlite3"
+    with Journal(path) as journal:
+        for n in range(2000):
+            journal.append(handoff(AT + n, "a", "b"))
+    # `arbiterd events --journal PATH | head -1`, with the reader's end closed at once.
+    reader, writer = os.pipe()
+    os.close(reader)
+    with os.fdopen(writer, "wb") as stdout:
+        done = subprocess.run(
+            [*ARBITERD, "events", "--journal", str(path)],
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert done.stderr == ""
+    assert done.returncode == 128 + signal.SIGPIPE
+
+
+def test_run_usage_names_every_option_it_takes() -> None:
+    for option in ("--arena", "--name", "--priority", "--timeout"):
+        assert option in cli.RUN_USAGE
