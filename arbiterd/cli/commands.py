@@ -21,7 +21,13 @@ from typing import Any, Final, Protocol
 
 from arbiterd import render
 from arbiterd.cli.controlclient import ControlClient
-from arbiterd.config import Config, load_config, load_daemon_config
+from arbiterd.config import (
+    DEFAULT_HTTP,
+    SOCKET_FILE,
+    Config,
+    load_config,
+    load_daemon_config,
+)
 from arbiterd.daemon.journal import Journal, parse_since
 from arbiterd.errors import DaemonNotRunningError
 from arbiterd.events import parse_event
@@ -45,10 +51,31 @@ def add_commands(command: AddCommand) -> None:
         "run the daemon (models, OpenAI API, control socket)",
         "arbiterd daemon --config ~/models/arbiterd.toml --verbose",
     )
-    daemon.add_argument("--config", type=Path, help="config file (default: the XDG one)")
-    daemon.add_argument("--http", metavar="HOST:PORT", help="OpenAI API listen address")
-    daemon.add_argument("--socket", type=Path, metavar="PATH", help="control socket path")
-    daemon.add_argument("--arena", type=Path, metavar="DIR", help="arena directory")
+    daemon.add_argument(
+        "--config",
+        type=Path,
+        help="config file (default: $XDG_CONFIG_HOME/arbiterd/config.toml, else "
+        "~/.config/arbiterd/config.toml; without one, the embedded default)",
+    )
+    daemon.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        help=f"OpenAI API listen address (default: [daemon] http, else {DEFAULT_HTTP})",
+    )
+    daemon.add_argument(
+        "--socket",
+        type=Path,
+        metavar="PATH",
+        help="control socket path (default: [daemon] socket, else "
+        f"$XDG_RUNTIME_DIR/arbiterd/{SOCKET_FILE})",
+    )
+    daemon.add_argument(
+        "--arena",
+        type=Path,
+        metavar="DIR",
+        help="arena directory (default: [daemon] arena, else $ARBITERD_ARENA, else "
+        "$XDG_RUNTIME_DIR/arbiterd/arena/gpu0)",
+    )
     daemon.add_argument("-v", "--verbose", action="store_true", help="log debug details")
     daemon.set_defaults(handler=run_daemon)
 

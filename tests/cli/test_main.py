@@ -577,3 +577,13 @@ def test_events_into_a_pipe_its_reader_closed_ends_quietly(tmp_path: Path) -> No
 def test_run_usage_names_every_option_it_takes() -> None:
     for option in ("--arena", "--name", "--priority", "--timeout"):
         assert option in cli.RUN_USAGE
+
+
+def test_daemon_help_names_the_defaults_of_its_paths_and_port(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["daemon", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for default in ("config.toml", "127.0.0.1:8642", "control.sock", "arena/gpu0"):
+        assert default in text
