@@ -27,9 +27,7 @@ def runtime_dir(env: Mapping[str, str] | None = None) -> Path:
     env = os.environ if env is None else env
     raw = env.get("XDG_RUNTIME_DIR", "")
     if not raw:
-        raise RuntimeDirError(
-            "XDG_RUNTIME_DIR is not set (no login session?); set it or pass --arena DIR"
-        )
+        raise RuntimeDirError(f"XDG_RUNTIME_DIR is not set (no login session?); {_set_it()}")
     base = Path(raw)
     if not base.is_absolute():
         raise RuntimeDirError(f"XDG_RUNTIME_DIR={raw!r} is not an absolute path")
@@ -43,6 +41,18 @@ def runtime_dir(env: Mapping[str, str] | None = None) -> Path:
     if problem is not None:
         raise RuntimeDirError(problem)
     return base / "arbiterd"
+
+
+def _set_it() -> str:
+    """How to give this shell a runtime dir, as commands that work when pasted: the one a login
+    session makes when it is there, else a private folder in the user's home (the same path in
+    every shell, so the daemon and its clients meet; not in /tmp, where another user could
+    make it first)."""
+    session = Path(f"/run/user/{os.getuid()}")
+    if session.is_dir():
+        return f"run: export XDG_RUNTIME_DIR={session}"
+    private = Path.home() / ".cache" / "arbiterd-runtime"
+    return f"run: mkdir -p -m 700 {private} && export XDG_RUNTIME_DIR={private}"
 
 
 def private_dir_problem(label: str, st: os.stat_result) -> str | None:

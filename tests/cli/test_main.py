@@ -7,6 +7,7 @@ import json
 import os
 import queue
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -215,6 +216,22 @@ def test_each_bad_input_has_its_own_exit_status_and_one_line(
     done = arbiterd("arena", "status", env=insecure)
     assert done.returncode == 78
     assert "XDG_RUNTIME_DIR is not set" in done.stderr
+
+
+def test_the_advice_for_a_missing_runtime_dir_works_when_pasted(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_RUNTIME_DIR", "ARBITERD_ARENA")}
+    env["HOME"] = str(tmp_path)
+    advice = arbiterd("arena", "status", env=env).stderr.strip()
+    command = advice.split("run: ", 1)[1]
+    done = subprocess.run(
+        ["bash", "-c", f"{command} && {shlex.join(ARBITERD)} arena status"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, (command, done.stderr)
 
 
 def test_the_tray_without_pyside6_is_one_clear_line(tmp_path: Path) -> None:
