@@ -8,8 +8,10 @@ daemon serves, and the answers back in Ollama's shapes. Pure functions; httpapi.
     POST /api/show      {model}: details, model_info, capabilities, template, parameters
     GET  /api/tags, /api/ps, /api/version
 
-/api/tags and /api/ps list each model and each of its aliases as its own entry, named as Ollama
-names models: NAME:TAG, a name without a tag as NAME:latest (a request may say either).
+/api/tags lists each model and each of its aliases as its own entry (apps pick a name from it),
+/api/ps each loaded model once, under its own name (`ollama ps` counts what is loaded), both
+named as Ollama names models: NAME:TAG, a name without a tag as NAME:latest (a request may say
+either).
 Each entry, and /api/show, names the model's capabilities as status does (chat, completion,
 tools, vision, embedding; Ollama's own names but for "chat", which it leaves implied).
 /api/show's model_info has `general.architecture` and `<architecture>.context_length`, the
@@ -259,7 +261,7 @@ def ps(models: tuple[ModelStatus, ...]) -> dict[str, Any]:
             {**entry, "size_vram": m.vram_bytes or 0, "expires_at": None}
             for m in models
             if m.state not in _NOT_LOADED
-            for entry in _entries(m)
+            for entry in _entries(m)[:1]  # the model, not its aliases: one model loaded
         ]
     }
 

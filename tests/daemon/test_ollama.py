@@ -207,17 +207,19 @@ def test_ps_lists_every_resident_model_and_the_vram_of_the_warm_one() -> None:
     ]
 
 
-def test_each_alias_is_listed_as_a_model_of_its_own_with_its_tag() -> None:
+def test_tags_lists_each_alias_with_its_tag_and_ps_each_loaded_model_once() -> None:
     model = ModelStatus.from_json(
         {"name": "qwen", "aliases": ["llama3", "qwen2.5:7b"], "state": "cold"}
     )
-    for listed in (ollama.tags((model,)), ollama.ps((model,))):
-        names = [(m["name"], m["model"], m["state"]) for m in listed["models"]]
-        assert names == [
-            ("qwen:latest", "qwen:latest", "cold"),
-            ("llama3:latest", "llama3:latest", "cold"),
-            ("qwen2.5:7b", "qwen2.5:7b", "cold"),
-        ]
+    names = [(m["name"], m["model"], m["state"]) for m in ollama.tags((model,))["models"]]
+    assert names == [
+        ("qwen:latest", "qwen:latest", "cold"),
+        ("llama3:latest", "llama3:latest", "cold"),
+        ("qwen2.5:7b", "qwen2.5:7b", "cold"),
+    ]
+    assert [(m["name"], m["model"]) for m in ollama.ps((model,))["models"]] == [
+        ("qwen:latest", "qwen:latest")
+    ]
 
 
 def test_embed_takes_model_input_and_dimensions_and_only_the_configs_options() -> None:
