@@ -2,10 +2,11 @@
 
 Owns the files arbiterd puts into the user's desktop session — the systemd user unit, the XDG
 autostart entry of the tray, the menu entry, the icon, a starter config — and the manifest of
-what it wrote, so that uninstall removes exactly that (a file the user changed since is kept,
-and said so). The templates are package data (see TEMPLATES); @ARBITERD@ on their command lines
-becomes the arbiterd that runs this. Never touches a file outside the user's XDG directories,
-never overwrites a config.toml.
+what it wrote, and of the folders it made for them, so that uninstall removes exactly that (a
+file the user changed since is kept, and said so; a folder that holds anything else stays).
+The templates are package data (see TEMPLATES); @ARBITERD@ on their command lines becomes the
+arbiterd that runs this. Never touches a file outside the user's XDG directories, never
+overwrites a config.toml.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ UNIT = "arbiterd.service"
 # Where users keep GGUFs, searched to fill the starter config.
 MODEL_DIRS = ("~/.cache/llama.cpp", "~/models", "~/.local/share/models", "~/.cache/lm-studio")
 MAX_FOUND_MODELS = 20
+# A folder's entry in the manifest: install made it, so uninstall removes it when it is empty.
+FOLDER = "folder"
 
 Runner = Callable[[list[str]], subprocess.CompletedProcess[str]]
 
@@ -120,6 +123,23 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def missing_folders(target: Path) -> list[Path]:
+    """The folders writing `target` would make, outermost first."""
+    missing: list[Path] = []
+    folder = target.parent
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing[::-1]
+
+
+def running_from_clone() -> Path | None:
+    """The source checkout this arbiterd runs from (an editable install of a clone), or None
+    for an installed copy."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").is_file() and (root / ".git").exists() else None
+
+
 class Installer:
     """Plans and applies install/uninstall; `say` receives one line per thing done."""
 
@@ -159,9 +179,17 @@ class Installer:
                 self._say(f"same     {target}")
             else:
                 self._say(f"{'would write' if self.dry_run else 'wrote'}    {target}")
+                manifest.update(dict.fromkeys(map(str, missing_folders(target)), FOLDER))
                 self._write(target, text)
             manifest[str(target)] = _digest(text)
+        manifest.update(dict.fromkeys(map(str, missing_folders(manifest_path(self.env))), FOLDER))
         self._write_manifest(manifest)
+        clone = running_from_clone()
+        if clone is not None:
+            self._say(
+                f"note     the service runs {command}, from the clone at {clone}: moving or "
+                "deleting that clone stops it (run `arbiterd install` again from where it goes)"
+            )
         self._systemd(
             ["daemon-reload"],
             *([["enable", "--now", UNIT]] if enable else []),
@@ -180,9 +208,10 @@ class Installer:
             otherwise="without a systemd user manager there is no service to stop (stop an "
             "`arbiterd daemon` you started yourself); the files go all the same",
         )
+        folders = sorted((Path(n) for n, d in manifest.items() if d == FOLDER), reverse=True)
         for name, digest in sorted(manifest.items()):
             target = Path(name)
-            if not target.exists():
+            if digest == FOLDER or not target.exists():
                 continue
             if _digest(target.read_text()) != digest:
                 self._say(f"kept     {target} (changed since install)")
@@ -192,8 +221,22 @@ class Installer:
                 target.unlink()
         if not self.dry_run:
             manifest_path(self.env).unlink(missing_ok=True)
+        for folder in folders:  # the innermost first: each is empty once its contents went
+            self._remove_folder(folder)
 
     # -- helpers ------------------------------------------------------------------------------
+
+    def _remove_folder(self, folder: Path) -> None:
+        """Remove a folder install made, when nothing but what it wrote was ever in it."""
+        if not folder.is_dir():
+            return
+        if self.dry_run:
+            self._say(f"would remove  {folder} (if nothing else is in it)")
+        elif any(folder.iterdir()):
+            self._say(f"kept     {folder} (it holds files of yours or arbiterd's journal)")
+        else:
+            self._say(f"removed  {folder}")
+            folder.rmdir()
 
     def _write(self, target: Path, text: str) -> None:
         if self.dry_run:

@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from arbiterd.cli.install import UNIT, Installer, autostart_path, manifest_path, placements
+from arbiterd.cli.install import (
+    UNIT,
+    Installer,
+    autostart_path,
+    manifest_path,
+    placements,
+    running_from_clone,
+)
 from arbiterd.config import load_config
 
 # The templates as the source tree holds them.
@@ -109,6 +116,41 @@ def test_uninstall_removes_exactly_what_install_wrote(home: dict[str, str]) -> N
     assert systemctl.calls[0] == ["systemctl", "--user", "disable", "--now", UNIT]
     installer(home, Systemctl())[0].uninstall()  # idempotent
     assert list(written(home)) == [own]
+
+
+def folders(env: dict[str, str]) -> list[Path]:
+    root = Path(env["HOME"])
+    return sorted(p.relative_to(root) for p in root.rglob("*") if p.is_dir())
+
+
+def test_uninstall_removes_the_folders_install_made_and_keeps_the_others(
+    home: dict[str, str],
+) -> None:
+    own = Path(home["HOME"]) / ".config/autostart/other-app.desktop"
+    own.parent.mkdir(parents=True)
+    own.write_text("[Desktop Entry]\nType=Application\nName=x\nExec=x\n")
+    before = folders(home)
+    installer(home, Systemctl())[0].install()
+    assert len(folders(home)) > len(before)
+    # The daemon ran meanwhile: its journal is in the state folder install made.
+    journal = manifest_path(home).parent / "journal.sqlite3"
+    journal.write_text("")
+    tool, lines = installer(home, Systemctl())
+    tool.uninstall()
+    state = journal.parent.relative_to(home["HOME"])  # kept, with the folders above it
+    assert folders(home) == sorted({*before, state, *state.parents} - {Path()})
+    assert f"kept     {journal.parent} (it holds files of yours or arbiterd's journal)" in lines
+
+
+def test_an_install_from_a_clone_says_the_service_runs_from_it(home: dict[str, str]) -> None:
+    assert running_from_clone() == PACKAGING.parent  # these tests run from the source tree
+    tool, lines = installer(home, Systemctl())
+    tool.install()
+    assert any(
+        line.startswith("note     the service runs")
+        and f"from the clone at {PACKAGING.parent}" in line
+        for line in lines
+    )
 
 
 def test_a_config_found_models_are_served_and_it_is_never_overwritten(
