@@ -289,7 +289,7 @@ class WorkerClient:
         async with self._open() as (request_id, replies):
             self._send({"op": op, "id": request_id, **fields})
             while True:
-                message = await self._next(replies, request_id, timeout_s)
+                message = await self._next(replies, f"its {op}", timeout_s)
                 if "chunk" not in message:
                     return _result(message)
 
@@ -313,7 +313,7 @@ class WorkerClient:
                 }
             )
             while True:
-                message = await self._next(replies, opened, timeout_s)
+                message = await self._next(replies, "a request", timeout_s)
                 if "chunk" in message:
                     if on_chunk is not None:
                         on_chunk(message["chunk"])
@@ -428,18 +428,22 @@ class WorkerClient:
         self._writer.write(encode(message))
 
     async def _next(
-        self, replies: asyncio.Queue[dict[str, Any]], request_id: str, timeout_s: float | None
+        self, replies: asyncio.Queue[dict[str, Any]], what: str, timeout_s: float | None
     ) -> dict[str, Any]:
+        """The next reply to the exchange that `what` names in words (a user reads it; the
+        request id is the wire's own)."""
         try:
             # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancel that comes
             # as the awaited message does, and a client's hang-up would then not stop its decode.
             async with asyncio.timeout(timeout_s):
                 message = await replies.get()
         except TimeoutError:
-            raise WorkerError(f"no answer from {self.model} to {request_id}") from None
+            raise WorkerError(
+                f"{self.model} did not answer {what} within {timeout_s:g} s"
+            ) from None
         if message.get("gone"):
             why = await self._why_gone()
-            raise WorkerError(f"worker for {self.model} exited during {request_id}{why}")
+            raise WorkerError(f"worker for {self.model} exited during {what}{why}")
         return message
 
     async def _read_loop(self) -> None:

@@ -235,7 +235,7 @@ def test_a_request_without_an_answer_in_time_is_a_worker_error_and_the_worker_se
 ) -> None:
     async def scenario() -> dict[str, Any]:
         async with spawned(configs("m")) as worker:
-            with pytest.raises(WorkerError, match="no answer from m to r"):
+            with pytest.raises(WorkerError, match=r"^m did not answer its status within 0 s$"):
                 await worker.request("status", timeout_s=0)
             return await worker.status()  # the late reply of the first is dropped
 
@@ -348,7 +348,7 @@ def test_a_worker_the_daemon_kills_for_a_reason_tells_its_requests_why(configs: 
     assert code == -9
     assert type(error) is WorkerError
     assert re.fullmatch(
-        r"worker for m exited during r\d+: killed: it held the GPU and showed no sign of life",
+        r"worker for m exited during a request: killed: it held the GPU and showed no sign of life",
         str(error),
     )
     assert reason == "killed: it held the GPU and showed no sign of life"
