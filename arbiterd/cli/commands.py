@@ -1,5 +1,5 @@
 """The CLI commands that start or talk to the daemon: daemon, status, warm, release, pin,
-unpin, unload, hold, unhold, reload, events.
+unpin, unload, shutdown, hold, unhold, reload, events.
 
 Owns their arguments and how their output is laid out (its phrases come from arbiterd.render).
 Talks to a running daemon only through the control socket (cli/controlclient.py); `events` asks
@@ -13,6 +13,9 @@ import argparse
 import asyncio
 import json
 import logging
+import math
+import os
+import select
 import threading
 import time
 from collections.abc import Iterator
@@ -29,12 +32,15 @@ from arbiterd.config import (
     load_daemon_config,
 )
 from arbiterd.daemon.journal import Journal, parse_since
-from arbiterd.errors import DaemonNotRunningError
+from arbiterd.errors import BadValueError, DaemonError, DaemonNotRunningError
 from arbiterd.events import parse_event
 from arbiterd.status import DaemonStatus, ModelStatus
 
 # warm may load a model and hold may wait for every model to release: minutes, not seconds.
 COMMAND_TIMEOUT_S = 600.0
+# Requests in flight finish and every worker releases the GPU before the daemon exits: the
+# systemd unit's TimeoutStopSec.
+SHUTDOWN_TIMEOUT_S = 60.0
 # How often `events --follow` asks for what is new (as the journal's follow polls its file).
 FOLLOW_POLL_S: Final = 0.2
 
@@ -100,6 +106,22 @@ def add_commands(command: AddCommand) -> None:
         model_parser.add_argument("model", metavar="NAME")
         _client_options(model_parser)
         model_parser.set_defaults(handler=model_command)
+    shutdown = command(
+        "shutdown",
+        "stop the daemon: requests in flight finish, models release the GPU, the journal closes",
+        "arbiterd shutdown",
+        "arbiterd shutdown --timeout 120",
+    )
+    _client_options(shutdown)
+    shutdown.add_argument(
+        "--timeout",
+        type=float,
+        default=SHUTDOWN_TIMEOUT_S,
+        metavar="S",
+        help=f"how long to wait for it to exit (default: {SHUTDOWN_TIMEOUT_S:g} s)",
+    )
+    shutdown.set_defaults(handler=shutdown_daemon)
+
     for name, text in (
         ("hold", "take the GPU for something else (game mode): every model goes cold"),
         ("unhold", "give the GPU back to the models"),
@@ -176,6 +198,65 @@ def model_command(args: argparse.Namespace) -> int:
         result = client.call(args.command, model=args.model)
     print(_describe(args.command, result))
     return 0
+
+
+def shutdown_daemon(args: argparse.Namespace) -> int:
+    timeout_s: float = args.timeout
+    if timeout_s < 0 or not math.isfinite(timeout_s):
+        raise BadValueError(f"--timeout must be a non-negative number of seconds, got {timeout_s}")
+    with ControlClient.connect(_socket(args)) as client:
+        pid = client.peer_pid()
+        unit = systemd_unit(pid)
+        client.call("shutdown")
+    if not _exited(pid, timeout_s):
+        raise DaemonError(
+            f"arbiterd (pid {pid}) is still stopping after {timeout_s:g} s (its workers may be "
+            f"finishing requests); `arbiterd shutdown --timeout {max(2 * timeout_s, 60):g}` "
+            "waits longer"
+        )
+    print(f"arbiterd stopped (pid {pid})")
+    if unit is not None:
+        # The unit restarts only on failure: a clean exit leaves it inactive until it is
+        # started again, at the next login or by hand.
+        print(
+            f"it ran as the systemd user unit {unit}, now inactive: it starts again at your "
+            f"next login or with `systemctl --user start {unit}` (`systemctl --user disable "
+            f"{unit}` keeps it from starting at login)"
+        )
+    return 0
+
+
+def systemd_unit(pid: int) -> str | None:
+    """The systemd user unit process `pid` runs in (`arbiterd.service`); None when it runs
+    outside one (started by hand, by the demo, by a test)."""
+    try:
+        return unit_in_cgroup(Path(f"/proc/{pid}/cgroup").read_text())
+    except OSError:
+        return None
+
+
+def unit_in_cgroup(cgroup: str) -> str | None:
+    """The service a /proc/PID/cgroup text places its process in, the innermost: under a
+    user manager, `0::/user.slice/user-1000.slice/user@1000.service/app.slice/arbiterd.service`
+    (the manager's own user@ unit is not it; a terminal's shell is in a .scope)."""
+    for line in cgroup.splitlines():
+        for part in reversed(line.rpartition(":")[2].split("/")):
+            if part.endswith(".service") and not part.startswith("user@"):
+                return part
+    return None
+
+
+def _exited(pid: int, timeout_s: float) -> bool:
+    """Whether `pid` exits within `timeout_s`, waited for on a pidfd (no polling)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout_s)
+        return bool(ready)
+    finally:
+        os.close(fd)
 
 
 def plain_command(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import socket
+import struct
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -31,6 +32,8 @@ from arbiterd.errors import (
 from arbiterd.wire import LineReader, LineWriter
 
 CONNECT_TIMEOUT_S: Final = 5.0
+# unix(7)'s struct ucred: pid, uid, gid.
+PEERCRED_SIZE: Final = struct.calcsize("3i")
 
 
 def _reply_error(message: str, code: str) -> ArbiterError:
@@ -54,6 +57,12 @@ class ControlClient:
         self._ids = itertools.count(1)
         # Events read while waiting for a reply, for `events` to yield first.
         self._events: deque[dict[str, Any]] = deque()
+
+    def peer_pid(self) -> int:
+        """The daemon's pid, as the kernel tells it of the socket's other end (SO_PEERCRED)."""
+        creds = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED_SIZE)
+        pid: int = struct.unpack("3i", creds)[0]
+        return pid
 
     @classmethod
     def connect(cls, path: Path, timeout_s: float = CONNECT_TIMEOUT_S) -> ControlClient:
