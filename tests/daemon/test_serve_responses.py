@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
@@ -70,7 +69,8 @@ def test_a_tool_call_and_its_output_go_on_from_previous_response_id(api: openai.
         max_output_tokens=150,
     )
     calls = [item for item in called.output if item.type == "function_call"]
-    assert calls and calls[0].name == "add"
+    assert calls
+    assert calls[0].name == "add"
     assert set(json.loads(calls[0].arguments)) == {"a", "b"}
     after = api.responses.create(
         model="tools",
@@ -81,7 +81,8 @@ def test_a_tool_call_and_its_output_go_on_from_previous_response_id(api: openai.
     )
     assert after.previous_response_id == called.id
     # The same tools and question are in the prompt again, with the call and its output after.
-    assert after.usage is not None and called.usage is not None
+    assert after.usage is not None
+    assert called.usage is not None
     assert after.usage.input_tokens > called.usage.input_tokens
 
 
@@ -95,8 +96,10 @@ def test_stream_events_as_the_sdk_accumulates_them(api: openai.OpenAI) -> None:
     # Eight tokens are likely to end the answer early: OpenAI says "incomplete" then.
     assert last.type in ("response.completed", "response.incomplete")
     deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
-    assert deltas and last.response.output_text == deltas
-    assert last.response.usage is not None and 0 < last.response.usage.output_tokens <= 8
+    assert deltas
+    assert last.response.output_text == deltas
+    assert last.response.usage is not None
+    assert 0 < last.response.usage.output_tokens <= 8
     assert last.response.status == last.type.removeprefix("response.")
 
 
@@ -106,7 +109,8 @@ def test_a_streamed_tool_call_arrives_whole(api: openai.OpenAI) -> None:
     ) as stream:
         final = stream.get_final_response()
     calls = [item for item in final.output if item.type == "function_call"]
-    assert calls and set(json.loads(calls[0].arguments)) == {"a", "b"}
+    assert calls
+    assert set(json.loads(calls[0].arguments)) == {"a", "b"}
 
 
 def test_an_unknown_previous_response_is_404(api: openai.OpenAI) -> None:
@@ -129,4 +133,5 @@ def test_routes_not_served_say_so_and_pull_says_how_to_add_a_model(daemon: Daemo
     assert other.json()["error"]["message"] == "arbiterd does not serve POST /v1/assistants"
     assert pull.status_code == 404
     message = pull.json()["error"]["message"]
-    assert "[models.NAME]" in message and "arbiterd reload" in message
+    assert "[models.NAME]" in message
+    assert "arbiterd reload" in message
