@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API: /v1/models, /v1/chat/completions, /v1/completions (streamed as
-server-sent events or not), /v1/embeddings, /health and /metrics.
+server-sent events or not), /v1/embeddings, /health and /metrics; /v1/responses as a chat
+request (responses.py translates); and for any other route a 404 that names it.
 
 Owns the routes, the bearer-token check, the refusal of users it does not serve (which
 connections those are, arbiterd.daemon.httpserver decides), streaming, and the one mapping from

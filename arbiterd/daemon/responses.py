@@ -8,8 +8,10 @@ spelling, max_output_tokens, text.format) and the daemon's memory of past respon
 `previous_response_id`: PastResponses, bounded to MAX_PAST_RESPONSES, the oldest dropped, gone
 when the daemon stops. Every other check is openai_requests.py's.
 
-Guard ladder for a body: object → known keys → model → previous_response_id → input items
-(each type) → tools → tool_choice → text.format → the rest as a chat body (parse_request).
+Guard ladder for a body: object → known keys → truncation, include, reasoning →
+previous_response_id → input items (each type) → instructions → tools → text.format → the
+chat body (parse_request: model, messages, each parameter), its errors renamed to this body's
+fields.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from arbiterd.daemon.openai_requests import ApiError, ApiRequest, parse_request
@@ -115,7 +117,8 @@ def parse_responses_request(payload: object, past: PastResponses) -> ResponsesRe
     if previous is not None and not isinstance(previous, str):
         raise _refuse("'previous_response_id' must be a string", "previous_response_id")
     earlier = past.turns(previous) if previous is not None else ()
-    turns = (*earlier, *_input(given.get("input")))
+    origins: list[str] = []
+    turns = (*earlier, *_input(given.get("input"), origins))
     instructions = given.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise _refuse("'instructions' must be a string", "instructions")
@@ -131,10 +134,14 @@ def parse_responses_request(payload: object, past: PastResponses) -> ResponsesRe
     form = _text_format(given.get("text"))
     if form is not None:
         chat["response_format"] = form
+    # Where each chat turn came from, so that an error names the body's own field.
+    sources = ["instructions"] * len(system) + ["previous_response_id"] * len(earlier) + origins
     try:
         api = parse_request(RequestKind.CHAT, chat)
     except ApiError as exc:
-        raise _renamed(exc) from None
+        raise _renamed(exc, sources) from None
+    images = tuple((_field(param, sources), url) for param, url in api.image_urls)
+    api = replace(api, image_urls=images)
     echo = {
         "instructions": instructions,
         "max_output_tokens": given.get("max_output_tokens"),
@@ -150,17 +157,27 @@ def parse_responses_request(payload: object, past: PastResponses) -> ResponsesRe
     return ResponsesRequest(api=api, conversation=turns, echo=echo)
 
 
-def _renamed(exc: ApiError) -> ApiError:
-    """A chat parser's error in the Responses spelling of the field it names."""
-    names = {"max_tokens": "max_output_tokens", "messages": "input"}
-    param = exc.param or ""
-    head, dot, rest = param.partition(".")
-    root = head.split("[")[0]
-    if root not in names:
+def _field(param: str, sources: list[str]) -> str:
+    """A chat field's name as this body spells it: messages[3].content[1] is the part of the
+    input item turn 3 came from; max_tokens is max_output_tokens."""
+    if param.startswith("max_tokens"):
+        return "max_output_tokens" + param.removeprefix("max_tokens")
+    if not param.startswith("messages["):
+        return param
+    index, _, rest = param.removeprefix("messages[").partition("]")
+    source = sources[int(index)] if index.isdigit() and int(index) < len(sources) else "input"
+    return source + rest if source.startswith("input[") else source
+
+
+def _renamed(exc: ApiError, sources: list[str]) -> ApiError:
+    """A chat parser's error naming the field as this body spells it."""
+    if exc.param is None:
         return exc
-    renamed = names[root] + head[len(root) :] + dot + rest
-    message = exc.message.replace(f"'{root}", f"'{names[root]}")
-    return ApiError(exc.status, message, type_=exc.type, code=exc.code, param=renamed)
+    field = _field(exc.param, sources)
+    message = exc.message.replace(f"'{exc.param}", f"'{field}")
+    if exc.param.startswith("max_tokens"):
+        message = message.replace("'max_tokens'", "'max_output_tokens'")
+    return ApiError(exc.status, message, type_=exc.type, code=exc.code, param=field)
 
 
 def _refuse_settings(given: dict[str, Any]) -> None:
@@ -180,14 +197,18 @@ def _refuse_settings(given: dict[str, Any]) -> None:
     reasoning = given.get("reasoning", {})
     if not isinstance(reasoning, dict) or reasoning.get("summary") is not None:
         raise _refuse(
-            "'reasoning' summaries are not served", "reasoning.summary", "unsupported_value"
+            "'reasoning' must be an object without 'summary': reasoning summaries are not served",
+            "reasoning",
+            "unsupported_value",
         )
 
 
-def _input(value: object) -> list[dict[str, Any]]:
+def _input(value: object, origins: list[str]) -> list[dict[str, Any]]:
     """The input as chat turns: a string is one user turn; an array holds message items and
-    function_call / function_call_output items."""
+    function_call / function_call_output items. The item each turn came from is appended to
+    `origins`."""
     if isinstance(value, str):
+        origins.append("input")
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise _refuse("'input' must be a string or a non-empty array of input items", "input")
@@ -199,6 +220,7 @@ def _input(value: object) -> list[dict[str, Any]]:
         kind = item.get("type", "message")
         if kind == "message":
             turns.append(_message(where, item))
+            origins.append(where)
         elif kind == "function_call":
             call = _function_call(where, item)
             last = turns[-1] if turns else None
@@ -206,8 +228,10 @@ def _input(value: object) -> list[dict[str, Any]]:
                 last["tool_calls"].append(call)
             else:
                 turns.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origins.append(where)
         elif kind == "function_call_output":
             turns.append(_function_output(where, item))
+            origins.append(where)
         else:
             raise _refuse(
                 f"'{where}.type' is {kind!r}: arbiterd serves input items of type \"message\", "
@@ -318,6 +342,10 @@ def _text_format(value: object) -> dict[str, Any] | None:
             "text.format",
         )
     if kind == "json_schema":
+        if not isinstance(form.get("schema"), dict):
+            raise _refuse(
+                "'text.format.schema' must be a JSON schema (an object)", "text.format.schema"
+            )
         return {"type": "json_schema", "json_schema": {"schema": form.get("schema")}}
     return {"type": kind}
 

@@ -13,6 +13,7 @@ import pytest
 from arbiterd.daemon.openai_requests import ApiError
 from arbiterd.daemon.responses import PastResponses, answer, events, parse_responses_request
 from arbiterd.request import ToolChoice
+from arbiterd.spec import IMAGE_MARKER
 
 ADD = {
     "type": "function",
@@ -64,7 +65,7 @@ def test_message_items_take_text_and_image_parts() -> None:
         {"model": "m", "input": [{"type": "message", "role": "user", "content": content}]},
         PastResponses(),
     )
-    assert parsed.api.image_urls == (("messages[0].content[1]", PNG),)
+    assert parsed.api.image_urls == (("input[0].content[1]", PNG),)
 
 
 def test_function_calls_and_their_outputs_are_an_assistant_turn_and_tool_turns() -> None:
@@ -181,3 +182,17 @@ def test_streamed_chunks_become_numbered_events_ending_in_the_whole_response() -
     assert final["output"][0]["content"][0]["text"] == "Hello"
     assert final["usage"]["output_tokens"] == 2
     assert final["id"] == streamed[0]["response"]["id"]
+
+
+def test_an_error_names_the_input_item_not_the_chat_turn() -> None:
+    # Turn 0 is the instructions and the two calls are one turn: the text is input[2]'s.
+    items = [
+        {"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "add", "arguments": "{}"},
+        {"role": "user", "content": [{"type": "input_text", "text": IMAGE_MARKER}]},
+    ]
+    with pytest.raises(ApiError, match=r"'input\[2\]\.content\[0\]\.text'") as refused:
+        parse_responses_request(
+            {"model": "m", "instructions": "sys", "input": items}, PastResponses()
+        )
+    assert refused.value.param == "input[2].content[0].text"
