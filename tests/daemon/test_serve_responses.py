@@ -135,3 +135,17 @@ def test_routes_not_served_say_so_and_pull_says_how_to_add_a_model(daemon: Daemo
     message = pull.json()["error"]["message"]
     assert "[models.NAME]" in message
     assert "arbiterd reload" in message
+
+
+def test_an_image_part_reaches_the_model_policy_named_as_the_input_part(
+    api: openai.OpenAI,
+) -> None:
+    image = {
+        "type": "input_image",
+        "image_url": "data:image/png;base64,iVBORw0KGgo=",
+        "detail": "auto",
+    }
+    content = [{"type": "input_text", "text": "What is this?"}, image]
+    with pytest.raises(openai.BadRequestError, match="takes no images") as refused:
+        api.responses.create(model="tools", input=[{"role": "user", "content": content}])  # type: ignore[misc,list-item]
+    assert refused.value.body["param"] == "input[0].content[1]"  # type: ignore[index]
