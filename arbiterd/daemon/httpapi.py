@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API: /v1/models, /v1/chat/completions, /v1/completions (streamed as
-server-sent events or not), /v1/embeddings, /health and /metrics.
+server-sent events or not), /v1/embeddings, /health and /metrics; /v1/responses as a chat
+request (responses.py translates); and for any other route a 404 that names it.
 
 Owns the routes, the bearer-token check, the refusal of users it does not serve (which
 connections those are, arbiterd.daemon.httpserver decides), streaming, and the one mapping from
@@ -38,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from arbiterd.daemon import images, jsonbody, ollama
+from arbiterd.daemon import images, jsonbody, ollama, responses
 from arbiterd.daemon.openai_requests import (
     INTERNAL_ERROR,
     INVALID_REQUEST,
@@ -359,9 +360,10 @@ def create_app(
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         codes = {404: "not_found", 405: "method_not_allowed"}
+        detail = _not_served(request) if exc.status_code == 404 else str(exc.detail)
         return ApiError(
             exc.status_code,
-            str(exc.detail),
+            detail,
             code=codes.get(exc.status_code),
             headers=dict(exc.headers or {}),
         ).response()
@@ -432,6 +434,7 @@ def create_app(
         return await serve(request, RequestKind.COMPLETION)
 
     _add_embeddings_route(app, service, guarded, names, max_body_bytes)
+    _add_responses_route(app, service, guarded, names, max_body_bytes)
 
     _add_ollama_routes(app, service, guarded, names, max_body_bytes)
     return app
@@ -552,6 +555,65 @@ def _add_embeddings_route(
         if parsed.ignored:
             response.headers[IGNORED_HEADER] = ",".join(parsed.ignored)
         return response
+
+
+def _add_responses_route(
+    app: FastAPI,
+    service: Service,
+    guarded: list[Any],
+    names: Callable[[], list[str]],
+    max_body_bytes: int,
+) -> None:
+    """OpenAI's POST /v1/responses, run as a chat request (daemon/responses.py translates); the
+    past responses it remembers live as long as the app."""
+    past = responses.PastResponses()
+
+    @app.post("/v1/responses", dependencies=guarded)
+    async def create_response(request: Request) -> Response:
+        try:
+            payload = _parse_json(await _read_body(request, max_body_bytes))
+            parsed = responses.parse_responses_request(payload, past)
+            api = await _admit(service, request.headers, parsed.api, names)
+            parsed = replace(parsed, api=api)
+        except Exception as exc:
+            return _api_error(exc, names).response()
+        if api.stream:
+            return EventStream(partial(_response_events, service, parsed, past), names)
+        outcome = await _complete(service, api, request.receive, names)
+        if isinstance(outcome, Response):  # an error, answered as such
+            return outcome
+        return JSONResponse(responses.answer(parsed, outcome, past))
+
+
+async def _response_events(
+    service: Service, parsed: responses.ResponsesRequest, past: responses.PastResponses
+) -> AsyncIterator[dict[str, Any]]:
+    """A streamed response's events, from the chat chunks with the usage chunk last."""
+    chunks = service.stream(parsed.api.model, replace(parsed.api.request, include_usage=True))
+    try:
+        async for event in responses.events(parsed, chunks, past):
+            yield event
+    finally:
+        await _close(chunks)
+
+
+# Ollama's routes that change the models it has: arbiterd's models are its config's.
+OLLAMA_MODEL_ROUTES = frozenset(
+    {"/api/pull", "/api/push", "/api/create", "/api/delete", "/api/copy"}
+)
+
+
+def _not_served(request: Request) -> str:
+    """What a 404 says: the route, that arbiterd does not serve it, and for Ollama's routes that
+    manage models, how to add one instead."""
+    route = f"{request.method} {request.url.path}"
+    if request.url.path in OLLAMA_MODEL_ROUTES:
+        return (
+            f"arbiterd does not serve {route}: it runs the models its config file names. To add "
+            'one, add a [models.NAME] table with path = "/path/to/model.gguf" to the config '
+            "file, then run `arbiterd reload` (or just save the file: the daemon watches it)"
+        )
+    return f"arbiterd does not serve {route}"
 
 
 def _add_ollama_routes(
