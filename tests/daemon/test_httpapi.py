@@ -306,9 +306,13 @@ def test_an_alias_is_served_and_answered_as_asked(app: FastAPI, service: FakeSer
 
 def test_ollama_lists_every_name_and_alias_as_ollama_names_them(app: FastAPI) -> None:
     tagged = ["tiny:latest", "gpt-4o-mini:latest", "qwen2.5:7b", "small:latest"]
-    for path in ("/api/tags", "/api/ps"):
-        listed = call(app, "GET", path).json()["models"]
-        assert [m["name"] for m in listed] == [m["model"] for m in listed] == tagged
+    listed = call(app, "GET", "/api/tags").json()["models"]
+    assert [m["name"] for m in listed] == [m["model"] for m in listed] == tagged
+    loaded = call(app, "GET", "/api/ps").json()["models"]  # each model once, aliases not
+    assert [m["name"] for m in loaded] == [m["model"] for m in loaded] == [
+        "tiny:latest",
+        "small:latest",
+    ]
 
 
 def test_health_and_metrics(app: FastAPI) -> None:
