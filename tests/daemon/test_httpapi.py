@@ -309,10 +309,14 @@ def test_ollama_lists_every_name_and_alias_as_ollama_names_them(app: FastAPI) ->
     listed = call(app, "GET", "/api/tags").json()["models"]
     assert [m["name"] for m in listed] == [m["model"] for m in listed] == tagged
     loaded = call(app, "GET", "/api/ps").json()["models"]  # each model once, aliases not
-    assert [m["name"] for m in loaded] == [m["model"] for m in loaded] == [
-        "tiny:latest",
-        "small:latest",
-    ]
+    assert (
+        [m["name"] for m in loaded]
+        == [m["model"] for m in loaded]
+        == [
+            "tiny:latest",
+            "small:latest",
+        ]
+    )
 
 
 def test_health_and_metrics(app: FastAPI) -> None:
