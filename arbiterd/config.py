@@ -18,6 +18,7 @@
     host_ram_budget = 0           # bytes (or "8GiB") of host copies + cold KV; 0 = no budget
     prompt_cache_budget = "4GiB"  # bytes of prompt caches unloaded models keep on disk
     watch_config = true           # a saved change to this file applies as `arbiterd reload`
+    queue_notice_s = 1            # a stream waiting this long for the GPU is told who holds it
     [models.NAME]                 # one table per model; NAME is what requests ask for
     path = "/models/x.gguf"       # required
     aliases = []                  # more names requests may ask for, e.g. ["gpt-4o-mini"]
@@ -27,6 +28,7 @@
     priority = "normal", preemptible = true, strict_api = false,
     load = "start",               # "demand": no worker until its first request (or `warm`)
     unload_after_s = 0,           # unload after cold and idle this long; 0 = never
+    max_queue_s = 0,              # a request waiting this long for the GPU: 503; 0 = no limit
     host_copy = "memfd",          # "page-cache": no copy in RAM; the kernel may reclaim it
     encoder = "jit"               # with mmproj: "resident" keeps the encoder while warm
     tools = "offer"               # "refuse": chat requests may not offer tools
@@ -136,6 +138,7 @@ DAEMON_KEYS = (
     "host_ram_budget",
     "prompt_cache_budget",
     "watch_config",
+    "queue_notice_s",
 )
 MODEL_KEYS = (
     "path",
@@ -155,6 +158,7 @@ MODEL_KEYS = (
     "strict_api",
     "load",
     "unload_after_s",
+    "max_queue_s",
     "host_copy",
     "encoder",
     "max_image_bytes",
@@ -165,6 +169,7 @@ MODEL_KEYS = (
     "chat_template_file",
 )
 STARTER_N_CTX = 4096
+QUEUE_NOTICE_S = 1.0
 # Issue 14: a state file is a few MB to a few GB (the KV of the tokens in use); 4 GiB keeps a
 # handful of large ones.
 PROMPT_CACHE_BUDGET_BYTES = 4 << 30
@@ -236,6 +241,9 @@ class DaemonConfig:
     prompt_cache_budget_bytes: int = PROMPT_CACHE_BUDGET_BYTES
     # Issue 29: the daemon follows its config file (daemon/configwatch.py); read at start only.
     watch_config: bool = True
+    # Issue 30: a stream that has waited this long for the GPU is told who holds it
+    # (daemon/waiting.py), and again every few seconds.
+    queue_notice_s: float = QUEUE_NOTICE_S
 
 
 @dataclass(frozen=True)
@@ -270,6 +278,9 @@ class ModelConfig:
     aliases: tuple[str, ...] = ()  # more names requests may ask for it by
     load: Load = Load.START
     unload_after_s: float = 0.0  # cold and idle this long: unloaded; 0 = never
+    # Issue 30: a request that waited this long for the GPU is refused (503, Retry-After, the
+    # holder named); 0 = it waits as long as it takes.
+    max_queue_s: float = 0.0
     group: str = ""  # the [groups] table it belongs to; "" = none
     host_copy: HostCopyMode = HostCopyMode.MEMFD
     # Vision (issue 12), with mmproj: when its encoder is on the device, and what images its
@@ -285,8 +296,8 @@ class ModelConfig:
 
     def same_worker(self, other: ModelConfig) -> bool:
         """Whether `other` runs the same worker as this config: equal but for the aliases,
-        strict_api, load and unload_after_s, which only the daemon reads (a reload that changes
-        only those restarts nothing)."""
+        strict_api, load, unload_after_s and max_queue_s, which only the daemon reads (a reload
+        that changes only those restarts nothing)."""
         return (
             replace(
                 other,
@@ -294,6 +305,7 @@ class ModelConfig:
                 strict_api=self.strict_api,
                 load=self.load,
                 unload_after_s=self.unload_after_s,
+                max_queue_s=self.max_queue_s,
             )
             == self
         )
@@ -527,6 +539,7 @@ class _DaemonValues:
     holder_timeout_s: float = HOLDER_TIMEOUT_S
     prompt_cache_budget_bytes: int = PROMPT_CACHE_BUDGET_BYTES
     watch_config: bool = True
+    queue_notice_s: float = QUEUE_NOTICE_S
 
     def resolve(self, env: Mapping[str, str]) -> DaemonConfig:
         # Only defaults in use are resolved: they may need $XDG_RUNTIME_DIR, which the flags
@@ -549,6 +562,7 @@ class _DaemonValues:
             host_ram_budget_bytes=self.host_ram_budget_bytes,
             prompt_cache_budget_bytes=self.prompt_cache_budget_bytes,
             watch_config=self.watch_config,
+            queue_notice_s=self.queue_notice_s,
         )
 
 
@@ -603,6 +617,7 @@ def _daemon(src: Source, raw: object, overrides: _Overrides) -> _DaemonValues:
         prompt_cache_budget_bytes=table.size("prompt_cache_budget", PROMPT_CACHE_BUDGET_BYTES),
         holder_timeout_s=holder_timeout_s,
         watch_config=table.boolean("watch_config", True),
+        queue_notice_s=table.seconds("queue_notice_s", QUEUE_NOTICE_S),
     )
 
 
@@ -735,6 +750,7 @@ def _model(src: Source, name: str, raw: object) -> ModelConfig:
         preemptible=table.boolean("preemptible", True),
         load=load,
         unload_after_s=table.seconds("unload_after_s", 0.0, note=" (0 = never)"),
+        max_queue_s=table.seconds("max_queue_s", 0.0, note=" (0 = no limit)"),
         host_copy=host_copy,
         encoder=encoder,
         max_image_bytes=table.integer(

@@ -6,7 +6,9 @@ protocol's own error codes, the bounds, and the guard ladder a request line goes
 arbiterd.cli.controlclient; the tray speaks it over Qt (arbiterd.gui.connection).
 
     client → daemon  {"command": NAME, "request_id": SCALAR, ...args}
-    daemon → client  {"request_id", "error": "success", "data": {...}}
+    daemon → client  {"request_id", "progress": {...}}   before the reply, to a model command
+                                                        sent with "progress": true
+                     {"request_id", "error": "success", "data": {...}}
                      {"request_id", "error": MESSAGE, "code": CODE}   CODE_* or an ErrorCode
                      {"event": KIND, "at": SECONDS, ...}          after `subscribe`
 """
@@ -73,7 +75,8 @@ _ARGS: dict[str, dict[str, tuple[type, bool]]] = {
     "subscribe": {},
     "unsubscribe": {},
     "events": {"since": (float, False), "after_seq": (int, False), "limit": (int, False)},
-    **{name: {"model": (str, True)} for name in MODEL_COMMANDS},
+    # "progress": while the model waits for the GPU, progress lines before the reply (issue 30).
+    **{name: {"model": (str, True), "progress": (bool, False)} for name in MODEL_COMMANDS},
     **{name: {} for name in COMMANDS - MODEL_COMMANDS},
 }
 CONTROL_COMMANDS: Final = tuple(sorted(_ARGS))
@@ -86,10 +89,13 @@ def _is_scalar(value: object) -> bool:
 
 
 def _type_name(kind: type) -> str:
-    return {int: "an integer", str: "a string", float: "a number"}.get(kind, kind.__name__)
+    names = {int: "an integer", str: "a string", float: "a number", bool: "true or false"}
+    return names.get(kind, kind.__name__)
 
 
 def _is_a(value: object, kind: type) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
     if isinstance(value, bool):  # bool is an int to Python, never to a client
         return False
     if kind is float:

@@ -10,6 +10,7 @@
     │   └── ArenaUnsupportedError     the filesystem does not support flock
     ├── AcquireError                  the token was not obtained
     │   ├── AcquireTimeoutError       the timeout ran out
+    │   │   └── QueueTimeoutError     a request waited past its model's max_queue_s
     │   └── AcquireCancelledError     the caller gave up
     ├── CommandError                  `arbiterd run` could not start CMD
     │   ├── CommandNotFoundError      no such program
@@ -216,6 +217,13 @@ class AcquireError(ArbiterError):
 
 class AcquireTimeoutError(AcquireError):
     code = ErrorCode.ACQUIRE_TIMEOUT
+
+
+class QueueTimeoutError(AcquireTimeoutError):
+    """A request waited longer than its model's max_queue_s for the GPU (issue 30); the HTTP
+    API answers it 503 with Retry-After: `retry_after_s`."""
+
+    retry_after_s: int = 1
 
 
 class AcquireCancelledError(AcquireError):

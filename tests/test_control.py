@@ -47,6 +47,7 @@ from arbiterd.errors import (
     DaemonNotRunningError,
     UnknownModelError,
 )
+from arbiterd.procs import WaitNews
 from arbiterd.request import GenerateRequest
 from arbiterd.states import ResidencyState
 from arbiterd.status import DaemonStatus, ModelStatus
@@ -110,7 +111,12 @@ class FakeService:
     def unsubscribe(self, events: asyncio.Queue[dict[str, Any]]) -> None:
         self.subscribers.remove(events)  # ValueError on a second unsubscribe: a bug to catch
 
-    async def command(self, name: str, model: str | None = None) -> dict[str, Any]:
+    async def command(
+        self,
+        name: str,
+        model: str | None = None,
+        on_news: Callable[[WaitNews], None] | None = None,
+    ) -> dict[str, Any]:
         self.commands.append((name, model))
         if self.on_command is not None:
             await self.on_command()

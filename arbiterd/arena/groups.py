@@ -74,6 +74,11 @@ def group_dir(arena: Arena, group: str) -> Path:
     return arena.path / GROUPS_DIR / group
 
 
+def keeper_name(group: str) -> str:
+    """The name a group's keeper holds the arena's token by (holder.json's)."""
+    return f"group {group}"
+
+
 class _Files:
     """A group's three lock files, created once and never unlinked (as the arena's own)."""
 
@@ -91,8 +96,7 @@ class _Files:
 
     @property
     def holder_name(self) -> str:
-        """The name the keeper holds the arena's token by."""
-        return f"group {self.group}"
+        return keeper_name(self.group)
 
     def keeper_holds_token(self) -> bool:
         holder = self.arena.observe().holder  # only when it names the token's live owner

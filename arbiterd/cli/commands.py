@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import select
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -38,6 +39,8 @@ from arbiterd.status import DaemonStatus, ModelStatus
 
 # warm may load a model and hold may wait for every model to release: minutes, not seconds.
 COMMAND_TIMEOUT_S = 600.0
+# The model commands that may wait for the GPU, and say so while they do.
+WAITING_COMMANDS = ("warm", "release", "unload")
 # Requests in flight finish and every worker releases the GPU before the daemon exits: the
 # systemd unit's TimeoutStopSec.
 SHUTDOWN_TIMEOUT_S = 60.0
@@ -193,10 +196,32 @@ def show_status(args: argparse.Namespace) -> int:
 
 
 def model_command(args: argparse.Namespace) -> int:
-    with ControlClient.connect(_socket(args)) as client:
-        client.timeout_s = COMMAND_TIMEOUT_S
-        result = client.call(args.command, model=args.model)
-    print(_describe(args.command, result))
+    """A command to one model; `warm`, `release` and `unload` say on stderr what the model
+    waits for while it waits for the GPU, and Ctrl-C withdraws the wait (exit 130)."""
+    started = time.monotonic()
+    said: str | None = None
+
+    def progress(news: dict[str, Any]) -> None:
+        nonlocal said
+        text = news.get("text")
+        if isinstance(text, str) and text != said:
+            said = text
+            model = news.get("model") or args.model
+            print(f"arbiterd {args.command}: {model} is {text}", file=sys.stderr, flush=True)
+
+    try:
+        with ControlClient.connect(_socket(args)) as client:
+            client.timeout_s = COMMAND_TIMEOUT_S
+            if args.command in WAITING_COMMANDS:
+                result = client.call_watched(args.command, progress, model=args.model)
+            else:
+                result = client.call(args.command, model=args.model)
+    except KeyboardInterrupt:
+        withdrawn = f"; {args.model} no longer waits for the GPU" if said is not None else ""
+        print(f"arbiterd {args.command}: interrupted{withdrawn}", file=sys.stderr)
+        return 130
+    waited = f" (after {time.monotonic() - started:.1f} s waiting for the GPU)" if said else ""
+    print(_describe(args.command, result) + waited)
     return 0
 
 

@@ -11,7 +11,7 @@ import socket
 import struct
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Final
@@ -91,6 +91,21 @@ class ControlClient:
         """Send one request and return its reply's data. An error reply raises the class its
         code names (UnknownModelError, ...), or ControlReplyError for a refusal of the
         protocol's own; DaemonError if the daemon goes away or does not answer in `timeout_s`."""
+        return self._call(command, args, None)
+
+    def call_watched(
+        self, command: str, on_progress: Callable[[dict[str, Any]], None], /, **args: Any
+    ) -> dict[str, Any]:
+        """`call` of a model command that says, through `on_progress`, what the model waits
+        for while it waits for the GPU: the daemon's progress lines, as they come."""
+        return self._call(command, {**args, "progress": True}, on_progress)
+
+    def _call(
+        self,
+        command: str,
+        args: dict[str, Any],
+        on_progress: Callable[[dict[str, Any]], None] | None,
+    ) -> dict[str, Any]:
         request_id = next(self._ids)
         if not self._writer.send({**args, "command": command, "request_id": request_id}):
             raise DaemonError(f"arbiterd closed the connection on {self.path}")
@@ -103,6 +118,11 @@ class ControlClient:
                 self._events.append(message)
                 continue
             reply_id, error = message.get("request_id"), message.get("error")
+            progress = message.get("progress")
+            if "progress" in message and "error" not in message:
+                if on_progress is not None and reply_id == request_id:
+                    on_progress(progress if isinstance(progress, dict) else {})
+                continue
             # An error with request_id null refuses the connection or the line itself; any other
             # reply is a late answer to a call that timed out.
             if reply_id != request_id and (reply_id is not None or error == "success"):

@@ -37,8 +37,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import TextIO
@@ -51,9 +53,11 @@ from arbiterd.errors import (
     CommandNotFoundError,
     UsageError,
 )
-from arbiterd.procs import describe_holder
+from arbiterd.procs import WaitNews, holder_label, news_for
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# How often a wait looks again at who holds the GPU and at its place in the queue.
+REPORT_EVERY_S = 1.0
 
 _Handler = Callable[[int, FrameType | None], object] | int | signal.Handlers | None
 
@@ -92,29 +96,68 @@ def run_holding_token(
     executable = resolve_command(cmd)
     label = name or Path(cmd[0]).name
     started = time.monotonic()
-    waited = False
-
-    def on_wait(state: ArenaState) -> None:
-        nonlocal waited
-        waited = True
-        print(f"arbiterd run: waiting for the GPU, {describe_holder(state)}", file=stderr)
-
+    report = _WaitReport(arena, stderr)
     previous = _install(dict.fromkeys(FORWARDED_SIGNALS, _raise_interrupted))
     try:
-        token = arena.acquire(label, priority=priority, timeout_s=timeout_s, on_wait=on_wait)
+        token = arena.acquire(label, priority=priority, timeout_s=timeout_s, on_wait=report.began)
     except (_Interrupted, KeyboardInterrupt) as exc:
         signum = exc.signum if isinstance(exc, _Interrupted) else signal.SIGINT
         error = AcquireCancelledError(f"{signal.Signals(signum).name} while waiting for the GPU")
         error.exit_code = 128 + signum  # what a shell reports for a command killed by it
         raise error from None
     finally:
+        report.stop()
         _install(previous)
     with token:
-        if waited:
+        if report.waited:
             print(
                 f"arbiterd run: got the GPU after {time.monotonic() - started:.1f} s", file=stderr
             )
         return _run_child(token, executable, cmd, stderr)
+
+
+class _WaitReport:
+    """Says what the wait is for as it begins, then again whenever the holder or our place in
+    the queue changes, looked at every REPORT_EVERY_S from a thread of its own (the main thread
+    is blocked in the acquire)."""
+
+    def __init__(self, arena: Arena, stderr: TextIO) -> None:
+        self._arena, self._stderr = arena, stderr
+        self._said: tuple[int | None, int | None] | None = None
+        self._stopped = threading.Event()
+        self._watch: threading.Thread | None = None
+        self.waited = False
+
+    def began(self, before: ArenaState) -> None:
+        """The arena's on_wait: `before` was read before we queued, so it still names a holder
+        that let go as soon as it saw us; our place is read now that we have a ticket."""
+        self.waited = True
+        news = news_for(self._arena.observe(), os.getpid())
+        if before.holder_pid is not None and news.holder_pid != before.holder_pid:
+            news = replace(news, holder=holder_label(before), holder_pid=before.holder_pid)
+        self._say(news)
+        self._watch = threading.Thread(target=self._look_again, name="wait-report", daemon=True)
+        self._watch.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._watch is not None:
+            self._watch.join()
+
+    def _look_again(self) -> None:
+        while not self._stopped.wait(REPORT_EVERY_S):
+            try:
+                news = news_for(self._arena.observe(), os.getpid())
+            except (ArenaError, OSError):
+                continue  # the next look may succeed; the wait itself reports what breaks
+            if not self._stopped.is_set():
+                self._say(news)
+
+    def _say(self, news: WaitNews) -> None:
+        seen = (news.holder_pid, news.place)
+        if seen != self._said:
+            self._said = seen
+            print(f"arbiterd run: {news.text}", file=self._stderr, flush=True)
 
 
 def _run_child(token: Token, executable: str, cmd: Sequence[str], stderr: TextIO) -> int:

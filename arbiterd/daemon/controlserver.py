@@ -10,6 +10,7 @@ read in a thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -30,6 +31,7 @@ from arbiterd.control import (
     EVENTS_PAGE_MAX,
     MAX_LINE_BYTES,
     SERVER_NAME,
+    Request,
     RequestRefused,
     parse_request,
 )
@@ -37,9 +39,11 @@ from arbiterd.daemon import socketfile
 from arbiterd.daemon.service import Service
 from arbiterd.errors import (
     ArbiterError,
+    ControlError,
     DaemonError,
 )
 from arbiterd.paths import ensure_private_dir
+from arbiterd.procs import WaitNews
 from arbiterd.wire import encode
 
 log = logging.getLogger(__name__)
@@ -312,7 +316,7 @@ class _Connection:
             await self._send(_error(refused.request_id, str(refused), refused.code))
             return refused.code != CODE_PROTOCOL
         try:
-            data = await self._dispatch(request.command, request.args)
+            data = await self._dispatch(request)
         except ArbiterError as exc:
             await self._send(_error(request.request_id, str(exc), exc.code.value))
         except Exception as exc:
@@ -329,7 +333,8 @@ class _Connection:
                 )
         return True
 
-    async def _dispatch(self, command: str, args: dict[str, Any]) -> dict[str, Any]:
+    async def _dispatch(self, request: Request) -> dict[str, Any]:
+        command, args = request.command, request.args
         if command == "hello":
             return {
                 "protocol": CONTROL_PROTOCOL,
@@ -348,7 +353,24 @@ class _Connection:
             return {"subscribed": False}
         if command == "events":
             return await self._history_page(args)
-        return await self._service.command(command, args.get("model"))
+        on_news = None
+        if args.get("progress"):
+
+            def on_news(news: WaitNews) -> None:
+                # A client that asked for progress waits for nothing else: once it has gone (a
+                # CLI's Ctrl-C), the wait it asked for is withdrawn, not left to happen later.
+                if self._reader.at_eof() or self._writer.is_closing():
+                    raise ControlError(f"the client gave up its {command} while it waited")
+                progress = {"model": args["model"], **news.to_json()}
+                self._tell({"request_id": request.request_id, "progress": progress})
+
+        return await self._service.command(command, args.get("model"), on_news)
+
+    def _tell(self, message: dict[str, Any]) -> None:
+        """Queue a progress line: news, so a client too slow to take it misses it rather than
+        holding up the reply."""
+        with contextlib.suppress(asyncio.QueueFull):
+            self._outbox.put_nowait(encode(message))
 
     async def _history_page(self, args: dict[str, Any]) -> dict[str, Any]:
         limit: int = args.get("limit", EVENTS_PAGE_MAX)

@@ -52,7 +52,8 @@ from arbiterd.daemon.openai_requests import (
     parse_request,
 )
 from arbiterd.daemon.service import Service
-from arbiterd.errors import ArbiterError, ErrorCode, UnknownModelError
+from arbiterd.errors import ArbiterError, ErrorCode, QueueTimeoutError, UnknownModelError
+from arbiterd.procs import WaitNews
 from arbiterd.request import RequestKind
 from arbiterd.spec import MAX_IMAGES
 from arbiterd.status import ModelStatus
@@ -152,11 +153,13 @@ def _api_error(exc: Exception, names: Callable[[], list[str]]) -> ApiError:
     if isinstance(exc, ArbiterError):
         status = exc.http_status
         fallback = "invalid_value" if status < 500 else "model_unavailable"
+        retry = exc.retry_after_s if isinstance(exc, QueueTimeoutError) else None
         return ApiError(
             status,
             str(exc),
             type_=INVALID_REQUEST if status < 500 else SERVER_ERROR,
             code=OPENAI_CODES.get(exc.code, fallback),
+            headers=None if retry is None else {"retry-after": str(retry)},
         )
     log.error("unexpected error serving a request", exc_info=exc)
     return _internal_error()
@@ -210,7 +213,7 @@ async def _unless_disconnected(receive: Receive, work: Callable[[], Awaitable[No
     return left
 
 
-async def _close(chunks: AsyncIterator[dict[str, Any]]) -> None:
+async def _close(chunks: AsyncIterator[object]) -> None:
     """Close the service's iterator, so it cancels the request in its worker; shielded, as this
     runs while the response is being cancelled, and bounded."""
     aclose = getattr(chunks, "aclose", None)
@@ -229,21 +232,29 @@ def _ndjson(data: dict[str, Any]) -> bytes:
     return json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode("utf-8") + b"\n"
 
 
+def _sse_comment(news: WaitNews) -> bytes:
+    """A wait's news as an SSE comment line: every SSE client skips it, `curl -N` shows it."""
+    text = news.text.replace("\r", " ").replace("\n", " ")
+    return b": " + text.encode("utf-8", errors="replace") + b"\n\n"
+
+
 class EventStream(Response):
     """A streamed completion as server-sent events (or, for Ollama's routes, NDJSON lines),
     owning the service's chunk iterator from opening to closing.
 
     The first chunk is awaited before the status line is sent, so an error raised before it is
-    an ordinary HTTP error. A later error becomes one `data: {"error": ...}` event, then
-    `data: [DONE]` (NDJSON: one `{"error": MESSAGE}` line). If the client disconnects at any
-    point, the pending read is cancelled and the iterator closed (the Service contract:
-    closing early cancels the request)."""
+    an ordinary HTTP error. While the model waits for the GPU, the service's news of the wait
+    become SSE comments (`: waiting for the GPU, held by ...`), the first of which sends the
+    status line; NDJSON has no shape for them and skips them. A later error becomes one
+    `data: {"error": ...}` event, then `data: [DONE]` (NDJSON: one `{"error": MESSAGE}` line).
+    If the client disconnects at any point, the pending read is cancelled and the iterator
+    closed (the Service contract: closing early cancels the request)."""
 
     media_type = "text/event-stream"
 
     def __init__(
         self,
-        chunks: Callable[[], AsyncIterator[dict[str, Any]]],
+        chunks: Callable[[], AsyncIterator[dict[str, Any] | WaitNews]],
         names: Callable[[], list[str]],
         *,
         ndjson: bool = False,
@@ -271,14 +282,32 @@ class EventStream(Response):
         finally:
             await _close(chunks)
 
+    def _encode(self, item: dict[str, Any] | WaitNews) -> bytes | None:
+        """What one item of the service's stream sends; None: nothing."""
+        if isinstance(item, WaitNews):
+            return None if self._ndjson else _sse_comment(item)
+        return self._line(item)
+
+    async def _first(self, chunks: AsyncIterator[dict[str, Any] | WaitNews]) -> bytes | None:
+        """The first bytes to send (None: the stream ended before any)."""
+        while True:
+            try:
+                first = self._encode(await anext(chunks))
+            except StopAsyncIteration:
+                return None
+            if first is not None:
+                return first
+
     async def _relay(
-        self, chunks: AsyncIterator[dict[str, Any]], scope: Scope, receive: Receive, send: Send
+        self,
+        chunks: AsyncIterator[dict[str, Any] | WaitNews],
+        scope: Scope,
+        receive: Receive,
+        send: Send,
     ) -> None:
         try:
             try:
-                first: bytes | None = self._line(await anext(chunks))
-            except StopAsyncIteration:
-                first = None
+                first = await self._first(chunks)
             except Exception as exc:
                 await _api_error(exc, self._names).response()(scope, receive, send)
                 return
@@ -287,7 +316,7 @@ class EventStream(Response):
                 await send({"type": "http.response.body", "body": first, "more_body": True})
             while True:
                 try:
-                    event = self._line(await anext(chunks))
+                    event = self._encode(await anext(chunks))
                 except StopAsyncIteration:
                     break
                 except Exception as exc:
@@ -299,7 +328,8 @@ class EventStream(Response):
                     )
                     await send({"type": "http.response.body", "body": error, "more_body": True})
                     break
-                await send({"type": "http.response.body", "body": event, "more_body": True})
+                if event is not None:
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
             await send({"type": "http.response.body", "body": self._end, "more_body": False})
         except OSError:
             return  # ASGI 2.4 servers report a gone client by failing `send`
@@ -587,7 +617,7 @@ def _add_responses_route(
 
 async def _response_events(
     service: Service, parsed: responses.ResponsesRequest, past: responses.PastResponses
-) -> AsyncIterator[dict[str, Any]]:
+) -> AsyncIterator[dict[str, Any] | WaitNews]:
     """A streamed response's events, from the chat chunks with the usage chunk last."""
     chunks = service.stream(parsed.api.model, replace(parsed.api.request, include_usage=True))
     try:
@@ -701,6 +731,8 @@ async def _ollama_lines(
     calls: dict[int, dict[str, Any]] = {}
     try:
         async for chunk in chunks:
+            if isinstance(chunk, WaitNews):
+                continue  # Ollama's lines have no shape for it
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for choice in chunk.get("choices") or []:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from arbiterd.daemon.openai_requests import ApiError, ApiRequest, parse_request
+from arbiterd.procs import WaitNews
 from arbiterd.request import RequestKind
 
 # How many past responses previous_response_id can name; the oldest is forgotten first.
@@ -487,10 +488,13 @@ def _text_events(event: _Events, index: int, item_id: str, text: str) -> Iterato
 
 
 async def events(
-    parsed: ResponsesRequest, chunks: AsyncIterator[dict[str, Any]], past: PastResponses
-) -> AsyncIterator[dict[str, Any]]:
+    parsed: ResponsesRequest,
+    chunks: AsyncIterator[dict[str, Any] | WaitNews],
+    past: PastResponses,
+) -> AsyncIterator[dict[str, Any] | WaitNews]:
     """A streamed chat's chunks (the usage chunk last) as the Responses stream's events: the
-    text as it comes, each tool call once it is whole, then response.completed."""
+    text as it comes, each tool call once it is whole, then response.completed; the news of a
+    wait for the GPU passed on as it comes."""
     event = _Events()
     response_id = _new_id("resp")
     model = parsed.api.model
@@ -506,6 +510,9 @@ async def events(
     usage: dict[str, Any] | None = None
     finish_reason = None
     async for chunk in chunks:
+        if isinstance(chunk, WaitNews):
+            yield chunk
+            continue
         usage = chunk.get("usage") or usage
         for choice in chunk.get("choices") or []:
             finish_reason = choice.get("finish_reason") or finish_reason

@@ -9,7 +9,9 @@ request to a chat model, or the other way round), is refused before any worker s
 no event is published. A request for an unloaded model (issue 14) starts its worker first.
 A request for a model whose file a start did not find (issue 24) is answered at once, naming
 the file, rather than waiting for a restart that cannot work; once the file is back, it starts
-the model.
+the model. While a request's model waits for the GPU, a stream yields what it waits for
+(procs.WaitNews) at the notice times, and a request that waits past its model's max_queue_s is
+given up (daemon/waiting.py).
 """
 
 from __future__ import annotations
@@ -21,17 +23,20 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from arbiterd.daemon.slots import Slot
+from arbiterd.daemon.waiting import NewsListener, Waits
 from arbiterd.daemon.workerclient import WorkerClient
 from arbiterd.errors import (
     ArbiterError,
     EngineError,
     ModelLoadError,
+    QueueTimeoutError,
     RequestError,
     UnknownModelError,
     WorkerError,
     WorkerGoneError,
 )
 from arbiterd.events import Event, RequestEvent
+from arbiterd.procs import WaitNews
 from arbiterd.request import GenerateRequest
 from arbiterd.spec import kind_refusal
 from arbiterd.states import RequestStatus, ResidencyState, SlotState
@@ -47,11 +52,13 @@ class Router:
         slots: Mapping[str, Slot],
         publish: Callable[[Event], object],
         load: Callable[[Slot], Awaitable[None]],
+        waits: Waits,
     ) -> None:
         """`load` starts an unloaded slot's worker (lifecycle.Lifecycle.load)."""
         self._slots = slots
         self._publish = publish
         self._load = load
+        self._waits = waits
         self._ids = itertools.count(1)
 
     async def complete(self, model: str, request: GenerateRequest) -> dict[str, Any]:
@@ -65,7 +72,9 @@ class Router:
         response: dict[str, Any] = result["response"]
         return response
 
-    async def stream(self, model: str, request: GenerateRequest) -> AsyncGenerator[dict[str, Any]]:
+    async def stream(
+        self, model: str, request: GenerateRequest
+    ) -> AsyncGenerator[dict[str, Any] | WaitNews]:
         request_id = self._request_id()
         chunks: asyncio.Queue[object] = asyncio.Queue()
 
@@ -75,7 +84,7 @@ class Router:
         # An unknown, failed or wrong model: before any chunk.
         await self._serving(model, request.kind)
         sending = asyncio.get_running_loop().create_task(
-            self._send(model, request.kind, request_id, generate)
+            self._send(model, request.kind, request_id, generate, chunks.put_nowait)
         )
         sending.add_done_callback(lambda _: chunks.put_nowait(_DONE))
         try:
@@ -84,7 +93,7 @@ class Router:
                 if chunk is _DONE:
                     sending.result()  # raises the request's error, if it failed
                     return
-                yield chunk  # type: ignore[misc]  # everything but _DONE is a chunk
+                yield chunk  # type: ignore[misc]  # everything but _DONE is a chunk or news
         finally:
             if not sending.done():  # closed or cancelled: the client went away
                 sending.cancel()
@@ -135,18 +144,22 @@ class Router:
         kind: str,
         request_id: str,
         send: Callable[[WorkerClient], Awaitable[_T]],
+        on_news: NewsListener | None = None,
     ) -> _T:
         worker = await self._serving(model, kind)
+        slot = self._slots[model]
         try:
             try:
-                return await send(worker)
+                return await self._waits.request(slot, send(worker), on_news)
             except WorkerGoneError:  # gone before the request reached it: nothing ran
                 worker = await self._successor(model, worker)
-                return await send(worker)
+                return await self._waits.request(slot, send(worker), on_news)
         except asyncio.CancelledError:  # the client went away: stop the decode
             worker.cancel(request_id)
             raise
         except ArbiterError as exc:
+            if isinstance(exc, QueueTimeoutError):  # given up while it waited in the worker
+                worker.cancel(request_id)
             self._publish(
                 RequestEvent(
                     model=model, request_id=request_id, status=RequestStatus.ERROR, error=str(exc)

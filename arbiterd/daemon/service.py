@@ -14,6 +14,7 @@ Errors the methods raise (arbiterd.errors), which each edge maps once:
     ContextOverflowError   prompt (+ max_tokens) > context     HTTP 400
     RequestError           a bad parameter, or a kind of       HTTP 400
                            request the model does not serve
+    QueueTimeoutError      waited past the model's max_queue_s HTTP 503, Retry-After
     WorkerError            the model's worker failed/restarts  HTTP 503
     EngineError            the model failed to load/restore    HTTP 503
     ControlError           a command that cannot be done now   control: error reply
@@ -29,10 +30,11 @@ writes it (`parse_event` reads one back); docs/control-protocol.md ("Events") li
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from arbiterd.daemon.images import ImagePolicy
+from arbiterd.procs import WaitNews
 from arbiterd.request import GenerateRequest
 from arbiterd.status import DaemonStatus
 
@@ -61,11 +63,15 @@ class Service(Protocol):
         response object, which names the model as `model` does."""
         ...
 
-    def stream(self, model: str, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
-        """Yield OpenAI chunk objects as they come. Errors are raised from the iterator, before
-        or during the stream; closing the iterator early or cancelling the task awaiting it
-        (the client went away) cancels the request in its worker. `complete` is cancelled the
-        same way."""
+    def stream(
+        self, model: str, request: GenerateRequest
+    ) -> AsyncIterator[dict[str, Any] | WaitNews]:
+        """Yield OpenAI chunk objects as they come and, while the model waits for the GPU, what
+        it waits for (a WaitNews, from `[daemon] queue_notice_s` on, every few seconds: each
+        edge shows it in its own way, or not at all). Errors are raised from the iterator,
+        before or during the stream; closing the iterator early or cancelling the task awaiting
+        it (the client went away) cancels the request in its worker. `complete` is cancelled
+        the same way."""
         ...
 
     async def status(self) -> DaemonStatus:
@@ -78,9 +84,15 @@ class Service(Protocol):
 
     def unsubscribe(self, events: asyncio.Queue[dict[str, Any]]) -> None: ...
 
-    async def command(self, name: str, model: str | None = None) -> dict[str, Any]:
+    async def command(
+        self,
+        name: str,
+        model: str | None = None,
+        on_news: Callable[[WaitNews], None] | None = None,
+    ) -> dict[str, Any]:
         """One of COMMANDS; `model` is required for MODEL_COMMANDS. Returns a small result
-        object (e.g. {"model": ..., "state": ...})."""
+        object (e.g. {"model": ..., "state": ...}). While a model command waits for the GPU,
+        `on_news` is told what it waits for, soon and then every second."""
         ...
 
     async def metrics_text(self) -> bytes:

@@ -52,6 +52,7 @@ from arbiterd.daemon.routing import Router
 from arbiterd.daemon.slots import Slot
 from arbiterd.daemon.telemetry import ReaderSet, TelemetrySnapshot
 from arbiterd.daemon.vramwatch import VramWatch
+from arbiterd.daemon.waiting import NewsListener, Waits
 from arbiterd.daemon.workerclient import EngineReport, WorkerClient, WorkerHello
 from arbiterd.errors import ArbiterError, ControlError
 from arbiterd.events import (
@@ -65,7 +66,7 @@ from arbiterd.events import (
     VramEvent,
     parse_event,
 )
-from arbiterd.procs import holder_name, process_name
+from arbiterd.procs import WaitNews, holder_name, process_name
 from arbiterd.request import GenerateRequest
 from arbiterd.states import BackendKind, ResidencyState, SlotState
 from arbiterd.status import (
@@ -192,7 +193,8 @@ class Supervisor:
             # The config as it is when each worker starts (a reload replaces it).
             vram_budget=lambda model: vram_budget_for(self.config, model),
         )
-        self._router = Router(self._slots, self._bus.publish, self._lifecycle.load)
+        self._waits = Waits(self._arena, notice_after_s=config.daemon.queue_notice_s)
+        self._router = Router(self._slots, self._bus.publish, self._lifecycle.load, self._waits)
         self._hold: Token | None = None
         self._keepers: dict[str, Keeper] = {}  # by group: each holds the token for its members
         self._engine: EngineReport | None = None  # as the latest worker's hello says
@@ -300,11 +302,16 @@ class Supervisor:
         response = await self._router.complete(self._name(model), request)
         return {**response, "model": model}  # as asked: clients compare it with their request
 
-    async def stream(self, model: str, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+    async def stream(
+        self, model: str, request: GenerateRequest
+    ) -> AsyncIterator[dict[str, Any] | WaitNews]:
         chunks = self._router.stream(self._name(model), request)
         try:
             async for chunk in chunks:
-                yield {**chunk, "model": model}  # as asked, as in `complete`
+                if isinstance(chunk, WaitNews):
+                    yield chunk
+                else:
+                    yield {**chunk, "model": model}  # as asked, as in `complete`
         finally:
             await chunks.aclose()  # when closed early, the router's close cancels the request
 
@@ -431,11 +438,13 @@ class Supervisor:
             host_copy_shared_with=tuple(m for m in models if m != slot.name),
         )
 
-    async def command(self, name: str, model: str | None = None) -> dict[str, Any]:
+    async def command(
+        self, name: str, model: str | None = None, on_news: NewsListener | None = None
+    ) -> dict[str, Any]:
         if name in MODEL_COMMANDS:
             if not model:
                 raise ControlError(f"{name} needs a model name")
-            return await self._model_command(name, self._name(model))
+            return await self._model_command(name, self._name(model), on_news)
         if name == "hold":
             return await self._take_hold()
         if name == "unhold":
@@ -447,18 +456,25 @@ class Supervisor:
             return {"stopping": True}
         raise ControlError(f"unknown command {name!r}")
 
-    async def _model_command(self, name: str, model: str) -> dict[str, Any]:
-        """`name` for `model` (by its name: the reply names it so, also when asked by alias)."""
+    async def _model_command(
+        self, name: str, model: str, on_news: NewsListener | None = None
+    ) -> dict[str, Any]:
+        """`name` for `model` (by its name: the reply names it so, also when asked by alias);
+        `on_news` is told what it waits for while the model waits for the GPU."""
         slot = self._router.slot_of(model)
         if name == "unload":
-            saved = await self._lifecycle.unload(slot, "command")
+            unloading = self._lifecycle.unload(slot, "command")
+            saved = await (
+                unloading if on_news is None else self._waits.command(slot, unloading, on_news)
+            )
             return {"model": model, "state": slot.shown_state, **saved}
         if name == "release" and slot.state in (SlotState.UNLOADING, SlotState.UNLOADED):
             return {"model": model, "state": slot.shown_state}  # not started to release it
         worker = await self._router.worker_of(model)
         if name in ("pin", "unpin"):
             self._slots[model].pin(name == "pin")
-        result = await worker.request(name, timeout_s=COMMAND_TIMEOUT_S)
+        asked = worker.request(name, timeout_s=COMMAND_TIMEOUT_S)
+        result = await (asked if on_news is None else self._waits.command(slot, asked, on_news))
         return {"model": model, **result}
 
     async def _reload(self) -> dict[str, Any]:

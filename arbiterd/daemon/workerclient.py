@@ -285,13 +285,19 @@ class WorkerClient:
     async def request(
         self, op: str, *, timeout_s: float | None = 60.0, **fields: Any
     ) -> dict[str, Any]:
-        """Send one op and wait for its result (chunks, if any, are ignored)."""
+        """Send one op and wait for its result (chunks, if any, are ignored). Cancelled (its
+        asker gave up: a CLI's Ctrl-C), it is cancelled in the worker too: a warm leaves the
+        queue for the GPU."""
         async with self._open() as (request_id, replies):
             self._send({"op": op, "id": request_id, **fields})
-            while True:
-                message = await self._next(replies, f"its {op}", timeout_s)
-                if "chunk" not in message:
-                    return _result(message)
+            try:
+                while True:
+                    message = await self._next(replies, f"its {op}", timeout_s)
+                    if "chunk" not in message:
+                        return _result(message)
+            except asyncio.CancelledError:
+                self.cancel(request_id)
+                raise
 
     async def generate(
         self,

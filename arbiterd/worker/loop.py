@@ -380,6 +380,8 @@ class Worker:
 
     def _handle_warm(self, command: Command) -> None:
         try:
+            if self._is_cancelled(command.id):
+                raise AcquireCancelledError("the warm was withdrawn before it began")
             if self._residency.state is ResidencyState.COLD:
                 self._warm_up(command.id, self.config.priority)
             self._reply(command.id, {"state": self._residency.state.value})
@@ -387,6 +389,9 @@ class Worker:
             self._error(command.id, exc)
         except Exception as exc:  # a restore that raised what it never should: rolled back
             self._error(command.id, self._internal(command.id, exc))
+        finally:
+            with self._cancel_lock:
+                self._cancelled.discard(command.id)
 
     def _handle_generate(self, command: Command) -> None:
         if self._is_cancelled(command.id):

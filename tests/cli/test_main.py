@@ -107,8 +107,35 @@ def test_run_waits_for_the_holder_and_says_who_it_is(arena: Arena, procs: Proces
     assert waiter.wait(timeout=10) == 0
     assert waiter.stderr is not None
     stderr = waiter.stderr.read()
-    assert f"waiting for the GPU, held by pid {holder.pid} (game" in stderr
+    assert (
+        f"arbiterd run: waiting for the GPU, held by game (arbiterd run, pid {holder.pid}), "
+        "1st in queue\n" in stderr
+    )
     assert "got the GPU after" in stderr
+
+
+def test_run_says_again_who_holds_the_gpu_when_it_changes(arena: Arena, procs: Processes) -> None:
+    holder = start_run(procs, arena, "--name", "game", "--", sys.executable, "-c", TRAPPING_CHILD)
+    assert holder.stdout is not None
+    assert holder.stdout.readline().strip() == "ready"
+    first = start_run(procs, arena, "--name", "render", "--", "sleep", "2")
+    wait_until(lambda: first.pid in arena.observe().waiter_pids, 10, "the first waiter")
+    second = start_run(procs, arena, "--", "true")
+    wait_until(lambda: second.pid in arena.observe().waiter_pids, 10, "the second waiter")
+    os.kill(holder.pid, signal.SIGTERM)
+    assert second.wait(timeout=20) == 0
+    assert second.stderr is not None
+    lines = second.stderr.read().splitlines()
+    assert lines[0] == (
+        f"arbiterd run: waiting for the GPU, held by game (arbiterd run, pid {holder.pid}), "
+        "2nd in queue"
+    )
+    # Looked at every second: the instant between the two holders may be seen too.
+    assert (
+        f"arbiterd run: waiting for the GPU, held by render (arbiterd run, pid {first.pid}), "
+        "1st in queue"
+    ) in lines
+    assert lines[-1].startswith("arbiterd run: got the GPU after")
 
 
 def test_run_times_out_with_status_75(arena: Arena, procs: Processes) -> None:

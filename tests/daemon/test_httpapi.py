@@ -8,7 +8,7 @@ import contextlib
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -33,6 +33,7 @@ from arbiterd.errors import (
     UnknownModelError,
     WorkerError,
 )
+from arbiterd.procs import WaitNews
 from arbiterd.request import GenerateRequest
 from arbiterd.spec import COMPLETION_PARAMS
 from arbiterd.states import BackendKind, ResidencyState
@@ -146,7 +147,12 @@ class FakeService:
     def unsubscribe(self, events: asyncio.Queue[dict[str, Any]]) -> None:
         pass
 
-    async def command(self, name: str, model: str | None = None) -> dict[str, Any]:
+    async def command(
+        self,
+        name: str,
+        model: str | None = None,
+        on_news: Callable[[WaitNews], None] | None = None,
+    ) -> dict[str, Any]:
         return {}
 
     async def metrics_text(self) -> bytes:

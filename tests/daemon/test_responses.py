@@ -162,7 +162,8 @@ def test_streamed_chunks_become_numbered_events_ending_in_the_whole_response() -
         yield {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}}
 
     async def collect() -> list[dict[str, Any]]:
-        return [event async for event in events(parsed, chunks(), PastResponses())]
+        streamed = [event async for event in events(parsed, chunks(), PastResponses())]
+        return [event for event in streamed if isinstance(event, dict)]
 
     streamed = asyncio.run(collect())
     assert [event["sequence_number"] for event in streamed] == list(range(len(streamed)))

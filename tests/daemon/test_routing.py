@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import os
+import tempfile
 from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import pytest
 
+from arbiterd.arena import Arena
 from arbiterd.daemon import routing
 from arbiterd.daemon.routing import Router
 from arbiterd.daemon.slots import Slot
+from arbiterd.daemon.waiting import Waits
 from arbiterd.daemon.workerclient import ChunkListener, WorkerClient
 from arbiterd.errors import (
     ContextOverflowError,
@@ -22,6 +26,7 @@ from arbiterd.errors import (
     WorkerGoneError,
 )
 from arbiterd.events import Event, RequestEvent
+from arbiterd.procs import WaitNews
 from arbiterd.request import GenerateRequest
 from arbiterd.states import RequestStatus, ResidencyState, SlotState
 from tests.support.models import model_config
@@ -69,6 +74,7 @@ class FakeWorker:
 
     def __init__(self, name: str, behaviour: Behaviour = answers) -> None:
         self.name = name
+        self.pid = os.getpid()  # what the router's wait notices look for in the arena's queue
         self.behaviour = behaviour
         self.requests: list[tuple[str, dict[str, Any], str | None]] = []
         self.received = asyncio.Event()
@@ -105,6 +111,10 @@ class FakeWorker:
         return self.code
 
 
+# Nobody waits for this arena's GPU: every worker here is ready at once.
+ARENAS = tempfile.TemporaryDirectory(prefix="arbiterd-routing-")
+
+
 def ready(slot: Slot, worker: FakeWorker) -> None:
     slot.move(SlotState.READY, worker=cast(WorkerClient, worker))
 
@@ -116,7 +126,8 @@ class Daemon:
         self.slots = {name: Slot(model_config(name)) for name in names}
         self.published: list[Event] = []
         self.loaded: list[str] = []  # the slots `load` started, in order
-        self.router = Router(self.slots, self.published.append, self.load)
+        waits = Waits(Arena(Path(ARENAS.name) / "arena"), notice_after_s=1.0)
+        self.router = Router(self.slots, self.published.append, self.load, waits)
 
     async def load(self, slot: Slot) -> None:
         """What lifecycle.py does for an unloaded slot: a new worker, ready."""
@@ -347,7 +358,7 @@ def test_a_client_that_goes_away_cancels_its_request_in_the_worker() -> None:
 
 
 def test_a_stream_yields_the_workers_chunks_in_order() -> None:
-    async def scenario() -> list[dict[str, Any]]:
+    async def scenario() -> list[dict[str, Any] | WaitNews]:
         daemon = Daemon("m")
         daemon.serve("m", FakeWorker("w1"))
         return [chunk async for chunk in daemon.router.stream("m", request_for("completion", BODY))]
@@ -380,7 +391,7 @@ def test_a_stream_that_fails_raises_its_error_to_the_consumer_and_publishes_it()
 
 
 def test_a_stream_whose_worker_was_gone_is_sent_once_more_to_its_successor() -> None:
-    async def scenario() -> tuple[list[dict[str, Any]], FakeWorker]:
+    async def scenario() -> tuple[list[dict[str, Any] | WaitNews], FakeWorker]:
         daemon = Daemon("m")
         first = daemon.serve("m", FakeWorker("w1", gone))
         successor = FakeWorker("w2")
@@ -397,7 +408,7 @@ def test_a_stream_whose_worker_was_gone_is_sent_once_more_to_its_successor() -> 
 
 
 def test_closing_a_stream_early_cancels_the_request_in_the_worker() -> None:
-    async def scenario() -> tuple[dict[str, Any], FakeWorker]:
+    async def scenario() -> tuple[dict[str, Any] | WaitNews, FakeWorker]:
         daemon = Daemon("m")
         worker = daemon.serve("m", FakeWorker("w1", decodes_until_cancelled))
         stream = daemon.router.stream("m", request_for("completion", BODY))
