@@ -390,6 +390,13 @@ def test_a_command_that_closes_the_server_does_not_hang_it(
         (b'{"command": "warm", "request_id": 7}', 7, "invalid_args", "missing argument 'model'"),
         (b'{"command": "warm", "model": 3, "request_id": 7}', 7, "invalid_args", "a string"),
         (b'{"command": "warm", "model": "", "request_id": 7}', 7, "invalid_args", "empty"),
+        (
+            b'{"command": "warm", "model": "a", "progress": 1, "request_id": 7}',
+            7,
+            "invalid_args",
+            "argument 'progress' must be true or false, not 1",
+        ),
+        (b'{"command": "hold", "progress": true, "request_id": 7}', 7, "invalid_args", "'prog"),
         (b'{"command": "hello", "protocol": "1", "request_id": 7}', 7, "invalid_args", "integ"),
         (b'{"command": "hello", "protocol": true, "request_id": 7}', 7, "invalid_args", "integ"),
         (b'{"command": "status", "modle": "a", "request_id": 7}', 7, "invalid_args", "'modle'"),

@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 30.0
 STATUS_TIMEOUT_S = 10.0  # a worker answers status from its io thread, even mid-decode
+# How many of the requests lately cancelled are remembered, to drop their late error replies.
+CANCELLED_KEPT = 256
 # What a worker's exit keeps of its stderr: its last lines, each cut to a length, and how long
 # the client waits for the pipe's end once the process is gone (a child it left holding the pipe
 # must not hold up its restart).
@@ -195,6 +197,8 @@ class WorkerClient:
         self._on_event = on_event
         self._ids = itertools.count(1)
         self._pending: dict[str, asyncio.Queue[dict[str, Any]]] = {}
+        # The requests we cancelled lately: the error each answers with is nobody's news.
+        self._cancelled: collections.deque[str] = collections.deque(maxlen=CANCELLED_KEPT)
         self._hello: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         self.hello: WorkerHello | None = None  # set by `spawn` once the worker said it
         # What the daemon last heard of its life; nothing yet but that it was just started.
@@ -330,6 +334,7 @@ class WorkerClient:
         """Ask the worker to stop request `target`; a gone worker has stopped it already."""
         with contextlib.suppress(WorkerGoneError):
             self._send({"op": WorkerOp.CANCEL, "id": f"cancel-{next(self._ids)}", "target": target})
+            self._cancelled.append(target)
 
     async def status(self, timeout_s: float | None = STATUS_TIMEOUT_S) -> dict[str, Any]:
         """The worker's status, from its io thread (also mid-decode). Joins the question in
@@ -485,7 +490,8 @@ class WorkerClient:
             replies = self._pending.get(request_id) if isinstance(request_id, str) else None
             if replies is not None:
                 replies.put_nowait(message)
-            elif "error" in message:  # e.g. a line of ours it could not read and name
+            elif "error" in message and request_id not in self._cancelled:
+                # e.g. a line of ours it could not read and name
                 log.warning("%s: an error for no request waiting: %s", self.model, message["error"])
 
     def _refused(self, error: ProtocolError) -> None:
