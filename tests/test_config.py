@@ -812,8 +812,12 @@ ERRORS = [
         'got "library/llama3.2:3b"',
         id="name_slash",
     ),
-    pytest.param('[models."a:b:c"]\npath = "/m"', 'models."a:b:c"', 'got "a:b:c"', id="name_two_tags"),
-    pytest.param('[models."..:7b"]\npath = "/m"', 'models."..:7b"', 'got "..:7b"', id="name_dotdot_tag"),
+    pytest.param(
+        '[models."a:b:c"]\npath = "/m"', 'models."a:b:c"', 'got "a:b:c"', id="name_two_tags"
+    ),
+    pytest.param(
+        '[models."..:7b"]\npath = "/m"', 'models."..:7b"', 'got "..:7b"', id="name_dotdot_tag"
+    ),
     pytest.param('[models.""]\npath = "/m"', 'models.""', 'got ""', id="name_empty"),
     pytest.param(
         f'[models.{"x" * 65}]\npath = "/m"',
@@ -1057,7 +1061,10 @@ def test_starter_config_never_sets_n_ctx_above_the_trained_context(
 
 
 def test_starter_config_quotes_odd_file_names(tmp_path: Path, env: dict[str, str]) -> None:
-    models = [found(tmp_path / "models/qwen.gguf", "qwen"), found(tmp_path / 'odd "n" \\ .gguf', "odd")]
+    models = [
+        found(tmp_path / "models/qwen.gguf", "qwen"),
+        found(tmp_path / 'odd "n" \\ .gguf', "odd"),
+    ]
     config = load_text(tmp_path, env, starter_config_text(models))
     assert [(m.name, m.path) for m in config.models.values()] == [
         ("qwen", models[0].path),

@@ -280,8 +280,7 @@ def test_models_json_lists_what_was_found_and_warns_on_stderr(
         ]
     }
     assert done.stderr == (
-        f"arbiterd models: warning: skipped {gone}: its model blob {model_blob(gone)} is "
-        "missing\n"
+        f"arbiterd models: warning: skipped {gone}: its model blob {model_blob(gone)} is missing\n"
     )
 
 
