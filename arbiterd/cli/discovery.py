@@ -21,11 +21,11 @@ import json
 import os
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from arbiterd.config import MAX_MODEL_NAME_CHARS, is_model_name
+from arbiterd.config import MAX_MODEL_NAME_CHARS, is_model_name, model_key
 from arbiterd.daemon.modelfile import PROJECTOR_ARCHITECTURE, NotGgufError, read_header
 
 GGUF_SUFFIX = ".gguf"
@@ -63,6 +63,9 @@ class FoundModel:
     chat_template: bool  # whether its GGUF holds a chat template
     ollama_name: str | None = None  # as `ollama list` names it ("llama3.2:3b"), from its store
     mmproj: Path | None = None  # its vision projector, when its Ollama manifest names one
+    # Its other names in Ollama's store, of manifests naming the same blob ("llama3.2:latest"
+    # beside "llama3.2:3b"): the starter config's aliases, so that each still names it.
+    aliases: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """One entry of `arbiterd models --json`; its keys are a public interface."""
@@ -76,6 +79,7 @@ class FoundModel:
             "chat_template": self.chat_template,
             "ollama_name": self.ollama_name,
             "mmproj": None if self.mmproj is None else str(self.mmproj),
+            "aliases": list(self.aliases),
         }
 
 
@@ -120,13 +124,13 @@ def find_models(env: Mapping[str, str] | None = None) -> Discovery:
 
 
 class _Finder:
-    """The models found so far, the files already seen (by device and inode) and the names
-    taken."""
+    """The models found so far, the files already seen (by device and inode: the index of the
+    model found there) and the names taken (by config.model_key: "x" and "x:latest" are one)."""
 
     def __init__(self) -> None:
         self.models: list[FoundModel] = []
         self.warnings: list[str] = []
-        self._seen: set[tuple[int, int]] = set()
+        self._seen: dict[tuple[int, int], int] = {}
         self._names: set[str] = set()
 
     def ollama_store(self, place: Place) -> None:
@@ -176,9 +180,12 @@ class _Finder:
             st = path.stat()
         except OSError:
             return  # a dangling symlink: an unfinished or removed download
-        if (st.st_dev, st.st_ino) in self._seen:
+        seen = self._seen.get((st.st_dev, st.st_ino))
+        if seen is not None:
+            if ollama is not None:
+                self._alias(seen, config_name(ollama))
             return
-        self._seen.add((st.st_dev, st.st_ino))
+        self._seen[st.st_dev, st.st_ino] = len(self.models)
         try:
             header = read_header(path, all_metadata=True)
         except OSError as exc:
@@ -192,9 +199,9 @@ class _Finder:
         # Ollama's name; else the model's own (general.name), or its file's name when another
         # model found has that one (two quantizations of one model, say).
         names = [config_name(text) for text in (suggested, header.name, _stem(path)) if text]
-        free = [name for name in names if name not in self._names]
+        free = [name for name in names if model_key(name) not in self._names]
         name = free[0] if free else _unique(names[0], self._names)
-        self._names.add(name)
+        self._names.add(model_key(name))
         self.models.append(
             FoundModel(
                 name=name,
@@ -208,6 +215,14 @@ class _Finder:
                 mmproj=mmproj,
             )
         )
+
+    def _alias(self, index: int, alias: str) -> None:
+        """Another Ollama name of the model at `index`, unless the name is taken."""
+        if model_key(alias) in self._names:
+            return
+        self._names.add(model_key(alias))
+        model = self.models[index]
+        self.models[index] = replace(model, aliases=(*model.aliases, alias))
 
 
 def ollama_name(host: str, namespace: str, model: str, tag: str) -> str:
@@ -235,10 +250,10 @@ def config_name(text: str) -> str:
 
 
 def _unique(name: str, used: set[str]) -> str:
-    """`name`, or `name-2`, `name-3`... (before its tag) when it is taken; taken from then on."""
+    """`name`, or `name-2`, `name-3`... (before its tag) when its model_key is in `used`."""
     base, colon, tag = name.partition(":")
     candidate, n = name, 1
-    while candidate in used:
+    while model_key(candidate) in used:
         n += 1
         suffix = f"-{n}{colon}{tag}"
         candidate = base[: MAX_MODEL_NAME_CHARS - len(suffix)] + suffix

@@ -230,11 +230,12 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def render_models(models: list[FoundModel]) -> str:
-    """The models found as a table; NAME is what the starter config serves each under."""
+    """The models found as a table; NAME is what the starter config serves each under (and its
+    aliases: its other names in Ollama's store)."""
     rows = [("NAME", "SIZE", "ARCH", "CONTEXT", "CHAT TEMPLATE", "SOURCE", "PATH")]
     rows += [
         (
-            model.name,
+            ", ".join((model.name, *model.aliases)),
             render.format_bytes(model.size_bytes),
             model.architecture or "?",
             "?" if model.context_length is None else str(model.context_length),

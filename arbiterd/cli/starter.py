@@ -80,7 +80,10 @@ def starter_config_text(models: list[FoundModel]) -> str:
             skipped += 1
             continue
         lines += ["", f"# {_provenance(found)}", f"[models.{toml_key(found.name)}]"]
-        lines += [f"path = {path}", f"n_ctx = {starter_n_ctx(found)}"]
+        lines.append(f"path = {path}")
+        if found.aliases:
+            lines.append(f"aliases = [{', '.join(map(toml_string, found.aliases))}]")
+        lines.append(f"n_ctx = {starter_n_ctx(found)}")
         if mmproj is not None:
             lines.append(f"mmproj = {mmproj}")
         # Every GGUF install finds is served, and none takes memory before it is asked for.

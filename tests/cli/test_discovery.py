@@ -96,6 +96,7 @@ def test_every_place_is_searched_and_each_file_is_listed_once(
         ("plain", "models", mine),
     ]
     assert [m.ollama_name for m in models[:2]] == ["llama3.2:3b", "me/plain:q4"]
+    assert [m.aliases for m in models[:2]] == [("llama3.2:latest",), ()]
     assert models[0].size_bytes == tiny_model.stat().st_size
     assert models[2].size_bytes == tiny_model.stat().st_size  # the blob's, not the symlink's
 
@@ -217,6 +218,8 @@ def test_the_starter_config_serves_ollama_models_by_name_within_their_trained_co
 ) -> None:
     store = home / ".ollama/models"
     add_model(store, "llava:7b", tiny_model, projector=tiny_mmproj)
+    add_model(store, "llava:latest", tiny_model, projector=tiny_mmproj)
+    add_model(store, "arbiterd-tiny-llama:latest", plain_model)
     copy(plain_model, home / "models/plain.gguf")
     config_file = home / "config.toml"
     config_file.write_text(starter_config_text(found_in(home)))
@@ -224,8 +227,11 @@ def test_the_starter_config_serves_ollama_models_by_name_within_their_trained_co
     home.chmod(0o700)  # a usable XDG_RUNTIME_DIR
     config = load_config(config_file, env={"HOME": str(home), "XDG_RUNTIME_DIR": str(home)})
 
-    assert list(config.models) == ["llava:7b", "arbiterd-tiny-llama"]
-    llava, plain = config.models.values()
+    # The plain model's general.name is the Ollama name of another: its file's name it is.
+    assert list(config.models) == ["arbiterd-tiny-llama:latest", "llava:7b", "plain"]
+    _, llava, plain = config.models.values()
+    assert llava.aliases == ("llava:latest",)
+    assert config.resolve("llava") == "llava:7b"
     assert llava.path == model_blob(store / "manifests/registry.ollama.ai/library/llava/7b")
     assert llava.mmproj is not None
     assert llava.mmproj.read_bytes() == tiny_mmproj.read_bytes()
@@ -276,6 +282,7 @@ def test_models_json_lists_what_was_found_and_warns_on_stderr(
                 "chat_template": True,
                 "ollama_name": "llama3.2:3b",
                 "mmproj": None,
+                "aliases": [],
             }
         ]
     }

@@ -12,7 +12,7 @@ import pytest
 
 from arbiterd.cli.discovery import find_models
 from arbiterd.cli.starter import starter_n_ctx
-from tests.support.daemon import Daemon, serving, tiny
+from tests.support.daemon import Daemon, openai_client, serving, tiny
 from tests.support.ollama_store import add_model, model_blob
 
 NAME = "llama3.2:3b"
@@ -23,7 +23,7 @@ def blob(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
     """The model blob of NAME in an Ollama store in a fresh home."""
     store = tmp_path_factory.mktemp("home") / ".ollama/models"
     manifest = add_model(store, NAME, tiny_model)
-    add_model(store, "me/tiny:q8", tiny_model)  # the same blob: found once, by its first name
+    add_model(store, "llama3.2:latest", tiny_model)  # the same blob: found once, two names
     return model_blob(manifest)
 
 
@@ -32,7 +32,8 @@ def store_daemon(blob: Path) -> Iterator[Daemon]:
     """A daemon serving what discovery finds in that home, as the starter config would."""
     (found,) = find_models({"HOME": str(blob.parents[3])}).models
     assert found.path == blob
-    with serving({found.name: tiny(found.path, n_ctx=starter_n_ctx(found))}) as running:
+    model = tiny(found.path, n_ctx=starter_n_ctx(found), aliases=list(found.aliases))
+    with serving({found.name: model}) as running:
         yield running
 
 
@@ -48,7 +49,7 @@ def client(store_daemon: Daemon) -> Iterator[ollama.Client]:
 def test_a_model_from_an_ollama_store_is_served_by_its_ollama_name(
     store_daemon: Daemon, client: ollama.Client, blob: Path, tiny_model: Path
 ) -> None:
-    assert [m.model for m in client.list().models] == [NAME]
+    assert [m.model for m in client.list().models] == [NAME, "llama3.2:latest"]
     reply = client.chat(
         model=NAME,
         messages=[{"role": "user", "content": "hello"}],
@@ -58,6 +59,13 @@ def test_a_model_from_an_ollama_store_is_served_by_its_ollama_name(
     assert reply.message.role == "assistant"
     assert reply.message.content
     assert reply.eval_count == 4
+    # As `ollama run llama3.2` asks: its :latest, another manifest of the same blob.
+    latest = client.chat(
+        model="llama3.2", messages=[{"role": "user", "content": "hi"}], options={"num_predict": 2}
+    )
+    assert latest.message.content
+    with openai_client(store_daemon) as api:  # an OpenAI app may ask for it by that name too
+        assert api.models.retrieve(NAME).id == NAME
     with store_daemon.client() as control:
         (served,) = control.call("status")["models"]
     assert served["name"] == NAME
