@@ -10,9 +10,10 @@ the layout of Ollama's store, and the name each model found is suggested to be s
     models       ~/models and ~/.local/share/models
 
 Reads directories, Ollama's manifests and GGUF headers (daemon/modelfile.py reads those), never
-a whole model file, and never writes anything. A file reached twice (a symlink, a hard link, two
-manifests of one blob) is listed once, where it was first found, in the order above. What it
-could not use is a warning, never an error: the rest is still found.
+a whole model file (only the metadata before its tensors), and never writes anything. A file
+reached twice (a symlink, a hard link, two manifests of one blob) is listed once, where it was
+first found, in the order above; another Ollama name of it becomes an alias. What it could not
+use is a warning, never an error: the rest is still found.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from arbiterd.config import MAX_MODEL_NAME_CHARS, is_model_name, model_key
 from arbiterd.daemon.modelfile import PROJECTOR_ARCHITECTURE, NotGgufError, read_header
 
 GGUF_SUFFIX = ".gguf"
-# Ollama's store (its server/manifest.go and images.go): the registry and namespace a short
-# name stands for, and the media types of the layers that hold the model and a vision projector.
+# Ollama's store, as `ollama pull` lays it out: the registry and namespace a short name stands
+# for, and the media types of the layers that hold the model and a vision projector.
 OLLAMA_REGISTRY = "registry.ollama.ai"
 OLLAMA_NAMESPACE = "library"
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"

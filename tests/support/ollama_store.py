@@ -27,11 +27,11 @@ def add_model(
     base, _, tag = name.partition(":")
     namespace, _, model = base.rpartition("/")
     manifest = store / "manifests" / host / (namespace or "library") / model / (tag or "latest")
-    layers = [_layer(store, MODEL_LAYER, gguf.read_bytes(), gguf)]
+    layers = [_file_layer(store, MODEL_LAYER, gguf)]
     if projector is not None:
-        layers.append(_layer(store, PROJECTOR_LAYER, projector.read_bytes(), projector))
-    layers.append(_layer(store, TEMPLATE_LAYER, b"{{ .Prompt }}", None))
-    config = _layer(store, CONFIG_TYPE, json.dumps({"model_format": "gguf"}).encode(), None)
+        layers.append(_file_layer(store, PROJECTOR_LAYER, projector))
+    layers.append(_text_layer(store, TEMPLATE_LAYER, b"{{ .Prompt }}"))
+    config = _text_layer(store, CONFIG_TYPE, json.dumps({"model_format": "gguf"}).encode())
     manifest.parent.mkdir(parents=True, exist_ok=True)
     manifest.write_text(
         json.dumps(
@@ -54,16 +54,22 @@ def model_blob(manifest: Path) -> Path:
     return blob_path(store, digest)
 
 
-def _layer(store: Path, media_type: str, data: bytes, source: Path | None) -> dict[str, object]:
-    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+def _file_layer(store: Path, media_type: str, source: Path) -> dict[str, object]:
+    with source.open("rb") as f:
+        digest = "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
     blob = blob_path(store, digest)
     blob.parent.mkdir(parents=True, exist_ok=True)
     if not blob.exists():
-        if source is None:
-            blob.write_bytes(data)
-        else:
-            try:
-                os.link(source, blob)
-            except OSError:  # another file system, or links not allowed there
-                shutil.copyfile(source, blob)
+        try:
+            os.link(source, blob)
+        except OSError:  # another file system, or links not allowed there
+            shutil.copyfile(source, blob)
+    return {"mediaType": media_type, "digest": digest, "size": blob.stat().st_size}
+
+
+def _text_layer(store: Path, media_type: str, data: bytes) -> dict[str, object]:
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    blob = blob_path(store, digest)
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    blob.write_bytes(data)
     return {"mediaType": media_type, "digest": digest, "size": len(data)}
