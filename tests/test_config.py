@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from arbiterd.arena import Priority
+from arbiterd.cli.discovery import FoundModel
 from arbiterd.cli.starter import starter_config_text
 from arbiterd.config import (
     DEFAULT_MAX_IMAGE_BYTES,
@@ -382,6 +383,24 @@ def test_a_model_is_found_by_its_name_or_an_alias_with_or_without_the_latest_tag
     assert config.resolve("llama-3.2_1b:latest") == "llama-3.2_1b"
     for unknown in ("qwen2.5", "qwen:7b", "gpt-4o", "QWEN", ""):
         assert config.resolve(unknown) is None, unknown
+
+
+def test_a_model_may_be_named_as_ollama_names_it(tmp_path: Path, env: dict[str, str]) -> None:
+    text = '[models."llama3.2:3b"]\npath = "/m.gguf"\n[models."qwen:latest"]\npath = "/q.gguf"\n'
+    config = load_text(tmp_path, env, text)
+
+    assert list(config.models) == ["llama3.2:3b", "qwen:latest"]
+    assert config.resolve("llama3.2:3b") == "llama3.2:3b"
+    assert config.resolve("llama3.2") is None  # another tag: another model, as in Ollama
+    assert config.resolve("qwen") == "qwen:latest"
+
+
+def test_a_tagged_name_and_its_untagged_alias_are_one_name(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    text = '[models."qwen:latest"]\npath = "/q.gguf"\naliases = ["qwen"]\n'
+    with pytest.raises(ConfigError, match='"qwen" is already the name of'):
+        load_text(tmp_path, env, text)
 
 
 def test_only_the_aliases_changing_keeps_the_same_worker(
@@ -783,9 +802,21 @@ ERRORS = [
     pytest.param(
         '[models."a b"]\npath = "/m"',
         'models."a b"',
-        "expected a name of 1 to 64 characters from A-Z a-z 0-9 . _ - (it appears in URLs), "
-        'got "a b"',
+        "expected a name of 1 to 64 characters from A-Z a-z 0-9 . _ -, with an optional :TAG "
+        'as Ollama names models (e.g. "llama3.2:3b") (it appears in URLs), got "a b"',
         id="name_space",
+    ),
+    pytest.param(
+        '[models."library/llama3.2:3b"]\npath = "/m"',
+        'models."library/llama3.2:3b"',
+        'got "library/llama3.2:3b"',
+        id="name_slash",
+    ),
+    pytest.param(
+        '[models."a:b:c"]\npath = "/m"', 'models."a:b:c"', 'got "a:b:c"', id="name_two_tags"
+    ),
+    pytest.param(
+        '[models."..:7b"]\npath = "/m"', 'models."..:7b"', 'got "..:7b"', id="name_dotdot_tag"
     ),
     pytest.param('[models.""]\npath = "/m"', 'models.""', 'got ""', id="name_empty"),
     pytest.param(
@@ -987,36 +1018,62 @@ def test_a_directory_in_place_of_the_file_is_named(tmp_path: Path, env: dict[str
 # -- the starter config ----------------------------------------------------------------------
 
 
+def found(path: Path, name: str, context_length: int | None = 8192) -> FoundModel:
+    """A model as discovery reports it (tests/cli/test_discovery.py finds real ones)."""
+    return FoundModel(
+        name=name,
+        path=path,
+        size_bytes=1,
+        source="models",
+        architecture="llama",
+        context_length=context_length,
+        chat_template=True,
+    )
+
+
 def test_starter_config_serves_the_models_it_found(tmp_path: Path, env: dict[str, str]) -> None:
-    found = [tmp_path / "Qwen2.5-7B-Instruct-Q4_K_M.gguf", tmp_path / "llama 3.gguf"]
+    models = [
+        found(tmp_path / "Qwen2.5-7B-Instruct-Q4_K_M.gguf", "Qwen2.5-7B-Instruct"),
+        found(tmp_path / "blobs/sha256-0a1b", "llama3.2:3b"),
+    ]
 
-    text = starter_config_text(found)
+    text = starter_config_text(models)
 
-    assert '[models."Qwen2.5-7B-Instruct-Q4_K_M"]' in text
-    assert f'path = "{found[0]}"' in text
+    assert '[models."Qwen2.5-7B-Instruct"]' in text
+    assert '[models."llama3.2:3b"]' in text
+    assert f'path = "{models[0].path}"' in text
     config = load_text(tmp_path, env, text)
-    assert list(config.models) == ["Qwen2.5-7B-Instruct-Q4_K_M", "llama-3"]
-    assert config.models["llama-3"].path == found[1]
-    assert config.models["llama-3"].n_ctx == 4096
+    assert list(config.models) == ["Qwen2.5-7B-Instruct", "llama3.2:3b"]
+    assert config.models["llama3.2:3b"].path == models[1].path
+    assert config.models["llama3.2:3b"].n_ctx == 4096
+
+
+def test_starter_config_never_sets_n_ctx_above_the_trained_context(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    models = [
+        found(tmp_path / "a.gguf", "short", context_length=2048),
+        found(tmp_path / "b.gguf", "long", context_length=131072),
+        found(tmp_path / "c.gguf", "unknown", context_length=None),
+    ]
+    config = load_text(tmp_path, env, starter_config_text(models))
+    assert [m.n_ctx for m in config.models.values()] == [2048, 4096, 4096]
 
 
 def test_starter_config_quotes_odd_file_names(tmp_path: Path, env: dict[str, str]) -> None:
-    found = [tmp_path / "models/qwen.gguf", tmp_path / 'odd "name" \\ here.gguf']
-    config = load_text(tmp_path, env, starter_config_text(found))
+    models = [
+        found(tmp_path / "models/qwen.gguf", "qwen"),
+        found(tmp_path / 'odd "n" \\ .gguf', "odd"),
+    ]
+    config = load_text(tmp_path, env, starter_config_text(models))
     assert [(m.name, m.path) for m in config.models.values()] == [
-        ("qwen", found[0]),
-        ("odd-name-here", found[1]),
+        ("qwen", models[0].path),
+        ("odd", models[1].path),
     ]
 
 
-def test_starter_config_names_are_unique_and_valid(tmp_path: Path, env: dict[str, str]) -> None:
-    found = [tmp_path / "a/m.gguf", tmp_path / "b/m.gguf", tmp_path / f"{'y' * 80}.gguf"]
-    config = load_text(tmp_path, env, starter_config_text(found))
-    assert list(config.models) == ["m", "m-2", "y" * 64]
-
-
 def test_models_install_finds_load_on_demand(tmp_path: Path, env: dict[str, str]) -> None:
-    config = load_text(tmp_path, env, starter_config_text([tmp_path / "a.gguf"]))
+    config = load_text(tmp_path, env, starter_config_text([found(tmp_path / "a.gguf", "a")]))
     assert config.models["a"].load is Load.DEMAND
 
 

@@ -5,6 +5,8 @@
     controlclient the control socket's client side (blocking)
     runner        `arbiterd run CMD`: CMD holds the GPU token while it runs
     install       `arbiterd install` / `uninstall`: the user unit and desktop entries
+    discovery     the GGUFs other tools keep (Ollama's store too), for `models` and install
+    starter       the commented config install writes from them
     demo          `arbiterd demo`: a real daemon, two models, live handoffs
 
 May start the daemon (`arbiterd daemon` runs arbiterd.daemon.serve) and the tray; never

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from arbiterd.cli.discovery import find_models
 from arbiterd.cli.starter import starter_config_text
 from arbiterd.config import APP_DIR, default_config_path
 from arbiterd.errors import InstallError
@@ -36,8 +37,7 @@ PLACEHOLDER = "@ARBITERD@"
 # The lines that run arbiterd; a comment that names the placeholder is kept as written.
 COMMAND_KEYS = ("ExecStart=", "ExecReload=", "Exec=")
 UNIT = "arbiterd.service"
-# Where users keep GGUFs, searched to fill the starter config.
-MODEL_DIRS = ("~/.cache/llama.cpp", "~/models", "~/.local/share/models", "~/.cache/lm-studio")
+# The starter config serves at most this many of the models found (cli/discovery.py).
 MAX_FOUND_MODELS = 20
 # A folder's entry in the manifest: install made it, so uninstall removes it when it is empty.
 FOLDER = "folder"
@@ -109,16 +109,6 @@ def render(template: str, command: str) -> str:
     )
 
 
-def find_models(env: Mapping[str, str]) -> list[Path]:
-    home = Path(env.get("HOME") or Path.home())
-    found: list[Path] = []
-    for folder in MODEL_DIRS:
-        base = home / folder.removeprefix("~/")
-        if base.is_dir():
-            found += sorted(p for p in base.rglob("*.gguf") if "mmproj" not in p.name.lower())
-    return found[:MAX_FOUND_MODELS]
-
-
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -165,13 +155,22 @@ class Installer:
                 self._say(f"kept     {target} (yours; never overwritten)")
                 continue
             if placement.template is None:
-                models = find_models(self.env)
+                found = find_models(self.env)
+                for warning in found.warnings:
+                    self._say(f"note     {warning}")
+                models = found.models[:MAX_FOUND_MODELS]
                 if not models:
+                    looked = ", ".join(str(place.folder) for place in found.places)
                     self._say(
-                        f"skipped  {target}: no GGUF found in {', '.join(MODEL_DIRS)}; "
+                        f"skipped  {target}: no GGUF found in {looked}; "
                         "the daemon serves the embedded default model until you write one"
                     )
                     continue
+                if len(found.models) > len(models):
+                    self._say(
+                        f"note     {len(found.models) - len(models)} more models found are left "
+                        "out of the starter config (`arbiterd models` lists them all)"
+                    )
                 text = starter_config_text(models)
             else:
                 text = render(placement.template, command)

@@ -21,6 +21,7 @@ from arbiterd import __version__, render
 from arbiterd.arena import PRIORITY_CHOICES, Arena, ArenaState, Priority, parse_priority
 from arbiterd.cli import commands
 from arbiterd.cli.demo import main as run_demo
+from arbiterd.cli.discovery import FoundModel, find_models
 from arbiterd.cli.install import Installer
 from arbiterd.cli.runner import run_holding_token
 from arbiterd.errors import ArbiterError, BadValueError, MissingPartError, UsageError
@@ -78,6 +79,14 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "tray", help="the tray icon and dashboard (arbiterd tray --help)", add_help=False
     )
+    models = command(
+        "models",
+        "list the GGUF models found where Ollama, LM Studio and others keep them",
+        "arbiterd models",
+        "arbiterd models --json",
+    )
+    models.add_argument("--json", action="store_true", help='print {"models": [...]}')
+    models.set_defaults(handler=_models)
     install = command(
         "install",
         "start the daemon and the tray at login",
@@ -200,6 +209,49 @@ def _run(args: argparse.Namespace, cmd: list[str]) -> int:
     priority = parse_priority(args.priority, "--priority")
     arena = Arena(resolve_arena(args.arena))
     return run_holding_token(arena, cmd, name=args.name, timeout_s=timeout_s, priority=priority)
+
+
+def _models(args: argparse.Namespace) -> int:
+    found = find_models()
+    for warning in found.warnings:
+        print(f"arbiterd models: warning: {warning}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"models": [model.to_json() for model in found.models]}))
+        return 0
+    if not found.models:
+        looked = "\n".join(f"  {place.folder} ({place.source})" for place in found.places)
+        print(
+            f"no GGUF models found; looked in:\n{looked}\n"
+            "a model pulled by Ollama or LM Studio, or a .gguf file put in ~/models, is found"
+        )
+        return 0
+    print(render_models(found.models))
+    return 0
+
+
+def render_models(models: list[FoundModel]) -> str:
+    """The models found as a table; NAME is what the starter config serves each under (and its
+    aliases: its other names in Ollama's store)."""
+    rows = [("NAME", "SIZE", "ARCH", "CONTEXT", "CHAT TEMPLATE", "SOURCE", "PATH")]
+    rows += [
+        (
+            ", ".join((model.name, *model.aliases)),
+            render.format_bytes(model.size_bytes),
+            model.architecture or "?",
+            "?" if model.context_length is None else str(model.context_length),
+            "yes" if model.chat_template else "no",
+            model.source,
+            str(model.path),
+        )
+        for model in models
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False))
+        + "  "
+        + row[-1]
+        for row in rows
+    )
 
 
 def _install(args: argparse.Namespace) -> int:

@@ -1,26 +1,25 @@
 """The commented config.toml that `arbiterd install` writes: every key explained, and each
-GGUF it found as a [models.NAME] table ready to serve. The keys and defaults are config.py's.
+GGUF it found (cli/discovery.py) as a [models.NAME] table ready to serve, under the name
+discovery suggests (an Ollama model's own) and with its n_ctx no more than its trained context.
+The keys and defaults are config.py's.
 """
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
+from arbiterd.cli.discovery import FoundModel
 from arbiterd.config import (
     DEFAULT_HTTP,
     HEADER_TIMEOUT_S,
     HOLDER_TIMEOUT_S,
-    MAX_MODEL_NAME_CHARS,
     STARTER_N_CTX,
     Load,
 )
 from arbiterd.tomltable import toml_key, toml_string
 
 
-def starter_config_text(found: list[Path]) -> str:
-    """A commented config for `arbiterd install`: every key explained, and each GGUF in `found`
-    as a [models.NAME] table ready to serve (comment a table out to leave that model out)."""
+def starter_config_text(models: list[FoundModel]) -> str:
+    """A commented config for `arbiterd install`: every key explained, and each of `models` as
+    a [models.NAME] table ready to serve (comment a table out to leave that model out)."""
     lines = [
         "# arbiterd configuration, read when the daemon starts and again whenever it is saved",
         "# (as `arbiterd reload` does: a mistake applies nothing; [daemon] keys need a restart).",
@@ -45,11 +44,12 @@ def starter_config_text(found: list[Path]) -> str:
         '# prompt_cache_budget = "4GiB"  disk for unloaded models\' prompt caches, oldest go first',
         "# watch_config = true       # false: a saved change applies only at `arbiterd reload`",
         "",
-        "# One [models.NAME] table per model; NAME (1-64 of A-Z a-z 0-9 . _ -) is the `model`",
-        '# requests ask for; quote it when it contains a dot: [models."qwen2.5-7b"]. Keys:',
+        "# One [models.NAME] table per model; NAME (1-64 of A-Z a-z 0-9 . _ -, and an optional",
+        "# :TAG as Ollama names models) is the `model` requests ask for; quote it when it",
+        '# contains a dot or a colon: [models."qwen2.5-7b"], [models."llama3.2:3b"]. Keys:',
         '#   path = "/models/x.gguf"   required',
         '#   aliases = []              more names for it, e.g. ["gpt-4o-mini", "qwen2.5:7b"]',
-        f"#   n_ctx = {STARTER_N_CTX}              context length in tokens",
+        f"#   n_ctx = {STARTER_N_CTX}              context in tokens, at most as trained",
         "#   n_gpu_layers = -1         layers on the GPU; -1 = all",
         "#   n_threads = 0             CPU threads; 0 = the library's default",
         '#   chat_format = ""          e.g. "chatml", for a GGUF without a chat template',
@@ -70,41 +70,42 @@ def starter_config_text(found: list[Path]) -> str:
         '#   host_copy = "memfd"       "page-cache": no copy of the file in RAM (restores may',
         "#                             read the disk; the file must stay there)",
     ]
-    used: set[str] = set()
+    written = 0
     skipped = 0
-    for gguf in found:
-        text = str(gguf.absolute())
+    for found in models:
         try:
-            text.encode("utf-8")
+            path = toml_string(str(found.path.absolute()))
+            mmproj = None if found.mmproj is None else toml_string(str(found.mmproj.absolute()))
         except UnicodeEncodeError:  # a non-UTF-8 file name cannot be written in TOML
             skipped += 1
             continue
-        name = _unique_name(_name_from_file(gguf), used)
-        lines += [
-            "",
-            f"[models.{toml_key(name)}]",
-            f"path = {toml_string(text)}",
-            f"n_ctx = {STARTER_N_CTX}",
-            # Every GGUF install finds is served, and none takes memory before it is asked for.
-            f'load = "{Load.DEMAND.value}"',
-        ]
+        lines += ["", f"# {_provenance(found)}", f"[models.{toml_key(found.name)}]"]
+        lines.append(f"path = {path}")
+        if found.aliases:
+            lines.append(f"aliases = [{', '.join(map(toml_string, found.aliases))}]")
+        lines.append(f"n_ctx = {starter_n_ctx(found)}")
+        if mmproj is not None:
+            lines.append(f"mmproj = {mmproj}")
+        # Every GGUF install finds is served, and none takes memory before it is asked for.
+        lines.append(f'load = "{Load.DEMAND.value}"')
+        written += 1
     if skipped:
         lines += ["", f"# ({skipped} GGUF file(s) left out: their names are not UTF-8)"]
-    if not used:
+    if not written:
         lines += ["", "# [models.my-model]", '# path = "~/models/my-model.gguf"']
     return "\n".join(lines) + "\n"
 
 
-def _name_from_file(gguf: Path) -> str:
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", gguf.stem).strip("-.")
-    return name[:MAX_MODEL_NAME_CHARS] or "model"
+def starter_n_ctx(found: FoundModel) -> int:
+    """STARTER_N_CTX, or the model's trained context when that is shorter: past it, answers
+    degrade (a model trained for 2048 tokens is given 2048)."""
+    trained = found.context_length
+    return min(STARTER_N_CTX, trained) if trained else STARTER_N_CTX
 
 
-def _unique_name(name: str, used: set[str]) -> str:
-    candidate, n = name, 1
-    while candidate in used:
-        n += 1
-        suffix = f"-{n}"
-        candidate = name[: MAX_MODEL_NAME_CHARS - len(suffix)] + suffix
-    used.add(candidate)
-    return candidate
+def _provenance(found: FoundModel) -> str:
+    where = f"Ollama's {found.ollama_name}" if found.ollama_name else found.source
+    what = found.architecture or "architecture unknown"
+    trained = f", trained for {found.context_length} tokens" if found.context_length else ""
+    template = "" if found.chat_template else ", no chat template in its GGUF (set chat_format)"
+    return f"from {where}: {what}{trained}{template}"

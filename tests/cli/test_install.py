@@ -154,18 +154,19 @@ def test_an_install_from_a_clone_says_the_service_runs_from_it(home: dict[str, s
 
 
 def test_a_config_found_models_are_served_and_it_is_never_overwritten(
-    home: dict[str, str],
+    home: dict[str, str], tiny_model: Path, tiny_mmproj: Path
 ) -> None:
     models = Path(home["HOME"]) / "models"
     models.mkdir()
-    (models / "qwen-7b.gguf").write_bytes(b"GGUF")
-    (models / "qwen-7b-mmproj.gguf").write_bytes(b"GGUF")  # a projector is not a model
+    shutil.copy(tiny_model, models / "qwen-7b.gguf")
+    shutil.copy(tiny_mmproj, models / "qwen-7b-mmproj.gguf")  # a projector is not a model
     installer(home, Systemctl())[0].install()
     config_file = Path(home["HOME"]) / ".config/arbiterd/config.toml"
     env = {**home, "XDG_RUNTIME_DIR": str(Path(home["HOME"]))}
     Path(home["HOME"]).chmod(0o700)
     config = load_config(config_file, env=env)
-    assert list(config.models) == ["qwen-7b"]
+    assert list(config.models) == ["arbiterd-tiny-llama"]  # its GGUF's general.name
+    assert config.models["arbiterd-tiny-llama"].path == models / "qwen-7b.gguf"
     config_file.write_text(config_file.read_text() + "\n# mine\n")
     tool, lines = installer(home, Systemctl())
     tool.install()
@@ -176,10 +177,17 @@ def test_a_config_found_models_are_served_and_it_is_never_overwritten(
 
 
 def test_without_models_no_config_is_written(home: dict[str, str]) -> None:
+    models = Path(home["HOME"]) / "models"
+    models.mkdir()
+    (models / "broken.gguf").write_bytes(b"GGUF")  # cut off: no model, and said so
     tool, lines = installer(home, Systemctl())
     tool.install()
     assert not (Path(home["HOME"]) / ".config/arbiterd/config.toml").exists()
-    assert any("embedded default" in line for line in lines)
+    assert f"note     skipped {models / 'broken.gguf'}: it is a truncated GGUF file" in " ".join(
+        lines
+    )
+    skipped = next(line for line in lines if "embedded default" in line)
+    assert f"no GGUF found in {Path(home['HOME']) / '.ollama/models'}, " in skipped
 
 
 def test_without_a_user_manager_it_says_what_to_do(home: dict[str, str]) -> None:
@@ -260,10 +268,12 @@ def test_uninstall_with_nothing_installed_says_so_and_runs_nothing(
     assert lines == [f"nothing to undo: no record of an install in {manifest_path(home)}"]
 
 
-def test_arbiterds_own_folders_are_private_under_umask_022(home: dict[str, str]) -> None:
+def test_arbiterds_own_folders_are_private_under_umask_022(
+    home: dict[str, str], tiny_model: Path
+) -> None:
     models = Path(home["HOME"]) / "models"
     models.mkdir()
-    (models / "m.gguf").write_bytes(b"GGUF")
+    shutil.copy(tiny_model, models / "m.gguf")
     old = os.umask(0o022)
     try:
         installer(home, Systemctl())[0].install()

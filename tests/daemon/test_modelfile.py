@@ -20,7 +20,7 @@ from arbiterd.daemon.modelfile import (
 )
 from arbiterd.errors import ConfigError
 from tests.support.models import model_config
-from tests.support.tiny_gguf import DEFAULT_SPEC
+from tests.support.tiny_gguf import DEFAULT_SPEC, TinyModelSpec, write_tiny_llama
 from tests.support.tiny_mmproj import write_tiny_mmproj
 
 
@@ -43,6 +43,16 @@ def test_the_header_of_a_real_gguf_names_its_architecture_and_trained_context(
     assert header.tensor_count > 0
     assert header.pooling_type is None
     assert not header.embedding
+
+
+def test_all_the_metadata_says_the_models_name_and_whether_it_has_a_chat_template(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    header = read_header(tiny_model, all_metadata=True)
+    assert (header.name, header.chat_template) == ("arbiterd-tiny-llama", True)
+    assert header.context_length == DEFAULT_SPEC.n_ctx_train
+    plain = write_tiny_llama(tmp_path / "plain.gguf", TinyModelSpec(chat_template=""))
+    assert read_header(plain, all_metadata=True).chat_template is False
 
 
 @pytest.mark.slow

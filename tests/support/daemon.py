@@ -20,6 +20,7 @@ import openai
 
 from arbiterd.cli.controlclient import ControlClient
 from arbiterd.errors import DaemonNotRunningError
+from arbiterd.tomltable import toml_key
 
 START_TIMEOUT_S = 60.0
 
@@ -116,7 +117,7 @@ class Daemon:
             *(f"{key} = {_toml_value(value)}" for key, value in daemon_keys.items()),
         ]
         for name, keys in models.items():
-            lines += ["", f"[models.{name}]"]
+            lines += ["", f"[models.{toml_key(name)}]"]
             lines += [f"{key} = {_toml_value(value)}" for key, value in keys.items()]
         for name, members in groups.items():
             lines += ["", f"[groups.{name}]", f"models = {_toml_value(members)}"]

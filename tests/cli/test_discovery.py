@@ -1,0 +1,334 @@
+"""Finding the GGUFs other tools keep, in a fake home made here: Ollama's store (manifests and
+blobs), the Hugging Face cache (snapshots of symlinks), LM Studio's folders and ~/models; and
+`arbiterd models` run as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from arbiterd.cli.discovery import FoundModel, config_name, find_models, ollama_name
+from arbiterd.cli.starter import starter_config_text
+from arbiterd.config import load_config
+from arbiterd.render import format_bytes
+from tests.support.ollama_store import add_model, model_blob
+from tests.support.tiny_gguf import DEFAULT_SPEC, TinyModelSpec, write_tiny_llama
+
+# A model of another seed (so another blob) trained for 1024 tokens, without a chat template.
+PLAIN_SPEC = TinyModelSpec(seed=1, n_ctx_train=1024, chat_template="")
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    home = tmp_path / "home"
+    home.mkdir()
+    return home
+
+
+@pytest.fixture(scope="module")
+def plain_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("models") / "plain.gguf", PLAIN_SPEC)
+
+
+def found_in(home: Path, **env: str) -> list[FoundModel]:
+    discovery = find_models({"HOME": str(home), **env})
+    assert discovery.warnings == []
+    return discovery.models
+
+
+def copy(source: Path, target: Path) -> Path:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, target)
+    return target
+
+
+def hf_snapshot(hub: Path, repo: str, file: str, source: Path, revisions: int = 1) -> Path:
+    """`source` in the Hugging Face cache as huggingface_hub leaves a download: a blob named
+    by its hash, and a symlink to it in each revision's snapshot."""
+    folder = hub / f"models--{repo.replace('/', '--')}"
+    blob = copy(source, folder / "blobs" / "0123abcd")
+    first = None
+    for revision in range(revisions):
+        link = folder / "snapshots" / f"rev{revision}" / file
+        link.parent.mkdir(parents=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+        first = first or link
+    assert first is not None
+    return first
+
+
+def test_every_place_is_searched_and_each_file_is_listed_once(
+    home: Path, tiny_model: Path, tiny_mmproj: Path, plain_model: Path
+) -> None:
+    store = home / ".ollama/models"
+    llama = add_model(store, "llama3.2:3b", tiny_model)
+    add_model(store, "llama3.2:latest", tiny_model)  # another name of the same blob
+    add_model(store, "me/plain:q4", plain_model)
+    snapshot = hf_snapshot(
+        home / ".cache/huggingface/hub", "org/Tiny-GGUF", "tiny-Q8_0.gguf", tiny_model, 2
+    )
+    studio = copy(plain_model, home / ".lmstudio/models/org/Plain-GGUF/plain-Q4_K_M.gguf")
+    copy(tiny_mmproj, studio.with_name("mmproj-plain-f16.gguf"))  # a projector, no model
+    older = copy(tiny_model, home / ".cache/lm-studio/models/org/old/old.gguf")
+    cached = copy(tiny_model, home / ".cache/llama.cpp/org_tiny.gguf")
+    mine = copy(plain_model, home / "models/plain.gguf")
+    (home / "models/again.gguf").symlink_to(mine)  # the same file by another name
+    shared = home / ".local/share/models"
+    shared.mkdir(parents=True)
+    (shared / "loop").symlink_to(shared)  # a folder that holds itself is walked once
+
+    models = found_in(home)
+
+    assert [(m.name, m.source, m.path) for m in models] == [
+        ("llama3.2:3b", "ollama", model_blob(llama)),
+        ("me-plain:q4", "ollama", model_blob(store / "manifests/registry.ollama.ai/me/plain/q4")),
+        # general.name, as the GGUF says; then its file's name, once that name is taken
+        ("arbiterd-tiny-llama", "huggingface", snapshot),
+        ("plain-Q4_K_M", "lm-studio", studio),
+        ("old", "lm-studio", older),
+        ("org_tiny", "llama.cpp", cached),
+        ("plain", "models", mine),
+    ]
+    assert [m.ollama_name for m in models[:2]] == ["llama3.2:3b", "me/plain:q4"]
+    assert [m.aliases for m in models[:2]] == [("llama3.2:latest",), ()]
+    assert models[0].size_bytes == tiny_model.stat().st_size
+    assert models[2].size_bytes == tiny_model.stat().st_size  # the blob's, not the symlink's
+
+
+def test_each_model_says_what_its_header_says(
+    home: Path, tiny_model: Path, plain_model: Path
+) -> None:
+    copy(tiny_model, home / "models/a.gguf")
+    copy(plain_model, home / "models/b.gguf")
+
+    a, b = found_in(home)
+
+    assert (a.architecture, a.context_length, a.chat_template) == (
+        "llama",
+        DEFAULT_SPEC.n_ctx_train,
+        True,
+    )
+    assert (b.architecture, b.context_length, b.chat_template) == ("llama", 1024, False)
+
+
+def test_an_ollama_models_projector_is_its_mmproj(
+    home: Path, tiny_model: Path, tiny_mmproj: Path
+) -> None:
+    store = home / ".ollama/models"
+    add_model(store, "llava:7b", tiny_model, projector=tiny_mmproj)
+
+    (model,) = found_in(home)
+
+    assert model.mmproj is not None
+    assert model.mmproj.read_bytes() == tiny_mmproj.read_bytes()
+    assert model.mmproj.parent == store / "blobs"
+
+
+def test_a_manifest_whose_blob_is_missing_is_skipped_with_a_warning_naming_it(
+    home: Path, tiny_model: Path, plain_model: Path
+) -> None:
+    store = home / ".ollama/models"
+    add_model(store, "kept:1b", tiny_model)
+    gone = add_model(store, "gone:1b", plain_model)
+    model_blob(gone).unlink()
+    broken = store / "manifests/registry.ollama.ai/library/broken/latest"
+    broken.parent.mkdir(parents=True)
+    broken.write_text('{"layers": [')  # cut off mid-write
+
+    discovery = find_models({"HOME": str(home)})
+
+    assert [m.name for m in discovery.models] == ["kept:1b"]
+    assert discovery.warnings == [
+        f"skipped {broken}: it is not JSON (an Ollama manifest is)",
+        f"skipped {gone}: its model blob {model_blob(gone)} is missing",
+    ]
+
+
+def test_a_file_that_is_no_gguf_is_skipped_with_a_warning(home: Path) -> None:
+    broken = home / "models/notes.gguf"
+    broken.parent.mkdir()
+    broken.write_text("# my notes on models\n")
+
+    discovery = find_models({"HOME": str(home)})
+
+    assert discovery.models == []
+    assert discovery.warnings == [
+        f"skipped {broken}: it is not a GGUF model file (it starts with '# my', expected 'GGUF')"
+    ]
+
+
+def test_the_environment_moves_ollamas_store_and_the_hugging_face_cache(
+    tmp_path: Path, home: Path, tiny_model: Path, plain_model: Path
+) -> None:
+    add_model(tmp_path / "ollama", "moved:1b", tiny_model)
+    add_model(home / ".ollama/models", "unused:1b", plain_model)  # not where OLLAMA_MODELS is
+    hf_snapshot(tmp_path / "hf/hub", "org/plain", "plain.gguf", plain_model)
+
+    models = found_in(home, OLLAMA_MODELS=str(tmp_path / "ollama"), HF_HOME=str(tmp_path / "hf"))
+
+    assert [(m.name, m.source) for m in models] == [
+        ("moved:1b", "ollama"),
+        ("arbiterd-tiny-llama", "huggingface"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "name"),
+    [
+        ("llama3.2:3b", "llama3.2:3b"),
+        ("SmolLM2 135M Instruct", "SmolLM2-135M-Instruct"),
+        ("hf.co/bartowski/Llama-3.2-3B-GGUF:Q4_K_M", "hf.co-bartowski-Llama-3.2-3B-GGUF:Q4_K_M"),
+        ("..", "model"),
+        ("qwén ", "qw-n"),
+        ("x" * 80 + ":q4", "x" * 61 + ":q4"),
+    ],
+)
+def test_a_suggested_name_is_a_valid_config_name(text: str, name: str) -> None:
+    assert config_name(text) == name
+
+
+def test_ollama_names_leave_out_the_default_registry_and_namespace() -> None:
+    assert ollama_name("registry.ollama.ai", "library", "llama3.2", "3b") == "llama3.2:3b"
+    assert ollama_name("registry.ollama.ai", "me", "tiny", "q4") == "me/tiny:q4"
+    assert ollama_name("hf.co", "org", "Tiny-GGUF", "Q8_0") == "hf.co/org/Tiny-GGUF:Q8_0"
+
+
+def test_names_taken_twice_are_numbered_before_their_tag(home: Path, tiny_model: Path) -> None:
+    for folder in ("a", "b", "c"):
+        copy(tiny_model, home / "models" / folder / "m.gguf")
+
+    assert [m.name for m in found_in(home)] == [
+        "arbiterd-tiny-llama",
+        "m",
+        "arbiterd-tiny-llama-2",
+    ]
+
+
+# -- the starter config of what was found ------------------------------------------------------
+
+
+def test_the_starter_config_serves_ollama_models_by_name_within_their_trained_context(
+    home: Path, tiny_model: Path, plain_model: Path, tiny_mmproj: Path
+) -> None:
+    store = home / ".ollama/models"
+    add_model(store, "llava:7b", tiny_model, projector=tiny_mmproj)
+    add_model(store, "llava:latest", tiny_model, projector=tiny_mmproj)
+    add_model(store, "arbiterd-tiny-llama:latest", plain_model)
+    copy(plain_model, home / "models/plain.gguf")
+    config_file = home / "config.toml"
+    config_file.write_text(starter_config_text(found_in(home)))
+
+    home.chmod(0o700)  # a usable XDG_RUNTIME_DIR
+    config = load_config(config_file, env={"HOME": str(home), "XDG_RUNTIME_DIR": str(home)})
+
+    # The plain model's general.name is the Ollama name of another: its file's name it is.
+    assert list(config.models) == ["arbiterd-tiny-llama:latest", "llava:7b", "plain"]
+    _, llava, plain = config.models.values()
+    assert llava.aliases == ("llava:latest",)
+    assert config.resolve("llava") == "llava:7b"
+    assert llava.path == model_blob(store / "manifests/registry.ollama.ai/library/llava/7b")
+    assert llava.mmproj is not None
+    assert llava.mmproj.read_bytes() == tiny_mmproj.read_bytes()
+    # 4096 is the starter's n_ctx; a model trained for less gets what it was trained for.
+    assert (llava.n_ctx, plain.n_ctx) == (DEFAULT_SPEC.n_ctx_train, PLAIN_SPEC.n_ctx_train)
+    assert config.resolve("llava:7b") == "llava:7b"
+    assert "no chat template in its GGUF" in config_file.read_text()
+
+
+# -- `arbiterd models` -------------------------------------------------------------------------
+
+
+def arbiterd_models(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in {"OLLAMA_MODELS", "HF_HOME"}}
+    env |= {"HOME": str(home)}
+    for name in ("HF_HUB_CACHE", "LLAMA_CACHE"):
+        env.pop(name, None)
+    return subprocess.run(
+        [sys.executable, "-m", "arbiterd", "models", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_models_json_lists_what_was_found_and_warns_on_stderr(
+    home: Path, tiny_model: Path, plain_model: Path
+) -> None:
+    store = home / ".ollama/models"
+    manifest = add_model(store, "llama3.2:3b", tiny_model)
+    gone = add_model(store, "gone:1b", plain_model)
+    model_blob(gone).unlink()
+
+    done = arbiterd_models(home, "--json")
+
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {
+        "models": [
+            {
+                "name": "llama3.2:3b",
+                "path": str(model_blob(manifest)),
+                "size_bytes": tiny_model.stat().st_size,
+                "source": "ollama",
+                "architecture": "llama",
+                "context_length": DEFAULT_SPEC.n_ctx_train,
+                "chat_template": True,
+                "ollama_name": "llama3.2:3b",
+                "mmproj": None,
+                "aliases": [],
+            }
+        ]
+    }
+    assert done.stderr == (
+        f"arbiterd models: warning: skipped {gone}: its model blob {model_blob(gone)} is missing\n"
+    )
+
+
+def test_models_prints_a_table(home: Path, tiny_model: Path, plain_model: Path) -> None:
+    manifest = add_model(home / ".ollama/models", "llama3.2:3b", tiny_model)
+    plain = copy(plain_model, home / "models/plain.gguf")
+
+    done = arbiterd_models(home)
+
+    assert done.returncode == 0, done.stderr
+    header, *rows = [line.split("  ") for line in done.stdout.splitlines()]
+    cells = [[cell.strip() for cell in row if cell.strip()] for row in (header, *rows)]
+    assert cells == [
+        ["NAME", "SIZE", "ARCH", "CONTEXT", "CHAT TEMPLATE", "SOURCE", "PATH"],
+        [
+            "llama3.2:3b",
+            format_bytes(tiny_model.stat().st_size),
+            "llama",
+            str(DEFAULT_SPEC.n_ctx_train),
+            "yes",
+            "ollama",
+            str(model_blob(manifest)),
+        ],
+        [
+            "arbiterd-tiny-llama",
+            format_bytes(plain.stat().st_size),
+            "llama",
+            "1024",
+            "no",
+            "models",
+            str(plain),
+        ],
+    ]
+
+
+def test_models_with_nothing_found_says_where_it_looked(home: Path) -> None:
+    done = arbiterd_models(home)
+
+    assert done.returncode == 0
+    assert done.stdout.startswith("no GGUF models found; looked in:\n")
+    assert f"  {home / '.ollama/models'} (ollama)\n" in done.stdout
+    assert f"  {home / '.cache/huggingface/hub'} (huggingface)\n" in done.stdout
+    assert f"  {home / '.lmstudio/models'} (lm-studio)\n" in done.stdout
+    assert f"  {home / 'models'} (models)\n" in done.stdout
