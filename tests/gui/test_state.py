@@ -357,10 +357,16 @@ def test_owners_stack_in_the_daemons_order_whatever_came_first() -> None:
 # -- what runs each model (issue 15) -------------------------------------------------------------
 
 CPU_ENGINE = {"offload": False, "devices": ["CPU: test cpu"]}
-NO_GPU = cpu_note((), False, None)
-UNUSED_GPU = cpu_note(("/dev/nvidia0",), False, None)
-assert NO_GPU is not None
-assert UNUSED_GPU is not None
+
+
+def note_of(nodes: tuple[str, ...]) -> CpuNote:
+    note = cpu_note(nodes, False, None)
+    assert note is not None
+    return note
+
+
+NO_GPU = note_of(())
+UNUSED_GPU = note_of(("/dev/nvidia0",))
 
 
 def engine_with(note: CpuNote) -> dict[str, object]:
@@ -417,7 +423,7 @@ def test_a_machine_without_a_gpu_is_said_on_the_engine_line_and_its_memory_is_ra
 
 
 def test_vram_is_said_only_of_a_gpus_memory() -> None:
-    def said(**fields: object) -> str:
+    def said(**fields: Any) -> str:
         state = TrayState()
         state.apply_status(status(model("a", "warm", resident_bytes=GiB), **fields), T)
         return state.vram_text()
