@@ -33,7 +33,7 @@ from arbiterd.events import (
     WaitEvent,
     WorkerEvent,
 )
-from arbiterd.states import ResidencyState
+from arbiterd.states import CpuCause, ResidencyState
 
 NONE = "—"  # what a missing name or figure shows as
 KIND_WIDTH = 9  # "residency": the kinds line up in `arbiterd events`; longer ones push the text
@@ -118,6 +118,17 @@ def describe_engine(offload: bool, devices: Sequence[str]) -> str:
     # The CPU is always one of the devices: name those that take the offloaded layers.
     gpus = [device for device in devices if not device.startswith("CPU")]
     return f"{', '.join(gpus)} (GPU offload)" if gpus else "GPU offload"
+
+
+def engine_line(
+    offload: bool, devices: Sequence[str], cpu_cause: CpuCause | None, cpu_note: str
+) -> str:
+    """The engine's line: what it runs on; on a machine without a GPU, the note that says so
+    (the CPU is all there is: nothing to warn of). The warning of a GPU the engine does not use
+    is a line of its own (status.Engine.cpu_warning)."""
+    if cpu_cause is CpuCause.NO_GPU and cpu_note:
+        return "engine: " + cpu_note
+    return "engine: " + describe_engine(offload, devices)
 
 
 def capabilities_text(capabilities: Sequence[str]) -> str:

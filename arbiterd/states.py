@@ -106,6 +106,14 @@ TROUBLE = frozenset({SlotState.FAILED, SlotState.RESTARTING})
 WITHOUT_WORKER = frozenset({SlotState.UNLOADING, SlotState.UNLOADED})
 
 
+class CpuCause(_Tolerant):
+    """Why models that ask for GPU layers run on the CPU (arbiterd/offload.py decides it)."""
+
+    NO_GPU = "no-gpu"  # the machine has no GPU device node: the CPU is all there is
+    ENGINE = "engine"  # the machine has a GPU that the engine does not offload to
+    UNKNOWN = "unknown"
+
+
 class WorkerOp(_Tolerant):
     """The operations the daemon sends a worker (the worker protocol, worker/loop.py)."""
 

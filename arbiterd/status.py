@@ -18,7 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from arbiterd.events import DeviceMemory, HandoffEvent, ProcessMemory, Record
-from arbiterd.states import TROUBLE, WITHOUT_WORKER, BackendKind, ResidencyState, SlotState
+from arbiterd.states import (
+    TROUBLE,
+    WITHOUT_WORKER,
+    BackendKind,
+    CpuCause,
+    ResidencyState,
+    SlotState,
+)
 
 # The name the daemon's own hold (game mode) takes the arena token under (supervisor.py).
 HOLD_HOLDER_NAME = "arbiterd hold"
@@ -69,7 +76,6 @@ class ModelStatus(Record):
     host_copy_shared_with: tuple[str, ...] = ()
     backend: BackendKind | None = None  # None: no worker said hello yet
     fallback_reason: str = ""  # why not in-place ("" for in-place)
-    warning: str = ""  # e.g. GPU layers asked of an engine that cannot offload
     stale_s: float | None = None
     silent_s: float | None = None
 
@@ -165,10 +171,19 @@ class PromptCache(Record):
 
 @dataclass(frozen=True)
 class Engine(Record):
-    """What the workers' engine (llama.cpp) can do, as the latest worker's hello said."""
+    """What the workers' engine (llama.cpp) can do, as the latest worker's hello said, and
+    while a model that asks for GPU layers runs on the CPU, why (`cpu_cause`, None while none
+    does) and what would help on this machine, in one line (`cpu_note`, arbiterd/offload.py)."""
 
     offload: bool = False  # False: everything runs on the CPU
     devices: tuple[str, ...] = ()
+    cpu_cause: CpuCause | None = None
+    cpu_note: str = ""
+
+    @property
+    def cpu_warning(self) -> str:
+        """The note when something would help (a GPU the engine does not use), else ""."""
+        return self.cpu_note if self.cpu_cause is CpuCause.ENGINE else ""
 
 
 @dataclass(frozen=True)
@@ -238,6 +253,15 @@ class DaemonStatus(Record):
     @property
     def troubled(self) -> tuple[ModelStatus, ...]:
         return tuple(m for m in self.models if m.troubled)
+
+    @property
+    def memory_name(self) -> str:
+        """What the models' resident bytes are to be called: "VRAM" only of a GPU's memory (an
+        engine that offloads, or before any worker said, a device telemetry reads), "RAM" where
+        the engine runs them on the CPU, "memory" while neither is known."""
+        if self.engine is not None:
+            return "VRAM" if self.engine.offload else "RAM"
+        return "VRAM" if self.devices else "memory"
 
     @property
     def devices(self) -> tuple[DeviceMemory, ...]:

@@ -197,7 +197,7 @@ choose_engine_backend() {
         ENGINE_BACKEND_WHY+=": $(printf '%s, ' "${without[@]}")"
         ENGINE_BACKEND_WHY=${ENGINE_BACKEND_WHY%, }
     fi
-    ENGINE_BACKEND_WHY+="; ARBITERD_ENGINE=cuda|rocm|vulkan chooses one"
+    ENGINE_BACKEND_WHY+="; ARBITERD_ENGINE=cuda (or rocm, vulkan) chooses one"
 }
 
 engine_cmake_args() {

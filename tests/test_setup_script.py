@@ -373,7 +373,7 @@ def test_a_gpu_toolchain_without_a_device_builds_for_the_cpu(venv: Path, tmp_pat
         r"^setup: engine backend cpu \(no GPU toolchain with a device found: nvcc without an "
         r"NVIDIA GPU, hipcc without /dev/kfd(, the Vulkan toolchain without a /dev/dri render "
         r"node)?; "
-        r"ARBITERD_ENGINE=cuda\|rocm\|vulkan chooses one\)$",
+        r"ARBITERD_ENGINE=cuda \(or rocm, vulkan\) chooses one\)$",
         done.stderr,
         re.M,
     ), done.stderr

@@ -361,7 +361,7 @@ def render_status(status: DaemonStatus) -> str:
             "MODEL",
             "STATE",
             "BACKEND",
-            "VRAM",
+            status.memory_name.upper(),
             "COLD",
             "HOST RAM",
             "QUEUE",
@@ -378,15 +378,17 @@ def render_status(status: DaemonStatus) -> str:
     ]
     engine = status.engine
     if engine is not None:
-        lines.append("engine: " + render.describe_engine(engine.offload, engine.devices))
-    # Every worker loads the same engine: a reason or a warning usually holds for all models.
+        lines.append(
+            render.engine_line(engine.offload, engine.devices, engine.cpu_cause, engine.cpu_note)
+        )
+        if engine.cpu_warning:  # one cause for every model: said once
+            lines.append(f"warning: {engine.cpu_warning}")
+    # Every worker loads the same engine: a reason usually holds for all models.
     capabilities = ((m.name, render.capabilities_text(m.capabilities)) for m in models)
     for names, can in render.grouped(capabilities):
         lines.append(f"capabilities ({', '.join(names)}): {can}")
     for names, reason in render.grouped((m.name, m.fallback_reason) for m in models):
         lines.append(f"backend reload ({', '.join(names)}): {reason}")
-    for names, warning in render.grouped((m.name, m.warning) for m in models):
-        lines.append(f"warning ({', '.join(names)}): {warning}")
     lines += _memory_lines(status)
     telemetry = status.telemetry
     source = telemetry.source if telemetry is not None and telemetry.source else "?"

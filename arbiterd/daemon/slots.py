@@ -33,7 +33,6 @@ class Slot:
     worker: WorkerClient | None = None  # set exactly while READY
     residency: ResidencyState | None = None  # the worker's residency state, as it last said
     hello: WorkerHello | None = None  # its last worker's: what runs it; kept across restarts
-    warning: str = ""  # e.g. GPU layers asked of an engine that cannot offload; "" when none
     # Serves embeddings only (spec.EMBEDDING requests); decided as its worker is spawned
     # (modelfile.serves_embeddings), so right whenever `ready` is set.
     embedding: bool = False
@@ -106,9 +105,9 @@ class Slot:
 
     # -- what its worker says ---------------------------------------------------------------
 
-    def said_hello(self, hello: WorkerHello, *, warning: str) -> None:
-        """Keep what runs the model (kept across restarts) and what to warn of about it."""
-        self.hello, self.warning = hello, warning
+    def said_hello(self, hello: WorkerHello) -> None:
+        """Keep what runs the model (kept across restarts)."""
+        self.hello = hello
 
     def report_residency(
         self, state: ResidencyState | None, *, now: float, reason: str = ""

@@ -66,9 +66,10 @@ from arbiterd.events import (
     VramEvent,
     parse_event,
 )
+from arbiterd.offload import CpuNote, cpu_note, gpu_nodes, setup_script
 from arbiterd.procs import WaitNews, holder_name, process_name
 from arbiterd.request import GenerateRequest
-from arbiterd.states import BackendKind, ResidencyState, SlotState
+from arbiterd.states import BackendKind, CpuCause, ResidencyState, SlotState
 from arbiterd.status import (
     HOLD_HOLDER_NAME,
     DaemonStatus,
@@ -92,8 +93,6 @@ STATUS_TIMEOUT_S = 10.0
 UNLOAD_RETRY_S = 1.0
 # Beside the journal: the prompt caches unloaded models keep (lifecycle.py, worker/kvfile.py).
 KV_DIR = "prompt-cache"
-# How to get an engine that offloads (scripts/setup.sh builds llama-cpp-python for it).
-ENGINE_REBUILD_HINT = "rebuild it with ARBITERD_ENGINE=cuda|rocm|vulkan ./scripts/setup.sh"
 
 
 def unload_at(slot: Slot) -> float | None:
@@ -135,18 +134,6 @@ def new_slot(model: ModelConfig) -> Slot:
     """A slot for `model`: starting, or unloaded for a model loaded on demand."""
     return Slot(
         model, state=SlotState.UNLOADED if model.load is Load.DEMAND else SlotState.STARTING
-    )
-
-
-def offload_warning(n_gpu_layers: int, engine: EngineReport) -> str:
-    """What to tell the user about a model that asks for `n_gpu_layers` on `engine`: "" when
-    the engine gives what is asked; else one line (llama.cpp then quietly runs every layer on
-    the CPU, which looks like a very slow GPU)."""
-    if n_gpu_layers == 0 or engine.offload:
-        return ""
-    return (
-        f"asks for n_gpu_layers={n_gpu_layers} but this engine cannot offload to a GPU "
-        f"(a CPU-only build, or no GPU it can use): it runs on the CPU; {ENGINE_REBUILD_HINT}"
     )
 
 
@@ -198,6 +185,8 @@ class Supervisor:
         self._hold: Token | None = None
         self._keepers: dict[str, Keeper] = {}  # by group: each holds the token for its members
         self._engine: EngineReport | None = None  # as the latest worker's hello says
+        self._gpu_nodes: tuple[str, ...] | None = None  # this machine's, read at the first hello
+        self._cpu_causes_said: set[CpuCause] = set()  # logged this run (offload.py)
         self._tasks: set[asyncio.Task[None]] = set()  # started here, not awaited by anyone
         # The host RAM budget's check: one at a time; asked again while one runs, it runs once
         # more after it.
@@ -355,8 +344,21 @@ class Supervisor:
             prompt_cache=None
             if usage is None
             else PromptCache(usage["bytes"], usage["files"], usage["budget_bytes"]),
-            engine=None if engine is None else Engine(engine.offload, engine.devices),
+            engine=None if engine is None else self._engine_status(engine),
         )
+
+    def _cpu_note(self, engine: EngineReport) -> CpuNote | None:
+        """Why the models that ask for GPU layers run on `engine`'s CPU, read once: the machine's
+        GPU nodes do not change while the daemon runs."""
+        if self._gpu_nodes is None:
+            self._gpu_nodes = gpu_nodes()
+        return cpu_note(self._gpu_nodes, engine.offload, setup_script())
+
+    def _engine_status(self, engine: EngineReport) -> Engine:
+        note = self._cpu_note(engine)
+        if note is None or all(s.config.n_gpu_layers == 0 for s in self._slots.values()):
+            return Engine(engine.offload, engine.devices)
+        return Engine(engine.offload, engine.devices, cpu_cause=note.cause, cpu_note=note.text)
 
     async def _slot_status(self, slot: Slot, snapshot: TelemetrySnapshot | None) -> ModelStatus:
         hello = slot.hello
@@ -375,7 +377,6 @@ class Supervisor:
             # None until its first worker said hello.
             backend=None if hello is None else BackendKind(hello.backend),
             fallback_reason="" if hello is None else hello.fallback_reason,
-            warning=slot.warning,
         )
         worker = slot.worker
         if worker is None:
@@ -612,9 +613,13 @@ class Supervisor:
             log.info("engine: %s offload to a GPU; devices: %s", offload, devices)
         self._engine = hello.engine
         self.metrics.set_backend(slot.name, hello.backend)
-        slot.said_hello(hello, warning=offload_warning(slot.config.n_gpu_layers, hello.engine))
-        if slot.warning:
-            log.warning("%s %s", slot.name, slot.warning)
+        slot.said_hello(hello)
+        note = self._cpu_note(hello.engine) if slot.config.n_gpu_layers != 0 else None
+        if note is not None and note.cause not in self._cpu_causes_said:
+            # Once per cause while the daemon runs: every worker loads the same engine on the
+            # same machine, so a line per model (or per restart) would only repeat it.
+            self._cpu_causes_said.add(note.cause)
+            log.log(logging.WARNING if note.warning else logging.INFO, "engine: %s", note.text)
         self._vram.worker_started(slot.name, worker.pid)
         if slot.pinned:  # a restarted worker of a pinned model is pinned too
             self._spawn(self._pin_again(slot, worker))

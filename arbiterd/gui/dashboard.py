@@ -3,15 +3,18 @@
     header     holder (a group: its members) · VRAM used/total · waiters · engine
                host RAM of its budget · prompt cache on disk of its budget
                [Hold GPU (game mode)] [Start daemon]
-    banners    warnings (amber), daemon unreachable (red), the last command's error
+    banners    warnings and the setup's notices, each once (amber), daemon unreachable (red), the
+               last command's error
     timeline   timeline.TimelineWidget
-    cards      one per model: state (how it holds the GPU, alone or with its group), VRAM,
-               host RAM, queue, pinned, group, backend, its projector's last steps, its warning
-               and last error; Warm / Release / Pin; dimmed while unloaded, saying whether its
-               prompt cache is on disk; "unknown" while the daemon cannot be reached
+    cards      one per model: state (how it holds the GPU, alone or with its group), VRAM (RAM
+               where the engine runs on the CPU), host RAM, queue, pinned, group, backend, its
+               projector's last steps and last error; Warm / Release / Pin; dimmed while
+               unloaded, saying whether its prompt cache is on disk; "unknown" while the daemon
+               cannot be reached
     table      handoffs, waits behind other programs and vision requests' projector steps:
                time, from → to (or what the projector did), release / wait / restore / total,
-               bytes, tokens
+               bytes, tokens; a model the daemon does not serve now (another daemon's, in a
+               journal both wrote) is marked "(NAME not served now)", and has no band
 
 Owns the window's widgets and how a `TrayState` shows in them. It sends nothing itself: its
 buttons emit `command_requested(command, model)` and `start_daemon_requested()`, and the tray
@@ -163,11 +166,12 @@ class ModelCard(QFrame):
             + "".join(f" · {part}" for part in (holding, stale) if part)
         )
         host_ram = model.host_ram_bytes
+        memory = state.memory_name()
         if unloaded is not None:  # no worker, no host copy: nothing, rather than "not reported"
-            self.vram.setText("VRAM: none")
+            self.vram.setText(f"{memory}: none")
             self.host_ram.setText("host RAM: none")
         else:
-            self.vram.setText(f"VRAM: {render.format_bytes(model.device_bytes)}")
+            self.vram.setText(f"{memory}: {render.format_bytes(model.device_bytes)}")
             self.host_ram.setText(
                 "host RAM: "
                 + ("not reported" if host_ram is None else render.format_bytes(host_ram))
@@ -187,7 +191,7 @@ class ModelCard(QFrame):
         self.queue.setText(" · ".join(extra))
         self.queue.setToolTip(model.fallback_reason)
         self._show_encoder(state.history.last_encoder.get(model.name), state)
-        problems = [f"⚠ {model.warning}"] if model.warning else []
+        problems = []
         if model.silent_s is not None:
             problems.append(f"⚠ {render.silence(model.name, model.silent_s)}")
         if model.last_error:
@@ -208,11 +212,11 @@ class ModelCard(QFrame):
         steps = record.steps if record is not None else []
         self.encoder.setToolTip("\n".join(render.event_detail(step) for step in steps))
 
-    def show_unknown(self, colour: RGB) -> None:
+    def show_unknown(self, colour: RGB, state: TrayState) -> None:
         """The daemon cannot be reached: what it last said may no longer be true."""
         self.stripe.setStyleSheet(f"background: {hex_colour(colour)}; border-radius: 2px;")
         self.state.setText("state: unknown")
-        for label, what in ((self.vram, "VRAM"), (self.host_ram, "host RAM")):
+        for label, what in ((self.vram, state.memory_name()), (self.host_ram, "host RAM")):
             label.setText(f"{what}: unknown")
         self.queue.setText("")
         self.encoder.hide()
@@ -330,13 +334,14 @@ class DashboardWindow(QWidget):
         self.start_button.setVisible(not state.reachable)
         self.hold_button.setEnabled(state.reachable)
         self.hold_button.setChecked(status is not None and status.hold)
-        warnings = state.warnings(now) if state.reachable else []
+        # The setup's notices too, each once here rather than on every card (issue 30).
+        warnings = state.warnings(now) + state.notices() if state.reachable else []
         self.warning.setVisible(bool(warnings))
         self.warning.setText("\n".join(f"⚠ {w}" for w in warnings))
         self._refresh_cards(state)
         state.history.trim(now)
         self.timeline.set_state(state, now)
-        self._refresh_table(state.history.handoffs, state.history.encoder)
+        self._refresh_table(state)
 
     def show_message(self, text: str) -> None:
         """A line under the header, e.g. a command the daemon refused; empty hides it."""
@@ -363,18 +368,22 @@ class DashboardWindow(QWidget):
             if state.reachable:
                 card.show_model(model, colour, state)
             else:
-                card.show_unknown(colour)
+                card.show_unknown(colour, state)
 
-    def _refresh_table(self, handoffs: list[HandoffRecord], encoder: list[EncoderRecord]) -> None:
-        rows: list[HandoffRecord | EncoderRecord] = [*handoffs, *encoder]
+    def _refresh_table(self, state: TrayState) -> None:
+        history = state.history
+        rows: list[HandoffRecord | EncoderRecord] = [*history.handoffs, *history.encoder]
         rows.sort(key=lambda r: r.at, reverse=True)  # newest first
         self.table.setRowCount(len(rows))
         for row, record in enumerate(rows):
-            cells = (
-                self._handoff_cells(record)
-                if isinstance(record, HandoffRecord)
-                else self._encoder_cells(record)
-            )
+            if isinstance(record, HandoffRecord):
+                cells = self._handoff_cells(record)
+                gone = state.not_served(record.from_model, record.to_model)
+            else:
+                cells = self._encoder_cells(record)
+                gone = state.not_served(record.model)
+            if gone:  # kept in the table, though no longer drawn (TrayState.drawn_models)
+                cells = (cells[0], f"{cells[1]} ({', '.join(gone)} not served now)", *cells[2:])
             for column, text in enumerate(cells):
                 item = QTableWidgetItem(text)
                 if column != 1:

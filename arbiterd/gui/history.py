@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from arbiterd import render
@@ -55,7 +56,12 @@ class Sample:
 
     @property
     def total_bytes(self) -> int:
-        return sum(b for _, b in self.models) + self.others_bytes
+        return self.bytes_of(None)
+
+    def bytes_of(self, owners: Collection[str] | None) -> int:
+        """What `owners` (None: every model) and other processes hold."""
+        held = (b for name, b in self.models if owners is None or name in owners)
+        return sum(held) + self.others_bytes
 
 
 @dataclass
@@ -326,8 +332,9 @@ class History:
         times += [max(start, h.started_at) for h in self.handoffs_in_window(now)[:1]]
         return min(times, default=None)
 
-    def peak_bytes(self, now: float) -> int:
-        return max((s.total_bytes for s in self.visible(now)), default=0)
+    def peak_bytes(self, now: float, owners: Collection[str] | None = None) -> int:
+        """The most in use in the window: of every owner, or of `owners` and other processes."""
+        return max((s.bytes_of(owners) for s in self.visible(now)), default=0)
 
     def holds_in_window(self, now: float) -> list[HoldSpan]:
         start = now - self.window_s

@@ -13,10 +13,11 @@ Warnings (the icon turns amber while one is active):
     residency to failed                         WARNING_HOLD_S, or until that model is warm again
     holder_silent (reported, then killed)       WARNING_HOLD_S, or until that model is warm again
 
-Notices (shown in the tooltip, the menu and the cards; the icon stays as it is, because they
-describe the setup, not something that just went wrong):
-    a model's `warning` in the status            while the status says so (e.g. it asks for GPU
-                                                 layers but the engine cannot offload, issue 15)
+Notices (shown once in the tooltip, the menu and the dashboard; the icon stays as it is,
+because they describe the setup, not something that just went wrong):
+    the engine's `cpu_warning` in the status     while the status says so: models that ask for
+                                                 GPU layers run on the CPU of a machine with a
+                                                 GPU (offload.py; one cause, said once, issue 30)
 """
 
 from __future__ import annotations
@@ -119,18 +120,37 @@ class TrayState:
         return texts
 
     def notices(self) -> list[str]:
-        """The models' warnings, each text once with the models it holds for."""
-        if self.status is None:
-            return []
-        pairs = ((m.name, m.warning) for m in self.status.models)
-        return [f"{', '.join(names)}: {text}" for names, text in render.grouped(pairs)]
+        """What the setup costs and what would help: the engine's one warning, or nothing."""
+        engine = self.status.engine if self.status is not None else None
+        return [engine.cpu_warning] if engine is not None and engine.cpu_warning else []
 
     def engine_text(self) -> str | None:
-        """What the daemon's engine runs on, or None when it does not say."""
+        """What the daemon's engine runs on (on a machine without a GPU, that it has none), or
+        None when it does not say."""
         engine = self.status.engine if self.status is not None else None
         if engine is None:
             return None
-        return "engine: " + render.describe_engine(engine.offload, engine.devices)
+        return render.engine_line(engine.offload, engine.devices, engine.cpu_cause, engine.cpu_note)
+
+    def memory_name(self) -> str:
+        """What the models' bytes are called: "VRAM" only of a GPU's (DaemonStatus.memory_name)."""
+        return "memory" if self.status is None else self.status.memory_name
+
+    def drawn_models(self) -> list[str]:
+        """The models the timeline draws: those of the daemon it talks to, as its status lists
+        them (a model of a daemon that stopped, or one a reload removed, keeps its history in
+        the table but has no band: the chart says what `arbiterd status` says); before any
+        status, every model the history knows."""
+        if self.status is None:
+            return list(self.history.models)
+        return [m.name for m in self.status.models]
+
+    def not_served(self, *names: str | None) -> list[str]:
+        """Those of `names` the daemon it talks to does not serve now (none before a status)."""
+        status = self.status
+        if status is None:
+            return []
+        return [n for n in names if n is not None and status.model(n) is None]
 
     def colours(self) -> ModelColours:
         """Each model's colour: the daemon's models pick first, in its order (history lists
@@ -185,14 +205,17 @@ class TrayState:
         return f"GPU: {render.process(holder.name or 'another program', holder.pid)}"
 
     def vram_text(self) -> str:
+        """The memory in use, of the devices' total when telemetry reports it; "RAM" where the
+        models run on the CPU, "VRAM" only of a GPU's."""
         status = self.status
         if status is None:
-            return "VRAM: unknown"
+            return "memory: unknown"
+        name = status.memory_name
         used = render.format_bytes(status.used_bytes)
         total = status.total_bytes
         if total is None:
-            return f"VRAM: {used} (models' own count)"
-        return f"VRAM: {used} / {render.format_bytes(total)}"
+            return f"{name}: {used} (models' own count)"
+        return f"{name}: {used} / {render.format_bytes(total)}"
 
     def host_ram_text(self) -> str | None:
         """The host RAM the daemon keeps (host copies and KV) and its budget, or None when it

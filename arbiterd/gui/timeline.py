@@ -1,11 +1,13 @@
-"""The dashboard's timeline: VRAM by owner over the last minutes, stacked, with handoff markers.
+"""The dashboard's timeline: VRAM by owner over the last minutes, stacked, with handoff markers
+(RAM, so named, where the engine runs the models on the CPU).
 
     legend   ■ alpha  ■ beta  ■ other processes                 device total 23.5 GiB ↑ off scale
     markers        ▼            ▼                  one per handoff (or wait behind another
                                                    program), in the new holder's colour
     labels         → beta 0.42 s                   in up to LABEL_ROWS rows, never overlapping
-    plot     ░░░░░░│▒▒▒▒▒▒▒▒▒▒▒▒│░░░░░░            a band for each owner (models in the daemon's
-             ░░░░░░│▒▒▒▒▒▒▒▒▒▒▒▒│░░░░░░            order, other processes grey on top); a shaded
+    plot     ░░░░░░│▒▒▒▒▒▒▒▒▒▒▒▒│░░░░░░            a band for each of the daemon's models (in its
+             ░░░░░░│▒▒▒▒▒▒▒▒▒▒▒▒│░░░░░░            order; no other daemon's), other processes grey
+                                                   on top; a shaded
     axis     12:00      12:02       12:04   now    strip for each handoff's duration
 
 The VRAM axis (`vram_axis`) reaches a little over the peak in view, so a 235 MiB model next to a
@@ -105,6 +107,11 @@ def vram_axis(peak_bytes: int, device_bytes: int | None) -> Axis:
     return Axis(step * math.ceil(wanted / step), step, device_bytes)
 
 
+def state_memory(state: TrayState | None) -> str:
+    """What the plotted bytes are: "VRAM" only of a GPU's memory (TrayState.memory_name)."""
+    return "memory" if state is None else state.memory_name()
+
+
 def y_on(axis: Axis, plot: QRectF, bytes_: float) -> float:
     """Where `bytes_` lies on `plot`'s height; past the axis's top, at the top."""
     return plot.bottom() - min(1.0, bytes_ / axis.top_bytes) * plot.height()
@@ -198,10 +205,11 @@ class TimelineWidget(QWidget):
         return plot.left() + max(0.0, min(1.0, fraction)) * plot.width()
 
     def axis(self) -> Axis:
-        history = self._history
-        if history is None:
+        state, history = self._state, self._history
+        if state is None or history is None:
             return vram_axis(0, None)
-        return vram_axis(history.peak_bytes(self._now), history.total_bytes)
+        peak = history.peak_bytes(self._now, set(state.drawn_models()))
+        return vram_axis(peak, history.total_bytes)
 
     def y_of(self, bytes_: float) -> float:
         return y_on(self.axis(), self.plot_rect(), bytes_)
@@ -247,25 +255,18 @@ class TimelineWidget(QWidget):
         ]
 
     def legend_entries(self) -> list[tuple[str, RGB]]:
-        """The daemon's models (its status says which), then any other owner with VRAM in view
-        (a model a reload removed), then other processes. A model the daemon does not have and
-        that holds nothing in view (another daemon's, read from a journal both wrote) is not
-        listed."""
-        state, history = self._state, self._history
-        if state is None or history is None:
+        """The models drawn (TrayState.drawn_models: the daemon's, as its status lists them),
+        then other processes. A model the daemon does not have (another daemon's, read from a
+        journal both wrote, or one a reload removed) has no band, so no entry."""
+        state = self._state
+        if state is None:
             return []
         colours = state.colours()
-        daemon = [m.name for m in state.status.models] if state.status is not None else []
-        shown = set(self._owners_in_view(history))
-        names = daemon + [name for name in history.models if name in shown and name not in daemon]
+        names = state.drawn_models()
         return [*((name, colours.of(name)) for name in names), (OTHERS_LABEL, palette.OTHER)]
 
     def _row_height(self) -> float:
         return QFontMetricsF(self.text_font()).height() + 4
-
-    def _owners_in_view(self, history: History) -> list[str]:
-        samples = history.visible(self._now)
-        return [n for n in history.models if any(dict(s.models).get(n, 0) > 0 for s in samples)]
 
     # -- drawing -------------------------------------------------------------------------------
 
@@ -286,7 +287,9 @@ class TimelineWidget(QWidget):
         samples = history.visible(self._now) if history is not None else []
         if state is None or history is None or not samples:
             painter.setPen(qcolor(palette.TEXT))
-            painter.drawText(plot, Qt.AlignmentFlag.AlignCenter, "no VRAM figures yet")
+            painter.drawText(
+                plot, Qt.AlignmentFlag.AlignCenter, f"no {state_memory(state)} figures yet"
+            )
             return
         self._paint_bands(painter, plot, axis, state, samples)
         self._paint_device(painter, plot, axis)
@@ -333,13 +336,13 @@ class TimelineWidget(QWidget):
     def _paint_bands(
         self, painter: QPainter, plot: QRectF, axis: Axis, state: TrayState, samples: list[Sample]
     ) -> None:
-        history = state.history
         colours = state.colours()
+        drawn = state.drawn_models()
 
         def y_of(value: float) -> float:
             return y_on(axis, plot, value)
 
-        owners = [*(colours.of(name) for name in history.models), palette.OTHER]
+        owners = [*(colours.of(name) for name in drawn), palette.OTHER]
         # Each sample holds from its time to the next one's (the last one until now).
         spans: list[tuple[float, float, list[float]]] = []
         for index, sample in enumerate(samples):
@@ -348,7 +351,7 @@ class TimelineWidget(QWidget):
             if x1 <= x0:
                 continue
             values = dict(sample.models)
-            stack = [float(values.get(name, 0)) for name in history.models]
+            stack = [float(values.get(name, 0)) for name in drawn]
             stack.append(float(sample.others_bytes))
             spans.append((x0, x1, stack))
         painter.setPen(Qt.PenStyle.NoPen)

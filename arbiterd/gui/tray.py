@@ -308,7 +308,6 @@ class TrayApp(QObject):
                 m.queue,
                 m.backend,
                 m.fallback_reason,
-                m.warning,
             )
             for m in (status.models if status is not None else ())
         )
@@ -319,6 +318,7 @@ class TrayApp(QObject):
             state.vram_text(),
             state.waiters_text(),
             state.engine_text(),
+            tuple(state.notices()),
             models,
             status.hold if status is not None else False,
             autostart_on,
@@ -355,6 +355,8 @@ class TrayApp(QObject):
             engine = state.engine_text()
             if engine is not None:
                 add("engine", engine, enabled=False)
+            for notice in state.notices():  # once for all models: one engine, one machine
+                add("engine-warning", f"⚠ {notice}", enabled=False)
             menu.addSeparator()
             for model in status.models:
                 self._add_model_menu(model)
@@ -385,16 +387,12 @@ class TrayApp(QObject):
             title += f" · {model.queue} queued"
         if model.backend:
             title += f" · {model.backend}"
-        if model.warning:
-            title += " · ⚠"
         submenu = self.menu.addMenu(_swatch(self.state.colours().of(name)), title)
         submenu.menuAction().setObjectName(f"model:{name}")
         self.actions[f"model:{name}"] = submenu.menuAction()
         notes = []  # what runs the model, as lines to read above its actions
         if model.fallback_reason:
             notes.append(("backend", f"backend {model.backend}: {model.fallback_reason}"))
-        if model.warning:
-            notes.append(("warning", f"⚠ {model.warning}"))
         for kind, text in notes:
             note = submenu.addAction(text)
             note.setObjectName(f"{kind}:{name}")

@@ -364,7 +364,7 @@ def test_main_help_lists_each_command_with_its_description_on_one_line(
 # -- arbiterd status: what runs each model (issue 15) -------------------------------------------
 
 STOCK = "libllama at /x/libllama.so does not export llama_context_release_device (a stock build)"
-CPU_WARNING = "asks for n_gpu_layers=-1 but this engine cannot offload to a GPU: rebuild it"
+CPU_WARNING = "the models run on the CPU: this engine cannot offload to the GPU this machine has"
 
 
 def rendered(status: dict[str, Any]) -> str:
@@ -377,14 +377,15 @@ def status_model(name: str, **fields: object) -> dict[str, object]:
 
 
 def test_status_shows_each_backend_the_engine_and_each_reason_and_warning_once() -> None:
+    engine = {"offload": False, "devices": ["CPU: test cpu"]}
     text = rendered(
         {
             "models": [
-                status_model("story", backend="reload", fallback_reason=STOCK, warning=CPU_WARNING),
-                status_model("chat", backend="reload", fallback_reason=STOCK, warning=CPU_WARNING),
-                status_model("tiny", backend="reload", fallback_reason=STOCK, warning=""),
+                status_model("story", backend="reload", fallback_reason=STOCK),
+                status_model("chat", backend="reload", fallback_reason=STOCK),
+                status_model("tiny", backend="reload", fallback_reason=STOCK),
             ],
-            "engine": {"offload": False, "devices": ["CPU: test cpu"]},
+            "engine": engine | {"cpu_cause": "engine", "cpu_note": CPU_WARNING},
         }
     )
     lines = text.splitlines()
@@ -397,15 +398,15 @@ def test_status_shows_each_backend_the_engine_and_each_reason_and_warning_once()
     ]
     assert lines[4:7] == [
         "engine: CPU only (this engine cannot offload to a GPU)",
+        f"warning: {CPU_WARNING}",  # the engine's: once, for every model
         f"backend reload (story, chat, tiny): {STOCK}",
-        f"warning (story, chat): {CPU_WARNING}",
     ]
 
 
 def test_status_of_in_place_models_on_a_gpu_has_no_reason_or_warning() -> None:
     text = rendered(
         {
-            "models": [status_model("chat", backend="in-place", fallback_reason="", warning="")],
+            "models": [status_model("chat", backend="in-place", fallback_reason="")],
             "engine": {"offload": True, "devices": ["CPU: test cpu", "CUDA0: NVIDIA H200"]},
         }
     )

@@ -273,12 +273,12 @@ def test_cli_status_and_commands(daemon: Daemon) -> None:
     assert "STATE" in status.stdout
     report = json.loads(arbiterd("status", "--json", *socket_arg).stdout)
     assert [m["name"] for m in report["models"]] == ["alpha", "beta"]
-    # What runs each model, as its worker said; they ask for no GPU layers: no warning.
-    backends = {m["name"]: (m["backend"], m["warning"]) for m in report["models"]}
+    # What runs each model, as its worker said; they ask for no GPU layers: no CPU note.
+    backends = {m["name"]: (m["backend"],) for m in report["models"]}
     assert backends["alpha"] == backends["beta"]
     assert backends["alpha"][0] in {"in-place", "reload"}
-    assert backends["alpha"][1] == ""
-    assert set(report["engine"]) == {"offload", "devices"}
+    assert set(report["engine"]) == {"offload", "devices", "cpu_cause", "cpu_note"}
+    assert (report["engine"]["cpu_cause"], report["engine"]["cpu_note"]) == (None, "")
     lines = status.stdout.splitlines()
     assert lines[0].split()[:3] == ["MODEL", "STATE", "BACKEND"]
     name, _state, backend = lines[1].split()[:3]

@@ -19,15 +19,14 @@ from arbiterd.daemon import lifecycle
 from arbiterd.daemon.metrics import Metrics
 from arbiterd.daemon.slots import Slot
 from arbiterd.daemon.supervisor import (
-    ENGINE_REBUILD_HINT,
     Supervisor,
     new_slot,
     next_unload_check,
-    offload_warning,
     unload_due,
 )
 from arbiterd.daemon.telemetry import DeviceMemory, ProcessMemory, ReaderSet, Reading
-from arbiterd.daemon.workerclient import BACKENDS, EngineReport, WorkerClient
+from arbiterd.daemon.workerclient import BACKENDS, WorkerClient
+from arbiterd.offload import cpu_note, gpu_nodes, setup_script
 from arbiterd.states import ResidencyState, SlotState
 from tests.support.models import model_config
 
@@ -151,23 +150,6 @@ def test_a_spawn_that_fails_on_an_os_error_is_said_and_retried(
 
 # -- what runs each model (issue 15) -----------------------------------------------------------
 
-CPU_ONLY = EngineReport(offload=False, devices=("CPU: test cpu",))
-WITH_GPU = EngineReport(offload=True, devices=("CPU: test cpu", "CUDA0: test gpu"))
-
-
-@pytest.mark.parametrize(
-    ("n_gpu_layers", "engine", "warned"),
-    [(-1, CPU_ONLY, True), (12, CPU_ONLY, True), (0, CPU_ONLY, False), (-1, WITH_GPU, False)],
-)
-def test_only_gpu_layers_asked_of_an_engine_that_cannot_offload_are_warned(
-    n_gpu_layers: int, engine: EngineReport, warned: bool
-) -> None:
-    warning = offload_warning(n_gpu_layers, engine)
-    assert bool(warning) is warned
-    if warned:
-        assert warning.startswith(f"asks for n_gpu_layers={n_gpu_layers} but this engine cannot")
-        assert warning.endswith(ENGINE_REBUILD_HINT)
-
 
 def backend_series(text: str) -> dict[tuple[str, str], float]:
     return {
@@ -186,23 +168,27 @@ def test_a_models_backend_metric_follows_its_latest_worker() -> None:
     assert backend_series(metrics.text().decode()) == {("m", "in-place"): 1.0, ("n", "reload"): 1.0}
 
 
-def test_each_model_says_its_backend_and_gpu_layers_an_engine_cannot_give_warn_once_per_start(
+def test_each_model_says_its_backend_and_the_cpu_cause_is_said_once_per_run(
     tmp_path: Path,
     tiny_model: Path,
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """`gpu` asks for every layer on the GPU, `cpu` for none. On an engine that cannot offload
-    (this machine's stock CPU build), `gpu` gets a warning in its status and one log line each
-    time its worker starts; on one that can (a GPU machine), neither model gets one."""
+    """`gpu` and `gpu2` ask for every layer on the GPU, `cpu` for none. On an engine that
+    cannot offload (this machine's CPU tier), the engine's status says why once, for this
+    machine (offload.py), and the log says it once in the run: not per model, not per worker
+    start; on one that can (a GPU machine), nothing is said of it."""
     monkeypatch.setattr(lifecycle, "RESTART_BACKOFF_S", (0.05,))
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
     tmp_path.chmod(0o700)
     path = write_config(tmp_path, tiny_model)
     text = path.read_text().replace("[models.m]", "[models.cpu]")
-    path.write_text(f'{text}[models.gpu]\npath = "{tiny_model}"\nn_gpu_layers = -1\n')
+    gpu = "".join(
+        f'[models.{n}]\npath = "{tiny_model}"\nn_gpu_layers = -1\n' for n in ("gpu", "gpu2")
+    )
+    path.write_text(text + gpu)
     config = load_config(path, env=env)
-    caplog.set_level(logging.WARNING, logger="arbiterd.daemon.supervisor")
+    caplog.set_level(logging.INFO, logger="arbiterd.daemon.supervisor")
 
     async def scenario() -> tuple[dict[str, Any], dict[str, Any], str]:
         supervisor = Supervisor(config)
@@ -220,18 +206,49 @@ def test_each_model_says_its_backend_and_gpu_layers_an_engine_cannot_give_warn_o
             await supervisor.stop()
 
     first, again, metrics = asyncio.run(scenario())
-    engine = EngineReport(first["engine"]["offload"], tuple(first["engine"]["devices"]))
-    expected = offload_warning(-1, engine)  # "" where the engine offloads
+    note = cpu_note(gpu_nodes(), first["engine"]["offload"], setup_script())
     for status in (first, again):
         models = {m["name"]: m for m in status["models"]}
         assert models["gpu"]["backend"] in BACKENDS
         assert models["gpu"]["backend"] == models["cpu"]["backend"]  # one engine for both
-        assert (models["gpu"]["warning"], models["cpu"]["warning"]) == (expected, "")
+        assert "warning" not in models["gpu"]  # the engine's, not each model's
+        engine = status["engine"]
+        said = (engine["cpu_cause"], engine["cpu_note"])
+        assert said == ((None, "") if note is None else (str(note.cause), note.text))
     assert pid_of(again, "gpu") != pid_of(first, "gpu")
-    said = [r.getMessage() for r in caplog.records if "n_gpu_layers" in r.getMessage()]
-    assert said == ([] if engine.offload else [f"gpu {expected}"] * 2)  # two starts
+    logged = [
+        (r.levelno, r.getMessage()) for r in caplog.records if "run on the CPU" in r.getMessage()
+    ]
+    if note is None:
+        assert logged == []
+    else:  # once, though three workers started: gpu, gpu2 and gpu again
+        assert logged == [
+            (logging.WARNING if note.warning else logging.INFO, f"engine: {note.text}")
+        ]
     backend = first["models"][0]["backend"]
-    assert backend_series(metrics) == {("cpu", backend): 1.0, ("gpu", backend): 1.0}
+    series = {("cpu", backend): 1.0, ("gpu", backend): 1.0, ("gpu2", backend): 1.0}
+    assert backend_series(metrics) == series
+
+
+def test_a_config_that_asks_for_no_gpu_layers_has_no_cpu_note(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """n_gpu_layers = 0 everywhere: the CPU is what was asked for, nothing to explain."""
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+    tmp_path.chmod(0o700)
+    config = load_config(write_config(tmp_path, tiny_model), env=env)
+    assert all(m.n_gpu_layers == 0 for m in config.models.values())
+
+    async def scenario() -> dict[str, Any]:
+        supervisor = Supervisor(config)
+        await supervisor.start()
+        try:
+            return (await supervisor.status()).to_json()
+        finally:
+            await supervisor.stop()
+
+    engine = asyncio.run(scenario())["engine"]
+    assert (engine["cpu_cause"], engine["cpu_note"]) == (None, "")
 
 
 def pid_of(status: dict[str, Any], name: str) -> int:

@@ -39,7 +39,7 @@ def test_an_unreachable_daemon_leaves_its_models_unknown(dashboard: DashboardWin
     assert dashboard.unreachable.text() == "daemon not running — arbiterd is not running"
     for card in dashboard.cards.values():
         assert card.state.text() == "state: unknown"
-        assert card.vram.text() == "VRAM: unknown"
+        assert card.vram.text() == "memory: unknown"  # neither engine nor device said
         assert card.host_ram.text() == "host RAM: unknown"
         assert card.error.text() == ""
         assert not card.warm.isEnabled()
@@ -143,7 +143,7 @@ def test_an_unloaded_models_card_is_dimmed_and_holds_nothing(dashboard: Dashboar
     dashboard.refresh(state, T)
     a, b = dashboard.cards["a"], dashboard.cards["b"]
     assert a.state.text() == "state: unloaded — prompt cache on disk (1310 tokens, 12.0 MiB)"
-    assert (a.vram.text(), a.host_ram.text()) == ("VRAM: none", "host RAM: none")
+    assert (a.vram.text(), a.host_ram.text()) == ("memory: none", "host RAM: none")
     assert a.dimmed
     assert not a.release.isEnabled()  # no worker: nothing to release
     assert a.warm.isEnabled()  # warm starts it
@@ -159,7 +159,7 @@ def test_an_unloaded_models_card_is_dimmed_and_holds_nothing(dashboard: Dashboar
     dashboard.refresh(state, T + 9)
     assert (a.state.text(), a.vram.text(), a.dimmed) == (
         "state: warm · holds the GPU",
-        "VRAM: 1.0 GiB",
+        "memory: 1.0 GiB",
         False,
     )
     assert a.release.isEnabled()
@@ -244,3 +244,24 @@ def test_a_vision_models_card_and_the_table_show_its_projector(dashboard: Dashbo
         "—",
     ]
     assert cell_text(table, 1, 1) == "text → eye"  # the handoff before it, below: newest first
+
+
+def test_the_table_keeps_and_marks_the_handoffs_of_a_model_not_served_now(
+    dashboard: DashboardWindow,
+) -> None:
+    state = TrayState()
+    state.apply_status(status(model("alpha", "warm", resident_bytes=GiB), holder="alpha"), T)
+    for event in (
+        {"event": "handoff", "at": T - 50, "from": "alpha", "to": "theirs", "release_s": 0.1},
+        {"event": "handoff", "at": T - 40, "from": "theirs", "to": "alpha", "release_s": 0.1},
+        {"event": "wait", "at": T - 30, "model": "alpha", "wait_s": 1.0},
+    ):
+        state.apply_event(parse_event(event))
+    dashboard.refresh(state, T)
+    titles = [cell_text(dashboard.table, row, 1) for row in range(dashboard.table.rowCount())]
+    assert titles[1:] == [
+        "theirs → alpha (theirs not served now)",
+        "alpha → theirs (theirs not served now)",
+    ]
+    assert "not served" not in titles[0]  # a wait of alpha's: served
+    assert list(dashboard.cards) == ["alpha"]

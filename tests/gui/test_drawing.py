@@ -278,10 +278,43 @@ def test_the_legend_lists_the_models_of_the_daemon_it_is_connected_to(qtbot: QtB
     assert dict(widget.legend_entries())["alpha"] == state.colours().of("alpha")
 
 
-def test_an_owner_with_vram_in_view_stays_in_the_legend(qtbot: QtBot) -> None:
-    """A model a reload removed still has its band in the window, so it keeps its entry."""
+def test_a_model_a_reload_removed_is_no_longer_drawn(qtbot: QtBot) -> None:
+    """The chart draws what `arbiterd status` lists (issue 30): a removed model has no band."""
     state = TrayState()
     state.apply_status(status(model("old", "warm", resident_bytes=GiB), holder="old"), T)
     state.apply_status(status(model("new", "warm", resident_bytes=GiB), holder="new"), T + 30)
     widget = timeline_of(qtbot, state, T + 60)
-    assert [name for name, _ in widget.legend_entries()] == ["new", "old", "other processes"]
+    assert [name for name, _ in widget.legend_entries()] == ["new", "other processes"]
+    assert not colour_in_plot(widget, state.colours().of("old"))
+    assert colour_in_plot(widget, state.colours().of("new"))
+
+
+def colour_in_plot(widget: TimelineWidget, colour: RGB) -> bool:
+    image = widget.grab().toImage()
+    plot = widget.plot_rect()
+    return any(
+        rgb(image, x, y) == colour
+        for x in range(int(plot.left()) + 1, int(plot.right()), 3)
+        for y in range(int(plot.top()) + 1, int(plot.bottom()), 3)
+    )
+
+
+def test_a_stopped_daemons_model_from_a_shared_journal_is_not_drawn(qtbot: QtBot) -> None:
+    """The tray asks for the journal after the first status: a model of a daemon that stopped
+    (same journal) went warm in the window and was never cold again. Before issue 30 its band
+    ran on to now and the axis made room for it, though `status` does not list it."""
+    state = TrayState()
+    state.apply_status(status(model("alpha", "warm", resident_bytes=GiB), holder="alpha"), T)
+    for event in (
+        {"event": "residency", "at": T - 50, "model": "theirs", "from": "warming", "to": "warm",
+         "weights_bytes": 6 * GiB},
+        {"event": "handoff", "at": T - 50, "from": "alpha", "to": "theirs", "release_s": 0.1,
+         "restore_s": 0.2},
+    ):  # fmt: skip
+        state.apply_event(parse_event(event))
+    widget = timeline_of(qtbot, state, T + 30)
+    assert state.drawn_models() == ["alpha"]
+    assert [name for name, _ in widget.legend_entries()] == ["alpha", "other processes"]
+    assert widget.axis().top_bytes < 6 * GiB  # scaled to what is drawn
+    assert not colour_in_plot(widget, state.colours().of("theirs"))
+    assert colour_in_plot(widget, state.colours().of("alpha"))

@@ -14,6 +14,8 @@ from arbiterd.events import Event, HandoffEvent, WaitEvent, parse_event
 from arbiterd.gui import palette
 from arbiterd.gui.replay import apply_replay, load_replay
 from arbiterd.gui.state import WARNING_HOLD_S, TrayState
+from arbiterd.offload import CpuNote, cpu_note
+from arbiterd.states import CpuCause
 from arbiterd.status import DaemonStatus, GroupStatus, HostRam, PromptCache
 from tests.gui.conftest import SAMPLE_REPLAY
 from tests.gui.fakes import GiB, MiB, model, status
@@ -200,7 +202,7 @@ def test_the_tooltip_names_the_host_ram_when_the_daemon_says_it() -> None:
     state.apply_status(status(model("a", "warm"), holder="a", host_ram_bytes=5 * GiB), T)
     assert state.tooltip(T).splitlines() == [
         "arbiterd — GPU: a",
-        "VRAM: 0 B (models' own count)",
+        "memory: 0 B (models' own count)",  # no engine or device said: not called VRAM
         "host RAM: 5.0 GiB",
         "waiting: nobody",
     ]
@@ -354,42 +356,83 @@ def test_owners_stack_in_the_daemons_order_whatever_came_first() -> None:
 
 # -- what runs each model (issue 15) -------------------------------------------------------------
 
-CPU_WARNING = "asks for n_gpu_layers=-1 but this engine cannot offload to a GPU"
 CPU_ENGINE = {"offload": False, "devices": ["CPU: test cpu"]}
 
 
-def test_backend_warning_and_engine_are_read_and_absent_from_an_older_daemon() -> None:
+def note_of(nodes: tuple[str, ...]) -> CpuNote:
+    note = cpu_note(nodes, False, None)
+    assert note is not None
+    return note
+
+
+NO_GPU = note_of(())
+UNUSED_GPU = note_of(("/dev/nvidia0",))
+
+
+def engine_with(note: CpuNote) -> dict[str, object]:
+    return {**CPU_ENGINE, "cpu_cause": str(note.cause), "cpu_note": note.text}
+
+
+def test_backend_cpu_note_and_engine_are_read_and_absent_from_an_older_daemon() -> None:
     read = DaemonStatus.from_json(
         status(
-            model("a", backend="reload", fallback_reason="a stock build", warning=CPU_WARNING),
-            engine=CPU_ENGINE,
+            model("a", backend="reload", fallback_reason="a stock build"),
+            engine=engine_with(UNUSED_GPU),
         )
     )
     a = read.models[0]
-    assert (a.backend, a.fallback_reason, a.warning) == ("reload", "a stock build", CPU_WARNING)
+    assert (a.backend, a.fallback_reason) == ("reload", "a stock build")
     assert read.engine is not None
     assert (read.engine.offload, read.engine.devices) == (False, ("CPU: test cpu",))
+    assert (read.engine.cpu_cause, read.engine.cpu_warning) == (CpuCause.ENGINE, UNUSED_GPU.text)
     older = DaemonStatus.from_json({"models": [{"name": "a", "backend": 3}], "engine": "gpu"})
-    assert (older.models[0].backend, older.models[0].warning, older.engine) == (None, "", None)
+    assert (older.models[0].backend, older.engine) == (None, None)
+    engine = DaemonStatus.from_json(status(engine=CPU_ENGINE)).engine
+    assert engine is not None
+    assert (engine.cpu_cause, engine.cpu_warning) == (None, "")  # before issue 30
 
 
-def test_a_models_warning_is_in_the_tooltip_once_for_all_and_leaves_the_icon_alone() -> None:
+def test_an_unused_gpu_is_in_the_tooltip_once_for_all_and_leaves_the_icon_alone() -> None:
     state = TrayState()
     state.apply_status(
         status(
-            model("a", "warm", backend="reload", warning=CPU_WARNING),
-            model("b", backend="reload", warning=CPU_WARNING),
-            model("c", backend="reload"),
+            model("a", "warm", backend="reload"),
+            model("b", backend="reload"),
             holder="a",
-            engine=CPU_ENGINE,
+            engine=engine_with(UNUSED_GPU),
         ),
         T,
     )
-    assert state.notices() == [f"a, b: {CPU_WARNING}"]
-    assert state.tooltip(T).splitlines()[-1] == f"⚠ a, b: {CPU_WARNING}"
+    assert state.notices() == [UNUSED_GPU.text]
+    assert state.tooltip(T).splitlines()[-1] == f"⚠ {UNUSED_GPU.text}"
     assert state.engine_text() == "engine: CPU only (this engine cannot offload to a GPU)"
     look = state.icon_look(T)
     assert (look.frame, look.warning) == (state.colours().of("a"), False)
+
+
+def test_a_machine_without_a_gpu_is_said_on_the_engine_line_and_its_memory_is_ram() -> None:
+    state = TrayState()
+    state.apply_status(
+        status(model("a", "warm", resident_bytes=GiB), holder="a", engine=engine_with(NO_GPU)),
+        T,
+    )
+    assert state.notices() == []  # nothing would help: not a warning
+    assert state.engine_text() == f"engine: {NO_GPU.text}"
+    assert state.vram_text() == "RAM: 1.0 GiB (models' own count)"
+    assert not [line for line in state.tooltip(T).splitlines() if "VRAM" in line or "⚠" in line]
+
+
+def test_vram_is_said_only_of_a_gpus_memory() -> None:
+    def said(**fields: Any) -> str:
+        state = TrayState()
+        state.apply_status(status(model("a", "warm", resident_bytes=GiB), **fields), T)
+        return state.vram_text()
+
+    assert said(engine={"offload": True, "devices": ["CUDA0: x"]}).startswith("VRAM: ")
+    assert said(engine=CPU_ENGINE).startswith("RAM: ")
+    assert said().startswith("memory: ")  # no worker said, no device read: not known
+    device = {"device": "gpu0", "used_bytes": GiB, "total_bytes": 8 * GiB}
+    assert said(devices=[device]) == "VRAM: 1.0 GiB / 8.0 GiB"
 
 
 # -- memory over a day (issue 14) and vision (issue 12) ------------------------------------------
@@ -491,7 +534,7 @@ def test_host_ram_and_the_prompt_cache_are_shown_against_their_budgets() -> None
     )
     assert state.tooltip(T).splitlines() == [
         "arbiterd — GPU: a",
-        "VRAM: 0 B (models' own count)",
+        "memory: 0 B (models' own count)",  # no engine or device said: not called VRAM
         "host RAM: 5.0 GiB of 8.0 GiB budget",
         "prompt cache on disk: 12.0 MiB in 1 file of 4.0 GiB budget",
         "waiting: nobody",

@@ -18,6 +18,7 @@ from arbiterd.gui.connection import DaemonConnection
 from arbiterd.gui.dashboard import DashboardWindow
 from arbiterd.gui.launch import daemon_start_command
 from arbiterd.gui.tray import TrayApp
+from arbiterd.offload import cpu_note
 from tests.gui.fakes import FakeControlServer, GiB, RecordingSink, model, status
 
 WAIT_MS = 5000
@@ -231,7 +232,7 @@ def test_the_icon_and_tooltip_show_the_holder(qtbot: QtBot, make_app: AppFactory
     qtbot.waitUntil(lambda: "GPU: alpha" in tray.toolTip(), timeout=WAIT_MS)
     assert icon_colour(tray) == palette.model_colours(["alpha", "beta"]).of("alpha")
     assert tray.toolTip().splitlines()[1:] == [
-        "VRAM: 3.0 GiB (models' own count)",
+        "memory: 3.0 GiB (models' own count)",  # no engine or device said: not called VRAM
         "waiting: beta (pid 77)",
     ]
 
@@ -335,30 +336,37 @@ def test_with_a_tray_closing_the_dashboard_keeps_running(
     assert desktop.quits == 0
 
 
-def test_the_menu_names_each_models_backend_its_warning_and_the_engine(
+def test_the_menu_names_each_models_backend_the_engine_and_its_warning_once(
     qtbot: QtBot, make_app: AppFactory, server: FakeControlServer
 ) -> None:
-    warning = "asks for n_gpu_layers=-1 but this engine cannot offload to a GPU"
+    note = cpu_note(("/dev/dri/renderD128",), False, None)
+    assert note is not None
     server.status = status(
         model("alpha", "warm", backend="in-place", resident_bytes=GiB),
-        model("beta", backend="reload", fallback_reason="a stock build", warning=warning),
+        model("beta", backend="reload", fallback_reason="a stock build"),
         holder="alpha",
-        engine={"offload": False, "devices": ["CPU: test cpu"]},
+        engine={
+            "offload": False,
+            "devices": ["CPU: test cpu"],
+            "cpu_cause": str(note.cause),
+            "cpu_note": note.text,
+        },
     )
     app = make_app()
     wait_for_text(qtbot, app, "model:alpha", "alpha — warm, 1.0 GiB · in-place")
-    assert text_of(app, "model:beta") == "beta — cold, 0 B · reload · ⚠"
+    assert text_of(app, "model:beta") == "beta — cold, 0 B · reload"
     assert text_of(app, "engine") == "engine: CPU only (this engine cannot offload to a GPU)"
+    assert text_of(app, "engine-warning") == f"⚠ {note.text}"  # once, not under each model
+    assert not app.actions["engine-warning"].isEnabled()  # a line to read, not an action
+    assert text_of(app, "vram") == "RAM: 1.0 GiB (models' own count)"
     beta = app.actions["model:beta"].menu()
     assert isinstance(beta, QMenu)
     assert [a.text() for a in beta.actions() if not a.isSeparator()] == [
         "backend reload: a stock build",
-        f"⚠ {warning}",
         "Warm",
         "Release",
         "Pin",
     ]
-    assert not app.actions["warning:beta"].isEnabled()  # a line to read, not an action
     alpha = app.actions["model:alpha"].menu()
     assert isinstance(alpha, QMenu)
     assert [a.text() for a in alpha.actions()] == ["Warm", "Release", "Pin"]
@@ -367,7 +375,10 @@ def test_the_menu_names_each_models_backend_its_warning_and_the_engine(
     card = dashboard.cards["beta"]
     assert card.queue.text() == "queue: 0 · reload backend"
     assert card.queue.toolTip() == "a stock build"
-    assert card.error.text() == f"⚠ {warning}"
+    assert card.vram.text() == "RAM: 0 B"
+    for each in dashboard.cards.values():
+        assert not each.error.isVisibleTo(dashboard)  # on no card: once, in the banner
+    assert dashboard.warning.text() == f"⚠ {note.text}"
 
 
 # -- the dashboard ---------------------------------------------------------------------------------
@@ -381,7 +392,7 @@ def test_the_dashboard_shows_cards_and_steers_the_daemon(
     qtbot.waitUntil(lambda: set(dashboard.cards) == {"alpha", "beta"}, timeout=WAIT_MS)
     alpha = dashboard.cards["alpha"]
     assert alpha.state.text() == "state: warm · holds the GPU"
-    assert alpha.vram.text() == "VRAM: 3.0 GiB"
+    assert alpha.vram.text() == "memory: 3.0 GiB"
     assert alpha.pin.isChecked()
     assert dashboard.headline.text() == "GPU: alpha"
     dashboard.cards["beta"].warm.click()

@@ -73,7 +73,7 @@ def test_loaded_libllama_is_found_and_is_the_arbiterd_build() -> None:
     assert path.is_file()
     assert "llama" in path.name
     probed = probe_residency_api()
-    assert isinstance(probed, ResidencyApi), f"{probed}: run ./scripts/setup.sh"
+    assert isinstance(probed, ResidencyApi), f"{probed}: run bash scripts/setup.sh"
     assert probed.library == path
 
 

@@ -31,7 +31,7 @@ RELEASABLE = TinyModelSpec(n_layer=2, n_embd=512, n_ff=1024, n_vocab=4096)
 # allocations the release or restore makes around them: the saved KV, Python objects).
 RSS_SHARE = 0.9
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
-SETUP_HINT = "the installed llama_cpp is not the arbiterd engine build: run ./scripts/setup.sh"
+SETUP_HINT = "the installed llama_cpp is not the arbiterd engine build: run bash scripts/setup.sh"
 
 
 def greedy(prompt: str = PROMPT, max_tokens: int = 8) -> dict[str, object]:
