@@ -4,6 +4,9 @@ Owns the files arbiterd puts into the user's desktop session — the systemd use
 autostart entry of the tray, the menu entry, the icon, a starter config — and the manifest of
 what it wrote, and of the folders it made for them, so that uninstall removes exactly that (a
 file the user changed since is kept, and said so; a folder that holds anything else stays).
+With `--copy` (issue 30) it also owns a venv of arbiterd's own under $XDG_DATA_HOME/arbiterd:
+the clone it runs from, built into a wheel and installed there, so that the service keeps
+running when the clone moves; uninstall removes that venv too.
 The templates are package data (see TEMPLATES); @ARBITERD@ on their command lines becomes the
 arbiterd that runs this. Never touches a file outside the user's XDG directories, never
 overwrites a config.toml.
@@ -11,15 +14,18 @@ overwrites a config.toml.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from importlib import resources
+from importlib import metadata, resources
 from pathlib import Path
 
 from arbiterd.cli.discovery import find_models
@@ -41,8 +47,12 @@ UNIT = "arbiterd.service"
 MAX_FOUND_MODELS = 20
 # A folder's entry in the manifest: install made it, so uninstall removes it when it is empty.
 FOLDER = "folder"
+# The venv `install --copy` made: uninstall removes it whole.
+VENV = "venv"
 
 Runner = Callable[[list[str]], subprocess.CompletedProcess[str]]
+# Runs one step of a copy with its output on the terminal (pip's progress); its exit status.
+Builder = Callable[[list[str]], int]
 
 
 @dataclass(frozen=True)
@@ -130,6 +140,66 @@ def running_from_clone() -> Path | None:
     return root if (root / "pyproject.toml").is_file() and (root / ".git").exists() else None
 
 
+def venv_path(env: Mapping[str, str]) -> Path:
+    return _xdg(env, "XDG_DATA_HOME", ".local/share") / APP_DIR / VENV
+
+
+@dataclass(frozen=True)
+class Copy:
+    """`install --copy`: the clone at `source` built into a wheel (by this interpreter, which
+    has the build backend; nothing is fetched for it) and installed into the venv at `venv`,
+    with the extras this arbiterd has and its engine's version pinned, so that pip takes the
+    engine it built for this machine from its cache instead of building it again. Without
+    `with_deps` only arbiterd itself is installed (its dependencies must come another way)."""
+
+    source: Path
+    venv: Path
+    extras: tuple[str, ...] = ()
+    pins: tuple[str, ...] = ()
+    with_deps: bool = True
+
+    @property
+    def command(self) -> str:
+        return str(self.venv / "bin" / "arbiterd")
+
+    def steps(self, wheels: Path) -> list[list[str]]:
+        python = str(self.venv / "bin" / "python")
+        pip = [python, "-m", "pip", "install", "--disable-pip-version-check"]
+        build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
+        wheel = str(wheels / "arbiterd-*.whl")
+        steps = []
+        if not (self.venv / "pyvenv.cfg").is_file():
+            steps.append([sys.executable, "-m", "venv", str(self.venv)])
+        steps.append([*build, "--quiet", "--wheel-dir", str(wheels), str(self.source)])
+        if self.with_deps:
+            extras = f"[{','.join(self.extras)}]" if self.extras else ""
+            steps.append([*pip, f"{wheel}{extras}", *self.pins])
+        # Always: the clone's code as it is now, also when its version number did not change.
+        steps.append([*pip, "--force-reinstall", "--no-deps", wheel])
+        return steps
+
+
+def copy_of_this_clone(env: Mapping[str, str]) -> Copy:
+    """The Copy `install --copy` makes of the clone this arbiterd runs from; InstallError for
+    an arbiterd that is installed already (it is a copy: there is nothing to move)."""
+    clone = running_from_clone()
+    if clone is None:
+        raise InstallError(
+            f"--copy installs a clone into a venv of its own; this arbiterd is installed "
+            f"already ({Path(__file__).resolve().parents[1]}), so the service runs it where it "
+            "is: run `arbiterd install` without --copy"
+        )
+    extras = tuple(
+        extra
+        for extra, module in (("engine", "llama_cpp"), ("gui", "PySide6"))
+        if importlib.util.find_spec(module) is not None
+    )
+    pins: tuple[str, ...] = ()
+    with contextlib.suppress(metadata.PackageNotFoundError):
+        pins = (f"llama-cpp-python=={metadata.version('llama-cpp-python')}",)
+    return Copy(clone, venv_path(env), extras, pins if "engine" in extras else ())
+
+
 class Installer:
     """Plans and applies install/uninstall; `say` receives one line per thing done."""
 
@@ -140,15 +210,17 @@ class Installer:
         run: Runner | None = None,
         say: Callable[[str], None] = print,
         dry_run: bool = False,
+        build: Builder | None = None,
     ) -> None:
         self.env = os.environ if env is None else env
         self._run = run or _run_systemctl
+        self._build = build or _run_shown
         self._say = say
         self.dry_run = dry_run
 
-    def install(self, *, enable: bool = True) -> None:
-        command = arbiterd_command()
+    def install(self, *, enable: bool = True, copy: Copy | None = None) -> None:
         manifest = self._read_manifest()
+        command = arbiterd_command() if copy is None else self._copy(copy, manifest)
         for placement in placements(self.env):
             target = placement.target
             if target.exists() and placement.keep_existing:
@@ -184,7 +256,12 @@ class Installer:
         manifest.update(dict.fromkeys(map(str, missing_folders(manifest_path(self.env))), FOLDER))
         self._write_manifest(manifest)
         clone = running_from_clone()
-        if clone is not None:
+        if copy is not None:
+            self._say(
+                f"note     the service runs {command}, a copy of the clone at {clone}: the "
+                "clone may move; run `arbiterd install --copy` again from it to update the copy"
+            )
+        elif clone is not None:
             self._say(
                 f"note     the service runs {command}, from the clone at {clone}: moving or "
                 "deleting that clone stops it (run `arbiterd install` again from where it goes)"
@@ -210,6 +287,9 @@ class Installer:
         folders = sorted((Path(n) for n, d in manifest.items() if d == FOLDER), reverse=True)
         for name, digest in sorted(manifest.items()):
             target = Path(name)
+            if digest == VENV:
+                self._remove_venv(target)
+                continue
             if digest == FOLDER or not target.exists():
                 continue
             if _digest(target.read_text()) != digest:
@@ -224,6 +304,35 @@ class Installer:
             self._remove_folder(folder)
 
     # -- helpers ------------------------------------------------------------------------------
+
+    def _copy(self, copy: Copy, manifest: dict[str, str]) -> str:
+        """Make or update the venv `copy` names (recorded in `manifest`); its arbiterd."""
+        self._say(f"copying  {copy.source} into {copy.venv} (pip's progress follows)")
+        folders = missing_folders(copy.venv / "pyvenv.cfg")[:-1]
+        with tempfile.TemporaryDirectory(prefix="arbiterd-wheel-") as wheels:
+            for planned in copy.steps(Path(wheels)):
+                # The wheel's file name is known once it is built: a pattern until then.
+                step = [_built(arg, Path(wheels)) for arg in planned]
+                if self.dry_run:
+                    self._say(f"would run {' '.join(step)}")
+                    continue
+                code = self._build(step)
+                if code != 0:
+                    raise InstallError(
+                        f"`{' '.join(step)}` failed (exit status {code}); nothing else was "
+                        "installed"
+                    )
+                self._say(f"ran      {' '.join(step[:4])} ...")
+        manifest.update(dict.fromkeys(map(str, folders), FOLDER))
+        manifest[str(copy.venv)] = VENV
+        return copy.command
+
+    def _remove_venv(self, venv: Path) -> None:
+        if not (venv / "pyvenv.cfg").is_file():
+            return  # gone already, or no longer a venv: not ours to remove
+        self._say(f"{'would remove' if self.dry_run else 'removed'}  {venv} (the copy)")
+        if not self.dry_run:
+            shutil.rmtree(venv)
 
     def _remove_folder(self, folder: Path) -> None:
         """Remove a folder install made, when nothing but what it wrote was ever in it."""
@@ -280,6 +389,19 @@ class Installer:
                 self._say(f"note     `{' '.join(command)}` failed ({reason}): {otherwise}")
                 return
             self._say(f"ran      {' '.join(command)}")
+
+
+def _built(arg: str, wheels: Path) -> str:
+    """`arg`, with the built wheel's path in place of its pattern once it exists."""
+    pattern = str(wheels / "arbiterd-*.whl")
+    if not arg.startswith(pattern):
+        return arg
+    built = sorted(wheels.glob("arbiterd-*.whl"))
+    return str(built[0]) + arg.removeprefix(pattern) if built else arg
+
+
+def _run_shown(command: list[str]) -> int:
+    return subprocess.run(command, check=False).returncode
 
 
 def _run_systemctl(command: list[str]) -> subprocess.CompletedProcess[str]:

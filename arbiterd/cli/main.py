@@ -22,7 +22,7 @@ from arbiterd.arena import PRIORITY_CHOICES, Arena, ArenaState, Priority, parse_
 from arbiterd.cli import commands
 from arbiterd.cli.demo import main as run_demo
 from arbiterd.cli.discovery import FoundModel, find_models
-from arbiterd.cli.install import Installer
+from arbiterd.cli.install import Installer, copy_of_this_clone
 from arbiterd.cli.runner import run_holding_token
 from arbiterd.errors import ArbiterError, BadValueError, MissingPartError, UsageError
 from arbiterd.paths import resolve_arena
@@ -95,6 +95,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     install.add_argument("--no-enable", action="store_true", help="write files, start nothing")
     install.add_argument("--dry-run", action="store_true", help="only say what would be done")
+    install.add_argument(
+        "--copy",
+        action="store_true",
+        help="install this clone into a venv of its own under ~/.local/share/arbiterd, so the "
+        "service keeps running when the clone moves",
+    )
     install.set_defaults(handler=_install)
     uninstall = command(
         "uninstall", "undo exactly what install did", "arbiterd uninstall --dry-run"
@@ -255,7 +261,8 @@ def render_models(models: list[FoundModel]) -> str:
 
 
 def _install(args: argparse.Namespace) -> int:
-    Installer(dry_run=args.dry_run).install(enable=not args.no_enable)
+    copy = copy_of_this_clone(os.environ) if args.copy else None
+    Installer(dry_run=args.dry_run).install(enable=not args.no_enable, copy=copy)
     return 0
 
 

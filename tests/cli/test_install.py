@@ -8,19 +8,26 @@ import shutil
 import stat
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from arbiterd.cli import install
 from arbiterd.cli.install import (
     UNIT,
+    Copy,
     Installer,
     autostart_path,
+    copy_of_this_clone,
     manifest_path,
     placements,
     running_from_clone,
+    venv_path,
 )
 from arbiterd.config import load_config
+from arbiterd.errors import InstallError
 
 # The templates as the source tree holds them.
 PACKAGING = Path(__file__).resolve().parents[2] / "packaging"
@@ -48,7 +55,7 @@ def home(tmp_path: Path) -> dict[str, str]:
 
 
 def installer(
-    env: dict[str, str], systemctl: Systemctl, **kwargs: bool
+    env: dict[str, str], systemctl: Systemctl, **kwargs: Any
 ) -> tuple[Installer, list[str]]:
     lines: list[str] = []
     return Installer(env, run=systemctl, say=lines.append, **kwargs), lines
@@ -284,3 +291,73 @@ def test_arbiterds_own_folders_are_private_under_umask_022(
         assert stat.S_IMODE((root / folder).stat().st_mode) == 0o700, folder
     # The desktop's own folders are made as the desktop makes them.
     assert stat.S_IMODE((root / ".config/autostart").stat().st_mode) == 0o755
+
+
+def test_install_copy_puts_this_clone_in_a_venv_of_its_own_that_the_unit_runs(
+    home: dict[str, str],
+) -> None:
+    # Real: a venv, the clone built into a wheel, installed there. Without its dependencies,
+    # which pip would take from the package index (the engine from its cache).
+    copy = replace(copy_of_this_clone(home), with_deps=False)
+    venv = venv_path(home)
+    assert copy.venv == venv
+    tool, lines = installer(home, Systemctl())
+    tool.install(copy=copy)
+    unit = next(p.target for p in placements(home) if p.target.name == UNIT).read_text()
+    assert f"ExecStart={venv}/bin/arbiterd daemon" in unit
+    assert os.access(venv / "bin" / "arbiterd", os.X_OK)
+    probe = (
+        "import importlib.metadata as m, importlib.resources as r, arbiterd; "
+        "print(arbiterd.__file__); print(m.version('arbiterd')); "
+        "print((r.files('arbiterd') / '_packaging/systemd/arbiterd.service').is_file())"
+    )
+    shown = subprocess.run(
+        [str(venv / "bin" / "python"), "-I", "-c", probe],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/",
+    ).stdout.split()
+    assert shown[0].startswith(str(venv))  # the copy's code, not the clone's
+    assert shown[2] == "True"  # with the templates the next install --copy renders
+    assert any(
+        line.startswith(f"note     the service runs {venv}/bin/arbiterd, a copy of the clone at")
+        for line in lines
+    )
+    tool.uninstall()
+    assert not venv.exists()
+    assert not venv.parent.exists()  # $XDG_DATA_HOME/arbiterd: install made it, nothing else
+
+
+def test_install_copy_with_its_dependencies_pins_the_engine_pip_built_here(
+    tmp_path: Path,
+) -> None:
+    copy = Copy(
+        Path("/src/arbiterd"),
+        tmp_path / "venv",
+        ("engine", "gui"),
+        ("llama-cpp-python==0.3.36",),
+    )
+    steps = copy.steps(tmp_path / "wheels")
+    python = str(tmp_path / "venv" / "bin" / "python")
+    wheel = str(tmp_path / "wheels" / "arbiterd-*.whl")
+    assert steps[0] == [sys.executable, "-m", "venv", str(tmp_path / "venv")]
+    assert steps[1][-1] == "/src/arbiterd"
+    assert steps[2][:4] == [python, "-m", "pip", "install"]
+    assert steps[2][-2:] == [f"{wheel}[engine,gui]", "llama-cpp-python==0.3.36"]
+    assert steps[3][-3:] == ["--force-reinstall", "--no-deps", wheel]
+
+
+def test_install_copy_dry_run_says_each_step_and_makes_nothing(home: dict[str, str]) -> None:
+    tool, lines = installer(home, Systemctl(), dry_run=True)
+    tool.install(copy=copy_of_this_clone(home))
+    assert not venv_path(home).exists()
+    assert sum(line.startswith("would run ") and "pip" in line for line in lines) == 3
+
+
+def test_install_copy_of_an_arbiterd_that_is_no_clone_is_refused(
+    home: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(install, "running_from_clone", lambda: None)
+    with pytest.raises(InstallError, match="run `arbiterd install` without --copy"):
+        copy_of_this_clone(home)
