@@ -40,6 +40,7 @@
         ├── AlreadyRunningError       another daemon holds this control socket's lock
         ├── DaemonNotRunningError     nothing listens on the control socket
         ├── UnknownModelError         no model by that name
+        ├── ShuttingDownError         the daemon is stopping: a request is refused or ended
         └── ControlError              the daemon answered a control command with an error
             └── ControlReplyError     ... for a reason of the control protocol's own
 
@@ -88,6 +89,7 @@ class ErrorCode(enum.StrEnum):
     ALREADY_RUNNING = "already_running"
     DAEMON_NOT_RUNNING = "daemon_not_running"
     UNKNOWN_MODEL = "unknown_model"
+    SHUTTING_DOWN = "shutting_down"
     CONTROL = "control"
     INSTALL = "install"
     TRAY = "tray"
@@ -134,6 +136,7 @@ OUTCOMES: dict[ErrorCode, Outcome] = {
     ErrorCode.ALREADY_RUNNING: Outcome(500, 75),
     ErrorCode.DAEMON_NOT_RUNNING: Outcome(503, 69),
     ErrorCode.UNKNOWN_MODEL: Outcome(404, 65),
+    ErrorCode.SHUTTING_DOWN: Outcome(503, 75),
     ErrorCode.CONTROL: Outcome(400, 1),
     ErrorCode.INSTALL: Outcome(500, 73),
     ErrorCode.TRAY: Outcome(500, 69),
@@ -361,6 +364,10 @@ class DaemonNotRunningError(DaemonError):
 
 class UnknownModelError(DaemonError):
     code = ErrorCode.UNKNOWN_MODEL
+
+
+class ShuttingDownError(DaemonError):
+    code = ErrorCode.SHUTTING_DOWN
 
 
 class ControlError(DaemonError):

@@ -136,6 +136,7 @@ def _unknown_model(model: str, names: list[str]) -> ApiError:
 OPENAI_CODES: dict[ErrorCode, str] = {
     ErrorCode.CONTEXT_OVERFLOW: "context_length_exceeded",
     ErrorCode.INTERNAL: INTERNAL_ERROR,
+    ErrorCode.SHUTTING_DOWN: "shutting_down",
 }
 
 
@@ -608,7 +609,7 @@ def _add_responses_route(
         except Exception as exc:
             return _api_error(exc, names).response()
         if api.stream:
-            return EventStream(partial(_response_events, service, parsed, past), names)
+            return EventStream(partial(_response_events, service, parsed, past, names), names)
         outcome = await _complete(service, api, request.receive, names)
         if isinstance(outcome, Response):  # an error, answered as such
             return outcome
@@ -616,12 +617,17 @@ def _add_responses_route(
 
 
 async def _response_events(
-    service: Service, parsed: responses.ResponsesRequest, past: responses.PastResponses
+    service: Service,
+    parsed: responses.ResponsesRequest,
+    past: responses.PastResponses,
+    names: Callable[[], list[str]],
 ) -> AsyncIterator[dict[str, Any] | WaitNews]:
-    """A streamed response's events, from the chat chunks with the usage chunk last."""
+    """A streamed response's events, from the chat chunks with the usage chunk last; an error
+    on the way is response.failed, mapped as every other error is."""
     chunks = service.stream(parsed.api.model, replace(parsed.api.request, include_usage=True))
+    failed = partial(_api_error, names=names)
     try:
-        async for event in responses.events(parsed, chunks, past):
+        async for event in responses.events(parsed, chunks, past, failed):
             yield event
     finally:
         await _close(chunks)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -479,6 +479,26 @@ class _Events:
         return event
 
 
+def _failed_event(
+    event: _Events, response_id: str, parsed: ResponsesRequest, error: ApiError
+) -> dict[str, Any]:
+    """response.failed, for a stream whose chat failed with `error` (as the HTTP edge maps it):
+    of the Responses API's error codes, only these two fit an error a chat ends with."""
+    code = "server_error" if error.status >= 500 else "invalid_prompt"
+    response = _envelope(
+        response_id,
+        parsed.api.model,
+        parsed.echo,
+        [],
+        status="failed",
+        usage=None,
+        finish_reason=None,
+    )
+    return event(
+        "response.failed", response={**response, "error": {"code": code, "message": error.message}}
+    )
+
+
 def _text_events(event: _Events, index: int, item_id: str, text: str) -> Iterator[dict[str, Any]]:
     where = {"item_id": item_id, "output_index": index, "content_index": 0}
     yield event("response.output_text.done", **where, text=text, logprobs=[])
@@ -487,14 +507,29 @@ def _text_events(event: _Events, index: int, item_id: str, text: str) -> Iterato
     yield event("response.output_item.done", output_index=index, item=_message_item(item_id, text))
 
 
+def _add_call_pieces(delta: dict[str, Any], calls: dict[int, dict[str, Any]]) -> None:
+    """A chunk's pieces of tool calls added to the calls they belong to, by index."""
+    for piece in delta.get("tool_calls") or []:
+        call = calls.setdefault(
+            piece["index"], {"id": "", "function": {"name": "", "arguments": ""}}
+        )
+        call["id"] = piece.get("id") or call["id"]
+        function = piece.get("function") or {}
+        call["function"]["name"] += function.get("name") or ""
+        call["function"]["arguments"] += function.get("arguments") or ""
+
+
 async def events(
     parsed: ResponsesRequest,
     chunks: AsyncIterator[dict[str, Any] | WaitNews],
     past: PastResponses,
+    failed: Callable[[Exception], ApiError],
 ) -> AsyncIterator[dict[str, Any] | WaitNews]:
     """A streamed chat's chunks (the usage chunk last) as the Responses stream's events: the
     text as it comes, each tool call once it is whole, then response.completed; the news of a
-    wait for the GPU passed on as it comes."""
+    wait for the GPU passed on as it comes. A chat that fails on the way (the daemon shutting
+    down, issue 30) ends in response.failed instead, with the error that `failed` (the HTTP
+    edge's mapping) makes of it."""
     event = _Events()
     response_id = _new_id("resp")
     model = parsed.api.model
@@ -509,45 +544,42 @@ async def events(
     calls: dict[int, dict[str, Any]] = {}
     usage: dict[str, Any] | None = None
     finish_reason = None
-    async for chunk in chunks:
-        if isinstance(chunk, WaitNews):
-            yield chunk
-            continue
-        usage = chunk.get("usage") or usage
-        for choice in chunk.get("choices") or []:
-            finish_reason = choice.get("finish_reason") or finish_reason
-            delta = choice.get("delta") or {}
-            for piece in delta.get("tool_calls") or []:
-                call = calls.setdefault(
-                    piece["index"], {"id": "", "function": {"name": "", "arguments": ""}}
-                )
-                call["id"] = piece.get("id") or call["id"]
-                function = piece.get("function") or {}
-                call["function"]["name"] += function.get("name") or ""
-                call["function"]["arguments"] += function.get("arguments") or ""
-            if not delta.get("content"):
+    try:
+        async for chunk in chunks:
+            if isinstance(chunk, WaitNews):
+                yield chunk
                 continue
-            if not text_id:
-                text_id = _new_id("msg")
-                item = _message_item(text_id, "", "in_progress")
-                yield event("response.output_item.added", output_index=0, item=item)
-                part = {"type": "output_text", "text": "", "annotations": []}
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or []:
+                finish_reason = choice.get("finish_reason") or finish_reason
+                delta = choice.get("delta") or {}
+                _add_call_pieces(delta, calls)
+                if not delta.get("content"):
+                    continue
+                if not text_id:
+                    text_id = _new_id("msg")
+                    item = _message_item(text_id, "", "in_progress")
+                    yield event("response.output_item.added", output_index=0, item=item)
+                    part = {"type": "output_text", "text": "", "annotations": []}
+                    yield event(
+                        "response.content_part.added",
+                        item_id=text_id,
+                        output_index=0,
+                        content_index=0,
+                        part=part,
+                    )
+                text += delta["content"]
                 yield event(
-                    "response.content_part.added",
+                    "response.output_text.delta",
                     item_id=text_id,
                     output_index=0,
                     content_index=0,
-                    part=part,
+                    delta=delta["content"],
+                    logprobs=[],
                 )
-            text += delta["content"]
-            yield event(
-                "response.output_text.delta",
-                item_id=text_id,
-                output_index=0,
-                content_index=0,
-                delta=delta["content"],
-                logprobs=[],
-            )
+    except Exception as exc:  # mapped by `failed`, the edge's one mapping
+        yield _failed_event(event, response_id, parsed, failed(exc))
+        return
     if text_id:
         for done in _text_events(event, 0, text_id, text):
             yield done

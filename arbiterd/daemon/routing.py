@@ -11,7 +11,10 @@ A request for a model whose file a start did not find (issue 24) is answered at 
 the file, rather than waiting for a restart that cannot work; once the file is back, it starts
 the model. While a request's model waits for the GPU, a stream yields what it waits for
 (procs.WaitNews) at the notice times, and a request that waits past its model's max_queue_s is
-given up (daemon/waiting.py).
+given up (daemon/waiting.py). Once the daemon stops (`stop_requests`), every request is
+refused with ShuttingDownError, and each one in flight, waiting for its worker or mid-decode,
+ends with it (its decode cancelled in the worker): an error the edges can still answer, where
+the server going away would have cut its connection.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 from arbiterd.daemon.slots import Slot
@@ -31,6 +34,7 @@ from arbiterd.errors import (
     ModelLoadError,
     QueueTimeoutError,
     RequestError,
+    ShuttingDownError,
     UnknownModelError,
     WorkerError,
     WorkerGoneError,
@@ -60,14 +64,25 @@ class Router:
         self._load = load
         self._waits = waits
         self._ids = itertools.count(1)
+        self._stopping: str = ""  # why requests are refused; empty while serving
+        self._in_flight: set[asyncio.Task[Any]] = set()  # what stop_requests cancels
+
+    def stop_requests(self, reason: str) -> None:
+        """From now on refuse every request with ShuttingDownError(`reason`), and end each one
+        in flight with it."""
+        self._stopping = reason
+        for task in self._in_flight:
+            task.cancel()
 
     async def complete(self, model: str, request: GenerateRequest) -> dict[str, Any]:
         request_id = self._request_id()
-        result = await self._send(
-            model,
-            request.kind,
-            request_id,
-            lambda worker: worker.generate(request, request_id=request_id),
+        result = await self._until_stopped(
+            self._send(
+                model,
+                request.kind,
+                request_id,
+                lambda worker: worker.generate(request, request_id=request_id),
+            )
         )
         response: dict[str, Any] = result["response"]
         return response
@@ -82,9 +97,11 @@ class Router:
             return worker.generate(request, on_chunk=chunks.put_nowait, request_id=request_id)
 
         # An unknown, failed or wrong model: before any chunk.
-        await self._serving(model, request.kind)
+        await self._until_stopped(self._serving(model, request.kind))
         sending = asyncio.get_running_loop().create_task(
-            self._send(model, request.kind, request_id, generate, chunks.put_nowait)
+            self._until_stopped(
+                self._send(model, request.kind, request_id, generate, chunks.put_nowait)
+            )
         )
         sending.add_done_callback(lambda _: chunks.put_nowait(_DONE))
         try:
@@ -97,6 +114,28 @@ class Router:
         finally:
             if not sending.done():  # closed or cancelled: the client went away
                 sending.cancel()
+
+    async def _until_stopped(self, work: Coroutine[Any, Any, _T]) -> _T:
+        """`work`, in a task of its own that stop_requests may cancel: then ShuttingDownError.
+        Cancelled from outside (the client went away), it is cancelled as ever: `_send` cancels
+        the decode in the worker either way."""
+        self._refuse_if_stopping(work)
+        task = asyncio.get_running_loop().create_task(work)
+        self._in_flight.add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            caller = asyncio.current_task()
+            if not self._stopping or (caller is not None and caller.cancelling()):
+                raise
+            raise ShuttingDownError(self._stopping) from None
+        finally:
+            self._in_flight.discard(task)
+
+    def _refuse_if_stopping(self, work: Coroutine[Any, Any, Any]) -> None:
+        if self._stopping:
+            work.close()
+            raise ShuttingDownError(self._stopping)
 
     async def worker_of(self, model: str) -> WorkerClient:
         """The model's worker once it is ready (started first when it is unloaded); at once

@@ -3,9 +3,8 @@
 Owns the daemon's lifetime: check every model file, bind the HTTP port, the API's Unix socket and
 the control socket, and only then start the workers (a mistake or a taken port costs no model
 load); follow the config file unless `[daemon] watch_config = false` (configwatch.py); tell
-systemd when serving (READY=1 to $NOTIFY_SOCKET, Type=notify); stop gracefully on SIGTERM/SIGINT
-or the `shutdown` command (in-flight requests finish, workers stop and release the GPU, the
-journal is closed).
+systemd when serving (READY=1 to $NOTIFY_SOCKET, Type=notify); stop on SIGTERM/SIGINT or the
+`shutdown` command, in the order `_stop` gives.
 """
 
 from __future__ import annotations
@@ -120,14 +119,36 @@ async def _serve(
         await supervisor.stopped.wait()
         log.info("stopping")
     finally:
-        http.should_exit = True
-        if http_task is not None:
-            with contextlib.suppress(Exception):
-                await http_task
-        await control.close()
-        if watch is not None:
-            await watch.close()
-        await supervisor.stop()
+        await _stop(supervisor, http, http_task, control, watch)
         journal.close()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
+
+
+async def _stop(
+    supervisor: Supervisor,
+    http: HttpServer,
+    http_task: asyncio.Task[None] | None,
+    control: ControlServer,
+    watch: ConfigWatch | None,
+) -> None:
+    """The daemon's stop, in this order (the one place that orders it):
+
+    1. The supervisor refuses new requests and ends those in flight with ShuttingDownError,
+       their decodes cancelled in the workers: a stream ends with an error event, a plain
+       request is a 503, each saying that the daemon is shutting down (issue 30). Waiting for
+       them instead would hold the stop for as long as a generation runs, and the HTTP
+       server would then cut the connections still open at its SHUTDOWN_TIMEOUT_S.
+    2. The HTTP server stops accepting, and closes each connection once its response (now
+       only the error) is sent.
+    3. The control socket and the config watch close: nothing can ask for a change any more.
+    4. The workers stop and release the GPU (the journal, closed by the caller, records it)."""
+    supervisor.stop_requests()
+    http.should_exit = True
+    if http_task is not None:
+        with contextlib.suppress(Exception):
+            await http_task
+    await control.close()
+    if watch is not None:
+        await watch.close()
+    await supervisor.stop()

@@ -93,6 +93,8 @@ STATUS_TIMEOUT_S = 10.0
 UNLOAD_RETRY_S = 1.0
 # Beside the journal: the prompt caches unloaded models keep (lifecycle.py, worker/kvfile.py).
 KV_DIR = "prompt-cache"
+# What a request in flight when the daemon stops, or sent after, is answered (issue 30).
+SHUTTING_DOWN = "arbiterd is shutting down; send the request again once it is running"
 
 
 def unload_at(slot: Slot) -> float | None:
@@ -224,8 +226,14 @@ class Supervisor:
         if slot.state is SlotState.STARTING:
             await self._lifecycle.start(slot)
 
+    def stop_requests(self) -> None:
+        """Refuse every request from now on, and end those in flight with ShuttingDownError
+        (their decodes cancelled in the workers): the first step of serve.py's stop."""
+        self._router.stop_requests(SHUTTING_DOWN)
+
     async def stop(self) -> None:
-        """Stop every worker (in-flight requests finish first) and release a user hold."""
+        """Stop every worker and release a user hold (after stop_requests: no request is
+        left to finish)."""
         for task in list(self._tasks):
             task.cancel()
         await self._lifecycle.stop(list(self._slots.values()))

@@ -33,6 +33,10 @@ def _completion(content: str | None, finish: str = "stop", calls: list[Any] | No
     }
 
 
+def unexpected(exc: Exception) -> ApiError:
+    raise AssertionError(f"no error expected, got {exc!r}")
+
+
 def test_a_string_input_and_instructions_are_a_system_and_a_user_turn() -> None:
     parsed = parse_responses_request(
         {
@@ -162,7 +166,7 @@ def test_streamed_chunks_become_numbered_events_ending_in_the_whole_response() -
         yield {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}}
 
     async def collect() -> list[dict[str, Any]]:
-        streamed = [event async for event in events(parsed, chunks(), PastResponses())]
+        streamed = [event async for event in events(parsed, chunks(), PastResponses(), unexpected)]
         return [event for event in streamed if isinstance(event, dict)]
 
     streamed = asyncio.run(collect())
@@ -183,6 +187,35 @@ def test_streamed_chunks_become_numbered_events_ending_in_the_whole_response() -
     assert final["output"][0]["content"][0]["text"] == "Hello"
     assert final["usage"]["output_tokens"] == 2
     assert final["id"] == streamed[0]["response"]["id"]
+
+
+@pytest.mark.parametrize(
+    ("status", "code"), [(503, "server_error"), (400, "invalid_prompt")], ids=["server", "request"]
+)
+def test_a_chat_that_fails_on_the_way_ends_in_response_failed(status: int, code: str) -> None:
+    parsed = parse_responses_request({"model": "m", "input": "x"}, PastResponses())
+
+    async def chunks() -> AsyncIterator[dict[str, Any]]:
+        yield {"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]}
+        raise RuntimeError("the daemon is shutting down")
+
+    def failed(exc: Exception) -> ApiError:
+        return ApiError(status, f"mapped: {exc}")
+
+    async def collect() -> list[dict[str, Any]]:
+        streamed = [event async for event in events(parsed, chunks(), PastResponses(), failed)]
+        return [event for event in streamed if isinstance(event, dict)]
+
+    streamed = asyncio.run(collect())
+    assert [event["sequence_number"] for event in streamed] == list(range(len(streamed)))
+    assert [event["type"] for event in streamed][-2:] == [
+        "response.output_text.delta",
+        "response.failed",
+    ]
+    response = streamed[-1]["response"]
+    assert response["status"] == "failed"
+    assert response["error"] == {"code": code, "message": "mapped: the daemon is shutting down"}
+    assert response["id"] == streamed[0]["response"]["id"]
 
 
 def test_an_error_names_the_input_item_not_the_chat_turn() -> None:
