@@ -74,6 +74,10 @@ class Router:
         for task in self._in_flight:
             task.cancel()
 
+    def stopping_reason(self) -> str:
+        """Why requests are refused; empty while the router serves."""
+        return self._stopping
+
     async def complete(self, model: str, request: GenerateRequest) -> dict[str, Any]:
         request_id = self._request_id()
         result = await self._until_stopped(
@@ -126,9 +130,10 @@ class Router:
             return await task
         except asyncio.CancelledError:
             caller = asyncio.current_task()
-            if not self._stopping or (caller is not None and caller.cancelling()):
+            stopping = self.stopping_reason()  # set meanwhile, by stop_requests
+            if not stopping or (caller is not None and caller.cancelling()):
                 raise
-            raise ShuttingDownError(self._stopping) from None
+            raise ShuttingDownError(stopping) from None
         finally:
             self._in_flight.discard(task)
 

@@ -17,7 +17,6 @@ import httpx
 import pytest
 
 from tests.support.daemon import Daemon, serving, tiny
-from tests.support.waiting import wait_until
 
 LONG = 5000  # tokens: the tiny model is still decoding when the shutdown comes
 ASK = [{"role": "user", "content": "the fox"}]
@@ -110,35 +109,3 @@ def test_a_responses_stream_ends_with_response_failed(daemon: Daemon) -> None:
     assert failed["response"]["error"]["code"] == "server_error"
     assert SHUTTING_DOWN in failed["response"]["error"]["message"]
     assert "response.completed" not in [event["type"] for event in events]
-
-
-def evaluated(daemon: Daemon) -> int:
-    with daemon.client() as client:
-        status = client.call("status")
-    return sum(model["prompt_tokens_evaluated"] for model in status["models"])
-
-
-def test_a_request_not_streamed_is_a_503_naming_the_shutdown(tiny_model: Path) -> None:
-    # A context of 8,192: 2,048 tokens take the tiny model under 5 s, less than the CLI's start.
-    with serving({"alpha": tiny(tiny_model, n_ctx=8192)}) as daemon:
-        answered_503_naming_the_shutdown(daemon)
-
-
-def answered_503_naming_the_shutdown(daemon: Daemon) -> None:
-    before = evaluated(daemon)
-    replies: list[httpx.Response] = []
-    body = {"model": "alpha", "messages": ASK, "max_tokens": 8000}
-
-    def ask() -> None:
-        replies.append(httpx.post(f"{daemon.url}/chat/completions", json=body, timeout=60))
-
-    asking = threading.Thread(target=ask, name="ask")
-    asking.start()
-    wait_until(lambda: evaluated(daemon) > before, 30, "the request's prompt to be evaluated")
-    assert Shutdown(daemon).start().wait(daemon) < STOPPED_WITHIN_S
-    asking.join(timeout=60)
-    (reply,) = replies
-    assert reply.status_code == 503
-    error = reply.json()["error"]
-    assert SHUTTING_DOWN in error["message"]
-    assert error["type"] == "server_error"
