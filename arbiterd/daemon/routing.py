@@ -123,7 +123,9 @@ class Router:
         """`work`, in a task of its own that stop_requests may cancel: then ShuttingDownError.
         Cancelled from outside (the client went away), it is cancelled as ever: `_send` cancels
         the decode in the worker either way."""
-        self._refuse_if_stopping(work)
+        if self._stopping:
+            work.close()
+            raise ShuttingDownError(self._stopping)
         task = asyncio.get_running_loop().create_task(work)
         self._in_flight.add(task)
         try:
@@ -136,11 +138,6 @@ class Router:
             raise ShuttingDownError(stopping) from None
         finally:
             self._in_flight.discard(task)
-
-    def _refuse_if_stopping(self, work: Coroutine[Any, Any, Any]) -> None:
-        if self._stopping:
-            work.close()
-            raise ShuttingDownError(self._stopping)
 
     async def worker_of(self, model: str) -> WorkerClient:
         """The model's worker once it is ready (started first when it is unloaded); at once
