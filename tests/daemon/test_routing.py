@@ -21,6 +21,7 @@ from arbiterd.errors import (
     ContextOverflowError,
     EngineError,
     RequestError,
+    ShuttingDownError,
     UnknownModelError,
     WorkerError,
     WorkerGoneError,
@@ -443,3 +444,37 @@ def test_a_streaming_client_whose_task_is_cancelled_cancels_the_request_in_the_w
 
     worker = run(scenario())
     assert worker.cancels == [worker.requests[0][2]]
+
+
+def test_stopping_ends_a_request_mid_decode_with_shutting_down_and_refuses_the_next() -> None:
+    async def scenario() -> tuple[FakeWorker, str]:
+        daemon = Daemon("m")
+        worker = daemon.serve("m", FakeWorker("w1", decodes_until_cancelled))
+        asking = asyncio.create_task(daemon.router.complete("m", request_for("completion", BODY)))
+        await asyncio.wait_for(worker.received.wait(), timeout=10)
+        daemon.router.stop_requests("stopping for the test")
+        with pytest.raises(ShuttingDownError, match="stopping for the test"):
+            await asking
+        await asyncio.wait_for(worker.cancelled.wait(), timeout=10)
+        with pytest.raises(ShuttingDownError) as refused:
+            await daemon.router.complete("m", request_for("completion", BODY))
+        return worker, str(refused.value)
+
+    worker, refused = run(scenario())
+    assert len(worker.requests) == 1  # the one sent after the stop never reached the worker
+    assert worker.cancels == [worker.requests[0][2]]
+    assert refused == "stopping for the test"
+
+
+def test_a_client_that_leaves_while_stopping_is_cancelled_as_ever() -> None:
+    async def scenario() -> None:
+        daemon = Daemon("m")
+        worker = daemon.serve("m", FakeWorker("w1", decodes_until_cancelled))
+        asking = asyncio.create_task(daemon.router.complete("m", request_for("completion", BODY)))
+        await asyncio.wait_for(worker.received.wait(), timeout=10)
+        asking.cancel()  # the client went away
+        daemon.router.stop_requests("stopping for the test")
+        with pytest.raises(asyncio.CancelledError):
+            await asking
+
+    run(scenario())

@@ -16,7 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
+from arbiterd.arena import Arena
 from tests.support.daemon import Daemon, serving, tiny
+from tests.support.waiting import wait_until
 
 LONG = 5000  # tokens: the tiny model is still decoding when the shutdown comes
 ASK = [{"role": "user", "content": "the fox"}]
@@ -109,3 +111,25 @@ def test_a_responses_stream_ends_with_response_failed(daemon: Daemon) -> None:
     assert failed["response"]["error"]["code"] == "server_error"
     assert SHUTTING_DOWN in failed["response"]["error"]["message"]
     assert "response.completed" not in [event["type"] for event in events]
+
+
+def test_a_request_waiting_for_the_gpu_is_a_503_naming_the_shutdown(daemon: Daemon) -> None:
+    # In flight for sure when the shutdown comes: its model waits for the GPU `hold` keeps.
+    with daemon.client() as client:
+        client.call("hold")
+        worker = next(m["pid"] for m in client.call("status")["models"] if m["name"] == "alpha")
+    replies: list[httpx.Response] = []
+    body = {"model": "alpha", "messages": ASK, "max_tokens": 4}
+    url = f"http://127.0.0.1:{daemon.port}/v1/chat/completions"
+    asking = threading.Thread(target=lambda: replies.append(httpx.post(url, json=body, timeout=60)))
+    asking.start()
+    queued = lambda: worker in {w.pid for w in Arena(daemon.arena).observe().queue}  # noqa: E731
+    wait_until(queued, 30, "alpha's worker in the GPU queue")
+    shutdown = Shutdown(daemon).start()
+    asking.join(timeout=60)
+    assert shutdown.wait(daemon) < STOPPED_WITHIN_S
+    (reply,) = replies
+    assert reply.status_code == 503
+    error = reply.json()["error"]
+    assert SHUTTING_DOWN in error["message"]
+    assert error["code"] == "shutting_down"
