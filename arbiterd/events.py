@@ -270,7 +270,10 @@ class Event(Record):
 @dataclass(frozen=True, kw_only=True)
 class ResidencyEvent(Event):
     """A model's residency changed: `duration_s` is how long the state it left lasted; the bytes
-    are what the change moved (weights and KV) and what it read from disk. A load or warm-up that
+    are what the change moved (weights and KV) and what it read from disk. Of the weights,
+    `file_bytes` are those a release freed without a copy and a restore read back from the model
+    file's host copy; `copied_bytes` is what a release copied out of the buffers it freed (0 once
+    every weight comes back from the file, a kept copy or a mapping). A load or warm-up that
     ends warm also says how its worker got the token: it asked at `waited_from`, waited `wait_s`,
     and `holder_pid` / `holder_name` held the token then (None: it was free)."""
 
@@ -283,6 +286,8 @@ class ResidencyEvent(Event):
     weights_bytes: int | None = None
     kv_bytes: int | None = None
     disk_read_bytes: int | None = None
+    file_bytes: int | None = None
+    copied_bytes: int | None = None
     reason: str = ""
     waited_from: float | None = None
     wait_s: float | None = None

@@ -3,12 +3,16 @@ every worker serving that file (issue 16: one host copy per file, counted once).
 
 A worker loads its weights from the memfd (as /proc/self/fd/N), so a restore reads nothing from
 disk, and a model whose file later vanishes keeps serving — and can still be restarted — from
-its copy. Never mapped here: the daemon only fills the memfd and passes its descriptor on.
+its copy. A CPU model maps its weights from it and the in-place engine uploads a device's
+weights from it again at every restore (issue 28: the copy is the only one), so once filled the
+memfd is sealed: nobody can write, shrink or grow it, and a mapping of it can never fault. Never
+mapped here: the daemon only fills the memfd and passes its descriptor on.
 Blocking (a 4 GB copy takes a second or two): the daemon calls it from a thread.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
 from dataclasses import dataclass
@@ -124,16 +128,20 @@ class HostCopies:
             self._retired.clear()
 
 
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+
+
 def copy_into_memfd(path: Path) -> HostCopy:
-    """Copy the file into a new memfd and drop the file's page cache, so the memfd is the only
-    copy in RAM. The memfd is close-on-exec: a worker gets it only through pass_fds."""
+    """Copy the file into a new memfd, seal it (SEALS) and drop the file's page cache, so the
+    memfd is the only copy in RAM and never changes. The memfd is close-on-exec: a worker gets it
+    only through pass_fds."""
     try:
         src = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
         raise ModelLoadError(f"cannot open model file {path}: {exc.strerror}") from None
     try:
         st = os.fstat(src)
-        memfd = os.memfd_create(f"arbiterd:{path.name}", os.MFD_CLOEXEC)
+        memfd = os.memfd_create(f"arbiterd:{path.name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             offset = 0
             while offset < st.st_size:
@@ -142,6 +150,7 @@ def copy_into_memfd(path: Path) -> HostCopy:
                 if sent == 0:
                     raise ModelLoadError(f"{path} shrank while being copied")
                 offset += sent
+            fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, SEALS)
         except OSError as exc:
             os.close(memfd)
             raise ModelLoadError(f"cannot copy model file {path}: {exc.strerror}") from None

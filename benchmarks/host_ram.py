@@ -1,4 +1,4 @@
-"""Issue 14's memory figures, on gemma-3-270m (CPU), in one run.
+"""Issue 14's and issue 28's memory figures, on gemma-3-270m (CPU), in one run.
 
 1. Host RAM of a daemon serving 4 models on 2 distinct files (two models on each; the second
    file is a copy of the first, so the two are distinct files of one size), all 4 cold: the
@@ -9,8 +9,10 @@
    of their file (what every worker did before the daemon shared one per file), measured the
    same way in the same run. RSS is reported too (it counts a shared page once per process
    that maps it). Both residency backends: `reload` (a cold worker keeps nothing of the weights)
-   and `in-place` (the arbiterd engine; on the CPU its release moves the weights' buffers into
-   a memfd of its own, "llama-residency", so each cold worker keeps a copy of its weights).
+   and `in-place` (the arbiterd engine; on the CPU a model maps its weights from the host copy
+   and only the weights it repacks at load go to a memfd of its own, "llama-residency", on
+   release). Issue 28's goal: the total at most 1.1 x the distinct files' bytes + 80 MB per
+   worker; and what one cold worker's PSS is made of, by the kind of mapping.
 2. After an unload, the next request to that model: its latency split (worker start, the wait
    for the token, load plus state restore, first token) and the prompt tokens it evaluated,
    against the same request after an unload whose state file was removed (a cold start that
@@ -60,6 +62,15 @@ PREFIX = " ".join(
 )
 SUFFIX = " Question: which fox jumped last? Answer:"
 SMAPS_FIELDS = ("Rss", "Pss", "Pss_Anon", "Pss_File", "Pss_Shmem")
+GOAL_FILE_SHARE = 1.1  # issue 28: total <= 1.1 x distinct files' bytes + 80 MB per worker
+GOAL_PER_WORKER_BYTES = 80_000_000
+# What a worker's mappings are, by their path (the first that matches; anonymous ones apart).
+MAPPING_KINDS = (
+    ("memfd (host copy, residency files)", ("/memfd:",)),
+    ("Vulkan driver and loader", ("libvulkan", "libLLVM", "mesa", "libdrm", "libgallium")),
+    ("engine (libllama, libggml)", ("libllama", "libggml")),
+    ("python and its extensions", ("python", "site-packages", ".cpython-")),
+)
 
 
 # -- memory --------------------------------------------------------------------------------------
@@ -92,6 +103,24 @@ def memfds(pid: int) -> dict[int, tuple[str, int]]:
         name = link.removeprefix("/memfd:").removesuffix(" (deleted)")
         found[st.st_ino] = (name, st.st_blocks * 512)
     return found
+
+
+def pss_by_mapping(pid: int) -> dict[str, int]:
+    """Process `pid`'s PSS by the kind of mapping (MAPPING_KINDS, the heap and anonymous memory,
+    other files), from /proc/PID/smaps."""
+    found: dict[str, int] = {}
+    kind = "anonymous and heap"
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):
+            path = fields[5] if len(fields) > 5 else ""
+            kind = next(
+                (name for name, marks in MAPPING_KINDS if any(m in path for m in marks)),
+                "other files" if path.startswith("/") else "anonymous and heap",
+            )
+        elif fields and fields[0] == "Pss:":
+            found[kind] = found.get(kind, 0) + int(fields[1]) * 1024
+    return dict(sorted(found.items(), key=lambda item: -item[1]))
 
 
 def host_ram(pids: list[int]) -> dict[str, Any]:
@@ -316,18 +345,31 @@ def all_cold(directory: Path, files: dict[str, Path], residency: str) -> dict[st
             status = daemon.call("status")
             assert {m["state"] for m in status["models"]} == {"cold"}, status
             backends = sorted({m["backend"] for m in status["models"]})
-            shared = host_ram(daemon.pids())
+            pids = daemon.pids()
+            shared = host_ram(pids)
+            shared["one_cold_worker_pss_by_mapping"] = pss_by_mapping(pids[1])
             shared["status_host_ram_bytes"] = status["host_ram_bytes"]
             shared["status_host_copies_bytes"] = status["host_ram"]["host_copies_bytes"]
             shared["status_host_kv_bytes"] = status["host_ram"]["host_kv_bytes"]
+            shared["status_host_weights_bytes"] = status["host_ram"]["host_weights_bytes"]
     finally:
         daemon.stop()
+    distinct = sum(file.stat().st_size for file in files.values())
+    goal = GOAL_FILE_SHARE * distinct + GOAL_PER_WORKER_BYTES * len(MODELS)
     return {
         "backends": backends,
         "daemon_shared_copies": shared,
         "baseline_separate_copies": baseline,
         "total_ratio": round(shared["total_bytes"] / baseline["total_bytes"], 4),
         "memfd_ratio": round(shared["memfd_bytes"] / baseline["memfd_bytes"], 4),
+        "goal": {
+            "what": f"total <= {GOAL_FILE_SHARE} x the distinct files' bytes"
+            f" + {GOAL_PER_WORKER_BYTES // 10**6} MB per worker (issue 28)",
+            "distinct_files_bytes": distinct,
+            "total_at_most_bytes": int(goal),
+            "total_bytes": shared["total_bytes"],
+            "met": shared["total_bytes"] <= goal,
+        },
     }
 
 

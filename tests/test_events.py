@@ -235,7 +235,8 @@ GARBLED: dict[str, Any] = {
         key: value
         for value, keys in (
             ("lots", ("duration_s", "wait_s", "release_s", "restore_s", "restart_in_s")),
-            (True, ("weights_bytes", "kv_bytes", "disk_read_bytes", "prompt_tokens", "code")),
+            (True, ("weights_bytes", "kv_bytes", "disk_read_bytes", "file_bytes", "copied_bytes")),
+            (True, ("prompt_tokens", "code")),
             ([1], ("prompt_tokens_evaluated", "completion_tokens", "pid", "holder_pid")),
             (None, ("waited_from", "restored_bytes", "bytes_before", "expected_bytes")),
             ({}, ("bytes_after", "waited_s", "silent_s", "timeout_s")),

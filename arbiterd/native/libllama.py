@@ -9,12 +9,15 @@ C ABI, version `ABI` (include/llama-residency.h of the patched llama.cpp):
 
     int32_t llama_residency_abi(void);
     int32_t llama_context_release_device(struct llama_context * ctx, uint32_t flags);
-        Copies the weights to host memory and frees their buffers, frees the compute buffers,
-        and frees the KV cache's buffers unless KEEP_KV (their contents are then gone: the
-        caller saves them first). HOST_BUFFERS releases host (CPU) buffers too.
+        Frees the weights' buffers: weights a device's own buffer holds as the model file has
+        them come back from that file (kept open), any other is copied to host memory once and
+        the copy kept across round trips. Frees the compute buffers, and the KV cache's buffers
+        unless KEEP_KV (their contents are then gone: the caller saves them first).
+        HOST_BUFFERS releases host (CPU) buffers too.
     int32_t llama_context_restore_device(struct llama_context * ctx);
-        Allocates the buffers again, copies the weights back, clears a released KV cache,
-        reserves the compute buffers; on failure the context stays released, copies intact.
+        Allocates the buffers again, uploads the weights from the model file and the copies,
+        clears a released KV cache, reserves the compute buffers; on failure the context stays
+        released, copies intact. A model file that changed since the load is refused (SOURCE).
     int32_t llama_context_residency_stats(const struct llama_context * ctx, uint32_t flags,
                                           struct llama_residency_stats * out);
         The bytes released (or that a release with these flags would free), by kind.
@@ -36,7 +39,7 @@ from pathlib import Path
 
 from arbiterd.errors import EngineError, ResidencyCallError
 
-ABI = 1
+ABI = 2
 ABI_SYMBOL = "llama_residency_abi"
 RELEASE_SYMBOL = "llama_context_release_device"
 RESTORE_SYMBOL = "llama_context_restore_device"
@@ -104,6 +107,7 @@ class Status(enum.IntEnum):
     DEVICE_ALLOC = 3  # restore: a buffer could not be allocated; still released
     UNSUPPORTED = 4  # release: this model's memory cannot free its KV buffers; nothing freed
     COMPUTE = 5  # restore: the compute buffers could not be reserved; still released
+    SOURCE = 6  # restore: a model file the weights come back from changed; still released
 
 
 STATUS_TEXT = {
@@ -112,6 +116,7 @@ STATUS_TEXT = {
     Status.DEVICE_ALLOC: "out of device memory",
     Status.UNSUPPORTED: "this model's KV cache cannot leave the device (keep it there instead)",
     Status.COMPUTE: "out of device memory for the compute buffers",
+    Status.SOURCE: "the model file's copy the weights come back from has changed since the load",
 }
 
 
@@ -122,6 +127,8 @@ class _Stats(ctypes.Structure):
         ("kv_bytes", ctypes.c_uint64),
         ("compute_bytes", ctypes.c_uint64),
         ("host_bytes", ctypes.c_uint64),
+        ("file_bytes", ctypes.c_uint64),
+        ("copied_bytes", ctypes.c_uint64),
     ]
 
 
@@ -133,7 +140,9 @@ class ResidencyStats:
     weights_bytes: int
     kv_bytes: int
     compute_bytes: int
-    host_bytes: int  # host memory holding released weights
+    host_bytes: int  # host memory holding this context's own copies of weights
+    file_bytes: int  # of weights_bytes, those that come back from the model file (no copy)
+    copied_bytes: int  # what the last release copied out of the buffers it freed
 
     @property
     def device_bytes(self) -> int:
@@ -190,6 +199,8 @@ class ResidencyApi:
             kv_bytes=int(out.kv_bytes),
             compute_bytes=int(out.compute_bytes),
             host_bytes=int(out.host_bytes),
+            file_bytes=int(out.file_bytes),
+            copied_bytes=int(out.copied_bytes),
         )
 
     def _check(self, symbol: str, code: int) -> None:

@@ -676,6 +676,8 @@ class Worker:
                 weights_bytes=moved.weights_bytes,
                 kv_bytes=moved.kv_bytes,
                 disk_read_bytes=moved.disk_read_bytes,
+                file_bytes=moved.file_bytes,
+                copied_bytes=moved.copied_bytes,
                 reason=reason,
                 wait=wait,
             )

@@ -45,6 +45,8 @@ class Residency:
         weights_bytes: int = 0,
         kv_bytes: int = 0,
         disk_read_bytes: int = 0,
+        file_bytes: int = 0,
+        copied_bytes: int = 0,
         reason: str = "",
         wait: Wait | None = None,
     ) -> ResidencyEvent:
@@ -66,6 +68,8 @@ class Residency:
             weights_bytes=weights_bytes,
             kv_bytes=kv_bytes,
             disk_read_bytes=disk_read_bytes,
+            file_bytes=file_bytes,
+            copied_bytes=copied_bytes,
             reason=reason,
             waited_from=None if wait is None else wait.since,
             wait_s=None if wait is None else round(wait.wait_s, 6),

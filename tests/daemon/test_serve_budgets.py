@@ -65,9 +65,8 @@ def journal_events(daemon: Daemon, *kinds: str) -> list[dict[str, Any]]:
 def test_over_the_host_ram_budget_the_least_recently_used_cold_model_is_unloaded(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    # Three files (three host copies); room for two and a half. The reload backend: a cold
-    # in-place worker also keeps its released weights (host_weights_bytes), which would make
-    # room for fewer.
+    # Three files (three host copies); room for two and a half. The reload backend: what a
+    # cold model keeps is then its saved KV alone.
     files = []
     for name in "abc":
         files.append(tmp_path / f"{name}.gguf")

@@ -173,9 +173,12 @@ def test_two_models_alternating_on_the_device_hand_it_over_in_place_and_answer_a
     cold = models[order[0]]
     assert (warm["state"], cold["state"]) == ("warm", "cold")
     assert warm["resident_bytes"] > weights_bytes
-    # Nothing of the cold model is left on the device; its weights wait in their host shadow.
+    # Nothing of the cold model is left on the device, and nothing of its weights is its own:
+    # they come back from the daemon's host copy of the file, which no release copied to.
     assert cold["resident_bytes"] == 0
-    assert cold["host_weights_bytes"] == weights_bytes
+    assert cold["host_weights_bytes"] == 0
+    assert all(e["file_bytes"] == weights_bytes for e in releases + restores)
+    assert all(e["copied_bytes"] == 0 for e in releases)
 
 
 def test_a_batch_generation_preempted_on_the_device_resumes_identically(

@@ -1,6 +1,8 @@
 """The in-place backend with the model on a Vulkan device (issue 25): the GPU path of the patch —
-each device buffer's bytes copied to a host shadow, the buffer freed, allocated again, every
-tensor re-pointed, the bytes copied back — on the real engine, not the CPU shortcut.
+each device buffer freed, allocated again, every tensor re-pointed, its bytes uploaded again —
+on the real engine, not the CPU shortcut. The bytes come back from the model file's host copy
+the worker loaded from (issue 28: a release copies nothing), or, where that copy is not what
+was loaded, from a host shadow the first release copies and later ones keep.
 
 It is also where the first run of that path crashed: with the model on llvmpipe's Vulkan0, the
 first decode after a restore corrupted the heap in about half of all processes (for every KV
@@ -13,12 +15,14 @@ crash's regression test.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from arbiterd.errors import RestoreError
 from arbiterd.native import ggml
 from arbiterd.native.libllama import STATUS_TEXT, Status
 from arbiterd.spec import KvPolicy, ModelSpec, Residency
@@ -67,8 +71,10 @@ def choice(generation: Generation) -> dict[str, Any]:
     return {"text": first["text"], "logprobs": first["logprobs"]}
 
 
-def on_device(model: Path) -> InPlaceBackend:
-    spec = ModelSpec(name="m", path=model, n_ctx=512, residency=Residency.IN_PLACE)
+def on_device(model: Path, host_copy_fd: int | None = None) -> InPlaceBackend:
+    spec = ModelSpec(
+        name="m", path=model, n_ctx=512, residency=Residency.IN_PLACE, host_copy_fd=host_copy_fd
+    )
     chosen = select_backend(spec)
     assert isinstance(chosen, InPlaceBackend), "the engine is not the arbiterd build"
     return chosen
@@ -109,23 +115,78 @@ def test_a_round_trip_on_the_device_gives_bit_identical_logits_and_keeps_the_pro
     warm_bytes = backend.resident_bytes()
     released = backend.release(kv)
     assert released.weights_bytes > 0  # the weights were on the device, and left it
+    # ... without a copy: every one comes back from the host copy of the file
+    assert released.file_bytes == released.weights_bytes
+    assert released.copied_bytes == 0
     assert (released.kv_bytes > 0) is (kv is KvPolicy.HOST)
     cold_bytes = backend.resident_bytes()
     if kv is KvPolicy.DEVICE:
         assert 0 < cold_bytes < warm_bytes  # the KV cache stayed on the device
     else:
         assert cold_bytes == 0
-    assert backend.host_weights_bytes() >= released.weights_bytes  # the weights' host shadow
+    assert backend.host_weights_bytes() == 0  # no shadow of the worker's own
     restored = backend.restore()
     assert (restored.weights_bytes, restored.kv_bytes, restored.disk_read_bytes) == (
         released.weights_bytes,
         released.kv_bytes,
         0,
     )
+    assert restored.file_bytes == released.file_bytes
     assert backend.resident_bytes() == warm_bytes
     again = backend.generate(request_for("completion", greedy()), None)
     assert choice(again) == choice(control)
     assert again.prompt_tokens_evaluated == (first.prompt_tokens if kv is KvPolicy.DROP else 1)
+
+
+def unsealed_copy(model: Path) -> tuple[int, int]:
+    """A host copy of `model` that can still change (the daemon's is sealed): a memfd and the
+    model's size."""
+    data = model.read_bytes()
+    fd = os.memfd_create("test-host-copy", os.MFD_CLOEXEC)
+    os.write(fd, data)
+    return fd, len(data)
+
+
+def test_a_host_copy_of_another_size_makes_the_first_release_copy_and_later_ones_keep_it(
+    vulkan0: ggml.Device, tiny_model: Path
+) -> None:
+    fd, size = unsealed_copy(tiny_model)
+    chosen = on_device(tiny_model, host_copy_fd=fd)
+    try:
+        chosen.load()
+        chosen.generate(request_for("completion", greedy()), None)
+        # the control: what a context with the prompt's KV decodes (its last token again)
+        control = choice(chosen.generate(request_for("completion", greedy()), None))
+        os.ftruncate(fd, size + 4096)  # grown: no longer the file the weights were loaded from
+        for round_trip in range(3):
+            released = chosen.release(KvPolicy.HOST)
+            assert released.file_bytes == 0
+            copied = released.copied_bytes
+            # the first copies the weights to a shadow; weights never change, so it is kept
+            assert copied >= released.weights_bytes if round_trip == 0 else copied == 0
+            assert chosen.host_weights_bytes() >= released.weights_bytes
+            chosen.restore()
+            assert chosen.host_weights_bytes() >= released.weights_bytes  # kept while warm
+            assert choice(chosen.generate(request_for("completion", greedy()), None)) == control
+    finally:
+        chosen.close()
+
+
+def test_a_host_copy_truncated_while_the_model_is_cold_is_refused_by_the_restore(
+    vulkan0: ggml.Device, tiny_model: Path
+) -> None:
+    fd, size = unsealed_copy(tiny_model)
+    chosen = on_device(tiny_model, host_copy_fd=fd)
+    try:
+        chosen.load()
+        chosen.generate(request_for("completion", greedy()), None)
+        assert chosen.release(KvPolicy.HOST).file_bytes > 0
+        os.ftruncate(fd, size // 2)
+        with pytest.raises(RestoreError, match=STATUS_TEXT[Status.SOURCE]):
+            chosen.restore()
+        assert chosen.resident_bytes() == 0  # still cold: never wrong weights
+    finally:
+        chosen.close()
 
 
 @pytest.mark.parametrize("kv", list(KvPolicy))
@@ -159,7 +220,7 @@ def test_a_restore_that_cannot_allocate_on_the_device_stays_cold_and_the_next_wo
     after = result["after_failure"]
     assert (after["resident_bytes"], after["generate"]) == (0, "m is not warm")
     assert after["host_kv_bytes"] == result["released_kv_bytes"] > 0
-    assert after["host_weights_bytes"] >= result["released_weights_bytes"]
+    assert after["host_weights_bytes"] == 0  # they come back from the host copy of the file
     assert result["restored_kv_bytes"] == result["released_kv_bytes"]
     assert (result["same_text"], result["prompt_tokens_evaluated"]) == (True, 1)
 

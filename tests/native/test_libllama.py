@@ -1,6 +1,6 @@
 """The libllama probe against the engine llama_cpp loaded and against fakes built with gcc.
 
-The fakes speak residency ABI 1 and record every call in globals, read back through exported
+The fakes speak residency ABI 2 and record every call in globals, read back through exported
 getters, so the tests see exactly what crossed the C ABI. Each test compiles its own copy into
 tmp_path: a fresh file is a fresh dlopen, so no state leaks between tests.
 """
@@ -134,7 +134,9 @@ def test_stats_round_trip_through_the_struct_with_64_bit_values(
         weights=(1 << 40) + 1,
         kv=(1 << 33) + 2,
         compute=(1 << 32) + 3,
-        host=(1 << 63) + 4,
+        host=(1 << 34) + 4,
+        file=(1 << 39) + 5,
+        copied=(1 << 63) + 6,
     )
     stats = api.stats(CTX, KEEP_KV)
     assert stats == ResidencyStats(
@@ -142,12 +144,14 @@ def test_stats_round_trip_through_the_struct_with_64_bit_values(
         weights_bytes=(1 << 40) + 1,
         kv_bytes=(1 << 33) + 2,
         compute_bytes=(1 << 32) + 3,
-        host_bytes=(1 << 63) + 4,
+        host_bytes=(1 << 34) + 4,
+        file_bytes=(1 << 39) + 5,
+        copied_bytes=(1 << 63) + 6,
     )
     assert stats.device_bytes == (1 << 40) + (1 << 33) + (1 << 32) + 6
     assert (fake.last_ctx, fake.last_stats_flags) == (CTX, KEEP_KV)
     fake.set_stats(released=0, weights=5, kv=0, compute=0, host=0)
-    assert api.stats(CTX, 0) == ResidencyStats(False, 5, 0, 0, 0)
+    assert api.stats(CTX, 0) == ResidencyStats(False, 5, 0, 0, 0, 0, 0)
     assert fake.calls == Calls(release=0, restore=0, stats=2)
 
 
@@ -173,7 +177,7 @@ def test_a_status_raises_with_its_text(
     assert str(raised.value) == f"{symbol} failed: {STATUS_TEXT[status]} (libllama at {fake.path})"
 
 
-@pytest.mark.parametrize("code", [6, 1000, -1])
+@pytest.mark.parametrize("code", [7, 1000, -1])
 def test_an_unknown_status_raises_with_its_number(fake: Fake, api: ResidencyApi, code: int) -> None:
     fake.set_result(code)
     for symbol, call in calls_of(api).items():
@@ -195,7 +199,7 @@ def test_null_context_is_refused_before_the_call(fake: Fake, api: ResidencyApi) 
 # -- fakes built with gcc: the probe's misses ------------------------------------------------
 
 
-@pytest.mark.parametrize("version", [0, 2, -1])
+@pytest.mark.parametrize("version", [0, 1, 3, -1])
 def test_another_abi_version_is_a_miss_naming_both(fake: Fake, version: int) -> None:
     fake.set_abi(version)
     probed = probe_residency_api(fake.path)

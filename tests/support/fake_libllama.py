@@ -1,4 +1,4 @@
-"""A fake libllama speaking residency ABI 1, built with gcc, that records its calls.
+"""A fake libllama speaking residency ABI 2, built with gcc, that records its calls.
 
 It exports the four symbols of include/llama-residency.h (llama-residency.patch) with the same C
 signatures: release takes uint32 flags, stats fills `struct llama_residency_stats`. Each records
@@ -26,9 +26,11 @@ struct llama_residency_stats {
     uint64_t kv_bytes;
     uint64_t compute_bytes;
     uint64_t host_bytes;
+    uint64_t file_bytes;
+    uint64_t copied_bytes;
 };
 
-static int32_t abi_version = 1;
+static int32_t abi_version = 2;
 static int32_t result_code;
 static struct llama_residency_stats stats_out;
 static const void *last_ctx;
@@ -73,12 +75,14 @@ int32_t llama_context_residency_stats(const void *ctx, uint32_t flags,
 void fake_set_abi(int32_t version) { abi_version = version; }
 void fake_set_result(int32_t code) { result_code = code; }
 void fake_set_stats(int32_t released, uint64_t weights, uint64_t kv, uint64_t compute,
-                    uint64_t host) {
+                    uint64_t host, uint64_t file, uint64_t copied) {
     stats_out.released = released;
     stats_out.weights_bytes = weights;
     stats_out.kv_bytes = kv;
     stats_out.compute_bytes = compute;
     stats_out.host_bytes = host;
+    stats_out.file_bytes = file;
+    stats_out.copied_bytes = copied;
 }
 const void *fake_last_ctx(void) { return last_ctx; }
 int64_t fake_last_flags(void) { return last_flags; }
@@ -109,22 +113,32 @@ class Fake:
         self._lib = ctypes.CDLL(str(path))  # the same dlopen instance as the probe's
         self._lib.fake_set_abi.argtypes = [ctypes.c_int32]
         self._lib.fake_set_result.argtypes = [ctypes.c_int32]
-        self._lib.fake_set_stats.argtypes = [ctypes.c_int32, *[ctypes.c_uint64] * 4]
+        self._lib.fake_set_stats.argtypes = [ctypes.c_int32, *[ctypes.c_uint64] * 6]
         self._lib.fake_last_ctx.restype = ctypes.c_void_p
         self._lib.fake_last_flags.restype = ctypes.c_int64
         self._lib.fake_last_stats_flags.restype = ctypes.c_int64
 
     def set_abi(self, version: int) -> None:
-        """What llama_residency_abi returns from now on (1 at first)."""
+        """What llama_residency_abi returns from now on (2 at first)."""
         self._lib.fake_set_abi(version)
 
     def set_result(self, code: int) -> None:
         """What release, restore and stats return from now on (0 at first)."""
         self._lib.fake_set_result(code)
 
-    def set_stats(self, *, released: int, weights: int, kv: int, compute: int, host: int) -> None:
+    def set_stats(
+        self,
+        *,
+        released: int,
+        weights: int,
+        kv: int,
+        compute: int,
+        host: int,
+        file: int = 0,
+        copied: int = 0,
+    ) -> None:
         """What llama_context_residency_stats writes into its struct from now on."""
-        self._lib.fake_set_stats(released, weights, kv, compute, host)
+        self._lib.fake_set_stats(released, weights, kv, compute, host, file, copied)
 
     @property
     def last_ctx(self) -> int | None:

@@ -91,6 +91,9 @@ class TinyModelSpec:
     chat_template: str = CHAT_TEMPLATE
     # Set: an embedding model, whose vectors llama.cpp pools this way (llama.pooling_type).
     pooling: gguf.PoolingType | None = None
+    # The layers' matrices stored as Q4_0, which the CPU repacks at load into a buffer of its
+    # own (ggml's extra buffer types on AVX2 and NEON): weights that are not the file's bytes.
+    quantized: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -114,6 +117,8 @@ class TinyModelSpec:
             raise ValueError("n_head must be divisible by n_head_kv")
         if self.n_vocab < _min_vocab():
             raise ValueError(f"n_vocab must be at least {_min_vocab()}")
+        if self.quantized and (self.n_embd % 32 or self.n_ff % 32):
+            raise ValueError("a quantized model's n_embd and n_ff must be multiples of 32")
 
 
 def _base_pieces() -> list[str]:
@@ -214,7 +219,9 @@ def write_tiny_llama(path: Path, spec: TinyModelSpec = DEFAULT_SPEC) -> Path:
     writer = gguf.GGUFWriter(path, "llama")
     try:
         writer.add_name("arbiterd-tiny-llama")
-        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+        writer.add_file_type(
+            gguf.LlamaFileType.MOSTLY_Q4_0 if spec.quantized else gguf.LlamaFileType.ALL_F32
+        )
         writer.add_vocab_size(spec.n_vocab)
         writer.add_context_length(spec.n_ctx_train)
         if spec.pooling is not None:
@@ -240,7 +247,11 @@ def write_tiny_llama(path: Path, spec: TinyModelSpec = DEFAULT_SPEC) -> Path:
         writer.add_chat_template(spec.chat_template)
 
         for name, tensor in _tensors(spec):
-            writer.add_tensor(name, tensor)
+            if spec.quantized and name.startswith("blk.") and tensor.ndim == 2:
+                q4 = gguf.GGMLQuantizationType.Q4_0
+                writer.add_tensor(name, gguf.quants.quantize(tensor, q4), raw_dtype=q4)
+            else:
+                writer.add_tensor(name, tensor)
 
         writer.write_header_to_file()
         writer.write_kv_data_to_file()

@@ -2,7 +2,8 @@
 
 - A restore that cannot allocate (RLIMIT_AS lowered under it: the CPU allocator then fails as
   a device allocator does when VRAM is full) stays cold with its weights' copy and its saved KV,
-  and the next warm-up works as if nothing happened.
+  and the next warm-up works as if nothing happened. On the CPU the buffer that cannot be had
+  holds the weights the CPU repacked at load (the others are mapped from the host copy).
 - The C side refuses misuse on its own: a second release, a restore while resident, a decode on
   a released context.
 - In a real worker a release can never free buffers under a decode: the engine thread runs ops
@@ -32,8 +33,12 @@ from tests.conftest import Processes
 from tests.support.tiny_gguf import TinyModelSpec, write_tiny_llama
 
 CHILD_TIMEOUT_S = 90
-# ~34 MB of F32 weights in one CPU buffer: far more than the headroom the child leaves itself.
+# ~34 MB of F32 weights in one device buffer: far more than the headroom the child leaves
+# itself (tests/device).
 RELEASABLE = TinyModelSpec(n_layer=2, n_embd=512, n_ff=1024, n_vocab=4096)
+# On the CPU a model maps its weights from the host copy and owns only those it repacks at load:
+# ~35 MB of Q4_0 layers, repacked into one CPU buffer.
+REPACKED = TinyModelSpec(n_layer=4, n_embd=1024, n_ff=4096, n_vocab=4096, quantized=True)
 HEADROOM_BYTES = 8 * 1024 * 1024
 
 # Shared by the children: an in-place backend on argv[1], warm, with one greedy answer; its
@@ -168,16 +173,16 @@ def run_child(
 
 
 @pytest.fixture(scope="module")
-def releasable_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_llama(tmp_path_factory.mktemp("models") / "releasable.gguf", RELEASABLE)
+def repacked_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("models") / "repacked.gguf", REPACKED)
 
 
 def test_a_restore_that_cannot_allocate_stays_cold_and_the_next_warm_up_works(
-    releasable_model: Path,
+    repacked_model: Path,
 ) -> None:
-    result = run_child(RESTORE_WITHOUT_MEMORY, str(releasable_model), str(HEADROOM_BYTES))
+    result = run_child(RESTORE_WITHOUT_MEMORY, str(repacked_model), str(HEADROOM_BYTES))
     weights = result["released_weights_bytes"]
-    assert weights > 3 * HEADROOM_BYTES  # the headroom cannot hold the weights' buffer
+    assert weights > 3 * HEADROOM_BYTES  # the headroom cannot hold the repacked weights' buffer
     error = result["error"]
     assert error is not None, "the restore succeeded under the lowered RLIMIT_AS"
     assert "restore failed" in error

@@ -30,10 +30,16 @@ class InPlaceBackend(LlamaBackend):
 
     KV policies: `device` keeps the KV buffers where they are; `host` saves the KV with the state
     API (only the cells in use, with their tokens) before the release and sets it back after the
-    restore; `drop` clears it. A model that runs on the CPU (n_gpu_layers = 0, or an engine that
-    cannot offload) is loaded without mmap and releases its host buffers too, so the same
-    mechanism frees its RAM: the weights' copy then lives in a memory file outside the worker's
-    mappings."""
+    restore; `drop` clears it.
+
+    Weights come back from the model file the worker loaded (the daemon's host copy, shared by
+    every worker on that file): a device buffer that holds the file's bytes as they are is freed
+    without a copy and uploaded again from the file; weights the device holds otherwise are
+    copied out once, and the copy is kept (weights never change). A model that runs on the CPU
+    (n_gpu_layers = 0, or an engine that cannot offload) maps its weights from the host copy, so
+    they are never the worker's own, and releases its host buffers too (the weights the CPU
+    repacks at load, its KV and compute buffers): those go to a memory file outside the worker's
+    mappings, which the next restore maps back."""
 
     kind = BackendKind.IN_PLACE
     keeps_kv_on_device = True
@@ -47,8 +53,14 @@ class InPlaceBackend(LlamaBackend):
         # bringing them back failed: the next request or release tries again.
         self._swapped_out = False
         self._host_buffers = spec.n_gpu_layers == 0 or not llama_cpp.llama_supports_gpu_offload()
-        self._use_mmap = not self._host_buffers  # mapped weights live in the file, not in buffers
         self._kept_kv_bytes = 0  # KV left on the device by a `device` release
+
+    def load(self) -> Moved:
+        moved = super().load()
+        # The context lives until close(): its model's vocabulary serves the cold model's
+        # tokenizing too, and the vocab-only copy goes.
+        self._require_vocab().use_vocabulary_of(self._require_llm()._model)
+        return moved
 
     def release(self, kv: KvPolicy) -> Moved:
         llm = self._require_llm()
@@ -79,6 +91,8 @@ class InPlaceBackend(LlamaBackend):
             weights_bytes=stats.weights_bytes + projector_bytes,
             kv_bytes=len(self._kv.data) if self._kv else 0,
             disk_read_bytes=0,
+            file_bytes=stats.file_bytes,
+            copied_bytes=stats.copied_bytes,
         )
 
     def restore(self) -> Moved:
@@ -87,7 +101,7 @@ class InPlaceBackend(LlamaBackend):
             raise RestoreError(f"{self.spec.name} is already warm")
         started, read_before = time.monotonic(), disk_read_bytes()
         ctx = context_pointer(llm)
-        weights = self._api.stats(ctx, 0).weights_bytes
+        released = self._api.stats(ctx, 0)
         try:
             self._api.restore_device(ctx)
         except ResidencyCallError as exc:
@@ -109,12 +123,13 @@ class InPlaceBackend(LlamaBackend):
             llm.n_tokens = 0  # the cache came back empty
         self._kept_kv_bytes = 0
         llm._requires_eval = True  # decode one token again rather than trust kept logits
-        weights += self._warm_projector()
+        weights = released.weights_bytes + self._warm_projector()
         return Moved(
             duration_s=time.monotonic() - started,
             weights_bytes=weights,
             kv_bytes=kv_bytes,
             disk_read_bytes=disk_read_bytes() - read_before,
+            file_bytes=released.file_bytes,
         )
 
     def resident_bytes(self) -> int:
@@ -132,11 +147,11 @@ class InPlaceBackend(LlamaBackend):
         return self._released
 
     def host_weights_bytes(self) -> int:
-        """Host memory holding the released weights, this worker's own (0 while warm): the
-        engine keeps the device's tensors as they were laid out there, beside the daemon's copy
-        of the file they were loaded from."""
+        """Host memory holding this worker's own copies of weights: those that cannot come back
+        from the daemon's copy of the model file (a CPU model's repacked weights while cold; a
+        device's weights it holds otherwise than the file, cold or warm: their copy is kept)."""
         llm = self._llm
-        if llm is None or not self._released:
+        if llm is None:
             return 0
         return self._api.stats(context_pointer(llm), 0).host_bytes
 

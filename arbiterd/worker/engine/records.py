@@ -21,6 +21,10 @@ class Moved:
     weights_bytes: int  # weights put on (or taken off) the device
     kv_bytes: int  # KV cache bytes saved to host or restored from it
     disk_read_bytes: int  # bytes this process read from storage meanwhile (/proc/self/io)
+    # Of weights_bytes: those a release freed without a copy and a restore read back from the
+    # model file's host copy (the in-place backend's device weights).
+    file_bytes: int = 0
+    copied_bytes: int = 0  # what a release copied out of the buffers it freed
 
 
 @dataclass

@@ -35,17 +35,22 @@ class Vocab:
     prompts), but a long text in pieces (TOKENIZE_PIECE_BYTES), for SPM and BPE vocabularies
     (llama-, gemma- and GPT-style models): llama.cpp splits a text at its special tokens and
     tokenizes each stretch in between on its own, so a cut where a special token is sure to
-    be split off changes nothing (`_cut`). Other vocabularies are tokenized in one call."""
+    be split off changes nothing (`_cut`). Other vocabularies are tokenized in one call.
+
+    A model that stays loaded for the worker's life (the in-place backend) lends its own
+    vocabulary instead (`use_vocabulary_of`): the same file's, so the same tokens, and the
+    vocab-only copy is freed (issue 28: a second vocabulary in every worker)."""
 
     def __init__(self, path: str, shown: Path) -> None:
         params = llama_cpp.llama_model_default_params()
         params.vocab_only = True
         try:
-            self._model = LlamaModel(path_model=path, params=params, verbose=False)
+            model = LlamaModel(path_model=path, params=params, verbose=False)
         except ValueError:
             raise ModelLoadError(f"cannot load the vocabulary of {shown}") from None
-        vocab = self._vocab = self._model.vocab
-        metadata = self._model.metadata()
+        self._model: LlamaModel | None = model
+        vocab = self._vocab = model.vocab
+        metadata = model.metadata()
         # The GGUF's own chat template ("" when it has none), its architecture and the context
         # it was trained for (0: not said), as /api/show and status tell them (issue 30).
         self.chat_template = metadata.get("tokenizer.chat_template", "")
@@ -94,8 +99,16 @@ class Vocab:
         # character: no token covers more bytes of text than its own text has.
         self._longest_token = longest
 
+    def use_vocabulary_of(self, model: LlamaModel) -> None:
+        """Tokenize with `model`'s vocabulary from now on, and free the vocab-only model. `model`
+        must be loaded from the same file and stay loaded while this Vocab is used."""
+        self._vocab = model.vocab
+        self.close()
+
     def close(self) -> None:
-        self._model.close()  # type: ignore[no-untyped-call]
+        if self._model is not None:
+            self._model.close()  # type: ignore[no-untyped-call]
+            self._model = None
 
     def parses(self, grammar: LlamaGrammar) -> bool:
         """Whether llama.cpp's grammar parser takes `grammar`, tried as the sampler will be:
