@@ -30,6 +30,7 @@
     unload_after_s = 0,           # unload after cold and idle this long; 0 = never
     max_queue_s = 0,              # a request waiting this long for the GPU: 503; 0 = no limit
     host_copy = "memfd",          # "page-cache": no copy in RAM; the kernel may reclaim it
+    repack = true                 # false: CPU weights stay the host copy's pages, none repacked
     encoder = "jit"               # with mmproj: "resident" keeps the encoder while warm
     tools = "offer"               # "refuse": chat requests may not offer tools
     chat_template = "…"           # a Jinja chat template replacing the GGUF's (or
@@ -162,6 +163,7 @@ MODEL_KEYS = (
     "unload_after_s",
     "max_queue_s",
     "host_copy",
+    "repack",
     "encoder",
     "max_image_bytes",
     "max_image_pixels",
@@ -285,6 +287,7 @@ class ModelConfig:
     max_queue_s: float = 0.0
     group: str = ""  # the [groups] table it belongs to; "" = none
     host_copy: HostCopyMode = HostCopyMode.MEMFD
+    repack: bool = True  # the CPU may repack weights at load (faster; their bytes its own)
     # Vision (issue 12), with mmproj: when its encoder is on the device, and what images its
     # requests may send (decoded bytes, width x height; URLs other than data: when allowed).
     encoder: Encoder = Encoder.JIT
@@ -344,6 +347,7 @@ class ModelConfig:
             encoder_resident=self.encoder is Encoder.RESIDENT,
             tools=self.tools is Tools.OFFER,
             chat_template=self.chat_template,
+            repack=self.repack,
         )
         return WorkerConfig(
             spec=spec,
@@ -753,6 +757,7 @@ def _model(src: Source, name: str, raw: object) -> ModelConfig:
         unload_after_s=table.seconds("unload_after_s", 0.0, note=" (0 = never)"),
         max_queue_s=table.seconds("max_queue_s", 0.0, note=" (0 = no limit)"),
         host_copy=host_copy,
+        repack=table.boolean("repack", True),
         encoder=encoder,
         max_image_bytes=table.integer(
             "max_image_bytes",

@@ -92,6 +92,10 @@ class ModelSpec:
     # The config's chat_template (or chat_template_file's text), checked at config load; it
     # replaces the GGUF's own. None: the GGUF's (or chat_format's).
     chat_template: str | None = None
+    # Weights the CPU holds may be repacked at load into its faster layouts (ggml's extra buffer
+    # types: Q4_0, IQ4_NL, ... on AVX2 or NEON); those are then the worker's own memory, not
+    # the host copy's pages (issue 28). False: every CPU weight is mapped from the copy.
+    repack: bool = True
 
 
 def kind_refusal(model: str, kind: str, embedding: bool) -> str:

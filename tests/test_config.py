@@ -53,6 +53,7 @@ priority = "interactive"
 preemptible = false
 load = "demand"
 unload_after_s = 600
+repack = false
 
 [models."llama-3.2_1b"]
 path = "/models/llama.gguf"
@@ -120,6 +121,7 @@ def test_full_file_sets_every_key(tmp_path: Path, env: dict[str, str]) -> None:
     assert qwen.load is Load.DEMAND
     assert qwen.unload_after_s == 600.0
     assert qwen.host_copy is HostCopyMode.MEMFD
+    assert qwen.repack is False
     assert config.models["llama-3.2_1b"].host_copy is HostCopyMode.PAGE_CACHE
 
 
@@ -151,6 +153,7 @@ def test_absent_keys_take_their_defaults(tmp_path: Path, env: dict[str, str]) ->
     assert model.load is Load.START
     assert model.unload_after_s == 0.0
     assert model.host_copy is HostCopyMode.MEMFD
+    assert model.repack is True
 
 
 @pytest.mark.parametrize(
@@ -693,6 +696,12 @@ ERRORS = [
         "models.qwen.strict_api",
         'expected true or false, got "yes"',
         id="strict_api_not_a_boolean",
+    ),
+    pytest.param(
+        M + "repack = 1",
+        "models.qwen.repack",
+        "expected true or false, got 1",
+        id="repack_not_a_boolean",
     ),
     pytest.param(
         '[models.qwen]\npath = ["a"]', "models.qwen.path", "got an array", id="path_array"

@@ -61,7 +61,7 @@ def status_bytes(field: str) -> int:
 
 
 def in_place(
-    model: Path, *, host_copy: bool = True, n_threads: int | None = None
+    model: Path, *, host_copy: bool = True, n_threads: int | None = None, repack: bool = True
 ) -> InPlaceBackend:
     spec = ModelSpec(
         name="m",
@@ -71,6 +71,7 @@ def in_place(
         n_threads=n_threads,
         residency=Residency.IN_PLACE,
         host_copy=host_copy,
+        repack=repack,
     )
     chosen = select_backend(spec)
     assert isinstance(chosen, InPlaceBackend), SETUP_HINT
@@ -182,6 +183,21 @@ def test_a_release_frees_the_repacked_weights_and_a_restore_takes_them_back(
         assert rss_bytes() - cold_rss >= RSS_SHARE * weights
         assert chosen.host_weights_bytes() == 0
         assert text_of(chosen.generate(request_for("completion", greedy()), None)) == text_of(first)
+    finally:
+        chosen.close()
+
+
+def test_without_repacking_a_cpu_model_owns_none_of_its_weights(repacked_model: Path) -> None:
+    anon_before = status_bytes("RssAnon")
+    chosen = in_place(repacked_model, repack=False)
+    try:
+        chosen.load()
+        first = text_of(chosen.generate(request_for("completion", greedy()), None))
+        assert status_bytes("RssAnon") - anon_before < repacked_model.stat().st_size / 4
+        released = chosen.release(KvPolicy.HOST)
+        assert (released.weights_bytes, chosen.host_weights_bytes()) == (0, 0)
+        chosen.restore()
+        assert text_of(chosen.generate(request_for("completion", greedy()), None)) == first
     finally:
         chosen.close()
 

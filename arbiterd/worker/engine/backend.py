@@ -451,7 +451,8 @@ class LlamaBackend(ABC):
             # hold the whole context, so every input that fits the context can be embedded.
             kwargs |= {"embedding": True, "n_batch": spec.n_ctx, "n_ubatch": spec.n_ctx}
         try:
-            llm = llama_cpp.Llama(**kwargs)
+            with model_params(use_extra_bufts=spec.repack):
+                llm = llama_cpp.Llama(**kwargs)
         except (ValueError, RuntimeError, OSError, MemoryError) as exc:
             # llama-cpp-python names the path it was given: the user knows their own.
             reason = str(exc).replace(path, str(spec.path))
@@ -493,6 +494,27 @@ def _use_template(llm: llama_cpp.Llama, template: str) -> None:
         stop_token_ids=[eos],
     ).to_chat_handler()
     llm.chat_format = GGUF_TEMPLATE
+
+
+@contextmanager
+def model_params(*, use_extra_bufts: bool) -> Iterator[None]:
+    """While a Llama is made, the llama_model_params it starts from carry `use_extra_bufts`
+    (the CPU's repacking buffer types), which llama-cpp-python's Llama takes no argument for: it
+    builds its params from llama_model_default_params(), which this swaps for the while. The
+    engine thread makes every Llama, one at a time."""
+    bindings = llama_cpp.llama_cpp
+    defaults = bindings.llama_model_default_params
+
+    def params() -> llama_cpp.llama_model_params:
+        chosen: llama_cpp.llama_model_params = defaults()
+        chosen.use_extra_bufts = use_extra_bufts
+        return chosen
+
+    bindings.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        bindings.llama_model_default_params = defaults
 
 
 def disk_read_bytes() -> int:
