@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Coroutine
 from pathlib import Path
@@ -779,3 +782,57 @@ def test_a_prompt_cache_folder_made_loose_after_start_gets_no_cache(harness: Har
     assert saved["kv_file"] is None
     assert f"{cache.folder} has mode 0755; it must be 0700" in saved["error"]
     assert list(cache.folder.iterdir()) == []  # the worker was not asked to write one
+
+
+# -- the worker's environment --------------------------------------------------------------------
+
+NO_NODES: tuple[str, ...] = ()
+
+
+def test_a_worker_on_a_machine_without_a_gpu_is_told_to_load_no_vulkan_driver() -> None:
+    env = lifecycle.worker_env({"HOME": "/h", "NOTIFY_SOCKET": "/run/n"}, NO_NODES)
+    assert env == {"HOME": "/h", "VK_LOADER_DRIVERS_DISABLE": "*"}
+
+
+@pytest.mark.parametrize(
+    ("base", "nodes"),
+    [
+        ({}, ("/dev/dri/renderD128",)),  # a GPU: its driver is what the engine uses
+        ({"GGML_VK_VISIBLE_DEVICES": "0"}, NO_NODES),  # llvmpipe named: the device tier
+        ({"VK_ICD_FILENAMES": "/x.json"}, NO_NODES),  # the user's own choice of driver
+        ({"VK_LOADER_DRIVERS_SELECT": "*lvp*"}, NO_NODES),
+    ],
+)
+def test_the_vulkan_drivers_are_left_alone_where_they_can_matter(
+    base: dict[str, str], nodes: tuple[str, ...]
+) -> None:
+    assert lifecycle.worker_env(base, nodes) == base
+
+
+ENGINE_PROBE = """
+import json
+from pathlib import Path
+from arbiterd.worker.engine import engine_info
+devices = list(engine_info().devices)
+maps = Path("/proc/self/maps").read_text()
+print(json.dumps({"devices": devices, "llvm": "libLLVM" in maps or "libvulkan_lvp" in maps}))
+"""
+
+
+def test_without_its_drivers_the_engine_lists_the_same_devices_and_maps_no_llvm() -> None:
+    # The CPU tier's view (GGML_VK_VISIBLE_DEVICES=""): no Vulkan device can be listed.
+    base = {**os.environ, "GGML_VK_VISIBLE_DEVICES": ""}
+    for key in lifecycle.VULKAN_DRIVER_KEYS:
+        base.pop(key, None)
+    probes = []
+    for env in (base, lifecycle.worker_env(base, NO_NODES)):
+        child = subprocess.run(
+            [sys.executable, "-c", ENGINE_PROBE],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        probes.append(json.loads(child.stdout.splitlines()[-1]))
+    assert probes[1]["devices"] == probes[0]["devices"]
+    assert probes[1]["llvm"] is False
