@@ -3,8 +3,8 @@ run: for each model, prompt processing and generation speed with `repack` on and
 (llama.cpp's extra CPU buffer types, arbiterd.worker.engine.backend.model_params), and the
 process's own memory each way (RssAnon: the KV and compute buffers either way, and the repacked
 weights, which are the process's, where mapped ones are the file's pages; the difference is
-repack_own_memory_bytes). Runs alternate on and off, --rounds times each, so a load that comes and goes
-weighs on both.
+repack_own_memory_bytes). Runs alternate on and off, --rounds times each, so a load that comes
+and goes weighs on both.
 
 Models: the demo's gemma-3-270m (Q4_K_M: mostly not repacked) and a random-weight Q4_0 llama
 written for the run (Q4_0 is what AVX2 and NEON repack), unless --model names others.

@@ -75,7 +75,15 @@ def test_warm_under_a_hold_names_the_holder_within_a_second_and_ctrl_c_withdraws
 ) -> None:
     worker = worker_pid(held, "alpha")
     argv = [sys.executable, "-m", "arbiterd", "warm", "alpha", "--socket", str(held.socket)]
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as warm:
+    # As from a terminal: SIGINT at its default, even where the test runner was started in the
+    # background by a shell without job control, which ignores it there (and children inherit).
+    with subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # noqa: PLW1509 (one syscall)
+    ) as warm:
         try:
             lines = Lines(warm)
             wait_until(lambda: worker in queued_pids(held), 30, "alpha's worker in the queue")

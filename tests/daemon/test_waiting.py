@@ -41,7 +41,17 @@ def game(arena: Arena, procs: Processes) -> int:
     """`arbiterd run --name game` holding the arena's token: its pid."""
     run = [sys.executable, "-m", "arbiterd", "run", "--arena", str(arena.path)]
     holder = procs.start([*run, "--name", "game", "--", "sleep", "60"])
-    wait_until(lambda: arena.observe().holder_pid == holder.pid, 20, "the game's hold")
+
+    # holder.json names the command once `arbiterd run` has started it, just after the hold.
+    def running() -> bool:
+        state = arena.observe()
+        return (
+            state.holder_pid == holder.pid
+            and state.holder is not None
+            and (state.holder.command_pid is not None)
+        )
+
+    wait_until(running, 20, "the game's hold, running its command")
     return holder.pid
 
 

@@ -1,7 +1,8 @@
 """The vision projector on a Vulkan device (issue 25): with the model on Vulkan0 and a budget too
 tight for both, the swap path takes the weights off the device (the KV left there), loads the
-projector onto it, encodes, frees it and brings the weights back — the device buffers' copy to
-a host shadow and back that the CPU tier's swap (a memfd mapped back) never runs. Each answer is
+projector onto it, encodes, frees it and brings the weights back — device buffers freed and
+uploaded again from the host copy of the file, which the CPU tier's swap never runs (there the
+weights are the host copy's pages, mapped, and do not move). Each answer is
 compared, text and logprobs exactly, with the same request to a model whose projector went
 beside the weights on the same device.
 """

@@ -394,7 +394,9 @@ def test_under_a_tight_budget_the_weights_leave_while_the_projector_encodes(
         assert 0 < max(known) == known[-1] <= budget
         release, _, _, _, restore = steps
         assert restore.bytes_ is not None
-        assert release.bytes_ == restore.bytes_ > 0  # the weights, gone and back
+        # On the CPU the weights are the host copy's pages (issue 28): the swap frees what the CPU
+        # owns of them, none for F32 (tests/device/test_vision_device.py sees a device's leave).
+        assert release.bytes_ == restore.bytes_ == 0
         assert answer_of(generation) == answer_of(expected)  # greedy, the same image
         assert generation.prompt_tokens == expected.prompt_tokens
         assert not engine._swapped_out
