@@ -10,10 +10,11 @@ after another; each prints one JSON line, and the parent keeps them all.
 
 Per child and round: release_s and restore_s as the engine's events time them (Moved.duration_s:
 what a worker reports), and their parts: release_device_s and restore_device_s, the patch's own
-calls (weights copied to the host shadow and the buffers freed; buffers allocated again, weights
-copied back, compute buffers reserved), and the rest (release: the KV saved through the state
-API for --kv host; restore: the KV set back). first = round 0 of every child; later = every other
-round; the ratio is median(first) / median(later).
+calls (the buffers freed, weights the model file cannot give back copied to a host shadow;
+buffers allocated again, weights uploaded from the file or the shadow, compute buffers
+reserved), and the rest (release: the KV saved through the state API for --kv host; restore:
+the KV set back). first = round 0 of every child; later = every other round; the ratio is
+median(first) / median(later).
 
     python -m benchmarks.first_release [--device cpu|vulkan] [--model GGUF] [--processes 10]
         [--rounds 4] [--kv host|device|drop] [--prompt-words 30] [--max-tokens 1] [--out FILE]

@@ -89,7 +89,8 @@ def devices(libllama: Path) -> list[Device]:
 class TransferRates:
     """How fast ggml's own ggml_backend_tensor_set (upload) and ggml_backend_tensor_get
     (download) move one tensor of `nbytes` between host memory and a device: the copies the
-    residency patch's release (get, into a host shadow) and restore (set, from it) make."""
+    residency patch's restore (set, from the model file's host copy or a shadow) and a release
+    that must keep a shadow (get, into it) make."""
 
     device: str  # ggml's name: "Vulkan0"
     host_buffer: str  # the host side's buffer type ("Vulkan_Host": pinned), or "pageable"

@@ -1,6 +1,7 @@
 """The device tier: every test here puts models on a real Vulkan device (Mesa's llvmpipe on a
-machine without a GPU) through the real engine, so the GPU path — a device buffer copied to a
-host shadow, freed, allocated again, re-pointed, copied back — runs for real, not through a double.
+machine without a GPU) through the real engine, so the GPU path — a device buffer freed,
+allocated again, re-pointed, its weights uploaded from the host copy of the file (or a shadow) —
+runs for real, not through a double.
 
 scripts/test.sh runs this tier in its own pytest run with GGML_VK_VISIBLE_DEVICES=0 (ggml-vulkan
 hides CPU-type devices unless it is set, and it must be set before the engine loads) and
