@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -138,55 +139,59 @@ def test_a_round_trip_on_the_device_gives_bit_identical_logits_and_keeps_the_pro
     assert again.prompt_tokens_evaluated == (first.prompt_tokens if kv is KvPolicy.DROP else 1)
 
 
-def unsealed_copy(model: Path) -> tuple[int, int]:
-    """A host copy of `model` that can still change (the daemon's is sealed): a memfd and the
-    model's size."""
-    data = model.read_bytes()
+@dataclass
+class OnUnsealedCopy:
+    """A warm model on the device, loaded from a host copy that can still change (the daemon's
+    is sealed): the memfd, the model file's size, the backend."""
+
+    fd: int
+    size: int
+    backend: InPlaceBackend
+
+
+@pytest.fixture
+def on_unsealed_copy(vulkan0: ggml.Device, tiny_model: Path) -> Iterator[OnUnsealedCopy]:
+    data = tiny_model.read_bytes()
     fd = os.memfd_create("test-host-copy", os.MFD_CLOEXEC)
     os.write(fd, data)
-    return fd, len(data)
+    chosen = on_device(tiny_model, host_copy_fd=fd)  # closes fd with the backend
+    try:
+        chosen.load()
+        chosen.generate(request_for("completion", greedy()), None)
+        yield OnUnsealedCopy(fd, len(data), chosen)
+    finally:
+        chosen.close()
 
 
 def test_a_host_copy_of_another_size_makes_the_first_release_copy_and_later_ones_keep_it(
-    vulkan0: ggml.Device, tiny_model: Path
+    on_unsealed_copy: OnUnsealedCopy,
 ) -> None:
-    fd, size = unsealed_copy(tiny_model)
-    chosen = on_device(tiny_model, host_copy_fd=fd)
-    try:
-        chosen.load()
-        chosen.generate(request_for("completion", greedy()), None)
-        # the control: what a context with the prompt's KV decodes (its last token again)
-        control = choice(chosen.generate(request_for("completion", greedy()), None))
-        os.ftruncate(fd, size + 4096)  # grown: no longer the file the weights were loaded from
-        for round_trip in range(3):
-            released = chosen.release(KvPolicy.HOST)
-            assert released.file_bytes == 0
-            copied = released.copied_bytes
-            # the first copies the weights to a shadow; weights never change, so it is kept
-            assert copied >= released.weights_bytes if round_trip == 0 else copied == 0
-            assert chosen.host_weights_bytes() >= released.weights_bytes
-            chosen.restore()
-            assert chosen.host_weights_bytes() >= released.weights_bytes  # kept while warm
-            assert choice(chosen.generate(request_for("completion", greedy()), None)) == control
-    finally:
-        chosen.close()
+    chosen = on_unsealed_copy.backend
+    # the control: what a context with the prompt's KV decodes (its last token again)
+    control = choice(chosen.generate(request_for("completion", greedy()), None))
+    # grown: no longer the file the weights were loaded from
+    os.ftruncate(on_unsealed_copy.fd, on_unsealed_copy.size + 4096)
+    for round_trip in range(3):
+        released = chosen.release(KvPolicy.HOST)
+        assert released.file_bytes == 0
+        copied = released.copied_bytes
+        # the first copies the weights to a shadow; weights never change, so it is kept
+        assert copied >= released.weights_bytes if round_trip == 0 else copied == 0
+        assert chosen.host_weights_bytes() >= released.weights_bytes
+        chosen.restore()
+        assert chosen.host_weights_bytes() >= released.weights_bytes  # kept while warm
+        assert choice(chosen.generate(request_for("completion", greedy()), None)) == control
 
 
 def test_a_host_copy_truncated_while_the_model_is_cold_is_refused_by_the_restore(
-    vulkan0: ggml.Device, tiny_model: Path
+    on_unsealed_copy: OnUnsealedCopy,
 ) -> None:
-    fd, size = unsealed_copy(tiny_model)
-    chosen = on_device(tiny_model, host_copy_fd=fd)
-    try:
-        chosen.load()
-        chosen.generate(request_for("completion", greedy()), None)
-        assert chosen.release(KvPolicy.HOST).file_bytes > 0
-        os.ftruncate(fd, size // 2)
-        with pytest.raises(RestoreError, match=STATUS_TEXT[Status.SOURCE]):
-            chosen.restore()
-        assert chosen.resident_bytes() == 0  # still cold: never wrong weights
-    finally:
-        chosen.close()
+    chosen = on_unsealed_copy.backend
+    assert chosen.release(KvPolicy.HOST).file_bytes > 0
+    os.ftruncate(on_unsealed_copy.fd, on_unsealed_copy.size // 2)
+    with pytest.raises(RestoreError, match=STATUS_TEXT[Status.SOURCE]):
+        chosen.restore()
+    assert chosen.resident_bytes() == 0  # still cold: never wrong weights
 
 
 @pytest.mark.parametrize("kv", list(KvPolicy))
