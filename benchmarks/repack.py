@@ -15,6 +15,7 @@ written for the run (Q4_0 is what AVX2 and NEON repack), unless --model names ot
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import sys
 import tempfile
@@ -30,6 +31,7 @@ from tests.support.tiny_gguf import TinyModelSpec, write_tiny_llama
 
 PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 40)
 DECODE_TOKENS = 64
+_LIBC = ctypes.CDLL(None)  # this process's C library (glibc: malloc_trim)
 Q4_0_SPEC = TinyModelSpec(n_layer=4, n_embd=1024, n_ff=4096, n_vocab=4096, quantized=True)
 
 
@@ -42,6 +44,9 @@ def rss_anon_bytes() -> int:
 
 def one_run(model: Path, *, repack: bool, threads: int) -> dict[str, float]:
     """Load `model` on the CPU (mmap), evaluate PROMPT, then decode DECODE_TOKENS one by one."""
+    # Free heap pages go back to the system first: an allocation that reused them would not
+    # show in RssAnon (an earlier run's, or anything this process freed before).
+    _LIBC.malloc_trim(0)
     before = rss_anon_bytes()
     with model_params(use_extra_bufts=repack):
         llm = llama_cpp.Llama(
