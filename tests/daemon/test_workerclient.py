@@ -283,7 +283,11 @@ def test_a_worker_that_aborts_keeps_its_last_words_for_whoever_reaps_it(
     async def scenario() -> tuple[int, tuple[str, ...]]:
         worker = await WorkerClient.spawn(configs("m"), env=dying_env(trigger))
         try:
-            await worker.status()
+            # Loaded first: the engine prints while it starts, and its lines must not land
+            # after the last words.
+            async with asyncio.timeout(30):
+                while (await worker.status())["state"] not in ("warm", "cold"):
+                    await asyncio.sleep(0.05)
             trigger.touch()
             return await worker.wait(), await worker.last_words()
         finally:
