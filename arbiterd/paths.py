@@ -1,17 +1,22 @@
-"""Where arbiterd keeps its per-user files; owns the XDG lookups, their safety checks, and the
-creation of every folder arbiterd makes (runtime, arena, state, config): 0700 at every level.
+"""Where arbiterd keeps its per-user files; owns the XDG lookups, their safety checks, the
+creation of every folder arbiterd makes (runtime, arena, state, config): 0700 at every level,
+and the device ids with the folder of each device's arena (issue 27).
 
 Never creates anything outside the directories it is given, never follows a path it was not given.
 """
 
 from __future__ import annotations
 
+import enum
+import ipaddress
 import os
+import re
 import stat
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
-from arbiterd.errors import ArbiterError, RuntimeDirError
+from arbiterd.errors import ArbiterError, BadValueError, RuntimeDirError
 
 ARENA_ENV = "ARBITERD_ARENA"
 DEFAULT_DEVICE = "gpu0"
@@ -79,6 +84,162 @@ def default_arena(env: Mapping[str, str] | None = None) -> Path:
 def resolve_arena(explicit: str | None, env: Mapping[str, str] | None = None) -> Path:
     """`--arena DIR` when given, else the default arena."""
     return Path(explicit) if explicit else default_arena(env)
+
+
+# -- devices and their arenas (issue 27; docs/arena-protocol.md § Devices) -----------------------
+
+DEVICE_ID_SHAPES = "gpuN (N = 0, 1, ...), rpc:HOST:PORT, rpc:HOST:PORT/N or cpu"
+# The longest file name Linux filesystems take (NAME_MAX); a longer folder name cannot exist.
+FOLDER_NAME_MAX_BYTES = 255
+# An IPv6 host's folder name starts so, its colons become underscores: no host name has one.
+IPV6_FOLDER_PREFIX = "ip6_"
+_NUMBER = r"0|[1-9][0-9]*"  # one spelling per number: no leading zeros
+_GPU_RE = re.compile(rf"gpu(?P<index>{_NUMBER})")
+_RPC_RE = re.compile(
+    rf"rpc:(?P<host>\[[^\]]*\]|[^:/\[\]]*):(?P<port>{_NUMBER})(?:/(?P<index>{_NUMBER}))?"
+)
+# A host name (RFC 1123) or a dotted IPv4 address: letters, digits, '-' inside labels, dots.
+_HOSTNAME_RE = re.compile(
+    r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?)*"
+)
+_HOSTNAME_MAX = 253
+_PORT_MAX = 65535
+
+
+class DeviceKind(enum.StrEnum):
+    """What a device id names."""
+
+    GPU = "gpu"  # a local GPU, in ggml's order
+    RPC = "rpc"  # a device of a llama.cpp RPC server
+    CPU = "cpu"
+
+
+@dataclass(frozen=True)
+class DeviceId:
+    """A device id, parsed (`parse_device_id`); `str()` gives its one canonical spelling, the one
+    that names its arena's folder and orders it among the others: sorting DeviceIds sorts their
+    spellings (the canonical order of arbiterd/arena/devices.py)."""
+
+    kind: DeviceKind
+    index: int = 0  # gpuN's N, or the device's number on its RPC server
+    host: str = ""  # an RPC server's host name or IPv4 address (lower case), or IPv6 address
+    port: int = 0
+
+    def __str__(self) -> str:
+        if self.kind is DeviceKind.RPC:
+            host = f"[{self.host}]" if ":" in self.host else self.host
+            return f"rpc:{host}:{self.port}" + (f"/{self.index}" if self.index else "")
+        if self.kind is DeviceKind.GPU:
+            return f"gpu{self.index}"
+        return "cpu"
+
+    def __lt__(self, other: DeviceId) -> bool:
+        return str(self) < str(other)
+
+    @property
+    def folder_name(self) -> str:
+        """Its arena's folder name: safe on any filesystem (letters, digits, '.', '-', '_';
+        no ':', '/', brackets) and unambiguous. `rpc:HOST:PORT/N` becomes `rpc-HOST-PORT-dN`
+        (nothing for N = 0), an IPv6 HOST `ip6_` and its compressed form with '_' for ':'.
+        Read from the right, the last field is `dN` or the port, the one before it the port,
+        and the rest the host: a host name has no '_', so an IPv6 host cannot pass for one."""
+        if self.kind is not DeviceKind.RPC:
+            return str(self)
+        host = self.host
+        if ":" in host:
+            host = IPV6_FOLDER_PREFIX + host.replace(":", "_")
+        return f"rpc-{host}-{self.port}" + (f"-d{self.index}" if self.index else "")
+
+
+def parse_device_id(text: str) -> DeviceId:
+    """A device id as written in a config, on a command line or by a foreign program; one that
+    is not of the shapes of DEVICE_ID_SHAPES is refused (BadValueError naming them).
+
+    Spellings of one device map to one id: a host name is lower-cased, an IPv6 address
+    compressed (`[0:0::1]` is `[::1]`), and `/0` dropped (device 0 is `rpc:HOST:PORT`). Two
+    spellings of one server that only DNS could tell apart (`localhost`, `127.0.0.1`) stay two
+    ids: name each server one way."""
+    if text == "cpu":
+        return DeviceId(DeviceKind.CPU)
+    gpu = _GPU_RE.fullmatch(text)
+    if gpu is not None:
+        return DeviceId(DeviceKind.GPU, int(gpu["index"]))
+    rpc = _RPC_RE.fullmatch(text)
+    if rpc is None:
+        raise BadValueError(f"device id {text!r}: expected {DEVICE_ID_SHAPES}")
+    port = int(rpc["port"])
+    if not 1 <= port <= _PORT_MAX:
+        raise BadValueError(f"device id {text!r}: the port must be 1 to {_PORT_MAX}")
+    device = DeviceId(DeviceKind.RPC, int(rpc["index"] or 0), _rpc_host(text, rpc["host"]), port)
+    if len(device.folder_name.encode()) > FOLDER_NAME_MAX_BYTES:
+        raise BadValueError(f"device id {text!r}: too long to name a folder")
+    return device
+
+
+def _rpc_host(text: str, raw: str) -> str:
+    """The host of an `rpc:` id in its one spelling; BadValueError naming what it must be."""
+    if raw.startswith("["):
+        inner = raw[1:-1]
+        try:
+            if "%" in inner:  # a zone (fe80::1%eth0) names an interface of this machine only
+                raise ValueError(inner)
+            return _rfc5952(ipaddress.IPv6Address(inner))
+        except ValueError:
+            raise BadValueError(
+                f"device id {text!r}: {raw} is not an IPv6 address (without a %zone)"
+            ) from None
+    host = raw.lower()
+    if len(host) > _HOSTNAME_MAX or not _HOSTNAME_RE.fullmatch(host):
+        raise BadValueError(
+            f"device id {text!r}: HOST must be a host name, an IPv4 address or an IPv6 address "
+            f"in brackets, got {raw!r}"
+        )
+    return host
+
+
+def _rfc5952(address: ipaddress.IPv6Address) -> str:
+    """RFC 5952's text of `address` (lower case, the longest run of two or more zero groups
+    as '::', the first of equal runs), always in hex: Python's own spelling of an IPv4-mapped
+    address changed in 3.13, and an arena's folder name must not depend on the version."""
+    groups = [int.from_bytes(address.packed[i : i + 2], "big") for i in range(0, 16, 2)]
+    best_start, best_len, start = -1, 1, -1
+    for i, group in enumerate([*groups, 1]):  # a sentinel ends a run that reaches the end
+        if group == 0 and start < 0:
+            start = i
+        elif group != 0 and start >= 0:
+            if i - start > best_len:
+                best_start, best_len = start, i - start
+            start = -1
+    text = [f"{group:x}" for group in groups]
+    if best_start < 0:
+        return ":".join(text)
+    head, tail = text[:best_start], text[best_start + best_len :]
+    return ":".join(head) + "::" + ":".join(tail)
+
+
+def device_arena_of(device: str | DeviceId, gpu0_arena: Path) -> Path:
+    """The arena of `device` when gpu0's arena is `gpu0_arena` (`[daemon] arena`, `--arena`,
+    `$ARBITERD_ARENA` or the default): gpu0's own, or the sibling folder named by the device
+    (DeviceId.folder_name). Refused (BadValueError) when the sibling is gpu0's arena itself, as
+    it would be for gpu1 beside an arena configured as `.../gpu1`: two devices in one arena
+    would let a model take one token twice and wait for itself."""
+    device = parse_device_id(device) if isinstance(device, str) else device
+    if str(device) == DEFAULT_DEVICE:
+        return gpu0_arena
+    arena = gpu0_arena.parent / device.folder_name
+    if arena == gpu0_arena:
+        raise BadValueError(
+            f"the arena of {device} would be {arena}, which is {DEFAULT_DEVICE}'s arena: "
+            f"give {DEFAULT_DEVICE}'s arena a folder name that is no device's"
+        )
+    return arena
+
+
+def device_arena(device: str | DeviceId, env: Mapping[str, str] | None = None) -> Path:
+    """The arena of `device` by default: gpu0's is default_arena(env), every other device's its
+    sibling folder, `$XDG_RUNTIME_DIR/arbiterd/arena/FOLDER_NAME` unless $ARBITERD_ARENA moves
+    gpu0's."""
+    return device_arena_of(device, default_arena(env))
 
 
 def make_private_dirs(directory: Path, error: type[ArbiterError]) -> None:
