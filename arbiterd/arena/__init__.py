@@ -6,6 +6,8 @@ Owns the files of an arena directory and every lock taken on them. Its modules:
                 the protocols of a way to the GPU (Gateway, Place, Hold)
     token.py    Arena (the directory, its queue, observing it), Ticket and Token
     groups.py   models that hold the GPU together: a group's gate inside an arena (issue 14)
+    devices.py  a model on several devices: their arenas taken in one order, held together
+                (issue 27; paths.py names the devices and finds each one's arena)
     locks.py    the flock(2) calls: the only module of arbiterd that imports `fcntl`
     procfs.py   reading /proc/locks and /proc/PID/fdinfo
 
@@ -46,6 +48,14 @@ Invariants kept here (each one cost a hang in an earlier design):
   paths.ensure_private_dir keeps ours and 0700.
 """
 
+from arbiterd.arena.devices import (
+    Devices,
+    DevicesHold,
+    DevicesPlace,
+    canonical_order,
+    device_arenas,
+    over_devices,
+)
 from arbiterd.arena.procfs import parse_proc_locks
 from arbiterd.arena.records import (
     PRIORITY_CHOICES,
@@ -65,6 +75,9 @@ __all__ = [
     "QUEUE_DIR",
     "Arena",
     "ArenaState",
+    "Devices",
+    "DevicesHold",
+    "DevicesPlace",
     "Gateway",
     "Hold",
     "HolderInfo",
@@ -73,6 +86,9 @@ __all__ = [
     "QueuedWaiter",
     "Ticket",
     "Token",
+    "canonical_order",
+    "device_arenas",
+    "over_devices",
     "parse_priority",
     "parse_proc_locks",
 ]
