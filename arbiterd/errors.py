@@ -75,6 +75,7 @@ class ErrorCode(enum.StrEnum):
     ENGINE = "engine"
     MODEL_LOAD = "model_load"
     RESTORE = "restore"
+    DEVICE_UNREACHABLE = "device_unreachable"
     BAD_REQUEST = "bad_request"
     CONTEXT_OVERFLOW = "context_overflow"
     WORKER = "worker"
@@ -122,6 +123,7 @@ OUTCOMES: dict[ErrorCode, Outcome] = {
     ErrorCode.ENGINE: Outcome(503, 70),
     ErrorCode.MODEL_LOAD: Outcome(503, 70),
     ErrorCode.RESTORE: Outcome(503, 70),
+    ErrorCode.DEVICE_UNREACHABLE: Outcome(503, 69),
     ErrorCode.BAD_REQUEST: Outcome(400, 65),
     ErrorCode.CONTEXT_OVERFLOW: Outcome(400, 65),
     ErrorCode.WORKER: Outcome(503, 70),
@@ -255,6 +257,13 @@ class ModelLoadError(EngineError):
 
 class RestoreError(EngineError):
     code = ErrorCode.RESTORE
+
+
+class DeviceUnreachableError(EngineError):
+    """A device the model is placed on cannot be reached: an RPC server down, busy with another
+    client past the wait, or speaking another protocol version (native/rpc.py)."""
+
+    code = ErrorCode.DEVICE_UNREACHABLE
 
 
 class ResidencyCallError(EngineError):

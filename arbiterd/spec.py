@@ -63,6 +63,14 @@ class Residency(enum.StrEnum):
     RELOAD = "reload"  # always reload (e.g. to compare, or to free the host copy on release)
 
 
+class SplitMode(enum.StrEnum):
+    """How llama.cpp splits a model over several devices (its LLAMA_SPLIT_MODE_*)."""
+
+    LAYER = "layer"  # whole layers (and their KV) to each device, in turn
+    ROW = "row"  # each matrix's rows over the devices
+    TENSOR = "tensor"  # tensor parallelism: every layer on every device
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """How to load one model. Cold and warm contexts are built from the same spec, so their
@@ -96,6 +104,11 @@ class ModelSpec:
     # types: Q4_0, IQ4_NL, ... on AVX2 or NEON); those are then the worker's own memory, not
     # the host copy's pages (issue 28). False: every CPU weight is mapped from the copy.
     repack: bool = True
+    # Where its layers go (issue 27): device ids (arbiterd.paths.parse_device_id) in the order
+    # llama.cpp fills them; "gpu0" on an engine without a GPU means the CPU, as before devices.
+    devices: tuple[str, ...] = ("gpu0",)
+    split_mode: SplitMode = SplitMode.LAYER  # how llama.cpp splits over several devices
+    tensor_split: tuple[float, ...] = ()  # each device's share; () = by free memory
 
 
 def kind_refusal(model: str, kind: str, embedding: bool) -> str:
@@ -204,6 +217,9 @@ class WorkerConfig:
         spec["path"] = Path(spec["path"])
         spec["mmproj"] = None if spec.get("mmproj") is None else Path(spec["mmproj"])
         spec["residency"] = Residency(spec.get("residency", Residency.AUTO))
+        spec["devices"] = tuple(spec.get("devices", ("gpu0",)))
+        spec["split_mode"] = SplitMode(spec.get("split_mode", SplitMode.LAYER))
+        spec["tensor_split"] = tuple(float(share) for share in spec.get("tensor_split", ()))
         return cls(
             spec=ModelSpec(**spec),
             arena=Path(raw["arena"]),

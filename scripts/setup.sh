@@ -215,6 +215,9 @@ engine_cmake_args() {
     rocm) args+=(-DGGML_HIP=on) ;;
     vulkan) args+=(-DGGML_VULKAN=on) ;;
     esac
+    # ggml's RPC backend, with every GPU backend: llama.cpp's rpc-server on another machine (or
+    # on this one) becomes a device models can be placed on (arbiterd devices, rpc_servers).
+    args+=(-DGGML_RPC=on)
     # ggml's AMX matrix multiply segfaults on Q4_K weights (llama.cpp issue 20824; reproduced
     # here with gemma-3-270m on a CPU with amx_int8): a native build on such a CPU crashes on
     # the first prompt, so the engine is built without AMX wherever the compiler can say so.

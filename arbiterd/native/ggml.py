@@ -38,6 +38,13 @@ class Device:
     kind: str  # "cpu", "gpu", "igpu", "accel" or "meta"
     free_bytes: int
     total_bytes: int
+    handle: int = 0  # ggml_backend_dev_t, valid while the engine is loaded
+    registry: str = ""  # the backend that offers it: "CPU", "Vulkan", "RPC", ...
+
+    @property
+    def remote(self) -> bool:
+        """A device of an RPC server (native/rpc.py)."""
+        return self.registry == "RPC"
 
     @property
     def on_cpu(self) -> bool:
@@ -52,9 +59,11 @@ class Device:
         return f"{label} [runs on the CPU]" if self.on_cpu else label
 
 
-def devices(libllama: Path) -> list[Device]:
-    """The devices of the ggml that `libllama` (a loaded library) links against."""
-    lib = _open_ggml(libllama)
+def devices(libllama: Path, *, with_remote_memory: bool = False) -> list[Device]:
+    """The devices of the ggml that `libllama` (a loaded library) links against. An RPC
+    device's memory is asked of its server only `with_remote_memory` (it is 0 otherwise): the
+    question connects, and waits while the server serves another client (native/rpc.py)."""
+    lib = open_ggml(libllama)
     count = lib.ggml_backend_dev_count
     count.restype = ctypes.c_size_t
     get = lib.ggml_backend_dev_get
@@ -68,11 +77,17 @@ def devices(libllama: Path) -> list[Device]:
     size_p = ctypes.POINTER(ctypes.c_size_t)
     memory.argtypes = [ctypes.c_void_p, size_p, size_p]
     memory.restype = None
+    reg_of = lib.ggml_backend_dev_backend_reg
+    reg_of.argtypes, reg_of.restype = [ctypes.c_void_p], ctypes.c_void_p
+    reg_name = lib.ggml_backend_reg_name
+    reg_name.argtypes, reg_name.restype = [ctypes.c_void_p], ctypes.c_char_p
     found = []
     for index in range(int(count())):
         dev = get(index)
+        registry = _text(reg_name(reg_of(dev)))
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
-        memory(dev, ctypes.byref(free), ctypes.byref(total))
+        if registry != "RPC" or with_remote_memory:
+            memory(dev, ctypes.byref(free), ctypes.byref(total))
         found.append(
             Device(
                 name=_text(lib.ggml_backend_dev_name(dev)),
@@ -80,6 +95,8 @@ def devices(libllama: Path) -> list[Device]:
                 kind=_KINDS.get(int(kind(dev)), "unknown"),
                 free_bytes=free.value,
                 total_bytes=total.value,
+                handle=int(dev),
+                registry=registry,
             )
         )
     return found
@@ -153,7 +170,7 @@ def transfer_rates(
     """
     if nbytes <= 0 or tries < 1:
         raise ValueError("transfer_rates needs nbytes > 0 and tries >= 1")
-    fn = _transfer_functions(_open_ggml(libllama))
+    fn = _transfer_functions(open_ggml(libllama))
     dev = fn["ggml_backend_dev_by_name"](device_name.encode())
     if not dev:
         raise EngineError(f"ggml lists no device named {device_name!r}")
@@ -252,7 +269,7 @@ def _transfer_functions(lib: ctypes.CDLL) -> dict[str, Callable[..., Any]]:
     return found
 
 
-def _open_ggml(libllama: Path) -> ctypes.CDLL:
+def open_ggml(libllama: Path) -> ctypes.CDLL:
     for name in _LIBGGML:
         path = libllama.parent / name
         try:

@@ -12,11 +12,14 @@ C ABI, version `ABI` (include/llama-residency.h of the patched llama.cpp):
         Frees the weights' buffers: weights a device's own buffer holds as the model file has
         them come back from that file (kept open), any other is copied to host memory once and
         the copy kept across round trips. Frees the compute buffers, and the KV cache's buffers
-        unless KEEP_KV (their contents are then gone: the caller saves them first).
-        HOST_BUFFERS releases host (CPU) buffers too.
+        unless KEEP_KV (their contents are then gone: the caller saves them first, or passes
+        KV_TO_HOST, which copies them whole). HOST_BUFFERS releases host (CPU) buffers too.
+        The context's backends of RPC devices are freed with their buffers, which closes the
+        connection to the server (native/rpc.py), unless KEEP_KV.
     int32_t llama_context_restore_device(struct llama_context * ctx);
         Allocates the buffers again, uploads the weights from the model file and the copies,
-        clears a released KV cache, reserves the compute buffers; on failure the context stays
+        clears a released KV cache (copies it back after KV_TO_HOST), reserves the compute
+        buffers; on failure the context stays
         released, copies intact. A model file that changed since the load is refused (SOURCE).
     int32_t llama_context_residency_stats(const struct llama_context * ctx, uint32_t flags,
                                           struct llama_residency_stats * out);
@@ -39,7 +42,7 @@ from pathlib import Path
 
 from arbiterd.errors import EngineError, ResidencyCallError
 
-ABI = 2
+ABI = 3
 ABI_SYMBOL = "llama_residency_abi"
 RELEASE_SYMBOL = "llama_context_release_device"
 RESTORE_SYMBOL = "llama_context_restore_device"
@@ -48,6 +51,7 @@ RESIDENCY_SYMBOLS = (ABI_SYMBOL, RELEASE_SYMBOL, RESTORE_SYMBOL, STATS_SYMBOL)
 # Flags of llama_context_release_device.
 KEEP_KV = 1 << 0  # the KV cache stays where it is
 HOST_BUFFERS = 1 << 1  # host (CPU) buffers are released too: a CPU-only engine's whole model
+KV_TO_HOST = 1 << 2  # the KV buffers are copied to host memory whole, and back as they were
 FALLBACK = "using the reload backend"
 PROC_MAPS = Path("/proc/self/maps")
 # The basename of libllama itself (libllama.so, libllama.so.0, ...), not libllama-common.so.

@@ -1,6 +1,6 @@
 """The libllama probe against the engine llama_cpp loaded and against fakes built with gcc.
 
-The fakes speak residency ABI 2 and record every call in globals, read back through exported
+The fakes speak residency ABI 3 and record every call in globals, read back through exported
 getters, so the tests see exactly what crossed the C ABI. Each test compiles its own copy into
 tmp_path: a fresh file is a fresh dlopen, so no state leaks between tests.
 """

@@ -1,4 +1,4 @@
-"""A fake libllama speaking residency ABI 2, built with gcc, that records its calls.
+"""A fake libllama speaking residency ABI 3, built with gcc, that records its calls.
 
 It exports the four symbols of include/llama-residency.h (llama-residency.patch) with the same C
 signatures: release takes uint32 flags, stats fills `struct llama_residency_stats`. Each records
@@ -30,7 +30,7 @@ struct llama_residency_stats {
     uint64_t copied_bytes;
 };
 
-static int32_t abi_version = 2;
+static int32_t abi_version = 3;
 static int32_t result_code;
 static struct llama_residency_stats stats_out;
 static const void *last_ctx;
@@ -119,7 +119,7 @@ class Fake:
         self._lib.fake_last_stats_flags.restype = ctypes.c_int64
 
     def set_abi(self, version: int) -> None:
-        """What llama_residency_abi returns from now on (2 at first)."""
+        """What llama_residency_abi returns from now on (3 at first)."""
         self._lib.fake_set_abi(version)
 
     def set_result(self, code: int) -> None:

@@ -31,6 +31,7 @@ from arbiterd.errors import (
     RestoreError,
 )
 from arbiterd.hostcopy import copy_into_memfd
+from arbiterd.native import libllama
 from arbiterd.request import GenerateRequest, RequestKind
 from arbiterd.spec import MAX_N_CTX, Capability, KvPolicy, ModelInfo, ModelSpec, capabilities
 from arbiterd.states import BackendKind
@@ -42,6 +43,7 @@ from arbiterd.worker.engine.images import (
     free_device_bytes,
     lay_out,
 )
+from arbiterd.worker.engine.placement import SPLIT_MODES, Placement, place, runs_on_cpu
 from arbiterd.worker.engine.prepare import GGUF_TEMPLATE, ChatFormat, Preparer
 from arbiterd.worker.engine.records import Cancelled, ChunkSink, Generation, Moved, Prepared, never
 from arbiterd.worker.engine.vocab import Vocab
@@ -84,6 +86,7 @@ class LlamaBackend(ABC):
         # the model's bytes plus the device's free memory when it can be measured, else none.
         self.vram_budget = vram_budget
         self._use_mmap = True
+        self._placement: Placement | None = None  # its devices, found when it first loads
         self._llm: llama_cpp.Llama | None = None
         self._host_fd: int | None = None
         self._vocab: Vocab | None = None
@@ -365,7 +368,7 @@ class LlamaBackend(ABC):
         the engine cannot tell)."""
         if self.vram_budget > 0:
             return self.vram_budget
-        if self.spec.n_gpu_layers == 0 or not llama_cpp.llama_supports_gpu_offload():
+        if runs_on_cpu(self.spec):
             return 0
         free = free_device_bytes()
         return 0 if free is None else resident_bytes + free
@@ -450,8 +453,14 @@ class LlamaBackend(ABC):
             # ways (BERT) in one micro-batch, and Llama.n_batch caps a decode's tokens. Both
             # hold the whole context, so every input that fits the context can be embedded.
             kwargs |= {"embedding": True, "n_batch": spec.n_ctx, "n_ubatch": spec.n_ctx}
+        self._placement = place(spec, libllama.loaded_libllama())
+        kwargs["split_mode"] = SPLIT_MODES[spec.split_mode]
+        if spec.tensor_split:
+            kwargs["tensor_split"] = list(spec.tensor_split)
         try:
-            with model_params(use_extra_bufts=spec.repack):
+            with model_params(
+                use_extra_bufts=spec.repack, devices=self._placement.devices_pointer()
+            ):
                 llm = llama_cpp.Llama(**kwargs)
         except (ValueError, RuntimeError, OSError, MemoryError) as exc:
             # llama-cpp-python names the path it was given: the user knows their own.
@@ -497,17 +506,23 @@ def _use_template(llm: llama_cpp.Llama, template: str) -> None:
 
 
 @contextmanager
-def model_params(*, use_extra_bufts: bool) -> Iterator[None]:
+def model_params(
+    *, use_extra_bufts: bool, devices: ctypes.c_void_p | None = None
+) -> Iterator[None]:
     """While a Llama is made, the llama_model_params it starts from carry `use_extra_bufts`
-    (the CPU's repacking buffer types), which llama-cpp-python's Llama takes no argument for: it
-    builds its params from llama_model_default_params(), which this swaps for the while. The
-    engine thread makes every Llama, one at a time."""
+    (the CPU's repacking buffer types) and `devices` (a NULL-terminated array of ggml devices,
+    placement.py; None: llama.cpp's choice), which llama-cpp-python's Llama takes no argument
+    for: it builds its params from llama_model_default_params(), which this swaps for the
+    while. The engine thread makes every Llama, one at a time."""
     bindings = llama_cpp.llama_cpp
     defaults = bindings.llama_model_default_params
 
     def params() -> llama_cpp.llama_model_params:
         chosen: llama_cpp.llama_model_params = defaults()
         chosen.use_extra_bufts = use_extra_bufts
+        if devices is not None:
+            # llama-cpp-python types the field as an array; its _fields_ make it a pointer.
+            chosen.devices = devices  # type: ignore[assignment]
         return chosen
 
     bindings.llama_model_default_params = params

@@ -17,6 +17,7 @@ from arbiterd.native.libllama import ResidencyApi
 from arbiterd.spec import KvPolicy, ModelSpec
 from arbiterd.states import BackendKind
 from arbiterd.worker.engine.backend import LlamaBackend, disk_read_bytes, load_kv, save_kv
+from arbiterd.worker.engine.placement import runs_on_cpu
 from arbiterd.worker.engine.records import Cancelled, ChunkSink, Generation, Moved, Prepared
 
 _LIBC = ctypes.CDLL(None)  # this process's C library (malloc_trim, where it is glibc)
@@ -52,8 +53,9 @@ class InPlaceBackend(LlamaBackend):
         # The weights are off the device for a projector (the swap path), or stayed off when
         # bringing them back failed: the next request or release tries again.
         self._swapped_out = False
-        self._host_buffers = spec.n_gpu_layers == 0 or not llama_cpp.llama_supports_gpu_offload()
+        self._host_buffers = runs_on_cpu(spec)
         self._kept_kv_bytes = 0  # KV left on the device by a `device` release
+        self._kv_in_engine_bytes = 0  # KV the engine copied whole to host memory (KV_TO_HOST)
 
     def load(self) -> Moved:
         moved = super().load()
@@ -74,7 +76,12 @@ class InPlaceBackend(LlamaBackend):
         if kv is KvPolicy.DROP:
             llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
             llm.n_tokens = 0
-        self._kv = save_kv(llm) if kv is KvPolicy.HOST and llm.n_tokens > 0 else None
+        # On an RPC device the state API costs a round trip per cell range and row (2.5 s for
+        # gemma-3-270m's 512 cells over loopback): the engine copies the KV buffers whole.
+        whole = kv is KvPolicy.HOST and self._placement is not None and self._placement.remote
+        if whole:
+            flags |= libllama.KV_TO_HOST
+        self._kv = save_kv(llm) if kv is KvPolicy.HOST and llm.n_tokens > 0 and not whole else None
         kept = self._api.stats(ctx, self._flags(KvPolicy.HOST)).kv_bytes
         self._kept_kv_bytes = kept if kv is KvPolicy.DEVICE else 0
         try:
@@ -86,10 +93,11 @@ class InPlaceBackend(LlamaBackend):
             _return_freed_heap()
         stats = self._api.stats(ctx, flags)
         self._released = True
+        self._kv_in_engine_bytes = stats.kv_bytes if whole else 0
         return Moved(
             duration_s=time.monotonic() - started,
             weights_bytes=stats.weights_bytes + projector_bytes,
-            kv_bytes=len(self._kv.data) if self._kv else 0,
+            kv_bytes=len(self._kv.data) if self._kv else self._kv_in_engine_bytes,
             disk_read_bytes=0,
             file_bytes=stats.file_bytes,
             copied_bytes=stats.copied_bytes,
@@ -102,6 +110,8 @@ class InPlaceBackend(LlamaBackend):
         started, read_before = time.monotonic(), disk_read_bytes()
         ctx = context_pointer(llm)
         released = self._api.stats(ctx, 0)
+        if self._placement is not None:
+            self._placement.check_reachable()  # still released, KV kept, when a server is down
         try:
             self._api.restore_device(ctx)
         except ResidencyCallError as exc:
@@ -119,9 +129,11 @@ class InPlaceBackend(LlamaBackend):
                 raise
             kv_bytes = len(self._kv.data)
             self._kv = None
+        elif self._kv_in_engine_bytes:
+            kv_bytes = self._kv_in_engine_bytes  # the engine copied it back as it was
         elif self._kept_kv_bytes == 0:
             llm.n_tokens = 0  # the cache came back empty
-        self._kept_kv_bytes = 0
+        self._kept_kv_bytes = self._kv_in_engine_bytes = 0
         llm._requires_eval = True  # decode one token again rather than trust kept logits
         weights = released.weights_bytes + self._warm_projector()
         return Moved(
@@ -142,6 +154,9 @@ class InPlaceBackend(LlamaBackend):
             return self._kept_kv_bytes + self._projector_bytes()
         stats = self._api.stats(context_pointer(llm), self._flags(KvPolicy.HOST))
         return stats.device_bytes + self._projector_bytes()
+
+    def host_kv_bytes(self) -> int:
+        return super().host_kv_bytes() + self._kv_in_engine_bytes
 
     def _is_released(self) -> bool:
         return self._released
