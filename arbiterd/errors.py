@@ -19,6 +19,7 @@
     │   ├── ModelLoadError            missing, unreadable or corrupt GGUF; context too large
     │   ├── RestoreError              warming a cold model failed (it stays cold)
     │   ├── ResidencyCallError        the engine build's residency call returned a status
+│   ├── DeviceUnreachableError    an RPC server a model is placed on is down or of another version
     │   └── RequestError              one request is bad; the model keeps serving
     │       └── ContextOverflowError  the prompt (plus max_tokens) exceeds the context
     ├── WorkerError                   the worker process or its protocol failed

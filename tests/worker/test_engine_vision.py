@@ -472,7 +472,7 @@ def test_without_a_budget_a_gpu_model_measures_the_free_memory(
 ) -> None:
     # as a model offloaded to a GPU sees it: what it holds plus what the device has free
     monkeypatch.setattr(eye, "spec", dataclasses.replace(eye.spec, n_gpu_layers=-1))
-    monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: True)
+    monkeypatch.setattr(backend_module, "runs_on_cpu", lambda spec: False)  # its layers on a GPU
     monkeypatch.setattr(backend_module, "free_device_bytes", lambda: 1000)
     assert eye._encoder_budget(5000) == 6000
     monkeypatch.setattr(backend_module, "free_device_bytes", lambda: None)  # ggml cannot tell
