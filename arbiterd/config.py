@@ -19,6 +19,7 @@
     prompt_cache_budget = "4GiB"  # bytes of prompt caches unloaded models keep on disk
     watch_config = true           # a saved change to this file applies as `arbiterd reload`
     queue_notice_s = 1            # a stream waiting this long for the GPU is told who holds it
+    rpc_servers = []              # llama.cpp RPC servers models may be placed on, "HOST:PORT"
     [models.NAME]                 # one table per model; NAME is what requests ask for
     path = "/models/x.gguf"       # required
     aliases = []                  # more names requests may ask for, e.g. ["gpt-4o-mini"]
@@ -37,8 +38,14 @@
     chat_template_file = "…"      # a file holding one); checked here (chattemplate.py)
     max_image_bytes = 5 MiB, max_image_pixels = 33554432 (8192 x 4096),
     allow_image_urls = false      # file:// and http(s):// image URLs (data: URLs always)
+    devices = ["gpu0"]            # where its layers go, in order: gpuN, rpc:HOST:PORT[/N] (its
+                                  #   server in rpc_servers), or cpu alone; one the engine does
+                                  #   not offer fails the model's load (worker/engine/placement.py)
+    split_mode = "layer"          # over several devices: "layer", "row" or "tensor" (llama.cpp's)
+    tensor_split = []             # each device's share, e.g. [3, 1]; [] = by free memory
     [groups.NAME]                 # models that hold the GPU together (arbiterd/arena/groups.py)
-    models = ["a", "b"]           # two or more [models] names, each in one group at most
+    models = ["a", "b"]           # two or more [models] names, each in one group at most,
+                                  #   each on devices = ["gpu0"] (no groups across devices yet)
     priority = "normal"           # its class in the GPU queue; default: its members' highest
 
 With no file at the default path the *embedded default* serves one demo model (gemma-3-270m).
@@ -56,6 +63,7 @@ from __future__ import annotations
 import enum
 import importlib.util
 import ipaddress
+import math
 import os
 import pwd
 import re
@@ -66,8 +74,17 @@ from pathlib import Path
 from arbiterd.arena import PRIORITY_CHOICES, Priority
 from arbiterd.chattemplate import template_problem
 from arbiterd.errors import BadValueError, ConfigError
-from arbiterd.paths import default_arena, runtime_dir
-from arbiterd.spec import MAX_N_CTX, KvPolicy, ModelSpec, Residency, WorkerConfig
+from arbiterd.paths import (
+    DEFAULT_DEVICE,
+    DEVICE_ID_SHAPES,
+    DeviceId,
+    DeviceKind,
+    default_arena,
+    device_arena_of,
+    parse_device_id,
+    runtime_dir,
+)
+from arbiterd.spec import MAX_N_CTX, KvPolicy, ModelSpec, Residency, SplitMode, WorkerConfig
 from arbiterd.tomltable import (
     MISSING,
     Keys,
@@ -77,6 +94,7 @@ from arbiterd.tomltable import (
     describe,
     dotted,
     read_toml,
+    toml_string,
 )
 
 APP_DIR = "arbiterd"
@@ -142,6 +160,7 @@ DAEMON_KEYS = (
     "prompt_cache_budget",
     "watch_config",
     "queue_notice_s",
+    "rpc_servers",
 )
 MODEL_KEYS = (
     "path",
@@ -171,6 +190,9 @@ MODEL_KEYS = (
     "tools",
     "chat_template",
     "chat_template_file",
+    "devices",
+    "split_mode",
+    "tensor_split",
 )
 STARTER_N_CTX = 4096
 QUEUE_NOTICE_S = 1.0
@@ -248,6 +270,9 @@ class DaemonConfig:
     # Issue 30: a stream that has waited this long for the GPU is told who holds it
     # (daemon/waiting.py), and again every few seconds.
     queue_notice_s: float = QUEUE_NOTICE_S
+    # Issue 27: the llama.cpp RPC servers models may be placed on, "host:port" as an rpc:
+    # device id spells its server (the host lower-cased), in the file's order.
+    rpc_servers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -298,6 +323,12 @@ class ModelConfig:
     # The chat template replacing the GGUF's (chat_template, or chat_template_file's text),
     # checked to parse and render a generation prompt; None: the GGUF's.
     chat_template: str | None = None
+    # Issue 27: where its layers go, device ids in their canonical spelling (paths.DeviceId) in
+    # the file's order, which is the order llama.cpp fills them in; how it splits over several,
+    # and each one's share (() = by free memory; else one per device).
+    devices: tuple[str, ...] = (DEFAULT_DEVICE,)
+    split_mode: SplitMode = SplitMode.LAYER
+    tensor_split: tuple[float, ...] = ()
 
     def same_worker(self, other: ModelConfig) -> bool:
         """Whether `other` runs the same worker as this config: equal but for the aliases,
@@ -348,6 +379,9 @@ class ModelConfig:
             tools=self.tools is Tools.OFFER,
             chat_template=self.chat_template,
             repack=self.repack,
+            devices=self.devices,
+            split_mode=self.split_mode,
+            tensor_split=self.tensor_split,
         )
         return WorkerConfig(
             spec=spec,
@@ -478,6 +512,25 @@ _TOOLS_EXPECTED = 'one of "offer", "refuse"'
 _TEMPLATE_EXPECTED = 'a Jinja chat template ("" = the GGUF\'s own)'
 _ALIASES_EXPECTED = 'an array of aliases, e.g. ["gpt-4o-mini", "qwen2.5:7b"]'
 _EMBEDDING_EXPECTED = "true or false (leave it out: as the GGUF says)"
+_DEVICES_EXPECTED = f'an array of one or more device ids ({DEVICE_ID_SHAPES}), e.g. ["gpu1"]'
+_SPLIT_MODE_EXPECTED = 'one of "layer", "row", "tensor"'
+_TENSOR_SPLIT_EXPECTED = "an array of positive numbers, one share per device, e.g. [3, 1]"
+_RPC_SERVERS_EXPECTED = (
+    'an array of RPC servers, each HOST:PORT with a port from 1 to 65535, e.g. ["127.0.0.1:50052"]'
+)
+# ggml's RPC client splits its endpoint at the first ':' (ggml-rpc.cpp, parse_endpoint), so no
+# IPv6 address can name a server; a host name that resolves to one can.
+_RPC_IPV6 = (
+    "an IPv6 address cannot name an RPC server: ggml's RPC client reads the host up to the first "
+    '":"; give the server\'s host name (e.g. one from /etc/hosts) instead'
+)
+# A llama.cpp RPC server serves one client at a time (docs/devices.md): KV buffers left on it
+# while cold would keep this worker its client, and no other model could use the server.
+_KV_ON_RPC = (
+    '"device" cannot be kept for a model on an RPC device: its KV cache would keep the '
+    "connection to the server, which serves one client at a time, so no other model could use "
+    'it while this one is cold; use "host" (the default) or "drop"'
+)
 # Origins that stand for pages the owner cannot name: allowing one would let any page in.
 _OPEN_ORIGINS = {
     "*": "list each origin; every web page would be one",
@@ -497,13 +550,26 @@ def _file_config(path: Path, overrides: _Overrides, env: Mapping[str, str]) -> C
     raw = Table(src, (), read_toml(path))
     raw.check_keys(TOP_KEYS, _top_level_hint)
     daemon = _daemon(src, raw.values.get("daemon", {}), overrides)
-    models = _models(src, raw.values.get("models", MISSING))
+    models = _models(src, raw.values.get("models", MISSING), daemon.rpc_servers)
     groups = _groups(src, raw.values.get("groups", {}), models)
     for group in groups.values():
         for name in group.models:
             models[name] = replace(models[name], group=group.name)
     # Defaults last: the file is wholly checked before $XDG_RUNTIME_DIR can be blamed.
-    return Config(daemon=daemon.resolve(env), models=models, source=path, groups=groups)
+    resolved = daemon.resolve(env)
+    _check_device_arenas(src, models, resolved.arena)
+    return Config(daemon=resolved, models=models, source=path, groups=groups)
+
+
+def _check_device_arenas(src: Source, models: Mapping[str, ModelConfig], gpu0_arena: Path) -> None:
+    """Every model's devices have arenas of their own beside gpu0's (paths.device_arena_of):
+    refused here, naming the model, rather than by its worker."""
+    for model in models.values():
+        for device in model.devices:
+            try:
+                device_arena_of(device, gpu0_arena)
+            except BadValueError as exc:
+                raise src.fail(("models", model.name, "devices"), str(exc)) from None
 
 
 def _embedded_config(default: Path, overrides: _Overrides, env: Mapping[str, str]) -> Config:
@@ -546,6 +612,7 @@ class _DaemonValues:
     prompt_cache_budget_bytes: int = PROMPT_CACHE_BUDGET_BYTES
     watch_config: bool = True
     queue_notice_s: float = QUEUE_NOTICE_S
+    rpc_servers: tuple[str, ...] = ()
 
     def resolve(self, env: Mapping[str, str]) -> DaemonConfig:
         # Only defaults in use are resolved: they may need $XDG_RUNTIME_DIR, which the flags
@@ -569,6 +636,7 @@ class _DaemonValues:
             prompt_cache_budget_bytes=self.prompt_cache_budget_bytes,
             watch_config=self.watch_config,
             queue_notice_s=self.queue_notice_s,
+            rpc_servers=self.rpc_servers,
         )
 
 
@@ -624,6 +692,7 @@ def _daemon(src: Source, raw: object, overrides: _Overrides) -> _DaemonValues:
         holder_timeout_s=holder_timeout_s,
         watch_config=table.boolean("watch_config", True),
         queue_notice_s=table.seconds("queue_notice_s", QUEUE_NOTICE_S),
+        rpc_servers=_rpc_servers(table),
     )
 
 
@@ -685,17 +754,59 @@ def _allow_origins(table: Table) -> frozenset[str]:
     return frozenset(origins)
 
 
-def _models(src: Source, raw: object) -> dict[str, ModelConfig]:
+def _rpc_servers(table: Table) -> tuple[str, ...]:
+    """`[daemon] rpc_servers`: each "HOST:PORT" in the spelling an rpc: device id gives its
+    server (paths.parse_device_id: the host lower-cased), once each."""
+    keys = table.keys("rpc_servers")
+    value = table.values.get("rpc_servers", [])
+    if not isinstance(value, list):
+        raise table.src.expected(keys, _RPC_SERVERS_EXPECTED, value)
+    servers: dict[str, str] = {}  # each server as spelled here -> as the file spelled it
+    for entry in value:
+        if not isinstance(entry, str):
+            raise table.src.expected(keys, _RPC_SERVERS_EXPECTED, entry)
+        if _is_ipv6(entry.rpartition(":")[0]):
+            raise table.src.fail(keys, f"{describe(entry)}: {_RPC_IPV6}")
+        try:
+            device = parse_device_id(f"rpc:{entry}")
+        except BadValueError:
+            device = None
+        if device is None or "/" in entry:
+            raise table.src.expected(keys, _RPC_SERVERS_EXPECTED, entry)
+        server = _server_of(device)
+        if server in servers:
+            first = servers[server]
+            same = "" if first == entry else f" (as {describe(first)})"
+            raise table.src.fail(keys, f"{describe(entry)} is listed twice{same}")
+        servers[server] = entry
+    return tuple(servers)
+
+
+def _is_ipv6(host: str) -> bool:
+    """Whether `host` (of HOST:PORT) is an IPv6 address, bare or in brackets."""
+    try:
+        ipaddress.IPv6Address(host.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        return False
+    return True
+
+
+def _server_of(device: DeviceId) -> str:
+    """The RPC server an rpc: device is on, as rpc_servers spells it: HOST:PORT."""
+    return f"{device.host}:{device.port}"
+
+
+def _models(src: Source, raw: object, rpc_servers: tuple[str, ...]) -> dict[str, ModelConfig]:
     if isinstance(raw, Missing) or raw == {}:
         raise src.fail(("models",), f"expected {_MODELS_EXPECTED}, got none")
     if not isinstance(raw, dict):
         raise src.expected(("models",), _MODELS_EXPECTED, raw)
-    models = {name: _model(src, name, table) for name, table in raw.items()}
+    models = {name: _model(src, name, table, rpc_servers) for name, table in raw.items()}
     _check_aliases(src, models)
     return models
 
 
-def _model(src: Source, name: str, raw: object) -> ModelConfig:
+def _model(src: Source, name: str, raw: object, rpc_servers: tuple[str, ...] = ()) -> ModelConfig:
     where: Keys = ("models", name)
     if not is_model_name(name):
         raise src.expected(where, f"{MODEL_NAME_EXPECTED} (it appears in URLs)", name)
@@ -736,6 +847,9 @@ def _model(src: Source, name: str, raw: object) -> ModelConfig:
     if embedding is not None and not isinstance(embedding, bool):
         raise src.expected(table.keys("embedding"), _EMBEDDING_EXPECTED, embedding)
     chat_template = _chat_template(table, chat_format)
+    devices = _devices(table, rpc_servers)
+    if kv_on_release is KvPolicy.DEVICE and any(d.kind is DeviceKind.RPC for d in devices):
+        raise src.fail(table.keys("kv_on_release"), _KV_ON_RPC)
     return ModelConfig(
         name=name,
         aliases=_aliases(table),
@@ -774,7 +888,87 @@ def _model(src: Source, name: str, raw: object) -> ModelConfig:
         allow_image_urls=table.boolean("allow_image_urls", False),
         tools=table.choice("tools", Tools.OFFER, _TOOLS_EXPECTED),
         chat_template=chat_template,
+        devices=tuple(str(device) for device in devices),
+        split_mode=table.choice("split_mode", SplitMode.LAYER, _SPLIT_MODE_EXPECTED),
+        tensor_split=_tensor_split(table, devices),
     )
+
+
+def _devices(table: Table, rpc_servers: tuple[str, ...]) -> tuple[DeviceId, ...]:
+    """A model's `devices`, parsed, in the file's order: each once, `cpu` only alone, and each
+    rpc: device on a server of `[daemon] rpc_servers`. Whether the engine offers them is the
+    worker's to say when it loads (worker/engine/placement.py names those that exist): the
+    daemon never loads llama.cpp, and a GPU or a server may come and go while it runs."""
+    src, keys = table.src, table.keys("devices")
+    value = table.values.get("devices", [DEFAULT_DEVICE])
+    if not isinstance(value, list):
+        raise src.expected(keys, _DEVICES_EXPECTED, value)
+    if not value:
+        raise src.fail(keys, f"expected {_DEVICES_EXPECTED}, got an empty array")
+    devices: dict[str, tuple[DeviceId, str]] = {}  # canonical id -> (parsed, as the file spells it)
+    for text in value:
+        if not isinstance(text, str):
+            raise src.expected(keys, _DEVICES_EXPECTED, text)
+        device = _device(table, text)
+        first = devices.get(str(device))
+        if first is not None:
+            same = "" if first[1] == text else f" (as {describe(first[1])})"
+            raise src.fail(keys, f"{describe(text)} is listed twice{same}; name each device once")
+        devices[str(device)] = (device, text)
+        if device.kind is DeviceKind.RPC and _server_of(device) not in rpc_servers:
+            listed = ", ".join(rpc_servers) if rpc_servers else "none"
+            raise src.fail(
+                keys,
+                f"{describe(text)} is a device of the RPC server {_server_of(device)}, which "
+                f"{dotted(('daemon', 'rpc_servers'))} does not list (it lists {listed}); "
+                "add the server there",
+            )
+    if len(devices) > 1 and str(DeviceId(DeviceKind.CPU)) in devices:
+        raise src.fail(
+            keys,
+            '"cpu" goes alone: it means no device, every layer on the CPU; list "cpu" only, '
+            "or only the devices the layers go to",
+        )
+    return tuple(device for device, _ in devices.values())
+
+
+def _device(table: Table, text: str) -> DeviceId:
+    """One device id of `devices`; a ConfigError naming the shapes of ids when it is none."""
+    keys = table.keys("devices")
+    try:
+        device = parse_device_id(text)
+    except BadValueError as exc:
+        # parse_device_id's message is "device id 'TEXT': WHY"; WHY quotes DEVICE_ID_SHAPES.
+        why = str(exc).removeprefix(f"device id {text!r}: ")
+        raise table.src.fail(keys, f"{describe(text)} is no device id: {why}") from None
+    if device.kind is DeviceKind.RPC and ":" in device.host:
+        raise table.src.fail(keys, f"{describe(text)}: {_RPC_IPV6}")
+    return device
+
+
+def _tensor_split(table: Table, devices: tuple[DeviceId, ...]) -> tuple[float, ...]:
+    """Each device's share of the model, one positive number per device ([] = llama.cpp's
+    default: by each device's free memory)."""
+    src, keys = table.src, table.keys("tensor_split")
+    value = table.values.get("tensor_split", [])
+    if not isinstance(value, list):
+        raise src.expected(keys, _TENSOR_SPLIT_EXPECTED, value)
+    for share in value:
+        if (
+            isinstance(share, bool)
+            or not isinstance(share, int | float)
+            or not math.isfinite(share)
+            or share <= 0
+        ):
+            raise src.expected(keys, _TENSOR_SPLIT_EXPECTED, share)
+    if value and len(value) != len(devices):
+        named = ", ".join(toml_string(str(device)) for device in devices)
+        raise src.fail(
+            keys,
+            f"{len(value)} shares for {len(devices)} device(s) (devices = [{named}]); give one "
+            "share per device, in the order of devices",
+        )
+    return tuple(float(share) for share in value)
 
 
 def _chat_template(table: Table, chat_format: str) -> str | None:
@@ -884,6 +1078,15 @@ def _groups(src: Source, raw: object, models: Mapping[str, ModelConfig]) -> dict
                     "a model belongs to one group at most",
                 )
             member_of[member] = name
+            placed = models[member].devices
+            if placed != (DEFAULT_DEVICE,):
+                shown = ", ".join(toml_string(device) for device in placed)
+                raise src.fail(
+                    table.keys("models"),
+                    f"{describe(member)} is placed on devices = [{shown}]; a group's models "
+                    f'must be on "{DEFAULT_DEVICE}" (the default): groups across devices are '
+                    "not built yet",
+                )
         highest = min((models[m].priority for m in members), key=lambda p: p.rank)
         priority = _priority(table) if "priority" in values else highest
         groups[name] = GroupConfig(name, tuple(members), priority)

@@ -45,7 +45,9 @@ class ModelStatus(Record):
     its figures are what it said this long ago; `silent_s`: its warm worker has shown no sign of
     life this long, holder_timeout_s or more. `capabilities`: what it can be asked for
     (arbiterd.spec.Capability: chat, completion, tools, vision, embedding), as its worker
-    tells from its GGUF and config; empty until a worker has opened the model. `architecture`,
+    tells from its GGUF and config; empty until a worker has opened the model. `devices`: the
+    device ids it is placed on, in its config's order (issue 27; empty from a daemon from
+    before devices had names, which placed every model on gpu0). `architecture`,
     `trained_context` and `chat_template`: what its GGUF says (the template the config's
     chat_template replaces it with), as its worker read them; "" and 0 until then."""
 
@@ -56,6 +58,7 @@ class ModelStatus(Record):
     trained_context: int = 0
     chat_template: str = ""
     n_ctx: int = 0
+    devices: tuple[str, ...] = ()
     host_copy: str = ""  # "memfd" | "page-cache"
     state: ResidencyState | SlotState = SlotState.UNKNOWN
     pid: int | None = None

@@ -2,9 +2,12 @@
 waits for, and gives a request up once it waited longer than its model's `max_queue_s`.
 
 Owns the timing of a wait and nothing else. Whether a model waits, and for whom, is read at
-each look from its slot (the residency its worker last reported) and a snapshot of the arena,
-taken without a lock (procs.WaitNews): a model waits while its worker is loading (a worker
-queues for the token before it loads) or cold, and does not hold the token. A wait is looked at
+each look from its slot (the residency its worker last reported) and a snapshot of the arenas
+of its devices, taken without a lock (procs.WaitNews): a model waits while its worker is loading
+(a worker queues for the token before it loads) or cold, and does not hold every one of its
+devices' tokens. A model on several devices takes them in the canonical order
+(arena/devices.py), so what it waits for is the first of them it does not hold: that arena's
+holder and its place in that arena's queue are what it is told (issue 27). A wait is looked at
 only at its notice times and its deadline, so nothing wakes while nothing waits (issue 29), and
 the watch ends at the first look that finds the model has the GPU: from then on the request is
 the model's, however long it runs.
@@ -19,13 +22,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
 
-from arbiterd.arena import Arena
+from arbiterd.arena import Arena, ArenaState
+from arbiterd.arena.devices import canonical_order
 from arbiterd.arena.groups import keeper_name
 from arbiterd.daemon.slots import Slot
-from arbiterd.errors import ArenaError, QueueTimeoutError
+from arbiterd.errors import ArenaError, BadValueError, QueueTimeoutError
+from arbiterd.paths import DEFAULT_DEVICE, device_arena_of
 from arbiterd.procs import WaitNews, news_for
 from arbiterd.states import ResidencyState
 
@@ -41,8 +46,20 @@ NewsListener = Callable[[WaitNews], None]
 
 class Waits:
     def __init__(self, arena: Arena, *, notice_after_s: float) -> None:
-        self._arena = arena
+        """`arena`: gpu0's; every other device's is its sibling (paths.device_arena_of)."""
+        self._arenas: dict[str, Arena] = {DEFAULT_DEVICE: arena}  # by device id, made on use
         self._notice_after_s = notice_after_s
+
+    def _arenas_of(self, devices: Iterable[str]) -> list[Arena]:
+        """The arenas of `devices`, in the order a worker takes them."""
+        found = []
+        for device in canonical_order(devices):
+            arena = self._arenas.get(str(device))
+            if arena is None:
+                gpu0 = self._arenas[DEFAULT_DEVICE].path
+                arena = self._arenas[str(device)] = Arena(device_arena_of(device, gpu0))
+            found.append(arena)
+        return found
 
     def news(self, slot: Slot) -> WaitNews | None:
         """What `slot`'s model waits for; None when it does not wait for the GPU (it has it,
@@ -51,11 +68,12 @@ class Waits:
         if worker is None or slot.residency not in _WAITING_IN:
             return None
         try:
-            state = self._arena.observe()
-        except (ArenaError, OSError):
+            states = [arena.observe() for arena in self._arenas_of(slot.config.devices)]
+        except (ArenaError, BadValueError, OSError):
             return None  # nothing to say: the worker's own wait reports what is wrong
-        if state.holder_pid == worker.pid:
-            return None  # loading or restoring, with the token
+        state = waited_on(states, worker.pid)
+        if state is None:
+            return None  # loading or restoring, with every token
         group = slot.config.group
         if group and state.holder is not None and state.holder.name == keeper_name(group):
             return None  # its group has the GPU: it is on its way in
@@ -126,6 +144,12 @@ class Waits:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+
+
+def waited_on(states: Iterable[ArenaState], pid: int) -> ArenaState | None:
+    """Of the arenas of a model's devices (`states`, in the canonical order), the one its worker
+    (`pid`) waits on: the first whose token it does not hold; None when it holds them all."""
+    return next((state for state in states if state.holder_pid != pid), None)
 
 
 def _gave_up(slot: Slot, news: WaitNews, waited_s: float) -> QueueTimeoutError:

@@ -47,6 +47,11 @@ class Device:
         return self.registry == "RPC"
 
     @property
+    def local_gpu(self) -> bool:
+        """A GPU of this machine: what arbiterd's ids gpu0, gpu1, ... count, in ggml's order."""
+        return self.kind in ("gpu", "igpu") and not self.remote
+
+    @property
     def on_cpu(self) -> bool:
         """A GPU API device whose driver runs on the CPU (llvmpipe): real Vulkan, no GPU, and
         memory figures that are the driver's accounting, not a budget."""

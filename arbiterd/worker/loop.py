@@ -2,7 +2,8 @@
 
     python -m arbiterd.worker --fd N --config JSON
 
-Owns the model (through a `Backend`), its residency state and its hold on the arena token.
+Owns the model (through a `Backend`), its residency state and its hold on the arena token
+(on each of its devices' arenas for a model on several, `gateway`; issue 27).
 Two threads:
 - the **engine thread** (the main thread) owns the llama objects, the residency state machine
   and the token. It serves requests one at a time, and between requests it probes `wanted()`
@@ -68,6 +69,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from arbiterd.arena import Arena, ArenaState, Gateway, Hold, Place, Priority
+from arbiterd.arena.devices import device_arenas
 from arbiterd.arena.doorbell import SAFETY_PROBE_S, Doorbell
 from arbiterd.arena.groups import Gate
 from arbiterd.errors import (
@@ -81,6 +83,7 @@ from arbiterd.errors import (
     WorkerError,
 )
 from arbiterd.events import RequestEvent, ResidencyEvent
+from arbiterd.paths import DeviceKind, parse_device_id
 from arbiterd.procs import holder_name
 from arbiterd.request import GenerateRequest
 from arbiterd.spec import (
@@ -154,12 +157,9 @@ class Worker:
         self.name = config.spec.name
         self._backend = backend
         self._engine = engine
-        self._kv_policy = config.kv_on_release
-        if self._kv_policy is KvPolicy.DEVICE and not backend.keeps_kv_on_device:
-            log.warning(
-                "%s: kv_on_release=device needs the in-place backend; using host", self.name
-            )
-            self._kv_policy = KvPolicy.HOST
+        self._kv_policy, why = kv_on_release(config, backend.keeps_kv_on_device)
+        if why:
+            log.warning("%s: %s", self.name, why)
         self._arena = gateway(config)
         self._reader = LineReader(sock)
         self._out = LineWriter(sock)
@@ -725,9 +725,35 @@ class Worker:
 
 
 def gateway(config: WorkerConfig) -> Gateway:
-    """The worker's way to the GPU: its group's gate, or the arena's token."""
-    arena = Arena(config.arena)
-    return Gate(arena, config.group) if config.group else arena
+    """The worker's way to the GPU: its group's gate in gpu0's arena (`config.arena`; a group's
+    models are all on gpu0, config.py refuses any other), else the arenas of its devices, taken
+    in the canonical order (arena/devices.py). A model on one device goes through that device's
+    arena alone: on the default ["gpu0"], gpu0's, exactly as before devices had names; on
+    ["cpu"], the cpu arena, shared only with the other models placed on the CPU."""
+    if config.group:
+        return Gate(Arena(config.arena), config.group)
+    return device_arenas(config.spec.devices, config.arena)
+
+
+def kv_on_release(config: WorkerConfig, keeps_kv_on_device: bool) -> tuple[KvPolicy, str]:
+    """What a release does with the KV cache: the config's kv_on_release, or "host" where
+    "device" cannot be, with why ("" when it is the config's). `keeps_kv_on_device`: the
+    backend can leave the KV on the device (in place). Config load refuses "device" on an RPC
+    device already; this guards a WorkerConfig made otherwise."""
+    policy = config.kv_on_release
+    if policy is not KvPolicy.DEVICE:
+        return policy, ""
+    if not keeps_kv_on_device:
+        return KvPolicy.HOST, "kv_on_release=device needs the in-place backend; using host"
+    remote = [d for d in config.spec.devices if parse_device_id(d).kind is DeviceKind.RPC]
+    if remote:
+        # A llama.cpp RPC server serves one client at a time: KV buffers kept on it while cold
+        # would keep this worker its client, and no other model could reach the server.
+        return KvPolicy.HOST, (
+            f"kv_on_release=device would keep the connection to the RPC server of "
+            f"{', '.join(remote)}, which serves one client at a time; using host"
+        )
+    return policy, ""
 
 
 class _Waiting:

@@ -119,7 +119,7 @@ class Backend(Protocol):
 class EngineInfo:
     """What the loaded engine can do: offload to a GPU or not, and on which devices."""
 
-    offload: bool  # llama_supports_gpu_offload
+    offload: bool  # a local GPU takes layers (RPC servers are named by the models' devices)
     devices: tuple[str, ...]  # "CPU: <model name>", "CUDA0: NVIDIA H200", ...
 
     def to_json(self) -> dict[str, Any]:
@@ -129,11 +129,13 @@ class EngineInfo:
 def engine_info() -> EngineInfo:
     """The loaded llama_cpp's abilities; the device list is empty when libggml cannot be read."""
     try:
-        found = tuple(device.label for device in ggml.devices(libllama.loaded_libllama()))
+        listed = ggml.devices(libllama.loaded_libllama())
     except (EngineError, OSError, AttributeError) as exc:
         log.warning("cannot list the engine's devices: %s", exc)
-        found = ()
-    return EngineInfo(offload=bool(llama_cpp.llama_supports_gpu_offload()), devices=found)
+        return EngineInfo(offload=bool(llama_cpp.llama_supports_gpu_offload()), devices=())
+    # llama_supports_gpu_offload is true for every engine with the RPC backend, GPU or not.
+    local = any(device.local_gpu for device in listed)
+    return EngineInfo(offload=local, devices=tuple(device.label for device in listed))
 
 
 def select_backend(spec: ModelSpec, *, vram_budget: int = 0) -> Backend:

@@ -20,12 +20,10 @@ from arbiterd.worker.engine.records import Prepared
 from arbiterd.worker.vision import Span
 
 log = logging.getLogger(__name__)
-# ggml's device kinds whose free memory bounds what a projector may take beside the model.
-_GPU_KINDS = ("gpu", "igpu")
 
 
 def free_device_bytes() -> int | None:
-    """Free memory of the first GPU the engine offers (where a projector goes); None when it
+    """Free memory of the first local GPU the engine offers (where a projector goes); None when it
     has none or ggml cannot be read."""
     try:
         found = ggml.devices(libllama.loaded_libllama())
@@ -33,7 +31,7 @@ def free_device_bytes() -> int | None:
         log.warning("cannot read the devices' free memory: %s", exc)
         return None
     # A device whose driver runs on the CPU reports a fixed heap, not what is free: no budget.
-    return next((d.free_bytes for d in found if d.kind in _GPU_KINDS and not d.on_cpu), None)
+    return next((d.free_bytes for d in found if d.local_gpu and not d.on_cpu), None)
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ def runs_on_cpu(spec: ModelSpec) -> bool:
 
 
 def _local_gpus(library: Path) -> list[ggml.Device]:
-    return [d for d in ggml.devices(library) if d.kind in ("gpu", "igpu") and not d.remote]
+    return [d for d in ggml.devices(library) if d.local_gpu]
 
 
 def rpc_endpoint(device: DeviceId) -> str:

@@ -5,6 +5,7 @@ llama.cpp parses a grammar. Part of the engine (arbiterd/worker/engine/): it cal
 
 from __future__ import annotations
 
+import ctypes
 import re
 from pathlib import Path
 
@@ -44,6 +45,10 @@ class Vocab:
     def __init__(self, path: str, shown: Path) -> None:
         params = llama_cpp.llama_model_default_params()
         params.vocab_only = True
+        # No device: left NULL, llama.cpp looks at every registered device, and asking a
+        # registered RPC server whose process is gone aborts the worker in ggml's client.
+        no_devices = (ctypes.c_void_p * 1)(None)
+        params.devices = ctypes.cast(no_devices, ctypes.c_void_p)
         try:
             model = LlamaModel(path_model=path, params=params, verbose=False)
         except ValueError:
