@@ -11,6 +11,9 @@ arbiterd.cli.controlclient; the tray speaks it over Qt (arbiterd.gui.connection)
                      {"request_id", "error": "success", "data": {...}}
                      {"request_id", "error": MESSAGE, "code": CODE}   CODE_* or an ErrorCode
                      {"event": KIND, "at": SECONDS, ...}          after `subscribe`
+
+The `devices` reply is `{"devices": [DeviceEntry, ...]}`: the record is here, where both ends
+read it (the daemon's arbiterd.daemon.devicelist writes it, `arbiterd devices` reads it).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any, Final
 from arbiterd.errors import (
     ProtocolError,
 )
+from arbiterd.events import Record
 from arbiterd.wire import decode
 
 log = logging.getLogger(__name__)
@@ -72,6 +76,7 @@ _RESERVED_KEYS = frozenset({"command", "request_id"})
 _ARGS: dict[str, dict[str, tuple[type, bool]]] = {
     "hello": {"protocol": (int, False)},
     "status": {},
+    "devices": {},
     "subscribe": {},
     "unsubscribe": {},
     "events": {"since": (float, False), "after_seq": (int, False), "limit": (int, False)},
@@ -82,6 +87,28 @@ _ARGS: dict[str, dict[str, tuple[type, bool]]] = {
 CONTROL_COMMANDS: Final = tuple(sorted(_ARGS))
 # The values an integer argument may take, by name (a seq is an SQLite integer).
 _RANGES: Final = {"limit": (1, EVENTS_PAGE_MAX), "after_seq": (0, 2**63 - 1)}
+
+
+@dataclass(frozen=True)
+class DeviceEntry(Record):
+    """One device of the `devices` reply (docs/control-protocol.md § Devices): its arbiterd id
+    (paths.DeviceId's spelling), ggml's name for it (None where only an engine that registered
+    it names it: an RPC server's device is RPC0, RPC1, ... in each worker's own order), what
+    it is, its memory (None: not known now), its arena folder and who holds that arena's token
+    (None: nobody), and for an RPC server's device whether the server answers (`reason` says
+    why not, or why the memory is not known while it serves another client). Reading never
+    raises (arbiterd/events.py's field codec)."""
+
+    id: str = ""
+    ggml: str | None = None
+    description: str = ""
+    kind: str = ""  # ggml's: "cpu", "gpu", "igpu", ... (an RPC server's device is a "gpu")
+    free_bytes: int | None = None
+    total_bytes: int | None = None
+    arena: str = ""
+    holder: str | None = None
+    reachable: bool = False
+    reason: str | None = None
 
 
 def _is_scalar(value: object) -> bool:

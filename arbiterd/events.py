@@ -327,7 +327,8 @@ class HandoffEvent(Event):
     """The GPU went from `from_model` to `to_model`, as the model that got it measured: it began
     waiting at `waited_from`, waited `wait_s` for the token (held by `holder_pid`; the release
     of `from_model`, `release_s` when known, happened within that wait), then restored for
-    `restore_s`, moving `restored_bytes` onto the device.
+    `restore_s`, moving `restored_bytes` onto `devices` (to_model's device ids; empty from a
+    daemon that did not say).
 
     An older daemon inferred handoffs and said only from, to, release_s, wait_s and restore_s,
     its wait_s counted from the end of the release: those read with the new fields None."""
@@ -345,6 +346,7 @@ class HandoffEvent(Event):
     # Why `from_model` let go, when it did during the wait: "wanted", or "preempted" (paused
     # mid-generation for a waiter of a higher class).
     release_reason: str | None = None
+    devices: tuple[str, ...] = ()
 
     @property
     def total_s(self) -> float:
@@ -358,7 +360,8 @@ class HandoffEvent(Event):
 @dataclass(frozen=True, kw_only=True)
 class WaitEvent(Event):
     """`model` waited `wait_s` from `waited_from` for the GPU, held by a program that is not one
-    of the daemon's models: a game, `arbiterd run CMD`, another daemon's model. Not a handoff."""
+    of the daemon's models: a game, `arbiterd run CMD`, another daemon's model. Not a handoff.
+    `devices`: the model's device ids (empty from a daemon that did not say)."""
 
     KIND: ClassVar[str] = "wait"
 
@@ -367,6 +370,7 @@ class WaitEvent(Event):
     holder_name: str = ""
     waited_from: float | None = None
     wait_s: float | None = None
+    devices: tuple[str, ...] = ()
 
     @property
     def total_s(self) -> float:

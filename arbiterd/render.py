@@ -137,6 +137,20 @@ def capabilities_text(capabilities: Sequence[str]) -> str:
     return ", ".join(capabilities)
 
 
+# The device a model is on unless its config says otherwise (paths.DEFAULT_DEVICE); render.py
+# imports only event records, so the id is spelled here.
+_DEFAULT_DEVICES = ("gpu0",)
+
+
+def placement(devices: Sequence[str]) -> str:
+    """Where a model runs, as the CLI's status and the tray say it: "on rpc:127.0.0.1:50052 +
+    rpc:127.0.0.1:50053"; "" on the default gpu0 (or from a daemon that did not say), so that a
+    machine whose models are all on one GPU reads as it did before devices had names."""
+    if tuple(devices) in ((), _DEFAULT_DEVICES):
+        return ""
+    return "on " + " + ".join(devices)
+
+
 def grouped(pairs: Iterable[tuple[str, str]]) -> list[tuple[list[str], str]]:
     """(names, text) for each distinct non-empty text of (name, text) pairs, in the order each
     text first comes: the same warning for several models is said once, naming them all."""
@@ -276,14 +290,14 @@ def _handoff(event: HandoffEvent) -> str:
             parts.append(f"{label} {format_seconds(seconds)}")
     if event.restored_bytes:
         parts.append(f"restored {format_bytes(event.restored_bytes)}")
-    return "  ".join(parts)
+    return "  ".join([*parts, placement(event.devices)]).rstrip()
 
 
 def _wait(event: WaitEvent) -> str:
     parts = [handoff_title(event)]
     if event.wait_s is not None:
         parts.append(f"wait {format_seconds(event.wait_s)}")
-    return "  ".join(parts)
+    return "  ".join([*parts, placement(event.devices)]).rstrip()
 
 
 def _request(event: RequestEvent) -> str:

@@ -75,6 +75,7 @@ SAMPLES: list[Event] = [
         restore_s=0.9,
         restored_bytes=GiB,
         release_reason="wanted",
+        devices=("gpu0",),
     ),
     WaitEvent(
         at=T,
@@ -176,6 +177,7 @@ def test_the_json_names_are_the_daemons() -> None:
         "restore_s": 0.9,
         "restored_bytes": GiB,
         "release_reason": "wanted",
+        "devices": ["gpu0"],
     }
     assert SAMPLES[1].to_json()["id"] == "cmpl-1"
     assert SAMPLES[0].to_json()["to"] == "warm"

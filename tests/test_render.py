@@ -118,6 +118,17 @@ def test_a_handoff_line_from_an_older_and_a_measuring_daemon() -> None:
     )
 
 
+def test_a_handoff_or_wait_names_its_devices_unless_they_are_the_one_gpu() -> None:
+    split = {"event": "handoff", "from": "a", "to": "b", "restore_s": 0.5,
+             "devices": ["rpc:127.0.0.1:50052", "rpc:127.0.0.1:50053"]}  # fmt: skip
+    assert line(split) == (
+        "handoff   a → b  restore 0.50 s  on rpc:127.0.0.1:50052 + rpc:127.0.0.1:50053"
+    )
+    assert line({**split, "devices": ["gpu0"]}) == "handoff   a → b  restore 0.50 s"
+    wait = {"event": "wait", "model": "b", "holder_name": "game", "devices": ["gpu1"]}
+    assert line(wait) == "wait      b waited behind game  on gpu1"
+
+
 def test_a_wait_behind_another_program_is_not_a_handoff() -> None:
     body = {"event": "wait", "model": "tiny", "holder_pid": 777, "holder_name": "steam",
             "waited_from": AT - 30, "wait_s": 29.5}  # fmt: skip

@@ -1,5 +1,5 @@
-"""The CLI commands that start or talk to the daemon: daemon, status, warm, release, pin,
-unpin, unload, shutdown, hold, unhold, reload, events.
+"""The CLI commands that start or talk to the daemon: daemon, status, devices, warm, release,
+pin, unpin, unload, shutdown, hold, unhold, reload, events.
 
 Owns their arguments and how their output is laid out (its phrases come from arbiterd.render).
 Talks to a running daemon only through the control socket (cli/controlclient.py); `events` asks
@@ -32,6 +32,7 @@ from arbiterd.config import (
     load_config,
     load_daemon_config,
 )
+from arbiterd.control import DeviceEntry
 from arbiterd.daemon.journal import Journal, parse_since
 from arbiterd.errors import BadValueError, DaemonError, DaemonNotRunningError
 from arbiterd.events import parse_event
@@ -97,6 +98,16 @@ def add_commands(command: AddCommand) -> None:
     _client_options(status)
     status.add_argument("--json", action="store_true", help="print the status object")
     status.set_defaults(handler=show_status)
+
+    devices = command(
+        "devices",
+        "list the devices models can be placed on, with their memory, arenas and holders",
+        "arbiterd devices",
+        "arbiterd devices --json",
+    )
+    _client_options(devices)
+    devices.add_argument("--json", action="store_true", help='print {"devices": [...]}')
+    devices.set_defaults(handler=show_devices)
 
     for name, text in (
         ("warm", "load a model onto the GPU now"),
@@ -192,6 +203,22 @@ def show_status(args: argparse.Namespace) -> int:
         print(json.dumps(status))
     else:
         print(render_status(DaemonStatus.from_json(status)))
+    return 0
+
+
+def show_devices(args: argparse.Namespace) -> int:
+    with ControlClient.connect(_socket(args)) as client:
+        reply = client.call("devices")
+    if args.json:
+        print(json.dumps(reply))
+        return 0
+    raw = reply.get("devices")
+    listed = (
+        [DeviceEntry.from_json(item) for item in raw if isinstance(item, dict)]
+        if isinstance(raw, list)
+        else []
+    )
+    print(render_devices(listed))
     return 0
 
 
@@ -419,6 +446,44 @@ def render_status(status: DaemonStatus) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def render_devices(devices: list[DeviceEntry]) -> str:
+    """The `devices` reply as a table: what each device is, its memory and who holds it."""
+    if not devices:
+        return (
+            "no devices listed: no model's worker has said which devices its engine has yet, "
+            "and [daemon] rpc_servers names none"
+        )
+    rows = [("DEVICE", "KIND", "DESCRIPTION", "FREE / TOTAL", "HOLDER", "NOTE")]
+    for device in devices:
+        description = device.description
+        if device.ggml and device.ggml != description:
+            description = f"{device.ggml}: {description}" if description else device.ggml
+        note = device.reason or ""
+        if not device.reachable:
+            note = f"unreachable: {note}" if note else "unreachable"
+        rows.append(
+            (
+                device.id,
+                device.kind or "?",
+                description or "?",
+                _memory(device.free_bytes, device.total_bytes),
+                device.holder or "-",
+                note,
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join(
+        ("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1]).rstrip()
+        for row in rows
+    )
+
+
+def _memory(free_bytes: int | None, total_bytes: int | None) -> str:
+    if free_bytes is None or total_bytes is None:
+        return "?"
+    return f"{render.format_bytes(free_bytes)} / {render.format_bytes(total_bytes)}"
+
+
 def _memory_lines(status: DaemonStatus) -> list[str]:
     """Host RAM against its budget, and the prompt caches on disk against theirs (issue 14)."""
     lines = []
@@ -454,7 +519,7 @@ def _status_row(model: ModelStatus) -> tuple[str, ...]:
         ago = time.time() - (handoff.at or time.time())
         last = f"from {handoff.from_model} {render.format_seconds(handoff.total_s)}, "
         last += render.format_ago(ago)
-    note = []
+    note = [placed] if (placed := render.placement(model.devices)) else []
     if model.silent_s is not None:
         note.append(render.silence(model.name, model.silent_s))
     if model.stale_s is not None:

@@ -19,16 +19,20 @@ from typing import Any
 
 from arbiterd import __version__, render
 from arbiterd.arena import PRIORITY_CHOICES, Arena, ArenaState, Priority, parse_priority
-from arbiterd.cli import commands
+from arbiterd.arena.devices import canonical_order
+from arbiterd.cli import commands, rpcserver
 from arbiterd.cli.demo import main as run_demo
 from arbiterd.cli.discovery import FoundModel, find_models
 from arbiterd.cli.install import Installer, copy_of_this_clone
 from arbiterd.cli.runner import run_holding_token
 from arbiterd.errors import ArbiterError, BadValueError, MissingPartError, UsageError
-from arbiterd.paths import resolve_arena
+from arbiterd.paths import DEFAULT_DEVICE, DEVICE_ID_SHAPES, device_arena_of, resolve_arena
 from arbiterd.procs import holder_name, process_name
 
-RUN_USAGE = "arbiterd run [--arena DIR] [--name NAME] [--priority P] [--timeout S] -- CMD [ARG...]"
+RUN_USAGE = (
+    "arbiterd run [--arena DIR] [--device ID]... [--name NAME] [--priority P] [--timeout S] "
+    "-- CMD [ARG...]"
+)
 # A command whose reader closed the pipe ends as a shell reports one killed by SIGPIPE.
 EXIT_BROKEN_PIPE = 128 + 13
 
@@ -47,9 +51,11 @@ def _parser() -> argparse.ArgumentParser:
         "run a program while it holds the GPU token",
         "arbiterd run -- blender --background scene.blend --render-frame 1",
         "arbiterd run --name comfyui --timeout 600 -- python main.py",
+        "arbiterd run --device gpu0 --device gpu1 -- python train.py",
         usage=RUN_USAGE,
     )
     _add_arena_option(run)
+    _add_device_option(run, "hold this device's token (repeat it to hold several)")
     run.add_argument("--name", help="how the holder is shown (default: the program's name)")
     run.add_argument("--timeout", type=float, metavar="S", help="give up waiting after S seconds")
     run.add_argument(
@@ -65,8 +71,16 @@ def _parser() -> argparse.ArgumentParser:
         arena_sub, "status", "who holds the GPU token and who waits", "arbiterd arena status --json"
     )
     _add_arena_option(status)
+    _add_device_option(status, "show this device's arena")
     status.add_argument("--json", action="store_true", help="print one JSON object")
     commands.add_commands(command)
+    rpc_server = command(
+        "rpc-server",
+        "serve this machine's GPU or CPU to other engines as a llama.cpp RPC server",
+        "arbiterd rpc-server",
+        "arbiterd rpc-server --listen 127.0.0.1:50053 --device cpu",
+    )
+    rpcserver.add_command(rpc_server)
     demo = command(
         "demo",
         "run two models on real requests and show every handoff live",
@@ -75,7 +89,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--screenshot", type=Path, metavar="FILE.png", help="also render the dashboard of it"
     )
-    demo.set_defaults(handler=lambda args: run_demo(args.screenshot))
+    demo.add_argument(
+        "--devices",
+        action="store_true",
+        help="on two llama.cpp RPC servers on 127.0.0.1: one model split over both",
+    )
+    demo.set_defaults(handler=lambda args: run_demo(args.screenshot, devices=args.devices))
     sub.add_parser(
         "tray", help="the tray icon and dashboard (arbiterd tray --help)", add_help=False
     )
@@ -160,6 +179,24 @@ def _add_arena_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_device_option(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--device",
+        action="append",
+        metavar="ID",
+        help=f"{what}: {DEVICE_ID_SHAPES}; its arena is --arena's for gpu0 and the sibling "
+        "folder named by the device for any other (default: gpu0)",
+    )
+
+
+def arenas_of_devices(devices: Sequence[str] | None, gpu0_arena: Path) -> list[tuple[str, Arena]]:
+    """The arenas of `--device`s (gpu0's alone without any), each device with its own, in the
+    canonical order; a device named twice, or an id of no known shape, is refused."""
+    if not devices:
+        return [(DEFAULT_DEVICE, Arena(gpu0_arena))]
+    return [(str(d), Arena(device_arena_of(d, gpu0_arena))) for d in canonical_order(devices)]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     prefix = "arbiterd"
@@ -213,8 +250,8 @@ def _run(args: argparse.Namespace, cmd: list[str]) -> int:
     if not cmd:
         raise UsageError(f"no command after '--': {RUN_USAGE}")
     priority = parse_priority(args.priority, "--priority")
-    arena = Arena(resolve_arena(args.arena))
-    return run_holding_token(arena, cmd, name=args.name, timeout_s=timeout_s, priority=priority)
+    arenas = arenas_of_devices(args.device, resolve_arena(args.arena))
+    return run_holding_token(arenas, cmd, name=args.name, timeout_s=timeout_s, priority=priority)
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -297,7 +334,11 @@ def arena_status_json(state: ArenaState) -> dict[str, object]:
 
 
 def _arena_status(args: argparse.Namespace) -> int:
-    state = Arena(resolve_arena(args.arena)).observe()
+    devices: list[str] | None = args.device
+    if devices is not None and len(devices) > 1:
+        raise UsageError("arena status shows one device's arena: give --device once")
+    [(_, arena)] = arenas_of_devices(devices, resolve_arena(args.arena))
+    state = arena.observe()
     report = arena_status_json(state)
     if args.json:
         print(json.dumps(report))

@@ -18,6 +18,10 @@ the game or the render because the process watching it died, which the shared lo
 cost. (It is also set per thread, lost across a setuid exec, and racy against a parent that
 dies before the child sets it.)
 
+With `--device` (issue 27) CMD holds the token of each device named, taken in the canonical
+order (arbiterd/arena/devices.py says why that order cannot deadlock) and inherited all the same
+way: each token's description is passed to CMD and holder.json of each arena names it.
+
 What sharing implies:
 - CMD's own children inherit the description too, unless CMD closes it for them (many launchers
   do: Python's subprocess closes every fd it is not told to pass). After a SIGKILL of the runner,
@@ -46,6 +50,7 @@ from types import FrameType
 from typing import TextIO
 
 from arbiterd.arena import Arena, ArenaState, Priority, Token
+from arbiterd.arena.devices import Devices, DevicesHold, canonical_order
 from arbiterd.errors import (
     AcquireCancelledError,
     ArenaError,
@@ -53,6 +58,7 @@ from arbiterd.errors import (
     CommandNotFoundError,
     UsageError,
 )
+from arbiterd.paths import DeviceId
 from arbiterd.procs import WaitNews, holder_label, news_for
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -84,7 +90,7 @@ def resolve_command(cmd: Sequence[str]) -> str:
 
 
 def run_holding_token(
-    arena: Arena,
+    target: Arena | Sequence[tuple[str | DeviceId, Arena]],
     cmd: Sequence[str],
     *,
     name: str | None,
@@ -92,14 +98,20 @@ def run_holding_token(
     priority: Priority = Priority.NORMAL,
     stderr: TextIO = sys.stderr,
 ) -> int:
-    """Wait for the token, run CMD, release; return CMD's exit status (128+N if killed by N)."""
+    """Wait for the token, run CMD, release; return CMD's exit status (128+N if killed by N).
+
+    `target` is one arena, or (device id, arena) pairs: the arenas of `arbiterd run --device`,
+    whose tokens are taken in the canonical order (arbiterd/arena/devices.py) and all held,
+    each inherited by CMD, while it runs. One pair is that arena alone."""
+    parts = _parts(target)
     executable = resolve_command(cmd)
     label = name or Path(cmd[0]).name
     started = time.monotonic()
-    report = _WaitReport(arena, stderr)
+    report = _WaitReport(parts, stderr)
+    gateway: Arena | Devices = parts[0][1] if len(parts) == 1 else Devices(parts)
     previous = _install(dict.fromkeys(FORWARDED_SIGNALS, _raise_interrupted))
     try:
-        token = arena.acquire(label, priority=priority, timeout_s=timeout_s, on_wait=report.began)
+        held = gateway.acquire(label, priority=priority, timeout_s=timeout_s, on_wait=report.began)
     except (_Interrupted, KeyboardInterrupt) as exc:
         signum = exc.signum if isinstance(exc, _Interrupted) else signal.SIGINT
         error = AcquireCancelledError(f"{signal.Signals(signum).name} while waiting for the GPU")
@@ -108,36 +120,64 @@ def run_holding_token(
     finally:
         report.stop()
         _install(previous)
-    with token:
+    try:
         if report.waited:
             print(
                 f"arbiterd run: got the GPU after {time.monotonic() - started:.1f} s", file=stderr
             )
-        return _run_child(token, executable, cmd, stderr)
+        return _run_child(_tokens(held), executable, cmd, stderr)
+    finally:
+        held.release()
+
+
+def _parts(target: Arena | Sequence[tuple[str | DeviceId, Arena]]) -> list[tuple[str, Arena]]:
+    """(device, arena) pairs in the order their tokens are taken; "" names the device of a
+    plain arena (nothing to say which, as before devices had names)."""
+    if isinstance(target, Arena):
+        return [("", target)]
+    by_id = {str(device): arena for device, arena in target}
+    order = canonical_order(device for device, _ in target)  # refuses a device named twice
+    return [(str(device), by_id[str(device)]) for device in order]
+
+
+def _tokens(held: Token | DevicesHold) -> list[Token]:
+    """The tokens CMD inherits: every device's (the arenas' gateways give Tokens)."""
+    if isinstance(held, Token):
+        return [held]
+    return [hold for _, hold in held.parts if isinstance(hold, Token)]
 
 
 class _WaitReport:
     """Says what the wait is for as it begins, then again whenever the holder or our place in
     the queue changes, looked at every REPORT_EVERY_S from a thread of its own (the main thread
-    is blocked in the acquire)."""
+    is blocked in the acquire). Over several devices, each line names the device waited on."""
 
-    def __init__(self, arena: Arena, stderr: TextIO) -> None:
-        self._arena, self._stderr = arena, stderr
-        self._said: tuple[int | None, int | None] | None = None
+    def __init__(self, parts: list[tuple[str, Arena]], stderr: TextIO) -> None:
+        self._arenas = {arena.path: (device, arena) for device, arena in parts}
+        self._named = len(parts) > 1
+        self._stderr = stderr
+        self._on: tuple[str, Arena] = parts[0]  # the device waited on now
+        self._said: tuple[str, int | None, int | None] | None = None
         self._stopped = threading.Event()
         self._watch: threading.Thread | None = None
+        self._lock = threading.Lock()  # `began` (main thread) and the watch share `_on`
         self.waited = False
 
     def began(self, before: ArenaState) -> None:
-        """The arena's on_wait: `before` was read before we queued, so it still names a holder
-        that let go as soon as it saw us; our place is read now that we have a ticket."""
+        """The arena's on_wait, once per device waited on: `before` was read before we
+        queued, so it still names a holder that let go as soon as it saw us; our place is read
+        now that we have a ticket."""
         self.waited = True
-        news = news_for(self._arena.observe(), os.getpid())
+        with self._lock:
+            self._on = self._arenas.get(before.path, self._on)
+        device, arena = self._on
+        news = news_for(arena.observe(), os.getpid())
         if before.holder_pid is not None and news.holder_pid != before.holder_pid:
             news = replace(news, holder=holder_label(before), holder_pid=before.holder_pid)
-        self._say(news)
-        self._watch = threading.Thread(target=self._look_again, name="wait-report", daemon=True)
-        self._watch.start()
+        self._say(device, news)
+        if self._watch is None:
+            self._watch = threading.Thread(target=self._look_again, name="wait-report", daemon=True)
+            self._watch.start()
 
     def stop(self) -> None:
         self._stopped.set()
@@ -146,24 +186,28 @@ class _WaitReport:
 
     def _look_again(self) -> None:
         while not self._stopped.wait(REPORT_EVERY_S):
+            with self._lock:
+                device, arena = self._on
             try:
-                news = news_for(self._arena.observe(), os.getpid())
+                news = news_for(arena.observe(), os.getpid())
             except (ArenaError, OSError):
                 continue  # the next look may succeed; the wait itself reports what breaks
             if not self._stopped.is_set():
-                self._say(news)
+                self._say(device, news)
 
-    def _say(self, news: WaitNews) -> None:
-        seen = (news.holder_pid, news.place)
+    def _say(self, device: str, news: WaitNews) -> None:
+        seen = (device, news.holder_pid, news.place)
         if seen != self._said:
             self._said = seen
-            print(f"arbiterd run: {news.text}", file=self._stderr, flush=True)
+            where = f"{device}: " if self._named else ""
+            print(f"arbiterd run: {where}{news.text}", file=self._stderr, flush=True)
 
 
-def _run_child(token: Token, executable: str, cmd: Sequence[str], stderr: TextIO) -> int:
+def _run_child(tokens: Sequence[Token], executable: str, cmd: Sequence[str], stderr: TextIO) -> int:
     try:
-        # CMD shares the locked description: the module docstring says why.
-        child = subprocess.Popen([executable, *cmd[1:]], pass_fds=(token.fd,))
+        # CMD shares each locked description: the module docstring says why.
+        fds = tuple(token.fd for token in tokens)
+        child = subprocess.Popen([executable, *cmd[1:]], pass_fds=fds)
     except FileNotFoundError:
         raise CommandNotFoundError(f"command not found: {cmd[0]}") from None
     except PermissionError:
@@ -176,11 +220,12 @@ def _run_child(token: Token, executable: str, cmd: Sequence[str], stderr: TextIO
 
     previous = _install(dict.fromkeys(FORWARDED_SIGNALS, forward))
     try:
-        try:
-            token.record_command(child.pid)
-        except (ArenaError, OSError) as exc:
-            # holder.json is informational; CMD runs and holds the token all the same.
-            print(f"arbiterd run: holder.json not updated: {exc}", file=stderr)
+        for token in tokens:
+            try:
+                token.record_command(child.pid)
+            except (ArenaError, OSError) as exc:
+                # holder.json is informational; CMD runs and holds the token all the same.
+                print(f"arbiterd run: holder.json not updated: {exc}", file=stderr)
         status = child.wait()  # PEP 475: resumed after each forwarded signal
     finally:
         _install(previous)

@@ -2,9 +2,10 @@
 
 Owns the socket file and its directory and every connection. It asks the daemon only what
 `arbiterd.daemon.service.Service` offers, and answers `events` from the `History` it is given
-(the journal's query); it never blocks the event loop: every connection has its own bounded
-outbox, a subscriber that cannot keep up is dropped rather than waited for, and the history is
-read in a thread.
+(the journal's query), and `devices` from the status's engine and the RPC servers it is given
+(arbiterd.daemon.devicelist); it never blocks the event loop: every connection has its own
+bounded outbox, a subscriber that cannot keep up is dropped rather than waited for, and the
+history is read, and RPC servers probed, in threads.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final, Protocol
 
@@ -36,6 +37,7 @@ from arbiterd.control import (
     parse_request,
 )
 from arbiterd.daemon import socketfile
+from arbiterd.daemon.devicelist import list_devices
 from arbiterd.daemon.service import Service
 from arbiterd.errors import (
     ArbiterError,
@@ -97,14 +99,27 @@ def _error(request_id: object, message: str, code: str) -> dict[str, Any]:
     return {"request_id": request_id, "error": message, "code": code}
 
 
+def _no_servers() -> Sequence[str]:
+    return ()
+
+
 class ControlServer:
     """Serves the control protocol for `service` on the Unix socket `path`; `history` answers
-    `events`."""
+    `events`, `rpc_servers` says which RPC servers `devices` asks (the config's
+    `[daemon] rpc_servers` as it is now: a reload may change it)."""
 
-    def __init__(self, service: Service, path: Path, *, history: History) -> None:
+    def __init__(
+        self,
+        service: Service,
+        path: Path,
+        *,
+        history: History,
+        rpc_servers: Callable[[], Sequence[str]] = _no_servers,
+    ) -> None:
         self.service = service
         self.path = path
         self.history = history
+        self.rpc_servers = rpc_servers
         self._server: asyncio.Server | None = None
         self._inode: tuple[int, int] | None = None
         self._connections: set[asyncio.Task[None]] = set()
@@ -161,7 +176,7 @@ class ControlServer:
         # close() cancels this inner task, never the one asyncio runs this callback in: asyncio
         # 3.11 logs "Exception in callback" for a connection task that ends cancelled.
         task = asyncio.create_task(
-            _Connection(self.service, self.history, reader, writer).serve(),
+            _Connection(self.service, self.history, self.rpc_servers, reader, writer).serve(),
             name="control-connection",
         )
         self._connections.add(task)
@@ -186,11 +201,13 @@ class _Connection:
         self,
         service: Service,
         history: History,
+        rpc_servers: Callable[[], Sequence[str]],
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
     ) -> None:
         self._service = service
         self._history = history
+        self._rpc_servers = rpc_servers
         self._reader = reader
         self._writer = writer
         # None asks the writer task to stop once everything before it is written.
@@ -333,7 +350,7 @@ class _Connection:
                 )
         return True
 
-    async def _dispatch(self, request: Request) -> dict[str, Any]:
+    async def _dispatch(self, request: Request) -> dict[str, Any]:  # noqa: PLR0911 (one per command)
         command, args = request.command, request.args
         if command == "hello":
             return {
@@ -344,6 +361,8 @@ class _Connection:
             }
         if command == "status":
             return (await self._service.status()).to_json()  # the one place status is written
+        if command == "devices":
+            return await self._devices()
         if command == "subscribe":
             if self._events is None:
                 self._events = self._service.subscribe()
@@ -365,6 +384,16 @@ class _Connection:
                 self._tell({"request_id": request.request_id, "progress": progress})
 
         return await self._service.command(command, args.get("model"), on_news)
+
+    async def _devices(self) -> dict[str, Any]:
+        """The `devices` reply: the engine's devices as the status has them (what the latest
+        worker's hello listed), gpu0's arena as the status names it, and the RPC servers."""
+        status = await self._service.status()
+        if not status.arena:  # a relative path would put the arenas in the daemon's cwd
+            raise ControlError("the daemon's status names no arena: no device can be listed")
+        labels = () if status.engine is None else status.engine.devices
+        listed = await list_devices(labels, Path(status.arena), self._rpc_servers())
+        return {"devices": [device.to_json() for device in listed]}
 
     def _tell(self, message: dict[str, Any]) -> None:
         """Queue a progress line: news, so a client too slow to take it misses it rather than

@@ -26,10 +26,13 @@ class Handoffs:
         self._releases: dict[str, ResidencyEvent] = {}  # model -> its last cooling → cold
 
     def observe(
-        self, event: ResidencyEvent, models_by_pid: Mapping[int, str]
+        self,
+        event: ResidencyEvent,
+        models_by_pid: Mapping[int, str],
+        devices: tuple[str, ...] = (),
     ) -> HandoffEvent | WaitEvent | None:
         """The handoff or wait `event` ends, if it ends one; `models_by_pid` names the daemon's
-        live workers."""
+        live workers, `devices` are the device ids of `event`'s model."""
         model = event.model
         if model is None:
             return None
@@ -48,6 +51,7 @@ class Handoffs:
                 holder_name=event.holder_name or "",
                 waited_from=event.waited_from,
                 wait_s=event.wait_s,
+                devices=devices,
             )
         release = self._releases.get(holder)
         during_wait = (
@@ -67,6 +71,7 @@ class Handoffs:
             restore_s=event.duration_s,
             restored_bytes=event.moved_bytes,
             release_reason=(release.reason or None) if during_wait and release else None,
+            devices=devices,
         )
 
     def forget(self, model: str) -> None:

@@ -74,7 +74,13 @@ async def _serve(
     fd_limit = raise_fd_limit()  # before any worker starts: they inherit it
     journal = Journal(daemon.journal)
     supervisor = Supervisor(config, journal, reload_config)
-    control = ControlServer(supervisor, daemon.socket, history=journal.read)
+    control = ControlServer(
+        supervisor,
+        daemon.socket,
+        history=journal.read,
+        # As the config is now: a reload may change the servers.
+        rpc_servers=lambda: supervisor.config.daemon.rpc_servers,
+    )
     watch = None
     if reload_config is not None and config.source is not None and daemon.watch_config:
         # Applied as the control socket's `reload` is: the supervisor holds any change that

@@ -160,6 +160,8 @@ class Supervisor:
         self.config = config
         self._reload_config = reload_config  # None: nothing to reload (embedded default)
         self.metrics = Metrics()
+        # gpu0's arena: the user's hold, the groups' keepers (groups are on gpu0 alone) and
+        # status's holder; a waiting model is told of its own devices' arenas (waiting.py).
         self._arena = Arena(config.daemon.arena)
         self._slots: dict[str, Slot] = {}
         self._bus = EventBus(self.metrics, journal)
@@ -374,6 +376,7 @@ class Supervisor:
             name=slot.name,
             aliases=slot.config.aliases,
             n_ctx=slot.config.n_ctx,
+            devices=slot.config.devices,
             host_copy=slot.config.host_copy.value,
             state=slot.shown_state,
             pinned=slot.pinned,
@@ -856,7 +859,7 @@ class Supervisor:
             self._want_ram_check()
         self._vram.residency(worker.pid, event)
         self._bus.publish(event)
-        made = self._handoffs.observe(event, self._vram.models_by_pid)
+        made = self._handoffs.observe(event, self._vram.models_by_pid, slot.config.devices)
         if made is not None:
             published = self._bus.publish(made)
             if isinstance(published, HandoffEvent):

@@ -186,6 +186,8 @@ class ModelCard(QFrame):
             extra.append(f"{model.restarts} restart{'s' if model.restarts != 1 else ''}")
         if model.backend:
             extra.append(f"{model.backend} backend")
+        if placed := render.placement(model.devices):
+            extra.append(placed)
         if model.capabilities:  # what it can be asked for, once its worker told (issue 30)
             extra.append(render.capabilities_text(model.capabilities))
         self.queue.setText(" · ".join(extra))

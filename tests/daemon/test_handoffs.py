@@ -74,6 +74,17 @@ def test_a_handoff_says_why_the_holder_let_go_a_pause_included() -> None:
     assert HandoffEvent.from_json(made.to_json()) == made
 
 
+def test_a_handoff_and_a_wait_carry_the_devices_of_the_model_that_got_them() -> None:
+    split = ("rpc:127.0.0.1:50052", "rpc:127.0.0.1:50053")
+    made = Handoffs().observe(warmed("b", holder_pid=A_PID), WORKERS, split)
+    assert isinstance(made, HandoffEvent)
+    assert made.devices == split
+    assert HandoffEvent.from_json(made.to_json()) == made
+    behind = Handoffs().observe(warmed("b", holder_pid=GAME_PID), WORKERS, ("gpu1",))
+    assert isinstance(behind, WaitEvent)
+    assert behind.devices == ("gpu1",)
+
+
 def test_a_first_load_behind_another_model_is_a_handoff_too() -> None:
     made = Handoffs().observe(warmed("b", holder_pid=A_PID, from_state="loading"), WORKERS)
     assert isinstance(made, HandoffEvent)

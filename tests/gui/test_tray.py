@@ -342,8 +342,8 @@ def test_the_menu_names_each_models_backend_the_engine_and_its_warning_once(
     note = cpu_note(("/dev/dri/renderD128",), False, None)
     assert note is not None
     server.status = status(
-        model("alpha", "warm", backend="in-place", resident_bytes=GiB),
-        model("beta", backend="reload", fallback_reason="a stock build"),
+        model("alpha", "warm", backend="in-place", resident_bytes=GiB, devices=["gpu0"]),
+        model("beta", backend="reload", fallback_reason="a stock build", devices=["rpc:h:1"]),
         holder="alpha",
         engine={
             "offload": False,
@@ -373,7 +373,7 @@ def test_the_menu_names_each_models_backend_the_engine_and_its_warning_once(
     dashboard = app.show_dashboard()
     qtbot.waitUntil(lambda: set(dashboard.cards) == {"alpha", "beta"}, timeout=WAIT_MS)
     card = dashboard.cards["beta"]
-    assert card.queue.text() == "queue: 0 · reload backend"
+    assert card.queue.text() == "queue: 0 · reload backend · on rpc:h:1"
     assert card.queue.toolTip() == "a stock build"
     assert card.vram.text() == "RAM: 0 B"
     for each in dashboard.cards.values():
