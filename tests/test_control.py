@@ -286,7 +286,9 @@ def test_client_says_hello_and_learns_the_protocol_and_commands(conns: Connectio
         "protocol": CONTROL_PROTOCOL,
         "server": "arbiterd",
         "version": arbiterd.__version__,
-        "commands": sorted(COMMANDS | {"hello", "status", "subscribe", "unsubscribe", "events"}),
+        "commands": sorted(
+            COMMANDS | {"hello", "status", "devices", "subscribe", "unsubscribe", "events"}
+        ),
     }
 
 
