@@ -67,6 +67,10 @@ VULKAN_DRIVER_KEYS = (
     "VK_DRIVER_FILES",
     "VK_ICD_FILENAMES",
 )
+# ggml's abort attaches gdb to the process to print a backtrace (ggml.c, ggml_print_backtrace)
+# unless this is set: seconds of a dying worker, and gdb's lines bury ggml's own message (an
+# assert, "Remote RPC server crashed ...") in the last words the daemon reports.
+GGML_NO_BACKTRACE = {"GGML_NO_BACKTRACE": "1"}
 
 
 def worker_env(base: Mapping[str, str], nodes: Sequence[str]) -> dict[str, str]:
@@ -75,8 +79,9 @@ def worker_env(base: Mapping[str, str], nodes: Sequence[str]) -> dict[str, str]:
     no driver. There the only Vulkan devices are CPU ones (Mesa's llvmpipe), which ggml-vulkan
     lists only when GGML_VK_VISIBLE_DEVICES names them, so unless it names one the engine lists
     the same devices either way, and each worker is spared llvmpipe and LLVM: ~20 MB of shared
-    and ~12 MB of its own memory (issue 28). The user's own Vulkan settings are left alone."""
-    env = {key: value for key, value in base.items() if key != "NOTIFY_SOCKET"}
+    and ~12 MB of its own memory (issue 28). The user's own Vulkan settings are left alone.
+    ggml prints no backtrace on an abort (GGML_NO_BACKTRACE; a value of the user's is kept)."""
+    env = GGML_NO_BACKTRACE | {key: value for key, value in base.items() if key != "NOTIFY_SOCKET"}
     named = env.get("GGML_VK_VISIBLE_DEVICES", "").strip()
     if not nodes and not named and not any(key in env for key in VULKAN_DRIVER_KEYS):
         env |= VULKAN_NO_DRIVERS

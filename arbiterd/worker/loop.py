@@ -75,6 +75,7 @@ from arbiterd.arena.groups import Gate
 from arbiterd.errors import (
     AcquireCancelledError,
     ArbiterError,
+    DeviceUnreachableError,
     EngineError,
     InternalError,
     ProtocolError,
@@ -109,6 +110,7 @@ from arbiterd.worker.engine import (
     engine_info,
     select_backend,
 )
+from arbiterd.worker.engine.placement import probe_servers
 from arbiterd.worker.kvfile import KvState
 from arbiterd.worker.policy import (
     HoldView,
@@ -125,6 +127,10 @@ log = logging.getLogger(__name__)
 # How often a generation looks for a waiter of a higher class (each look lists the queue and
 # reads /proc/locks).
 PREEMPTION_CHECK_S = 0.02
+# A load that failed for a device out of reach (an RPC server down) is tried again after this,
+# then after twice as long each time, up to the maximum.
+LOAD_RETRY_S = 1.0
+LOAD_RETRY_MAX_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -188,6 +194,7 @@ class Worker:
         self._pinned = False
         self._current: str | None = None
         self._last_error = ""
+        self._retry_load = False  # the last load failed for a device out of reach: try again
         self._warm_since = time.monotonic()
         self._idle_since = time.monotonic()
         self._publish()  # before the io thread can be asked for status
@@ -265,10 +272,8 @@ class Worker:
         )
         threading.Thread(target=self._io_loop, name="worker-io", daemon=True).start()
         try:
-            if self._load():
+            if self._load() or self._load_again():
                 self._serve_forever()
-            else:
-                self._fail_forever()
         finally:
             self._stop()
         return 0
@@ -276,6 +281,9 @@ class Worker:
     def _load(self) -> bool:
         try:
             self._backend.open()  # what needs no GPU (host copy, vocabulary): before asking
+            # A server that is down fails the load before the token is asked: no model is
+            # made to release for a load that cannot happen.
+            probe_servers(self.config.spec)
         except EngineError as exc:
             self._fail(exc)
             return False
@@ -305,6 +313,7 @@ class Worker:
 
     def _fail(self, exc: EngineError) -> None:
         self._last_error = str(exc)
+        self._retry_load = isinstance(exc, DeviceUnreachableError)
         failed = self._residency.transition(
             ResidencyState.LOADING, ResidencyState.FAILED, reason=str(exc)
         )
@@ -367,15 +376,35 @@ class Worker:
             self._asleep = False
             self._beat = time.monotonic()
 
-    def _fail_forever(self) -> None:
-        """A model that cannot load keeps answering, with its reason, until shut down."""
+    def _load_again(self) -> bool:
+        """A model that cannot load keeps answering, with its reason, until shut down; True
+        once it has loaded after all. A load that failed for a device that could not be reached
+        (an RPC server down) is tried again with backoff, from LOAD_RETRY_S up to
+        LOAD_RETRY_MAX_S, each try a probe of its servers before any token is asked."""
+        retry_in_s = LOAD_RETRY_S
+        next_try = time.monotonic() + retry_in_s
         while True:
-            command = self._inbox.get()
+            # A deadline, not a timeout per get: requests answered meanwhile do not put it off.
+            timeout_s = max(0.0, next_try - time.monotonic()) if self._retry_load else None
+            try:
+                command = self._inbox.get(timeout=timeout_s)
+            except queue.Empty:
+                retry_in_s = min(2 * retry_in_s, LOAD_RETRY_MAX_S)
+                next_try = time.monotonic() + retry_in_s
+                try:
+                    probe_servers(self.config.spec)
+                except DeviceUnreachableError as exc:
+                    self._last_error = str(exc)  # still failed: nothing new to say
+                    continue
+                self._residency = ResidencyMachine(self.name)  # loading again
+                if self._load():
+                    return True
+                continue
             if command.op is WorkerOp.SHUTDOWN:
-                return
+                return False
             if command.op is WorkerOp.UNLOAD:  # nothing was loaded: nothing to keep
                 self._reply(command.id, keptkv.kept())
-                return
+                return False
             self._error(command.id, EngineError(f"{self.name} failed to load: {self._last_error}"))
 
     def _handle_warm(self, command: Command) -> None:

@@ -791,7 +791,7 @@ NO_NODES: tuple[str, ...] = ()
 
 def test_a_worker_on_a_machine_without_a_gpu_is_told_to_load_no_vulkan_driver() -> None:
     env = lifecycle.worker_env({"HOME": "/h", "NOTIFY_SOCKET": "/run/n"}, NO_NODES)
-    assert env == {"HOME": "/h", "VK_LOADER_DRIVERS_DISABLE": "*"}
+    assert env == {"HOME": "/h", "VK_LOADER_DRIVERS_DISABLE": "*", "GGML_NO_BACKTRACE": "1"}
 
 
 @pytest.mark.parametrize(
@@ -806,7 +806,13 @@ def test_a_worker_on_a_machine_without_a_gpu_is_told_to_load_no_vulkan_driver() 
 def test_the_vulkan_drivers_are_left_alone_where_they_can_matter(
     base: dict[str, str], nodes: tuple[str, ...]
 ) -> None:
-    assert lifecycle.worker_env(base, nodes) == base
+    assert lifecycle.worker_env(base, nodes) == {**base, "GGML_NO_BACKTRACE": "1"}
+
+
+def test_ggml_prints_no_backtrace_in_a_worker_and_a_users_value_is_kept() -> None:
+    assert lifecycle.worker_env({}, ("/dev/dri/renderD128",))["GGML_NO_BACKTRACE"] == "1"
+    asked = {"GGML_NO_BACKTRACE": "yes"}
+    assert lifecycle.worker_env(asked, ("/dev/dri/renderD128",)) == asked
 
 
 ENGINE_PROBE = """

@@ -82,11 +82,7 @@ def rpc_endpoint(device: DeviceId) -> str:
 def place(spec: ModelSpec, library: Path, timeout_s: float = rpc.PROBE_TIMEOUT_S) -> Placement:
     """The devices `spec` names, found in the loaded engine; its RPC servers are probed and
     registered first. ModelLoadError names a device that does not exist and those that do."""
-    try:
-        ids = [parse_device_id(text) for text in spec.devices]
-        endpoints = tuple(dict.fromkeys(rpc_endpoint(d) for d in ids if d.kind is DeviceKind.RPC))
-    except BadValueError as exc:
-        raise ModelLoadError(f"{spec.name}: {exc}") from None
+    ids, endpoints = _parsed(spec)
     remote: dict[str, list[int]] = {}
     for endpoint in endpoints:
         rpc.probe(endpoint, timeout_s)
@@ -109,6 +105,23 @@ def place(spec: ModelSpec, library: Path, timeout_s: float = rpc.PROBE_TIMEOUT_S
             )
         handles.append(pool[device.index])
     return Placement(tuple(handles), endpoints)
+
+
+def probe_servers(spec: ModelSpec, timeout_s: float = rpc.PROBE_TIMEOUT_S) -> None:
+    """Each RPC server `spec` is placed on answers (DeviceUnreachableError naming the first that
+    does not); asks nothing of the engine, so a worker may ask before it takes any token."""
+    for endpoint in _parsed(spec)[1]:
+        rpc.probe(endpoint, timeout_s)
+
+
+def _parsed(spec: ModelSpec) -> tuple[list[DeviceId], tuple[str, ...]]:
+    """`spec`'s devices and its RPC servers' endpoints, each once in the order named."""
+    try:
+        ids = [parse_device_id(text) for text in spec.devices]
+        endpoints = tuple(dict.fromkeys(rpc_endpoint(d) for d in ids if d.kind is DeviceKind.RPC))
+    except BadValueError as exc:
+        raise ModelLoadError(f"{spec.name}: {exc}") from None
+    return ids, endpoints
 
 
 def _offered(local: list[ggml.Device], remote: dict[str, list[int]]) -> str:
