@@ -67,18 +67,7 @@ def probe(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> ServerInfo:
     """The server at `endpoint` (HOST:PORT): its protocol version and devices. Raises
     DeviceUnreachableError naming the server and why: down, busy with another client for
     `timeout_s`, not a ggml RPC server, or of a protocol the engine does not speak."""
-    host, port = split_endpoint(endpoint)
-    try:
-        conn = socket.create_connection((host, port), timeout=timeout_s)
-    except TimeoutError:
-        raise DeviceUnreachableError(
-            f"RPC server {endpoint} did not accept a connection within {timeout_s:g} s"
-        ) from None
-    except OSError as exc:
-        raise DeviceUnreachableError(
-            f"RPC server {endpoint} is not reachable: {exc.strerror or exc}"
-        ) from None
-    with conn:
+    with _connect(endpoint, timeout_s) as conn:
         try:
             major, minor, patch = _hello(conn)
             _check_version(endpoint, (major, minor, patch))
@@ -98,6 +87,28 @@ def probe(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> ServerInfo:
                 f"{endpoint} is not a ggml RPC server that answers: {exc}"
             ) from None
     return ServerInfo(endpoint, (major, minor, patch), tuple(found))
+
+
+def check_listening(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """Whether the server at `endpoint` is up: it accepts a connection (DeviceUnreachableError
+    naming it if not). Asks it nothing: a server serving another client takes the connection
+    into its queue and answers only when that client leaves, which is a busy server, not a
+    down one; asking it (`probe`) would wait for that client."""
+    _connect(endpoint, timeout_s).close()
+
+
+def _connect(endpoint: str, timeout_s: float) -> socket.socket:
+    host, port = split_endpoint(endpoint)
+    try:
+        return socket.create_connection((host, port), timeout=timeout_s)
+    except TimeoutError:
+        raise DeviceUnreachableError(
+            f"RPC server {endpoint} did not accept a connection within {timeout_s:g} s"
+        ) from None
+    except OSError as exc:
+        raise DeviceUnreachableError(
+            f"RPC server {endpoint} is not reachable: {exc.strerror or exc}"
+        ) from None
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:

@@ -110,7 +110,7 @@ from arbiterd.worker.engine import (
     engine_info,
     select_backend,
 )
-from arbiterd.worker.engine.placement import probe_servers
+from arbiterd.worker.engine.placement import check_servers_up
 from arbiterd.worker.kvfile import KvState
 from arbiterd.worker.policy import (
     HoldView,
@@ -282,8 +282,9 @@ class Worker:
         try:
             self._backend.open()  # what needs no GPU (host copy, vocabulary): before asking
             # A server that is down fails the load before the token is asked: no model is
-            # made to release for a load that cannot happen.
-            probe_servers(self.config.spec)
+            # made to release for a load that cannot happen. (Only "down": a server another
+            # model uses is busy until that model releases, which the token brings about.)
+            check_servers_up(self.config.spec)
         except EngineError as exc:
             self._fail(exc)
             return False
@@ -380,7 +381,7 @@ class Worker:
         """A model that cannot load keeps answering, with its reason, until shut down; True
         once it has loaded after all. A load that failed for a device that could not be reached
         (an RPC server down) is tried again with backoff, from LOAD_RETRY_S up to
-        LOAD_RETRY_MAX_S, each try a probe of its servers before any token is asked."""
+        LOAD_RETRY_MAX_S, each try a check that its servers are up before any token is asked."""
         retry_in_s = LOAD_RETRY_S
         next_try = time.monotonic() + retry_in_s
         while True:
@@ -392,7 +393,7 @@ class Worker:
                 retry_in_s = min(2 * retry_in_s, LOAD_RETRY_MAX_S)
                 next_try = time.monotonic() + retry_in_s
                 try:
-                    probe_servers(self.config.spec)
+                    check_servers_up(self.config.spec)
                 except DeviceUnreachableError as exc:
                     self._last_error = str(exc)  # still failed: nothing new to say
                     continue

@@ -105,6 +105,22 @@ def test_rpc_server_serves_the_next_client_once_one_has_gone(server: Server) -> 
     assert (second.version, len(second.devices)) == (first.version, len(first.devices))
 
 
+def test_a_server_busy_with_another_client_is_up_though_it_answers_nobody_else(
+    server: Server,
+) -> None:
+    server.wait_serving()
+    with socket.create_connection(("127.0.0.1", server.port)) as other:
+        other.sendall(bytes([14]) + (24).to_bytes(8, "little") + bytes(24))  # HELLO
+        assert len(other.recv(64)) > 0  # the server serves this client now
+        with pytest.raises(DeviceUnreachableError, match="serves one client at a time"):
+            rpc.probe(server.endpoint, timeout_s=0.5)
+        rpc.check_listening(server.endpoint, timeout_s=0.5)  # busy is not down
+    server.process.kill()
+    server.process.wait(timeout=EXIT_TIMEOUT_S)
+    with pytest.raises(DeviceUnreachableError, match=f"RPC server {server.endpoint} is not"):
+        rpc.check_listening(server.endpoint, timeout_s=0.5)
+
+
 def test_rpc_server_refuses_an_address_beyond_loopback_without_allow_remote() -> None:
     done = arbiterd("rpc-server", "--listen", f"0.0.0.0:{free_port()}")
     assert done.returncode == EX_USAGE, done.stderr

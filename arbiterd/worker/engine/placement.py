@@ -107,11 +107,13 @@ def place(spec: ModelSpec, library: Path, timeout_s: float = rpc.PROBE_TIMEOUT_S
     return Placement(tuple(handles), endpoints)
 
 
-def probe_servers(spec: ModelSpec, timeout_s: float = rpc.PROBE_TIMEOUT_S) -> None:
-    """Each RPC server `spec` is placed on answers (DeviceUnreachableError naming the first that
-    does not); asks nothing of the engine, so a worker may ask before it takes any token."""
+def check_servers_up(spec: ModelSpec, timeout_s: float = rpc.PROBE_TIMEOUT_S) -> None:
+    """Each RPC server `spec` is placed on is up: it accepts a connection (DeviceUnreachableError
+    naming the first that does not). Asks neither the engine nor the servers anything, so a
+    worker may check before it takes any token: a server another model is connected to is busy,
+    not down, and answers once that model releases (`place` asks it then)."""
     for endpoint in _parsed(spec)[1]:
-        rpc.probe(endpoint, timeout_s)
+        rpc.check_listening(endpoint, timeout_s)
 
 
 def _parsed(spec: ModelSpec) -> tuple[list[DeviceId], tuple[str, ...]]:
