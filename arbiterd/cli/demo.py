@@ -8,6 +8,11 @@ conversation through chat completions. Requests alternate through the OpenAI API
 model that got it waited and restored, how many prompt tokens were evaluated), then a summary
 with the host RAM the models keep, and the daemon is shut down. Nothing here is simulated: the
 figures are the daemon's own.
+
+With `devices` (`arbiterd demo --devices`), two `arbiterd rpc-server` processes on 127.0.0.1
+serve this machine's CPU as two llama.cpp RPC devices: the story model is split over both, the
+chat model lives on the second, so every handoff frees and fills the second server's memory
+over its socket, and each handoff line names the devices (issue 27).
 """
 
 from __future__ import annotations
@@ -21,13 +26,16 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from arbiterd.cli.controlclient import ControlClient
 from arbiterd.config import embedded_model_path, smollm_model_path
-from arbiterd.errors import ArbiterError, DaemonNotRunningError
+from arbiterd.errors import ArbiterError, DaemonNotRunningError, DeviceUnreachableError
 from arbiterd.events import HandoffEvent
+from arbiterd.native import rpc
+from arbiterd.render import placement
 from arbiterd.states import ResidencyState
 
 STORY, CHAT = "gemma-story", "smollm-chat"
@@ -59,14 +67,19 @@ ROUNDS = 4
 START_TIMEOUT_S = 300.0
 
 
-def main(screenshot: Path | None = None) -> int:
+def main(screenshot: Path | None = None, *, devices: bool = False) -> int:
     """Run the demo; with `screenshot`, the tray's dashboard of it is rendered there at the end
-    (needs the gui extra)."""
-    with tempfile.TemporaryDirectory(prefix="arbiterd-demo-") as tmp:
+    (needs the gui extra); with `devices`, on two RPC servers (the module's docstring)."""
+    with tempfile.TemporaryDirectory(prefix="arbiterd-demo-") as tmp, ExitStack() as servers:
         base = Path(tmp)
         port = _free_port()
-        config = _write_config(base, port)
-        print(f"arbiterd demo: {STORY} (completions) and {CHAT} (chat) share one GPU token")
+        placement = _start_rpc_servers(base, servers) if devices else {}
+        config = _write_config(base, port, placement)
+        if placement:
+            for name, where in placement.items():
+                print(f"arbiterd demo: {name} on {' + '.join(where)}")
+        else:
+            print(f"arbiterd demo: {STORY} (completions) and {CHAT} (chat) share one GPU token")
         daemon = subprocess.Popen(
             [sys.executable, "-m", "arbiterd", "daemon", "--config", str(config)],
             stdout=subprocess.DEVNULL,
@@ -222,9 +235,12 @@ def _handoff_line(event: HandoffEvent, backends: dict[str, str]) -> str:
     its restore."""
     released = "" if event.release_s is None else f" ({event.from_model} released in "
     released += "" if event.release_s is None else f"{event.release_s:.2f} s)"
+    placed = " ".join(
+        filter(None, [backends.get(event.to_model or "", "unknown"), placement(event.devices)])
+    )
     return (
         f"  ⇄ handoff {event.from_model} → {event.to_model} "
-        f"({backends.get(event.to_model or '', 'unknown')}): "
+        f"({placed}): "
         f"waited {event.wait_s or 0:.2f} s{released}, restore {event.restore_s or 0:.2f} s "
         f"(total {event.total_s:.2f} s)"
     )
@@ -258,7 +274,43 @@ def _host_ram(status: dict[str, Any]) -> None:
     print(f"  host RAM kept for instant restores: {int(total) / 2**20:.0f} MiB ({each})")
 
 
-def _write_config(base: Path, port: int) -> Path:
+def _start_rpc_servers(base: Path, servers: ExitStack) -> dict[str, list[str]]:
+    """Two `arbiterd rpc-server`s on 127.0.0.1, each serving the CPU, once both answer; the
+    devices each model is placed on. They are stopped when `servers` closes."""
+    endpoints = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
+    for endpoint in endpoints:
+        log = open(base / f"rpc-server-{endpoint.rsplit(':', 1)[1]}.log", "w")  # noqa: SIM115
+        server = subprocess.Popen(
+            [sys.executable, "-m", "arbiterd", "rpc-server", "--listen", endpoint],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "GGML_VK_VISIBLE_DEVICES": ""},  # they serve the CPU
+        )
+        servers.callback(_stop, server)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    for endpoint in endpoints:
+        while True:
+            try:
+                rpc.probe(endpoint, timeout_s=1.0)
+                break
+            except DeviceUnreachableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+    first, second = (f"rpc:{endpoint}" for endpoint in endpoints)
+    return {STORY: [first, second], CHAT: [second]}
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _write_config(base: Path, port: int, placement: dict[str, list[str]]) -> Path:
     paths = {STORY: embedded_model_path(), CHAT: smollm_model_path()}
     lines = [
         "[daemon]",
@@ -267,6 +319,9 @@ def _write_config(base: Path, port: int) -> Path:
         f'arena = "{base / "arena"}"',
         f'journal = "{base / "journal.sqlite3"}"',
     ]
+    if placement:
+        servers = sorted({device.removeprefix("rpc:") for d in placement.values() for device in d})
+        lines.append("rpc_servers = [" + ", ".join(f'"{s}"' for s in servers) + "]")
     for name in MODELS:
         lines += [
             "",
@@ -276,6 +331,8 @@ def _write_config(base: Path, port: int) -> Path:
             "n_gpu_layers = -1",
             "min_hold_s = 0.1",
         ]
+        if name in placement:
+            lines.append("devices = [" + ", ".join(f'"{d}"' for d in placement[name]) + "]")
     config = base / "config.toml"
     config.write_text("\n".join(lines) + "\n")
     return config
