@@ -4,7 +4,8 @@ baseline of the same split killed and loaded again, its prompt evaluated again; 
 restore moves over RPC against the weights' bytes, and the restore's time against those bytes
 at the upload rate ggml's own tensor_set reaches on the same RPC device in the same run
 (arbiterd.native.ggml.transfer_rates, measured while the model is released); each server's
-resident memory warm and cold; the prompt tokens evaluated after a round trip.
+resident anonymous memory (RssAnon: its clients' buffers, not the engine's code pages) warm
+and cold; the prompt tokens evaluated after a round trip.
 
 The servers are `arbiterd rpc-server` processes (ggml's server, serving the CPU) on 127.0.0.1.
 
@@ -70,32 +71,32 @@ def rpc_device_name(server: RpcServer) -> str:
 
 
 def let_go(server: RpcServer) -> int:
-    """The server's resident memory once it has let go of the client that just disconnected:
-    it frees a client's buffers when it sees the connection close, and answers the next client
-    (this probe) only after that."""
+    """The server's resident anonymous memory once it has let go of the client that just
+    disconnected: it frees a client's buffers when it sees the connection close, and answers
+    the next client (this probe) only after that."""
     rpc.probe(server.endpoint)
-    return server.rss_bytes()
+    return server.anon_bytes()
 
 
 def measure(model: Path, rounds: int, prefix_tokens: int, folder: Path) -> dict[str, Any]:
     prefix = prompt_of(prefix_tokens)
     n_ctx = prefix_tokens + 512
     with rpc_servers(folder, 2) as servers:
-        cold_rss = [server.rss_bytes() for server in servers]
+        cold_anon = [server.anon_bytes() for server in servers]
         backend = select_backend(spec_for(model, servers, n_ctx))
         assert isinstance(backend, InPlaceBackend), "the engine is not the arbiterd build"
         backend.load()
         ask(backend, prefix)  # the prefix is cached
         handoffs, releases, restores, firsts, evaluated = [], [], [], [], []
-        warm_rss, released_rss = [], []
+        warm_anon, released_anon = [], []
         restore_bytes = weights = 0
         reference = ""
         for n in range(rounds):
-            warm_rss.append([server.rss_bytes() for server in servers])
+            warm_anon.append([server.anon_bytes() for server in servers])
             started = time.perf_counter()
             released = backend.release(KvPolicy.HOST)
             release_s = time.perf_counter() - started
-            released_rss.append([let_go(server) for server in servers])
+            released_anon.append([let_go(server) for server in servers])
             if n == 0:
                 # Measured with the model released: the servers are free for another client.
                 rates = ggml.transfer_rates(
@@ -126,8 +127,8 @@ def measure(model: Path, rounds: int, prefix_tokens: int, folder: Path) -> dict[
     upload = rates.upload_bytes_per_s
     freed = [
         min(
-            (w[i] - r[i]) / max(1, w[i] - cold_rss[i])
-            for w, r in zip(warm_rss, released_rss, strict=True)
+            (w[i] - r[i]) / max(1, w[i] - cold_anon[i])
+            for w, r in zip(warm_anon, released_anon, strict=True)
         )
         for i in range(2)
     ]
@@ -152,9 +153,9 @@ def measure(model: Path, rounds: int, prefix_tokens: int, folder: Path) -> dict[
             statistics.median(restores), restore_bytes / upload
         ),
         "goal_restore_over_bytes_at_upload_rate": 2.0,
-        "server_rss_cold_bytes": cold_rss,
-        "server_rss_warm_bytes": warm_rss[-1],
-        "server_rss_released_bytes": released_rss[-1],
+        "server_anon_cold_bytes": cold_anon,
+        "server_anon_warm_bytes": warm_anon[-1],
+        "server_anon_released_bytes": released_anon[-1],
         "server_share_freed_min": [round(share, 4) for share in freed],
         "goal_server_share_freed": 0.9,
         "prompt_tokens_evaluated_after_round_trip": max(evaluated),

@@ -46,13 +46,13 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RpcServer
 
 
 @pytest.fixture(scope="module")
-def cold_rss(servers: list[RpcServer]) -> list[int]:
-    """Each server's resident memory before any model connected."""
-    return [server.rss_bytes() for server in servers]
+def cold_anon(servers: list[RpcServer]) -> list[int]:
+    """Each server's resident anonymous memory before any model connected."""
+    return [server.anon_bytes() for server in servers]
 
 
 @pytest.fixture(scope="module")
-def daemon(servers: list[RpcServer], cold_rss: list[int], gemma_model: Path) -> Iterator[Daemon]:
+def daemon(servers: list[RpcServer], cold_anon: list[int], gemma_model: Path) -> Iterator[Daemon]:
     on: dict[str, Any] = {"n_gpu_layers": -1, "residency": "in-place"}
     models = {
         "split": tiny(gemma_model, n_ctx=512, devices=[s.device for s in servers], **on),
@@ -91,14 +91,14 @@ def test_models_on_rpc_devices_alternate_in_place_with_the_same_answers(
 
 
 def test_a_cold_models_servers_are_free_and_their_memory_is_back(
-    daemon: Daemon, servers: list[RpcServer], cold_rss: list[int]
+    daemon: Daemon, servers: list[RpcServer], cold_anon: list[int]
 ) -> None:
     with openai_client(daemon, timeout_s=CLIENT_TIMEOUT_S) as api:
         ask(api, "split")
-        warm = servers[0].rss_bytes()
+        warm = servers[0].anon_bytes()
         ask(api, "solo")  # split is cold: the first server holds nothing of ours
-    cold = servers[0].rss_bytes()
-    assert warm - cold >= FREED_SHARE * (warm - cold_rss[0]), (cold_rss[0], warm, cold)
+    cold = servers[0].anon_bytes()
+    assert warm - cold >= FREED_SHARE * (warm - cold_anon[0]), (cold_anon[0], warm, cold)
     with daemon.client() as client:
         models = {m["name"]: m for m in client.call("status")["models"]}
     assert models["split"]["state"] == "cold"

@@ -60,7 +60,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RpcServer
 def test_a_model_split_over_two_rpc_servers_round_trips_in_place_and_frees_the_servers(
     servers: list[RpcServer], gemma_model: Path, kv: KvPolicy
 ) -> None:
-    cold = [server.rss_bytes() for server in servers]
+    cold = [server.anon_bytes() for server in servers]
     backend = on_servers(gemma_model, servers)
     backend.load()
     try:
@@ -70,7 +70,7 @@ def test_a_model_split_over_two_rpc_servers_round_trips_in_place_and_frees_the_s
             if kv is KvPolicy.DROP
             else backend.generate(request_for("completion", greedy()), None)
         )
-        warm = [server.rss_bytes() for server in servers]
+        warm = [server.anon_bytes() for server in servers]
         assert all(w > c for w, c in zip(warm, cold, strict=True))  # each holds a share
         released = backend.release(kv)
         # Every weight on the servers comes back from the host copy of the file: none copied.
@@ -80,7 +80,7 @@ def test_a_model_split_over_two_rpc_servers_round_trips_in_place_and_frees_the_s
         # The connections closed: each server freed the model's share and serves the next.
         for server, c, w in zip(servers, cold, warm, strict=True):
             assert rpc.probe(server.endpoint).devices
-            assert w - server.rss_bytes() >= FREED_SHARE * (w - c), server.endpoint
+            assert w - server.anon_bytes() >= FREED_SHARE * (w - c), server.endpoint
         restored = backend.restore()
         assert restored.file_bytes == released.file_bytes
         assert restored.kv_bytes == released.kv_bytes

@@ -30,12 +30,14 @@ class RpcServer:
     def device(self) -> str:
         return f"rpc:{self.endpoint}"
 
-    def rss_bytes(self) -> int:
-        """The server process's resident memory now."""
+    def anon_bytes(self) -> int:
+        """The server process's resident anonymous memory now (RssAnon): what it holds for its
+        clients, whose buffers are anonymous memory. Its resident file pages are the engine's
+        code, which the first computations fault in and which stay: not a client's memory."""
         for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith("RssAnon:"):
                 return int(line.split()[1]) * 1024
-        raise AssertionError(f"no VmRSS for the server {self.process.pid}")
+        raise AssertionError(f"no RssAnon for the server {self.process.pid}")
 
     def kill(self) -> None:
         if self.process.poll() is None:
