@@ -17,6 +17,8 @@ def test_the_rpc_handoff_benchmark_measures_a_round_trip_and_its_baseline(
     assert figures["restore_bytes_over_rpc"] > figures["weights_bytes"]  # the KV came back too
     assert figures["transfer_rates_first_server"]["device"].startswith("RPC")
     assert figures["prompt_tokens_evaluated_after_round_trip"] <= 3  # " and 0" + 1
+    assert figures["first_token_after_restore"]["median_s"] <= figures["handoff"]["median_s"]
+    assert figures["same_text_as_warm"] is True
     assert all(
         c < w
         for c, w in zip(
