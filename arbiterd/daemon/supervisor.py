@@ -857,7 +857,7 @@ class Supervisor:
         self._unload_wake.set()  # cold now, or no longer: its unload is due at another time
         if event.to_state is ResidencyState.COLD or event.from_state is ResidencyState.LOADING:
             self._want_ram_check()
-        self._vram.residency(worker.pid, event)
+        self._vram.residency(worker.pid, event, slot.config.devices)
         self._bus.publish(event)
         made = self._handoffs.observe(event, self._vram.models_by_pid, slot.config.devices)
         if made is not None:

@@ -13,7 +13,7 @@ take a reading of their own (issue 29).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from arbiterd.daemon.telemetry import (
@@ -95,17 +95,23 @@ class VramWatch:
     def models_by_pid(self) -> dict[int, str]:
         return {pid: model for model, pid in self._model_pids.items()}
 
-    def residency(self, pid: int, event: ResidencyEvent) -> None:
+    def residency(
+        self, pid: int, event: ResidencyEvent, devices: Sequence[str] | None = None
+    ) -> None:
         """Account the engine's own figure for `pid` (what the accounting reader reports):
-        weights + KV while warm, nothing once cold; after a release, verify the teardown."""
+        weights + KV while warm, nothing once cold; after a release, verify the teardown.
+        `devices` are the model's device ids (None: this watch's device). A model on none of
+        this device or the CPU (every layer on RPC servers, or on another GPU) holds nothing
+        here: its bytes are another device's, and its release frees nothing here to check."""
+        here = devices is None or any(d in (self.device, "cpu") for d in devices)
         if event.to_state is ResidencyState.WARM:
-            held = event.moved_bytes
+            held = event.moved_bytes if here else 0
         elif event.to_state in _HOLDS_NOTHING:
             held = 0
         else:
             return
         self._accounted = {**self._accounted, pid: held}
-        if event.model is not None and (event.from_state, event.to_state) == _RELEASED:
+        if here and event.model is not None and (event.from_state, event.to_state) == _RELEASED:
             self._verify_teardown(event.model, pid)
 
     # -- readings -----------------------------------------------------------------------------

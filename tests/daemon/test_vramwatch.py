@@ -235,3 +235,35 @@ def test_with_nobody_watching_the_readings_stay_off_the_loop(tmp_path: Path) -> 
         return queued, None if fresh is None else fresh.model_bytes("a")
 
     assert run(scenario()) == (0, 2 * GiB)
+
+
+REMOTE = ("rpc:127.0.0.1:50052", "rpc:127.0.0.1:50053")
+
+
+def test_a_model_on_rpc_servers_holds_nothing_on_this_device(tmp_path: Path) -> None:
+    watch = Watch(tmp_path / "arena")
+    watch.vram.residency(A_PID, residency("a", "loading", "warm", weights=GiB), REMOTE)
+    assert watch.held(A_PID) == 0
+
+
+def test_a_release_of_a_model_on_rpc_servers_is_not_checked_on_this_device(
+    tmp_path: Path,
+) -> None:
+    async def scenario() -> bool:
+        watch = Watch(tmp_path / "arena", readers=ReaderSet((LeakyGpu(),), ()))
+        watch.vram.worker_started("a", A_PID)
+        # The leaky driver shows A_PID holding 1 GiB of gpu0 after the release, which is
+        # reported for a model on gpu0 (test_a_release_that_does_not_free_vram_...).
+        watch.vram.residency(A_PID, residency("a", "cooling", "cold"), REMOTE)
+        await watch.vram.stop()  # waits for a teardown check, had one begun
+        return watch.leaks.empty()
+
+    assert run(scenario())
+
+
+def test_a_model_split_over_this_device_and_a_server_is_accounted_here(tmp_path: Path) -> None:
+    watch = Watch(tmp_path / "arena")
+    split = ("gpu0", "rpc:127.0.0.1:50052")
+    watch.vram.residency(A_PID, residency("a", "loading", "warm", weights=GiB), split)
+    watch.vram.residency(B_PID, residency("b", "loading", "warm", weights=GiB), ("cpu",))
+    assert (watch.held(A_PID), watch.held(B_PID)) == (GiB, GiB)
