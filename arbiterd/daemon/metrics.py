@@ -7,6 +7,8 @@ backend each worker says it uses and a fresh VRAM reading at each scrape.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from arbiterd.daemon.telemetry import TelemetrySnapshot, VramGauge
@@ -68,6 +70,13 @@ class Metrics:
             registry=self.registry,
         )
         self._backends: dict[str, str] = {}  # model -> the backend label it has a series for
+        self.model_device = Gauge(
+            "arbiterd_model_device",
+            "1 for each device the model is placed on, by arbiterd's device id (issue 27)",
+            ["model", "device"],
+            registry=self.registry,
+        )
+        self._devices: dict[str, tuple[str, ...]] = {}  # model -> the ids it has series for
         self.worker_restarts = Counter(
             "arbiterd_worker_restarts",
             "Worker processes restarted",
@@ -89,10 +98,16 @@ class Metrics:
             registry=self.registry,
         )
 
-    def add_model(self, model: str) -> None:
-        """Make a model's series exist (at 0) before its first event."""
+    def add_model(self, model: str, devices: Sequence[str]) -> None:
+        """Make a model's series exist (at 0) before its first event, and name its devices
+        (a model configured again on other devices loses the old ones' series)."""
         self.resident.labels(model=model).set(0)
         self.prompt_tokens_evaluated.labels(model=model)
+        for device in set(self._devices.get(model, ())) - set(devices):
+            self.model_device.remove(model, device)
+        self._devices[model] = tuple(devices)
+        for device in devices:
+            self.model_device.labels(model=model, device=device).set(1)
 
     def set_backend(self, model: str, backend: str) -> None:
         """The model's worker uses `backend`: one series per model, at 1."""

@@ -216,7 +216,7 @@ class Supervisor:
                 self._start_keeper(group)
             for name, model in self.config.models.items():
                 self._slots[name] = new_slot(model)
-                self.metrics.add_model(name)
+                self.metrics.add_model(name, model.devices)
             await asyncio.gather(*(self._start(slot) for slot in self._slots.values()))
         log.info("VRAM telemetry: %s", self._vram.readers.describe())
         self._vram.start()
@@ -552,7 +552,7 @@ class Supervisor:
             slot.reconfigure(new.models[name])
         for name, slot in fresh.items():
             self._slots[name] = slot
-            self.metrics.add_model(name)
+            self.metrics.add_model(name, slot.config.devices)
             if slot.state is SlotState.UNLOADED:  # held only to outlive the old slot's copy
                 self._lifecycle.drop_copy(slot)
         await asyncio.gather(*(self._start(slot) for slot in fresh.values()))

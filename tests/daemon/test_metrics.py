@@ -28,10 +28,28 @@ def samples(metrics: Metrics) -> Samples:
 
 def test_a_model_has_its_series_at_zero_before_its_first_event() -> None:
     metrics = Metrics()
-    metrics.add_model("m")
+    metrics.add_model("m", ("gpu0",))
     figures = samples(metrics)
     assert figures[("arbiterd_model_resident", (("model", "m"),))] == 0
     assert figures[("arbiterd_prompt_tokens_evaluated_total", (("model", "m"),))] == 0
+
+
+def devices_of(metrics: Metrics, model: str) -> set[str]:
+    return {
+        dict(labels)["device"]
+        for (name, labels), value in samples(metrics).items()
+        if name == "arbiterd_model_device" and dict(labels)["model"] == model and value == 1
+    }
+
+
+def test_each_model_names_its_devices_by_id_and_a_new_placement_replaces_the_old() -> None:
+    metrics = Metrics()
+    metrics.add_model("split", ("rpc:127.0.0.1:50052", "rpc:127.0.0.1:50053"))
+    metrics.add_model("m", ("gpu0",))
+    assert devices_of(metrics, "split") == {"rpc:127.0.0.1:50052", "rpc:127.0.0.1:50053"}
+    metrics.add_model("split", ("gpu0", "rpc:127.0.0.1:50053"))  # configured again
+    assert devices_of(metrics, "split") == {"gpu0", "rpc:127.0.0.1:50053"}
+    assert devices_of(metrics, "m") == {"gpu0"}
 
 
 def test_residency_sets_the_resident_gauge_by_the_state_it_reaches() -> None:
