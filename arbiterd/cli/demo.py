@@ -30,11 +30,11 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from arbiterd.cli import rpcserver
 from arbiterd.cli.controlclient import ControlClient
 from arbiterd.config import embedded_model_path, smollm_model_path
-from arbiterd.errors import ArbiterError, DaemonNotRunningError, DeviceUnreachableError
+from arbiterd.errors import ArbiterError, DaemonNotRunningError
 from arbiterd.events import HandoffEvent
-from arbiterd.native import rpc
 from arbiterd.render import placement
 from arbiterd.states import ResidencyState
 
@@ -73,10 +73,14 @@ def main(screenshot: Path | None = None, *, devices: bool = False) -> int:
     with tempfile.TemporaryDirectory(prefix="arbiterd-demo-") as tmp, ExitStack() as servers:
         base = Path(tmp)
         port = _free_port()
-        placement = _start_rpc_servers(base, servers) if devices else {}
-        config = _write_config(base, port, placement)
-        if placement:
-            for name, where in placement.items():
+        try:
+            placed = _start_rpc_servers(base, servers) if devices else {}
+        except ArbiterError as exc:
+            print(f"arbiterd demo: {exc}", file=sys.stderr)
+            return 1
+        config = _write_config(base, port, placed)
+        if placed:
+            for name, where in placed.items():
                 print(f"arbiterd demo: {name} on {' + '.join(where)}")
         else:
             print(f"arbiterd demo: {STORY} (completions) and {CHAT} (chat) share one GPU token")
@@ -279,24 +283,8 @@ def _start_rpc_servers(base: Path, servers: ExitStack) -> dict[str, list[str]]:
     devices each model is placed on. They are stopped when `servers` closes."""
     endpoints = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
     for endpoint in endpoints:
-        log = open(base / f"rpc-server-{endpoint.rsplit(':', 1)[1]}.log", "w")  # noqa: SIM115
-        server = subprocess.Popen(
-            [sys.executable, "-m", "arbiterd", "rpc-server", "--listen", endpoint],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "GGML_VK_VISIBLE_DEVICES": ""},  # they serve the CPU
-        )
-        servers.callback(_stop, server)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    for endpoint in endpoints:
-        while True:
-            try:
-                rpc.probe(endpoint, timeout_s=1.0)
-                break
-            except DeviceUnreachableError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        log = base / f"rpc-server-{endpoint.rsplit(':', 1)[1]}.log"
+        servers.callback(_stop, rpcserver.start_local(endpoint, log, START_TIMEOUT_S))
     first, second = (f"rpc:{endpoint}" for endpoint in endpoints)
     return {STORY: [first, second], CHAT: [second]}
 
@@ -310,7 +298,7 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
-def _write_config(base: Path, port: int, placement: dict[str, list[str]]) -> Path:
+def _write_config(base: Path, port: int, placed: dict[str, list[str]]) -> Path:
     paths = {STORY: embedded_model_path(), CHAT: smollm_model_path()}
     lines = [
         "[daemon]",
@@ -319,8 +307,8 @@ def _write_config(base: Path, port: int, placement: dict[str, list[str]]) -> Pat
         f'arena = "{base / "arena"}"',
         f'journal = "{base / "journal.sqlite3"}"',
     ]
-    if placement:
-        servers = sorted({device.removeprefix("rpc:") for d in placement.values() for device in d})
+    if placed:
+        servers = sorted({device.removeprefix("rpc:") for d in placed.values() for device in d})
         lines.append("rpc_servers = [" + ", ".join(f'"{s}"' for s in servers) + "]")
     for name in MODELS:
         lines += [
@@ -331,8 +319,8 @@ def _write_config(base: Path, port: int, placement: dict[str, list[str]]) -> Pat
             "n_gpu_layers = -1",
             "min_hold_s = 0.1",
         ]
-        if name in placement:
-            lines.append("devices = [" + ", ".join(f'"{d}"' for d in placement[name]) + "]")
+        if name in placed:
+            lines.append("devices = [" + ", ".join(f'"{d}"' for d in placed[name]) + "]")
     config = base / "config.toml"
     config.write_text("\n".join(lines) + "\n")
     return config

@@ -6,7 +6,8 @@ client of the daemon, and it imports llama_cpp only once it runs (`arbiterd --he
 other command load nothing). Owns which local devices a server serves (by their arbiterd ids),
 the refusal of a listen address beyond this machine, the process's malloc tuning, and how the
 process ends: ggml's server runs in a thread of its own and never returns while it serves, so
-SIGTERM or SIGINT ends the process from the main thread with `os._exit(0)`.
+SIGTERM or SIGINT ends the process from the main thread with `os._exit(0)`. `start_local` runs
+one as a child process serving the CPU (the devices demo, the tests).
 
 The RPC protocol has no authentication: whoever reaches the port can allocate memory on the
 device and run graphs on it. So the server listens on loopback unless `--allow-remote` says
@@ -23,14 +24,22 @@ import ipaddress
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from arbiterd.errors import BadValueError, EngineError, ListenError, UsageError
+from arbiterd.errors import (
+    BadValueError,
+    DeviceUnreachableError,
+    EngineError,
+    ListenError,
+    UsageError,
+)
 from arbiterd.native import ggml, libllama, rpc
 from arbiterd.paths import DeviceKind, parse_device_id
 
@@ -154,6 +163,34 @@ def _offered(gpus: Sequence[ggml.Device], cpu: ggml.Device | None) -> str:
     if cpu is not None:
         names.append(f"cpu ({cpu.label})")
     return ", ".join(names) or "none"
+
+
+def start_local(endpoint: str, log: Path, timeout_s: float) -> subprocess.Popen[bytes]:
+    """`arbiterd rpc-server --listen ENDPOINT` in a child process serving this machine's CPU,
+    its output appended to `log`, returned once it answers a probe (the engine loads before it
+    listens). DeviceUnreachableError, with the end of its log, when it exits first or does not
+    answer within `timeout_s`; it is killed then. The caller stops and reaps it."""
+    with log.open("ab") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "arbiterd", "rpc-server", "--listen", endpoint],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "GGML_VK_VISIBLE_DEVICES": ""},  # the CPU: no Vulkan driver
+        )
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            rpc.probe(endpoint, timeout_s=1.0)
+            return process
+        except DeviceUnreachableError:
+            if process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+                continue
+        process.kill()
+        process.wait()
+        raise DeviceUnreachableError(
+            f"the RPC server on {endpoint} did not start: {log.read_text()[-2000:]}"
+        )
 
 
 def serving_line(devices: Sequence[ggml.Device], listen: Listen) -> str:

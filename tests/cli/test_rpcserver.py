@@ -131,6 +131,16 @@ def test_rpc_server_refuses_an_address_beyond_loopback_without_allow_remote() ->
     assert "Starting RPC server" not in done.stdout  # refused before the engine loaded
 
 
+def test_a_local_server_that_exits_before_it_answers_is_an_error_with_its_log(
+    tmp_path: Path,
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))  # bound, not listening: a probe is refused at once
+        endpoint = f"127.0.0.1:{taken.getsockname()[1]}"
+        with pytest.raises(DeviceUnreachableError, match="the port is in use"):
+            rpcserver.start_local(endpoint, tmp_path / "server.log", START_TIMEOUT_S)
+
+
 def test_rpc_server_on_a_port_in_use_exits_with_one_clear_line() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -15,6 +15,7 @@ import pytest
 
 from tests.support.daemon import Daemon, openai_client, serving, tiny
 from tests.support.rpcservers import RpcServer, rpc_servers, start_server
+from tests.support.waiting import wait_until
 
 FAIL_WITHIN_S = 2.0  # the bound on a warm model's request once its server is gone
 BACK_WITHIN_S = 60.0
@@ -50,11 +51,8 @@ def state_of(daemon: Daemon, model: str) -> dict[str, Any]:
 
 
 def wait_for(daemon: Daemon, model: str, state: str, within_s: float) -> dict[str, Any]:
-    deadline = time.monotonic() + within_s
-    while (shown := state_of(daemon, model))["state"] != state:
-        assert time.monotonic() < deadline, shown
-        time.sleep(0.2)
-    return shown
+    wait_until(lambda: state_of(daemon, model)["state"] == state, within_s, f"{model} {state}")
+    return state_of(daemon, model)
 
 
 def test_a_server_killed_while_its_model_is_warm_fails_it_naming_the_server_until_it_is_back(

@@ -3,18 +3,14 @@ machine's CPU) run as real processes on 127.0.0.1, each on a free port."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from arbiterd.errors import DeviceUnreachableError
-from arbiterd.native import rpc
+from arbiterd.cli import rpcserver
 from tests.support.daemon import free_port
 
 START_TIMEOUT_S = 60.0  # the engine loads in the server before it listens
@@ -51,28 +47,7 @@ def start_server(folder: Path, port: int | None = None) -> RpcServer:
     port = free_port() if port is None else port
     endpoint = f"127.0.0.1:{port}"
     log = folder / f"rpc-server-{port}.log"
-    # The server serves the CPU: its process need not start the Vulkan driver.
-    env = {**os.environ, "GGML_VK_VISIBLE_DEVICES": ""}
-    with log.open("ab") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "arbiterd", "rpc-server", "--listen", endpoint],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    server = RpcServer(endpoint, process, log)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        try:
-            rpc.probe(endpoint, timeout_s=1.0)
-            return server
-        except DeviceUnreachableError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                raise AssertionError(
-                    f"the RPC server on {endpoint} did not start: {log.read_text()[-2000:]}"
-                ) from None
-            time.sleep(0.1)
+    return RpcServer(endpoint, rpcserver.start_local(endpoint, log, START_TIMEOUT_S), log)
 
 
 @contextmanager
