@@ -42,6 +42,9 @@ ENGINE_PATCH="${ARBITERD_ENGINE_PATCH:-$ROOT/arbiterd/native/llama-residency.pat
 # Left in the patched build's cache folder when the patch did not apply to this version: later
 # installs take the stock wheel without downloading the source again to find out.
 ENGINE_NOT_PATCHED="patch-does-not-apply"
+# Beside the patched engine's wheel, and installed under the environment's share/: llama.cpp's
+# tokenizer test data from the source it was built from (tests/worker/test_vocab_index.py).
+ENGINE_VOCAB_TESTS="llama-vocab-tests"
 
 need_system_packages() {
     # Debian packages the tests or the demo use, installed when missing and we may (root + apt).
@@ -267,6 +270,19 @@ engine_wheel() {
         "$VENV/bin/python" -m pip wheel --progress-bar off --no-cache-dir --no-deps -w "$2" "$1"
 }
 
+keep_vocab_tests() {
+    # Copies llama.cpp's tokenizer test data from the source folder $1 into the folder $2: per
+    # tokenizer family a vocabulary-only GGUF, inputs (.inp) and the ids upstream's code gives
+    # them (.out), what its test-tokenizer-0 reads. The patch changes how a vocabulary finds a
+    # token by its text, and the tests check it against these.
+    local inp
+    mkdir -p "$2" || return
+    for inp in "$1"/vendor/llama.cpp/models/ggml-vocab-*.gguf.inp; do
+        [[ -f $inp ]] || continue  # none: the pattern itself
+        cp "${inp%.inp}" "$inp" "${inp%.inp}.out" "$2/" || return
+    done
+}
+
 say_engine_not_patched() {
     # $1: the note in the patched build's folder, which holds what git apply (or patch) said.
     echo "setup: ${ENGINE_PATCH#"$ROOT/"} does not apply to llama-cpp-python $ENGINE_VERSION;" \
@@ -287,7 +303,7 @@ build_engine_in() {
     if apply_engine_patch "$tmp" "${src#"$tmp/"}/vendor/llama.cpp" 2>"$tmp/why"; then
         echo "setup: building the arbiterd engine (llama-cpp-python $ENGINE_VERSION with the" \
             "residency patch) for $ENGINE_BACKEND, $how" >&3
-        engine_wheel "$src" "$patched"
+        engine_wheel "$src" "$patched" && keep_vocab_tests "$src" "$patched/$ENGINE_VOCAB_TESTS"
     else
         cat "$tmp/why"
         mkdir -p "$patched" && cp "$tmp/why" "$patched/$ENGINE_NOT_PATCHED" || return
@@ -326,7 +342,12 @@ install_engine() {
     # backend, and pip keeps an installed version: the engine goes in by force. Its dependencies
     # come with arbiterd's, next.
     "$VENV/bin/python" -m pip install --progress-bar off --force-reinstall --no-deps \
-        "$dir"/llama_cpp_python-*.whl
+        "$dir"/llama_cpp_python-*.whl || return
+    rm -rf "${VENV:?}/share/arbiterd/$ENGINE_VOCAB_TESTS"
+    [[ ! -d $dir/$ENGINE_VOCAB_TESTS ]] || {
+        mkdir -p "$VENV/share/arbiterd" \
+            && cp -r "$dir/$ENGINE_VOCAB_TESTS" "$VENV/share/arbiterd/$ENGINE_VOCAB_TESTS"
+    }
 }
 
 install_into_venv() {

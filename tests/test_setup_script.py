@@ -16,7 +16,8 @@ SETUP = Path(__file__).resolve().parents[1] / "scripts" / "setup.sh"
 
 # The venv's python as setup.sh drives it, each call recorded in bin/calls:
 # `-m pip download ... -d DIR llama-cpp-python==V` leaves in DIR a small source distribution
-# shaped like the real one (its vendor/llama.cpp keeps the submodule's dangling .git file);
+# shaped like the real one (its vendor/llama.cpp keeps the submodule's dangling .git file, and
+# its models/ a vocabulary with tokenizer test data and one without);
 # `-m pip wheel ... -w DIR SRC` builds the engine for $BUILD_S seconds, printing what pip prints
 # for a source folder when its output is not a terminal, records the CMAKE_ARGS it was given and
 # SRC's patched lines, and leaves a wheel in DIR (or exits $PIP_STATUS); `-m pip install`
@@ -37,6 +38,10 @@ case "$*" in
     mkdir -p "$llama/src" "$llama/include"
     echo "gitdir: ../../.git/modules/vendor/llama.cpp" > "$llama/.git"
     printf '// llama-context.cpp\nint llama_context_size;\n' > "$llama/src/llama-context.cpp"
+    mkdir "$llama/models"
+    for name in spm.gguf spm.gguf.inp spm.gguf.out bare.gguf; do
+        echo "$name" > "$llama/models/ggml-vocab-$name"
+    done
     mkdir -p "$dir"
     tar -czf "$dir/llama_cpp_python-0.3.36.tar.gz" -C "$tree" llama_cpp_python-0.3.36
     rm -rf "$tree"
@@ -203,6 +208,21 @@ def test_the_engine_is_built_from_the_patched_source_and_its_folder_removed(venv
     assert builds(venv)[1] == PATCHED_SOURCE
     assert "does not apply" not in done.stderr
     assert list((venv.parent / "tmp").iterdir()) == []
+
+
+def test_the_tokenizer_test_data_comes_with_the_engine_built_and_reused(
+    venv: Path, tmp_path: Path
+) -> None:
+    assert setup(venv).returncode == 0
+    other = _fresh_venv(tmp_path, "other")
+    assert setup(other).returncode == 0  # the engine from the cache, without its source
+    for environment in (venv, other):
+        data = environment / "share" / "arbiterd" / "llama-vocab-tests"
+        assert sorted(path.name for path in data.iterdir()) == [
+            "ggml-vocab-spm.gguf",
+            "ggml-vocab-spm.gguf.inp",
+            "ggml-vocab-spm.gguf.out",
+        ]
 
 
 def test_setup_that_fails_shows_the_end_of_pips_log(venv: Path) -> None:

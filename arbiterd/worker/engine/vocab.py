@@ -30,7 +30,8 @@ CUT_CANDIDATES = 64
 class Vocab:
     """A model file's vocabulary alone (llama_model_params.vocab_only: no weights, no context,
     no device memory), kept for the worker's life to tokenize requests while the model is cold.
-    gemma-3-270m (262,144 tokens): ~0.65 s to load, ~0.3 s to index, 44 MB of RAM.
+    gemma-3-270m (262,144 tokens): ~0.6 s to load and index, 22 MB of RAM (44 MB before the
+    engine's text index: arbiterd/native/README.md).
 
     Tokenizes as one llama_tokenize call does (parse_special: as llama-cpp-python tokenizes
     prompts), but a long text in pieces (TOKENIZE_PIECE_BYTES), for SPM and BPE vocabularies
