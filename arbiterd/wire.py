@@ -7,14 +7,18 @@ anything but their socket; the asyncio reader is the daemon's.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import socket
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from arbiterd.errors import ProtocolError
+
+if TYPE_CHECKING:
+    # The daemon's alone: a worker imports this module too, and asyncio (with ssl and the
+    # rest it imports) is ~3 MB of private memory in each worker (issue 28).
+    import asyncio
 
 # One message may carry a long prompt or a streamed chunk; anything larger is a bug or abuse.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024

@@ -62,6 +62,10 @@ class InPlaceBackend(LlamaBackend):
         # The context lives until close(): its model's vocabulary serves the cold model's
         # tokenizing too, and the vocab-only copy goes.
         self._require_vocab().use_vocabulary_of(self._require_llm()._model)
+        # Its small blocks, and those the load parsed and let go (the file's metadata, the
+        # vocabulary's map from texts to ids), lie between blocks that stay: only a trim gives
+        # their pages back, and on a GPU no release of host buffers would trim later.
+        _return_freed_heap()
         return moved
 
     def release(self, kv: KvPolicy) -> Moved:
@@ -219,9 +223,10 @@ class InPlaceBackend(LlamaBackend):
 
 
 def _return_freed_heap() -> None:
-    """Hand the heap pages freed host buffers leave back to the system. glibc keeps freed blocks
-    below its mmap threshold (which grows up to 32 MiB as a process frees large blocks) in its
-    arenas, so without this a CPU model's release would not lower the worker's RSS."""
+    """Hand the heap pages freed blocks leave back to the system. glibc keeps freed blocks below
+    its mmap threshold (which grows up to 32 MiB as a process frees large blocks) in its arenas,
+    so without this neither a load's garbage nor a CPU model's release would lower the worker's
+    RSS."""
     trim = getattr(_LIBC, "malloc_trim", None)
     if trim is not None:
         trim(0)
