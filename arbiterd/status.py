@@ -39,7 +39,7 @@ class ModelStatus(Record):
     state. The byte counts: `resident_bytes` on the device by the engine's own accounting,
     `vram_bytes` as measured (None: cannot be told), `cold_footprint_bytes` what its worker
     holds while cold, `host_ram_bytes` its share of its file's host copy plus the KV cache
-    (`host_kv_bytes`) and the released weights (`host_weights_bytes`) its worker keeps on the
+    (`host_kv_bytes`) and the weights' own copies (`host_weights_bytes`) its worker keeps on the
     host; `host_copy_bytes` the size of that copy and `host_copy_shared_with` the other models
     on it (both only while it has one). `stale_s`: its worker did not answer (issue 24), and
     its figures are what it said this long ago; `silent_s`: its warm worker has shown no sign of
@@ -216,7 +216,7 @@ class Telemetry(Record):
 class DaemonStatus(Record):
     """The whole status: every model, the arena and who holds or waits for its token, the
     user's hold, the groups, the VRAM reading, host RAM (each host copy once, plus every
-    model's host KV and released weights, in `host_ram_bytes`; by part in `host_ram`), the
+    model's host KV and weights' own copies, in `host_ram_bytes`; by part in `host_ram`), the
     prompt caches on disk (None: none are kept) and the engine (None until a worker said)."""
 
     models: tuple[ModelStatus, ...] = ()

@@ -494,7 +494,7 @@ def _memory_lines(status: DaemonStatus) -> list[str]:
             f"host RAM: {render.format_bytes(status.host_ram_bytes or 0)} = "
             f"model file copies {render.format_bytes(ram.host_copies_bytes)} "
             "(each counted once) + KV caches kept on the host "
-            f"{render.format_bytes(ram.host_kv_bytes)} + released weights "
+            f"{render.format_bytes(ram.host_kv_bytes)} + weights' own copies "
             f"{render.format_bytes(ram.host_weights_bytes)}; budget "
             + (render.format_bytes(budget) if budget else "none")
         )

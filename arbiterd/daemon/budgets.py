@@ -68,7 +68,7 @@ def ram_plan(
 ) -> RamPlan:
     """Which cold models to unload, least recently used first, until the host RAM in use —
     every host copy once (`copies`) plus what every worker keeps for its model alone
-    (`own_bytes`: host KV, released weights) — fits
+    (`own_bytes`: host KV, the weights' own copies) — fits
     `budget_bytes` (0: no budget, nobody is unloaded).
 
     Unloading a model frees its own bytes, and its host copy once no other slot leases it. A

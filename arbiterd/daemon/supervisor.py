@@ -765,7 +765,7 @@ class Supervisor:
 
     async def _keep_ram_budget(self) -> None:
         """Unload the least recently used cold, idle models while the host copies and what the
-        workers keep on the host (KV caches, released weights) exceed [daemon] host_ram_budget
+        workers keep on the host (KV caches, weights' own copies) exceed [daemon] host_ram_budget
         (issue 14); each goes through the unload path, so its prompt cache waits on disk."""
         budget = self.config.daemon.host_ram_budget_bytes
         ready = [s for s in self._slots.values() if s.worker is not None]

@@ -238,7 +238,7 @@ class TrayState:
         return (
             f"model file copies {render.format_bytes(ram.host_copies_bytes)} (each counted once) + "
             f"KV caches kept on the host {render.format_bytes(ram.host_kv_bytes)} + "
-            f"released weights {render.format_bytes(ram.host_weights_bytes)}"
+            f"weights' own copies {render.format_bytes(ram.host_weights_bytes)}"
         )
 
     def prompt_cache_text(self) -> str | None:

@@ -594,7 +594,7 @@ def test_status_splits_host_ram_into_copies_kv_and_released_weights() -> None:
     ).splitlines()
     assert (
         "host RAM: 595.0 MiB = model file copies 253.0 MiB (each counted once) + KV caches kept "
-        "on the host 96.0 MiB + released weights 246.0 MiB; budget none"
+        "on the host 96.0 MiB + weights' own copies 246.0 MiB; budget none"
     ) in lines
 
 

@@ -121,7 +121,7 @@ def test_the_header_shows_host_ram_and_the_prompt_cache_against_their_budgets(
     assert dashboard.memory.isVisibleTo(dashboard)
     assert dashboard.memory.toolTip() == (
         "model file copies 4.0 GiB (each counted once) + KV caches kept on the host 1.0 GiB + "
-        "released weights 0 B"
+        "weights' own copies 0 B"
     )
 
 
