@@ -58,6 +58,7 @@ from arbiterd.worker.vision import (
 )
 
 log = logging.getLogger(__name__)
+_LIBC = ctypes.CDLL(None)  # this process's C library (malloc_trim, where it is glibc)
 
 # llama.cpp's enum llama_pooling_type, and the types that make one vector of an input's tokens:
 # "none" gives one per token, "rank" a reranker's score.
@@ -565,6 +566,16 @@ def _drop_what_workers_never_use(llm: llama_cpp.Llama) -> None:
     )
     kept.close()  # type: ignore[no-untyped-call]  # (and at llm.close() again: a no-op then)
     del llm._candidates
+
+
+def return_freed_heap() -> None:
+    """Hand the heap pages freed blocks leave back to the system. glibc keeps freed blocks below
+    its mmap threshold (which grows up to 32 MiB as a process frees large blocks) in its arenas,
+    so without this neither a load's garbage, nor a model the reload backend freed, nor a CPU
+    model's in-place release would lower the worker's RSS."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def load_kv(llm: llama_cpp.Llama, kv: KvState) -> None:

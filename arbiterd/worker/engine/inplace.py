@@ -16,11 +16,15 @@ from arbiterd.native import libllama
 from arbiterd.native.libllama import ResidencyApi
 from arbiterd.spec import KvPolicy, ModelSpec
 from arbiterd.states import BackendKind
-from arbiterd.worker.engine.backend import LlamaBackend, disk_read_bytes, load_kv, save_kv
+from arbiterd.worker.engine.backend import (
+    LlamaBackend,
+    disk_read_bytes,
+    load_kv,
+    return_freed_heap,
+    save_kv,
+)
 from arbiterd.worker.engine.placement import runs_on_cpu
 from arbiterd.worker.engine.records import Cancelled, ChunkSink, Generation, Moved, Prepared
-
-_LIBC = ctypes.CDLL(None)  # this process's C library (malloc_trim, where it is glibc)
 
 
 class InPlaceBackend(LlamaBackend):
@@ -65,7 +69,7 @@ class InPlaceBackend(LlamaBackend):
         # Its small blocks, and those the load parsed and let go (the file's metadata, the
         # vocabulary's map from texts to ids), lie between blocks that stay: only a trim gives
         # their pages back, and on a GPU no release of host buffers would trim later.
-        _return_freed_heap()
+        return_freed_heap()
         return moved
 
     def release(self, kv: KvPolicy) -> Moved:
@@ -94,7 +98,7 @@ class InPlaceBackend(LlamaBackend):
             self._kv = None
             raise EngineError(str(exc)) from None
         if self._host_buffers:
-            _return_freed_heap()
+            return_freed_heap()
         stats = self._api.stats(ctx, flags)
         self._released = True
         self._kv_in_engine_bytes = stats.kv_bytes if whole else 0
@@ -191,7 +195,7 @@ class InPlaceBackend(LlamaBackend):
         except ResidencyCallError as exc:
             raise EngineError(f"cannot make room for the projector: {exc}") from None
         if self._host_buffers:
-            _return_freed_heap()
+            return_freed_heap()
         self._swapped_out, self._kept_kv_bytes = True, kept
         return self._api.stats(ctx, flags).weights_bytes
 
@@ -220,16 +224,6 @@ class InPlaceBackend(LlamaBackend):
     def _flags(self, kv: KvPolicy) -> int:
         flags = libllama.KEEP_KV if kv is KvPolicy.DEVICE else 0
         return flags | (libllama.HOST_BUFFERS if self._host_buffers else 0)
-
-
-def _return_freed_heap() -> None:
-    """Hand the heap pages freed blocks leave back to the system. glibc keeps freed blocks below
-    its mmap threshold (which grows up to 32 MiB as a process frees large blocks) in its arenas,
-    so without this neither a load's garbage nor a CPU model's release would lower the worker's
-    RSS."""
-    trim = getattr(_LIBC, "malloc_trim", None)
-    if trim is not None:
-        trim(0)
 
 
 def context_pointer(llm: llama_cpp.Llama) -> int:

@@ -20,7 +20,13 @@ import llama_cpp
 from arbiterd.errors import EngineError, RequestError, RestoreError
 from arbiterd.spec import KvPolicy
 from arbiterd.states import BackendKind
-from arbiterd.worker.engine.backend import LlamaBackend, disk_read_bytes, load_kv, save_kv
+from arbiterd.worker.engine.backend import (
+    LlamaBackend,
+    disk_read_bytes,
+    load_kv,
+    return_freed_heap,
+    save_kv,
+)
 from arbiterd.worker.engine.records import Moved
 
 
@@ -44,6 +50,7 @@ class ReloadBackend(LlamaBackend):
         self._kv = save_kv(llm) if kv is KvPolicy.HOST and llm.n_tokens > 0 else None
         llm.close()
         self._llm = None
+        return_freed_heap()  # the model's small blocks: 38 MB of a cold gemma-3 worker's 102
         return Moved(
             duration_s=time.monotonic() - started,
             weights_bytes=weights,
