@@ -153,17 +153,7 @@ class LoadGrowth:
     text: str
 
 
-def decode_once(model: Path, repack: bool) -> str:
-    chosen = in_place(model, repack=repack)
-    try:
-        chosen.load()
-        return text_of(chosen.generate(request_for("completion", greedy()), None))
-    finally:
-        chosen.close()
-
-
-def load_and_decode(model: Path, repack: bool, warm_up: Path) -> LoadGrowth:
-    decode_once(warm_up, repack)  # the engine's one-time set-up, not the model's memory
+def load_and_decode(model: Path, repack: bool) -> LoadGrowth:
     anon_before, shmem_before = status_bytes("RssAnon"), status_bytes("RssShmem")
     chosen = in_place(model, repack=repack)
     try:
@@ -176,14 +166,19 @@ def load_and_decode(model: Path, repack: bool, warm_up: Path) -> LoadGrowth:
         chosen.close()
 
 
+def warmed_up_then(model: Path, repack: bool, warm_up: Path) -> LoadGrowth:
+    load_and_decode(warm_up, repack)  # the engine's one-time set-up, not the model's memory
+    return load_and_decode(model, repack)
+
+
 def measured_alone(model: Path, warm_up: Path, *, repack: bool = True) -> LoadGrowth:
     """load_and_decode in a fresh interpreter, after a warm-up on a model too small for its
     freed memory to hide the measured one's. Inside the test process the figure also counts what
     earlier tests' threads and heap do meanwhile (CI once saw 28 MB of private growth there for a
-    load that adds 8 MB alone), and the first load of a process adds the engine's own set-up
+    load that adds 11 MB alone), and the first load of a process adds the engine's own set-up
     (20 MB)."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(load_and_decode, (model, repack, warm_up))
+        return pool.apply(warmed_up_then, (model, repack, warm_up))
 
 
 def test_a_cpu_models_weights_are_the_host_copys_pages_never_the_workers_own(

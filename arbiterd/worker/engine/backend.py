@@ -552,7 +552,7 @@ def save_kv(llm: llama_cpp.Llama) -> KvState:
 
 def _drop_what_workers_never_use(llm: llama_cpp.Llama) -> None:
     """Free what llama-cpp-python's Llama allocates for paths a worker never takes: private
-    memory kept for the worker's life, 9 MB of a cold gemma-3 worker's 69 (issue 28).
+    memory kept for the worker's life, 9 MB in a cold gemma-3 worker (issue 28).
 
     - Its batch has room for n_ctx sequences a token (n_batch blocks of n_ctx ids: 4 MB at n_ctx
       2048). Every decode through it, Llama.eval, is of sequence 0 (embeddings decode with a
