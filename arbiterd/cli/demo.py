@@ -198,7 +198,7 @@ def _wait_for_daemon(control: Path) -> tuple[ControlClient, dict[str, str]]:
         models = client.call("status")["models"]
         states = {m["name"]: m["state"] for m in models}
         reached = {ResidencyState(state) for state in states.values()}
-        if reached <= {ResidencyState.WARM, ResidencyState.COLD}:
+        if set(states) >= set(MODELS) and reached <= {ResidencyState.WARM, ResidencyState.COLD}:
             backends = {m["name"]: m["backend"] or "unknown" for m in models}
             print("ready: " + ", ".join(f"{n} {s} ({backends[n]})" for n, s in states.items()))
             for m in models:

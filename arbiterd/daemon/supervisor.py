@@ -160,10 +160,14 @@ class Supervisor:
         self.config = config
         self._reload_config = reload_config  # None: nothing to reload (embedded default)
         self.metrics = Metrics()
+        for name, model in config.models.items():
+            self.metrics.add_model(name, model.devices)
         # gpu0's arena: the user's hold, the groups' keepers (groups are on gpu0 alone) and
         # status's holder; a waiting model is told of its own devices' arenas (waiting.py).
         self._arena = Arena(config.daemon.arena)
-        self._slots: dict[str, Slot] = {}
+        # Every model has its slot from the start: the control socket answers before the
+        # workers start, and status then lists each model as starting, not an empty daemon.
+        self._slots: dict[str, Slot] = {name: new_slot(m) for name, m in config.models.items()}
         self._bus = EventBus(self.metrics, journal)
         self._handoffs = Handoffs()
         self._vram = VramWatch(
@@ -200,8 +204,8 @@ class Supervisor:
         # changed, or a reload changed the slots; the unload watch sleeps until then, or until
         # the first one is due (issue 29).
         self._unload_wake = asyncio.Event()
-        # One reload at a time, and none before the slots exist: the control socket listens
-        # before the workers start, and two reloads at once would each replace the slots.
+        # One reload at a time, and none while start() starts the workers: the control socket
+        # listens before they start, and two reloads at once would each replace the slots.
         self._config_lock = asyncio.Lock()
         self.stopped = asyncio.Event()  # set by the shutdown command; the daemon awaits it
 
@@ -214,9 +218,6 @@ class Supervisor:
                 await asyncio.to_thread(cache.make_private)
             for group in self.config.groups.values():
                 self._start_keeper(group)
-            for name, model in self.config.models.items():
-                self._slots[name] = new_slot(model)
-                self.metrics.add_model(name, model.devices)
             await asyncio.gather(*(self._start(slot) for slot in self._slots.values()))
         log.info("VRAM telemetry: %s", self._vram.readers.describe())
         self._vram.start()

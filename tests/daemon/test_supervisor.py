@@ -298,3 +298,20 @@ def test_the_unload_watch_wakes_for_the_first_model_due_or_looked_at_again() -> 
 def test_a_demand_model_begins_unloaded_and_the_others_starting() -> None:
     assert new_slot(model_config("m", load=Load.DEMAND)).state is SlotState.UNLOADED
     assert new_slot(model_config("m")).state is SlotState.STARTING
+
+
+def test_status_lists_every_model_as_starting_before_any_worker_starts(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """The control socket answers before the workers start: a client asking then (the demo's
+    wait for its models, the tray) sees the models to come, not a daemon without models."""
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+    tmp_path.chmod(0o700)
+    config = load_config(write_config(tmp_path, tiny_model), env=env)
+
+    async def scenario() -> dict[str, Any]:
+        supervisor = Supervisor(config, readers=ReaderSet((), (), context_allowance_bytes=0))
+        return (await supervisor.status()).to_json()
+
+    status = asyncio.run(scenario())
+    assert [(m["name"], m["state"]) for m in status["models"]] == [("m", "starting")]
