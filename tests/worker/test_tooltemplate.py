@@ -154,6 +154,23 @@ def test_a_forced_call_on_such_a_template_is_made_by_the_grammar(engine: ReloadB
     assert prepared.completion["grammar"] is not None
 
 
+@pytest.mark.parametrize("choice", ["auto", "required"])
+@pytest.mark.parametrize(
+    "parameters",
+    [{"type": "odd"}, {"type": "object", "properties": {"a\fb": {"type": "string"}}}],
+    ids=["unknown-type", "unparsable-grammar"],
+)
+def test_a_tool_whose_parameters_cannot_be_followed_is_refused_by_name(
+    engine: ReloadBackend, choice: str, parameters: dict[str, Any]
+) -> None:
+    # docs/security.md cites this check (issue 24); it went with the refusing template of the
+    # tests before issue 30 and lives here, where tools reach the model.
+    broken = {"type": "function", "function": {"name": "broken", "parameters": parameters}}
+    body = {"messages": ASK, "tools": [WEATHER, broken], "tool_choice": choice}
+    with pytest.raises(RequestError, match=r"tool 'broken''s parameters cannot be followed"):
+        engine.prepare(request_for("chat", body), lambda: False)
+
+
 def test_a_model_whose_config_refuses_tools_refuses_them(tiny_model: Path) -> None:
     spec = ModelSpec(name="plain", path=tiny_model, n_ctx=512, n_gpu_layers=0, tools=False)
     backend = ReloadBackend(spec)
