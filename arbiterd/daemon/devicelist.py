@@ -7,6 +7,9 @@ listed in its hello (`EngineReport.devices`: ggml's labels, "NAME: DESCRIPTION",
 order; none before a worker said hello), the RPC servers' are asked over ggml's wire protocol,
 in Python (arbiterd/native/rpc.py's `probe`). Never blocks the event loop: the probes and the
 arenas' reads run in threads, all at once, so an answer takes about PROBE_TIMEOUT_S at most.
+The probes have threads of their own (MAX_PROBES_AT_ONCE): a probe is bounded in time (rpc.py),
+but a burst of `devices` requests must not take the default executor's few threads, which
+`status` and `reload` wait on (issue 40: they stopped answering behind seven probes).
 
 A ggml RPC server serves one client at a time, and a worker that holds a device's token is
 connected to its server: such a server answers no probe (it waits in the server's queue until
@@ -21,9 +24,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 from arbiterd.arena import Arena
 from arbiterd.control import DeviceEntry
@@ -36,6 +41,11 @@ from arbiterd.procs import holder_name
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 1.0
+# ggml's RPC client connects to at most GGML_RPC_MAX_SERVERS (16) servers; the threads start as
+# probes come, and a probe beyond them waits its turn.
+MAX_PROBES_AT_ONCE = 16
+_probing = ThreadPoolExecutor(MAX_PROBES_AT_ONCE, thread_name_prefix="rpc-probe")
+_Answer = TypeVar("_Answer")
 CPU_NAME = "CPU"  # ggml's name of the CPU device
 # ggml's local devices that are neither the CPU nor a GPU (kind "accel": ggml-blas,
 # ggml-zendnn, ggml-zdnn); an RPC server's devices (RPC0, RPC1, ...) are listed from the probes.
@@ -165,7 +175,7 @@ async def list_devices(
     arenas beside `gpu0_arena` read (paths.device_arena_of), off the event loop."""
     servers = [(parse_device_id(f"rpc:{endpoint}"), endpoint) for endpoint in rpc_servers]
     answers = await asyncio.gather(
-        *(asyncio.to_thread(_probe, endpoint, timeout_s) for _, endpoint in servers)
+        *(_on_probe_thread(_probe, endpoint, timeout_s) for _, endpoint in servers)
     )
     probed = [
         Probed(server, endpoint, info=answer)
@@ -184,11 +194,17 @@ async def list_devices(
         """A server that did not answer while its arena is held: does it take connections?"""
         if server.info is not None or holders.get(str(server.server)) is None:
             return server
-        refuses = await asyncio.to_thread(_refuses, server.endpoint, timeout_s)
+        refuses = await _on_probe_thread(_refuses, server.endpoint, timeout_s)
         return replace(server, refuses=refuses)
 
     probed = list(await asyncio.gather(*(looked_again(server) for server in probed)))
     return entries(labels, probed, arenas, holders)
+
+
+async def _on_probe_thread(
+    ask: Callable[[str, float], _Answer], endpoint: str, timeout_s: float
+) -> _Answer:
+    return await asyncio.get_running_loop().run_in_executor(_probing, ask, endpoint, timeout_s)
 
 
 def _probe(endpoint: str, timeout_s: float) -> ServerInfo | str:

@@ -19,6 +19,12 @@ residency patch frees both on release (llama-residency.cpp, residency_detach_rem
 server's memory goes back, and the next model placed on that server can connect. A probe of
 a server that is serving a client waits in its queue of connections: `probe` says "busy"
 after its timeout.
+
+A probe is bounded whatever the server says (issue 40: a server that claimed 2^32-1 devices kept
+a probe asking for ever, and a worker's list of them grew): at most MAX_DEVICES devices asked,
+each reply read only when its size is the one its command has (under 2 KB in all), and
+`timeout_s` for the whole probe, connection included, not for each read, so a server that
+answers one byte at a time cannot stretch it either.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import socket
 import struct
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +54,10 @@ _HELLO_REPLY = struct.Struct("<BBBx24s")  # rpc_msg_hello_rsp: major, minor, pat
 _SIZE = struct.Struct("<Q")
 _MAX_REPLY = 1 << 16  # every reply probe reads is a few bytes; more is not a ggml server
 PROBE_TIMEOUT_S = 2.0
+# More devices than one ggml process can have: each GPU backend has at most 16 (GGML_CUDA_,
+# GGML_VK_, GGML_METAL_MAX_DEVICES) or 48 (GGML_SYCL_MAX_DEVICES), and a server serves its
+# process's devices. A server that claims more is not a ggml server, and is not asked for them.
+MAX_DEVICES = 64
 
 
 @dataclass(frozen=True)
@@ -64,20 +75,36 @@ class ServerInfo:
 
 
 def probe(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> ServerInfo:
-    """The server at `endpoint` (HOST:PORT): its protocol version and devices. Raises
-    DeviceUnreachableError naming the server and why: down, busy with another client for
-    `timeout_s`, not a ggml RPC server, or of a protocol the engine does not speak."""
-    with _connect(endpoint, timeout_s) as conn:
+    """The server at `endpoint` (HOST:PORT): its protocol version and devices, within
+    `timeout_s` in all. Raises DeviceUnreachableError naming the server and why: down, busy
+    with another client for `timeout_s`, too slow, not a ggml RPC server, claiming more than
+    MAX_DEVICES devices, or of a protocol the engine does not speak."""
+    deadline = time.monotonic() + timeout_s
+    with _connect(endpoint, timeout_s) as sock:
+        conn = _Connection(sock, deadline)
+        greeted = False
         try:
             major, minor, patch = _hello(conn)
+            greeted = True
             _check_version(endpoint, (major, minor, patch))
-            (count,) = struct.unpack("<I", _call(conn, _CMD_DEVICE_COUNT, b"", 4))
+            (count,) = struct.unpack("<I", conn.call(_CMD_DEVICE_COUNT, b"", 4))
+            if count > MAX_DEVICES:
+                raise DeviceUnreachableError(
+                    f"RPC server {endpoint} claims {count} devices, more than a ggml RPC server"
+                    f" has (at most {MAX_DEVICES}): it is not one; check what listens on"
+                    " that port"
+                )
             found = []
             for index in range(count):
-                reply = _call(conn, _CMD_GET_DEVICE_MEMORY, struct.pack("<I", index), 16)
+                reply = conn.call(_CMD_GET_DEVICE_MEMORY, struct.pack("<I", index), 16)
                 free, total = struct.unpack("<QQ", reply)
                 found.append(RemoteDevice(index, free, total))
         except TimeoutError:
+            if greeted:
+                raise DeviceUnreachableError(
+                    f"RPC server {endpoint} did not finish answering within {timeout_s:g} s (a"
+                    " ggml RPC server answers in milliseconds): it is not one that works"
+                ) from None
             raise DeviceUnreachableError(
                 f"RPC server {endpoint} did not answer within {timeout_s:g} s: it serves one"
                 " client at a time, and another is connected"
@@ -166,8 +193,8 @@ class _NotRpcError(Exception):
     pass
 
 
-def _hello(conn: socket.socket) -> tuple[int, int, int]:
-    reply = _call(conn, _CMD_HELLO, bytes(_CONN_CAPS_SIZE), _HELLO_REPLY.size)
+def _hello(conn: _Connection) -> tuple[int, int, int]:
+    reply = conn.call(_CMD_HELLO, bytes(_CONN_CAPS_SIZE), _HELLO_REPLY.size)
     major, minor, patch, _caps = _HELLO_REPLY.unpack(reply)
     return major, minor, patch
 
@@ -182,23 +209,38 @@ def _check_version(endpoint: str, version: tuple[int, int, int]) -> None:
         )
 
 
-def _call(conn: socket.socket, command: int, payload: bytes, reply_size: int) -> bytes:
-    conn.sendall(bytes([command]) + _SIZE.pack(len(payload)) + payload)
-    (size,) = _SIZE.unpack(_read(conn, _SIZE.size))
-    if size != reply_size or size > _MAX_REPLY:
-        raise _NotRpcError(f"a reply of {size} bytes where {reply_size} were expected")
-    return _read(conn, size)
+class _Connection:
+    """A probe's connection, every send and read of it within the probe's `deadline`
+    (time.monotonic): TimeoutError once it has passed."""
 
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock = sock
+        self._deadline = deadline
 
-def _read(conn: socket.socket, size: int) -> bytes:
-    chunks, left = [], size
-    while left:
-        chunk = conn.recv(left)
-        if not chunk:
-            raise _NotRpcError("the connection closed mid-reply")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
+    def call(self, command: int, payload: bytes, reply_size: int) -> bytes:
+        self._arm()
+        self._sock.sendall(bytes([command]) + _SIZE.pack(len(payload)) + payload)
+        (size,) = _SIZE.unpack(self._read(_SIZE.size))
+        if size != reply_size or size > _MAX_REPLY:
+            raise _NotRpcError(f"a reply of {size} bytes where {reply_size} were expected")
+        return self._read(size)
+
+    def _read(self, size: int) -> bytes:
+        chunks, left = [], size
+        while left:
+            self._arm()
+            chunk = self._sock.recv(left)
+            if not chunk:
+                raise _NotRpcError("the connection closed mid-reply")
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+
+    def _arm(self) -> None:
+        left_s = self._deadline - time.monotonic()
+        if left_s <= 0:
+            raise TimeoutError
+        self._sock.settimeout(left_s)
 
 
 def _rpc_function(
