@@ -37,7 +37,9 @@ OLLAMA_NAMESPACE = "library"
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
 OLLAMA_PROJECTOR_LAYER = "application/vnd.ollama.image.projector"
 OLLAMA_DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
-# A manifest is a few hundred bytes; a file far larger is not one.
+# A manifest is a few hundred bytes, three levels deep; a file far larger is not one, nor one
+# deeper than the parser goes (Python's recursion limit, about 1,000 levels: issue 40's 5,000
+# deep ended the whole listing with a RecursionError).
 MAX_MANIFEST_BYTES = 1 << 20
 # Characters a model name may not hold, each run made one "-".
 _NOT_IN_NAME_RE = re.compile(r"[^A-Za-z0-9._-]+")
@@ -297,8 +299,12 @@ def _manifest_layers(manifest: Path) -> dict[str, str]:
         raise ValueError("it is too large to be an Ollama manifest")
     try:
         parsed = json.loads(data)
+    except RecursionError:  # the parser recurses once per level
+        raise ValueError("it nests too deeply to be an Ollama manifest") from None
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ValueError("it is not JSON (an Ollama manifest is)") from None
+    except ValueError:  # int() refuses a literal of more than 4,300 digits
+        raise ValueError("it holds a number too long to be an Ollama manifest's") from None
     layers = parsed.get("layers") if isinstance(parsed, dict) else None
     if not isinstance(layers, list):
         raise ValueError("it has no list of layers (not an Ollama manifest)")

@@ -150,6 +150,34 @@ def test_a_manifest_whose_blob_is_missing_is_skipped_with_a_warning_naming_it(
     ]
 
 
+def bad_manifests(store: Path) -> tuple[Path, Path]:
+    """Two manifests no parser should die of, of 10 KB each (issue 40): lists nested 5,000 deep,
+    and a number of 5,000 digits (int() refuses more than 4,300)."""
+    deep = store / "manifests/registry.ollama.ai/library/deep/latest"
+    deep.parent.mkdir(parents=True)
+    deep.write_text('{"layers": ' + "[" * 5000 + "]" * 5000 + "}")
+    long = store / "manifests/registry.ollama.ai/library/long/latest"
+    long.parent.mkdir(parents=True)
+    long.write_text('{"layers": [' + "7" * 5000 + "]}")
+    return deep, long
+
+
+def test_a_manifest_nested_5000_deep_is_skipped_with_one_warning_and_the_rest_listed(
+    home: Path, tiny_model: Path
+) -> None:
+    store = home / ".ollama/models"
+    add_model(store, "kept:1b", tiny_model)
+    deep, long = bad_manifests(store)
+
+    discovery = find_models({"HOME": str(home)})
+
+    assert [m.name for m in discovery.models] == ["kept:1b"]
+    assert discovery.warnings == [
+        f"skipped {deep}: it nests too deeply to be an Ollama manifest",
+        f"skipped {long}: it holds a number too long to be an Ollama manifest's",
+    ]
+
+
 def test_a_file_that_is_no_gguf_is_skipped_with_a_warning(home: Path) -> None:
     broken = home / "models/notes.gguf"
     broken.parent.mkdir()
@@ -245,12 +273,17 @@ def test_the_starter_config_serves_ollama_models_by_name_within_their_trained_co
 
 
 def arbiterd_models(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return arbiterd_at_home(home, "models", *args)
+
+
+def arbiterd_at_home(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`arbiterd ARGS` run by a user whose home is `home`, with no model places moved."""
     env = {k: v for k, v in os.environ.items() if k not in {"OLLAMA_MODELS", "HF_HOME"}}
     env |= {"HOME": str(home)}
     for name in ("HF_HUB_CACHE", "LLAMA_CACHE"):
         env.pop(name, None)
     return subprocess.run(
-        [sys.executable, "-m", "arbiterd", "models", *args],
+        [sys.executable, "-m", "arbiterd", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -289,6 +322,24 @@ def test_models_json_lists_what_was_found_and_warns_on_stderr(
     assert done.stderr == (
         f"arbiterd models: warning: skipped {gone}: its model blob {model_blob(gone)} is missing\n"
     )
+
+
+def test_models_and_install_dry_run_list_the_rest_past_a_manifest_nested_5000_deep(
+    home: Path, tiny_model: Path
+) -> None:
+    store = home / ".ollama/models"
+    add_model(store, "kept:1b", tiny_model)
+    deep, _ = bad_manifests(store)
+
+    listed = arbiterd_models(home, "--json")
+    would = arbiterd_at_home(home, "install", "--dry-run")
+
+    assert listed.returncode == 0, listed.stderr
+    assert [m["name"] for m in json.loads(listed.stdout)["models"]] == ["kept:1b"]
+    assert f"skipped {deep}: it nests too deeply" in listed.stderr
+    assert would.returncode == 0, would.stderr
+    assert f"note     skipped {deep}: it nests too deeply" in would.stdout
+    assert f"would write    {home / '.config/arbiterd/config.toml'}\n" in would.stdout  # kept:1b
 
 
 def test_models_prints_a_table(home: Path, tiny_model: Path, plain_model: Path) -> None:
