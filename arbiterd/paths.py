@@ -1,6 +1,7 @@
-"""Where arbiterd keeps its per-user files; owns the XDG lookups, their safety checks, the
-creation of every folder arbiterd makes (runtime, arena, state, config): 0700 at every level,
-and the device ids with the folder of each device's arena (issue 27).
+"""Where arbiterd keeps its per-user files; owns the XDG lookups, their safety checks (a private
+folder's, a trusted file's), the creation of every folder arbiterd makes (runtime, arena,
+state, config): 0700 at every level, and the device ids with the folder of each device's arena
+(issue 27).
 
 Never creates anything outside the directories it is given, never follows a path it was not given.
 """
@@ -21,6 +22,7 @@ from arbiterd.errors import ArbiterError, BadValueError, RuntimeDirError
 ARENA_ENV = "ARBITERD_ARENA"
 DEFAULT_DEVICE = "gpu0"
 PRIVATE_DIR_MODE = 0o700
+OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 
 def runtime_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -65,10 +67,32 @@ def private_dir_problem(label: str, st: os.stat_result) -> str | None:
     must be a directory we own with no group or other access — or None when it is."""
     if not stat.S_ISDIR(st.st_mode):
         return f"{label} is not a directory"
-    if st.st_uid != os.getuid():
-        return f"{label} is owned by uid {st.st_uid}, not by you (uid {os.getuid()})"
+    if (foreign := owner_problem(label, st)) is not None:
+        return foreign
     if st.st_mode & 0o077:
         return f"{label} has mode {stat.S_IMODE(st.st_mode):04o}; it must be 0700"
+    return None
+
+
+def trusted_file_problem(label: str, st: os.stat_result) -> str | None:
+    """Why a file whose content we act on (stat `st`, named `label` in the message) cannot be
+    trusted — it must be a regular file we own that neither group nor others can write: what
+    they could write, we would do — or None when it can."""
+    if not stat.S_ISREG(st.st_mode):
+        return f"{label} is not a regular file"
+    if (foreign := owner_problem(label, st)) is not None:
+        return foreign
+    if st.st_mode & OTHERS_WRITE:
+        return (
+            f"{label} has mode {stat.S_IMODE(st.st_mode):04o}, which lets group or others write it"
+        )
+    return None
+
+
+def owner_problem(label: str, st: os.stat_result) -> str | None:
+    """Why what `st` is the stat of (named `label`) is not ours: its owner, or None."""
+    if st.st_uid != os.getuid():
+        return f"{label} is owned by uid {st.st_uid}, not by you (uid {os.getuid()})"
     return None
 
 

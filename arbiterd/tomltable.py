@@ -1,6 +1,8 @@
-"""Reading a TOML table for a config: typed getters whose errors name the file, the key path
-and what was expected, and the spelling of keys and values that those messages quote back.
-Owns no key of arbiterd's config (config.py does): only how a value is read and shown.
+"""Reading a TOML table for a config: the file, read only when it is the user's alone (owned by
+the user, writable by nobody else: paths.trusted_file_problem), typed getters whose errors name
+the file, the key path and what was expected, and the spelling of keys and values that those
+messages quote back. Owns no key of arbiterd's config (config.py does): only how a value is read
+and shown.
 """
 
 from __future__ import annotations
@@ -8,7 +10,9 @@ from __future__ import annotations
 import difflib
 import enum
 import math
+import os
 import re
+import stat
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -16,6 +20,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from arbiterd.errors import ConfigError
+from arbiterd.paths import owner_problem, trusted_file_problem
 
 _MAX_GOT_CHARS = 80  # a value quoted back in a message is cut to this length
 
@@ -151,15 +156,27 @@ class Table:
 
 
 def read_toml(path: Path) -> dict[str, object]:
+    """The TOML document of the config file at `path`, once the file is known to be the user's
+    alone (`_check_trusted`): whoever else could write it would choose what the daemon runs
+    (issue 40: a config replaced by a link to another user's 0666 file was applied). ConfigError
+    names the file and what is wrong, with the fix."""
     label = str(path)
     try:
-        data = path.read_bytes()
+        # O_NONBLOCK: a FIFO at the path opens at once (and is refused), without waiting for a
+        # writer; it changes nothing for a regular file.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ConfigError(f"{label}: no such file") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{label}: expected a TOML file, got a directory") from None
     except OSError as exc:
         raise ConfigError(f"{label}: cannot be read: {exc.strerror}") from None
+    try:
+        _check_trusted(path, os.fstat(fd))  # the file opened: what is checked is what is read
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read()
+    except OSError as exc:
+        raise ConfigError(f"{label}: cannot be read: {exc.strerror}") from None
+    finally:
+        os.close(fd)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -171,6 +188,42 @@ def read_toml(path: Path) -> dict[str, object]:
         return tomllib.loads(text.removeprefix("\ufeff"))
     except tomllib.TOMLDecodeError as exc:  # its message ends "(at line L, column C)"
         raise ConfigError(f"{label}: expected valid TOML: {exc}") from None
+
+
+def _check_trusted(path: Path, opened: os.stat_result) -> None:
+    """Refuse the config file at `path` (`opened`: the fstat of the file opened, a link's target)
+    unless paths.trusted_file_problem finds nothing; a link to it must be the user's too."""
+    if stat.S_ISDIR(opened.st_mode):
+        raise ConfigError(f"{path}: expected a TOML file, got a directory")
+    try:
+        link = path.lstat()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read: {exc.strerror}") from None
+    label = str(path)
+    if stat.S_ISLNK(link.st_mode):
+        if (foreign := owner_problem(f"the link {path}", link)) is not None:
+            raise ConfigError(
+                f"{foreign}: arbiterd applies only a config that nobody else can change"
+                f" (make it yours: {_copy_over(path)})"
+            )
+        label = f"{path} (a link to {os.path.realpath(path)})"
+    problem = trusted_file_problem(label, opened)
+    if problem is None:
+        return
+    if opened.st_uid != os.getuid():
+        fix = f"make it yours: {_copy_over(path)}"
+    elif stat.S_ISREG(opened.st_mode):
+        fix = f"chmod go-w {os.path.realpath(path)}"
+    else:
+        fix = f"write the config as a file at {path}"
+    raise ConfigError(
+        f"{problem}: arbiterd applies only a config that nobody else can change ({fix})"
+    )
+
+
+def _copy_over(path: Path) -> str:
+    """The commands that put a copy of the user's own in place of the file (or link) `path`."""
+    return f"cp {path} {path}.new && chmod go-w {path}.new && mv {path}.new {path}"
 
 
 SIZE_EXPECTED = 'a number of bytes, or a size such as "22GiB" or "512MB"'

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -349,6 +351,95 @@ def test_an_explicit_path_must_exist(tmp_path: Path, env: dict[str, str]) -> Non
 def test_a_directory_is_not_a_config_file(tmp_path: Path, env: dict[str, str]) -> None:
     with pytest.raises(ConfigError, match=f"^{tmp_path}: expected a TOML file, got a directory"):
         load_config(tmp_path, env=env)
+
+
+# -- whose file it is (issue 40) ----------------------------------------------------------------
+
+NOBODY = 65534
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a file away")
+REFUSED = "arbiterd applies only a config that nobody else can change"
+
+
+def make_it_yours(path: Path) -> str:
+    return re.escape(f"(make it yours: cp {path} {path}.new && chmod go-w {path}.new && mv ")
+
+
+@pytest.mark.parametrize("mode", [0o666, 0o620, 0o602], ids=oct)
+def test_a_config_that_group_or_others_can_write_is_refused_with_chmod_go_w(
+    tmp_path: Path, env: dict[str, str], mode: int
+) -> None:
+    path = write(tmp_path, MINIMAL)
+    path.chmod(mode)
+    expected = f"{path} has mode {mode:04o}, which lets group or others write it: {REFUSED}"
+    with pytest.raises(ConfigError, match=f"^{re.escape(expected)} \\(chmod go-w {path}\\)$"):
+        load_config(path, env=env)
+
+
+@needs_root
+def test_a_config_of_another_user_is_refused_with_the_fix(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    path = write(tmp_path, MINIMAL)
+    os.chown(path, NOBODY, NOBODY)
+    with pytest.raises(ConfigError) as refused:
+        load_config(path, env=env)
+    assert re.match(
+        f"^{path} is owned by uid {NOBODY}, not by you \\(uid 0\\): {REFUSED} "
+        + make_it_yours(path),
+        str(refused.value),
+    )
+
+
+@needs_root
+def test_a_config_linked_to_another_users_0666_file_is_refused_naming_the_target(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    theirs = write(tmp_path, MINIMAL, name="theirs.toml")
+    theirs.chmod(0o666)
+    os.chown(theirs, NOBODY, NOBODY)
+    path = tmp_path / "cfg" / "config.toml"
+    path.parent.mkdir()
+    path.symlink_to(theirs)
+    with pytest.raises(ConfigError) as refused:
+        load_config(path, env=env)
+    assert str(refused.value).startswith(
+        f"{path} (a link to {theirs}) is owned by uid {NOBODY}, not by you (uid 0): {REFUSED}"
+    )
+
+
+@needs_root
+def test_a_link_another_user_made_to_a_config_of_ones_own_is_refused(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    mine = write(tmp_path, MINIMAL)
+    path = tmp_path / "cfg" / "config.toml"
+    path.parent.mkdir()
+    path.symlink_to(mine)
+    os.lchown(path, NOBODY, NOBODY)
+    with pytest.raises(ConfigError) as refused:
+        load_config(path, env=env)
+    assert re.match(
+        f"^the link {path} is owned by uid {NOBODY}, not by you \\(uid 0\\): {REFUSED} "
+        + make_it_yours(path),
+        str(refused.value),
+    )
+
+
+def test_a_link_to_a_config_of_ones_own_is_read(tmp_path: Path, env: dict[str, str]) -> None:
+    mine = write(tmp_path, MINIMAL)
+    path = tmp_path / "cfg" / "config.toml"
+    path.parent.mkdir()
+    path.symlink_to(mine)
+    assert list(load_config(path, env=env).models) == ["qwen"]
+
+
+def test_a_fifo_at_the_config_path_is_refused_without_waiting_for_a_writer(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    path = tmp_path / "config.toml"
+    os.mkfifo(path, 0o600)
+    with pytest.raises(ConfigError, match=f"^{path} is not a regular file: {REFUSED}"):
+        load_config(path, env=env)
 
 
 def test_the_embedded_default_serves_an_instruct_model_first_and_gemma(

@@ -1,21 +1,27 @@
 """A real daemon follows its config file (issue 29): a save applies as `arbiterd reload` does,
 written in place or renamed over; a mistake applies nothing and is logged; a deleted file
-leaves it serving; `watch_config = false` follows nothing."""
+leaves it serving; `watch_config = false` follows nothing. A file that another user owns or
+can write applies nothing, at start, at a save or at `arbiterd reload` (issue 40)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import openai
+import pytest
 
 from arbiterd.daemon.journal import Journal
 from tests.daemon.test_serve import arbiterd
-from tests.support.daemon import Daemon, serving, tiny
+from tests.support.daemon import Daemon, free_port, serving, tiny
 from tests.support.waiting import wait_until
 
 APPLIED_S = 30.0  # a reload restarts nothing here; models start in a few seconds at worst
+NOBODY = 65534
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a file away")
 
 
 def models(daemon: Daemon) -> dict[str, dict[str, Any]]:
@@ -116,3 +122,48 @@ def test_with_watch_config_false_only_reload_applies_a_save(tiny_model: Path) ->
         done = arbiterd("reload", "--socket", str(running.socket))
         assert done.stdout.strip() == "reloaded (aliases changed: m)", done.stderr
         assert len(reload_events(running)) == 1
+
+
+@needs_root
+def test_a_config_replaced_by_a_link_to_another_users_file_applies_nothing(
+    tiny_model: Path,
+) -> None:
+    with serving({"m": tiny(tiny_model)}) as running:
+        theirs = running.dir / "theirs.toml"
+        theirs.write_text(running.config.read_text() + f'\n[models.extra]\npath = "{tiny_model}"\n')
+        theirs.chmod(0o666)
+        os.chown(theirs, NOBODY, NOBODY)
+        link = running.config.with_name("config.toml.link")
+        link.symlink_to(theirs)
+        os.replace(link, running.config)
+        refusal = f"{running.config} (a link to {theirs}) is owned by uid {NOBODY}, not by you"
+        wait_until(lambda: "applies nothing" in running.log.read_text(), APPLIED_S, "the report")
+        (said,) = [line for line in running.log.read_text().splitlines() if "nothing: " in line]
+        assert f"the change to {running.config} applies nothing: {refusal}" in said
+        done = arbiterd("reload", "--socket", str(running.socket))
+        assert done.returncode != 0
+        assert refusal in done.stderr
+        assert list(models(running)) == ["m"]
+        assert reload_events(running) == []
+
+
+def test_a_daemon_refuses_to_start_on_a_config_others_can_write(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(
+        f'[daemon]\nhttp = "127.0.0.1:{free_port()}"\nsocket = "{tmp_path / "c.sock"}"\n'
+        f'arena = "{tmp_path / "arena"}"\njournal = "{tmp_path / "journal.sqlite3"}"\n'
+        f'[models.m]\npath = "{tiny_model}"\nn_gpu_layers = 0\n'
+    )
+    config.chmod(0o666)
+    done = subprocess.run(
+        [sys.executable, "-m", "arbiterd", "daemon", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=APPLIED_S,  # a daemon that started serves until stopped: a failure here
+        check=False,
+    )
+    assert done.returncode != 0
+    assert f"{config} has mode 0666, which lets group or others write it" in done.stderr
+    assert f"(chmod go-w {config})" in done.stderr
