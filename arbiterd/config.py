@@ -17,6 +17,7 @@
     vram_budget = 0               # device bytes for a group or a model + projector; 0 = unchecked
     host_ram_budget = 0           # bytes (or "8GiB") of host copies + cold KV; 0 = no budget
     prompt_cache_budget = "4GiB"  # bytes of prompt caches unloaded models keep on disk
+    responses_budget = "64MiB"    # bytes of past /v1/responses kept for previous_response_id
     watch_config = true           # a saved change to this file applies as `arbiterd reload`
     queue_notice_s = 1            # a stream waiting this long for the GPU is told who holds it
     rpc_servers = []              # llama.cpp RPC servers models may be placed on, "HOST:PORT"
@@ -158,6 +159,7 @@ DAEMON_KEYS = (
     "vram_budget",
     "host_ram_budget",
     "prompt_cache_budget",
+    "responses_budget",
     "watch_config",
     "queue_notice_s",
     "rpc_servers",
@@ -199,6 +201,9 @@ QUEUE_NOTICE_S = 1.0
 # Issue 14: a state file is a few MB to a few GB (the KV of the tokens in use); 4 GiB keeps a
 # handful of large ones.
 PROMPT_CACHE_BUDGET_BYTES = 4 << 30
+# Issue 40: the conversations /v1/responses keeps for previous_response_id, images included; 64
+# MiB keeps a dozen conversations each with a large photo, or thousands of text ones.
+RESPONSES_BUDGET_BYTES = 64 << 20
 
 
 class Tools(enum.StrEnum):
@@ -265,6 +270,9 @@ class DaemonConfig:
     host_ram_budget_bytes: int = 0
     # Issue 14: the prompt caches of unloaded models on disk; the oldest go first.
     prompt_cache_budget_bytes: int = PROMPT_CACHE_BUDGET_BYTES
+    # Issue 40: the past responses /v1/responses keeps (daemon/responses.py); the oldest go
+    # first, and 0 keeps none. Read at start, as every [daemon] key.
+    responses_budget_bytes: int = RESPONSES_BUDGET_BYTES
     # Issue 29: the daemon follows its config file (daemon/configwatch.py); read at start only.
     watch_config: bool = True
     # Issue 30: a stream that has waited this long for the GPU is told who holds it
@@ -610,6 +618,7 @@ class _DaemonValues:
     host_ram_budget_bytes: int = 0
     holder_timeout_s: float = HOLDER_TIMEOUT_S
     prompt_cache_budget_bytes: int = PROMPT_CACHE_BUDGET_BYTES
+    responses_budget_bytes: int = RESPONSES_BUDGET_BYTES
     watch_config: bool = True
     queue_notice_s: float = QUEUE_NOTICE_S
     rpc_servers: tuple[str, ...] = ()
@@ -634,6 +643,7 @@ class _DaemonValues:
             vram_budget=self.vram_budget,
             host_ram_budget_bytes=self.host_ram_budget_bytes,
             prompt_cache_budget_bytes=self.prompt_cache_budget_bytes,
+            responses_budget_bytes=self.responses_budget_bytes,
             watch_config=self.watch_config,
             queue_notice_s=self.queue_notice_s,
             rpc_servers=self.rpc_servers,
@@ -689,6 +699,7 @@ def _daemon(src: Source, raw: object, overrides: _Overrides) -> _DaemonValues:
         vram_budget=table.size("vram_budget"),
         host_ram_budget_bytes=table.size("host_ram_budget"),
         prompt_cache_budget_bytes=table.size("prompt_cache_budget", PROMPT_CACHE_BUDGET_BYTES),
+        responses_budget_bytes=table.size("responses_budget", RESPONSES_BUDGET_BYTES),
         holder_timeout_s=holder_timeout_s,
         watch_config=table.boolean("watch_config", True),
         queue_notice_s=table.seconds("queue_notice_s", QUEUE_NOTICE_S),

@@ -36,6 +36,7 @@ journal = "~/journal.sqlite3"
 api_key = "sk-local-123"
 host_ram_budget = "8GiB"
 prompt_cache_budget = 1048576
+responses_budget = "16MiB"
 
 [models.qwen]
 path = "models/qwen.gguf"
@@ -103,6 +104,7 @@ def test_full_file_sets_every_key(tmp_path: Path, env: dict[str, str]) -> None:
     assert daemon.api_key == "sk-local-123"
     assert daemon.host_ram_budget_bytes == 8 << 30
     assert daemon.prompt_cache_budget_bytes == 1 << 20
+    assert daemon.responses_budget_bytes == 16 << 20
 
     assert list(config.models) == ["qwen", "llama-3.2_1b"]  # the file's order
     qwen = config.models["qwen"]
@@ -139,6 +141,7 @@ def test_absent_keys_take_their_defaults(tmp_path: Path, env: dict[str, str]) ->
     assert daemon.api_key == ""
     assert daemon.host_ram_budget_bytes == 0  # no budget
     assert daemon.prompt_cache_budget_bytes == 4 << 30
+    assert daemon.responses_budget_bytes == 64 << 20
     model = config.models["qwen"]
     assert model.path == Path("/models/qwen.gguf")
     assert model.aliases == ()
@@ -714,6 +717,12 @@ ERRORS = [
         "daemon.prompt_cache_budget",
         "got -1",
         id="prompt_cache_budget_negative",
+    ),
+    pytest.param(
+        '[daemon]\nresponses_budget = "lots"\n' + M,
+        "daemon.responses_budget",
+        'expected a number of bytes, or a size such as "22GiB" or "512MB", got "lots"',
+        id="responses_budget_text",
     ),
     pytest.param(
         M + "unload_after_s = -1",

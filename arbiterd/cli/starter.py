@@ -42,6 +42,8 @@ def starter_config_text(models: list[FoundModel]) -> str:
         '# host_ram_budget = 0       host RAM for file copies and cold KV caches, e.g. "16GiB";',
         "#                           # above it the least recently used cold models unload",
         '# prompt_cache_budget = "4GiB"  disk for unloaded models\' prompt caches, oldest go first',
+        '# responses_budget = "64MiB"  memory for past /v1/responses (previous_response_id);',
+        "#                           # the oldest go first; 0 keeps none",
         "# watch_config = true       # false: a saved change applies only at `arbiterd reload`",
         "",
         "# One [models.NAME] table per model; NAME (1-64 of A-Z a-z 0-9 . _ -, and an optional",

@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from arbiterd.config import RESPONSES_BUDGET_BYTES
 from arbiterd.daemon import images, jsonbody, ollama, responses
 from arbiterd.daemon.openai_requests import (
     INTERNAL_ERROR,
@@ -365,10 +366,15 @@ def refuse_stranger(app: ASGIApp, *, api_key: str, reason: str) -> ASGIApp:
 
 
 def create_app(
-    service: Service, *, api_key: str = "", max_body_bytes: int = MAX_BODY_BYTES
+    service: Service,
+    *,
+    api_key: str = "",
+    max_body_bytes: int = MAX_BODY_BYTES,
+    responses_budget_bytes: int = RESPONSES_BUDGET_BYTES,
 ) -> FastAPI:
     """The HTTP API over `service`. With `api_key`, every route but /health requires
-    `Authorization: Bearer <api_key>`."""
+    `Authorization: Bearer <api_key>`. /v1/responses keeps past responses within
+    `responses_budget_bytes` ([daemon] responses_budget)."""
     created = int(time.time())
     app = FastAPI(title="arbiterd", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -465,7 +471,9 @@ def create_app(
         return await serve(request, RequestKind.COMPLETION)
 
     _add_embeddings_route(app, service, guarded, names, max_body_bytes)
-    _add_responses_route(app, service, guarded, names, max_body_bytes)
+    _add_responses_route(
+        app, service, guarded, names, max_body_bytes, budget_bytes=responses_budget_bytes
+    )
 
     _add_ollama_routes(app, service, guarded, names, max_body_bytes)
     return app
@@ -594,10 +602,14 @@ def _add_responses_route(
     guarded: list[Any],
     names: Callable[[], list[str]],
     max_body_bytes: int,
+    *,
+    budget_bytes: int,
 ) -> None:
     """OpenAI's POST /v1/responses, run as a chat request (daemon/responses.py translates); the
-    past responses it remembers live as long as the app."""
-    past = responses.PastResponses()
+    past responses it remembers, within `budget_bytes`, live as long as the app (its
+    state.past_responses, for a reader of its memory)."""
+    past = responses.PastResponses(budget_bytes=budget_bytes)
+    app.state.past_responses = past
 
     @app.post("/v1/responses", dependencies=guarded)
     async def create_response(request: Request) -> Response:

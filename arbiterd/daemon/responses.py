@@ -5,8 +5,9 @@ with output items, or the Responses stream's events.
 
 Owns the Responses body's own fields (input items, instructions, tools in the Responses
 spelling, max_output_tokens, text.format) and the daemon's memory of past responses for
-`previous_response_id`: PastResponses, bounded to MAX_PAST_RESPONSES, the oldest dropped, gone
-when the daemon stops. Every other check is openai_requests.py's.
+`previous_response_id`: PastResponses, bounded to MAX_PAST_RESPONSES and to [daemon]
+responses_budget bytes (issue 40: a few responses with images each held megabytes), the oldest
+dropped, gone when the daemon stops. Every other check is openai_requests.py's.
 
 Guard ladder for a body: object → known keys → truncation, include, reasoning →
 previous_response_id → input items (each type) → instructions → tools → text.format → the
@@ -16,6 +17,7 @@ fields.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -23,9 +25,13 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+from arbiterd.config import RESPONSES_BUDGET_BYTES
 from arbiterd.daemon.openai_requests import ApiError, ApiRequest, parse_request
 from arbiterd.procs import WaitNews
+from arbiterd.render import format_bytes
 from arbiterd.request import RequestKind
+
+log = logging.getLogger(__name__)
 
 # How many past responses previous_response_id can name; the oldest is forgotten first.
 MAX_PAST_RESPONSES = 256
@@ -76,16 +82,47 @@ class ResponsesRequest:
 
 class PastResponses:
     """The conversations of the last MAX_PAST_RESPONSES responses, by response id: each the
-    turns that led to it and its answer, so a request naming it goes on from there."""
+    turns that led to it and its answer, so a request naming it goes on from there.
 
-    def __init__(self, limit: int = MAX_PAST_RESPONSES) -> None:
+    Bounded in bytes too: the text of all kept conversations (an image is its data: URL) stays
+    within `budget_bytes`, the oldest forgotten first; a conversation larger than the whole
+    budget is not kept at all, so naming it is the 404 a forgotten one gets. A chain of
+    responses shares its earlier turns in memory, but each response counts them again: what is
+    really kept is at most what is counted.
+
+    Invariant: `_bytes` is the sum of `_sizes`, and it is at most `_budget_bytes`."""
+
+    def __init__(
+        self, limit: int = MAX_PAST_RESPONSES, budget_bytes: int = RESPONSES_BUDGET_BYTES
+    ) -> None:
         self._limit = limit
+        self._budget_bytes = budget_bytes
         self._turns: OrderedDict[str, tuple[dict[str, Any], ...]] = OrderedDict()
+        self._sizes: dict[str, int] = {}
+        self._bytes = 0
+
+    @property
+    def bytes_(self) -> int:
+        """The bytes of the conversations kept now, as the budget counts them."""
+        return self._bytes
 
     def remember(self, response_id: str, turns: tuple[dict[str, Any], ...]) -> None:
+        size = text_bytes(turns)
+        if size > self._budget_bytes:
+            log.info(
+                "response %s not kept for previous_response_id: its conversation is %s, more "
+                "than the whole [daemon] responses_budget (%s)",
+                response_id,
+                format_bytes(size),
+                format_bytes(self._budget_bytes),
+            )
+            return
         self._turns[response_id] = turns
-        while len(self._turns) > self._limit:
-            self._turns.popitem(last=False)
+        self._sizes[response_id] = size
+        self._bytes += size
+        while len(self._turns) > self._limit or self._bytes > self._budget_bytes:
+            oldest, _ = self._turns.popitem(last=False)
+            self._bytes -= self._sizes.pop(oldest)
 
     def turns(self, response_id: str) -> tuple[dict[str, Any], ...]:
         try:
@@ -94,10 +131,29 @@ class PastResponses:
             raise ApiError(
                 404,
                 f"Previous response with id '{response_id}' not found (arbiterd keeps the last "
-                f"{self._limit} responses while it runs)",
+                f"{self._limit} responses while it runs, up to [daemon] responses_budget = "
+                f"{format_bytes(self._budget_bytes)} of their conversations in all, and forgets "
+                "the oldest first; send the whole conversation as 'input' instead)",
                 code="previous_response_not_found",
                 param="previous_response_id",
             ) from None
+
+
+def text_bytes(value: object) -> int:
+    """The UTF-8 bytes of every string in `value` (dicts, lists and tuples of JSON values): what
+    a conversation keeps in memory, less the few bytes of each object around them."""
+    count, pending = 0, [value]
+    while pending:  # a loop, not recursion: the nesting depth is the client's choice
+        item = pending.pop()
+        if isinstance(item, str):
+            # An image's data: URL is ASCII: its length is its bytes, counted without a copy.
+            count += len(item) if item.isascii() else len(item.encode("utf-8", "surrogatepass"))
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list | tuple):
+            pending.extend(item)
+    return count
 
 
 # -- requests ---------------------------------------------------------------------------------

@@ -87,7 +87,11 @@ async def _serve(
         # comes while it starts until its slots exist.
         watch = ConfigWatch(config.source, lambda: supervisor.command("reload"))
     http = HttpServer(
-        create_app(supervisor, api_key=daemon.api_key),
+        create_app(
+            supervisor,
+            api_key=daemon.api_key,
+            responses_budget_bytes=daemon.responses_budget_bytes,
+        ),
         listeners,
         allow_uids=daemon.allow_uids,
         api_key=daemon.api_key,

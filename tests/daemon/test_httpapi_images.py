@@ -1,10 +1,13 @@
 """Images at the HTTP edge (issue 12): OpenAI image parts are checked against the model's
 policy and reach the engine as base64 with a marker in the text; every bad one is a 400 that
-names its field."""
+names its field. The past responses /v1/responses keeps, images included, stay within their
+budget in bytes (issue 40)."""
 
 from __future__ import annotations
 
 import base64
+import json
+import random
 import struct
 import subprocess
 import sys
@@ -13,6 +16,7 @@ from io import BytesIO
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from fastapi import FastAPI
 from PIL import Image
@@ -21,7 +25,7 @@ from arbiterd.daemon import httpapi
 from arbiterd.daemon.httpapi import create_app
 from arbiterd.daemon.images import ImagePolicy
 from arbiterd.spec import IMAGE_MARKER, MAX_IMAGES
-from tests.daemon.test_httpapi import FakeService, assert_error, call
+from tests.daemon.test_httpapi import DEADLINE_S, FakeService, assert_error, call, serving
 from tests.support.images import jpeg, pattern, png, png_data_url, webp
 
 POLICY = ImagePolicy(model="tiny", max_bytes=64 * 1024, max_pixels=256 * 256, allow_urls=False)
@@ -364,3 +368,80 @@ def test_pillow_is_imported_only_when_a_webp_arrives(tmp_path: Path) -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert result.stdout.split("\n") == ["a.png False", "a.jpeg False", "a.webp True", ""]
+
+
+# -- past responses keep their images within [daemon] responses_budget (issue 40) -------------
+
+BUDGET_BYTES = 1 << 20
+
+
+def noise_png(side: int, seed: int) -> bytes:
+    """A PNG of random pixels: it does not compress, so its file is about 3 x side² bytes."""
+    pixels = random.Random(seed).randbytes(side * side * 3)
+    out = BytesIO()
+    Image.frombytes("RGB", (side, side), pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def image_input(image: bytes, text: str = "what is this") -> list[dict[str, Any]]:
+    content = [
+        {"type": "input_text", "text": text},
+        {"type": "input_image", "image_url": png_data_url(image)},
+    ]
+    return [{"role": "user", "content": content}]
+
+
+def test_past_responses_stay_within_the_budget_in_bytes_the_oldest_forgotten_first(
+    service: FakeService,
+) -> None:
+    service.vision["tiny"] = ImagePolicy("tiny", 8 << 20, 1024 * 1024, allow_urls=False)
+    app = create_app(service, responses_budget_bytes=BUDGET_BYTES)
+    past = app.state.past_responses
+    ids = []
+    with serving(app) as url, httpx.Client(base_url=url, timeout=DEADLINE_S) as client:
+        # Each about 410 KB as its data: URL: two fit the 1 MiB budget, three do not.
+        for seed in range(6):
+            body = {"model": "tiny", "input": image_input(noise_png(320, seed))}
+            if seed == 3:  # a streamed response is kept (and bounded) the same way
+                answered = client.post("/v1/responses", json={**body, "stream": True})
+                assert answered.status_code == 200, answered.text
+                events = [
+                    json.loads(line.removeprefix("data: "))
+                    for line in answered.text.splitlines()
+                    if line.startswith("data: {")
+                ]
+                assert events[-1]["type"] == "response.completed"
+                ids.append(events[-1]["response"]["id"])
+            else:
+                answered = client.post("/v1/responses", json=body)
+                assert answered.status_code == 200, answered.text
+                ids.append(answered.json()["id"])
+            assert 0 < past.bytes_ <= BUDGET_BYTES
+        for old in ids[:4]:
+            follow = {"model": "tiny", "input": "and then?", "previous_response_id": old}
+            error = assert_error(client.post("/v1/responses", json=follow), 404)
+            assert error["code"] == "previous_response_not_found"
+            assert "responses_budget = 1.0 MiB" in error["message"]
+        follow = {"model": "tiny", "input": "and then?", "previous_response_id": ids[-1]}
+        assert client.post("/v1/responses", json=follow).status_code == 200
+    (_, _, body) = service.calls[-1]
+    assert len(body["images"]) == 1  # the remembered turn kept its image
+
+
+def test_a_response_larger_than_the_whole_budget_is_not_kept(service: FakeService) -> None:
+    service.vision["tiny"] = ImagePolicy("tiny", 8 << 20, 1024 * 1024, allow_urls=False)
+    app = create_app(service, responses_budget_bytes=BUDGET_BYTES)
+    past = app.state.past_responses
+    with serving(app) as url, httpx.Client(base_url=url, timeout=DEADLINE_S) as client:
+        small = client.post("/v1/responses", json={"model": "tiny", "input": "hello"})
+        kept = past.bytes_
+        # About 1.4 MB as its data: URL: the engine takes it, the budget cannot keep it.
+        body = {"model": "tiny", "input": image_input(noise_png(600, 7))}
+        large = client.post("/v1/responses", json=body)
+        assert large.status_code == 200, large.text
+        assert past.bytes_ == kept  # neither kept nor making room by forgetting others
+        follow = {"model": "tiny", "input": "and?", "previous_response_id": large.json()["id"]}
+        error = assert_error(client.post("/v1/responses", json=follow), 404)
+        assert error["code"] == "previous_response_not_found"
+        follow["previous_response_id"] = small.json()["id"]
+        assert client.post("/v1/responses", json=follow).status_code == 200

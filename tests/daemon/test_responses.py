@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 
 from arbiterd.daemon.openai_requests import ApiError
-from arbiterd.daemon.responses import PastResponses, answer, events, parse_responses_request
+from arbiterd.daemon.responses import (
+    PastResponses,
+    answer,
+    events,
+    parse_responses_request,
+    text_bytes,
+)
 from arbiterd.request import ToolChoice
 from arbiterd.spec import IMAGE_MARKER
 
@@ -139,6 +145,13 @@ def test_past_responses_are_bounded_and_an_unknown_one_is_404() -> None:
     with pytest.raises(ApiError, match="'a' not found") as missing:
         past.turns("a")
     assert missing.value.status == 404
+
+
+def test_a_conversation_counts_the_utf8_bytes_of_its_strings() -> None:
+    turns = ({"role": "user", "content": [{"type": "text", "text": "h\u00e9"}]},)
+    assert text_bytes(turns) == len("role") + len("user") + len("content") + len("type") + len(
+        "text"
+    ) + len("text") + len("h\u00e9".encode())
 
 
 def test_an_answer_has_its_items_usage_and_status() -> None:
