@@ -104,6 +104,9 @@ class GenerateRequest:
     kind: RequestKind
     prompt: str = ""  # COMPLETION's
     messages: tuple[dict[str, Any], ...] = ()  # CHAT's, with roles as chat templates name them
+    # CHAT's text for a model without a chat template, completed as it is (issue 40: Ollama's
+    # /api/generate, whose prompt such a model takes as is); "": such a model refuses the chat.
+    plain_prompt: str = ""
     inputs: tuple[str, ...] = ()  # EMBEDDING's texts
     sampling: Sampling = Sampling()
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id → bias
@@ -147,7 +150,8 @@ class GenerateRequest:
         if self.kind is RequestKind.COMPLETION:
             return {"prompt": self.prompt}
         if self.kind is RequestKind.CHAT:
-            return {"messages": list(self.messages)}
+            plain = {"plain_prompt": self.plain_prompt} if self.plain_prompt else {}
+            return {"messages": list(self.messages), **plain}
         return {"input": list(self.inputs)}
 
     def _tools_json(self) -> dict[str, Any]:
@@ -179,6 +183,7 @@ class GenerateRequest:
             kind=kind,
             prompt=_prompt(wire) if kind is RequestKind.COMPLETION else "",
             messages=_messages(wire) if kind is RequestKind.CHAT else (),
+            plain_prompt=_plain_prompt(wire) if kind is RequestKind.CHAT else "",
             inputs=_inputs(wire) if kind is RequestKind.EMBEDDING else (),
             sampling=_sampling(wire),
             logit_bias=_logit_bias(wire.get("logit_bias")),
@@ -207,6 +212,13 @@ def _prompt(wire: dict[str, Any]) -> str:
     if not isinstance(prompt, str):
         raise RequestError("'prompt' must be a string")
     return prompt
+
+
+def _plain_prompt(wire: dict[str, Any]) -> str:
+    plain = wire.get("plain_prompt", "")
+    if not isinstance(plain, str):
+        raise RequestError("'plain_prompt' must be a string")
+    return plain
 
 
 def _messages(wire: dict[str, Any]) -> tuple[dict[str, Any], ...]:

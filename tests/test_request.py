@@ -27,6 +27,7 @@ WEATHER = Tool(
 EVERY_FIELD = GenerateRequest(
     RequestKind.CHAT,
     messages=({"role": "user", "content": "the fox <__media__>"},),
+    plain_prompt="the fox",
     sampling=Sampling(max_tokens=8, temperature=0.5, top_k=40, seed=7, stop=("\n", "END")),
     logit_bias={15: -100.0, 2: 2.5},
     logprobs=3,
@@ -124,6 +125,7 @@ def test_the_wire_form_holds_only_what_differs_from_the_default() -> None:
         ),
         ({"kind": "completion", "prompt": "x", "images": ["aGk="]}, "images go in chat"),
         ({"kind": "chat", "messages": [{}], "images": "aGk="}, "'images' must be a list"),
+        ({"kind": "chat", "messages": [{}], "plain_prompt": 1}, "'plain_prompt' must be a string"),
         ({"kind": "completion", "prompt": "x", "priority": "urgent"}, "'priority' must be one"),
         (
             {"kind": "completion", "prompt": "x", "stream_options": {"include_usage": 1}},

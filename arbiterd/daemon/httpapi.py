@@ -702,7 +702,11 @@ def _add_ollama_routes(
             payload = _parse_json(await _read_body(request, max_body_bytes))
             translate = ollama.chat_request if route == "chat" else ollama.generate_request
             kind, openai, stream = translate(payload)
-            parsed = await _admit(service, request.headers, parse_request(kind, openai), names)
+            parsed = parse_request(kind, openai)
+            if route == "generate" and kind is RequestKind.CHAT:
+                plain = ollama.plain_prompt(payload)
+                parsed = replace(parsed, request=replace(parsed.request, plain_prompt=plain))
+            parsed = await _admit(service, request.headers, parsed, names)
         except Exception as exc:
             return _api_error(exc, names).response()
         started = time.monotonic()

@@ -148,7 +148,8 @@ def calls_line(model: str, calls: dict[int, dict[str, Any]]) -> dict[str, Any]:
 
 def generate_request(payload: object) -> tuple[RequestKind, dict[str, Any], bool]:
     """/api/generate's body as (kind, OpenAI payload, stream): a raw prompt is a completion,
-    any other goes through the model's chat template, as Ollama does."""
+    any other goes through the model's chat template, as Ollama does (a model without one
+    completes `plain_prompt` instead)."""
     body = _object(payload)
     prompt = body.get("prompt", "")
     if not isinstance(prompt, str):
@@ -168,6 +169,16 @@ def generate_request(payload: object) -> tuple[RequestKind, dict[str, Any], bool
     messages.append({"role": "user", "content": prompt})
     openai = {"model": body.get("model"), "messages": messages}
     return RequestKind.CHAT, _with_common(body, openai), _stream(body)
+
+
+def plain_prompt(payload: object) -> str:
+    """/api/generate's text for a model without a chat template (issue 40), which completes
+    it as it is, as Ollama's default template (`{{ .Prompt }}`) does: the prompt, after its
+    system (which that template drops) and a blank line when one is given. Call it on a body
+    generate_request took."""
+    body = _object(payload)
+    system, prompt = body.get("system"), body.get("prompt", "")
+    return f"{system}\n\n{prompt}" if isinstance(system, str) and system else prompt
 
 
 def show_model(payload: object) -> str:

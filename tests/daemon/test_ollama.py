@@ -72,6 +72,12 @@ def test_generate_applies_the_chat_template_unless_raw() -> None:
     )
 
 
+def test_generate_without_a_template_is_the_prompt_after_its_system() -> None:
+    body = {"model": "m", "prompt": "the fox", "system": "be brief"}
+    assert ollama.plain_prompt(body) == "be brief\n\nthe fox"
+    assert ollama.plain_prompt({**body, "system": ""}) == "the fox"
+
+
 @pytest.mark.parametrize(
     ("body", "problem"),
     [

@@ -244,7 +244,8 @@ def write_tiny_llama(path: Path, spec: TinyModelSpec = DEFAULT_SPEC) -> Path:
         writer.add_eos_token_id(_EOS_ID)
         writer.add_add_bos_token(True)
         writer.add_add_eos_token(False)
-        writer.add_chat_template(spec.chat_template)
+        if spec.chat_template:  # "": no template at all, as a base model's GGUF has none
+            writer.add_chat_template(spec.chat_template)
 
         for name, tensor in _tensors(spec):
             if spec.quantized and name.startswith("blk.") and tensor.ndim == 2:

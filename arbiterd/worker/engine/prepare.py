@@ -17,12 +17,12 @@ from typing import Any, cast
 
 import llama_cpp
 from llama_cpp import llama_chat_format
-from llama_cpp.llama_grammar import LlamaGrammar
+from llama_cpp.llama_grammar import JSON_GBNF, LlamaGrammar
 
 from arbiterd.chattemplate import generic_tool_messages
 from arbiterd.errors import ContextOverflowError, RequestError
 from arbiterd.request import GenerateRequest, RequestKind, ResponseFormat, ToolChoice
-from arbiterd.spec import ModelSpec, kind_refusal
+from arbiterd.spec import Capability, ModelSpec, capabilities, kind_refusal
 from arbiterd.worker.engine.records import Cancelled, Prepared
 from arbiterd.worker.engine.vocab import Vocab
 from arbiterd.worker.toolcalls import call_schema
@@ -67,7 +67,9 @@ class Preparer:
             kwargs["logit_bias"] = bias
         images: tuple[bytes, ...] = ()
         image_at: tuple[int, ...] = ()
-        if request.kind is RequestKind.CHAT:
+        if request.kind is RequestKind.CHAT and not self._chats():
+            completion = self._prepare_plain(vocab, request, kwargs, cancelled)
+        elif request.kind is RequestKind.CHAT:
             images = self._images(request.images)
             completion, image_at = self._prepare_chat(
                 vocab, request, kwargs, cancelled, len(images)
@@ -143,6 +145,40 @@ class Preparer:
         if call_grammar is not None:
             completion["grammar"] = call_grammar
         return completion, image_at
+
+    def _chats(self) -> bool:
+        """Whether the model has a chat template: its GGUF's, a chat_format or the config's."""
+        has_template = bool(self.vocab.chat_template)
+        return Capability.CHAT in capabilities(self.spec, has_chat_template=has_template)
+
+    def _prepare_plain(
+        self,
+        vocab: Vocab,
+        request: GenerateRequest,
+        kwargs: dict[str, Any],
+        cancelled: Cancelled,
+    ) -> dict[str, Any]:
+        """A chat for a model without a chat template (issue 40): its plain_prompt completed as
+        it is (Ollama's /api/generate), answered as a chat; a RequestError naming the fix when
+        it has none. llama-cpp-python would render it as Llama 2's [INST] turns, which a model
+        not trained on them (a base model) answers with nothing: no guess of a format is right
+        for every such model, so the user picks one."""
+        if not request.plain_prompt:
+            raise RequestError(
+                f"{self.spec.name} has no chat template: its GGUF holds none and its config "
+                "sets neither chat_format nor chat_template. Set one in its [models] table "
+                '(chat_format = "chatml", say, or chat_template = "..." with the Jinja template '
+                "it was trained on), or send the text as it is to /v1/completions"
+            )
+        _check_characters(len(request.plain_prompt), vocab.max_text_bytes(self.spec.n_ctx))
+        tokens = vocab.completion_prompt(
+            request.plain_prompt, limit=self.spec.n_ctx, cancelled=cancelled
+        )
+        completion = {"prompt": tokens, "stream": True, **kwargs}
+        grammar = _format_grammar(request.response_format, vocab)
+        if grammar is not None:
+            completion["grammar"] = grammar
+        return completion
 
     def _prepare_embedding(
         self, vocab: Vocab, texts: tuple[str, ...], cancelled: Cancelled
@@ -246,6 +282,16 @@ def _response_format(wanted: ResponseFormat | None, vocab: Vocab) -> dict[str, A
         return {"type": "json_object"}
     _grammar(wanted.schema, "the JSON schema", vocab)
     return {"type": "json_object", "schema": wanted.schema}
+
+
+def _format_grammar(wanted: ResponseFormat | None, vocab: Vocab) -> LlamaGrammar | None:
+    """The grammar of a structured output outside a chat handler, as the handlers make it: of
+    the schema when there is one, else of any JSON value."""
+    if wanted is None:
+        return None
+    if wanted.schema is None:
+        return LlamaGrammar.from_string(JSON_GBNF, verbose=False)
+    return _grammar(wanted.schema, "the JSON schema", vocab)
 
 
 def _grammar(schema: dict[str, Any], what: str, vocab: Vocab) -> LlamaGrammar:
