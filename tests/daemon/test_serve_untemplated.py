@@ -1,10 +1,11 @@
 """A model without a chat template, served by a real daemon (issue 40): a chat to it is a 400
 that names the config keys that fix it, where it used to be an empty answer with a 200;
-Ollama's /api/generate completes its prompt as it is, as Ollama does; and the fix the 400
-names (a chat_format) makes the same GGUF chat."""
+Ollama's /api/generate completes its prompt as it is, as Ollama does, in its format when it
+asks for one; and the fix the 400 names (a chat_format) makes the same GGUF chat."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -83,4 +84,9 @@ def test_the_same_gguf_with_a_chat_format_chats(http: httpx.Client) -> None:
     body = {"model": "base-chatml", "messages": messages, "max_tokens": MAX_TOKENS}
     answer = http.post("/v1/chat/completions", json=body)
     assert answer.status_code == 200, answer.text
-    assert answer.json()["usage"]["prompt_tokens"] > len(messages)
+    assert answer.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_ollama_generate_without_a_template_follows_its_format(http: httpx.Client) -> None:
+    answer = generated(http, prompt="Is the sky blue?", format={"type": "boolean"})
+    assert isinstance(json.loads(answer["response"]), bool)
