@@ -3,10 +3,10 @@ whose every field the HTTP edge checked) rendered and tokenized into a `Prepared
 for what needs the model: the kind it serves, its vocabulary's token ids, a schema's grammar, a
 model that takes tools (by its template, or the generic rendering of arbiterd/chattemplate.py
 when the template has no place for them), a chat template (without one, a chat is refused
-unless it carries a plain prompt, which is completed as it is), the context. It reads the model's vocabulary and chat
-format alone, never its weights or its context, so a cold model prepares as well as a warm
-one (issue 10). Part of the engine (arbiterd/worker/engine/): it calls llama_cpp's chat
-handlers and grammar converter; it touches no device state.
+unless it carries a plain prompt, completed as it is), the context. It reads the model's
+vocabulary and chat format alone, never its weights or its context, so a cold model prepares
+as well as a warm one (issue 10). Part of the engine (arbiterd/worker/engine/): it calls
+llama_cpp's chat handlers and grammar converter; it touches no device state.
 """
 
 from __future__ import annotations
