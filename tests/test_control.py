@@ -260,8 +260,8 @@ def loop() -> Iterator[LoopThread]:
 def served(loop: LoopThread, sock_dir: Path, tmp_path: Path) -> Iterator[Served]:
     service = FakeService()
     path = sock_dir / "arbiterd" / "control.sock"
-    journal = Journal(tmp_path / "journal.sqlite3")
-    server = ControlServer(service, path, history=journal.read)  # as the daemon wires it
+    journal = Journal(tmp_path / "journal.sqlite3", daemon=str(path))
+    server = ControlServer(service, path, history=journal.own_events)  # as the daemon wires it
     loop.run(server.start())
     yield Served(service, server, path, loop, journal)
     loop.run(server.close())

@@ -19,6 +19,12 @@ Invariants kept here:
   refused with its fix); the file is created O_EXCL|O_NOFOLLOW 0600, an existing one (and its
   -wal and -shm) opened O_NOFOLLOW, checked to be ours and put back to 0600 with fchmod, all
   before SQLite opens them; SQLite then creates -wal and -shm with the database file's mode.
+- Each row names the daemon that wrote it (`daemon`: its control socket, one daemon per socket,
+  daemon/instance.py), so two daemons that share the state folder, and so the journal, each read
+  back their own history (issue 40: a dashboard showed the other daemon's handoffs). The column
+  was added after schema 1 shipped, as a nullable column an older arbiterd neither reads nor
+  fills, so the version stays 1: a journal of an older daemon gets the column when a newer one
+  opens it, its earlier rows with none (they belong to no daemon's history).
 - A damaged journal never stops the daemon (issue 24): a file SQLite calls not a database or
   corrupt, as it is opened or checked (PRAGMA quick_check), is moved aside with its -wal and
   -shm as `<name>.corrupt-<time>` (the evidence kept, a warning logged) and a fresh one is
@@ -71,9 +77,12 @@ _SCHEMA = (
     " at REAL NOT NULL,"
     " kind TEXT NOT NULL,"
     " model TEXT,"
-    " body TEXT NOT NULL)",
+    " body TEXT NOT NULL,"
+    " daemon TEXT)",
     "CREATE INDEX events_at ON events (at)",
 )
+# The column a journal made before rows named their daemon lacks (added as it is opened).
+_ADD_DAEMON = "ALTER TABLE events ADD COLUMN daemon TEXT"
 
 
 @dataclass(frozen=True)
@@ -98,19 +107,24 @@ class JournalEvent:
 class Journal:
     """The event journal at `path`; `Journal(path)` opens it for appending, creating it if needed.
 
-    `open_readonly(path)` opens an existing journal for `read`/`follow` only, e.g. from the CLI
-    while the daemon writes.
+    `daemon` names the daemon whose events it appends (its control socket): each row carries it,
+    and `own_events` reads back only those rows. `open_readonly(path)` opens an existing journal
+    for `read`/`follow` only, e.g. from the CLI while the daemon writes.
     """
 
     path: Path
     max_events: int
     readonly: bool
+    daemon: str | None
     _oldest_seq: int | None  # a lower bound of the oldest row's seq; None: no row yet
 
-    def __init__(self, path: Path, *, max_events: int = DEFAULT_MAX_EVENTS) -> None:
+    def __init__(
+        self, path: Path, *, max_events: int = DEFAULT_MAX_EVENTS, daemon: str | None = None
+    ) -> None:
         if isinstance(max_events, bool) or not isinstance(max_events, int) or max_events < 1:
             raise BadValueError(f"max_events must be a positive integer, not {max_events!r}")
         self._setup(path, max_events, readonly=False)
+        self.daemon = daemon
         ensure_private_dir(self.path.parent, DaemonError)
         try:
             self._open_for_writing()
@@ -161,6 +175,7 @@ class Journal:
         """Open an existing journal for reading only; works while another process appends."""
         self = cls.__new__(cls)
         self._setup(path, DEFAULT_MAX_EVENTS, readonly=True)
+        self.daemon = None
         if not self.path.exists():
             raise DaemonError(f"no journal at {self.path} (has the daemon run yet?)")
         # mode=ro: this connection can never write, so a reader cannot disturb the daemon's file.
@@ -225,10 +240,15 @@ class Journal:
                 for statement in _SCHEMA:
                     self._conn.execute(statement)
                 self._conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            elif "daemon" not in self._columns():
+                self._conn.execute(_ADD_DAEMON)
         except BaseException:
             self._conn.execute("ROLLBACK")
             raise
         self._conn.execute("COMMIT")
+
+    def _columns(self) -> set[str]:
+        return {row[1] for row in self._conn.execute("PRAGMA table_info(events)").fetchall()}
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -253,18 +273,20 @@ class Journal:
             self._check_writable()
             try:
                 return self._insert(
-                    float(at), kind, model if isinstance(model, str) else None, text
+                    float(at), kind, model if isinstance(model, str) else None, text, self.daemon
                 )
             except sqlite3.Error as exc:
                 raise DaemonError(f"cannot append to the journal {self.path}: {exc}") from exc
 
-    def _insert(self, at: float, kind: str, model: str | None, text: str) -> int:
+    def _insert(
+        self, at: float, kind: str, model: str | None, text: str, daemon: str | None
+    ) -> int:
         conn = self._conn
         conn.execute("BEGIN IMMEDIATE")
         try:
             cursor = conn.execute(
-                "INSERT INTO events (at, kind, model, body) VALUES (?, ?, ?, ?)",
-                (at, kind, model, text),
+                "INSERT INTO events (at, kind, model, body, daemon) VALUES (?, ?, ?, ?, ?)",
+                (at, kind, model, text, daemon),
             )
             seq = cursor.lastrowid
             assert seq is not None  # an INSERT into a rowid table always sets it
@@ -322,9 +344,11 @@ class Journal:
         after_seq: int | None = None,
         limit: int | None = None,
         kinds: Collection[str] | None = None,
+        daemon: str | None = None,
     ) -> list[JournalEvent]:
         """Events in seq order: at or after `since` (epoch seconds), with seq above `after_seq`,
-        of one of `kinds`, the first `limit` of them. Every filter is optional."""
+        of one of `kinds`, written by `daemon`, the first `limit` of them. Every filter is
+        optional."""
         if limit is not None and limit < 0:
             raise BadValueError(f"limit must not be negative, got {limit}")
         clauses: list[str] = []
@@ -341,6 +365,9 @@ class Journal:
                 return []
             clauses.append(f"kind IN ({', '.join('?' * len(wanted))})")
             params.extend(wanted)
+        if daemon is not None:
+            clauses.append("daemon = ?")
+            params.append(daemon)
         sql = "SELECT seq, at, kind, model, body FROM events"
         if clauses:
             sql += " WHERE " + " AND ".join(clauses)
@@ -350,6 +377,14 @@ class Journal:
             params.append(limit)
         rows = self._query(sql, params)
         return [_row_event(row) for row in rows]
+
+    def own_events(
+        self, *, since: float | None, after_seq: int | None, limit: int
+    ) -> list[JournalEvent]:
+        """The events this journal's daemon appended (`read` with `daemon`), as the control
+        socket's `events` answers them: another daemon that shares the file keeps its own.
+        A journal opened with no `daemon` reads every row."""
+        return self.read(since=since, after_seq=after_seq, limit=limit, daemon=self.daemon)
 
     def follow(
         self,

@@ -72,12 +72,14 @@ async def _serve(
 ) -> None:
     daemon = config.daemon
     fd_limit = raise_fd_limit()  # before any worker starts: they inherit it
-    journal = Journal(daemon.journal)
+    # Named by its control socket (one daemon per socket): a daemon that shares the journal
+    # keeps its own history.
+    journal = Journal(daemon.journal, daemon=str(daemon.socket))
     supervisor = Supervisor(config, journal, reload_config)
     control = ControlServer(
         supervisor,
         daemon.socket,
-        history=journal.read,
+        history=journal.own_events,
         # As the config is now: a reload may change the servers.
         rpc_servers=lambda: supervisor.config.daemon.rpc_servers,
     )

@@ -134,6 +134,53 @@ def test_append_refuses_an_event_without_a_kind(journal: Journal) -> None:
     assert journal.read() == []
 
 
+def test_each_daemon_that_shares_the_journal_reads_back_only_its_own_events(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "journal.db"
+    with (
+        Journal(path, daemon="/run/user/1000/arbiterd/control.sock") as ours,
+        Journal(path, daemon="/tmp/other/control.sock") as theirs,
+    ):
+        ours.append(request("gemma", 100.0))
+        theirs.append({"event": "handoff", "at": 101.0, "from": "a", "to": "b"})
+        ours.append({"event": "hold", "at": 102.0, "held": True})
+        mine = ours.own_events(since=None, after_seq=None, limit=10)
+        assert [e.kind for e in mine] == ["request", "hold"]
+        assert [e.kind for e in theirs.own_events(since=101.0, after_seq=None, limit=10)] == [
+            "handoff"
+        ]
+        assert len(ours.read()) == 3  # the file itself holds every daemon's rows
+
+
+def test_a_journal_made_before_rows_named_their_daemon_is_kept_and_named_from_now_on(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "journal.db"
+    conn = sqlite3.connect(path)  # the schema as arbiterd wrote it before issue 40
+    conn.execute(
+        "CREATE TABLE events (seq INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL,"
+        " kind TEXT NOT NULL, model TEXT, body TEXT NOT NULL)"
+    )
+    conn.execute(
+        "INSERT INTO events (at, kind, model, body) VALUES (1.0, 'hold', NULL, ?)",
+        ('{"event":"hold","at":1.0,"held":true}',),
+    )
+    conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+    conn.commit()
+    conn.close()
+
+    with Journal(path, daemon="/run/control.sock") as journal:
+        journal.append(request("gemma", 2.0))
+        assert [e.kind for e in journal.read()] == ["hold", "request"]
+        # The older row belongs to no daemon's history.
+        assert [e.kind for e in journal.own_events(since=None, after_seq=None, limit=10)] == [
+            "request"
+        ]
+    with Journal.open_readonly(path) as reader:  # a reader of the file sees every row still
+        assert len(reader.read()) == 2
+
+
 def test_stored_events_read_back_as_records(journal: Journal) -> None:
     journal.append(request("gemma", 100.0, prompt_tokens=5))
     journal.append({"event": "handoff", "at": 101.0, "from": "gemma", "to": "tiny",
