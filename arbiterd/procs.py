@@ -31,6 +31,13 @@ def holder_name(state: ArenaState) -> str | None:
     return None if state.holder_pid is None else process_name(state.holder_pid)
 
 
+def waiter_name(state: ArenaState, pid: int) -> str | None:
+    """A waiter's own name (its ticket's label: a worker's is its model's) when its ticket has
+    one, else its process name."""
+    label = next((w.name for w in state.queue if w.pid == pid and w.name is not None), None)
+    return label if label is not None else process_name(pid)
+
+
 @dataclass(frozen=True)
 class WaitNews:
     """One look at a wait: the holder as a person would name it, its pid (None: the token is

@@ -27,6 +27,7 @@ from arbiterd.arena import (
 )
 from arbiterd.arena import records as arena_records
 from arbiterd.errors import AcquireCancelledError, BadValueError
+from arbiterd.procs import waiter_name
 from tests.conftest import SUPPORT, Processes
 from tests.support.stamps import overlaps, read_holds
 from tests.support.waiting import wait_until
@@ -84,6 +85,33 @@ class Waiters:
         for thread in self._threads:
             thread.join(timeout=30)
             assert not thread.is_alive()
+
+
+def test_a_waiter_is_named_by_its_ticket_not_by_its_process(tmp_path: Path) -> None:
+    # Issue 40: a waiting worker was shown as "python (pid N)" in status and arena status.
+    arena = Arena(tmp_path / "arena")
+    holder = arena.acquire("holder")
+    ticket = arena.queue(Priority.NORMAL)  # as a worker queues: before it asks for the token
+    taken: list[Token] = []
+    thread = threading.Thread(target=lambda: taken.append(ticket.take("alpha", model="alpha")))
+    thread.start()
+    try:
+        wait_until(
+            lambda: [w.name for w in arena.observe().queue] == ["alpha"], 10, "alpha's label"
+        )
+        state = arena.observe()
+        assert state.queue[0].model == "alpha"
+        assert waiter_name(state, os.getpid()) == "alpha"
+        others = Waiters(arena)
+        others.start("w2")  # acquire() names its ticket too
+        assert [w.name for w in arena.observe().queue] == ["alpha", "w2"]
+    finally:
+        holder.release()
+        thread.join(timeout=30)
+        ticket.leave()
+    taken[0].release()
+    others.join()
+    assert others.order == ["w2"]
 
 
 def test_waiters_are_served_in_the_order_they_came(tmp_path: Path) -> None:

@@ -18,7 +18,8 @@ The protocol is specified in docs/arena-protocol.md; in short:
     holder.json  who holds the token (pid, name, model, since, command_pid); informational,
                  written by rename
     queue/       one ticket file per queued waiter, PRIORITY.SINCE_NS.PID.THREAD.ticket, held
-                 LOCK_EX by it while it waits: the token goes to the first live ticket in the
+                 LOCK_EX by it while it waits (its content names the waiter, informational
+                 as holder.json is): the token goes to the first live ticket in the
                  order (arrival, put back one aging period per class below interactive). A
                  waiter waits for the ticket just ahead of it to go, and only the first one
                  blocks on token.lock. Programs that speak only token.lock + want.lock take no

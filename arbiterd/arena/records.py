@@ -1,10 +1,11 @@
-"""The arena's records and interfaces: a waiter's class and ticket, the holder as holder.json
-names it, a snapshot of an arena, and the three protocols a worker's way to the GPU implements
-(the arena itself, or a group's gate). Pure data: no file, no lock.
+"""The arena's records and interfaces: a waiter's class and ticket (and the label in it), the
+holder as holder.json names it, a snapshot of an arena, and the three protocols a worker's way
+to the GPU implements (the arena itself, or a group's gate). Pure data: no file, no lock.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import threading
@@ -54,6 +55,9 @@ class QueuedWaiter:
     priority: Priority
     since_ns: int  # CLOCK_MONOTONIC when it queued (one clock for every process of a boot)
     file: str  # the ticket's file name, unique
+    # Who waits, as its ticket's content names it (TicketLabel; None: it does not say).
+    name: str | None = None
+    model: str | None = None
 
     @property
     def place_ns(self) -> int:
@@ -88,6 +92,13 @@ class QueuedWaiter:
     def waited_s(self, now_ns: int) -> float:
         return max(0, now_ns - self.since_ns) / 1e9
 
+    def labelled(self, raw: bytes) -> QueuedWaiter:
+        """This waiter named by its ticket's content `raw` (TicketLabel's), when that names it."""
+        label = TicketLabel.from_json(raw)
+        if label is None or label.pid != self.pid:
+            return self
+        return dataclasses.replace(self, name=label.name, model=label.model)
+
     def to_json(self, now_ns: int) -> dict[str, object]:
         return {
             "pid": self.pid,
@@ -95,7 +106,37 @@ class QueuedWaiter:
             "ticket": self.since_ns,
             "competes_as": self.competes_as(now_ns).value,
             "waited_s": round(self.waited_s(now_ns), 3),
+            "model": self.model,
         }
+
+
+@dataclass(frozen=True)
+class TicketLabel:
+    """What a ticket's file holds: who waits, as holder.json names the holder (issue 40: a
+    waiting worker was shown as "python (pid N)"). Informational, like holder.json: the order
+    and liveness of a ticket are its name and its lock, and a ticket with no label (another
+    program's, or one read while it is written) is named by its process."""
+
+    pid: int
+    name: str
+    model: str | None
+
+    def to_json(self) -> bytes:
+        return json.dumps({"pid": self.pid, "name": self.name, "model": self.model}).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> TicketLabel | None:
+        """The label in `raw`; None for an empty or malformed one."""
+        try:
+            data = json.loads(raw) if raw.strip() else None
+        except ValueError:
+            return None
+        if not isinstance(data, dict):
+            return None
+        pid, name, model = (data.get(k) for k in ("pid", "name", "model"))
+        if not isinstance(pid, int) or not isinstance(name, str):
+            return None
+        return cls(pid, name, model if isinstance(model, str) else None)
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,14 @@ from arbiterd.arena.procfs import (
     inode_key,
     parse_proc_locks,
 )
-from arbiterd.arena.records import TICKET_SUFFIX, ArenaState, HolderInfo, Priority, QueuedWaiter
+from arbiterd.arena.records import (
+    TICKET_SUFFIX,
+    ArenaState,
+    HolderInfo,
+    Priority,
+    QueuedWaiter,
+    TicketLabel,
+)
 from arbiterd.errors import ArenaError, ArenaUnwritableError, BadValueError
 from arbiterd.paths import ensure_private_dir
 
@@ -55,6 +62,7 @@ FILE_MODE = 0o600
 _OTHERS_WRITE = 0o022
 # holder.json is under 200 bytes; one longer than this is malformed and is not read whole.
 HOLDER_FILE_MAX_BYTES = 64 * 1024
+TICKET_LABEL_MAX_BYTES = HOLDER_FILE_MAX_BYTES  # a ticket's label is holder.json's size
 # How long hand_over() waits for a waiter to take the token, and how it polls meanwhile (the
 # handoff itself takes microseconds; the bound covers a waiter that is descheduled).
 HAND_OVER_TIMEOUT_S = 1.0
@@ -153,6 +161,7 @@ class Arena:
             lock(want_fd, SHARED)
             place = Ticket(self, priority) if ticket is None else ticket
             try:
+                place.label(name, model)
                 token_fd = self._take_in_turn(place, turn)
             except BaseException:
                 if ticket is None:
@@ -293,7 +302,7 @@ class Arena:
         fresh = holder_pid is not None and holder_pid in named
         observed_ns = time.monotonic_ns()
         live = self._live(self._tickets(), remove_dead=False)
-        queued = sorted(live, key=lambda w: w.order)
+        queued = sorted((self._labelled(w) for w in live), key=lambda w: w.order)
         return ArenaState(
             path=self.path,
             holder_pid=holder_pid,
@@ -303,6 +312,23 @@ class Arena:
             observed_ns=observed_ns,
             queue=tuple(queued),
         )
+
+    def _labelled(self, waiter: QueuedWaiter) -> QueuedWaiter:
+        """`waiter` named as its ticket's label says; as it is when the ticket has none, is
+        gone, or is not a file of ours (never followed, never blocked on: O_NOFOLLOW and
+        O_NONBLOCK as for holder.json)."""
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        try:
+            fd = os.open(self._queue_path / waiter.file, flags)
+        except OSError:
+            return waiter
+        with open(fd, "rb") as file:
+            try:
+                _check_arena_file(self._queue_path / waiter.file, os.fstat(fd))
+            except ArenaUnwritableError:
+                return waiter
+            raw = file.read(TICKET_LABEL_MAX_BYTES + 1)
+        return waiter.labelled(raw)
 
     def read_holder_file(self) -> HolderInfo | None:
         """holder.json; None when missing or malformed, refused like a lock file when it is not
@@ -386,6 +412,16 @@ class Ticket:
         """The token, in this ticket's turn (Arena.acquire with this ticket)."""
         return self._arena.acquire(name, model=model, ticket=self, cancel=cancel, on_wait=on_wait)
 
+    def label(self, name: str, model: str | None) -> None:
+        """Name the waiter in the ticket's file (records.TicketLabel), once: observers then
+        show it by `name`, not by its process's name. The file is ours and locked by us alone;
+        a reader that catches it half written reads no label and names the process instead."""
+        fd = self._fd
+        if fd is None or self._labelled:
+            return
+        os.pwrite(fd, TicketLabel(os.getpid(), name, model).to_json(), 0)
+        self._labelled = True
+
     def _enter(self, arena: Arena, priority: Priority) -> None:
         since = time.monotonic_ns()
         name = f"{priority.value}.{since}.{os.getpid()}.{threading.get_ident()}{TICKET_SUFFIX}"
@@ -402,6 +438,7 @@ class Ticket:
         self.waiter = QueuedWaiter(os.getpid(), priority, since, name)
         self._path = arena._queue_path / name
         self._fd: int | None = fd
+        self._labelled = False
 
     def leave(self) -> None:
         """Leave the queue. Idempotent."""

@@ -27,7 +27,7 @@ from arbiterd.cli.install import Installer, copy_of_this_clone
 from arbiterd.cli.runner import run_holding_token
 from arbiterd.errors import ArbiterError, BadValueError, MissingPartError, UsageError
 from arbiterd.paths import DEFAULT_DEVICE, DEVICE_ID_SHAPES, device_arena_of, resolve_arena
-from arbiterd.procs import holder_name, process_name
+from arbiterd.procs import holder_name, process_name, waiter_name
 
 RUN_USAGE = (
     "arbiterd run [--arena DIR] [--device ID]... [--name NAME] [--priority P] [--timeout S] "
@@ -321,12 +321,12 @@ def arena_status_json(state: ArenaState) -> dict[str, object]:
     return {
         "arena": str(state.path),
         "holder": holder,
-        "waiters": [{"pid": pid, "name": process_name(pid)} for pid in state.waiter_pids],
+        "waiters": [{"pid": pid, "name": waiter_name(state, pid)} for pid in state.waiter_pids],
         # the queued waiters, first to be served first (aging included: the order a waiter
         # keeps); a waiter missing here has no ticket (a program that speaks only token.lock +
         # want.lock)
         "queue": [
-            {**waiter.to_json(state.observed_ns), "name": process_name(waiter.pid)}
+            {**waiter.to_json(state.observed_ns), "name": waiter.name or process_name(waiter.pid)}
             for waiter in state.queue
         ],
         "stale_holder_file": state.stale_holder.to_json() if state.stale_holder else None,
@@ -354,10 +354,10 @@ def _arena_status(args: argparse.Namespace) -> int:
             if state.holder.model:
                 line += f" (model {state.holder.model})"
         print(line)
-    waiters = ", ".join(render.process(process_name(pid), pid) for pid in state.waiter_pids)
+    waiters = ", ".join(render.process(waiter_name(state, pid), pid) for pid in state.waiter_pids)
     print(f"waiters  {waiters or 'none'}")
     for place, waiter in enumerate(state.queue, start=1):
-        who = render.process(process_name(waiter.pid), waiter.pid)
+        who = render.process(waiter.name or process_name(waiter.pid), waiter.pid)
         aged = waiter.competes_as(state.observed_ns)
         klass = waiter.priority.value + ("" if aged is waiter.priority else f", aged to {aged}")
         waited = render.format_seconds(waiter.waited_s(state.observed_ns))

@@ -67,7 +67,7 @@ from arbiterd.events import (
     parse_event,
 )
 from arbiterd.offload import CpuNote, cpu_note, gpu_nodes, setup_script
-from arbiterd.procs import WaitNews, holder_name, process_name
+from arbiterd.procs import WaitNews, holder_name, waiter_name
 from arbiterd.request import GenerateRequest
 from arbiterd.states import BackendKind, CpuCause, ResidencyState, SlotState
 from arbiterd.status import (
@@ -343,7 +343,7 @@ class Supervisor:
             models=tuple(models),
             arena=str(arena.path),
             holder=holder,
-            waiters=tuple(Waiter(pid=p, name=process_name(p)) for p in arena.waiter_pids),
+            waiters=tuple(Waiter(pid=p, name=waiter_name(arena, p)) for p in arena.waiter_pids),
             hold=self._hold is not None,
             groups=self._groups_status(),
             telemetry=self._vram.status(snapshot),
