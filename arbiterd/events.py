@@ -275,7 +275,9 @@ class ResidencyEvent(Event):
     file's host copy; `copied_bytes` is what a release copied out of the buffers it freed (0 once
     every weight comes back from the file, a kept copy or a mapping). A load or warm-up that
     ends warm also says how its worker got the token: it asked at `waited_from`, waited `wait_s`,
-    and `holder_pid` / `holder_name` held the token then (None: it was free)."""
+    and `holder_pid` / `holder_name` held the token then (None: it was free). `resident_bytes`
+    is what the worker holds on its devices once the change is made (weights, KV and compute
+    buffers; the KV a release left on the device), by the engine's own figures."""
 
     KIND: ClassVar[str] = "residency"
 
@@ -293,6 +295,7 @@ class ResidencyEvent(Event):
     wait_s: float | None = None
     holder_pid: int | None = None
     holder_name: str | None = None
+    resident_bytes: int | None = None
 
     @property
     def moved_bytes(self) -> int:

@@ -31,6 +31,10 @@ from arbiterd.states import (
 HOLD_HOLDER_NAME = "arbiterd hold"
 # A group's keeper holds the arena token as "group NAME" (arena/groups.py, _Files.holder_name).
 GROUP_HOLDER_PREFIX = "group "
+# The telemetry source of the engines' own figures, where no GPU reader works
+# (daemon/telemetry/readers.py's AccountingReader).
+ACCOUNTING_SOURCE = "accounting"
+CPU_DEVICE_LABEL = "CPU (host RAM)"  # what those figures are of where the models run on the CPU
 
 
 @dataclass(frozen=True)
@@ -269,6 +273,15 @@ class DaemonStatus(Record):
     @property
     def devices(self) -> tuple[DeviceMemory, ...]:
         return () if self.telemetry is None else self.telemetry.devices
+
+    def device_label(self, device: DeviceMemory) -> str:
+        """What a person calls `device`: its id ("gpu0"), or "CPU (host RAM)" where no GPU
+        reader measures and the engine runs the models on the CPU, so the engines' own figures
+        are of the host's RAM (issue 40: a machine without a GPU was shown as gpu0). The id
+        stays the arena's: it keys the models' figures and the metrics' labels."""
+        accounted = self.telemetry is not None and self.telemetry.source == ACCOUNTING_SOURCE
+        on_cpu = self.engine is not None and not self.engine.offload
+        return CPU_DEVICE_LABEL if accounted and on_cpu else device.device or "?"
 
     @property
     def others(self) -> tuple[ProcessMemory, ...]:

@@ -421,7 +421,7 @@ def render_status(status: DaemonStatus) -> str:
     source = telemetry.source if telemetry is not None and telemetry.source else "?"
     for device in status.devices:
         lines.append(
-            f"{device.device}: {render.format_bytes(device.used_bytes or 0)} used of "
+            f"{status.device_label(device)}: {render.format_bytes(device.used_bytes or 0)} used of "
             f"{render.format_bytes(device.total_bytes or 0)} ({source})"
         )
     for other in status.others:

@@ -2,7 +2,8 @@
 
 Owns the VRAM sampler (a telemetry thread that reads ~1 Hz while someone watches, every 5 s
 otherwise), the engines' own figures for machines without a GPU reader (the accounting reader:
-weights + KV while a model is warm, updated on each of its residency events), the verified
+what each worker says it holds, its `resident_bytes` — weights, KV and compute buffers — as of
+its latest residency event; on a machine without a GPU that is host RAM), the verified
 teardown after every release (in a thread: it polls the driver for seconds) and each model's
 cold footprint. It reaches the event loop only through the callbacks it is given, hopping
 there from its threads, and only while someone watches: otherwise a periodic reading is kept
@@ -30,8 +31,8 @@ from arbiterd.events import Event, ResidencyEvent
 from arbiterd.states import ResidencyState
 from arbiterd.status import Telemetry
 
-# The residency states in which a worker holds nothing on the device by its own account.
-_HOLDS_NOTHING = frozenset({ResidencyState.COLD, ResidencyState.FAILED, ResidencyState.STOPPED})
+# The residency states of a worker that is done: whatever it still holds goes as it exits.
+_DONE = frozenset({ResidencyState.FAILED, ResidencyState.STOPPED})
 # The move that ends a release, after which the teardown is verified.
 _RELEASED = (ResidencyState.COOLING, ResidencyState.COLD)
 
@@ -98,18 +99,17 @@ class VramWatch:
     def residency(
         self, pid: int, event: ResidencyEvent, devices: Sequence[str] | None = None
     ) -> None:
-        """Account the engine's own figure for `pid` (what the accounting reader reports):
-        weights + KV while warm, nothing once cold; after a release, verify the teardown.
-        `devices` are the model's device ids (None: this watch's device). A model on none of
-        this device or the CPU (every layer on RPC servers, or on another GPU) holds nothing
-        here: its bytes are another device's, and its release frees nothing here to check."""
+        """Account the engine's own figure for `pid` (what the accounting reader reports): the
+        `resident_bytes` its event says it holds now (weights, KV and compute buffers while
+        warm; the KV a release left on the device once cold), nothing once it failed or
+        stopped; after a release, verify the teardown. Not the bytes the event moved (issue 40:
+        a CPU model's restore moves none, and it was booked at 0 while warm). `devices` are the
+        model's device ids (None: this watch's device). A model on none of this device or the
+        CPU (every layer on RPC servers, or on another GPU) holds nothing here: its bytes are
+        another device's, and its release frees nothing here to check."""
         here = devices is None or any(d in (self.device, "cpu") for d in devices)
-        if event.to_state is ResidencyState.WARM:
-            held = event.moved_bytes if here else 0
-        elif event.to_state in _HOLDS_NOTHING:
-            held = 0
-        else:
-            return
+        # A worker always says its resident bytes; an event read without them books nothing.
+        held = 0 if not here or event.to_state in _DONE else event.resident_bytes or 0
         self._accounted = {**self._accounted, pid: held}
         if here and event.model is not None and (event.from_state, event.to_state) == _RELEASED:
             self._verify_teardown(event.model, pid)

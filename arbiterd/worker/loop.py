@@ -53,6 +53,8 @@ Message protocol (JSON lines, `arbiterd.wire`), version WORKER_PROTOCOL:
                      A residency event that ends a load or a warm-up (→ warm) also says how
                      the token was had: "waited_from" (epoch s), "wait_s", and the holder when
                      the wait began, "holder_pid" and "holder_name" (null: the token was free).
+                     Every residency event says "resident_bytes", what the worker holds on its
+                     devices once the change is made, by the engine's own figures.
 """
 
 from __future__ import annotations
@@ -684,7 +686,10 @@ class Worker:
     # -- helpers ------------------------------------------------------------------------------
 
     def _queued(self) -> int:
-        return self._inbox.qsize()
+        """The requests that wait: those in the inbox, and the one taken from it while it waits
+        for the GPU (issue 40: status said QUEUE 0 while a request waited for the token)."""
+        waiting = self._current is not None and self._token is None
+        return self._inbox.qsize() + waiting
 
     def _is_cancelled(self, request_id: str) -> bool:
         with self._cancel_lock:
@@ -715,7 +720,10 @@ class Worker:
 
     def _emit(self, event: ResidencyEvent) -> None:
         self._publish()  # first: whoever sees the event and asks for status sees it applied
-        self._out.send(event.to_json())
+        # What it holds now, not only what moved: the daemon books this where no GPU reader
+        # measures (issue 40: a warm CPU model was booked at the 0 bytes its restore moved).
+        held = dataclasses.replace(event, resident_bytes=self._status["resident_bytes"])
+        self._out.send(held.to_json())
 
     def _publish(self) -> None:
         info = self._backend.model_info()

@@ -57,3 +57,19 @@ def test_before_any_worker_said_the_column_is_vram_only_where_a_device_is_read()
     assert rendered(None)[0].split()[3] == "MEMORY"
     device = {"device": "gpu0", "used_bytes": 1, "total_bytes": 2}
     assert rendered(None, telemetry={"at": 1.0, "devices": [device]})[0].split()[3] == "VRAM"
+
+
+def test_the_engines_own_figures_on_a_machine_without_a_gpu_are_the_cpus_host_ram() -> None:
+    # Issue 40: status said "gpu0: 0 B used of 23.5 GiB" on a machine without a GPU.
+    device = {"device": "gpu0", "name": "engine accounting", "used_bytes": 300 << 20,
+              "total_bytes": 16 << 30}  # fmt: skip
+    telemetry = {"at": 1.0, "source": "accounting", "devices": [device], "device": "gpu0"}
+    lines = rendered(engine_of((), offload=False), telemetry=telemetry)
+    assert "CPU (host RAM): 300.0 MiB used of 16.0 GiB (accounting)" in lines
+    assert not [line for line in lines if line.startswith("gpu0")]
+    # A GPU the engine offloads to keeps its id, even where only the engines' figures say.
+    offloads = rendered({"offload": True, "devices": ["CUDA0: test gpu"]}, telemetry=telemetry)
+    assert "gpu0: 300.0 MiB used of 16.0 GiB (accounting)" in offloads
+    # And a GPU a reader measures is that GPU's, whatever runs the models.
+    measured = rendered(engine_of((), offload=False), telemetry={**telemetry, "source": "nvml"})
+    assert "gpu0: 300.0 MiB used of 16.0 GiB (nvml)" in measured

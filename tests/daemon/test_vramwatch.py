@@ -79,8 +79,9 @@ def no_gpu_reader(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def residency(
-    model: str, from_state: str, to_state: str, weights: int = 0, kv: int = 0
+    model: str, from_state: str, to_state: str, *, weights: int = 0, kv: int = 0, held: int = 0
 ) -> ResidencyEvent:
+    """A worker's event: `weights` and `kv` moved, `held` what it holds once moved."""
     return ResidencyEvent(
         at=1.0,
         model=model,
@@ -88,6 +89,7 @@ def residency(
         to_state=ResidencyState(to_state),
         weights_bytes=weights,
         kv_bytes=kv,
+        resident_bytes=held,
     )
 
 
@@ -99,35 +101,57 @@ def run(scenario: Coroutine[Any, Any, _T]) -> _T:
     return asyncio.run(bounded())
 
 
-def test_a_warm_worker_accounts_its_weights_and_kv_and_a_cold_one_nothing(tmp_path: Path) -> None:
+def test_a_worker_is_accounted_at_what_it_says_it_holds_warm_or_cold(tmp_path: Path) -> None:
     async def scenario() -> list[int | None]:
         watch = Watch(tmp_path / "arena")
         watch.vram.worker_started("a", A_PID)
         seen = [watch.held(A_PID)]
-        watch.vram.residency(A_PID, residency("a", "warming", "warm", weights=3 * GiB, kv=GiB))
+        warm = residency("a", "warming", "warm", weights=3 * GiB, kv=GiB, held=5 * GiB)
+        watch.vram.residency(A_PID, warm)
         seen.append(watch.held(A_PID))
-        watch.vram.residency(A_PID, residency("a", "warm", "cooling"))  # says nothing new
+        watch.vram.residency(A_PID, residency("a", "warm", "cooling", held=5 * GiB))
         seen.append(watch.held(A_PID))
         watch.vram.residency(A_PID, residency("a", "cooling", "cold", weights=3 * GiB, kv=GiB))
         seen.append(watch.held(A_PID))
         await watch.vram.stop()
         return seen
 
-    assert run(scenario()) == [0, 4 * GiB, 4 * GiB, 0]
+    # 5 GiB warm: weights and KV, and the compute buffers no event moves.
+    assert run(scenario()) == [0, 5 * GiB, 5 * GiB, 0]
+
+
+def test_a_warm_cpu_model_is_accounted_at_its_resident_bytes_not_at_what_moved(
+    tmp_path: Path,
+) -> None:
+    # Issue 40: a CPU model's warm-up moved 0 bytes by its event, and the accounting reader
+    # booked it at 0 while it was warm (arbiterd_vram_bytes{owner=alpha} 0.0).
+    async def scenario() -> list[int | None]:
+        watch = Watch(tmp_path / "arena")
+        watch.vram.worker_started("a", A_PID)
+        watch.vram.residency(A_PID, residency("a", "warming", "warm", held=300 << 20), ("cpu",))
+        warm = await watch.vram.fresh()
+        # A release that left the KV on the device: the worker still holds it, cold.
+        watch.vram.residency(A_PID, residency("a", "warm", "cooling", held=300 << 20), ("cpu",))
+        watch.vram.residency(A_PID, residency("a", "cooling", "cold", held=64 << 20), ("cpu",))
+        cold = await watch.vram.fresh()
+        await watch.vram.stop()
+        return [watch.vram.model_bytes(warm, "a"), watch.vram.model_bytes(cold, "a")]
+
+    assert run(scenario()) == [300 << 20, 64 << 20]
 
 
 @pytest.mark.parametrize("to_state", ["failed", "stopped"])
 def test_a_worker_that_failed_or_stopped_holds_nothing(tmp_path: Path, to_state: str) -> None:
     watch = Watch(tmp_path / "arena")
-    watch.vram.residency(A_PID, residency("a", "loading", "warm", weights=GiB))
-    watch.vram.residency(A_PID, residency("a", "warm", to_state))
+    watch.vram.residency(A_PID, residency("a", "loading", "warm", weights=GiB, held=GiB))
+    watch.vram.residency(A_PID, residency("a", "warm", to_state, held=GiB))  # exiting: freed
     assert watch.held(A_PID) == 0
 
 
 def test_each_worker_is_accounted_on_its_own(tmp_path: Path) -> None:
     watch = Watch(tmp_path / "arena")
-    watch.vram.residency(A_PID, residency("a", "loading", "warm", weights=GiB))
-    watch.vram.residency(B_PID, residency("b", "loading", "warm", weights=2 * GiB, kv=GiB))
+    watch.vram.residency(A_PID, residency("a", "loading", "warm", weights=GiB, held=GiB))
+    watch.vram.residency(B_PID, residency("b", "loading", "warm", weights=2 * GiB, held=3 * GiB))
     assert (watch.held(A_PID), watch.held(B_PID)) == (GiB, 3 * GiB)
     reading = watch.vram.readers.read()
     assert [d.used_bytes for d in reading.devices] == [4 * GiB]
@@ -140,8 +164,8 @@ def test_models_by_pid_names_the_live_workers_and_a_gone_one_holds_nothing(
     watch.vram.worker_started("a", A_PID)
     watch.vram.worker_started("b", B_PID)
     assert watch.vram.models_by_pid == {A_PID: "a", B_PID: "b"}
-    watch.vram.residency(A_PID, residency("a", "loading", "warm", weights=GiB))
-    watch.vram.residency(B_PID, residency("b", "loading", "warm", weights=GiB))
+    watch.vram.residency(A_PID, residency("a", "loading", "warm", weights=GiB, held=GiB))
+    watch.vram.residency(B_PID, residency("b", "loading", "warm", weights=GiB, held=GiB))
     watch.vram.worker_gone("a", A_PID)
     assert watch.vram.models_by_pid == {B_PID: "b"}
     assert [p.pid for p in watch.vram.readers.read().processes] == [B_PID]  # a's figure went
@@ -154,10 +178,10 @@ def test_a_fresh_reading_agrees_with_the_residency_just_reported(tmp_path: Path)
         watch = Watch(tmp_path / "arena")
         watch.vram.worker_started("a", A_PID)
         watch.vram.worker_started("b", B_PID)
-        watch.vram.residency(A_PID, residency("a", "loading", "warm", weights=GiB))
+        watch.vram.residency(A_PID, residency("a", "loading", "warm", weights=GiB, held=GiB))
         first = await watch.vram.fresh()
         watch.vram.residency(A_PID, residency("a", "cooling", "cold"))
-        watch.vram.residency(B_PID, residency("b", "warming", "warm", weights=2 * GiB))
+        watch.vram.residency(B_PID, residency("b", "warming", "warm", held=2 * GiB))
         second = await watch.vram.fresh()  # right after the handoff: no lag
         await watch.vram.stop()
         return [watch.vram.model_bytes(s, m) for s in (first, second) for m in ("a", "b")]
@@ -179,7 +203,7 @@ def test_a_release_is_verified_and_its_cold_footprint_kept(tmp_path: Path) -> No
     async def scenario() -> tuple[int | None, int | None, bool]:
         watch = Watch(tmp_path / "arena")
         watch.vram.worker_started("a", A_PID)
-        watch.vram.residency(A_PID, residency("a", "loading", "warm", weights=GiB))
+        watch.vram.residency(A_PID, residency("a", "loading", "warm", weights=GiB, held=GiB))
         before = watch.vram.footprint("a")
         watch.vram.residency(A_PID, residency("a", "cooling", "cold"))
         await watch.vram.stop()  # waits for the teardown check
@@ -207,7 +231,7 @@ def test_the_sampler_hands_its_readings_to_the_loop(tmp_path: Path) -> None:
     async def scenario() -> int | None:
         watch = Watch(tmp_path / "arena")
         watch.vram.worker_started("a", A_PID)
-        watch.vram.residency(A_PID, residency("a", "loading", "warm", weights=GiB, kv=GiB))
+        watch.vram.residency(A_PID, residency("a", "loading", "warm", weights=GiB, held=2 * GiB))
         watch.vram.start()
         try:
             watch.vram.wake()
@@ -223,7 +247,7 @@ def test_with_nobody_watching_the_readings_stay_off_the_loop(tmp_path: Path) -> 
     async def scenario() -> tuple[int, int | None]:
         watch = Watch(tmp_path / "arena", watched=False)
         watch.vram.worker_started("a", A_PID)
-        watch.vram.residency(A_PID, residency("a", "loading", "warm", weights=GiB, kv=GiB))
+        watch.vram.residency(A_PID, residency("a", "loading", "warm", weights=GiB, held=2 * GiB))
         watch.vram.start()
         try:
             # A reading taken as status and a scrape take one: the sampler's hop to the loop,
@@ -242,7 +266,7 @@ REMOTE = ("rpc:127.0.0.1:50052", "rpc:127.0.0.1:50053")
 
 def test_a_model_on_rpc_servers_holds_nothing_on_this_device(tmp_path: Path) -> None:
     watch = Watch(tmp_path / "arena")
-    watch.vram.residency(A_PID, residency("a", "loading", "warm", weights=GiB), REMOTE)
+    watch.vram.residency(A_PID, residency("a", "loading", "warm", weights=GiB, held=GiB), REMOTE)
     assert watch.held(A_PID) == 0
 
 
@@ -264,6 +288,6 @@ def test_a_release_of_a_model_on_rpc_servers_is_not_checked_on_this_device(
 def test_a_model_split_over_this_device_and_a_server_is_accounted_here(tmp_path: Path) -> None:
     watch = Watch(tmp_path / "arena")
     split = ("gpu0", "rpc:127.0.0.1:50052")
-    watch.vram.residency(A_PID, residency("a", "loading", "warm", weights=GiB), split)
-    watch.vram.residency(B_PID, residency("b", "loading", "warm", weights=GiB), ("cpu",))
+    watch.vram.residency(A_PID, residency("a", "loading", "warm", held=GiB), split)
+    watch.vram.residency(B_PID, residency("b", "loading", "warm", held=GiB), ("cpu",))
     assert (watch.held(A_PID), watch.held(B_PID)) == (GiB, GiB)

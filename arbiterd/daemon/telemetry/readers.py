@@ -25,6 +25,7 @@ from arbiterd.daemon.telemetry.records import (
 from arbiterd.errors import TelemetryError
 from arbiterd.events import DeviceMemory, ProcessMemory
 from arbiterd.procs import process_name
+from arbiterd.status import ACCOUNTING_SOURCE
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +35,16 @@ GPU_CONTEXT_ALLOWANCE_BYTES = 512 << 20
 
 
 class AccountingReader:
-    """No GPU to ask: each worker's own accounting (weights + KV + compute buffers while warm, 0
-    cold; the workers' "resident_bytes") stands in for a measurement, on one device.
+    """No GPU to ask: each worker's own accounting (weights + KV + compute buffers while warm,
+    what a release left on the device once cold; the workers' "resident_bytes") stands in for a
+    measurement, on one device: the arena's, which is the host's RAM where the engine runs the
+    models on the CPU (status names it so: DaemonStatus.device_label).
 
     `accounted` returns {pid: bytes} for the workers; `total_bytes` is the device's size — a
     configured figure, else the host's RAM (where a CPU build keeps the model).
     """
 
-    source = "accounting"
+    source = ACCOUNTING_SOURCE
 
     def __init__(
         self,
