@@ -391,6 +391,7 @@ class Ticket:
     moment it queues, even before it calls acquire()."""
 
     def __init__(self, arena: Arena, priority: Priority) -> None:
+        self._labelled = False  # its file names its waiter (label)
         want_fd = arena._open(arena._want_path)
         try:
             lock(want_fd, SHARED)
@@ -438,7 +439,6 @@ class Ticket:
         self.waiter = QueuedWaiter(os.getpid(), priority, since, name)
         self._path = arena._queue_path / name
         self._fd: int | None = fd
-        self._labelled = False
 
     def leave(self) -> None:
         """Leave the queue. Idempotent."""

@@ -188,7 +188,9 @@ def test_arena_status_json_shows_the_live_holder_and_waiters(
     assert report["queue"][0]["ticket"] > report["queue"][1]["ticket"]  # the arrival times
     text = arbiterd("arena", "status", "--arena", str(arena.path))
     assert f"holder   comfyui (pid {holder.pid}) since" in text.stdout
-    assert f"queue 1  python (pid {waiters[1].pid}) (interactive)" in text.stdout
+    # A waiter is shown by the name its ticket gives, `arbiterd run`'s as when it holds.
+    assert f"queue 1  true (pid {waiters[1].pid}) (interactive)" in text.stdout
+    assert [w["name"] for w in report["queue"]] == ["true", "true"]
 
 
 def test_arena_status_of_a_free_arena(arena: Arena) -> None:
