@@ -4,7 +4,9 @@ Owns the dashboard's memory of the last minutes, fed from three sources that may
 daemon's journal (asked for over the control socket when the tray connects and when a window
 opens), live events, and status snapshots. Status snapshots are the truth about bytes when there
 are any; between them (and in the journal, which has no snapshots) residency events move a
-model's bytes: to `warm` with the bytes the move reported, to `cold`/`failed`/`stopped` to zero.
+model's bytes: to what its worker says it holds once moved (`resident_bytes`; an older daemon's
+event: to `warm` with the bytes the move reported, to `cold` zero), to zero once it failed or
+stopped.
 Handoffs and waits are the daemon's own `handoff` and `wait` events, as measured by the model
 that got the GPU; nothing here infers one. A vision request's projector steps (`encoder` events,
 issue 12) are one record per request; an `unload` (issue 14) empties its model's bytes, and the
@@ -43,7 +45,8 @@ DEFAULT_WINDOW_S = 600.0
 HISTORY_LEAD_S = 3600.0
 MAX_HANDOFFS = 500
 MAX_ENCODER_RECORDS = 500
-_EMPTY_STATES = frozenset({ResidencyState.COLD, ResidencyState.FAILED, ResidencyState.STOPPED})
+# A worker that failed or stopped holds nothing, whatever its event says it held as it went.
+_GONE_STATES = frozenset({ResidencyState.FAILED, ResidencyState.STOPPED})
 
 
 @dataclass(frozen=True)
@@ -227,10 +230,16 @@ class History:
         if model is None or to is None:
             return
         self._know(model)
-        if to is ResidencyState.WARM:
+        if to in _GONE_STATES:
+            self._bytes[model] = 0
+        elif event.resident_bytes is not None:
+            # What its worker holds once moved (issue 40: a CPU model's warm-up moves almost
+            # nothing, and the timeline showed it at those few bytes while it was warm).
+            self._bytes[model] = event.resident_bytes
+        elif to is ResidencyState.WARM:  # an older daemon's event: what the move reported
             if event.moved_bytes > 0:
                 self._bytes[model] = event.moved_bytes
-        elif to in _EMPTY_STATES:
+        elif to is ResidencyState.COLD:
             self._bytes[model] = 0
         else:
             return  # loading, warming, cooling: the bytes move at the end

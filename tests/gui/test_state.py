@@ -286,6 +286,16 @@ def test_residency_events_move_the_bytes_between_snapshots() -> None:
     assert [dict(s.models)["a"] for s in samples] == [2 * GiB, 0]
 
 
+def test_residency_events_book_what_the_worker_holds_not_what_moved() -> None:
+    # Issue 40: a CPU model's restore moved 877 B, and the timeline drew it at that while warm.
+    state = TrayState()
+    state.apply_event(residency(T, "a", "warming", "warm", kv_bytes=877, resident_bytes=300 * MiB))
+    state.apply_event(residency(T + 10, "a", "cooling", "cold", resident_bytes=64 * MiB))
+    state.apply_event(residency(T + 20, "a", "cold", "stopped", resident_bytes=64 * MiB))
+    samples = state.history.visible(T + 30)
+    assert [dict(s.models)["a"] for s in samples] == [300 * MiB, 64 * MiB, 0]
+
+
 def test_history_keeps_the_window_and_the_sample_before_it() -> None:
     state = TrayState(window_s=60)
     for second in range(0, 200, 10):
