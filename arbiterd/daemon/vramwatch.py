@@ -103,10 +103,11 @@ class VramWatch:
         `resident_bytes` its event says it holds now (weights, KV and compute buffers while
         warm; the KV a release left on the device once cold), nothing once it failed or
         stopped; after a release, verify the teardown. Not the bytes the event moved (issue 40:
-        a CPU model's restore moves none, and it was booked at 0 while warm). `devices` are the
-        model's device ids (None: this watch's device). A model on none of this device or the
-        CPU (every layer on RPC servers, or on another GPU) holds nothing here: its bytes are
-        another device's, and its release frees nothing here to check."""
+        a CPU model's restore moves only its KV, so the test model was booked at 877 B while
+        warm, of the 21 MiB it held). `devices` are the model's device ids (None: this watch's
+        device). A model on none of this device or the CPU (every layer on RPC servers, or on
+        another GPU) holds nothing here: its bytes are another device's, and its release frees
+        nothing here to check."""
         here = devices is None or any(d in (self.device, "cpu") for d in devices)
         # A worker always says its resident bytes; an event read without them books nothing.
         held = 0 if not here or event.to_state in _DONE else event.resident_bytes or 0
