@@ -420,7 +420,10 @@ class Ticket:
         fd = self._fd
         if fd is None or self._labelled:
             return
-        os.pwrite(fd, TicketLabel(os.getpid(), name, model).to_json(), 0)
+        try:
+            os.pwrite(fd, TicketLabel(os.getpid(), name, model).to_json(), 0)
+        except OSError as exc:  # a full disk: the wait goes on, its waiter named by its process
+            log.warning("%s: could not name the waiter in its ticket: %s", self._path, exc)
         self._labelled = True
 
     def _enter(self, arena: Arena, priority: Priority) -> None:
