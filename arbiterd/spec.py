@@ -17,7 +17,9 @@ from arbiterd.arena import Priority
 
 # 2: error replies carry a stable code (errors.ErrorCode), not an exception class name.
 # 3: a generate op carries one "request" (arbiterd.request.GenerateRequest), not "kind" and "body".
-WORKER_PROTOCOL = 3
+# 4: a generate op is answered {"id", "started": true} before its chunks and result (a daemon of
+#    protocol 3 would read it as a reply without a result).
+WORKER_PROTOCOL = 4
 
 # Request parameters passed through to llama-cpp-python, with the type each must have.
 COMPLETION_PARAMS: dict[str, tuple[type, ...]] = {

@@ -289,15 +289,15 @@ class WorkerClient:
     async def request(
         self, op: str, *, timeout_s: float | None = 60.0, **fields: Any
     ) -> dict[str, Any]:
-        """Send one op and wait for its result (chunks, if any, are ignored). Cancelled (its
-        asker gave up: a CLI's Ctrl-C), it is cancelled in the worker too: a warm leaves the
-        queue for the GPU."""
+        """Send one op and wait for its result (chunks and a generate's "started", if any,
+        are ignored). Cancelled (its asker gave up: a CLI's Ctrl-C), it is cancelled in the
+        worker too: a warm leaves the queue for the GPU."""
         async with self._open() as (request_id, replies):
             self._send({"op": op, "id": request_id, **fields})
             try:
                 while True:
                     message = await self._next(replies, f"its {op}", timeout_s)
-                    if "chunk" not in message:
+                    if "chunk" not in message and "started" not in message:
                         return _result(message)
             except asyncio.CancelledError:
                 self.cancel(request_id)
@@ -312,7 +312,9 @@ class WorkerClient:
         request_id: str | None = None,
     ) -> dict[str, Any]:
         """Run one request; with `on_chunk` (called on the loop), it streams. Returns the
-        worker's result; WorkerGoneError when the worker was gone before it was sent."""
+        worker's result; WorkerGoneError when the worker was gone before it started the request
+        (its engine thread's "started" reply: nothing of it ran, no chunk was sent), WorkerError
+        when it went after."""
         async with self._open(request_id) as (opened, replies):
             self._send(
                 {
@@ -322,8 +324,12 @@ class WorkerClient:
                     "stream": on_chunk is not None,
                 }
             )
+            started = False
             while True:
-                message = await self._next(replies, "a request", timeout_s)
+                message = await self._next(replies, "a request", timeout_s, started=started)
+                if "started" in message:
+                    started = True
+                    continue
                 if "chunk" in message:
                     if on_chunk is not None:
                         on_chunk(message["chunk"])
@@ -439,10 +445,17 @@ class WorkerClient:
         self._writer.write(encode(message))
 
     async def _next(
-        self, replies: asyncio.Queue[dict[str, Any]], what: str, timeout_s: float | None
+        self,
+        replies: asyncio.Queue[dict[str, Any]],
+        what: str,
+        timeout_s: float | None,
+        *,
+        started: bool = True,
     ) -> dict[str, Any]:
         """The next reply to the exchange that `what` names in words (a user reads it; the
-        request id is the wire's own)."""
+        request id is the wire's own). A worker gone meanwhile is a WorkerError, or, while the
+        exchange is not `started` (a request still in the worker's queue), a WorkerGoneError:
+        it may go to the next worker."""
         try:
             # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancel that comes
             # as the awaited message does, and a client's hang-up would then not stop its decode.
@@ -454,6 +467,8 @@ class WorkerClient:
             ) from None
         if message.get("gone"):
             why = await self._why_gone()
+            if not started:
+                raise WorkerGoneError(f"worker for {self.model} exited before {what} began{why}")
             raise WorkerError(f"worker for {self.model} exited during {what}{why}")
         return message
 
@@ -477,7 +492,8 @@ class WorkerClient:
                 self._hello.set_exception(WorkerGoneError(f"worker for {self.model} is gone"))
 
     def _route(self, message: dict[str, Any]) -> None:
-        if "event" in message or "chunk" in message:  # only the engine thread sends these
+        if "event" in message or "chunk" in message or "started" in message:
+            # Only the engine thread sends these.
             self.heard = self.heard.beat(time.monotonic())
         if "hello" in message:
             if not self._hello.done():

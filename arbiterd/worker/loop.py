@@ -43,7 +43,13 @@ Message protocol (JSON lines, `arbiterd.wire`), version WORKER_PROTOCOL:
                      ("error": why nothing was saved, "" when it was or there was nothing),
                      then exit as on shutdown; the next worker restores it after loading
                      {"op": "cancel", "id", "target": request id}
-    worker → daemon  {"id", "chunk": {...}}  {"id", "result": {...}}
+    worker → daemon  {"id", "started": true}  the engine thread took a generate op from its
+                     queue: it may run from here on (and may be what a crash was about), so a
+                     request whose worker dies after this fails; one whose worker dies before
+                     it never ran, and the daemon sends it to the next worker (issue 40), as
+                     it does each op still queued when the worker stops: answered with code
+                     "worker_gone"
+                     {"id", "chunk": {...}}  {"id", "result": {...}}
                      a status result: the status fields and "beat_age_s", the age of the
                      engine thread's last beat when the io thread answered
                      {"id", "error": {"code", "message"}}: code is an errors.ErrorCode; a
@@ -84,6 +90,7 @@ from arbiterd.errors import (
     RequestError,
     RestoreError,
     WorkerError,
+    WorkerGoneError,
 )
 from arbiterd.events import RequestEvent, ResidencyEvent
 from arbiterd.paths import DeviceKind, parse_device_id
@@ -429,6 +436,7 @@ class Worker:
         if self._is_cancelled(command.id):
             self._error(command.id, RequestError("cancelled before it started"))
             return
+        self._out.send({"id": command.id, "started": True})  # before it can send a chunk
         self._current = command.id
         self._publish()
         result: Generation | None = None
@@ -664,7 +672,11 @@ class Worker:
             except queue.Empty:
                 break
             if command.id:
-                self._error(command.id, EngineError(f"{self.name} is shutting down"))
+                # Never begun: the daemon sends it to the worker that replaces this one (a
+                # reload that changed the model's settings stops this one; issue 40).
+                self._error(
+                    command.id, WorkerGoneError(f"{self.name}'s worker stopped before it began")
+                )
         self._emit(self._residency.transition(self._residency.state, ResidencyState.STOPPED))
         self._backend.close()
         self._give_up_token()

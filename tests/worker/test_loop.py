@@ -633,7 +633,7 @@ def test_a_failed_restore_rolls_back_to_cold_without_the_token(
     writer.send({"op": "release", "id": "1"})
     until(lambda m: m.get("id") == "1")
     writer.send({"op": "generate", "id": "2", "request": {"kind": "completion", "prompt": "x"}})
-    reply = until(lambda m: m.get("id") == "2")
+    reply = until(lambda m: m.get("id") == "2" and "started" not in m)
     assert reply["error"]["code"] == code
     assert message in reply["error"]["message"]
     writer.send({"op": "warm", "id": "w"})  # a warm-up on command fails the same way
@@ -716,7 +716,13 @@ class InProcess:
         return self.until(lambda m: m.get("id") == request_id)
 
     def generate(self, request_id: str, prompt: str) -> dict[str, Any]:
-        return self.ask(request_id, op="generate", request={"kind": "completion", "prompt": prompt})
+        """The request's reply, after the "started" its engine thread says as it takes it."""
+        request = {"kind": "completion", "prompt": prompt}
+        assert self.ask(request_id, op="generate", request=request) == {
+            "id": request_id,
+            "started": True,
+        }
+        return self.until(lambda m: m.get("id") == request_id)
 
     def send_line(self, line: bytes) -> None:
         """Write one raw line, as a daemon with a bug could."""
@@ -799,7 +805,7 @@ def test_a_request_whose_release_breaks_midway_ends_the_worker_and_frees_the_gpu
     )
     # Queued behind the worker; the pause it asks for breaks; the worker's exit frees the GPU.
     with Arena(worker.arena).acquire("person", priority=Priority.INTERACTIVE, timeout_s=10):
-        reply = worker.until(lambda m: m.get("id") == "long")
+        reply = worker.until(lambda m: m.get("id") == "long" and "started" not in m)
     assert reply["error"]["code"] == "internal_error"
     worker.thread.join(timeout=10)
     assert [str(exc) for exc in worker.raised] == [
@@ -866,7 +872,7 @@ def test_a_warm_worker_tokenizing_lets_a_waiter_in_and_stops_on_cancel(tmp_path:
     with Arena(tmp_path / "arena").acquire("game", timeout_s=10):
         waited_s = time.monotonic() - started
         writer.send({"op": "cancel", "id": "c", "target": "big"})
-        reply = until(lambda m: m.get("id") == "big")
+        reply = until(lambda m: m.get("id") == "big" and "started" not in m)
     assert waited_s < 1.0  # the worker's 0.1 s minimum hold, then the next piece
     assert reply["error"] == {
         "code": "bad_request",
