@@ -125,6 +125,8 @@ class Lifecycle:
         for good when retrying cannot help)."""
         name = slot.name
         env = worker_env(os.environ, self._gpu_nodes)
+        if slot.replaces is not None:  # the old worker of its model goes first
+            await asyncio.wait({slot.replaces})
         try:
             copy = await self.hold_copy(slot)
             if self._retired(slot):

@@ -1,20 +1,23 @@
 """Routes each request to its model's worker, with one retry rule for plain and streamed requests.
 
-Owns the request ids and the rule: a request that finds its worker gone before it could be sent
-(nothing of it ran) goes once more to the worker that replaces it; any other failure is the
-request's. A client that goes away (its task cancelled) cancels the request in the worker.
-Every failure is published as a `request` event and raised as the error the edges map. A
-request for a model that does not exist, or of a kind its model does not serve (an embedding
-request to a chat model, or the other way round), is refused before any worker sees it, and
-no event is published. A request for an unloaded model (issue 14) starts its worker first.
-A request for a model whose file a start did not find (issue 24) is answered at once, naming
-the file, rather than waiting for a restart that cannot work; once the file is back, it starts
-the model. While a request's model waits for the GPU, a stream yields what it waits for
-(procs.WaitNews) at the notice times, and a request that waits past its model's max_queue_s is
-given up (daemon/waiting.py). Once the daemon stops (`stop_requests`), every request is
-refused with ShuttingDownError, and each one in flight, waiting for its worker or mid-decode,
-ends with it (its decode cancelled in the worker): an error the edges can still answer, where
-the server going away would have cut its connection.
+Owns the request ids and the rule: a request whose worker is gone before it started the request
+(not sent yet, or still in the worker's queue: nothing of it ran) goes once more to the worker
+that replaces it; any other failure is the request's, so a worker that dies fails only the
+request it was running (issue 40). A client that goes away (its task cancelled) cancels the
+request in the worker. Every failure is published as a `request` event and raised as the error
+the edges map. A request for a model that does not exist, or of a kind its model does not serve
+(an embedding request to a chat model, or the other way round), is refused before any worker
+sees it, and no event is published. A request for an unloaded model (issue 14) starts its worker
+first. A model whose settings a reload changed is served by its new slot from the moment the
+old one begins to retire: a request waits for the new worker, never told the model is gone
+(issue 40). A request for a model whose file a start did not find (issue 24) is answered at
+once, naming the file, rather than waiting for a restart that cannot work; once the file is
+back, it starts the model. While a request's model waits for the GPU, a stream yields what it
+waits for (procs.WaitNews) at the notice times, and a request that waits past its model's
+max_queue_s is given up (daemon/waiting.py). Once the daemon stops (`stop_requests`), every
+request is refused with ShuttingDownError, and each one in flight, waiting for its worker or
+mid-decode, ends with it (its decode cancelled in the worker): an error the edges can still
+answer, where the server going away would have cut its connection.
 """
 
 from __future__ import annotations
@@ -145,17 +148,26 @@ class Router:
         slot = self.slot_of(model)
         try:
             async with asyncio.timeout(READY_TIMEOUT_S):
-                missing = slot.missing_file is not None
-                if missing or slot.state in (SlotState.UNLOADING, SlotState.UNLOADED):
-                    await self._load(slot)  # a missing file: started if it is back
-                if slot.state is SlotState.FAILED or slot.residency is ResidencyState.FAILED:
-                    raise EngineError(f"{model} failed to load: {slot.last_error}")
-                if slot.missing_file is not None and slot.state is SlotState.RESTARTING:
-                    raise ModelLoadError(
-                        f"{model} cannot start: its model file {slot.missing_file} is not on "
-                        "disk; put it back (the next request starts it then)"
-                    )
-                await slot.ready.wait()
+                while True:
+                    missing = slot.missing_file is not None
+                    if missing or slot.state in (SlotState.UNLOADING, SlotState.UNLOADED):
+                        await self._load(slot)  # a missing file: started if it is back
+                    if slot.state is SlotState.FAILED or slot.residency is ResidencyState.FAILED:
+                        raise EngineError(f"{model} failed to load: {slot.last_error}")
+                    if slot.missing_file is not None and slot.state is SlotState.RESTARTING:
+                        raise ModelLoadError(
+                            f"{model} cannot start: its model file {slot.missing_file} is not "
+                            "on disk; put it back (the next request starts it then)"
+                        )
+                    await slot.settled()
+                    if slot.state is not SlotState.STOPPED:
+                        break
+                    # Retired while this waited: a reload replaced it (its new slot serves the
+                    # model) or removed it (UnknownModelError).
+                    successor = self.slot_of(model)
+                    if successor is slot:
+                        raise WorkerError(f"{model} is stopped")
+                    slot = successor
         except TimeoutError:
             raise WorkerError(f"{model} is not running ({slot.last_error})") from None
         assert slot.worker is not None  # ready is set only while a worker is attached
@@ -192,8 +204,9 @@ class Router:
         try:
             try:
                 return await self._waits.request(slot, send(worker), on_news)
-            except WorkerGoneError:  # gone before the request reached it: nothing ran
+            except WorkerGoneError:  # gone before it started the request: nothing ran
                 worker = await self._successor(model, worker)
+                slot = self.slot_of(model)  # a new one, when a reload replaced it
                 return await self._waits.request(slot, send(worker), on_news)
         except asyncio.CancelledError:  # the client went away: stop the decode
             worker.cancel(request_id)

@@ -51,6 +51,10 @@ class Slot:
     # whoever starts the slot again, since the next worker reads the file the last one writes.
     unload_task: asyncio.Task[dict[str, Any]] | None = None
     load_task: asyncio.Task[None] | None = None  # set while an unloaded slot is started again
+    # The retire of the slot this one replaces (a reload changed its model's settings): its
+    # worker starts once that one's has stopped, one worker of a model at a time. Requests
+    # wait for it meanwhile (routing.py), never told the model is gone (issue 40).
+    replaces: asyncio.Task[None] | None = None
     # time.monotonic() when its worker last went cold (unload_after_s counts from it); None
     # while it is not cold.
     cold_since: float | None = None
@@ -89,6 +93,12 @@ class Slot:
         self.move(SlotState.READY, worker=worker)
         self.started_at = now
         self.residency = ResidencyState.LOADING
+
+    async def settled(self) -> None:
+        """Return once the slot is ready, or stopped (a reload retired it, or the daemon
+        stops)."""
+        while self.state not in (SlotState.READY, SlotState.STOPPED):
+            await self._moved.wait()
 
     async def worker_changed(self, worker: WorkerClient) -> None:
         """Return once `worker` is no longer this slot's (the lifecycle's watch of its exit
@@ -175,3 +185,7 @@ class Slot:
     def loading(self, task: asyncio.Task[None] | None) -> None:
         """The load in progress (None: it ended)."""
         self.load_task = task
+
+    def replacing(self, retire: asyncio.Task[None]) -> None:
+        """It replaces a slot whose worker `retire` stops."""
+        self.replaces = retire

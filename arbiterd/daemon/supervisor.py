@@ -523,6 +523,9 @@ class Supervisor:
             n for n in new.models if n in old and new.models[n].aliases != old[n].aliases
         ]
         fresh = {name: new_slot(new.models[name]) for name in added + changed}
+        # Started below, once the old slots are gone; read now: a changed model loaded on
+        # demand is served from the start of its old one's retire, and a request may start it.
+        to_start = [slot for slot in fresh.values() if slot.state is SlotState.STARTING]
         try:
             # Before the old slots let theirs go: a changed model whose file is gone from disk
             # restarts from the copy its old worker still holds.
@@ -535,7 +538,14 @@ class Supervisor:
             retired = self._slots.pop(name)
             self._vram.model_removed(name)
             self._handoffs.forget(name)
-            await self._lifecycle.retire(retired)
+            retiring = asyncio.get_running_loop().create_task(self._lifecycle.retire(retired))
+            if name in changed:
+                # Its new slot serves the name from now on: a request waits for the new worker
+                # (routing.py), which starts once the old one has stopped (issue 40: the name
+                # was missing for the retire, and requests got 404 for a configured model).
+                fresh[name].replacing(retiring)
+                self._slots[name] = fresh[name]
+            await retiring
             if name in removed:  # no config left to restore its prompt cache into
                 await self._lifecycle.forget_prompt_cache(name)
         # A group whose members or class changed gets a new keeper, once its old members left.
@@ -556,7 +566,7 @@ class Supervisor:
             self.metrics.add_model(name, slot.config.devices)
             if slot.state is SlotState.UNLOADED:  # held only to outlive the old slot's copy
                 self._lifecycle.drop_copy(slot)
-        await asyncio.gather(*(self._start(slot) for slot in fresh.values()))
+        await asyncio.gather(*(self._start(slot) for slot in to_start))
         self._bus.publish(
             ReloadEvent(
                 added=tuple(added),

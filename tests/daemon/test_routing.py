@@ -191,6 +191,51 @@ def test_a_request_waits_for_a_starting_model_and_is_served_once_it_is_ready() -
     assert run(scenario()) == {"text": "answered by w1"}
 
 
+async def until_waiting() -> None:
+    """Let the tasks scheduled run until each awaits something (turns of the loop; no time
+    passes): a request sent now is then waiting for its model's worker."""
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+def test_a_request_waiting_for_a_model_a_reload_replaces_is_served_by_its_new_slot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(routing, "READY_TIMEOUT_S", 5.0)  # waiting on the old slot: fails
+
+    async def scenario() -> dict[str, Any]:
+        daemon = Daemon("m")
+        old = daemon.slots["m"]
+        request = asyncio.create_task(daemon.router.complete("m", request_for("completion", BODY)))
+        await until_waiting()
+        # What the supervisor's reload does for a changed model: the new slot serves the
+        # name, then the old one retires, then the new one's worker starts.
+        daemon.slots["m"] = Slot(model_config("m"))
+        old.move(SlotState.STOPPED)
+        await until_waiting()
+        assert not request.done()  # waiting for the new slot's worker, not told it is gone
+        daemon.serve("m", FakeWorker("new"))
+        return await request
+
+    assert run(scenario()) == {"text": "answered by new"}
+
+
+def test_a_request_waiting_for_a_model_a_reload_removes_is_told_it_is_gone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(routing, "READY_TIMEOUT_S", 5.0)  # waiting on the old slot: fails
+
+    async def scenario() -> None:
+        daemon = Daemon("m", "other")
+        request = asyncio.create_task(daemon.router.complete("m", request_for("completion", BODY)))
+        await until_waiting()
+        daemon.slots.pop("m").move(SlotState.STOPPED)
+        with pytest.raises(UnknownModelError, match="no model named 'm'; available: other"):
+            await request
+
+    run(scenario())
+
+
 def test_a_request_for_an_unloaded_model_starts_its_worker_once() -> None:
     async def scenario() -> tuple[list[dict[str, Any]], Daemon]:
         daemon = Daemon("m")
