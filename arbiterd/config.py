@@ -31,6 +31,7 @@
     load = "start",               # "demand": no worker until its first request (or `warm`)
     unload_after_s = 0,           # unload after cold and idle this long; 0 = never
     max_queue_s = 0,              # a request waiting this long for the GPU: 503; 0 = no limit
+                                  #   (the default: it waits as long as its client does)
     host_copy = "memfd",          # "page-cache": no copy in RAM; the kernel may reclaim it
     repack = true                 # false: CPU weights stay the host copy's pages, none repacked
     encoder = "jit"               # with mmproj: "resident" keeps the encoder while warm
