@@ -14,7 +14,6 @@ from typing import Any
 
 import httpx
 import openai
-import pytest
 
 from arbiterd.cli.controlclient import ControlClient
 from arbiterd.daemon.liveness import STATUS_ANSWER_S
@@ -108,10 +107,8 @@ def test_a_stopped_holder_is_reported_then_killed_and_the_gpu_moves_on(tiny_mode
         assert "no sign of life" in crashed["reason"]
 
         assert beta_answer.result(timeout=60)  # the kernel freed the token: beta served
-        with pytest.raises(openai.APIStatusError) as refused:
-            alpha_answer.result(timeout=60)
-        assert refused.value.status_code == 503
-        assert "killed: it held the GPU and showed no sign of life" in str(refused.value)
+        # Sent to the stopped worker, it never began there: its successor serves it (issue 40).
+        assert alpha_answer.result(timeout=60)
 
         assert complete(api, "alpha")  # restarted as after any crash, and serving
         restarted = model_status(control.call("status"), "alpha")
