@@ -3,12 +3,13 @@ states.SLOT_TRANSITIONS, drawn in arbiterd/states.py's docstring).
 
 Owns what the daemon knows of one model between its workers: the lifecycle state, the worker
 that serves it now, what that worker's hello said, the residency it last reported, whether it
-is an embedding model, its restarts and its last error, and the unload or load (issue 14) in
-progress. Pure bookkeeping, on the daemon's event loop. The slot is the one writer of its
-fields: the parts that act on it (lifecycle.py starts, restarts and unloads workers,
-supervisor.py applies what workers report, routing.py sends requests) change it only through
-the methods below, and read the fields. `move` refuses a transition the table does not list;
-every move wakes whoever awaits a change (`ready`, `worker_changed`) instead of polling.
+is an embedding model, its restarts and its last error, the unload or load (issue 14) in
+progress, and the retire of the slot it replaces (issue 40). Pure bookkeeping, on the daemon's
+event loop. The slot is the one writer of its fields: the parts that act on it (lifecycle.py
+starts, restarts and unloads workers, supervisor.py applies what workers report, routing.py
+sends requests) change it only through the methods below, and read the fields. `move` refuses
+a transition the table does not list; every move wakes whoever awaits a change (`ready`,
+`settled`, `worker_changed`) instead of polling.
 """
 
 from __future__ import annotations

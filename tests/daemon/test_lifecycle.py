@@ -307,6 +307,35 @@ def test_a_retired_slot_stops_its_worker_and_never_restarts(harness: Harness) ->
     assert len(harness.gone) == 1
 
 
+def test_a_slot_that_replaces_another_spawns_its_worker_once_the_old_one_has_exited(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old_exit_codes: list[int | None] = []  # the old worker's, as each later spawn is asked
+
+    async def scenario() -> tuple[Slot, Slot]:
+        old = harness.slot()
+        await harness.lifecycle.start(old)
+        old_worker = old.worker
+        assert old_worker is not None
+
+        async def spawn(config: Any, **kwargs: Any) -> WorkerClient:
+            old_exit_codes.append(old_worker.returncode)
+            return await REAL_SPAWN(config, **kwargs)
+
+        monkeypatch.setattr(WorkerClient, "spawn", spawn)
+        new = harness.slot()  # what a reload that changed the model's settings makes
+        retiring = asyncio.create_task(harness.lifecycle.retire(old))
+        new.replacing(retiring)
+        await harness.lifecycle.start(new)
+        await harness.lifecycle.stop([new])
+        return old, new
+
+    old, new = run(scenario())
+    # One worker of a model at a time: the new one is spawned once the old one has exited.
+    assert old_exit_codes == [0]
+    assert (old.state, new.state) == (SlotState.STOPPED, SlotState.STOPPED)
+
+
 def test_retiring_a_slot_that_waits_to_restart_cancels_the_restart(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
