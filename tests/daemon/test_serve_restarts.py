@@ -125,7 +125,8 @@ def test_a_killed_worker_fails_only_the_request_it_had_begun_and_its_queue_is_se
         replies: dict[int, httpx.Response] = {}
 
         def ask(n: int) -> None:
-            replies[n] = httpx.post(daemon.url + "/completions", json=COMPLETION, timeout=120)
+            body = {**COMPLETION, "stream": n == QUEUED}  # the last one streams
+            replies[n] = httpx.post(daemon.url + "/completions", json=body, timeout=120)
 
         begun = threading.Thread(target=ask, args=(0,))
         begun.start()
@@ -145,4 +146,10 @@ def test_a_killed_worker_fails_only_the_request_it_had_begun_and_its_queue_is_se
         for thread in queued:
             thread.join(timeout=SWAP_S)
         assert [replies[n].status_code for n in range(1, QUEUED + 1)] == [200] * QUEUED
+        # Nothing of the stream's answer was sent before it went to the next worker: its answer
+        # comes whole, with no error in it.
+        streamed = replies[QUEUED].text
+        assert '"text"' in streamed
+        assert '"error"' not in streamed
+        assert streamed.rstrip().endswith("data: [DONE]")
         assert worker_pid(daemon, "a") != pid
