@@ -28,7 +28,10 @@ The checks, in order, each answered in the OpenAI error envelope:
    them.
 3. Content-Type of a POST: application/json (parameters such as `; charset=utf-8` allowed),
    else 415. A page can send JSON only after a preflight, which 2 refuses; POST is the only
-   method of a simple request that has a body.
+   method of a simple request that has a body. A POST with no Content-Type at all is taken
+   when it has no Origin either (issue 40: litellm's Ollama providers send no type): a
+   browser sends Origin with every POST (the Fetch standard, "append a request `Origin`
+   header"), a page's fetch() of an untyped Blob included, and an HTML form always has a type.
 Both listeners check 2 and 3: a relay (socat) in front of api.sock would put a browser there.
 """
 
@@ -118,8 +121,10 @@ def _foreign_origin(origins: list[str], allowed: frozenset[str]) -> ApiError | N
     return None
 
 
-def _not_json(content_types: list[str]) -> ApiError | None:
-    """Check 3, for a POST; the refusal, or None."""
+def _not_json(content_types: list[str], *, origin: str | None) -> ApiError | None:
+    """Check 3, for a POST that carries `origin` (None: no Origin); the refusal, or None."""
+    if not content_types and origin is None:
+        return None  # not a browser's: see the module's docstring
     if len(content_types) == 1:
         media_type = content_types[0].partition(";")[0].strip().lower()
         if media_type == JSON_MEDIA_TYPE:
@@ -198,7 +203,7 @@ def guard(app: ASGIApp, *, hosts: frozenset[str] | None, origins: frozenset[str]
             return
         reply = send if origin is None else _adding(send, _cors_headers(origin))
         if scope["method"] == "POST":
-            refusal = _not_json(headers.getlist("content-type"))
+            refusal = _not_json(headers.getlist("content-type"), origin=origin)
             if refusal is not None:
                 await refusal.response()(scope, receive, reply)
                 return

@@ -211,16 +211,36 @@ def test_json_bodies_are_served_with_or_without_parameters(
     assert "access-control-allow-origin" not in response.headers  # no Origin, no CORS
 
 
-@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/json"])
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/json"])
 def test_a_post_that_is_not_json_is_unsupported(
-    served: Served, app: Recorder, content_type: str | None
+    served: Served, app: Recorder, content_type: str
 ) -> None:
-    # curl -d sends application/x-www-form-urlencoded; requests' data= sends no type at all.
-    headers = {} if content_type is None else {"content-type": content_type}
-    response = httpx.post(f"{served.url}/api/chat", content=BODY, headers=headers)
+    # curl -d sends application/x-www-form-urlencoded.
+    response = httpx.post(
+        f"{served.url}/api/chat", content=BODY, headers={"content-type": content_type}
+    )
     assert response.status_code == 415
     assert "Content-Type: application/json" in error(response)["message"]
     assert app.reached == []
+
+
+def test_a_post_with_no_type_is_served_only_without_an_origin(
+    served: Served, app: Recorder
+) -> None:
+    # litellm's Ollama providers and requests' data= with a string send no type, and no
+    # Origin: no browser's POST lacks one (issue 40). A page's fetch() of an untyped Blob
+    # carries its Origin, refused unless allowed, and even an allowed one must send JSON.
+    url = f"{served.url}/api/chat"
+    assert httpx.post(url, content=BODY).text == "hello"
+    assert "content-type" not in httpx.Request("POST", url, content=BODY).headers
+    for origin, status, code in [
+        (PAGE, 403, "origin_not_allowed"),
+        ("null", 403, "origin_not_allowed"),
+        (ALLOWED, 415, "unsupported_media_type"),
+    ]:
+        response = httpx.post(url, content=BODY, headers={"origin": origin})
+        assert (response.status_code, error(response)["code"]) == (status, code), origin
+    assert app.reached == ["POST /api/chat"]
 
 
 @pytest.mark.parametrize(
@@ -242,9 +262,11 @@ def test_the_unix_socket_takes_any_host_and_still_checks_origin_and_type(
         assert client.get("http://arbiterd/").text == "hello"
         assert client.get("http://localhost/", headers={"host": REBOUND}).text == "hello"
         assert client.get("http://arbiterd/", headers={"origin": PAGE}).status_code == 403
-        posted = client.post("http://arbiterd/v1/completions", content=BODY)
+        url = "http://arbiterd/v1/completions"
+        posted = client.post(url, content=BODY, headers={"content-type": TEXT_PLAIN})
         assert posted.status_code == 415
-    assert app.reached == ["GET /", "GET /"]
+        assert client.post(url, content=BODY).text == "hello"  # no type, no Origin
+    assert app.reached == ["GET /", "GET /", "POST /v1/completions"]
 
 
 def test_host_names_are_read_from_every_form_of_host() -> None:

@@ -295,9 +295,10 @@ def test_langchain_tools_on_a_model_whose_template_has_no_place_for_them(daemon:
 # -- litellm ----------------------------------------------------------------------------------
 
 
-def test_litellm_tools_json_schema_and_streamed_usage(daemon: Daemon) -> None:
+def litellm_calls(*args: str) -> dict[str, Any]:
+    """What tests/support/litellm_calls.py printed, run with `args`."""
     ran = subprocess.run(
-        [sys.executable, "-m", "tests.support.litellm_calls", daemon.url],
+        [sys.executable, "-m", "tests.support.litellm_calls", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -305,7 +306,12 @@ def test_litellm_tools_json_schema_and_streamed_usage(daemon: Daemon) -> None:
         cwd=Path(__file__).parents[2],
     )
     assert ran.returncode == 0, ran.stderr
-    got = json.loads(ran.stdout.splitlines()[-1])
+    got: dict[str, Any] = json.loads(ran.stdout.splitlines()[-1])
+    return got
+
+
+def test_litellm_tools_json_schema_and_streamed_usage(daemon: Daemon) -> None:
+    got = litellm_calls(daemon.url)
     assert got["call"]["name"] == "add"
     assert set(got["call"]["arguments"]) == {"a", "b"}
     assert set(got["shaped"]) == {"city", "rank"}
@@ -313,3 +319,11 @@ def test_litellm_tools_json_schema_and_streamed_usage(daemon: Daemon) -> None:
     # SmolLM2's template has no place for tools: they are described in its system turn.
     assert got["generic_call"]["name"] == "add"
     assert set(got["generic_call"]["arguments"]) == {"a", "b"}
+
+
+def test_litellm_ollama_providers_are_served_without_a_content_type(daemon: Daemon) -> None:
+    # Both post their JSON with no Content-Type and no Origin (issue 40: a 415 on every call).
+    got = litellm_calls(daemon.url.removesuffix("/v1"), "ollama")
+    for provider in ("ollama", "ollama_chat"):
+        assert got[provider]["finish_reason"] in {"stop", "length"}, provider
+        assert 1 <= got[provider]["completion_tokens"] <= 3, provider

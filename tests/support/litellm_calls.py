@@ -1,6 +1,8 @@
 """litellm's calls to a daemon, in a process of their own: `python -m tests.support.litellm_calls
-URL` prints what came back as one JSON object. litellm leaves an event loop and logging threads
-behind in the process that imports it, which the test process must not inherit."""
+URL` (the OpenAI API's, ending in /v1) or `... URL ollama` (the daemon's root, for litellm's
+Ollama providers) prints what came back as one JSON object. litellm leaves an event loop and
+logging threads behind in the process that imports it, which the test process must not
+inherit."""
 
 from __future__ import annotations
 
@@ -30,11 +32,35 @@ SCHEMA = {
 ASK = [{"role": "user", "content": "What is 2 + 3?"}]
 
 
-def main(url: str) -> dict[str, Any]:
+def _litellm() -> Any:
     # litellm reads its model price list from the internet at import unless told not to.
     os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
     import litellm  # noqa: PLC0415
 
+    return litellm
+
+
+def ollama_providers(url: str) -> dict[str, Any]:
+    """A completion through each of litellm's Ollama providers: `ollama/` posts /api/generate,
+    `ollama_chat/` /api/chat, both with no Content-Type (issue 40)."""
+    litellm = _litellm()
+    answers = {
+        provider: litellm.completion(
+            model=f"{provider}/plain", messages=ASK, api_base=url, max_tokens=3
+        )
+        for provider in ("ollama", "ollama_chat")
+    }
+    return {
+        provider: {
+            "finish_reason": answer.choices[0].finish_reason,
+            "completion_tokens": answer.usage.completion_tokens,
+        }
+        for provider, answer in answers.items()
+    }
+
+
+def main(url: str) -> dict[str, Any]:
+    litellm = _litellm()
     common: dict[str, Any] = {"api_base": url, "api_key": "unused", "max_tokens": 150}
     called = litellm.completion(
         model="openai/tools", messages=ASK, tools=[ADD], tool_choice="required", **common
@@ -76,4 +102,5 @@ def main(url: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1])))
+    calls = ollama_providers if sys.argv[2:] == ["ollama"] else main
+    print(json.dumps(calls(sys.argv[1])))
