@@ -12,13 +12,15 @@ string, never leave a stream open after its client has gone, and never import th
 (llama_cpp loads native libraries the daemon process has no use for).
 
 Guard ladder for a request: bearer token → body size (Content-Length, then the bytes actually
-read) → JSON (every string valid Unicode, integers and nesting bounded: jsonbody.py) → the body's
-fields (openai_requests.py) → model exists → strict_api → the priority header → images against
-the model's policy. The service gets the record and the model as the client named it.
+read) → JSON (every string valid Unicode, integers, nesting and containers bounded: jsonbody.py)
+→ the body's fields (openai_requests.py), both on a parsing thread for a large body → model
+exists → strict_api → the priority header → images against the model's policy. The service gets
+the record and the model as the client named it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hmac
 import json
@@ -26,9 +28,10 @@ import logging
 import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import Depends, FastAPI, Request
@@ -77,15 +80,38 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SSE_DONE = b"data: [DONE]\n\n"
 # The response header that names the fields a request sent which changed nothing here.
 IGNORED_HEADER = "x-arbiterd-ignored"
+# A body larger than this is parsed on a parsing thread (issue 40: an 8 MiB body parsed on the
+# event loop held /health for seconds). jsonbody.py bounds what parsing may hold the GIL for,
+# so the loop gets its turns. One this size parses in a few milliseconds at worst, so it is
+# parsed on the loop, where it never waits behind large ones for a parsing thread.
+INLINE_BODY_BYTES = 64 * 1024
+# Bodies parsed at once; others wait their turn. Parsing is CPU work under the GIL, which more
+# threads would not speed up, and each holds a body's parsed copy.
+MAX_PARSES_AT_ONCE = 2
+_parsing = ThreadPoolExecutor(MAX_PARSES_AT_ONCE, thread_name_prefix="json-body")
+_Built = TypeVar("_Built")
 
 
-def _parse_json(raw: bytes) -> object:
-    """The body as JSON whose every string is valid Unicode and every integer of a size int()
-    takes (jsonbody.py), or a 400 naming the field."""
-    try:
-        return jsonbody.parse(raw)
-    except jsonbody.BodyRefused as exc:
-        raise ApiError(400, str(exc), code=exc.code, param=exc.param) from None
+def _as_is(document: object) -> object:
+    return document
+
+
+async def _parse_json(raw: bytes, build: Callable[[object], _Built]) -> _Built:
+    """`build` of the body as JSON whose every string is valid Unicode and every integer of a
+    size int() takes (jsonbody.py), or a 400 naming the field. A body of more than
+    INLINE_BODY_BYTES is parsed and built on a parsing thread, so the event loop goes on
+    serving meanwhile; `build` must touch nothing the loop owns."""
+
+    def parse_and_build() -> _Built:
+        try:
+            document = jsonbody.parse(raw)
+        except jsonbody.BodyRefused as exc:
+            raise ApiError(400, str(exc), code=exc.code, param=exc.param) from None
+        return build(document)
+
+    if len(raw) <= INLINE_BODY_BYTES:
+        return parse_and_build()
+    return await asyncio.get_running_loop().run_in_executor(_parsing, parse_and_build)
 
 
 async def _read_body(request: Request, limit_bytes: int) -> bytes:
@@ -447,8 +473,9 @@ def create_app(
 
     async def serve(request: Request, kind: RequestKind) -> Response:
         try:
-            payload = _parse_json(await _read_body(request, max_body_bytes))
-            parsed = await _admit(service, request.headers, parse_request(kind, payload), names)
+            body = await _read_body(request, max_body_bytes)
+            parsed = await _parse_json(body, partial(parse_request, kind))
+            parsed = await _admit(service, request.headers, parsed, names)
         except Exception as exc:
             return _api_error(exc, names).response()
         if parsed.stream:
@@ -583,8 +610,9 @@ def _add_embeddings_route(
     @app.post("/v1/embeddings", dependencies=guarded)
     async def embeddings(request: Request) -> Response:
         try:
-            payload = _parse_json(await _read_body(request, max_body_bytes))
-            parsed = await _admit(service, request.headers, parse_embedding_request(payload), names)
+            body = await _read_body(request, max_body_bytes)
+            parsed = await _parse_json(body, parse_embedding_request)
+            parsed = await _admit(service, request.headers, parsed, names)
         except Exception as exc:
             return _api_error(exc, names).response()
         outcome = await _complete(service, parsed, request.receive, names)
@@ -614,8 +642,8 @@ def _add_responses_route(
     @app.post("/v1/responses", dependencies=guarded)
     async def create_response(request: Request) -> Response:
         try:
-            payload = _parse_json(await _read_body(request, max_body_bytes))
-            parsed = responses.parse_responses_request(payload, past)
+            payload = await _parse_json(await _read_body(request, max_body_bytes), _as_is)
+            parsed = responses.parse_responses_request(payload, past)  # reads `past`: here
             api = await _admit(service, request.headers, parsed.api, names)
             parsed = replace(parsed, api=api)
         except Exception as exc:
@@ -688,7 +716,7 @@ def _add_ollama_routes(
     @app.post("/api/show", dependencies=guarded)
     async def ollama_show(request: Request) -> Response:
         try:
-            model = ollama.show_model(_parse_json(await _read_body(request, max_body_bytes)))
+            model = await _parse_json(await _read_body(request, max_body_bytes), ollama.show_model)
         except Exception as exc:
             return _api_error(exc, names).response()
         name = service.resolve(model)
@@ -699,13 +727,8 @@ def _add_ollama_routes(
 
     async def serve_ollama(request: Request, route: str) -> Response:
         try:
-            payload = _parse_json(await _read_body(request, max_body_bytes))
-            translate = ollama.chat_request if route == "chat" else ollama.generate_request
-            kind, openai, stream = translate(payload)
-            parsed = parse_request(kind, openai)
-            if route == "generate" and kind is RequestKind.CHAT:
-                plain = ollama.plain_prompt(payload)
-                parsed = replace(parsed, request=replace(parsed.request, plain_prompt=plain))
+            body = await _read_body(request, max_body_bytes)
+            kind, parsed, stream = await _parse_json(body, partial(_from_ollama, route))
             parsed = await _admit(service, request.headers, parsed, names)
         except Exception as exc:
             return _api_error(exc, names).response()
@@ -730,8 +753,8 @@ def _add_ollama_routes(
     @app.post("/api/embed", dependencies=guarded)
     async def ollama_embed(request: Request) -> Response:
         try:
-            payload = _parse_json(await _read_body(request, max_body_bytes))
-            parsed = parse_embedding_request(ollama.embed_request(payload))
+            body = await _read_body(request, max_body_bytes)
+            parsed = await _parse_json(body, _from_ollama_embed)
             parsed = await _admit(service, request.headers, parsed, names)
         except Exception as exc:
             return _api_error(exc, names).response()
@@ -740,6 +763,22 @@ def _add_ollama_routes(
         if isinstance(outcome, Response):  # an error, answered as such
             return outcome
         return JSONResponse(ollama.embed_answer(outcome, time.monotonic() - started))
+
+
+def _from_ollama(route: str, payload: object) -> tuple[RequestKind, ApiRequest, bool]:
+    """An Ollama chat or generate body as the request it asks for, and whether it streams; a
+    generate carries its prompt as written too, for a model without a chat template."""
+    translate = ollama.chat_request if route == "chat" else ollama.generate_request
+    kind, openai, stream = translate(payload)
+    parsed = parse_request(kind, openai)
+    if route == "generate" and kind is RequestKind.CHAT:
+        plain = ollama.plain_prompt(payload)
+        parsed = replace(parsed, request=replace(parsed.request, plain_prompt=plain))
+    return kind, parsed, stream
+
+
+def _from_ollama_embed(payload: object) -> ApiRequest:
+    return parse_embedding_request(ollama.embed_request(payload))
 
 
 async def _ollama_lines(

@@ -10,6 +10,15 @@ names fields (`messages[0].content`, `logit_bias`):
   int() raises past 4,300 digits and takes quadratic time below that;
 - **at most MAX_DEPTH levels of nesting**: what the daemon passes on, its worker parses again.
 
+And a body holds at most MAX_CONTAINERS objects and arrays, counted before the parser makes any
+(issue 40): json's C parser holds the GIL from start to end, so a body of millions of lists
+kept every other thread waiting for seconds, the event loop included, wherever it was parsed.
+What else it may hold the GIL for is bounded too: numbers are converted by functions of this
+module (Python code, where another thread may take the GIL, at each one), and a body of more
+than C_PARSER_MAX_STRINGS strings is read by json's Python parser, whose C parts each read one
+string. httpapi.py parses large bodies off the event loop; with these bounds the loop waits
+tens of milliseconds at most for its turn.
+
 Must never recurse over a body (it may nest as deep as the parser allows), and never put a
 refused string itself in a message: that may be what cannot be encoded.
 """
@@ -17,8 +26,8 @@ refused string itself in a message: that may be what cannot be encoded.
 from __future__ import annotations
 
 import json
+import json.scanner
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 
 # Far more than a request needs (OpenAI bounds a structured output's schema at 10 levels), far
@@ -27,8 +36,14 @@ MAX_DEPTH = 64
 # Every integer a request takes fits in 20 characters (a seed is an int64); a JSON schema's
 # bounds may be larger, but never meaningfully 100 digits.
 MAX_INTEGER_DIGITS = 100
-_INTEGER_LIMIT = 10**MAX_INTEGER_DIGITS  # the least integer of more digits
-_INTEGER_FLOOR = -_INTEGER_LIMIT
+# Objects and arrays in one body. A request of 10,000 messages with their content parts and tool
+# calls has about 40,000; the parser builds 65,536 in about 20 ms on a loaded machine, where 4
+# million 60-deep lists in 8 MiB took 1.4 s (issue 40).
+MAX_CONTAINERS = 65_536
+# Strings (keys included) json's C parser may read in one go: 2 million took 90 ms on a loaded
+# machine, so 131,072 take about 6. A body with more (counted as quotes, escaped ones too) is
+# read by json's Python parser, 8 times slower.
+C_PARSER_MAX_STRINGS = 131_072
 MAX_SHOWN_CHARS = 40  # of a key in a field's name
 # A lone surrogate: in a str made by json.loads, a well-formed pair of escapes is one code point
 # above U+FFFF, so every code point left in this range stands alone.
@@ -53,35 +68,74 @@ class _HugeInteger:
 
 
 def parse(raw: bytes) -> object:
-    """The JSON value of `raw`, checked to the last string (the module's three rules)."""
+    """The JSON value of `raw`, checked to the last string (the module's rules)."""
     if not raw.strip():
         raise BodyRefused("the request body is empty; expected a JSON object")
     try:
-        document = _loads(raw, int)
-    except ValueError:
-        # Not JSON, or an integer past int()'s 4,300 digits, whose ValueError names no place:
-        # parsed again with each literal counted before it is converted (3 times slower, and
-        # only for a body refused either way), so that `check` names the field.
-        document = _loads(raw, _integer)
+        # As json.loads decodes bytes: UTF-8, 16 or 32 by the first bytes, lone surrogates kept
+        # for `check` to name.
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
+    except UnicodeDecodeError as exc:
+        raise BodyRefused(f"the request body is not valid JSON: {exc}") from None
+    containers = _containers(text)
+    if containers > MAX_CONTAINERS:
+        raise BodyRefused(
+            f"the request body holds {containers} objects and arrays; arbiterd takes at most "
+            f"{MAX_CONTAINERS}",
+            code="invalid_value",
+        )
+    decoder = json.JSONDecoder(
+        parse_constant=_reject_constant, parse_int=_integer, parse_float=_float
+    )
+    if text.count('"') > 2 * C_PARSER_MAX_STRINGS:
+        # json.decoder's own choice when its C part is missing; one per body, for its memo.
+        decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
+    try:
+        document = decoder.decode(text)
+    except RecursionError:
+        raise BodyRefused("the request body is not valid JSON: nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError
+        raise BodyRefused(f"the request body is not valid JSON: {exc}") from None
     check(document)
     return document
 
 
-def _loads(raw: bytes, integer: Callable[[str], object]) -> object:
-    try:
-        return json.loads(raw, parse_constant=_reject_constant, parse_int=integer)
-    except RecursionError:
-        raise BodyRefused("the request body is not valid JSON: nested too deeply") from None
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError both are
-        if integer is int:
-            raise
-        raise BodyRefused(f"the request body is not valid JSON: {exc}") from None
+def _containers(text: str) -> int:
+    """How many objects and arrays the JSON `text` holds, counted only as far as it takes to
+    tell whether that is more than MAX_CONTAINERS: every bracket counts, unless it is in a
+    string (a prompt of code may hold many). Exact for valid JSON; never less than the parser
+    would build of invalid JSON before it stopped. Searches the text at C speed, with a turn
+    of Python per string only for a body with more brackets than the bound."""
+    brackets = text.count("[") + text.count("{")
+    if brackets <= MAX_CONTAINERS:
+        return brackets
+    quote = text.find('"')
+    while quote != -1 and brackets > MAX_CONTAINERS:
+        end = _string_end(text, quote)
+        if end == -1:  # unterminated: the parser stops there
+            break
+        brackets -= text.count("[", quote, end) + text.count("{", quote, end)
+        quote = text.find('"', end + 1)
+    return brackets
+
+
+def _string_end(text: str, start: int) -> int:
+    """Where the string that opens at `start` closes (its quote's index), or -1."""
+    end = text.find('"', start + 1)
+    while end != -1:
+        escapes = end - 1
+        while text[escapes] == "\\":
+            escapes -= 1
+        if (end - 1 - escapes) % 2 == 0:  # not an escaped quote
+            return end
+        end = text.find('"', end + 1)
+    return -1
 
 
 def check(document: object) -> None:
     """Refuse the first lone surrogate, overlong integer or level too deep in `document` (a
-    parsed body). Written for speed: an 8 MiB body of 2 million integers takes about as long
-    to check as to parse."""
+    parsed body). Written for speed: an 8 MiB body of 2 million integers takes a quarter as
+    long to check as to parse."""
     pending: list[tuple[str, object, int]] = [("", document, 1)]
     while pending:
         field, value, depth = pending.pop()
@@ -100,7 +154,8 @@ def check(document: object) -> None:
 
 
 # The two loops below test each scalar inline, not in a function: a call per item costs as much
-# as the whole test. Text that is all ASCII and an integer within bounds need no closer look.
+# as the whole test. Text that is all ASCII needs no closer look, and an integer none unless the
+# parser marked it too long.
 
 
 def _check_members(
@@ -112,11 +167,7 @@ def _check_members(
         kind = type(item)
         if kind is dict or kind is list:
             pending.append((_member(field, key), item, depth + 1))
-        elif (
-            (kind is str and not item.isascii())  # type: ignore[attr-defined]
-            or (kind is int and not _INTEGER_FLOOR < item < _INTEGER_LIMIT)
-            or kind is _HugeInteger
-        ):
+        elif (kind is str and not item.isascii()) or kind is _HugeInteger:  # type: ignore[attr-defined]
             _check_scalar(_member(field, key), item)
 
 
@@ -127,11 +178,7 @@ def _check_items(
         kind = type(item)
         if kind is dict or kind is list:
             pending.append((f"{field}[{index}]", item, depth + 1))
-        elif (
-            (kind is str and not item.isascii())  # type: ignore[attr-defined]
-            or (kind is int and not _INTEGER_FLOOR < item < _INTEGER_LIMIT)
-            or kind is _HugeInteger
-        ):
+        elif (kind is str and not item.isascii()) or kind is _HugeInteger:  # type: ignore[attr-defined]
             _check_scalar(f"{field}[{index}]", item)
 
 
@@ -140,14 +187,10 @@ def _check_scalar(field: str, value: object) -> None:
     if isinstance(value, str):
         _check_text(field, value)
         return
-    if isinstance(value, _HugeInteger):
-        digits = value.digits
-    elif type(value) is int and not _INTEGER_FLOOR < value < _INTEGER_LIMIT:
-        digits = len(str(abs(value)))
-    else:
+    if not isinstance(value, _HugeInteger):
         return
     raise BodyRefused(
-        f"{_name(field)} is an integer of {digits} digits; arbiterd takes integers of at "
+        f"{_name(field)} is an integer of {value.digits} digits; arbiterd takes integers of at "
         f"most {MAX_INTEGER_DIGITS}",
         param=field or None,
         code="invalid_value",
@@ -178,8 +221,15 @@ def _name(field: str) -> str:
 
 
 def _integer(literal: str) -> int | _HugeInteger:
+    """An integer literal, converted unless it is too long to (int() raises past 4,300 digits,
+    naming no place, and takes quadratic time below that): `check` names its field."""
     digits = len(literal) - literal.startswith("-")
     return _HugeInteger(digits) if digits > MAX_INTEGER_DIGITS else int(literal)
+
+
+def _float(literal: str) -> float:
+    # Python, not the parser's own conversion, only for the turn it gives other threads.
+    return float(literal)
 
 
 def _reject_constant(name: str) -> object:

@@ -8,7 +8,13 @@ import json
 import pytest
 
 from arbiterd.daemon import jsonbody
-from arbiterd.daemon.jsonbody import MAX_DEPTH, MAX_INTEGER_DIGITS, BodyRefused
+from arbiterd.daemon.jsonbody import (
+    C_PARSER_MAX_STRINGS,
+    MAX_CONTAINERS,
+    MAX_DEPTH,
+    MAX_INTEGER_DIGITS,
+    BodyRefused,
+)
 
 LONE = "ab\ud800cd"
 
@@ -111,9 +117,60 @@ def test_nesting_is_bounded_and_the_refusal_names_the_field() -> None:
     assert f"nests deeper than {MAX_DEPTH} levels" in str(refused)
 
 
-def test_a_body_nested_past_the_parsers_limit_is_not_json() -> None:
-    refused = refusal(b"[" * 100_000)
+@pytest.mark.parametrize("strings", [0, C_PARSER_MAX_STRINGS + 1])
+def test_a_body_nested_past_the_parsers_limit_is_not_json(strings: int) -> None:
+    # Past Python's recursion limit, within MAX_CONTAINERS, read by either parser.
+    refused = refusal(b"[" + b'"a",' * strings + b"[" * 50_000)
     assert str(refused) == "the request body is not valid JSON: nested too deeply"
+
+
+def containers(count: int) -> bytes:
+    """A body of `count` objects and arrays: [{}, [], {}, ...]."""
+    return b"[" + b",".join([b"{}", b"[]"] * (count // 2))[: 3 * (count - 1) - 1] + b"]"
+
+
+def test_a_body_of_too_many_objects_and_arrays_is_refused_before_it_is_parsed() -> None:
+    taken = jsonbody.parse(containers(MAX_CONTAINERS))
+    assert isinstance(taken, list)
+    assert len(taken) == MAX_CONTAINERS - 1
+    # Issue 40: 4 million lists 60 deep, 8 MiB, held the GIL 1.4 s as they were built. The
+    # brackets of a string never count.
+    for raw, count in [
+        (containers(MAX_CONTAINERS + 1), MAX_CONTAINERS + 1),
+        (b"[" * 59 + b"]" * 59 + b'"[{"' + b"[]" * 4_000_000, 4_000_059),
+    ]:
+        refused = refusal(raw)
+        assert (refused.param, refused.code) == (None, "invalid_value")
+        assert str(refused) == (
+            f"the request body holds {count} objects and arrays; arbiterd takes at most "
+            f"{MAX_CONTAINERS}"
+        )
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[{" * MAX_CONTAINERS,  # code in a prompt
+        '\\"[{' * MAX_CONTAINERS,  # escaped quotes and backslashes around them
+        "[" * (MAX_CONTAINERS + 1) + "\\",  # a string that ends in an escaped backslash
+    ],
+)
+def test_brackets_in_strings_are_not_objects_or_arrays(text: str) -> None:
+    document = {"prompt": text, "stop": [text, {"[": "]"}]}
+    assert jsonbody.parse(json.dumps(document).encode()) == document
+
+
+def test_a_body_of_many_strings_is_parsed_alike_and_checked_alike() -> None:
+    # More than the C parser reads in one go: json's Python parser reads it.
+    words = [f"w{index}" for index in range(C_PARSER_MAX_STRINGS)]
+    document = {"input": words, "options": {"seed": 7, "temperature": 0.5, "stop": None}}
+    raw = json.dumps(document).encode()
+    assert raw.count(b'"') > 2 * C_PARSER_MAX_STRINGS
+    assert jsonbody.parse(raw) == document
+    assert refusal(json.dumps({**document, "prompt": LONE}).encode()).param == "prompt"
+    huge = raw.replace(b'"seed": 7', b'"seed": ' + b"9" * 5000)
+    assert refusal(huge).param == "options.seed"
+    assert str(refusal(raw[:-1])).startswith("the request body is not valid JSON: ")
 
 
 @pytest.mark.parametrize(
