@@ -36,9 +36,9 @@ MAX_DEPTH = 64
 # Every integer a request takes fits in 20 characters (a seed is an int64); a JSON schema's
 # bounds may be larger, but never meaningfully 100 digits.
 MAX_INTEGER_DIGITS = 100
-# Objects and arrays in one body. A request of 10,000 messages with their content parts and tool
-# calls has about 40,000; the parser builds 65,536 in about 20 ms on a loaded machine, where 4
-# million 60-deep lists in 8 MiB took 1.4 s (issue 40).
+# Objects and arrays in one body. A request of 10,000 messages, each with a content part, has
+# 30,000; the parser builds 65,536 in about 20 ms on a loaded machine, where 4 million 60-deep
+# lists in 8 MiB took 1.4 s (issue 40).
 MAX_CONTAINERS = 65_536
 # Strings (keys included) json's C parser may read in one go: 2 million took 90 ms on a loaded
 # machine, so 131,072 take about 6. A body with more (counted as quotes, escaped ones too) is

@@ -60,7 +60,7 @@ def flat_numbers() -> bytes:
 
 
 def legal_60_deep() -> bytes:
-    """As many 60-deep lists as a body may hold (jsonbody.MAX_CONTAINERS), then 2.8 million
+    """As many 60-deep lists as a body may hold (jsonbody.MAX_CONTAINERS), then 2 million
     numbers with a fraction to 8 MiB."""
     chains = b",".join([LISTS] * ((MAX_CONTAINERS - 8) // (DEPTH - 1)))
     return full(b"1.5", before=chains + b",")
