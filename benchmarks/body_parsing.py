@@ -20,6 +20,8 @@ JSON is printed, and written, all the same).
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import sys
 import tempfile
 from collections.abc import Callable
@@ -101,6 +103,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     add_source_arguments(parser)
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="arbiterd-bench-") as tmp:
         model = write_tiny_llama(Path(tmp) / "tiny.gguf")
         baseline = (
@@ -113,6 +116,13 @@ def main() -> int:
     result: dict[str, Any] = {
         "benchmark": "body_parsing",
         "rounds": args.rounds,
+        # The figures are of a whole host: other work on it shows in the worst checks.
+        "host": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "load_average_1m_before": load_before,
+            "load_average_1m_after": os.getloadavg()[0],
+        },
         "goal_health_ms": GOAL_HEALTH_MS,
         "worst_health_ms": worst_ms,
         "meets_goal": worst_ms <= GOAL_HEALTH_MS,
