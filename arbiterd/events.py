@@ -29,6 +29,8 @@ written by one field codec (below), driven by its fields' types: no record write
     vram_not_freed  a release did not give the VRAM back
     holder_silent   a warm worker showed no sign of life for [daemon] holder_timeout_s: reported,
                     then killed after as long again
+    passed_over     a model took the GPU before a waiter ahead of it in the queue that could not
+                    take it: stopped, or leaving the free token untaken (issue 40 item 1)
     overflow        the control socket dropped a subscriber that fell behind
 """
 
@@ -569,6 +571,23 @@ class HolderSilentEvent(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class PassedOverEvent(Event):
+    """`model` took the GPU before `pid`, a waiter ahead of it in the queue of `arena` that could
+    not take the free token: its process was stopped (`reason` "stopped": Ctrl-Z, SIGSTOP) or
+    it left the token free for `free_s` ("not_taking": it hangs, or keeps its ticket while it
+    does something else). That waiter keeps its place: it is first again once it can take
+    (docs/arena-protocol.md, "The queue")."""
+
+    KIND: ClassVar[str] = "passed_over"
+
+    model: str | None = None
+    pid: int | None = None
+    reason: str = ""
+    free_s: float | None = None
+    arena: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
 class OverflowEvent(Event):
     """Sent by the control socket, not the daemon's core: this subscriber fell behind, missed
     events and is being dropped."""
@@ -617,6 +636,7 @@ KINDS: dict[str, type[Event]] = {
         VramEvent,
         VramNotFreedEvent,
         HolderSilentEvent,
+        PassedOverEvent,
         OverflowEvent,
     )
 }

@@ -48,10 +48,15 @@ class WaitNews:
     holder_pid: int | None
     place: int | None
     queued: int
+    # waiters ahead whose process is stopped: they are passed over (issue 40 item 1)
+    stopped_ahead: tuple[int, ...] = ()
 
     @property
     def text(self) -> str:
         where = "" if self.place is None else f", {ordinal(self.place)} in queue"
+        if self.stopped_ahead:
+            pids = ", ".join(str(pid) for pid in self.stopped_ahead)
+            where += f" (passing over stopped pid {pids} ahead)"
         return f"waiting for the GPU, held by {self.holder}{where}"
 
     def to_json(self) -> dict[str, Any]:
@@ -60,6 +65,7 @@ class WaitNews:
             "holder_pid": self.holder_pid,
             "place": self.place,
             "queued": self.queued,
+            "stopped_ahead": list(self.stopped_ahead),
             "text": self.text,
         }
 
@@ -67,11 +73,13 @@ class WaitNews:
 def news_for(state: ArenaState, pid: int) -> WaitNews:
     """The wait of process `pid` (its ticket, if it has one) as `state` shows it."""
     place = next((i for i, waiter in enumerate(state.queue, 1) if waiter.pid == pid), None)
+    ahead = state.queue[: place - 1] if place is not None else ()
     return WaitNews(
         holder=holder_label(state),
         holder_pid=state.holder_pid,
         place=place,
         queued=len(state.queue),
+        stopped_ahead=tuple(w.pid for w in ahead if w.pid in state.stopped_pids),
     )
 
 

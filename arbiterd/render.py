@@ -22,6 +22,7 @@ from arbiterd.events import (
     HolderSilentEvent,
     HoldEvent,
     OverflowEvent,
+    PassedOverEvent,
     PromptCacheEvictEvent,
     RamBudgetEvent,
     ReloadEvent,
@@ -201,6 +202,8 @@ def event_detail(event: Event) -> str:  # noqa: PLR0911, PLR0912 (one return per
             return _vram_not_freed(event)
         case HolderSilentEvent():
             return _holder_silent(event)
+        case PassedOverEvent():
+            return _passed_over(event)
         case OverflowEvent():
             return "this client fell behind and missed events; the daemon dropped it"
         case _:
@@ -470,6 +473,15 @@ def _holder_silent(event: HolderSilentEvent) -> str:
     if event.timeout_s is not None:
         line += f" (holder_timeout_s {format_seconds(event.timeout_s)})"
     return line + (": killed" if event.killed else ": reported")
+
+
+def _passed_over(event: PassedOverEvent) -> str:
+    line = f"{_name(event.model)} went before pid {event.pid}, ahead of it in the queue"
+    if event.reason == "stopped":
+        line += ": stopped"
+    elif event.free_s is not None:
+        line += f": left the free GPU untaken for {format_seconds(event.free_s)}"
+    return line + "; it keeps its place"
 
 
 def _fields(event: Event) -> str:

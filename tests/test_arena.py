@@ -9,6 +9,7 @@ import random
 import signal
 import stat
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ from arbiterd.errors import (
     ArenaUnwritableError,
     BadValueError,
 )
-from tests.conftest import Processes, RecordProperty
+from tests.conftest import ACTOR, Processes, RecordProperty
 from tests.support.stamps import overlaps, read_holds
 from tests.support.waiting import wait_until
 
@@ -539,5 +540,83 @@ def test_aging_fuzz_with_bare_holders_deadlocks_nobody(
     assert deadlocks == 0
     assert handoffs >= FUZZ_HANDOFFS
     assert {h.pid for h in holds} == {p.pid for p in actors}  # everyone was served
+    state = arena.observe()
+    assert (state.holder_pid, state.waiter_pids, state.queue) == (None, (), ())
+
+
+# The stop fuzz (issue 40 item 1): the first waiter stopped, as Ctrl-Z or SIGSTOP does, for
+# longer than the bound, again and again; the GPU must never lie free past the bound for those
+# behind it.
+STOP_FUZZ_S = 20.0
+STOP_FUZZ_CONTENDERS = 5
+STOPPED_FOR_S = (2.0, 3.0)  # each stop: longer than the bound, so a stall could not hide
+STOP_EVERY_S = (0.2, 0.8)
+STOP_FUZZ_MAX_STOPPED = 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(STOP_FUZZ_S + 90)
+def test_stopping_first_waiters_never_leaves_the_gpu_free_past_the_bound(
+    arena: Arena, procs: Processes, tmp_path: Path, record_property: RecordProperty
+) -> None:
+    """Contenders of every class in their own process groups, as a shell's jobs; now and then
+    the first in the queue gets SIGSTOP or SIGTSTP and runs again 2-3 s later. While a waiter
+    that is not stopped waits, the GPU is never free longer than PASS_OVER_S (before issue 40
+    it was free for the whole stop), no two hold at once, and every contender, the stopped
+    ones included, is served."""
+    log = tmp_path / "stamps.log"
+    stop = tmp_path / "stop"
+    log.touch(mode=0o600)
+    argv = [sys.executable, str(ACTOR), str(arena.path), "fuzz", str(log), str(stop)]
+    # process_group=0: the kernel discards SIGTSTP sent to an orphaned process group.
+    actors = [procs.start(argv, process_group=0) for _ in range(STOP_FUZZ_CONTENDERS)]
+    rng = random.Random(40)
+    resume_at: dict[int, float] = {}  # stopped pid -> when it runs again
+    stops = {signal.SIGSTOP: 0, signal.SIGTSTP: 0}
+    free_since: float | None = None
+    longest_free_s = 0.0
+    worst = ""
+    next_stop = time.monotonic() + 1.0
+    deadline = time.monotonic() + STOP_FUZZ_S
+    while time.monotonic() < deadline:
+        state = arena.observe()
+        now = time.monotonic()
+        live_waiting = [w for w in state.queue if w.pid not in resume_at]
+        if state.holder_pid is not None or not live_waiting:
+            free_since = None
+        elif free_since is None:
+            free_since = now
+        elif now - free_since > longest_free_s:
+            longest_free_s = now - free_since
+            worst = f"queue {[(w.pid, w.priority.value) for w in state.queue]}, stopped {resume_at}"
+        for pid, at in list(resume_at.items()):
+            if now >= at:
+                os.kill(pid, signal.SIGCONT)
+                del resume_at[pid]
+        head = next((w for w in state.queue if w.pid not in resume_at), None)
+        if now >= next_stop and head is not None and len(resume_at) < STOP_FUZZ_MAX_STOPPED:
+            signum = rng.choice([signal.SIGSTOP, signal.SIGTSTP])
+            os.kill(head.pid, signum)
+            stops[signum] += 1
+            resume_at[head.pid] = now + rng.uniform(*STOPPED_FOR_S)
+            next_stop = now + rng.uniform(*STOP_EVERY_S)
+        time.sleep(SAMPLE_S)  # the sampling period; the actors run on their own meanwhile
+    for pid in resume_at:
+        os.kill(pid, signal.SIGCONT)
+    stop.touch()
+    codes = [p.wait(timeout=30) for p in actors]
+    holds = read_holds(log)
+    record_property(
+        "counts",
+        f"{len(holds)} holds, {stops[signal.SIGSTOP]} SIGSTOP and {stops[signal.SIGTSTP]} "
+        f"SIGTSTP of the first waiter for {STOPPED_FOR_S[0]:g}-{STOPPED_FOR_S[1]:g} s; longest "
+        f"GPU free while a running waiter waited {longest_free_s * 1000:.0f} ms (bound "
+        f"{arena_token.PASS_OVER_S:g} s)",
+    )
+    assert longest_free_s <= arena_token.PASS_OVER_S, f"free {longest_free_s:.2f} s: {worst}"
+    assert codes == [0] * len(actors)
+    assert overlaps(holds) == []
+    assert min(stops.values()) >= 3
+    assert {h.pid for h in holds} == {p.pid for p in actors}  # the stopped ones too
     state = arena.observe()
     assert (state.holder_pid, state.waiter_pids, state.queue) == (None, (), ())

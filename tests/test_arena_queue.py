@@ -1,6 +1,7 @@
 """The arena's queue: waiters are served in order of class (with aging) then arrival, never wait
-on each other as they age, a dead waiter's ticket vanishes, and programs that speak only
-token.lock + want.lock are still served."""
+on each other as they age, a dead waiter's ticket vanishes, a stopped or hung one is passed
+over and keeps its place, and programs that speak only token.lock + want.lock are still
+served."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,12 +22,16 @@ import pytest
 from arbiterd.arena import (
     QUEUE_DIR,
     Arena,
+    PassOverReason,
     Priority,
     QueuedWaiter,
     Token,
     parse_priority,
 )
 from arbiterd.arena import records as arena_records
+from arbiterd.arena.procfs import stopped
+from arbiterd.arena.token import PASS_OVER_S, STALL_CHECK_S
+from arbiterd.cli.main import arena_status_json
 from arbiterd.errors import AcquireCancelledError, BadValueError
 from arbiterd.procs import waiter_name
 from tests.conftest import SUPPORT, Processes
@@ -46,6 +52,12 @@ if sys.argv[2:]:
     sys.stdin.readline()
 os.write(log, f"exit {os.getpid()} {time.monotonic_ns()}\\n".encode())
 """
+
+
+# How long the GPU may lie free behind a stopped or hung first waiter (arbiterd/arena/token.py),
+# with a generous margin for a busy machine. Before issue 40 it lay free until that waiter ran
+# again (45 s in the audit), everyone else blocked on its ticket.
+PASSED_OVER_WITHIN_S = PASS_OVER_S + STALL_CHECK_S + 5.0
 
 
 def queued_pids(arena: Arena) -> set[int]:
@@ -362,3 +374,131 @@ def test_a_ticket_half_made_by_a_killed_waiter_is_swept(tmp_path: Path) -> None:
     with arena.acquire("next", timeout_s=5):
         pass
     assert os.listdir(queue) == [f".normal.1.{os.getpid()}.3.ticket.tmp"]
+
+
+def holder_is(arena: Arena, proc: subprocess.Popen[str]) -> Callable[[], bool]:
+    return lambda: arena.observe().holder_pid == proc.pid
+
+
+def test_a_stopped_first_waiter_is_passed_over_and_keeps_its_place(
+    arena: Arena, procs: Processes
+) -> None:
+    """SIGSTOP on the first waiter while the token is held: at the release the second takes
+    the GPU within the bound, says so, and `arena status` shows the first stopped and still
+    first. Running again, the first is served before a waiter that came after it."""
+    holder = arena.acquire("holder")
+    first = procs.actor(arena, "hold", "first")
+    wait_until(lambda: first.pid in queued_pids(arena), 10, "the first waiter to queue")
+    second = procs.actor(arena, "hold", "second")
+    wait_until(lambda: second.pid in queued_pids(arena), 10, "the second waiter to queue")
+    os.kill(first.pid, signal.SIGSTOP)
+    wait_until(lambda: stopped(first.pid), 10, "the first waiter to stop")
+    holder.release()
+    wait_until(holder_is(arena, second), PASSED_OVER_WITHIN_S, "the second to take the GPU")
+    state = arena.observe()
+    assert [w.pid for w in state.queue] == [first.pid]  # its ticket stands, first
+    assert state.stopped_pids == {first.pid}
+    shown = arena_status_json(state)["queue"]
+    assert isinstance(shown, list)
+    assert [(w["pid"], w["stopped"]) for w in shown] == [(first.pid, True)]
+    third = procs.actor(arena, "hold", "third")
+    wait_until(lambda: third.pid in queued_pids(arena), 10, "the third waiter to queue")
+    os.kill(first.pid, signal.SIGCONT)
+    wait_until(lambda: not stopped(first.pid), 10, "the first waiter to run again")
+    release(second)
+    wait_until(holder_is(arena, first), 10, "the first waiter, running again, to be served")
+    assert third.pid in queued_pids(arena)  # behind it still
+    release(first)
+    wait_until(holder_is(arena, third), 10, "the third waiter to be served")
+    release(third)
+    assert [p.wait(timeout=10) for p in (first, second, third)] == [0, 0, 0]
+    assert second.stderr is not None
+    said = second.stderr.read()
+    assert f"passed over pid {first.pid}, ahead in the queue: its process is stopped" in said
+
+
+def test_ctrl_z_on_a_waiting_arbiterd_run_does_not_hold_up_the_queue(
+    arena: Arena, procs: Processes, tmp_path: Path
+) -> None:
+    """SIGTSTP (Ctrl-Z) on an `arbiterd run` first in line: the run behind it gets the GPU at
+    the release, says whom it passed over, and the stopped one, continued, is served next."""
+    log = tmp_path / "holds.log"
+    log.touch(mode=0o600)
+    holder = arena.acquire("holder")
+
+    def run(*hold: str) -> subprocess.Popen[str]:
+        argv = [sys.executable, "-m", "arbiterd", "run", "--arena", str(arena.path), "--"]
+        # Its own process group, as a shell's job: the kernel discards SIGTSTP sent to a
+        # process of an orphaned group (signal(7)), and ours may be one.
+        proc = procs.start(
+            [*argv, sys.executable, "-c", STAMPED_JOB, str(log), *hold], process_group=0
+        )
+        wait_until(lambda: proc.pid in queued_pids(arena), 30, "the run to queue")
+        return proc
+
+    first = run("hold")
+    second = run()
+    os.kill(first.pid, signal.SIGTSTP)
+    wait_until(lambda: stopped(first.pid), 10, "Ctrl-Z to stop the first run")
+    holder.release()
+    wait_until(lambda: second.poll() is not None, PASSED_OVER_WITHIN_S, "the second run to end")
+    assert second.returncode == 0
+    assert second.stderr is not None
+    said = second.stderr.read()
+    assert f"passed over pid {first.pid}, ahead in the queue: its process is stopped" in said
+    assert queued_pids(arena) == {first.pid}
+    os.kill(first.pid, signal.SIGCONT)
+    wait_until(lambda: log.read_text().count("enter") == 2, 10, "the continued run to hold")
+    release(first)
+    assert first.wait(timeout=10) == 0
+    holds = read_holds(log)
+    assert [int(h.tag) for h in holds] == [second.pid, first.pid]
+    assert overlaps(holds) == []
+
+
+def test_a_first_waiter_that_leaves_the_free_token_untaken_is_passed_over_and_served_first(
+    tmp_path: Path,
+) -> None:
+    """A ticket whose owner does something else first (a worker tokenizing with its ticket
+    made, or a process that hangs): the next waiter takes the free GPU after PASS_OVER_S, and
+    the ticket, once it takes, is still ahead of a waiter that came after."""
+    arena = Arena(tmp_path / "arena")
+    kept = arena.queue(Priority.NORMAL)  # first in line, and not taking
+    asked = time.monotonic()
+    token = arena.acquire("next", timeout_s=PASSED_OVER_WITHIN_S)
+    assert time.monotonic() - asked >= PASS_OVER_S  # it let the first one be that long
+    [passed] = token.passed_over
+    assert (passed.waiter, passed.reason) == (kept.waiter, PassOverReason.NOT_TAKING)
+    assert passed.free_s >= PASS_OVER_S
+    order: list[str] = []
+
+    def take_kept() -> None:
+        with kept.take("kept"):
+            order.append("kept")
+
+    taker = threading.Thread(target=take_kept, name="kept")
+    taker.start()
+    waiters = Waiters(arena)
+    waiters.start("late")
+    token.release()
+    taker.join(timeout=10)
+    waiters.join()
+    assert order + waiters.order == ["kept", "late"]
+    kept.leave()
+
+
+def test_a_stopped_waiter_does_not_make_the_holder_release(arena: Arena, procs: Processes) -> None:
+    """A holder releases when the GPU is wanted; a stopped waiter cannot take it, so it does
+    not count (else every holder would let go for it, and leave the GPU free for nobody)."""
+    holder = arena.acquire("holder")
+    waiter = procs.actor(arena, "hold", "waiter")
+    wait_until(holder.wanted, 10, "the waiter to be seen")
+    os.kill(waiter.pid, signal.SIGSTOP)
+    wait_until(lambda: stopped(waiter.pid), 10, "the waiter to stop")
+    assert not holder.wanted()
+    os.kill(waiter.pid, signal.SIGCONT)
+    wait_until(holder.wanted, 10, "the waiter, running again, to be seen")
+    holder.hand_over()
+    wait_until(holder_is(arena, waiter), 10, "the waiter to be served")
+    release(waiter)
+    assert waiter.wait(timeout=10) == 0

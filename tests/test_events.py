@@ -17,6 +17,7 @@ from arbiterd.events import (
     HoldEvent,
     OtherEvent,
     OverflowEvent,
+    PassedOverEvent,
     ProcessMemory,
     PromptCacheEvictEvent,
     RamBudgetEvent,
@@ -147,6 +148,9 @@ SAMPLES: list[Event] = [
         waited_s=2.0,
     ),
     HolderSilentEvent(at=T, model="gemma", pid=4242, silent_s=61.5, timeout_s=30.0, killed=True),
+    PassedOverEvent(
+        at=T, model="tiny", pid=4343, reason="stopped", free_s=0.0, arena="/run/arena/gpu0"
+    ),
     OverflowEvent(at=T),
 ]
 

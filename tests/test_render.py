@@ -299,6 +299,16 @@ def test_a_silent_holder_is_said_reported_then_killed() -> None:
     assert render.stale(3.4) == "stale: no answer for 3 s"
 
 
+def test_a_waiter_passed_over_is_said_with_why() -> None:
+    stopped = {"event": "passed_over", "model": "tiny", "pid": 9, "reason": "stopped",
+               "free_s": 0.0, "arena": "/run/a"}  # fmt: skip
+    assert line(stopped) == (
+        "passed_over tiny went before pid 9, ahead of it in the queue: stopped; it keeps its place"
+    )
+    hung = {**stopped, "reason": "not_taking", "free_s": 1.5}
+    assert line(hung).endswith(": left the free GPU untaken for 1.50 s; it keeps its place")
+
+
 def test_an_unknown_kind_shows_its_fields() -> None:
     body = {"event": "thermal", "devices": ["gpu0", "gpu1"], "hot": True, "seq": 7}
     assert line(body) == 'thermal   devices=["gpu0", "gpu1"] hot=true'

@@ -9,7 +9,7 @@ Owns the files of an arena directory and every lock taken on them. Its modules:
     devices.py  a model on several devices: their arenas taken in one order, held together
                 (issue 27; paths.py names the devices and finds each one's arena)
     locks.py    the flock(2) calls: the only module of arbiterd that imports `fcntl`
-    procfs.py   reading /proc/locks and /proc/PID/fdinfo
+    procfs.py   reading /proc/locks, /proc/PID/fdinfo and /proc/PID/stat
 
 The protocol is specified in docs/arena-protocol.md; in short:
 
@@ -22,7 +22,8 @@ The protocol is specified in docs/arena-protocol.md; in short:
                  as holder.json is): the token goes to the first live ticket in the
                  order (arrival, put back one aging period per class below interactive). A
                  waiter waits for the ticket just ahead of it to go, and only the first one
-                 blocks on token.lock. Programs that speak only token.lock + want.lock take no
+                 blocks on token.lock; a waiter ahead that is stopped, or leaves the token free,
+                 is passed over (below). Programs that speak only token.lock + want.lock take no
                  ticket and race the first waiter.
 
 Invariants kept here (each one cost a hang in an earlier design):
@@ -39,6 +40,20 @@ Invariants kept here (each one cost a hang in an earlier design):
   name): a waiter only ever waits on a ticket ahead of it, so no two can wait on each other.
   (Issue 24: when aging reordered tickets as they waited, one that aged past the ticket it was
   blocked on was in turn waited on by that ticket's owner, both for good, the GPU free.)
+- A waiter ahead that cannot take the free token does not hold up the ones behind it (issue 40
+  item 1: a first waiter stopped with Ctrl-Z or SIGSTOP left the GPU free 45 s, everyone else
+  blocked on its ticket). The waiter just behind it looks every STALL_CHECK_S: one whose
+  process is stopped (/proc/PID/stat `T`/`t`: the kernel only wakes a flock waiter, which must
+  run to take the lock) is passed over at once; one that leaves the token free for PASS_OVER_S
+  (its process hangs, or it keeps its ticket while it does something else) is passed over
+  then, for the rest of that wait. Passed over, a waiter **keeps its ticket and its place**:
+  it did nothing wrong but be slow, so it is served first once it can take (a stopped one that
+  runs again is first again: a waiter that passed it gives the token back if it has not
+  returned with it yet, and it is next otherwise), and nobody has to queue anew, which a
+  kept ticket (Arena.queue) could not do without losing the place it was kept for. Each take
+  logs the waiters it passed over once, and the holder gets them (Token.passed_over). A
+  stopped waiter also wants nothing: a holder's `wanted()` looks past it, or every holder
+  would release for it, for nobody.
 - A process that dies holds nothing: the kernel drops its locks, so nothing can go stale except
   holder.json, which readers check against the live lock owner in /proc/locks. (A process it
   shared the locked description with, such as `arbiterd run`'s CMD, keeps the token alive.)
@@ -64,6 +79,8 @@ from arbiterd.arena.records import (
     Gateway,
     Hold,
     HolderInfo,
+    PassedOver,
+    PassOverReason,
     Place,
     Priority,
     QueuedWaiter,
@@ -82,6 +99,8 @@ __all__ = [
     "Gateway",
     "Hold",
     "HolderInfo",
+    "PassOverReason",
+    "PassedOver",
     "Place",
     "Priority",
     "QueuedWaiter",

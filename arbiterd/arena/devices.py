@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from arbiterd.arena.doorbell import Bell
-from arbiterd.arena.records import ArenaState, Gateway, Hold, Place, Priority
+from arbiterd.arena.records import ArenaState, Gateway, Hold, PassedOver, Place, Priority
 from arbiterd.arena.token import Arena
 from arbiterd.errors import (
     AcquireCancelledError,
@@ -233,6 +233,11 @@ class DevicesHold:
 
     def __init__(self, parts: tuple[tuple[DeviceId, Hold], ...]) -> None:
         self.parts = parts  # in the order taken; a Token among them gives `fd` to a command
+
+    @property
+    def passed_over(self) -> tuple[PassedOver, ...]:
+        """The waiters passed over on the way, on every device."""
+        return tuple(itertools.chain.from_iterable(hold.passed_over for _, hold in self.parts))
 
     def wanted(self) -> bool:
         """True when someone the holder must yield to waits on any of the devices."""

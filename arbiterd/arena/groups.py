@@ -54,7 +54,7 @@ from arbiterd.arena.locks import (
     try_flock,
     unlock,
 )
-from arbiterd.arena.records import ArenaState, Priority
+from arbiterd.arena.records import ArenaState, PassedOver, Priority
 from arbiterd.arena.token import Arena
 from arbiterd.config import GROUP_NAME_EXPECTED, GROUP_NAME_RE
 from arbiterd.errors import AcquireCancelledError, ArenaError, BadValueError
@@ -205,6 +205,8 @@ class GateHold:
         self._gate_fd: int | None = gate_fd
         self._probe_fd = probe_fd  # the group's leave.lock
         self._leave_path = leave_path
+        # A member waits at its gate, in no queue: it passes nobody over (its keeper may).
+        self.passed_over: tuple[PassedOver, ...] = ()
 
     def wanted(self) -> bool:
         """True when the group must leave the GPU: someone outside it waits, or its keeper

@@ -4,8 +4,9 @@ Owns taking, probing and waiting for a lock on a descriptor; what each lock file
 to token.py (the arena's token, want.lock and the queue) and groups.py (a group's gate).
 Invariants kept here:
 - EWOULDBLOCK/EAGAIN is contention, never an error (`try_flock`, `contended`).
-- A wait that can be cancelled or timed out blocks in a helper thread (`_LockRequest`), which
-  gives back a lock granted after its caller gave up: nothing stays locked for nobody.
+- A wait that can be cancelled, timed out or lose patience blocks in a helper thread
+  (`_LockRequest`), which gives back a lock granted after its caller gave up: nothing stays
+  locked for nobody.
 """
 
 from __future__ import annotations
@@ -132,8 +133,8 @@ class Turn:
 
 
 def wait_for_lock(fd: int, operation: int, turn: Turn) -> int:
-    """Block until `fd` holds `operation` (LOCK_EX on token.lock, LOCK_SH on the ticket ahead);
-    return it, or raise and own nothing (`fd` closed)."""
+    """Block until `fd` holds `operation` (LOCK_EX on token.lock); return it, or raise and own
+    nothing (`fd` closed)."""
     if turn.unbounded:
         try:
             fcntl.flock(fd, operation)
@@ -141,11 +142,43 @@ def wait_for_lock(fd: int, operation: int, turn: Turn) -> int:
             os.close(fd)  # interrupted before the grant: nothing is held
             raise
         return fd
-    request = _LockRequest(fd, operation)
-    poll_s = CANCEL_POLL_S if turn.cancel is not None else None
+    granted = _wait(_LockRequest(fd, operation), turn, None)
+    assert granted is not None  # without patience, a wait ends granted or raising
+    return granted
+
+
+class Patience:
+    """How a wait looks, now and then, at whether it is still worth it: `keep_waiting` is asked
+    every `every_s` (a waiter behind a ticket that may be stopped, token.py)."""
+
+    def __init__(self, keep_waiting: Callable[[], bool], every_s: float) -> None:
+        self.keep_waiting = keep_waiting
+        self.every_s = every_s
+
+
+def wait_with_patience(fd: int, operation: int, turn: Turn, patience: Patience) -> int | None:
+    """Block until `fd` holds `operation` (LOCK_SH on the ticket ahead) and return it, or
+    return None once `patience` says to stop waiting; raise on a cancel or the deadline. Either
+    way but the grant, nothing stays locked on our behalf (`fd` closed now, or by the helper
+    thread should the lock be granted later)."""
+    return _wait(_LockRequest(fd, operation), turn, patience)
+
+
+def _wait(request: _LockRequest, turn: Turn, patience: Patience | None) -> int | None:
+    longest = CANCEL_POLL_S if turn.cancel is not None else None
+    if patience is not None:
+        longest = patience.every_s if longest is None else min(longest, patience.every_s)
+    next_look = None if patience is None else time.monotonic() + patience.every_s
     try:
-        while not request.wait(turn.slice_s(poll_s)):
+        while not request.wait(turn.slice_s(longest)):
             turn.check()
+            if patience is None or next_look is None or time.monotonic() < next_look:
+                continue
+            if not patience.keep_waiting():
+                if request.abandon():
+                    return None
+                return request.take()  # granted meanwhile: better than giving up
+            next_look = time.monotonic() + patience.every_s
     except BaseException:
         # Also on KeyboardInterrupt: lock waits are interruptible in the main thread.
         if not request.abandon():

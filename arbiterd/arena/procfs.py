@@ -1,6 +1,6 @@
-"""Reading the kernel's lock state: /proc/locks (who holds or waits for a flock on which inode)
-and /proc/PID/fdinfo (which process shares a locked open file description). Reads only: it
-takes no lock and opens no arena file.
+"""Reading the kernel's lock state: /proc/locks (who holds or waits for a flock on which inode),
+/proc/PID/fdinfo (which process shares a locked open file description) and /proc/PID/stat (is
+a waiter stopped). Reads only: it takes no lock and opens no arena file.
 """
 
 from __future__ import annotations
@@ -68,6 +68,28 @@ def alive(pid: int) -> bool:
     except PermissionError:
         return True  # exists, owned by someone else
     return True
+
+
+# /proc/PID/stat's state letters of a stopped process (proc(5)): by a signal (SIGSTOP, SIGTSTP,
+# SIGTTIN, SIGTTOU) or at a tracer's stop. A stopped process cannot take a lock: the kernel only
+# wakes a flock waiter, which must then run to take the lock itself (fs/locks.c).
+_STOPPED_STATES = frozenset("Tt")
+
+
+def stopped(pid: int) -> bool:
+    """True when process `pid` is stopped; False when it runs, sleeps, or is gone.
+
+    A stop by signal stops every thread of the process (a group stop), so the state of its
+    main thread, /proc/PID/stat, says it for all."""
+    if pid <= 0:
+        return False
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
+    except OSError:  # gone
+        return False
+    # "PID (COMM) STATE ...": COMM may hold spaces and parentheses, so split at the last ')'.
+    fields = text.rpartition(")")[2].split()
+    return bool(fields) and fields[0] in _STOPPED_STATES
 
 
 def holds_flock(pid: int, inode: tuple[int, int, int]) -> bool:

@@ -110,6 +110,33 @@ class QueuedWaiter:
         }
 
 
+class PassOverReason(enum.StrEnum):
+    """Why a waiter ahead in the queue was passed over (issue 40 item 1)."""
+
+    STOPPED = "stopped"  # its process is stopped (SIGSTOP, Ctrl-Z's SIGTSTP, a debugger)
+    NOT_TAKING = "not_taking"  # it let the free token lie for the bound (token.PASS_OVER_S)
+
+
+@dataclass(frozen=True)
+class PassedOver:
+    """A waiter ahead of us in the queue that we took the token before: it keeps its ticket
+    and its place (arbiterd/arena/token.py says why), and is first again once it can take."""
+
+    arena: Path
+    waiter: QueuedWaiter
+    reason: PassOverReason
+    free_s: float  # how long the token was seen free while the waiter stood ahead (0: stopped)
+
+    @property
+    def text(self) -> str:
+        """How a log line or `arbiterd run` says it."""
+        if self.reason is PassOverReason.STOPPED:
+            why = "its process is stopped"
+        else:
+            why = f"it left the free GPU untaken for {self.free_s:.1f} s"
+        return f"passed over pid {self.waiter.pid}, ahead in the queue: {why}"
+
+
 @dataclass(frozen=True)
 class TicketLabel:
     """What a ticket's file holds: who waits, as holder.json names the holder (issue 40: a
@@ -197,6 +224,8 @@ class ArenaState:
     waiter_pids: tuple[int, ...]  # pids holding (or queued for) LOCK_SH on want.lock
     observed_ns: int  # CLOCK_MONOTONIC when read: how long the queue has waited, and aged
     queue: tuple[QueuedWaiter, ...] = ()  # the live tickets, first to be served first
+    # pids of queued waiters whose process is stopped: every waiter behind passes them over
+    stopped_pids: frozenset[int] = frozenset()
 
 
 class Hold(Protocol):
@@ -208,6 +237,9 @@ class Hold(Protocol):
     def bells(self) -> tuple[Bell, ...]: ...
 
     def hand_over(self) -> None: ...  # let go to the waiters
+
+    @property
+    def passed_over(self) -> tuple[PassedOver, ...]: ...  # whom the take went before
 
     def release(self) -> None: ...
 

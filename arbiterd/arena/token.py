@@ -23,6 +23,7 @@ from arbiterd.arena.doorbell import Bell, Change
 from arbiterd.arena.locks import (
     EXCLUSIVE,
     SHARED,
+    Patience,
     Turn,
     check_flock,
     contended,
@@ -30,6 +31,7 @@ from arbiterd.arena.locks import (
     try_flock,
     unlock,
     wait_for_lock,
+    wait_with_patience,
 )
 from arbiterd.arena.procfs import (
     PROC_LOCKS,
@@ -38,11 +40,14 @@ from arbiterd.arena.procfs import (
     holds_flock,
     inode_key,
     parse_proc_locks,
+    stopped,
 )
 from arbiterd.arena.records import (
     TICKET_SUFFIX,
     ArenaState,
     HolderInfo,
+    PassedOver,
+    PassOverReason,
     Priority,
     QueuedWaiter,
     TicketLabel,
@@ -68,6 +73,18 @@ TICKET_LABEL_MAX_BYTES = HOLDER_FILE_MAX_BYTES  # a ticket's label is holder.jso
 HAND_OVER_TIMEOUT_S = 1.0
 HAND_OVER_POLL_MIN_S = 0.00005
 HAND_OVER_POLL_MAX_S = 0.002
+# Passing over a waiter ahead that does not take the token (issue 40 item 1; the package's
+# docstring has the rule). A live first waiter, blocked on token.lock, takes a free token within
+# microseconds of the release, and within some hundred ms descheduled on a busy 2-core machine:
+# one that leaves it free this long is not taking it (its process hangs, or holds its ticket
+# while it does something else first). Each further live ticket ahead adds as much again, so
+# that the second in line, not the third, passes a hung first one.
+PASS_OVER_S = 1.5
+# How often a waiter behind another looks at it (stopped?) and at the token (free?). A stop
+# makes no event a waiter could sleep on; this is the one look on a timer, by waiters that are
+# not first only. So the GPU is free at most this long behind a stopped waiter, and at most
+# PASS_OVER_S and this behind one that hangs.
+STALL_CHECK_S = 0.25
 
 
 class Arena:
@@ -162,14 +179,14 @@ class Arena:
             place = Ticket(self, priority) if ticket is None else ticket
             try:
                 place.label(name, model)
-                token_fd = self._take_in_turn(place, turn)
+                token_fd, passed = self._take_in_turn(place, turn)
             except BaseException:
                 if ticket is None:
                     place.leave()
                 raise
             place.leave()  # the next in the queue may now wait on token.lock
             try:
-                return Token(self, token_fd, name=name, model=model)
+                return Token(self, token_fd, name=name, model=model, passed_over=passed)
             except BaseException:
                 os.close(token_fd)
                 raise
@@ -182,13 +199,15 @@ class Arena:
         """A place in the queue, for `acquire(ticket=...)`; leave() it when giving up."""
         return Ticket(self, priority)
 
-    def _take_in_turn(self, place: Ticket, turn: Turn) -> int:
-        """A new fd holding token.lock, taken once `place` is first in the queue."""
+    def _take_in_turn(self, place: Ticket, turn: Turn) -> tuple[int, tuple[PassedOver, ...]]:
+        """A new fd holding token.lock, taken once `place` is first in the queue but for the
+        waiters passed over on the way, who come with it."""
+        passing = _Passing(self.path)
         while True:
-            ahead = self._ahead(place.waiter)
-            if ahead is not None:
+            ahead = self._waiting_ahead(place.waiter, passing)
+            if ahead:
                 turn.waiting(self.observe)
-                self._wait_behind(ahead, turn)
+                self._wait_behind(ahead, turn, passing)
                 continue
             token_fd = self._open(self._token_path)
             if not try_flock(token_fd, EXCLUSIVE):
@@ -198,34 +217,42 @@ class Arena:
                     os.close(token_fd)
                     raise
                 token_fd = wait_for_lock(token_fd, EXCLUSIVE, turn)
-            if self._ahead(place.waiter) is None:
-                return token_fd
-            os.close(token_fd)  # a waiter of a higher class came meanwhile: it goes first
+            if not self._waiting_ahead(place.waiter, passing):
+                return token_fd, passing.passed()
+            # A waiter of a higher class came meanwhile, or one we passed over for its stop
+            # runs again: it goes first.
+            os.close(token_fd)
 
     def first_class_waiting(self) -> int | None:
-        """The class rank (with aging) of the first live waiter in the queue; None when nobody
-        queues. For a holder to tell whether someone more urgent than its work waits."""
+        """The class rank (with aging) of the first live waiter in the queue that is not
+        stopped; None when nobody queues. For a holder to tell whether someone more urgent than
+        its work waits."""
         now = time.monotonic_ns()
-        live = self._live(self._tickets(), remove_dead=False)
+        live = [w for w in self._live(self._tickets(), remove_dead=False) if not stopped(w.pid)]
         return min(waiter.competes_as(now).rank for waiter in live) if live else None
 
-    def _ahead(self, mine: QueuedWaiter) -> QueuedWaiter | None:
-        """The live waiter just before `mine` in the queue; None when `mine` is first. Tickets
-        of dead waiters are removed on the way."""
+    def _waiting_ahead(self, mine: QueuedWaiter, passing: _Passing) -> list[QueuedWaiter]:
+        """The live waiters before `mine` in the queue, in order, but for those `passing` says
+        we pass over: empty when `mine` goes next. Tickets of dead waiters are removed on the
+        way."""
         # By name first: the first waiter, the one a handoff waits for, reads no lock state.
         named = [w for w in self._tickets(sweep=True) if w.order < mine.order]
         before = self._live(named, remove_dead=True) if named else []
-        return max(before, key=lambda w: w.order) if before else None
+        return sorted((w for w in before if not passing.skips(w)), key=lambda w: w.order)
 
-    def _wait_behind(self, ahead: QueuedWaiter, turn: Turn) -> None:
-        """Return once `ahead` has left the queue: it got the token, gave up, or died.
+    def _wait_behind(self, ahead: list[QueuedWaiter], turn: Turn, passing: _Passing) -> None:
+        """Return once the last of `ahead` (the waiters before us, in order) has left the
+        queue (it got the token, gave up, or died), or once we pass it over: it is stopped, or
+        the token lay free while it stood (PASS_OVER_S for each of `ahead`, who are then all
+        passed over).
 
-        Nothing else needs a look at the queue meanwhile: `ahead` stays ahead of us (the order
-        never changes), and a newcomer placed before us is found at the next look, once `ahead`
-        has gone. So the wait is on the kernel's lock state alone, with no timer but the
-        cancel's."""
+        Nothing else needs a look at the queue meanwhile: the ticket waited on stays ahead of
+        us (the order never changes), and a newcomer placed before us is found at the next
+        look, once it has gone. So the wait is on the kernel's lock state, and on one look
+        every STALL_CHECK_S at that waiter and the token, which no event would tell us of."""
+        waited_on = ahead[-1]
         flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-        path = self._queue_path / ahead.file
+        path = self._queue_path / waited_on.file
         try:
             fd = os.open(path, flags)
         except FileNotFoundError:
@@ -237,8 +264,47 @@ class Arena:
         except BaseException:
             os.close(fd)
             raise
+        free_since: float | None = None  # CLOCK_MONOTONIC when the token was first seen free
+
+        def keep_waiting() -> bool:
+            nonlocal free_since
+            if stopped(waited_on.pid):
+                passing.pass_over(waited_on, PassOverReason.STOPPED, 0.0)
+                return False
+            now = time.monotonic()
+            if not self._token_free():
+                free_since = None
+                return True
+            free_since = now if free_since is None else free_since
+            if now - free_since < PASS_OVER_S * len(ahead):
+                return True
+            for waiter in ahead:
+                passing.pass_over(waiter, PassOverReason.NOT_TAKING, now - free_since)
+            return False
+
         # Granted when its owner unlocks, which it does only after unlinking the ticket.
-        os.close(wait_for_lock(fd, SHARED, turn))
+        granted = wait_with_patience(fd, SHARED, turn, Patience(keep_waiting, STALL_CHECK_S))
+        if granted is not None:
+            os.close(granted)
+
+    def _token_free(self) -> bool:
+        """Nobody holds token.lock, by /proc/locks: a look that takes no lock, so that it can
+        never be what keeps a waiter from the token."""
+        records = parse_proc_locks(PROC_LOCKS.read_text(encoding="ascii", errors="replace"))
+        token_ino = inode_key(os.stat(self._token_path))
+        return not any(not r.blocked for r in flock_records(records, token_ino))
+
+    def _wanted_by_a_live_waiter(self) -> bool:
+        """Someone who is not stopped holds or asks for LOCK_SH on want.lock, by /proc/locks;
+        for a holder whose probe found want.lock locked. A stopped waiter wants nothing it
+        could take: a holder that released for it would leave the GPU free for nobody."""
+        records = parse_proc_locks(PROC_LOCKS.read_text(encoding="ascii", errors="replace"))
+        want_ino = inode_key(os.stat(self._want_path))
+        wanting = {r.pid for r in flock_records(records, want_ino) if r.mode == "READ"}
+        if not wanting:
+            return True  # what the probe met was no waiter's (another holder's probe): as ever
+        # pid 0: a process of another pid namespace, whose state we cannot read: it wants.
+        return any(not stopped(pid) for pid in wanting)
 
     def _tickets(self, *, sweep: bool = False) -> list[QueuedWaiter]:
         """The waiters the queue's file names name, live or not; with `sweep`, the temp files
@@ -303,6 +369,7 @@ class Arena:
         observed_ns = time.monotonic_ns()
         live = self._live(self._tickets(), remove_dead=False)
         queued = sorted((self._labelled(w) for w in live), key=lambda w: w.order)
+        stopped_pids = frozenset(w.pid for w in queued if stopped(w.pid))
         return ArenaState(
             path=self.path,
             holder_pid=holder_pid,
@@ -311,6 +378,7 @@ class Arena:
             waiter_pids=tuple(waiters),
             observed_ns=observed_ns,
             queue=tuple(queued),
+            stopped_pids=stopped_pids,
         )
 
     def _labelled(self, waiter: QueuedWaiter) -> QueuedWaiter:
@@ -383,6 +451,39 @@ class Arena:
             return os.open(path, flags, FILE_MODE)
         except OSError as exc:
             raise ArenaUnwritableError(f"cannot create {path}: {exc.strerror}") from None
+
+
+class _Passing:
+    """The waiters one take of the token passes over, each logged once (issue 40 item 1)."""
+
+    def __init__(self, arena_path: Path) -> None:
+        self._arena_path = arena_path
+        self._passed: dict[str, PassedOver] = {}  # by ticket file
+
+    def skips(self, waiter: QueuedWaiter) -> bool:
+        """True when we go before `waiter`: it is stopped now, or it left the token free for
+        the bound. One passed over for a stop that runs again is first again."""
+        if stopped(waiter.pid):
+            self.pass_over(waiter, PassOverReason.STOPPED, 0.0)
+            return True
+        passed = self._passed.get(waiter.file)
+        if passed is not None and passed.reason is PassOverReason.STOPPED:
+            del self._passed[waiter.file]  # resumed: we did not go before it after all
+            log.info(
+                "%s: pid %d, passed over while stopped, runs again", self._arena_path, waiter.pid
+            )
+            return False
+        return passed is not None
+
+    def pass_over(self, waiter: QueuedWaiter, reason: PassOverReason, free_s: float) -> None:
+        if waiter.file in self._passed:
+            return
+        passed = PassedOver(self._arena_path, waiter, reason, round(free_s, 3))
+        self._passed[waiter.file] = passed
+        log.warning("%s: %s; it keeps its place", self._arena_path, passed.text)
+
+    def passed(self) -> tuple[PassedOver, ...]:
+        return tuple(self._passed.values())
 
 
 class Ticket:
@@ -459,9 +560,20 @@ class Ticket:
 class Token:
     """The held token of one arena. Owns the locked token fd, the probe fd and holder.json."""
 
-    def __init__(self, arena: Arena, token_fd: int, *, name: str, model: str | None) -> None:
+    def __init__(
+        self,
+        arena: Arena,
+        token_fd: int,
+        *,
+        name: str,
+        model: str | None,
+        passed_over: tuple[PassedOver, ...] = (),
+    ) -> None:
         self.arena = arena
         self.info = HolderInfo(pid=os.getpid(), name=name, model=model, since=time.time())
+        # The waiters ahead in the queue that this token was taken before (issue 40 item 1),
+        # for the holder to report: a worker's event, `arbiterd run`'s line.
+        self.passed_over = passed_over
         self._fd: int | None = token_fd
         # Our own description of want.lock for the probe (see arbiterd/arena/__init__.py).
         self._probe_fd = arena._open(arena._want_path)
@@ -496,10 +608,12 @@ class Token:
         self.arena._write_holder_file(self.info)
 
     def wanted(self) -> bool:
-        """True when some other program waits for the token (holds want.lock shared)."""
+        """True when some other program waits for the token (holds want.lock shared) and is
+        not stopped (issue 40 item 1: Arena._wanted_by_a_live_waiter says why)."""
         if self._fd is None:
             raise ArenaError("wanted() on a released token")
-        return contended(self._probe_fd, EXCLUSIVE)
+        # The probe first: it costs microseconds, and nobody waits most of the time.
+        return contended(self._probe_fd, EXCLUSIVE) and self.arena._wanted_by_a_live_waiter()
 
     def bells(self) -> tuple[Bell, ...]:
         """The arena's (Arena.bells). Our own probe's descriptor was opened before anyone
@@ -522,7 +636,11 @@ class Token:
             self.release()
             deadline = time.monotonic() + timeout_s
             pause_s = HAND_OVER_POLL_MIN_S
-            while contended(want_fd, EXCLUSIVE) and not contended(token_fd, SHARED):
+            while (
+                contended(want_fd, EXCLUSIVE)
+                and not contended(token_fd, SHARED)
+                and self.arena._wanted_by_a_live_waiter()
+            ):
                 if time.monotonic() >= deadline:
                     return
                 time.sleep(pause_s)

@@ -324,9 +324,13 @@ def arena_status_json(state: ArenaState) -> dict[str, object]:
         "waiters": [{"pid": pid, "name": waiter_name(state, pid)} for pid in state.waiter_pids],
         # the queued waiters, first to be served first (aging included: the order a waiter
         # keeps); a waiter missing here has no ticket (a program that speaks only token.lock +
-        # want.lock)
+        # want.lock). A stopped one keeps its place, and the waiters behind pass it over.
         "queue": [
-            {**waiter.to_json(state.observed_ns), "name": waiter.name or process_name(waiter.pid)}
+            {
+                **waiter.to_json(state.observed_ns),
+                "name": waiter.name or process_name(waiter.pid),
+                "stopped": waiter.pid in state.stopped_pids,
+            }
             for waiter in state.queue
         ],
         "stale_holder_file": state.stale_holder.to_json() if state.stale_holder else None,
@@ -361,7 +365,8 @@ def _arena_status(args: argparse.Namespace) -> int:
         aged = waiter.competes_as(state.observed_ns)
         klass = waiter.priority.value + ("" if aged is waiter.priority else f", aged to {aged}")
         waited = render.format_seconds(waiter.waited_s(state.observed_ns))
-        print(f"queue {place:<3}{who} ({klass}) waiting {waited}")
+        stop = ", stopped: passed over" if waiter.pid in state.stopped_pids else ""
+        print(f"queue {place:<3}{who} ({klass}) waiting {waited}{stop}")
     if state.stale_holder is not None:
         print(
             f"note     holder.json names pid {state.stale_holder.pid} "

@@ -125,6 +125,8 @@ def run_holding_token(
             print(
                 f"arbiterd run: got the GPU after {time.monotonic() - started:.1f} s", file=stderr
             )
+        for passed in held.passed_over:  # issue 40 item 1: said where the user looks
+            print(f"arbiterd run: {passed.text}; it keeps its place", file=stderr)
         return _run_child(_tokens(held), executable, cmd, stderr)
     finally:
         held.release()
@@ -157,7 +159,7 @@ class _WaitReport:
         self._named = len(parts) > 1
         self._stderr = stderr
         self._on: tuple[str, Arena] = parts[0]  # the device waited on now
-        self._said: tuple[str, int | None, int | None] | None = None
+        self._said: tuple[str, int | None, int | None, tuple[int, ...]] | None = None
         self._stopped = threading.Event()
         self._watch: threading.Thread | None = None
         self._lock = threading.Lock()  # `began` (main thread) and the watch share `_on`
@@ -196,7 +198,7 @@ class _WaitReport:
                 self._say(device, news)
 
     def _say(self, device: str, news: WaitNews) -> None:
-        seen = (device, news.holder_pid, news.place)
+        seen = (device, news.holder_pid, news.place, news.stopped_ahead)
         if seen != self._said:
             self._said = seen
             where = f"{device}: " if self._named else ""

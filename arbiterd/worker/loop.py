@@ -92,7 +92,7 @@ from arbiterd.errors import (
     WorkerError,
     WorkerGoneError,
 )
-from arbiterd.events import RequestEvent, ResidencyEvent
+from arbiterd.events import PassedOverEvent, RequestEvent, ResidencyEvent
 from arbiterd.paths import DeviceKind, parse_device_id
 from arbiterd.procs import holder_name
 from arbiterd.request import GenerateRequest
@@ -688,6 +688,16 @@ class Worker:
         the model loads or restores is seen at the first probe after."""
         self._token = token
         self._doorbell.arm(token.bells())
+        for passed in token.passed_over:  # the arena logged each; the daemon's journal too
+            event = PassedOverEvent(
+                at=time.time(),
+                model=self.name,
+                pid=passed.waiter.pid,
+                reason=passed.reason.value,
+                free_s=passed.free_s,
+                arena=str(passed.arena),
+            )
+            self._out.send(event.to_json())
 
     def _give_up_token(self) -> None:
         token, self._token = self._token, None
