@@ -47,14 +47,15 @@ class Processes:
         return self.start([sys.executable, str(ACTOR), str(arena.path), *args])
 
     def start(self, argv: list[str], **kwargs: object) -> subprocess.Popen[str]:
-        proc: subprocess.Popen[str] = subprocess.Popen(  # type: ignore[call-overload]
-            argv,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+        """`argv` with pipes for its standard streams; `kwargs` adds or overrides Popen's."""
+        options: dict[str, object] = {
+            "stdin": subprocess.PIPE,
+            "stdout": subprocess.PIPE,
+            "stderr": subprocess.PIPE,
+            "text": True,
             **kwargs,
-        )
+        }
+        proc: subprocess.Popen[str] = subprocess.Popen(argv, **options)  # type: ignore[call-overload]
         self._started.append(proc)
         return proc
 

@@ -567,9 +567,13 @@ def test_stopping_first_waiters_never_leaves_the_gpu_free_past_the_bound(
     log = tmp_path / "stamps.log"
     stop = tmp_path / "stop"
     log.touch(mode=0o600)
+    said = tmp_path / "stderr.log"  # what they log: a pipe nobody reads would fill and block
     argv = [sys.executable, str(ACTOR), str(arena.path), "fuzz", str(log), str(stop)]
-    # process_group=0: the kernel discards SIGTSTP sent to an orphaned process group.
-    actors = [procs.start(argv, process_group=0) for _ in range(STOP_FUZZ_CONTENDERS)]
+    with said.open("w") as stderr:
+        # process_group=0: the kernel discards SIGTSTP sent to an orphaned process group.
+        actors = [
+            procs.start(argv, process_group=0, stderr=stderr) for _ in range(STOP_FUZZ_CONTENDERS)
+        ]
     rng = random.Random(40)
     resume_at: dict[int, float] = {}  # stopped pid -> when it runs again
     stops = {signal.SIGSTOP: 0, signal.SIGTSTP: 0}
@@ -618,5 +622,6 @@ def test_stopping_first_waiters_never_leaves_the_gpu_free_past_the_bound(
     assert overlaps(holds) == []
     assert min(stops.values()) >= 3
     assert {h.pid for h in holds} == {p.pid for p in actors}  # the stopped ones too
+    assert "ahead in the queue: its process is stopped; it keeps its place" in said.read_text()
     state = arena.observe()
     assert (state.holder_pid, state.waiter_pids, state.queue) == (None, (), ())

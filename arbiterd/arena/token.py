@@ -232,13 +232,18 @@ class Arena:
         return min(waiter.competes_as(now).rank for waiter in live) if live else None
 
     def _waiting_ahead(self, mine: QueuedWaiter, passing: _Passing) -> list[QueuedWaiter]:
-        """The live waiters before `mine` in the queue, in order, but for those `passing` says
-        we pass over: empty when `mine` goes next. Tickets of dead waiters are removed on the
-        way."""
+        """The live waiters before `mine` in the queue, in order, up to the last one that
+        `passing` does not pass over (it is the one to wait on): empty when `mine` goes next.
+        Tickets of dead waiters are removed on the way."""
         # By name first: the first waiter, the one a handoff waits for, reads no lock state.
         named = [w for w in self._tickets(sweep=True) if w.order < mine.order]
         before = self._live(named, remove_dead=True) if named else []
-        return sorted((w for w in before if not passing.skips(w)), key=lambda w: w.order)
+        ahead = sorted((w for w in before if not passing.left_untaken(w)), key=lambda w: w.order)
+        # Whether a waiter is stopped is read for the nearest ones only, until one is not: that
+        # is the one waited on, and those before it are its own business.
+        while ahead and passing.skips(ahead[-1]):
+            ahead.pop()
+        return ahead
 
     def _wait_behind(self, ahead: list[QueuedWaiter], turn: Turn, passing: _Passing) -> None:
         """Return once the last of `ahead` (the waiters before us, in order) has left the
@@ -460,6 +465,12 @@ class _Passing:
         self._arena_path = arena_path
         self._passed: dict[str, PassedOver] = {}  # by ticket file
 
+    def left_untaken(self, waiter: QueuedWaiter) -> bool:
+        """True when `waiter` was passed over for leaving the free token untaken: for the rest
+        of this take, whatever it does."""
+        passed = self._passed.get(waiter.file)
+        return passed is not None and passed.reason is PassOverReason.NOT_TAKING
+
     def skips(self, waiter: QueuedWaiter) -> bool:
         """True when we go before `waiter`: it is stopped now, or it left the token free for
         the bound. One passed over for a stop that runs again is first again."""
@@ -636,12 +647,13 @@ class Token:
             self.release()
             deadline = time.monotonic() + timeout_s
             pause_s = HAND_OVER_POLL_MIN_S
-            while (
-                contended(want_fd, EXCLUSIVE)
-                and not contended(token_fd, SHARED)
-                and self.arena._wanted_by_a_live_waiter()
-            ):
+            while contended(want_fd, EXCLUSIVE) and not contended(token_fd, SHARED):
                 if time.monotonic() >= deadline:
+                    return
+                # Nobody took it after some ms: maybe only stopped waiters want it, and none of
+                # them can take it (issue 40 item 1). Read only then: /proc/locks costs a
+                # hundred times the probes, on the CPU the waiter needs to take the token.
+                if pause_s == HAND_OVER_POLL_MAX_S and not self.arena._wanted_by_a_live_waiter():
                     return
                 time.sleep(pause_s)
                 pause_s = min(2 * pause_s, HAND_OVER_POLL_MAX_S)
