@@ -22,6 +22,7 @@ import pytest
 from arbiterd.arena import (
     QUEUE_DIR,
     Arena,
+    ArenaState,
     PassOverReason,
     Priority,
     QueuedWaiter,
@@ -33,7 +34,7 @@ from arbiterd.arena.procfs import stopped
 from arbiterd.arena.token import PASS_OVER_S, STALL_CHECK_S
 from arbiterd.cli.main import arena_status_json
 from arbiterd.errors import AcquireCancelledError, BadValueError
-from arbiterd.procs import waiter_name
+from arbiterd.procs import news_for, waiter_name
 from tests.conftest import SUPPORT, Processes
 from tests.support.stamps import overlaps, read_holds
 from tests.support.waiting import wait_until
@@ -502,3 +503,23 @@ def test_a_stopped_waiter_does_not_make_the_holder_release(arena: Arena, procs: 
     wait_until(holder_is(arena, waiter), 10, "the waiter to be served")
     release(waiter)
     assert waiter.wait(timeout=10) == 0
+
+
+def test_a_wait_behind_a_stopped_waiter_says_it_is_passing_it_over(tmp_path: Path) -> None:
+    stopped_one = QueuedWaiter(11, Priority.NORMAL, 1, "normal.1.11.1.ticket")
+    mine = QueuedWaiter(22, Priority.NORMAL, 2, "normal.2.22.1.ticket")
+    state = ArenaState(
+        path=tmp_path,
+        holder_pid=None,
+        holder=None,
+        stale_holder=None,
+        waiter_pids=(11, 22),
+        observed_ns=3,
+        queue=(stopped_one, mine),
+        stopped_pids=frozenset({11}),
+    )
+    news = news_for(state, 22)
+    assert news.stopped_ahead == (11,)
+    assert news.text.endswith(", 2nd in queue (passing over stopped pid 11 ahead)")
+    assert news.to_json()["stopped_ahead"] == [11]
+    assert news_for(state, 11).stopped_ahead == ()  # nobody stopped ahead of the first
