@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import math
 import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from arbiterd.arena.records import ArenaState
@@ -147,13 +149,13 @@ def wait_for_lock(fd: int, operation: int, turn: Turn) -> int:
     return granted
 
 
+@dataclass(frozen=True)
 class Patience:
     """How a wait looks, now and then, at whether it is still worth it: `keep_waiting` is asked
     every `every_s` (a waiter behind a ticket that may be stopped, token.py)."""
 
-    def __init__(self, keep_waiting: Callable[[], bool], every_s: float) -> None:
-        self.keep_waiting = keep_waiting
-        self.every_s = every_s
+    keep_waiting: Callable[[], bool]
+    every_s: float
 
 
 def wait_with_patience(fd: int, operation: int, turn: Turn, patience: Patience) -> int | None:
@@ -168,11 +170,11 @@ def _wait(request: _LockRequest, turn: Turn, patience: Patience | None) -> int |
     longest = CANCEL_POLL_S if turn.cancel is not None else None
     if patience is not None:
         longest = patience.every_s if longest is None else min(longest, patience.every_s)
-    next_look = None if patience is None else time.monotonic() + patience.every_s
+    next_look = math.inf if patience is None else time.monotonic() + patience.every_s
     try:
         while not request.wait(turn.slice_s(longest)):
             turn.check()
-            if patience is None or next_look is None or time.monotonic() < next_look:
+            if patience is None or time.monotonic() < next_look:
                 continue
             if not patience.keep_waiting():
                 if request.abandon():

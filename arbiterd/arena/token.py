@@ -270,11 +270,12 @@ class Arena:
             os.close(fd)
             raise
         free_since: float | None = None  # CLOCK_MONOTONIC when the token was first seen free
+        verdict: list[tuple[QueuedWaiter, PassOverReason, float]] = []  # whom we pass, why
 
         def keep_waiting() -> bool:
             nonlocal free_since
             if stopped(waited_on.pid):
-                passing.pass_over(waited_on, PassOverReason.STOPPED, 0.0)
+                verdict.append((waited_on, PassOverReason.STOPPED, 0.0))
                 return False
             now = time.monotonic()
             if not self._token_free():
@@ -283,14 +284,16 @@ class Arena:
             free_since = now if free_since is None else free_since
             if now - free_since < PASS_OVER_S * len(ahead):
                 return True
-            for waiter in ahead:
-                passing.pass_over(waiter, PassOverReason.NOT_TAKING, now - free_since)
+            verdict.extend((w, PassOverReason.NOT_TAKING, now - free_since) for w in ahead)
             return False
 
         # Granted when its owner unlocks, which it does only after unlinking the ticket.
         granted = wait_with_patience(fd, SHARED, turn, Patience(keep_waiting, STALL_CHECK_S))
         if granted is not None:
-            os.close(granted)
+            os.close(granted)  # it left after all, if at the last moment: nobody passed
+            return
+        for waiter, reason, free_s in verdict:
+            passing.pass_over(waiter, reason, free_s)
 
     def _token_free(self) -> bool:
         """Nobody holds token.lock, by /proc/locks: a look that takes no lock, so that it can
