@@ -402,6 +402,16 @@ def test_a_stopped_first_waiter_is_passed_over_and_keeps_its_place(
     shown = arena_status_json(state)["queue"]
     assert isinstance(shown, list)
     assert [(w["pid"], w["stopped"]) for w in shown] == [(first.pid, True)]
+    text = subprocess.run(
+        [sys.executable, "-m", "arbiterd", "arena", "status", "--arena", str(arena.path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    [line] = [line for line in text.splitlines() if line.startswith("queue ")]
+    assert f"(pid {first.pid}) (normal) waiting " in line
+    assert line.endswith(", stopped: passed over")
     third = procs.actor(arena, "hold", "third")
     wait_until(lambda: third.pid in queued_pids(arena), 10, "the third waiter to queue")
     os.kill(first.pid, signal.SIGCONT)

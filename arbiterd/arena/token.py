@@ -636,7 +636,7 @@ class Token:
 
     def hand_over(self, timeout_s: float = HAND_OVER_TIMEOUT_S) -> None:
         """Release to the programs waiting now: return once one of them holds the token, nobody
-        waits any more, or `timeout_s` passed.
+        waits any more (or only stopped waiters, who cannot take it), or `timeout_s` passed.
 
         flock is not FIFO: a releaser that calls acquire() again at once usually wins the race
         against the waiter the kernel is still waking, and the waiter starves. Waiting here for
