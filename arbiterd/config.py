@@ -13,7 +13,7 @@
     allow_origins = []            # web origins whose pages may use the HTTP API; [] = none
     api_socket = "..."            # the HTTP API's Unix socket; default api.sock beside `socket`
     header_timeout_s = 10         # how long a client may take to send a request head
-    holder_timeout_s = 30         # a warm worker silent this long is reported; twice: killed
+    holder_timeout_s = 30         # a GPU holder silent this long is reported; twice: killed
     vram_budget = 0               # device bytes for a group or a model + projector; 0 = unchecked
     host_ram_budget = 0           # bytes (or "8GiB") of host copies + cold KV; 0 = no budget
     prompt_cache_budget = "4GiB"  # bytes of prompt caches unloaded models keep on disk

@@ -556,10 +556,12 @@ class VramNotFreedEvent(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class HolderSilentEvent(Event):
-    """`model`'s warm worker `pid`, which holds the GPU, showed no sign of life for `silent_s`
-    (issue 24: stopped, or stuck in a hung driver); `timeout_s` is [daemon] holder_timeout_s.
-    Said once when it passes `timeout_s` (`killed` false), and again when it passes twice that
-    and the daemon kills it (`killed` true) so the token moves on."""
+    """`model`'s worker `pid`, which holds the GPU, showed no sign of life for `silent_s`
+    (issue 24: stopped, or stuck in a hung driver; issue 40: also in a handoff, stuck on an RPC
+    server that stopped answering); `timeout_s` is [daemon] holder_timeout_s, `state` its
+    residency then ("warm", "loading", "warming", "cooling"). Said once when it passes
+    `timeout_s` (`killed` false), and again when it passes twice that and the daemon kills it
+    (`killed` true) so the token moves on."""
 
     KIND: ClassVar[str] = "holder_silent"
 
@@ -568,6 +570,7 @@ class HolderSilentEvent(Event):
     silent_s: float | None = None
     timeout_s: float | None = None
     killed: bool = False
+    state: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -469,7 +469,8 @@ def _holder_silent(event: HolderSilentEvent) -> str:
     line = _name(event.model)
     if event.pid is not None:
         line += f" pid {event.pid}"
-    line += f" holds the GPU, no sign of life for {format_seconds(event.silent_s)}"
+    line += " holds the GPU" + (f" while {event.state}" if event.state else "")
+    line += f", no sign of life for {format_seconds(event.silent_s)}"
     if event.timeout_s is not None:
         line += f" (holder_timeout_s {format_seconds(event.timeout_s)})"
     return line + (": killed" if event.killed else ": reported")

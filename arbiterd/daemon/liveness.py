@@ -1,25 +1,33 @@
-"""Whether a warm worker still shows signs of life: the record of what the daemon heard, and the
-pure decision on it (issue 24: a holder stopped with SIGSTOP, or stuck in a hung driver, kept
-the arena token, and every model's requests waited on it without bound).
+"""Whether a worker that holds the arena token still shows signs of life: the record of what the
+daemon heard, and the pure decision on it (issue 24: a holder stopped with SIGSTOP, or stuck in a
+hung driver, kept the token, and every model's requests waited on it without bound; issue 40: so
+did a worker stopped while warming, and one cooling on an RPC server that stopped answering).
 
-Owns `Heard`, what the daemon last heard of one worker (workerclient.WorkerClient keeps it), and
-`judge`, a pure function of a `Heard`, the worker's residency and a clock: LIVE, SILENT (report
-it: an event, the tray amber, `status`) or KILL (SIGKILL it: the kernel frees its token, which
-moves on, and the lifecycle restarts it as after any crash). Never sends, kills or sleeps: the
-supervisor asks every warm worker for its status each `ping_interval_s` and applies the
-verdicts.
+Owns `Heard`, what the daemon last heard of one worker (workerclient.WorkerClient keeps it),
+`holds_token`, whether a worker in a given state holds a token another model may wait for, and
+`judge`, a pure function of a `Heard`, that and a clock: LIVE, SILENT (report it: an event, the
+tray amber, `status`) or KILL (SIGKILL it: the kernel frees its token, which moves on, and the
+lifecycle restarts it as after any crash). Never sends, kills or sleeps: the supervisor asks
+every holder for its status each `ping_interval_s` and applies the verdicts.
 
 How the daemon knows the engine thread lives (worker/loop.py): the worker's io thread answers
 status even mid-decode (ctypes releases the GIL in llama_decode) and says how old the engine
 thread's last beat is; the engine thread beats each turn of its loop and before each decode
-batch or tokenizer piece, and every event or chunk it sends is a beat too. Two cases look the
-same to `judge`:
+batch or tokenizer piece, and every event or chunk it sends is a beat too. A load, a release or
+a restore is one long native call (tens of GB copied at disk or bus speed) that calls back
+nothing: while the engine thread is inside one, the io thread counts its CPU clock moving on as
+a beat (a copy costs CPU: memcpy, page faults, a driver's submissions; a call blocked on a
+server that stopped answering, or on a fence that never signals, sleeps in the kernel and its
+clock stands still). Two cases look the same to `judge`:
 - the whole process is stopped (SIGSTOP, a frozen cgroup): the question goes unanswered;
-- the engine thread is stuck in one native call (a hung GPU driver): the io thread answers, with
-  a beat that keeps getting older.
-Only a warm worker is judged: warm, it holds the token and runs nothing but requests, whose
-steps each beat. Loading, warming and cooling are long native calls that do not beat (copying
-tens of GB at disk speed), and a cold worker holds nothing another model waits for.
+- the engine thread is stuck in one native call (a hung GPU driver, a stopped RPC server): the
+  io thread answers, with a beat that keeps getting older.
+What it cannot tell from progress: a driver that spins on the CPU while it waits for a hung
+device inside a load, release or restore moves the clock and stays LIVE (in a decode, where
+the beat is the engine's own callback, it does not).
+
+A worker is judged only while it holds a token (`holds_token`): a waiter's silence stalls no
+one this module can free (the queue passes over it, arena/), and a cold worker holds nothing.
 
 All times are `time.monotonic()`; the worker's beat age is measured on the same clock
 (CLOCK_MONOTONIC is one clock for the whole system), and counts no system suspend.
@@ -29,8 +37,11 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from typing import Any
+
+from arbiterd.states import ResidencyState
 
 # How long a worker may take to answer status before `arbiterd status`, the tray and
 # /v1/models show what it said last, marked stale. Its io thread answers in microseconds, also
@@ -42,8 +53,8 @@ PINGS_PER_TIMEOUT = 4
 
 
 class Verdict(enum.Enum):
-    LIVE = "live"  # it shows signs of life, or it is not warm
-    SILENT = "silent"  # warm and silent for holder_timeout_s: reported
+    LIVE = "live"  # it shows signs of life, or it holds no token
+    SILENT = "silent"  # holds a token and silent for holder_timeout_s: reported
     KILL = "kill"  # still silent after a second holder_timeout_s: killed
 
 
@@ -89,9 +100,25 @@ def silent_s(heard: Heard, now: float) -> float:
     return max(0.0, silent)
 
 
-def judge(heard: Heard, *, warm: bool, now: float, timeout_s: float) -> Verdict:
-    """What to do about a worker at `now`, with [daemon] holder_timeout_s = `timeout_s`."""
-    if not warm:
+# The states in which a worker holds its token from start to end: it takes the token before it
+# leaves cold (warming) and lets go of it only once cold again (cooling, then cold).
+HOLDING_STATES = frozenset({ResidencyState.WARMING, ResidencyState.WARM, ResidencyState.COOLING})
+
+
+def holds_token(state: ResidencyState | None, *, pid: int, holders: Collection[int]) -> bool:
+    """Whether a worker `pid` whose residency is `state` holds a token another model may wait
+    for. Warming, warm and cooling always do. A loading worker is first a waiter in the queue,
+    then the holder; no event says when it took the token, so the kernel does: `holders`, the
+    pids that hold its devices' tokens (arena observe(): /proc/locks)."""
+    if state in HOLDING_STATES:
+        return True
+    return state is ResidencyState.LOADING and pid in holders
+
+
+def judge(heard: Heard, *, holds: bool, now: float, timeout_s: float) -> Verdict:
+    """What to do about a worker at `now`, with [daemon] holder_timeout_s = `timeout_s`;
+    `holds`: it holds a token (`holds_token`)."""
+    if not holds:
         return Verdict.LIVE
     silent = silent_s(heard, now)
     if silent >= 2 * timeout_s:
@@ -111,9 +138,11 @@ def ping_interval_s(timeout_s: float) -> float:
     return timeout_s / PINGS_PER_TIMEOUT
 
 
-def kill_reason(silent: float, timeout_s: float) -> str:
-    """Why a silent holder was killed, as its requests' errors and its worker event say it."""
+def kill_reason(silent: float, timeout_s: float, state: ResidencyState) -> str:
+    """Why a silent holder was killed, as its requests' errors and its worker event say it: a
+    handoff that hung (warming, cooling, loading) says which."""
+    during = "" if state is ResidencyState.WARM else f" while {state.value}"
     return (
-        f"killed: it held the GPU and showed no sign of life for {silent:.1f} s "
+        f"killed: it held the GPU and showed no sign of life for {silent:.1f} s{during} "
         f"(twice [daemon] holder_timeout_s = {timeout_s:g} s)"
     )

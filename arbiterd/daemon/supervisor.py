@@ -7,8 +7,9 @@ Composes the daemon's parts, each with one job, and keeps what ties them togethe
 - `eventbus.EventBus` stamps, counts, journals and fans out every event;
 - `handoffs.Handoffs` turns the waits workers measured into handoffs and waits;
 - `vramwatch.VramWatch` reads VRAM, accounts the engines' figures, verifies teardowns;
-- `liveness.judge` decides whether a warm worker that shows no sign of life is reported or
-  killed (issue 24); the watch here asks every worker for its status and applies it.
+- `liveness.judge` decides whether a worker that holds a token (warm, or in a handoff: loading,
+  warming, cooling) and shows no sign of life is reported or killed (issues 24, 40); the watch
+  here asks those workers for their status and applies it.
 Here: which model a name or alias asks for (the config's `resolve`, at each entry point, so
 every edge takes aliases), what a worker's events mean for its slot, status, the commands (hold,
 reload, unload, ...), unloading models that stayed cold and idle for their unload_after_s
@@ -25,9 +26,11 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from arbiterd.arena import Arena, Token
+from arbiterd.arena.devices import canonical_order
 from arbiterd.arena.groups import Keeper
 from arbiterd.config import Config, GroupConfig, Load, ModelConfig
 from arbiterd.control import MODEL_COMMANDS
@@ -40,6 +43,7 @@ from arbiterd.daemon.lifecycle import Lifecycle
 from arbiterd.daemon.liveness import (
     STATUS_ANSWER_S,
     Verdict,
+    holds_token,
     judge,
     kill_reason,
     ping_interval_s,
@@ -67,6 +71,7 @@ from arbiterd.events import (
     parse_event,
 )
 from arbiterd.offload import CpuNote, cpu_note, gpu_nodes, setup_script
+from arbiterd.paths import device_arena_of
 from arbiterd.procs import WaitNews, holder_name, waiter_name
 from arbiterd.request import GenerateRequest
 from arbiterd.states import BackendKind, CpuCause, ResidencyState, SlotState
@@ -165,6 +170,7 @@ class Supervisor:
         # gpu0's arena: the user's hold, the groups' keepers (groups are on gpu0 alone) and
         # status's holder; a waiting model is told of its own devices' arenas (waiting.py).
         self._arena = Arena(config.daemon.arena)
+        self._device_arenas: dict[Path, Arena] = {}  # a loading worker's, to see if it holds
         # Every model has its slot from the start: the control socket answers before the
         # workers start, and status then lists each model as starting, not an empty daemon.
         self._slots: dict[str, Slot] = {name: new_slot(m) for name, m in config.models.items()}
@@ -426,13 +432,39 @@ class Supervisor:
         return heard.status, round(time.monotonic() - heard.answered_at, 1)
 
     def _silence(self, slot: Slot, worker: WorkerClient) -> float | None:
-        """How long `slot`'s warm worker has shown no sign of life, once that is reported (at
-        [daemon] holder_timeout_s); else None."""
+        """How long `slot`'s worker, holding a token, has shown no sign of life, once that is
+        reported (at [daemon] holder_timeout_s); else None."""
         now, timeout_s = time.monotonic(), self.config.daemon.holder_timeout_s
-        warm = slot.residency is ResidencyState.WARM
-        if judge(worker.heard, warm=warm, now=now, timeout_s=timeout_s) is Verdict.LIVE:
+        holds = self._holds(slot, worker)
+        if judge(worker.heard, holds=holds, now=now, timeout_s=timeout_s) is Verdict.LIVE:
             return None
         return round(silent_s(worker.heard, now), 1)
+
+    def _holds(self, slot: Slot, worker: WorkerClient) -> bool:
+        """Whether `slot`'s worker holds a token another model may wait for (liveness.holds_token):
+        a loading one is looked up in its devices' arenas, which only a loading one costs (a read
+        of /proc/locks per device, as status's holder is read)."""
+        holders: set[int] = set()
+        if slot.residency is ResidencyState.LOADING and not slot.config.group:
+            # A group's member loads through its open gate: the keeper holds the token for it.
+            holders = self._token_holders(slot.config.devices)
+        return holds_token(slot.residency, pid=worker.pid, holders=holders)
+
+    def _token_holders(self, devices: Iterable[str]) -> set[int]:
+        """The pids that hold the tokens of `devices`' arenas now."""
+        holders = set()
+        try:
+            for device in canonical_order(devices):
+                path = device_arena_of(device, self.config.daemon.arena)
+                arena = self._device_arenas.get(path)
+                if arena is None:
+                    arena = self._device_arenas[path] = Arena(path)
+                holder = arena.observe().holder_pid
+                if holder is not None:
+                    holders.add(holder)
+        except ArbiterError as exc:  # an arena that cannot be read holds nobody we can judge
+            log.warning("cannot read the arenas of %s: %s", ", ".join(devices), exc)
+        return holders
 
     def _host_ram(self, slot: Slot, report: ModelStatus) -> ModelStatus:
         """`report` with the model's host RAM: its share of the file's copy (split between the
@@ -699,13 +731,14 @@ class Supervisor:
         return None
 
     async def _watch_holders(self) -> None:
-        """Ask every warm worker for its status each quarter of [daemon] holder_timeout_s (one
-        question in flight per worker: a frozen one is sent no more) and apply the verdict on
-        each (liveness.judge): a warm worker silent for holder_timeout_s is reported, and
-        killed once silent twice that long, so the kernel frees its token and the lifecycle
-        restarts it as after any crash (issue 24). Only the warm are asked, and a reported one
-        until it is said to live again: `judge` finds every other worker live, and asking it
-        would wake it and the daemon for nothing (issue 29); `status` asks everyone."""
+        """Ask every worker that holds a token (warm, loading, warming, cooling: issues 24, 40)
+        for its status each quarter of [daemon] holder_timeout_s (one question in flight per
+        worker: a frozen one is sent no more) and apply the verdict on each (liveness.judge):
+        one silent for holder_timeout_s is reported, and killed once silent twice that long, so
+        the kernel frees its token and the lifecycle restarts it as after any crash. Only the
+        holders are asked, and a reported one until it is said to live again: `judge` finds
+        every other worker live, and asking it would wake it and the daemon for nothing (issue
+        29); `status` asks everyone."""
         reported: set[WorkerClient] = set()  # the silent ones, each said once per silence
         while True:
             await asyncio.sleep(ping_interval_s(self.config.daemon.holder_timeout_s))
@@ -713,19 +746,25 @@ class Supervisor:
             workers = [(slot, slot.worker) for slot in self._slots.values()]
             reported &= {worker for _, worker in workers if worker is not None}
             for slot, worker in workers:
-                if worker is not None and (
-                    slot.residency is ResidencyState.WARM or worker in reported
-                ):
+                if worker is None:
+                    continue
+                holds = self._holds(slot, worker)
+                if holds or worker in reported:
                     worker.ask()
-                    self._judge(slot, worker, now, reported)
+                    self._judge(slot, worker, holds, now, reported)
 
     def _judge(
-        self, slot: Slot, worker: WorkerClient, now: float, reported: set[WorkerClient]
+        self,
+        slot: Slot,
+        worker: WorkerClient,
+        holds: bool,
+        now: float,
+        reported: set[WorkerClient],
     ) -> None:
         timeout_s = self.config.daemon.holder_timeout_s
         heard = worker.heard
-        warm = slot.residency is ResidencyState.WARM
-        verdict = judge(heard, warm=warm, now=now, timeout_s=timeout_s)
+        verdict = judge(heard, holds=holds, now=now, timeout_s=timeout_s)
+        state = slot.residency or ResidencyState.LOADING
         if verdict is Verdict.LIVE:
             if worker in reported:
                 reported.discard(worker)
@@ -735,15 +774,16 @@ class Supervisor:
         if verdict is Verdict.SILENT and worker not in reported:
             reported.add(worker)
             log.warning(
-                "%s (pid %d) holds the GPU and has shown no sign of life for %.1f s; "
+                "%s (pid %d, %s) holds the GPU and has shown no sign of life for %.1f s; "
                 "it is killed at %g s",
                 slot.name,
                 worker.pid,
+                state.value,
                 silent,
                 2 * timeout_s,
             )
         elif verdict is Verdict.KILL and not worker.killed_for:
-            reason = kill_reason(silent, timeout_s)
+            reason = kill_reason(silent, timeout_s, state)
             log.error("%s (pid %d) %s", slot.name, worker.pid, reason)
             worker.kill_for(reason)  # the lifecycle's watch of its exit restarts the model
         else:
@@ -755,6 +795,7 @@ class Supervisor:
                 silent_s=round(silent, 3),
                 timeout_s=timeout_s,
                 killed=verdict is Verdict.KILL,
+                state=state.value,
             )
         )
 

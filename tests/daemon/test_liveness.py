@@ -1,4 +1,5 @@
-"""The decision on a silent holder (issue 24): a pure function of what was heard and a clock."""
+"""The decision on a silent holder (issues 24, 40): a pure function of what was heard, whether the
+worker holds a token, and a clock."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ from arbiterd.daemon.liveness import (
     STATUS_ANSWER_S,
     Heard,
     Verdict,
+    holds_token,
     judge,
     kill_reason,
     silent_s,
     stale,
 )
+from arbiterd.states import ResidencyState
 
 T = 30.0  # holder_timeout_s
 START = 1000.0
@@ -24,8 +27,11 @@ def answered(at: float, beat_age_s: float = 0.0, heard: Heard | None = None) -> 
     return before.answered({"state": "warm", "beat_age_s": beat_age_s}, at)
 
 
-def verdict(heard: Heard, now: float, *, warm: bool = True) -> Verdict:
-    return judge(heard, warm=warm, now=now, timeout_s=T)
+PID = 4242
+
+
+def verdict(heard: Heard, now: float, *, holds: bool = True) -> Verdict:
+    return judge(heard, holds=holds, now=now, timeout_s=T)
 
 
 def test_a_worker_that_answers_with_a_fresh_beat_is_live_however_long_since_it_was_asked() -> None:
@@ -72,10 +78,48 @@ def test_a_beat_never_goes_back_in_time() -> None:
     assert answered(START + 11, beat_age_s=9.0, heard=heard).beat_at == START + 10
 
 
-@pytest.mark.parametrize("state", ["loading", "warming", "cooling", "cold", "failed", None])
-def test_only_a_warm_worker_is_judged(state: str | None) -> None:
+@pytest.mark.parametrize(
+    "state", [ResidencyState.WARM, ResidencyState.WARMING, ResidencyState.COOLING]
+)
+def test_a_worker_warm_or_in_a_handoff_holds_its_token_whoever_the_kernel_names(
+    state: ResidencyState,
+) -> None:
+    # It takes the token before it leaves cold and lets go of it only once cold again.
+    assert holds_token(state, pid=PID, holders=())
+    assert holds_token(state, pid=PID, holders={PID + 1})
+
+
+def test_a_loading_worker_holds_a_token_once_the_kernel_says_it_took_one() -> None:
+    assert not holds_token(ResidencyState.LOADING, pid=PID, holders=())  # waiting in line
+    assert not holds_token(ResidencyState.LOADING, pid=PID, holders={PID + 1})
+    assert holds_token(ResidencyState.LOADING, pid=PID, holders={PID + 1, PID})
+
+
+@pytest.mark.parametrize(
+    "state", [ResidencyState.COLD, ResidencyState.FAILED, ResidencyState.STOPPED, None]
+)
+def test_a_worker_cold_failed_or_unknown_holds_nothing(state: ResidencyState | None) -> None:
+    assert not holds_token(state, pid=PID, holders={PID})
+
+
+@pytest.mark.parametrize(
+    "state",
+    [ResidencyState.LOADING, ResidencyState.WARMING, ResidencyState.COOLING, ResidencyState.WARM],
+)
+def test_a_holder_in_a_handoff_is_reported_then_killed_like_a_warm_one(
+    state: ResidencyState,
+) -> None:
+    heard = answered(START + 5).asked(START + 10)  # then it stopped answering
+    holds = holds_token(state, pid=PID, holders={PID})
+    assert verdict(heard, START + 10 + T - 0.1, holds=holds) is Verdict.LIVE
+    assert verdict(heard, START + 10 + T, holds=holds) is Verdict.SILENT
+    assert verdict(heard, START + 10 + 2 * T, holds=holds) is Verdict.KILL
+
+
+def test_a_worker_that_holds_no_token_is_never_judged() -> None:
     heard = answered(START + 5).asked(START + 10)  # silent for ever after
-    assert judge(heard, warm=state == "warm", now=START + 10 * T, timeout_s=T) is Verdict.LIVE
+    # A waiter stopped in line: the queue passes over it (arena/); a cold one holds nothing.
+    assert verdict(heard, START + 10 * T, holds=False) is Verdict.LIVE
 
 
 @pytest.mark.parametrize("age", [None, "old", True, float("nan"), float("inf"), -3.0])
@@ -95,7 +139,14 @@ def test_a_question_left_unanswered_for_a_second_makes_the_status_stale() -> Non
 
 
 def test_the_kill_reason_names_the_silence_and_the_setting() -> None:
-    assert kill_reason(61.04, 30.0) == (
+    assert kill_reason(61.04, 30.0, ResidencyState.WARM) == (
         "killed: it held the GPU and showed no sign of life for 61.0 s "
+        "(twice [daemon] holder_timeout_s = 30 s)"
+    )
+
+
+def test_the_kill_reason_names_the_handoff_that_hung() -> None:
+    assert kill_reason(61.04, 30.0, ResidencyState.COOLING) == (
+        "killed: it held the GPU and showed no sign of life for 61.0 s while cooling "
         "(twice [daemon] holder_timeout_s = 30 s)"
     )

@@ -1,13 +1,19 @@
 """A frozen holder on a real daemon (issue 24): a warm worker stopped with SIGSTOP holds the GPU
 token; status answers at once from what it said last, it is reported at holder_timeout_s and
-killed at twice that, the GPU moves on to another model, and the stopped model restarts."""
+killed at twice that, the GPU moves on to another model, and the stopped model restarts.
+
+A frozen handoff too (issue 40): a worker stopped while warming, and one cooling on an RPC
+server that stopped answering (SIGSTOP on `arbiterd rpc-server`: its connections stay open and
+nothing comes back), are reported and killed the same way, and the device moves on."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -15,10 +21,14 @@ from typing import Any
 import httpx
 import openai
 
+from arbiterd.arena import Arena
 from arbiterd.cli.controlclient import ControlClient
 from arbiterd.daemon.liveness import STATUS_ANSWER_S
+from arbiterd.paths import device_arena_of
 from tests.support.daemon import Daemon, openai_client, serving, tiny
+from tests.support.rpcservers import RpcServer, rpc_servers
 from tests.support.signals import stop
+from tests.support.waiting import wait_until
 
 HOLDER_TIMEOUT_S = 2.0
 # What an answer from the daemon's memory may take on a busy CI machine; a frozen worker's
@@ -127,3 +137,159 @@ def assert_the_journal_says_it(daemon: Daemon) -> None:
     ).stdout
     lines = [line for line in shown.splitlines() if "holder_silent" in line]
     assert [line.rpartition(": ")[2] for line in lines] == ["reported", "killed"], shown
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RpcServer]:
+    with rpc_servers(tmp_path, 1) as (running,):
+        yield running
+
+
+def on_server(server: RpcServer, model: Path) -> dict[str, Any]:
+    """A tiny model placed on `server`: its weights, KV and compute live there, and every
+    handoff moves them over the wire."""
+    return tiny(model, devices=[server.device], n_gpu_layers=-1, residency="in-place")
+
+
+def serving_on(server: RpcServer, model: Path) -> Any:
+    """alpha and beta, both on `server`: one device, one token between them."""
+    models = {"alpha": on_server(server, model), "beta": on_server(server, model)}
+    keys = {"holder_timeout_s": HOLDER_TIMEOUT_S, "rpc_servers": [server.endpoint]}
+    return serving(models, daemon_keys=keys)
+
+
+def resume(pid: int) -> None:
+    os.kill(pid, signal.SIGCONT)
+
+
+def residency(model: str, to: str) -> Callable[[dict[str, Any]], bool]:
+    return lambda e: e["event"] == "residency" and e["model"] == model and e["to"] == to
+
+
+def test_a_worker_stopped_while_warming_is_reported_then_killed_and_the_device_moves_on(
+    tiny_model: Path, server: RpcServer
+) -> None:
+    with (
+        serving_on(server, tiny_model) as daemon,
+        openai_client(daemon) as api,
+        daemon.client() as control,
+        daemon.client() as watcher,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        assert complete(api, "alpha")
+        control.call("release", model="alpha")  # both cold: alpha warms up on the next request
+        pid = model_status(control.call("status"), "alpha")["pid"]
+        watcher.call("subscribe")  # from here: the events of the warm-up to come
+        # The server stopped: alpha's warm-up waits on it (its check that the server answers
+        # waits rpc.PROBE_TIMEOUT_S), and is stopped meanwhile, holding the device's token.
+        stop(server.process.pid)
+        try:
+            alpha_answer = pool.submit(complete, api, "alpha")
+            next_event(watcher, residency("alpha", "warming"))
+            stop(pid)
+        finally:
+            resume(server.process.pid)
+        beta_answer = pool.submit(complete, api, "beta")  # waits for the token alpha holds
+
+        reported = next_event(watcher, silent(killed=False))
+        assert (reported["model"], reported["pid"], reported["state"]) == ("alpha", pid, "warming")
+        assert HOLDER_TIMEOUT_S <= reported["silent_s"] < 2 * HOLDER_TIMEOUT_S
+        killed = next_event(watcher, silent(killed=True))
+        assert (killed["model"], killed["state"]) == ("alpha", "warming")
+        assert killed["silent_s"] >= 2 * HOLDER_TIMEOUT_S
+
+        assert beta_answer.result(timeout=60)  # the kernel freed the token: beta served
+        with pytest.raises(openai.APIStatusError) as refused:
+            alpha_answer.result(timeout=60)
+        assert refused.value.status_code == 503
+        assert "no sign of life" in str(refused.value)
+        assert "while warming" in str(refused.value)
+        assert complete(api, "alpha")  # restarted as after any crash, and serving
+
+
+def test_a_model_cooling_on_a_stopped_rpc_server_is_killed_and_the_device_moves_on(
+    tiny_model: Path, server: RpcServer
+) -> None:
+    with (
+        serving_on(server, tiny_model) as daemon,
+        openai_client(daemon) as api,
+        daemon.client() as control,
+        daemon.client() as watcher,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        assert complete(api, "beta")
+        assert complete(api, "alpha")  # alpha warm on the server, beta cold (disconnected)
+        pid = model_status(control.call("status"), "alpha")["pid"]
+        watcher.call("subscribe")  # from here: the events of the handoff to come
+        stop(server.process.pid)
+        try:
+            # beta wants the device: alpha cools, and its release waits on the stopped server.
+            beta_answer = pool.submit(complete, api, "beta")
+            next_event(watcher, residency("alpha", "cooling"))
+            reported = next_event(watcher, silent(killed=False))
+            assert (reported["model"], reported["pid"]) == ("alpha", pid)
+            assert reported["state"] == "cooling"
+            cooling = model_status(control.call("status"), "alpha")
+            assert (cooling["state"], cooling["silent_s"] >= HOLDER_TIMEOUT_S) == ("cooling", True)
+            killed = next_event(watcher, silent(killed=True))
+            assert (killed["model"], killed["state"]) == ("alpha", "cooling")
+        finally:
+            resume(server.process.pid)  # beta, given the token, waits on the server's answer
+        crashed = next_event(watcher, lambda e: e["event"] == "worker" and e["model"] == "alpha")
+        assert (crashed["pid"], crashed["code"]) == (pid, -9)
+        assert "while cooling" in crashed["reason"]
+        # Its connection closed with it: the server serves beta, then alpha's new worker.
+        assert beta_answer.result(timeout=60)
+        assert complete(api, "alpha")
+
+
+def test_a_worker_stopped_while_loading_with_the_token_is_killed_and_the_device_moves_on(
+    tiny_model: Path, server: RpcServer
+) -> None:
+    with (
+        serving_on(server, tiny_model) as daemon,
+        openai_client(daemon) as api,
+        daemon.client() as control,
+        daemon.client() as watcher,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        old_pid = model_status(control.call("status"), "alpha")["pid"]
+        control.call("unload", model="alpha")  # its next request starts a worker that loads
+        control.call("release", model="beta")  # nobody warm: no release waits on the server
+        arena = Arena(device_arena_of(server.device, daemon.arena))
+        watcher.call("subscribe")
+        # The server stopped: the load, once it has the token, waits on the server (its check
+        # that the server answers waits rpc.PROBE_TIMEOUT_S), and is stopped meanwhile. No
+        # event says when a loading worker took the token: the kernel's lock table does.
+        stop(server.process.pid)
+        try:
+            alpha_answer = pool.submit(complete, api, "alpha")
+            pid = wait_for_new_holder(arena, old_pid)
+            stop(pid)
+        finally:
+            resume(server.process.pid)
+        assert model_status(control.call("status"), "alpha")["state"] == "loading"
+        beta_answer = pool.submit(complete, api, "beta")  # waits for the token alpha holds
+
+        reported = next_event(watcher, silent(killed=False))
+        assert (reported["model"], reported["pid"], reported["state"]) == ("alpha", pid, "loading")
+        killed = next_event(watcher, silent(killed=True))
+        assert (killed["model"], killed["state"]) == ("alpha", "loading")
+        assert beta_answer.result(timeout=60)
+        with pytest.raises(openai.APIStatusError):
+            alpha_answer.result(timeout=60)
+        assert complete(api, "alpha")
+
+
+def wait_for_new_holder(arena: Arena, old_pid: int) -> int:
+    """The pid of the process that takes `arena`'s token next, other than `old_pid`."""
+    holders: list[int] = []
+
+    def taken() -> bool:
+        holder = arena.observe().holder_pid
+        if holder is not None and holder != old_pid:
+            holders.append(holder)
+        return bool(holders)
+
+    wait_until(taken, EVENT_TIMEOUT_S, "a new worker to take the server's token")
+    return holders[0]
