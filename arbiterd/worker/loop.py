@@ -17,11 +17,15 @@ Two threads:
 - the **io thread** reads the socket: it answers `status` and `cancel` at once (also during a
   decode: ctypes releases the GIL in llama_decode) and queues everything else for the engine.
   Its `status` says how old the engine thread's last *beat* is (`beat_age_s`; 0 while it
-  sleeps on the doorbell, which no hung driver does): the engine thread beats each turn of its
-  loop and before each decode batch and tokenizer piece of a request, through the callbacks
-  the engine already asks. So a long generation beats once per token or prompt batch, and
-  only one native call that runs longer than the daemon's `holder_timeout_s` (a hung driver;
-  a single batch that slow) looks like a hang; the daemon judges (daemon/liveness.py, issue 24).
+  sleeps on the doorbell or waits in the queue for the token, which no hung driver does): the
+  engine thread beats each turn of its loop and before each decode batch and tokenizer piece
+  of a request, through the callbacks the engine already asks. So a long generation beats once
+  per token or prompt batch, and only one native call that runs longer than the daemon's
+  `holder_timeout_s` (a hung driver; a single batch that slow) looks like a hang. A load, a
+  release or a restore is one long native call that asks nothing back: inside one, the engine
+  thread's CPU clock moving on is its beat (worker/progress.py, issue 40), so a large model
+  that loads for minutes stays live and one blocked on an RPC server that stopped answering
+  does not. The daemon judges every holder (daemon/liveness.py, issues 24 and 40).
   When the daemon's end closes, it stops the worker: the current request is cancelled before
   its next decode, the token released, the process exits.
 
@@ -66,6 +70,7 @@ Message protocol (JSON lines, `arbiterd.wire`), version WORKER_PROTOCOL:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -73,8 +78,9 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from arbiterd.arena import Arena, ArenaState, Gateway, Hold, Place, Priority
 from arbiterd.arena.devices import device_arenas
@@ -128,10 +134,13 @@ from arbiterd.worker.policy import (
     preempts,
     release_reason,
 )
+from arbiterd.worker.progress import NativeCall, Progress
 from arbiterd.worker.residency import Residency as ResidencyMachine
 from arbiterd.worker.residency import Wait
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 # How often a generation looks for a waiter of a higher class (each look lists the queue and
 # reads /proc/locks).
@@ -187,12 +196,17 @@ class Worker:
         self._wake = threading.Event()  # interrupts a wait for the token
         # The engine thread's sleep while warm and idle; the io thread wakes it for a command.
         self._doorbell = Doorbell()
-        self._asleep = False  # the engine thread sleeps on the doorbell (see `beat_age_s`)
+        # The engine thread sleeps on the doorbell or waits for the token (see `_beat_age_s`).
+        self._waiting = False
         self._stopping = threading.Event()
         self._orphaned = threading.Event()  # the daemon is gone: nobody reads our answers
         # Published by the engine thread (one reference assignment), read by the io thread.
         self._status: dict[str, Any] = {}
         self._beat = time.monotonic()  # the engine thread's last sign of life (see above)
+        # The load, release or restore the engine thread is in (see above), and the io thread's
+        # look at its progress (made in `run`, on the engine thread, whose clock it reads).
+        self._native: NativeCall | None = None
+        self._progress: Progress | None = None
         self._served = 0
         self._served_when_warm = 0  # `_served` when it last became warm
         self._paused = 0  # generations paused for a waiter of a higher class
@@ -238,8 +252,7 @@ class Worker:
             self._out.send({"id": readable, "error": ProtocolError(problem).to_wire()})
             return
         if op is WorkerOp.STATUS:
-            beat_age_s = 0.0 if self._asleep else round(time.monotonic() - self._beat, 3)
-            result = {**self._status, "queue": self._queued(), "beat_age_s": beat_age_s}
+            result = {**self._status, "queue": self._queued(), "beat_age_s": self._beat_age_s()}
             self._out.send({"id": request_id, "result": result})
         elif op is WorkerOp.CANCEL:
             target = message.get("target")
@@ -260,6 +273,18 @@ class Worker:
             )
             self._doorbell.wake()
 
+    def _beat_age_s(self) -> float:
+        """How old the engine thread's last sign of life is, as the io thread answers status:
+        0 while it waits on another process (the doorbell, the queue for the token), which no
+        hung driver does; inside a load, release or restore, its CPU clock moving on counts."""
+        if self._waiting:
+            return 0.0
+        now = time.monotonic()
+        beat, native, progress = self._beat, self._native, self._progress
+        if native is not None and progress is not None:
+            beat = max(beat, progress.last_moved(native, now))
+        return round(now - beat, 3)
+
     def _request_stop(self) -> None:
         self._stopping.set()
         self._wake.set()
@@ -279,6 +304,7 @@ class Worker:
                 }
             }
         )
+        self._progress = Progress(time.pthread_getcpuclockid(threading.get_ident()))
         threading.Thread(target=self._io_loop, name="worker-io", daemon=True).start()
         try:
             if self._load() or self._load_again():
@@ -300,9 +326,11 @@ class Worker:
         # The token before the weights: loading can then never push a resident model out of VRAM.
         place, waiting = self._announce(self.config.priority)
         try:
-            self._got_token(
-                place.take(self.name, model=self.name, cancel=self._stopping, on_wait=waiting.saw)
-            )
+            with self._waiting_for_others():
+                taken = place.take(
+                    self.name, model=self.name, cancel=self._stopping, on_wait=waiting.saw
+                )
+            self._got_token(taken)
         except AcquireCancelledError:
             return False
         finally:
@@ -311,11 +339,11 @@ class Worker:
         # Loading is timed from here: the wait for the token is not part of it.
         self._residency = ResidencyMachine(self.name)
         try:
-            moved = self._backend.load()
+            moved = self._native_call(self._backend.load)
         except EngineError as exc:
             self._fail(exc)
             return False
-        keptkv.adopt(self.config, self._backend)
+        self._native_call(lambda: keptkv.adopt(self.config, self._backend))
         self._moved(ResidencyState.LOADING, ResidencyState.WARM, moved, wait=wait)
         self._warm_since = self._idle_since = time.monotonic()
         self._served_when_warm = self._served
@@ -344,7 +372,8 @@ class Worker:
             if command.op is WorkerOp.SHUTDOWN:
                 return
             if command.op is WorkerOp.UNLOAD:
-                self._reply(command.id, keptkv.save(self.config, self._backend))
+                saved = self._native_call(lambda: keptkv.save(self.config, self._backend))
+                self._reply(command.id, saved)
                 return
             if command.op is WorkerOp.RELEASE:
                 if self._residency.state is ResidencyState.WARM:
@@ -377,13 +406,31 @@ class Worker:
     def _sleep(self, timeout_s: float | None) -> None:
         """Warm and idle: wait for a bell, a command, `timeout_s` (the policy's next deadline)
         or the safety probe, whichever comes first."""
-        self._asleep = True
-        try:
+        with self._waiting_for_others():
             self._doorbell.wait(
                 min(SAFETY_PROBE_S, SAFETY_PROBE_S if timeout_s is None else timeout_s)
             )
+
+    @contextlib.contextmanager
+    def _waiting_for_others(self) -> Iterator[None]:
+        """The engine thread waits on what other processes do (a bell, the token): alive, as
+        its status says, however long that takes."""
+        self._waiting = True
+        try:
+            yield
         finally:
-            self._asleep = False
+            self._waiting = False
+            self._beat = time.monotonic()
+
+    def _native_call(self, call: Callable[[], _T]) -> _T:
+        """`call`: a load, release or restore (or the kept KV set back), one long native call
+        that beats by its CPU clock (worker/progress.py)."""
+        self._beat = time.monotonic()
+        self._native = NativeCall(time.thread_time(), self._beat)
+        try:
+            return call()
+        finally:
+            self._native = None
             self._beat = time.monotonic()
 
     def _load_again(self) -> bool:
@@ -604,7 +651,8 @@ class Worker:
         kv = self._kv_policy
         if reason == ReleaseReason.PREEMPTED.value and kv is KvPolicy.DROP:
             kv = KvPolicy.HOST
-        self._moved(ResidencyState.COOLING, ResidencyState.COLD, self._backend.release(kv), reason)
+        moved = self._native_call(lambda: self._backend.release(kv))
+        self._moved(ResidencyState.COOLING, ResidencyState.COLD, moved, reason)
         if reason in (ReleaseReason.WANTED.value, ReleaseReason.PREEMPTED.value):
             token, self._token = self._token, None
             self._doorbell.disarm()
@@ -634,11 +682,11 @@ class Worker:
             while True:
                 self._wake.clear()
                 try:
-                    self._got_token(
-                        ticket.take(
+                    with self._waiting_for_others():
+                        taken = ticket.take(
                             self.name, model=self.name, cancel=self._wake, on_wait=waiting.saw
                         )
-                    )
+                    self._got_token(taken)
                     break
                 except AcquireCancelledError:
                     if self._stopping.is_set() or self._is_cancelled(request_id):
@@ -648,7 +696,7 @@ class Worker:
         wait = waiting.done()
         self._emit(self._residency.transition(ResidencyState.COLD, ResidencyState.WARMING))
         try:
-            moved = self._backend.restore()
+            moved = self._native_call(self._backend.restore)
         except Exception as exc:
             # Roll back: a model that is not warm must not keep the token. Whatever the restore
             # raised, the model is cold again and the next request may warm it.
