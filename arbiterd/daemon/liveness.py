@@ -29,6 +29,15 @@ the beat is the engine's own callback, it does not).
 A worker is judged only while it holds a token (`holds_token`): a waiter's silence stalls no
 one this module can free (the queue passes over it, arena/), and a cold worker holds nothing.
 
+What a kill in a handoff keeps: the daemon's host copy of the model file (the next worker loads
+from it, reading nothing from disk) and a prompt cache an earlier unload left in its state file
+(worker/keptkv.py). The killed worker's own prompt cache goes with it: cooling, it was still on
+the device (on an RPC server, the copy off the server is what hung); warming, its host copy
+lived in the worker. A restore never starts on a server that does not answer: the worker
+probes it first (rpc.probe, within rpc.PROBE_TIMEOUT_S) and stays cold with its KV. While the
+server stays silent the new worker's load fails the same probe, so the model shows `failed`,
+naming the server, and loads again once it answers.
+
 All times are `time.monotonic()`; the worker's beat age is measured on the same clock
 (CLOCK_MONOTONIC is one clock for the whole system), and counts no system suspend.
 """

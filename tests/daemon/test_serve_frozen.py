@@ -293,3 +293,41 @@ def wait_for_new_holder(arena: Arena, old_pid: int) -> int:
 
     wait_until(taken, EVENT_TIMEOUT_S, "a new worker to take the server's token")
     return holders[0]
+
+
+def test_a_model_cooling_on_a_server_that_stays_stopped_ends_failed_and_the_device_free(
+    tiny_model: Path, server: RpcServer
+) -> None:
+    with (
+        serving_on(server, tiny_model) as daemon,
+        openai_client(daemon) as api,
+        daemon.client() as control,
+        daemon.client() as watcher,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        assert complete(api, "beta")
+        assert complete(api, "alpha")  # alpha warm on the server, beta cold (disconnected)
+        watcher.call("subscribe")
+        stop(server.process.pid)
+        try:
+            beta_answer = pool.submit(complete, api, "beta")
+            killed = next_event(watcher, silent(killed=True))
+            assert (killed["model"], killed["state"]) == ("alpha", "cooling")
+            # beta, given the token, finds the server silent within its probe and stays cold;
+            # alpha's new worker fails its load the same way: each ends, none holds the device.
+            with pytest.raises(openai.APIStatusError) as refused:
+                beta_answer.result(timeout=60)
+            assert refused.value.status_code == 503
+            failed = next_event(watcher, residency("alpha", "failed"))
+            assert server.endpoint in failed["reason"]
+            arena = Arena(device_arena_of(server.device, daemon.arena))
+            wait_until(lambda: arena.observe().holder_pid is None, 10, "the device to be free")
+        finally:
+            resume(server.process.pid)
+        assert complete(api, "beta")  # the server answers again: both serve
+        wait_until(
+            lambda: model_status(control.call("status"), "alpha")["state"] != "failed",
+            60,
+            "alpha to load again",
+        )
+        assert complete(api, "alpha")
