@@ -419,8 +419,8 @@ class Worker:
         try:
             yield
         finally:
+            self._beat = time.monotonic()  # first: the io thread never sees a beat that old
             self._waiting = False
-            self._beat = time.monotonic()
 
     def _native_call(self, call: Callable[[], _T]) -> _T:
         """`call`: a load, release or restore (or the kept KV set back), one long native call
@@ -430,8 +430,9 @@ class Worker:
         try:
             return call()
         finally:
-            self._native = None
+            # The beat first: the io thread never sees the call gone and its entry's beat.
             self._beat = time.monotonic()
+            self._native = None
 
     def _load_again(self) -> bool:
         """A model that cannot load keeps answering, with its reason, until shut down; True
