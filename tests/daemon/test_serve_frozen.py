@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from arbiterd.arena import Arena
 from arbiterd.cli.controlclient import ControlClient
@@ -276,8 +277,9 @@ def test_a_worker_stopped_while_loading_with_the_token_is_killed_and_the_device_
         killed = next_event(watcher, silent(killed=True))
         assert (killed["model"], killed["state"]) == ("alpha", "loading")
         assert beta_answer.result(timeout=60)
-        with pytest.raises(openai.APIStatusError):
-            alpha_answer.result(timeout=60)
+        # alpha's request never began in the killed worker (a loading worker takes none): the
+        # restarted worker serves it (issue 40 item 12), and the next one too.
+        assert alpha_answer.result(timeout=60)
         assert complete(api, "alpha")
 
 
