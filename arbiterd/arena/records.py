@@ -154,16 +154,11 @@ class TicketLabel:
     @classmethod
     def from_json(cls, raw: bytes) -> TicketLabel | None:
         """The label in `raw`; None for an empty or malformed one."""
-        try:
-            data = json.loads(raw) if raw.strip() else None
-        except ValueError:
+        named = _named_process(raw)
+        if named is None:
             return None
-        if not isinstance(data, dict):
-            return None
-        pid, name, model = (data.get(k) for k in ("pid", "name", "model"))
-        if not isinstance(pid, int) or not isinstance(name, str):
-            return None
-        return cls(pid, name, model if isinstance(model, str) else None)
+        pid, name, model, _ = named
+        return cls(pid, name, model)
 
 
 @dataclass(frozen=True)
@@ -192,25 +187,33 @@ class HolderInfo:
     @classmethod
     def from_json(cls, raw: bytes) -> HolderInfo | None:
         """Parse holder.json; an empty (released) or malformed file means "no information"."""
-        try:
-            data = json.loads(raw) if raw.strip() else None
-        except ValueError:
+        named = _named_process(raw)
+        if named is None:
             return None
-        if not isinstance(data, dict):
-            return None
-        pid, name, model, since = (data.get(k) for k in ("pid", "name", "model", "since"))
-        if not isinstance(pid, int) or not isinstance(name, str):
-            return None
+        pid, name, model, data = named
+        since, command_pid = data.get("since"), data.get("command_pid")
         if not isinstance(since, int | float):
             return None
-        command_pid = data.get("command_pid")
         return cls(
-            pid,
-            name,
-            model if isinstance(model, str) else None,
-            float(since),
-            command_pid if isinstance(command_pid, int) else None,
+            pid, name, model, float(since), command_pid if isinstance(command_pid, int) else None
         )
+
+
+def _named_process(raw: bytes) -> tuple[int, str, str | None, dict[str, object]] | None:
+    """The `pid`, `name` and `model` (None unless a string) that holder.json and a ticket's
+    label both hold, and the whole object for the rest; None when `raw` is empty (released),
+    not a JSON object, or lacks an int pid and a string name. Both files are informational:
+    a malformed one is no information, never an error."""
+    try:
+        data = json.loads(raw) if raw.strip() else None
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    pid, name, model = (data.get(k) for k in ("pid", "name", "model"))
+    if not isinstance(pid, int) or not isinstance(name, str):
+        return None
+    return pid, name, model if isinstance(model, str) else None, data
 
 
 @dataclass(frozen=True)
