@@ -21,6 +21,14 @@
     watch_config = true           # a saved change to this file applies as `arbiterd reload`
     queue_notice_s = 1            # a stream waiting this long for the GPU is told who holds it
     rpc_servers = []              # llama.cpp RPC servers models may be placed on, "HOST:PORT"
+    switch_overhead = 0.1         # the share of the time handoffs may take: a wanted model with
+                                  #   requests queued keeps the GPU for a turn of
+                                  #   handoff x (1 - share) / share (docs/scheduling.md)
+    min_turn_s = 0.5              # a turn lasts at least this long ...
+    max_turn_s = 5                # ... and at most this long
+    max_wait_s = { interactive = 5, normal = 15, batch = 60 }
+                                  # a waiter of the class that waited this long ends the turn;
+                                  #   each at least max_turn_s
     [models.NAME]                 # one table per model; NAME is what requests ask for
     path = "/models/x.gguf"       # required
     aliases = []                  # more names requests may ask for, e.g. ["gpt-4o-mini"]
@@ -86,7 +94,20 @@ from arbiterd.paths import (
     parse_device_id,
     runtime_dir,
 )
-from arbiterd.spec import MAX_N_CTX, KvPolicy, ModelSpec, Residency, SplitMode, WorkerConfig
+from arbiterd.spec import (
+    DEFAULT_TURNS,
+    MAX_N_CTX,
+    MAX_TURN_S,
+    MAX_WAIT_S,
+    MIN_TURN_S,
+    SWITCH_OVERHEAD,
+    KvPolicy,
+    ModelSpec,
+    Residency,
+    SplitMode,
+    Turns,
+    WorkerConfig,
+)
 from arbiterd.tomltable import (
     MISSING,
     Keys,
@@ -164,6 +185,10 @@ DAEMON_KEYS = (
     "watch_config",
     "queue_notice_s",
     "rpc_servers",
+    "switch_overhead",
+    "min_turn_s",
+    "max_turn_s",
+    "max_wait_s",
 )
 MODEL_KEYS = (
     "path",
@@ -282,6 +307,8 @@ class DaemonConfig:
     # Issue 27: the llama.cpp RPC servers models may be placed on, "host:port" as an rpc:
     # device id spells its server (the host lower-cased), in the file's order.
     rpc_servers: tuple[str, ...] = ()
+    # Issue 43: how long a wanted model keeps the GPU for its queued requests (worker/policy.py).
+    turns: Turns = DEFAULT_TURNS
 
 
 @dataclass(frozen=True)
@@ -364,6 +391,7 @@ class ModelConfig:
         kv_file: Path | None = None,
         model_version: tuple[int, int] | None = None,
         vram_budget: int = 0,
+        turns: Turns = DEFAULT_TURNS,
     ) -> WorkerConfig:
         """What the worker process for this model is started with; `host_copy_fd` is the
         daemon's memfd of the model file, inherited by the worker; `embedding`, whether it
@@ -404,6 +432,7 @@ class ModelConfig:
             model_version=model_version,
             group=self.group,
             vram_budget=vram_budget,
+            turns=turns,
         )
 
 
@@ -623,6 +652,7 @@ class _DaemonValues:
     watch_config: bool = True
     queue_notice_s: float = QUEUE_NOTICE_S
     rpc_servers: tuple[str, ...] = ()
+    turns: Turns = DEFAULT_TURNS
 
     def resolve(self, env: Mapping[str, str]) -> DaemonConfig:
         # Only defaults in use are resolved: they may need $XDG_RUNTIME_DIR, which the flags
@@ -648,6 +678,7 @@ class _DaemonValues:
             watch_config=self.watch_config,
             queue_notice_s=self.queue_notice_s,
             rpc_servers=self.rpc_servers,
+            turns=self.turns,
         )
 
 
@@ -705,7 +736,47 @@ def _daemon(src: Source, raw: object, overrides: _Overrides) -> _DaemonValues:
         watch_config=table.boolean("watch_config", True),
         queue_notice_s=table.seconds("queue_notice_s", QUEUE_NOTICE_S),
         rpc_servers=_rpc_servers(table),
+        turns=_turns(table),
     )
+
+
+def _turns(table: Table) -> Turns:
+    """[daemon]'s turn keys (issue 43): switch_overhead a share strictly between 0 and 1,
+    0 < min_turn_s ≤ max_turn_s, and max_wait_s per class, each above 0 and none shorter than
+    max_turn_s (a turn longer than a class's bound would make its waiters wait past it)."""
+    src = table.src
+    overhead = table.values.get("switch_overhead", SWITCH_OVERHEAD)
+    # bool is an int in Python; nan compares false both ways and is refused with the rest.
+    if isinstance(overhead, bool) or not isinstance(overhead, int | float) or not 0 < overhead < 1:
+        raise src.expected(
+            table.keys("switch_overhead"), "a share of the time above 0 and below 1", overhead
+        )
+    min_turn_s = table.seconds("min_turn_s", MIN_TURN_S)
+    if not min_turn_s:
+        raise src.expected(table.keys("min_turn_s"), "a number of seconds above 0", min_turn_s)
+    max_turn_s = table.seconds("max_turn_s", MAX_TURN_S)
+    if max_turn_s < min_turn_s:
+        raise src.expected(
+            table.keys("max_turn_s"), f"at least min_turn_s ({min_turn_s:g} s)", max_turn_s
+        )
+    raw = table.values.get("max_wait_s", {})
+    if not isinstance(raw, dict):
+        raise src.expected(
+            table.keys("max_wait_s"), f"a table of seconds by class ({PRIORITY_CHOICES})", raw
+        )
+    waits = Table(src, table.keys("max_wait_s"), raw)
+    waits.check_keys(tuple(p.value for p in Priority), lambda key, value: "")
+    bounds = []
+    for priority in Priority:
+        bound = waits.seconds(priority.value, MAX_WAIT_S[priority.rank])
+        if bound < max_turn_s:
+            raise src.expected(
+                waits.keys(priority.value),
+                f"at least max_turn_s ({max_turn_s:g} s): a turn may last that long",
+                bound,
+            )
+        bounds.append(bound)
+    return Turns(float(overhead), min_turn_s, max_turn_s, tuple(bounds))
 
 
 def is_loopback(host: str) -> bool:

@@ -279,7 +279,8 @@ class ResidencyEvent(Event):
     ends warm also says how its worker got the token: it asked at `waited_from`, waited `wait_s`,
     and `holder_pid` / `holder_name` held the token then (None: it was free). `resident_bytes`
     is what the worker holds on its devices once the change is made (weights, KV and compute
-    buffers; the KV a release left on the device), by the engine's own figures."""
+    buffers; the KV a release left on the device), by the engine's own figures. A release
+    (cooling → cold) says in `turn_served` how many requests the turn it ends served (issue 43)."""
 
     KIND: ClassVar[str] = "residency"
 
@@ -298,6 +299,7 @@ class ResidencyEvent(Event):
     holder_pid: int | None = None
     holder_name: str | None = None
     resident_bytes: int | None = None
+    turn_served: int | None = None
 
     @property
     def moved_bytes(self) -> int:
@@ -352,6 +354,8 @@ class HandoffEvent(Event):
     # mid-generation for a waiter of a higher class).
     release_reason: str | None = None
     devices: tuple[str, ...] = ()
+    # How many requests `from_model`'s turn served before that release (issue 43), when known.
+    turn_served: int | None = None
 
     @property
     def total_s(self) -> float:

@@ -12,6 +12,7 @@ import enum
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from arbiterd.arena import Priority
 
@@ -166,6 +167,52 @@ def capabilities(spec: ModelSpec, *, has_chat_template: bool) -> tuple[Capabilit
     return tuple(found)
 
 
+# [daemon]'s turn defaults (issue 43, docs/scheduling.md says how they were chosen).
+SWITCH_OVERHEAD = 0.1
+MIN_TURN_S = 0.5
+MAX_TURN_S = 5.0
+# Per class, in Priority's order: interactive, normal, batch.
+MAX_WAIT_S = (5.0, 15.0, 60.0)
+
+
+@dataclass(frozen=True)
+class Turns:
+    """How long a wanted model keeps the GPU for the requests queued for it (issue 43): a
+    quantum sized so that handoffs take at most `switch_overhead` of the time, within
+    [min_turn_s, max_turn_s], ended early once a waiter has waited `max_wait_s` of its class
+    (indexed by Priority.rank). config.py checks the values; the worker applies them
+    (worker/policy.py)."""
+
+    switch_overhead: float = SWITCH_OVERHEAD
+    min_turn_s: float = MIN_TURN_S
+    max_turn_s: float = MAX_TURN_S
+    max_wait_s: tuple[float, ...] = MAX_WAIT_S
+
+    def bound_s(self, priority: Priority) -> float:
+        """How long a waiter of `priority` may wait before the holder's turn ends for it."""
+        return self.max_wait_s[priority.rank]
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "switch_overhead": self.switch_overhead,
+            "min_turn_s": self.min_turn_s,
+            "max_turn_s": self.max_turn_s,
+            "max_wait_s": {p.value: self.bound_s(p) for p in Priority},
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Turns:
+        return cls(
+            switch_overhead=float(raw["switch_overhead"]),
+            min_turn_s=float(raw["min_turn_s"]),
+            max_turn_s=float(raw["max_turn_s"]),
+            max_wait_s=tuple(float(raw["max_wait_s"][p.value]) for p in Priority),
+        )
+
+
+DEFAULT_TURNS = Turns()
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """Everything a worker needs, passed as JSON on its command line."""
@@ -190,6 +237,8 @@ class WorkerConfig:
     # loaded beside it; more, and its weights leave while the projector encodes (issue 12).
     # 0: the device's measured free memory decides, where the engine can tell.
     vram_budget: int = 0
+    # [daemon]'s turns: how long this model keeps the GPU for its queue when wanted.
+    turns: Turns = DEFAULT_TURNS
 
     def to_json(self) -> str:
         spec = dataclasses.asdict(self.spec)
@@ -208,6 +257,7 @@ class WorkerConfig:
                 "model_version": None if self.model_version is None else list(self.model_version),
                 "group": self.group,
                 "vram_budget": self.vram_budget,
+                "turns": self.turns.to_json(),
             }
         )
 
@@ -234,4 +284,5 @@ class WorkerConfig:
             model_version=None if version is None else (int(version[0]), int(version[1])),
             group=str(raw.get("group", "")),
             vram_budget=int(raw.get("vram_budget", 0)),
+            turns=Turns.from_json(raw["turns"]) if "turns" in raw else Turns(),
         )

@@ -24,7 +24,7 @@ from arbiterd.config import (
     load_config,
 )
 from arbiterd.errors import BadValueError, ConfigError, RuntimeDirError
-from arbiterd.spec import KvPolicy, Residency, WorkerConfig
+from arbiterd.spec import MAX_WAIT_S, KvPolicy, Residency, Turns, WorkerConfig
 from arbiterd.tomltable import parse_size
 
 FULL = """\
@@ -597,6 +597,7 @@ def test_worker_config_carries_the_model(tmp_path: Path, env: dict[str, str]) ->
         kv_file=tmp_path / "qwen.kv",
         model_version=(1234, 5678),
         vram_budget=22 << 30,
+        turns=Turns(0.2, 1.0, 3.0, (4.0, 9.0, 90.0)),
     )
 
     spec = worker.spec
@@ -612,6 +613,7 @@ def test_worker_config_carries_the_model(tmp_path: Path, env: dict[str, str]) ->
     assert worker.kv_file == tmp_path / "qwen.kv"
     assert worker.model_version == (1234, 5678)
     assert worker.vram_budget == 22 << 30  # [daemon] vram_budget, for a projector's path
+    assert worker.turns == Turns(0.2, 1.0, 3.0, (4.0, 9.0, 90.0))  # [daemon]'s, to each worker
     assert WorkerConfig.from_json(worker.to_json()) == worker
 
 
@@ -1355,6 +1357,74 @@ def test_the_http_flag_needs_an_api_key_off_loopback_too(
     ],
 )
 def test_http_access_errors_name_the_key(
+    tmp_path: Path, env: dict[str, str], text: str, key_path: str, expected: str
+) -> None:
+    path = write(tmp_path, f"[daemon]\n{text}\n" + MINIMAL)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, env=env)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: {key_path}: "), message
+    assert expected in message, message
+
+
+def test_turns_have_defaults_and_take_the_files_values(tmp_path: Path, env: dict[str, str]) -> None:
+    assert load_text(tmp_path, env, MINIMAL).daemon.turns == Turns()
+    text = (
+        "[daemon]\nswitch_overhead = 0.2\nmin_turn_s = 1\nmax_turn_s = 3\n"
+        "max_wait_s = { interactive = 4, batch = 90 }\n" + MINIMAL
+    )
+    turns = load_text(tmp_path, env, text).daemon.turns
+    assert turns == Turns(0.2, 1.0, 3.0, (4.0, MAX_WAIT_S[Priority.NORMAL.rank], 90.0))
+    assert turns.bound_s(Priority.BATCH) == 90.0
+
+
+@pytest.mark.parametrize(
+    ("text", "key_path", "expected"),
+    [
+        pytest.param(
+            "switch_overhead = 0", "daemon.switch_overhead", "above 0 and below 1", id="share_0"
+        ),
+        pytest.param(
+            "switch_overhead = 1", "daemon.switch_overhead", "above 0 and below 1", id="share_1"
+        ),
+        pytest.param(
+            "switch_overhead = -0.1", "daemon.switch_overhead", "got -0.1", id="share_neg"
+        ),
+        pytest.param('switch_overhead = "0.1"', "daemon.switch_overhead", "got", id="share_str"),
+        pytest.param("switch_overhead = nan", "daemon.switch_overhead", "got nan", id="share_nan"),
+        pytest.param("min_turn_s = 0", "daemon.min_turn_s", "above 0, got 0", id="min_zero"),
+        pytest.param("min_turn_s = -1", "daemon.min_turn_s", "non-negative", id="min_negative"),
+        pytest.param('max_turn_s = "5"', "daemon.max_turn_s", "non-negative", id="max_string"),
+        pytest.param(
+            "min_turn_s = 2\nmax_turn_s = 1",
+            "daemon.max_turn_s",
+            "at least min_turn_s (2 s), got 1",
+            id="max_below_min",
+        ),
+        pytest.param(
+            "max_wait_s = 5", "daemon.max_wait_s", "a table of seconds by class", id="waits_int"
+        ),
+        pytest.param(
+            "max_wait_s = { urgent = 1 }",
+            "daemon.max_wait_s.urgent",
+            "expected one of: interactive, normal, batch",
+            id="waits_class",
+        ),
+        pytest.param(
+            "max_wait_s = { batch = -3 }",
+            "daemon.max_wait_s.batch",
+            "non-negative",
+            id="wait_negative",
+        ),
+        pytest.param(
+            "max_turn_s = 10\nmax_wait_s = { interactive = 5 }",
+            "daemon.max_wait_s.interactive",
+            "at least max_turn_s (10 s): a turn may last that long, got 5",
+            id="quantum_over_wait",
+        ),
+    ],
+)
+def test_turn_errors_name_the_key(
     tmp_path: Path, env: dict[str, str], text: str, key_path: str, expected: str
 ) -> None:
     path = write(tmp_path, f"[daemon]\n{text}\n" + MINIMAL)

@@ -77,6 +77,7 @@ SAMPLES: list[Event] = [
         restored_bytes=GiB,
         release_reason="wanted",
         devices=("gpu0",),
+        turn_served=7,
     ),
     WaitEvent(
         at=T,
@@ -182,6 +183,7 @@ def test_the_json_names_are_the_daemons() -> None:
         "restored_bytes": GiB,
         "release_reason": "wanted",
         "devices": ["gpu0"],
+        "turn_served": 7,
     }
     assert SAMPLES[1].to_json()["id"] == "cmpl-1"
     assert SAMPLES[0].to_json()["to"] == "warm"

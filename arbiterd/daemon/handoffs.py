@@ -72,6 +72,7 @@ class Handoffs:
             restored_bytes=event.moved_bytes,
             release_reason=(release.reason or None) if during_wait and release else None,
             devices=devices,
+            turn_served=release.turn_served if during_wait and release else None,
         )
 
     def forget(self, model: str) -> None:

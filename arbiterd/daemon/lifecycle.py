@@ -46,6 +46,7 @@ from arbiterd.errors import (
 from arbiterd.events import Event, PromptCacheEvictEvent, UnloadEvent, WorkerEvent
 from arbiterd.hostcopy import HostCopies, HostCopy
 from arbiterd.offload import gpu_nodes
+from arbiterd.spec import DEFAULT_TURNS, Turns
 from arbiterd.states import SlotState
 
 log = logging.getLogger(__name__)
@@ -100,12 +101,15 @@ class Lifecycle:
         kv_dir: Path | None = None,
         prompt_cache_budget_bytes: int = PROMPT_CACHE_BUDGET_BYTES,
         vram_budget: Callable[[ModelConfig], int] = lambda _: 0,
+        turns: Turns = DEFAULT_TURNS,
     ) -> None:
         """`kv_dir`: the folder unloaded models keep their prompt caches in, within
         `prompt_cache_budget_bytes`; None: an unload keeps none. `vram_budget`: the device
         bytes a model's worker may reach (a vision projector must fit beside its model),
-        modelfile.vram_budget_for; called in a thread as each worker starts."""
+        modelfile.vram_budget_for; called in a thread as each worker starts. `turns`: [daemon]'s
+        turn settings, which every worker applies."""
         self._arena = arena
+        self._turns = turns
         self._vram_budget = vram_budget
         self._kv_dir = kv_dir
         self.prompt_cache = (
@@ -152,6 +156,7 @@ class Lifecycle:
                         None if copy is None else (copy.identity.size, copy.identity.mtime_ns)
                     ),
                     vram_budget=await asyncio.to_thread(self._vram_budget, slot.config),
+                    turns=self._turns,
                 ),
                 env=env,
                 on_event=lambda event: self._on_worker_event(slot, event),

@@ -193,6 +193,7 @@ class Supervisor:
             prompt_cache_budget_bytes=config.daemon.prompt_cache_budget_bytes,
             # The config as it is when each worker starts (a reload replaces it).
             vram_budget=lambda model: vram_budget_for(self.config, model),
+            turns=config.daemon.turns,
         )
         self._waits = Waits(self._arena, notice_after_s=config.daemon.queue_notice_s)
         self._router = Router(self._slots, self._bus.publish, self._lifecycle.load, self._waits)

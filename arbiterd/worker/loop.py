@@ -73,6 +73,7 @@ import argparse
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import queue
 import socket
@@ -128,11 +129,13 @@ from arbiterd.worker.engine import (
 from arbiterd.worker.engine.placement import check_servers_up
 from arbiterd.worker.kvfile import KvState
 from arbiterd.worker.policy import (
+    HandoffCost,
     HoldView,
     ReleaseReason,
     decided_again_in_s,
     preempts,
     release_reason,
+    turn_quantum_s,
 )
 from arbiterd.worker.progress import NativeCall, Progress
 from arbiterd.worker.residency import Residency as ResidencyMachine
@@ -208,7 +211,10 @@ class Worker:
         self._native: NativeCall | None = None
         self._progress: Progress | None = None
         self._served = 0
-        self._served_when_warm = 0  # `_served` when it last became warm
+        self._served_when_warm = 0  # `_served` when it last became warm: its turn began there
+        # What a handoff costs this model, measured at each release and restore: it sizes the
+        # turns (issue 43).
+        self._handoff = HandoffCost()
         self._paused = 0  # generations paused for a waiter of a higher class
         self._next_preemption_check = 0.0
         # Pausing releases in place, so llama-cpp-python's generation survives it; the reload
@@ -393,6 +399,11 @@ class Worker:
         """Warm: the next command if one is queued; else sleep until `look_in_s` (0: do not
         sleep) and probe, and say when to look next. A command that comes during the sleep goes
         first, the probe after it, as it always did."""
+        if not self._inbox.empty():
+            # Between two requests: where a turn ends (issue 43), or goes on with the next.
+            self._maybe_release()
+            if self._residency.state is not ResidencyState.WARM:
+                return None, None
         try:
             return self._inbox.get_nowait(), look_in_s
         except queue.Empty:
@@ -499,7 +510,8 @@ class Worker:
                 # Queue before preparing: the holder releases while we tokenize.
                 queued = self._announce(priority)
             prepared = self._backend.prepare(request, lambda: self._between_pieces(command.id))
-            if queued is not None:
+            if self._residency.state is ResidencyState.COLD:
+                # Cold from the start, or its turn ended while it tokenized: it queues again.
                 self._warm_up(command.id, priority, queued)
             started = time.monotonic()
             result = self._backend.run(
@@ -628,13 +640,22 @@ class Worker:
         if self._residency.state is not ResidencyState.WARM or self._token is None:
             return None
         now = time.monotonic()
+        wanted = self._token.wanted()  # live lock state, probed here where we decide
+        held_s = now - self._warm_since
+        queued = self._inbox.qsize() + (self._current is not None)
+        quantum_s = self._quantum_s()
+        # The waiters' waits matter only while the turn would go on without them: read then
+        # alone (a look at the queue lists its folder and reads /proc/locks).
+        in_turn = wanted and queued > 0 and held_s < quantum_s
         view = HoldView(
-            wanted=self._token.wanted(),  # live lock state, probed here where we decide
-            held_s=now - self._warm_since,
+            wanted=wanted,
+            held_s=held_s,
             idle_s=now - self._idle_since,
-            busy=self._current is not None or not self._inbox.empty(),
+            queued=queued,
             pinned=self._pinned,
             served_since_warm=self._served > self._served_when_warm,
+            quantum_s=quantum_s,
+            wait_left_s=self._wait_left_s() if in_turn else math.inf,
         )
         min_hold_s, idle_release_s = self.config.min_hold_s, self.config.idle_release_s
         reason = release_reason(view, min_hold_s=min_hold_s, idle_release_s=idle_release_s)
@@ -642,6 +663,29 @@ class Worker:
             return decided_again_in_s(view, min_hold_s=min_hold_s, idle_release_s=idle_release_s)
         self._cool(reason.value)
         return None
+
+    def _quantum_s(self) -> float:
+        """How long this model's turn lasts, from its measured handoff cost."""
+        turns = self.config.turns
+        return turn_quantum_s(
+            self._handoff.total_s,
+            switch_overhead=turns.switch_overhead,
+            min_turn_s=turns.min_turn_s,
+            max_turn_s=turns.max_turn_s,
+        )
+
+    def _wait_left_s(self) -> float:
+        """The least time a queued waiter has left before it has waited max_wait_s of its own
+        class (0 or less: one has); inf when no ticket queues. A stopped waiter is left out: it
+        could not take the GPU it was handed (arena/token.py passes it over too)."""
+        state = self._arena.observe()
+        bounds = self.config.turns
+        left = (
+            bounds.bound_s(waiter.priority) - waiter.waited_s(state.observed_ns)
+            for waiter in state.queue
+            if waiter.pid not in state.stopped_pids
+        )
+        return min(left, default=math.inf)
 
     def _cool(self, reason: str) -> None:
         """warm → cooling → cold: free the device first, then let go of the token."""
@@ -774,20 +818,26 @@ class Worker:
         reason: str = "",
         wait: Wait | None = None,
     ) -> None:
-        """A transition that moved weights and KV: the event carries what `moved` reports."""
-        self._emit(
-            self._residency.transition(
-                expected,
-                new,
-                weights_bytes=moved.weights_bytes,
-                kv_bytes=moved.kv_bytes,
-                disk_read_bytes=moved.disk_read_bytes,
-                file_bytes=moved.file_bytes,
-                copied_bytes=moved.copied_bytes,
-                reason=reason,
-                wait=wait,
-            )
+        """A transition that moved weights and KV: the event carries what `moved` reports. A
+        release also says how many requests the turn it ends served; a release's and a
+        restore's durations feed the measured handoff cost."""
+        event = self._residency.transition(
+            expected,
+            new,
+            weights_bytes=moved.weights_bytes,
+            kv_bytes=moved.kv_bytes,
+            disk_read_bytes=moved.disk_read_bytes,
+            file_bytes=moved.file_bytes,
+            copied_bytes=moved.copied_bytes,
+            reason=reason,
+            wait=wait,
         )
+        if expected is ResidencyState.COOLING and event.duration_s is not None:
+            self._handoff = self._handoff.released(event.duration_s)
+            event = dataclasses.replace(event, turn_served=self._served - self._served_when_warm)
+        elif expected is ResidencyState.WARMING and event.duration_s is not None:
+            self._handoff = self._handoff.restored(event.duration_s)
+        self._emit(event)
 
     def _emit(self, event: ResidencyEvent) -> None:
         self._publish()  # first: whoever sees the event and asks for status sees it applied
@@ -808,6 +858,13 @@ class Worker:
             "current": self._current,
             "served": self._served,
             "paused": self._paused,
+            # Issue 43: the turn a wanted model keeps the GPU for, and the cost it comes from.
+            "turn": {
+                "quantum_s": round(self._quantum_s(), 3),
+                "handoff_s": round(self._handoff.total_s, 3),
+                "handoff_measured": self._handoff.measured,
+                "served": self._served - self._served_when_warm,
+            },
             "resident_bytes": self._backend.resident_bytes(),
             "capabilities": [str(capability) for capability in self._backend.capabilities()],
             "model_info": None if info is None else dataclasses.asdict(info),

@@ -74,6 +74,20 @@ def test_a_handoff_says_why_the_holder_let_go_a_pause_included() -> None:
     assert HandoffEvent.from_json(made.to_json()) == made
 
 
+def test_a_handoff_says_how_many_requests_the_holders_turn_served() -> None:
+    """Issue 43: the release that ends a turn counts its requests; the handoff passes it on."""
+    handoffs = Handoffs()
+    handoffs.observe(replace(released("a", at=101.0), reason="wanted", turn_served=5), WORKERS)
+    made = handoffs.observe(warmed("b", holder_pid=A_PID), WORKERS)
+    assert isinstance(made, HandoffEvent)
+    assert made.turn_served == 5
+    stale = Handoffs()  # a release before the wait began is not this handoff's
+    stale.observe(replace(released("a", at=99.0), turn_served=5), WORKERS)
+    made = stale.observe(warmed("b", holder_pid=A_PID), WORKERS)
+    assert isinstance(made, HandoffEvent)
+    assert made.turn_served is None
+
+
 def test_a_handoff_and_a_wait_carry_the_devices_of_the_model_that_got_them() -> None:
     split = ("rpc:127.0.0.1:50052", "rpc:127.0.0.1:50053")
     made = Handoffs().observe(warmed("b", holder_pid=A_PID), WORKERS, split)
