@@ -40,6 +40,7 @@ from arbiterd.spec import (
     ModelInfo,
     ModelSpec,
     Residency,
+    Turns,
     WorkerConfig,
 )
 from arbiterd.states import BackendKind
@@ -850,9 +851,17 @@ class SlowToPrepare(FlakyRestore):
         raise RequestError("cancelled while its prompt was tokenized")
 
 
-def test_a_warm_worker_tokenizing_lets_a_waiter_in_and_stops_on_cancel(tmp_path: Path) -> None:
+def test_a_warm_worker_tokenizing_lets_a_waiter_in_at_its_turns_end_and_stops_on_cancel(
+    tmp_path: Path,
+) -> None:
+    """The request it tokenizes is its turn's work (issue 43), so the waiter gets the GPU when
+    the turn ends, between two pieces: not after the whole tokenizing (issue 10)."""
     ours, theirs = socket.socketpair()
-    config = WorkerConfig(spec=ModelSpec(name="slow", path=Path("/x")), arena=tmp_path / "arena")
+    config = WorkerConfig(
+        spec=ModelSpec(name="slow", path=Path("/x")),
+        arena=tmp_path / "arena",
+        turns=Turns(min_turn_s=0.2, max_turn_s=0.2),
+    )
     backend = SlowToPrepare()
     thread = threading.Thread(target=Worker(config, backend, theirs, FAKE_ENGINE).run, daemon=True)
     thread.start()
@@ -873,7 +882,7 @@ def test_a_warm_worker_tokenizing_lets_a_waiter_in_and_stops_on_cancel(tmp_path:
         waited_s = time.monotonic() - started
         writer.send({"op": "cancel", "id": "c", "target": "big"})
         reply = until(lambda m: m.get("id") == "big" and "started" not in m)
-    assert waited_s < 1.0  # the worker's 0.1 s minimum hold, then the next piece
+    assert waited_s < 1.0  # the worker's 0.2 s turn, then the next piece
     assert reply["error"] == {
         "code": "bad_request",
         "message": "cancelled while its prompt was tokenized",
