@@ -38,6 +38,19 @@ CPU_DEVICE_LABEL = "CPU (host RAM)"  # what those figures are of where the model
 
 
 @dataclass(frozen=True)
+class Turn(Record):
+    """A model's turn (issue 43), as its worker sizes it: how long it keeps the GPU for its
+    queued requests while another waits (`quantum_s`), the handoff cost that comes from
+    (`handoff_s`, a moving average of its releases and restores; the prior until
+    `handoff_measured`), and how many requests its current turn (or, cold, its last) served."""
+
+    quantum_s: float | None = None
+    handoff_s: float | None = None
+    handoff_measured: bool = False
+    served: int = 0
+
+
+@dataclass(frozen=True)
 class ModelStatus(Record):
     """One configured model. `state` is its worker's residency while it runs, else the slot's
     state. The byte counts: `resident_bytes` on the device by the engine's own accounting,
@@ -85,6 +98,7 @@ class ModelStatus(Record):
     fallback_reason: str = ""  # why not in-place ("" for in-place)
     stale_s: float | None = None
     silent_s: float | None = None
+    turn: Turn | None = None  # None: no worker, or one from before turns
 
     def to_json(self) -> dict[str, Any]:
         obj = super().to_json()

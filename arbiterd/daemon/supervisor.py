@@ -84,6 +84,7 @@ from arbiterd.status import (
     HostRam,
     ModelStatus,
     PromptCache,
+    Turn,
     Waiter,
     model_info_fields,
 )
@@ -417,6 +418,7 @@ class Supervisor:
             host_weights_bytes=int(live.get("host_weights_bytes") or 0),
             stale_s=stale_s,
             silent_s=self._silence(slot, worker),
+            turn=Turn.from_json(live["turn"]) if isinstance(live.get("turn"), dict) else None,
         )
         return self._host_ram(slot, report)
 
