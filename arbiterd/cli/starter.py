@@ -6,6 +6,7 @@ The keys and defaults are config.py's.
 
 from __future__ import annotations
 
+from arbiterd.arena import Priority
 from arbiterd.cli.discovery import FoundModel
 from arbiterd.config import (
     DEFAULT_HTTP,
@@ -14,6 +15,7 @@ from arbiterd.config import (
     STARTER_N_CTX,
     Load,
 )
+from arbiterd.spec import MAX_TURN_S, MAX_WAIT_S, MIN_TURN_S, SWITCH_OVERHEAD
 from arbiterd.tomltable import toml_key, toml_string
 
 
@@ -45,6 +47,14 @@ def starter_config_text(models: list[FoundModel]) -> str:
         '# responses_budget = "64MiB"  memory for past /v1/responses (previous_response_id);',
         "#                           # the oldest go first; 0 keeps none",
         "# watch_config = true       # false: a saved change applies only at `arbiterd reload`",
+        f"# switch_overhead = {SWITCH_OVERHEAD:g}     # handoffs' share of the time: a wanted",
+        "#                           # model with requests queued keeps the GPU for a turn",
+        f"# min_turn_s = {MIN_TURN_S:g}          # a turn lasts at least this long",
+        f"# max_turn_s = {MAX_TURN_S:g}            # and at most this long",
+        "# max_wait_s = { "
+        + ", ".join(f"{p.value} = {MAX_WAIT_S[p.rank]:g}" for p in Priority)
+        + " }",
+        "#                           # a waiter of the class that waited this long ends a turn",
         "",
         "# One [models.NAME] table per model; NAME (1-64 of A-Z a-z 0-9 . _ -, and an optional",
         "# :TAG as Ollama names models) is the `model` requests ask for; quote it when it",

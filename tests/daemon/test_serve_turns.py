@@ -84,17 +84,13 @@ def after_the_unhold(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def releases(events: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
     return [
-        e
-        for e in events
-        if e["event"] == "residency" and e["model"] == model and e["to"] == "cold"
+        e for e in events if e["event"] == "residency" and e["model"] == model and e["to"] == "cold"
     ]
 
 
 def warm_ups(events: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
     return [
-        e
-        for e in events
-        if e["event"] == "residency" and e["model"] == model and e["to"] == "warm"
+        e for e in events if e["event"] == "residency" and e["model"] == model and e["to"] == "warm"
     ]
 
 
