@@ -22,6 +22,7 @@ from arbiterd.status import (
     ModelStatus,
     PromptCache,
     Telemetry,
+    Turn,
     Waiter,
 )
 
@@ -36,6 +37,7 @@ RECORDS: tuple[type[Record], ...] = (
     PromptCache,
     Engine,
     Telemetry,
+    Turn,
     DeviceMemory,
     ProcessMemory,
 )
@@ -58,6 +60,7 @@ FULL = DaemonStatus(
             host_copy_bytes=253 << 20,
             host_copy_shared_with=("chat",),
             backend=BackendKind.RELOAD,
+            turn=Turn(quantum_s=1.8, handoff_s=0.2, handoff_measured=True, served=4),
             fallback_reason="a stock build",
         ),
         ModelStatus(name="chat", host_copy="page-cache", state=SlotState.UNLOADED),
