@@ -25,6 +25,8 @@ from arbiterd.states import RequestStatus, ResidencyState
 # Handoffs on a desktop GPU: from ~1 ms (in place) to tens of seconds (a large reload).
 HANDOFF_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # A projector's load, encode or free: ~0.05 ms (a tiny one freed) to seconds (a 1 GB one loaded).
+# Requests a turn served before its release (issue 43): 0 (released with nothing run) upward.
+TURN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128)
 ENCODER_BUCKETS_S = (0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -38,6 +40,13 @@ class Metrics:
             "arbiterd_handoff_seconds",
             "From the moment a model asked for the GPU held by another to it being warm",
             buckets=HANDOFF_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.turn_requests = Histogram(
+            "arbiterd_turn_requests",
+            "Requests a model served in the turn each of its releases ended (issue 43)",
+            ["model"],
+            buckets=TURN_BUCKETS,
             registry=self.registry,
         )
         self.resident = Gauge(
@@ -121,6 +130,8 @@ class Metrics:
         if isinstance(event, ResidencyEvent) and event.model is not None:
             warm = event.to_state is ResidencyState.WARM
             self.resident.labels(model=event.model).set(1 if warm else 0)
+            if event.turn_served is not None:
+                self.turn_requests.labels(model=event.model).observe(event.turn_served)
         elif isinstance(event, RequestEvent) and event.model is not None:
             self.requests.labels(model=event.model, status=event.outcome or RequestStatus.OK).inc()
             evaluated = event.prompt_tokens_evaluated

@@ -119,3 +119,21 @@ def test_a_models_backend_series_follows_its_latest_worker() -> None:
         if name == "arbiterd_backend"
     }
     assert backends == {(("backend", "in-place"), ("model", "m")): 1}
+
+
+def test_each_release_counts_the_requests_its_turn_served() -> None:
+    metrics = Metrics()
+    for served in (6, 1):
+        metrics.observe(
+            ResidencyEvent(
+                model="m",
+                from_state=ResidencyState.COOLING,
+                to_state=ResidencyState.COLD,
+                reason="wanted",
+                turn_served=served,
+            )
+        )
+    figures = samples(metrics)
+    assert figures[("arbiterd_turn_requests_count", (("model", "m"),))] == 2
+    assert figures[("arbiterd_turn_requests_sum", (("model", "m"),))] == 7
+    assert figures[("arbiterd_turn_requests_bucket", (("le", "4.0"), ("model", "m")))] == 1
