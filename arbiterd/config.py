@@ -26,7 +26,7 @@
                                   #   handoff x (1 - share) / share (docs/scheduling.md)
     min_turn_s = 0.5              # a turn lasts at least this long ...
     max_turn_s = 5                # ... and at most this long
-    max_wait_s = { interactive = 5, normal = 15, batch = 60 }
+    max_wait_s = { interactive = 5, normal = 30, batch = 60 }
                                   # a waiter of the class that waited this long ends the turn;
                                   #   each at least max_turn_s
     [models.NAME]                 # one table per model; NAME is what requests ask for

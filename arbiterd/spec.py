@@ -172,7 +172,7 @@ SWITCH_OVERHEAD = 0.1
 MIN_TURN_S = 0.5
 MAX_TURN_S = 5.0
 # Per class, in Priority's order: interactive, normal, batch.
-MAX_WAIT_S = (5.0, 15.0, 60.0)
+MAX_WAIT_S = (5.0, 30.0, 60.0)
 
 
 @dataclass(frozen=True)

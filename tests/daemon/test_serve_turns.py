@@ -21,6 +21,11 @@ def queued_models(daemon: Daemon) -> list[str | None]:
     return [waiter.model for waiter in Arena(daemon.arena).observe().queue]
 
 
+def other_waited_s(daemon: Daemon) -> float:
+    state = Arena(daemon.arena).observe()
+    return max(w.waited_s(state.observed_ns) for w in state.queue if w.model == "other")
+
+
 def queued_requests(daemon: Daemon, model: str) -> int:
     with daemon.client() as client:
         status = client.call("status")
@@ -29,10 +34,11 @@ def queued_requests(daemon: Daemon, model: str) -> int:
 
 
 def run_queued_behind_a_hold(
-    daemon: Daemon, holder_requests: int, max_tokens: int
+    daemon: Daemon, holder_requests: int, max_tokens: int, other_waits_s: float = 0.0
 ) -> list[dict[str, Any]]:
     """Queue `holder_requests` requests for "holder" and then one for "other" while the user's
-    hold keeps the GPU, let go, and return the events until all of them are answered."""
+    hold keeps the GPU, let go once "other" has waited `other_waits_s`, and return the events
+    until all of them are answered."""
     errors: list[BaseException] = []
 
     def ask(model: str, client: openai.OpenAI) -> None:
@@ -62,6 +68,9 @@ def run_queued_behind_a_hold(
         other.start()
         wait_until(
             lambda: queued_models(daemon) == ["holder", "other"], 30, "other behind the holder"
+        )
+        wait_until(
+            lambda: other_waited_s(daemon) >= other_waits_s, 30, f"other to wait {other_waits_s} s"
         )
         with daemon.client() as client:
             client.call("unhold")
@@ -147,3 +156,27 @@ def test_a_turn_ends_for_the_waiter_and_the_holder_comes_back_for_the_rest(
     assert [(h["from"], h["turn_served"]) for h in back] == [("other", 1)]
     # Every later release of the holder ended a turn that served a queue, not one request.
     assert len(releases(events, "holder")) + len(releases(events, "other")) < len(served) / 3
+
+
+@pytest.fixture
+def tight_bounds(models: dict[str, dict[str, Any]]) -> Iterator[Daemon]:
+    """Turns of 3 s, and every class's bound 3 s too."""
+    keys = {
+        "min_turn_s": 3,
+        "max_turn_s": 3,
+        "max_wait_s": {"interactive": 3, "normal": 3, "batch": 3},
+    }
+    with serving(models, daemon_keys=keys) as daemon:
+        yield daemon
+
+
+def test_a_waiter_past_its_bound_ends_the_turn_at_once(tight_bounds: Daemon) -> None:
+    """ "other" waited its 3 s behind the user's hold: the holder, warm at last, serves the
+    request it woke for and lets go, though its quantum would have served its whole queue (as
+    test_a_wanted_model_serves_its_whole_queue_in_one_turn does)."""
+    events = run_queued_behind_a_hold(tight_bounds, 6, max_tokens=4, other_waits_s=3.2)
+    events = after_the_unhold(events)
+    served = [e["model"] for e in events if e["event"] == "request"]
+    assert served == ["holder", "other", *["holder"] * 5]
+    first, *_ = releases(events, "holder")
+    assert (first["reason"], first["turn_served"]) == ("wanted", 1)

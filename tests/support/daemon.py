@@ -172,6 +172,8 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, list):
         return "[" + ", ".join(map(_toml_value, value)) + "]"
+    if isinstance(value, dict):  # an inline table
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
     return str(value)
 
 
