@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import json
 import os
 import random
 import signal
@@ -34,6 +35,7 @@ from arbiterd.errors import (
     BadValueError,
 )
 from tests.conftest import ACTOR, Processes, RecordProperty
+from tests.support.arena_actor import TURN_BOUNDS_S
 from tests.support.stamps import overlaps, read_holds
 from tests.support.waiting import wait_until
 
@@ -540,6 +542,68 @@ def test_aging_fuzz_with_bare_holders_deadlocks_nobody(
     assert deadlocks == 0
     assert handoffs >= FUZZ_HANDOFFS
     assert {h.pid for h in holds} == {p.pid for p in actors}  # everyone was served
+    state = arena.observe()
+    assert (state.holder_pid, state.waiter_pids, state.queue) == (None, (), ())
+
+
+# The turns fuzz (issue 43): holders that keep the token for a turn of queued requests, as a
+# worker does, beside bare programs; every waiter is still served within its bound, give or take
+# the machine (the aging fuzz above measures ~0.2 s of scheduling on a busy 2-core machine).
+TURNS_FUZZ_QUEUED = 6
+TURNS_FUZZ_HANDOFFS = 3_000
+TURNS_FUZZ_MAX_S = 90.0
+TURNS_WAIT_SLACK_S = 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TURNS_FUZZ_MAX_S + 60)
+def test_turns_fuzz_with_bare_holders_keeps_every_wait_bounded(
+    arena: Arena, procs: Processes, tmp_path: Path, record_property: RecordProperty
+) -> None:
+    """Holders serving turns (tests/support/arena_actor.py `turns`: a random queue of requests,
+    released at the quantum, when a ticket passes its bound or when the queue is empty), of
+    random classes aging fast, waiting in every way, and programs of the bare protocol: no two
+    hold at once, the GPU never lies free while wanted, and no ticket waits much past its
+    class's bound."""
+    log = tmp_path / "stamps.log"
+    stop = tmp_path / "stop"
+    log.touch(mode=0o600)
+    fuzz = (str(log), str(stop))
+    actors = [procs.actor(arena, "turns", *fuzz) for _ in range(TURNS_FUZZ_QUEUED)]
+    bare = [procs.actor(arena, "bare", *fuzz) for _ in range(FUZZ_BARE)]
+    deadline = time.monotonic() + TURNS_FUZZ_MAX_S
+    while time.monotonic() < deadline:
+        if log.read_bytes().count(b"enter") > TURNS_FUZZ_HANDOFFS * 1.05:
+            break
+        time.sleep(SAMPLE_S)  # the actors run on their own meanwhile
+    stop.touch()
+    outputs = [p.communicate(timeout=60) for p in actors]  # a stranded actor would hang here
+    assert [p.returncode for p in actors] == [0] * len(actors), outputs
+    assert [p.wait(timeout=30) for p in bare] == [0] * len(bare)
+    longest = {
+        priority: max(json.loads(out)[priority.value] for out, _ in outputs)
+        for priority in Priority
+    }
+    holds = read_holds(log)
+    handoffs = sum(1 for a, b in itertools.pairwise(holds) if a.pid != b.pid)
+    free_s = [(b.start_ns - a.end_ns) / 1e9 for a, b in itertools.pairwise(holds)]
+    found = overlaps(holds)
+    deadlocks = sum(1 for s in free_s if s > FREE_WHILE_WANTED_S)
+    record_property(
+        "counts",
+        f"{len(holds)} holds, {handoffs} handoffs, {len(found)} overlaps, {deadlocks} deadlocks; "
+        "longest wait by class "
+        + ", ".join(
+            f"{p.value} {longest[p] * 1000:.0f} ms (bound {TURN_BOUNDS_S[p] * 1000:.0f} ms)"
+            for p in Priority
+        )
+        + f"; {TURNS_FUZZ_QUEUED} turn holders and {FUZZ_BARE} bare contenders",
+    )
+    assert found == []
+    assert deadlocks == 0
+    assert handoffs >= TURNS_FUZZ_HANDOFFS
+    for priority in Priority:
+        assert longest[priority] <= TURN_BOUNDS_S[priority] + TURNS_WAIT_SLACK_S, priority
     state = arena.observe()
     assert (state.holder_pid, state.waiter_pids, state.queue) == (None, (), ())
 

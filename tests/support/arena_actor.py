@@ -7,6 +7,11 @@
     arena_actor.py ARENA aging LOG STOPFILE AGING_S
                                             like fuzz with classes aging every AGING_S, holds
                                             of at most a millisecond, and every way to wait
+    arena_actor.py ARENA turns LOG STOPFILE like aging (classes aging every TURN_AGING_S), each
+                                            hold a turn: a random queue of short requests
+                                            served as a worker does (worker/policy.py); at
+                                            the end, prints the longest wait of each class
+                                            as JSON
     arena_actor.py ARENA bare LOG STOPFILE  a program of the bare protocol (token.lock and
                                             want.lock, no ticket) that holds now and then
 
@@ -19,6 +24,8 @@ Exit status 3 means "stranded": a holder waited STRANDED_S for a waiter it was t
 from __future__ import annotations
 
 import fcntl
+import json
+import math
 import os
 import random
 import sys
@@ -29,9 +36,18 @@ from pathlib import Path
 from arbiterd.arena import Arena, Priority, Token
 from arbiterd.arena import records as arena_records
 from arbiterd.errors import AcquireTimeoutError
+from arbiterd.worker.policy import HoldView, release_reason
 
 STRANDED_S = 20.0
 PROBE_INTERVAL_S = 0.0005
+# The turns fuzz's scale (issue 43): the daemon's defaults divided by 100 and more, so that a
+# run sees thousands of turns. Each bound is at least the quantum and at least the class's
+# aging (rank x TURN_AGING_S), as config.py and docs/scheduling.md ask of the real ones.
+TURN_AGING_S = 0.05
+TURN_QUANTUM_S = 0.02
+TURN_BOUNDS_S = {Priority.INTERACTIVE: 0.05, Priority.NORMAL: 0.1, Priority.BATCH: 0.15}
+TURN_MAX_QUEUE = 8
+TURN_REQUEST_S = 0.002
 
 
 def stamp(log_fd: int, what: str) -> None:
@@ -73,8 +89,13 @@ def main() -> int:
     if mode == "aging":
         arena_records.PRIORITY_AGING_S = float(sys.argv[5])
         return aging(arena, log_fd, stop, rng)
-    if mode == "bare":
-        return bare(arena.path, log_fd, stop, rng)
+    if mode in ("turns", "bare"):
+        arena_records.PRIORITY_AGING_S = TURN_AGING_S  # a bare program reads no queue: no matter
+        return (
+            turns(arena, log_fd, stop, rng)
+            if mode == "turns"
+            else bare(arena.path, log_fd, stop, rng)
+        )
     while True:  # at least one hold: every contender must eventually be served
         token = arena.acquire("fuzz", priority=rng.choice(list(Priority)))
         stamp(log_fd, "enter")
@@ -96,6 +117,52 @@ def aging(arena: Arena, log_fd: int, stop: Path, rng: random.Random) -> int:
         stamp(log_fd, "exit")
         token.hand_over()
         if stop.exists():
+            return 0
+
+
+def turns(arena: Arena, log_fd: int, stop: Path, rng: random.Random) -> int:
+    """Until STOPFILE: take the token in a random class and a random way, then serve a random
+    queue of requests in one turn, deciding between two as the worker does: on while requests
+    are left, until the quantum is spent or a ticket has waited its class's bound. Prints the
+    longest wait of each class (JSON) at the end."""
+    longest = dict.fromkeys(Priority, 0.0)
+    while True:
+        priority = rng.choice(list(Priority))
+        asked = time.monotonic()
+        token = take(arena, priority, rng)
+        longest[priority] = max(longest[priority], time.monotonic() - asked)
+        stamp(log_fd, "enter")
+        warm, queued, served = time.monotonic(), rng.randint(1, TURN_MAX_QUEUE), 0
+        while queued:
+            wanted, held_s = token.wanted(), time.monotonic() - warm
+            wait_left_s = math.inf
+            if wanted and held_s < TURN_QUANTUM_S:  # read only where it can change the answer
+                state = arena.observe()
+                wait_left_s = min(
+                    (
+                        TURN_BOUNDS_S[w.priority] - w.waited_s(state.observed_ns)
+                        for w in state.queue
+                        if w.pid not in state.stopped_pids
+                    ),
+                    default=math.inf,
+                )
+            view = HoldView(
+                wanted=wanted,
+                held_s=held_s,
+                idle_s=0.0,
+                queued=queued,
+                served_since_warm=served > 0,
+                quantum_s=TURN_QUANTUM_S,
+                wait_left_s=wait_left_s,
+            )
+            if release_reason(view, min_hold_s=0.0, idle_release_s=0.0) is not None:
+                break
+            time.sleep(rng.uniform(0.0, TURN_REQUEST_S))  # one request on the GPU
+            queued, served = queued - 1, served + 1
+        stamp(log_fd, "exit")
+        token.hand_over()
+        if stop.exists():
+            print(json.dumps({p.value: s for p, s in longest.items()}), flush=True)
             return 0
 
 
