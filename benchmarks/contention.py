@@ -36,17 +36,19 @@ away (a per-client prefix would let arbiterd's and llama-server's caches skip mo
 measure the caches rather than the sharing); each request costs a full prefill of ~300 tokens
 everywhere, and the three sides get the same prompts.
 
-Figures per side: requests (total, by model, errors by kind and the first few), generated
-tokens (the answers' usage.completion_tokens) and prompt tokens, generated tokens per second
-of the run (first request sent -> last answer), latency per request as its client saw it
-(send -> whole answer: median = p50, p99 nearest rank, max). arbiterd's also: handoffs
+Figures per side: requests (total, by model, errors by kind and the first few), generated tokens
+(the answers' usage.completion_tokens) and prompt tokens, generated tokens per second of the run
+(first request sent -> last answer), latency per request as its client saw it (send -> whole
+answer: median = p50, p99 nearest rank, max), and other_load: the CPU time other programs took
+while the side ran, from its server's start to its end (the sides run one after another, and a
+machine shared with other work gives each a different share). arbiterd's also: handoffs
 (arbiterd_handoffs_total from /metrics, after - before the clients), handoffs per request, the
 mean handoff, and the worst wait: the longest wait_s of the daemon's handoff and wait events
 during the run (a model waiting for the GPU token). Then the ratios arbiterd / ceiling and
-arbiterd / router (generated tokens per second), and the issue's goals, each with its figure
-and pass: tokens/s >= 0.8 x the ceiling and >= 1.5 x the router, p99 <= 10 s, handoffs per
-request <= 0.1, 0 errors. The run exits 1 when a goal fails or is not measured (the JSON is
-printed, and written, all the same).
+arbiterd / router (generated tokens per second), and the issue's goals, each with its figure and
+pass: tokens/s >= 0.8 x the ceiling and >= 1.5 x the router, p99 <= 10 s, handoffs per request
+<= 0.1, 0 errors. The run exits 1 when a goal fails or is not measured (the JSON is printed, and
+written, all the same).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ import httpx
 from benchmarks import llama_server
 from benchmarks.common import describe_source, events_after, last_seq, report, source_env
 from benchmarks.load_run import handoff_figures, metrics_text, model_file, scrape
+from benchmarks.worker_handoff import CpuMeter
 from tests.support.daemon import Daemon, free_port
 
 MODELS = ("a", "b")
@@ -503,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"contention: measuring {side} for {args.seconds} s", file=sys.stderr)
             load = Load(path, args.clients_per_model, args.seconds, args.threads, args.words)
+            meter = CpuMeter()
             if side == "arbiterd":
                 measured[side] = measure_arbiterd(load, args.source)
             elif side == "ceiling":
@@ -511,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 assert binary is not None
                 measured[side] = measure_router(binary, load)
+            measured[side]["other_load"] = meter.report()
         file_bytes = path.stat().st_size
     result: dict[str, Any] = {
         "benchmark": "contention",

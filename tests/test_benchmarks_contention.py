@@ -115,6 +115,8 @@ def test_a_short_arbiterd_run_counts_its_requests_tokens_and_handoffs(
     assert sum(handoffs["daemon_requests"].values()) == ours["requests"]
     assert ours["waits"]["count"] >= handoffs["count"]
     assert 0 <= ours["waits"]["worst_wait_s"] <= ours["latency_s"]["max"]
+    assert ours["other_load"]["wall_s"] >= ours["run_s"]  # the daemon's start to its end
+    assert 0 <= ours["other_load"]["other_processes_share"] <= 1
     assert result["ratios"]["arbiterd_over_ceiling"] is None
     assert not result["goals"]["vs_ceiling"]["pass"]  # not measured here
     assert code == 1
