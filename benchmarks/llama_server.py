@@ -5,14 +5,14 @@ $XDG_CACHE_HOME/arbiterd/llama-server/VERSION-KEY/, KEY a hash of the build flag
 
     python -m benchmarks.llama_server [--print-path]
 
-Builds the binary when it is not cached (~10 min on 2 cores), printing cmake's progress, and
-prints its path. The source distribution is taken from pip's download (which reads pip's own
-cache first); nothing else comes from the network: the server's web UI is neither built nor
-downloaded (LLAMA_BUILD_UI, LLAMA_USE_PREBUILT_UI off), and the build has no HTTPS (no
-OpenSSL): the benchmark talks to it on the loopback. The libraries are linked in statically
-(BUILD_SHARED_LIBS off), so the one file is the whole server, and its router mode
-(--models-preset, --models-max), which starts copies of its own binary per model, works from
-the cache folder.
+Builds the binary when it is not cached (15 min measured on 2 cores shared with other work),
+printing cmake's progress, and prints its path. The source distribution is taken from pip's
+download (which reads pip's own cache first); nothing else comes from the network: the server's
+web UI is neither built nor downloaded (LLAMA_BUILD_UI, LLAMA_USE_PREBUILT_UI off), and the
+build has no HTTPS (no OpenSSL): the benchmark talks to it on the loopback. The libraries are
+linked in statically (BUILD_SHARED_LIBS off), so the one file is the whole server, and its
+router mode (--models-preset, --models-max), which starts copies of its own binary per model,
+works from the cache folder.
 
 Owns the cache folder's llama-server entries; nothing in arbiterd uses them.
 """
@@ -137,7 +137,7 @@ def build() -> Path:
             check=True,
             stdout=sys.stderr,
         )
-        say(f"building the llama-server target with {BUILD_JOBS} jobs (~10 min on 2 cores)")
+        say(f"building the llama-server target with {BUILD_JOBS} jobs (~15 min on 2 cores)")
         # cmake's own "[ NN%] Building ..." lines are the progress.
         subprocess.run(
             [

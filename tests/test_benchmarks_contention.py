@@ -125,7 +125,7 @@ def test_a_short_arbiterd_run_counts_its_requests_tokens_and_handoffs(
 @pytest.mark.skipif(
     llama_server.cached_binary() is None,
     reason="llama-server is not built here (python -m benchmarks.llama_server builds it, "
-    "~10 min; CI does not)",
+    "~15 min; CI does not)",
 )
 def test_a_short_run_against_llama_server_gives_both_ratios(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
