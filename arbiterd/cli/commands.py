@@ -36,7 +36,7 @@ from arbiterd.control import DeviceEntry
 from arbiterd.daemon.journal import Journal, parse_since
 from arbiterd.errors import BadValueError, DaemonError, DaemonNotRunningError
 from arbiterd.events import parse_event
-from arbiterd.status import DaemonStatus, ModelStatus
+from arbiterd.status import DaemonStatus, ModelStatus, Turn
 
 # warm may load a model and hold may wait for every model to release: minutes, not seconds.
 COMMAND_TIMEOUT_S = 600.0
@@ -416,6 +416,7 @@ def render_status(status: DaemonStatus) -> str:
         lines.append(f"capabilities ({', '.join(names)}): {can}")
     for names, reason in render.grouped((m.name, m.fallback_reason) for m in models):
         lines.append(f"backend reload ({', '.join(names)}): {reason}")
+    lines += [_turn_line(m.name, m.turn) for m in models if m.turn and m.turn.quantum_s]
     lines += _memory_lines(status)
     telemetry = status.telemetry
     source = telemetry.source if telemetry is not None and telemetry.source else "?"
@@ -444,6 +445,16 @@ def render_status(status: DaemonStatus) -> str:
     if status.hold:
         lines.append("hold: the GPU is held for you (arbiterd unhold gives it back)")
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _turn_line(name: str, turn: Turn) -> str:
+    """How long `name` keeps the GPU for its queue while another waits, and why (issue 43)."""
+    measured = "measured" if turn.handoff_measured else "not measured yet: the prior"
+    return (
+        f"turn {name}: {render.format_seconds(turn.quantum_s)} while another waits, from a "
+        f"handoff of {render.format_seconds(turn.handoff_s)} ({measured}); {turn.served} "
+        "served in its current or last turn"
+    )
 
 
 def render_devices(devices: list[DeviceEntry]) -> str:

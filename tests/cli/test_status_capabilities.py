@@ -1,4 +1,5 @@
-"""`arbiterd status` names what each model can be asked for (issue 30), once per distinct set."""
+"""`arbiterd status` names what each model can be asked for (issue 30), once per distinct set,
+and how long its turn lasts (issue 43)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,25 @@ def test_status_names_each_models_capabilities_once_per_set() -> None:
     assert "capabilities (story, chat): completion, chat, tools" in lines
     assert "capabilities (embed): embedding" in lines
     assert not [line for line in lines if line.startswith("capabilities") and "new" in line]
+
+
+def test_status_says_each_models_turn_and_the_handoff_it_is_sized_from() -> None:
+    turn = {"quantum_s": 0.9, "handoff_s": 0.1, "handoff_measured": True, "served": 3}
+    status = DaemonStatus.from_json(
+        {
+            "models": [
+                {"name": "chat", "state": "warm", "turn": turn},
+                {"name": "new", "state": "cold", "turn": {"quantum_s": 2.7, "handoff_s": 0.3}},
+                {"name": "old", "state": "cold"},  # a worker from before turns says none
+            ]
+        }
+    )
+    lines = render_status(status).splitlines()
+    assert (
+        "turn chat: 0.90 s while another waits, from a handoff of 0.10 s (measured);"
+        " 3 served in its current or last turn"
+    ) in lines
+    assert "turn new: 2.70 s while another waits, from a handoff of 0.30 s (not measured yet:" in (
+        " ".join(lines)
+    )
+    assert not [line for line in lines if line.startswith("turn old")]
