@@ -83,6 +83,19 @@ def write(tmp_path: Path, text: str, name: str = "config.toml") -> Path:
     return path
 
 
+def assert_daemon_key_refused(
+    tmp_path: Path, env: dict[str, str], text: str, key_path: str, expected: str
+) -> None:
+    """A config whose [daemon] table holds `text` is refused, naming the file, `key_path` and
+    what was `expected`."""
+    path = write(tmp_path, f"[daemon]\n{text}\n" + MINIMAL)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, env=env)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: {key_path}: "), message
+    assert expected in message, message
+
+
 def load_text(tmp_path: Path, env: dict[str, str], text: str) -> Config:
     return load_config(write(tmp_path, text), env=env)
 
@@ -1359,12 +1372,7 @@ def test_the_http_flag_needs_an_api_key_off_loopback_too(
 def test_http_access_errors_name_the_key(
     tmp_path: Path, env: dict[str, str], text: str, key_path: str, expected: str
 ) -> None:
-    path = write(tmp_path, f"[daemon]\n{text}\n" + MINIMAL)
-    with pytest.raises(ConfigError) as caught:
-        load_config(path, env=env)
-    message = str(caught.value)
-    assert message.startswith(f"{path}: {key_path}: "), message
-    assert expected in message, message
+    assert_daemon_key_refused(tmp_path, env, text, key_path, expected)
 
 
 def test_turns_have_defaults_and_take_the_files_values(tmp_path: Path, env: dict[str, str]) -> None:
@@ -1427,9 +1435,4 @@ def test_turns_have_defaults_and_take_the_files_values(tmp_path: Path, env: dict
 def test_turn_errors_name_the_key(
     tmp_path: Path, env: dict[str, str], text: str, key_path: str, expected: str
 ) -> None:
-    path = write(tmp_path, f"[daemon]\n{text}\n" + MINIMAL)
-    with pytest.raises(ConfigError) as caught:
-        load_config(path, env=env)
-    message = str(caught.value)
-    assert message.startswith(f"{path}: {key_path}: "), message
-    assert expected in message, message
+    assert_daemon_key_refused(tmp_path, env, text, key_path, expected)
