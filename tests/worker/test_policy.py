@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from typing import Any
 
 import pytest
 
@@ -20,7 +21,7 @@ from arbiterd.worker.policy import (
 )
 
 
-def decide(
+def view(
     *,
     wanted: bool = False,
     held_s: float = 10,
@@ -30,10 +31,9 @@ def decide(
     served: bool = False,
     quantum_s: float = 0,
     wait_left_s: float = math.inf,
-    min_hold_s: float = 0.1,
-    idle_release_s: float = 0,
-) -> ReleaseReason | None:
-    view = HoldView(
+) -> HoldView:
+    """A snapshot with the defaults the tests start from: warm for 10 s, nothing queued."""
+    return HoldView(
         wanted=wanted,
         held_s=held_s,
         idle_s=idle_s,
@@ -43,7 +43,12 @@ def decide(
         quantum_s=quantum_s,
         wait_left_s=wait_left_s,
     )
-    return release_reason(view, min_hold_s=min_hold_s, idle_release_s=idle_release_s)
+
+
+def decide(
+    *, min_hold_s: float = 0.1, idle_release_s: float = 0, **seen: Any
+) -> ReleaseReason | None:
+    return release_reason(view(**seen), min_hold_s=min_hold_s, idle_release_s=idle_release_s)
 
 
 def test_nobody_waiting_means_keep_holding() -> None:
@@ -109,30 +114,8 @@ def test_the_minimum_hold_ends_once_the_request_that_woke_the_model_has_run() ->
     assert release_reason(alone, min_hold_s=0.1, idle_release_s=0) is None
 
 
-def again_in(
-    *,
-    wanted: bool = False,
-    held_s: float = 10,
-    idle_s: float = 0,
-    queued: int = 0,
-    pinned: bool = False,
-    served: bool = False,
-    quantum_s: float = 0,
-    wait_left_s: float = math.inf,
-    min_hold_s: float = 0.1,
-    idle_release_s: float = 0,
-) -> float | None:
-    view = HoldView(
-        wanted=wanted,
-        held_s=held_s,
-        idle_s=idle_s,
-        queued=queued,
-        pinned=pinned,
-        served_since_warm=served,
-        quantum_s=quantum_s,
-        wait_left_s=wait_left_s,
-    )
-    return decided_again_in_s(view, min_hold_s=min_hold_s, idle_release_s=idle_release_s)
+def again_in(*, min_hold_s: float = 0.1, idle_release_s: float = 0, **seen: Any) -> float | None:
+    return decided_again_in_s(view(**seen), min_hold_s=min_hold_s, idle_release_s=idle_release_s)
 
 
 def test_nothing_changes_by_itself_for_a_holder_nobody_wants() -> None:
@@ -176,7 +159,7 @@ def test_whenever_it_holds_on_its_answer_is_in_the_future_and_holds_till_then(
     for held_s, idle_s, wait_left_s in itertools.product(
         times, (0.0, 4.9, 5.0, 9.0), (math.inf, 1.0, 0.0)
     ):
-        view = HoldView(
+        seen = HoldView(
             wanted=wanted,
             held_s=held_s,
             idle_s=idle_s,
@@ -186,9 +169,9 @@ def test_whenever_it_holds_on_its_answer_is_in_the_future_and_holds_till_then(
             quantum_s=3.0,
             wait_left_s=wait_left_s,
         )
-        if release_reason(view, **limits) is not None:
+        if release_reason(seen, **limits) is not None:
             continue
-        again = decided_again_in_s(view, **limits)
+        again = decided_again_in_s(seen, **limits)
         assert again is None or again > 0
         if again is not None:
             almost = again * 0.999
