@@ -6,8 +6,6 @@ daemon's, not that of another daemon which shares the state folder."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from arbiterd.daemon.journal import Journal
-from tests.support.daemon import Daemon, serving, tiny
+from tests.support.daemon import Daemon, arbiterd_cli, serving, tiny
 from tests.support.waiting import wait_until
 
 COMPLETION = {"prompt": "the fox", "max_tokens": 1}
@@ -57,17 +55,6 @@ def vram_gauge(daemon: Daemon, owner: str) -> float:
     )
 
 
-def arbiterd(*args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "arbiterd", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    return done.stdout
-
-
 def test_a_warm_cpu_model_is_booked_at_what_its_worker_holds_on_host_ram(daemon: Daemon) -> None:
     # Loaded, then handed to beta and restored: each warm-up is booked at what it holds.
     for model in ("alpha", "beta", "alpha"):
@@ -82,7 +69,7 @@ def test_a_warm_cpu_model_is_booked_at_what_its_worker_holds_on_host_ram(daemon:
     assert alpha["resident_bytes"] > 0
     assert alpha["vram_bytes"] == alpha["resident_bytes"]
     assert vram_gauge(daemon, "alpha") == alpha["resident_bytes"]
-    text = arbiterd("status", "--socket", str(daemon.socket))
+    text = arbiterd_cli("status", "--socket", str(daemon.socket))
     assert "CPU (host RAM): " in text
     assert "gpu0" not in text
 
@@ -105,9 +92,9 @@ def test_a_waiting_model_is_named_by_its_model_and_its_request_is_in_its_queue(
         status = status_of(daemon)
         pid = model_of(status, "alpha")["pid"]
         assert {"pid": pid, "name": "alpha"} in status["waiters"]
-        text = arbiterd("status", "--socket", str(daemon.socket))
+        text = arbiterd_cli("status", "--socket", str(daemon.socket))
         assert f"alpha (pid {pid})" in text
-        arena = arbiterd("arena", "status", "--arena", str(daemon.arena))
+        arena = arbiterd_cli("arena", "status", "--arena", str(daemon.arena))
         assert f"waiters  alpha (pid {pid})" in arena
     finally:
         with daemon.client() as client:

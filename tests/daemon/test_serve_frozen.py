@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +24,7 @@ from arbiterd.arena import Arena
 from arbiterd.cli.controlclient import ControlClient
 from arbiterd.daemon.liveness import STATUS_ANSWER_S
 from arbiterd.paths import device_arena_of
-from tests.support.daemon import Daemon, openai_client, serving, tiny
+from tests.support.daemon import Daemon, arbiterd_cli, openai_client, serving, tiny
 from tests.support.rpcservers import RpcServer, rpc_servers
 from tests.support.signals import stop
 from tests.support.waiting import wait_until
@@ -129,13 +127,7 @@ def test_a_stopped_holder_is_reported_then_killed_and_the_gpu_moves_on(tiny_mode
 
 
 def assert_the_journal_says_it(daemon: Daemon) -> None:
-    shown = subprocess.run(
-        [sys.executable, "-m", "arbiterd", "events", "--journal", str(daemon.journal)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
+    shown = arbiterd_cli("events", "--journal", str(daemon.journal))
     lines = [line for line in shown.splitlines() if "holder_silent" in line]
     assert [line.rpartition(": ")[2] for line in lines] == ["reported", "killed"], shown
 

@@ -6,8 +6,6 @@ the stopped program keeps its place."""
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,7 +13,7 @@ from arbiterd.arena import Arena
 from arbiterd.arena.token import PASS_OVER_S, STALL_CHECK_S
 from tests.conftest import Processes
 from tests.daemon.test_serve_frozen import complete, next_event
-from tests.support.daemon import openai_client, serving, tiny
+from tests.support.daemon import arbiterd_cli, openai_client, serving, tiny
 from tests.support.signals import stop
 from tests.support.waiting import wait_until
 
@@ -56,11 +54,5 @@ def test_a_request_behind_a_stopped_first_waiter_is_served_and_said(
         assert program.stdin is not None
         program.stdin.close()
         assert program.wait(timeout=10) == 0
-        shown = subprocess.run(
-            [sys.executable, "-m", "arbiterd", "events", "--journal", str(daemon.journal)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        ).stdout
+        shown = arbiterd_cli("events", "--journal", str(daemon.journal))
         assert f"alpha went before pid {program.pid}, ahead of it in the queue: stopped" in shown

@@ -179,3 +179,16 @@ def _toml_value(value: Any) -> str:
 
 def environment_without(*names: str) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in names}
+
+
+def arbiterd_cli(*args: str) -> str:
+    """What `arbiterd ARGS` prints, run as a user runs it (a process of its own); it must
+    succeed."""
+    done = subprocess.run(
+        [sys.executable, "-m", "arbiterd", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return done.stdout
