@@ -33,6 +33,7 @@
     path = "/models/x.gguf"       # required
     aliases = []                  # more names requests may ask for, e.g. ["gpt-4o-mini"]
     n_ctx = 4096, n_gpu_layers = -1, n_threads = 0, chat_format = "", mmproj = "",
+    parallel = 4,                 # requests decoded together, sharing the n_ctx cells (issue 42)
     embedding = true|false,       # absent: as the GGUF says (daemon/modelfile.py)
     kv_on_release = "host", min_hold_s = 0.1, idle_release_s = 0,
     priority = "normal", preemptible = true, strict_api = false,
@@ -95,8 +96,10 @@ from arbiterd.paths import (
     runtime_dir,
 )
 from arbiterd.spec import (
+    DEFAULT_PARALLEL,
     DEFAULT_TURNS,
     MAX_N_CTX,
+    MAX_PARALLEL,
     MAX_TURN_S,
     MAX_WAIT_S,
     MIN_TURN_S,
@@ -196,6 +199,7 @@ MODEL_KEYS = (
     "n_ctx",
     "n_gpu_layers",
     "n_threads",
+    "parallel",
     "chat_format",
     "mmproj",
     "embedding",
@@ -328,7 +332,7 @@ class ModelConfig:
     path: Path
     n_ctx: int
     n_gpu_layers: int  # -1 = every layer on the GPU
-    n_threads: int | None  # None = the library's default
+    n_threads: int | None  # None = every CPU this process may run on
     chat_format: str | None  # None = the GGUF's own chat template
     mmproj: Path | None
     embedding: bool | None  # serves embeddings only; None = as its GGUF says (modelfile.py)
@@ -338,6 +342,7 @@ class ModelConfig:
     idle_release_s: float  # 0 = release only when someone else wants the GPU
     # The HTTP API refuses the fields it would ignore for this model (x-arbiterd-ignored).
     strict_api: bool = False
+    parallel: int = DEFAULT_PARALLEL  # requests decoded together
     priority: Priority = Priority.NORMAL  # its class in the GPU queue
     preemptible: bool = True  # a generation pauses at a token boundary for a higher class
     aliases: tuple[str, ...] = ()  # more names requests may ask for it by
@@ -405,6 +410,7 @@ class ModelConfig:
             n_ctx=self.n_ctx,
             n_gpu_layers=self.n_gpu_layers,
             n_threads=self.n_threads,
+            parallel=self.parallel,
             chat_format=self.chat_format,
             residency=self.residency,
             embedding=embedding,
@@ -917,7 +923,13 @@ def _model(src: Source, name: str, raw: object, rpc_servers: tuple[str, ...] = (
         "n_gpu_layers", -1, "an integer >= -1 (-1 = every layer)", ok=lambda v: v >= -1
     )
     n_threads = table.integer(
-        "n_threads", 0, "a non-negative integer (0 = the library's default)", ok=lambda v: v >= 0
+        "n_threads", 0, "a non-negative integer (0 = every CPU)", ok=lambda v: v >= 0
+    )
+    parallel = table.integer(
+        "parallel",
+        DEFAULT_PARALLEL,
+        f"an integer from 1 to {MAX_PARALLEL} (requests decoded together)",
+        ok=lambda v: 1 <= v <= MAX_PARALLEL,
     )
     chat_format = table.string(
         "chat_format", "", 'a chat format name such as "chatml" ("" = the GGUF\'s own template)'
@@ -940,6 +952,7 @@ def _model(src: Source, name: str, raw: object, rpc_servers: tuple[str, ...] = (
         n_ctx=n_ctx,
         n_gpu_layers=n_gpu_layers,
         n_threads=n_threads or None,
+        parallel=parallel,
         chat_format=chat_format or None,
         mmproj=mmproj,
         embedding=embedding,

@@ -40,6 +40,10 @@ COMPLETION_PARAMS: dict[str, tuple[type, ...]] = {
 EMBEDDING = "embedding"
 # llama.cpp keeps n_ctx in a uint32 and sizes host arrays by it; larger values wrap or exhaust RAM.
 MAX_N_CTX = (1 << 31) - 1
+# Requests a model decodes together (`parallel`, issue 42): llama-server's and LM Studio's
+# default; at most llama.cpp's LLAMA_MAX_SEQ.
+DEFAULT_PARALLEL = 4
+MAX_PARALLEL = 256
 
 
 # Where an image goes in a vision request's text, from the HTTP edge to the engine: libmtmd's own
@@ -83,7 +87,8 @@ class ModelSpec:
     path: Path
     n_ctx: int = 4096
     n_gpu_layers: int = -1
-    n_threads: int | None = None
+    n_threads: int | None = None  # None: every CPU this process may run on
+    parallel: int = 1  # sequences decoded together (the config's default is DEFAULT_PARALLEL)
     chat_format: str | None = None
     seed: int = 0
     residency: Residency = Residency.AUTO

@@ -2,8 +2,8 @@
 chat chunks (the role, the text, tool-call deltas, the finish reason) or completion chunks,
 each with the log-probabilities of the tokens it carries, and the whole choice at the end.
 
-Owns the shape of a choice in streams and responses. The engine feeds it the chunks of one
-`Llama.create_completion` run and the log-probabilities its sampler recorded meanwhile.
+Owns the shape of a choice in streams and responses. The engine feeds it the text chunks of one
+decoded sequence, shaped as llama-cpp-python's, and the log-probabilities of their tokens.
 Pure: no llama_cpp, so it is tested on plain dicts.
 """
 

@@ -71,8 +71,9 @@ class KvKey:
 
 @dataclass(frozen=True)
 class KvState:
-    tokens: list[int]  # the tokens whose KV `data` holds, in order
-    data: bytes  # llama_state_get_data's bytes
+    tokens: list[int]  # the tokens whose KV `data` holds in sequence `seq`, in order
+    data: bytes  # llama_state_get_data's bytes (the other sequences' KV in it is not kept)
+    seq: int = 0  # the KV sequence (the decoder's slot) that held them
 
 
 def write(path: Path, key: KvKey, state: KvState) -> int:
@@ -87,6 +88,7 @@ def write(path: Path, key: KvKey, state: KvState) -> int:
             "version": FORMAT_VERSION,
             "key": asdict(key),
             "n_tokens": len(state.tokens),
+            "seq": state.seq,
             "data_bytes": len(state.data),
             "sha256": _digest(token_bytes, state.data),
         }
@@ -132,13 +134,14 @@ def read(path: Path, key: KvKey) -> KvState:
         version = header["version"]
         saved_key = KvKey(**header["key"])
         n_tokens, data_bytes, digest = header["n_tokens"], header["data_bytes"], header["sha256"]
+        seq = header.get("seq", 0)
     except (ValueError, TypeError, KeyError) as exc:
         raise KvFileError(f"{path} has a damaged header ({exc})") from None
     if version != FORMAT_VERSION:
         raise KvFileError(f"{path} is format {version!r}; this arbiterd reads {FORMAT_VERSION}")
     if saved_key != key:
         raise KvFileError(f"{path} was made for {saved_key}, not {key}")
-    if not isinstance(n_tokens, int) or not isinstance(data_bytes, int):
+    if not all(isinstance(n, int) for n in (n_tokens, data_bytes, seq)) or seq < 0:
         raise KvFileError(f"{path} has a damaged header (sizes)")
     at += header_len
     token_end = at + n_tokens * _TOKEN_BYTES
@@ -151,7 +154,7 @@ def read(path: Path, key: KvKey) -> KvState:
     tokens.frombytes(token_bytes)
     if not _LITTLE:
         tokens.byteswap()
-    return KvState(tokens.tolist(), data)
+    return KvState(tokens.tolist(), data, seq)
 
 
 def _create_private(tmp: Path) -> BinaryIO:

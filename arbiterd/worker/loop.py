@@ -102,7 +102,7 @@ from arbiterd.errors import (
 from arbiterd.events import PassedOverEvent, RequestEvent, ResidencyEvent
 from arbiterd.paths import DeviceKind, parse_device_id
 from arbiterd.procs import holder_name
-from arbiterd.request import GenerateRequest
+from arbiterd.request import GenerateRequest, RequestKind
 from arbiterd.spec import (
     WORKER_PROTOCOL,
     Capability,
@@ -151,7 +151,32 @@ PREEMPTION_CHECK_S = 0.02
 # A load that failed for a device out of reach (an RPC server down) is tried again after this,
 # then after twice as long each time, up to the maximum.
 LOAD_RETRY_S = 1.0
+# The window the status's tokens per second is measured over.
+RATE_WINDOW_S = 1.0
 LOAD_RETRY_MAX_S = 30.0
+
+
+@dataclass(frozen=True)
+class _Flight:
+    """A generate request begun on the backend."""
+
+    id: str
+    priority: Priority  # its class in the GPU queue
+    began: float  # monotonic
+
+
+def _rank(priority: Priority) -> int:
+    return priority.rank
+
+
+def _runs_alone(command: Command) -> bool:
+    """A generate op whose request runs with no other beside it (`Prepared.alone`): images,
+    or embeddings. Read from the wire as the engine thread will read it (a malformed one joins,
+    and fails when it is read)."""
+    raw = command.request
+    if not isinstance(raw, dict):
+        return False
+    return raw.get("kind") == RequestKind.EMBEDDING.value or bool(raw.get("images"))
 
 
 @dataclass(frozen=True)
@@ -217,11 +242,20 @@ class Worker:
         self._handoff = HandoffCost()
         self._paused = 0  # generations paused for a waiter of a higher class
         self._next_preemption_check = 0.0
-        # Pausing releases in place, so llama-cpp-python's generation survives it; the reload
-        # backend frees the Llama object a generation runs on.
+        # Pausing releases in place, so the decoder's sequences survive it; the reload backend
+        # frees the Llama object a generation runs on.
         self._can_pause = config.preemptible and backend.kind is BackendKind.IN_PLACE
         self._pinned = False
+        # The generate request being read, prepared and waiting for the GPU, before it begins.
         self._current: str | None = None
+        # The requests begun on the backend: one batch, decoded together (engine thread only).
+        self._flights: dict[str, _Flight] = {}
+        # A command taken from the inbox during a batch that is not for it: served right after.
+        self._deferred: Command | None = None
+        # Generated tokens per second over the batch's last RATE_WINDOW_S (0 while idle).
+        self._tokens_per_s = 0.0
+        self._rate_since = time.monotonic()
+        self._rate_tokens = 0
         self._last_error = ""
         self._retry_load = False  # the last load failed for a device out of reach: try again
         self._warm_since = time.monotonic()
@@ -374,7 +408,7 @@ class Worker:
                     continue
                 command = queued
             else:
-                command = self._inbox.get()
+                command = self._take_deferred() or self._inbox.get()
             if command.op is WorkerOp.SHUTDOWN:
                 return
             if command.op is WorkerOp.UNLOAD:
@@ -399,13 +433,13 @@ class Worker:
         """Warm: the next command if one is queued; else sleep until `look_in_s` (0: do not
         sleep) and probe, and say when to look next. A command that comes during the sleep goes
         first, the probe after it, as it always did."""
-        if not self._inbox.empty():
+        if self._deferred is not None or not self._inbox.empty():
             # Between two requests: where a turn ends (issue 43), or goes on with the next.
             self._maybe_release()
             if self._residency.state is not ResidencyState.WARM:
                 return None, None
         try:
-            return self._inbox.get_nowait(), look_in_s
+            return self._take_deferred() or self._inbox.get_nowait(), look_in_s
         except queue.Empty:
             pass
         if look_in_s is None or look_in_s > 0:
@@ -413,6 +447,10 @@ class Worker:
             if not self._inbox.empty():
                 return None, look_in_s
         return None, self._maybe_release()
+
+    def _take_deferred(self) -> Command | None:
+        command, self._deferred = self._deferred, None
+        return command
 
     def _sleep(self, timeout_s: float | None) -> None:
         """Warm and idle: wait for a bell, a command, `timeout_s` (the policy's next deadline)
@@ -481,7 +519,7 @@ class Worker:
             if self._is_cancelled(command.id):
                 raise AcquireCancelledError("the warm was withdrawn before it began")
             if self._residency.state is ResidencyState.COLD:
-                self._warm_up(command.id, self.config.priority)
+                self._warm_up(lambda: self._is_cancelled(command.id), self.config.priority)
             self._reply(command.id, {"state": self._residency.state.value})
         except (AcquireCancelledError, RestoreError) as exc:
             self._error(command.id, exc)
@@ -492,14 +530,24 @@ class Worker:
                 self._cancelled.discard(command.id)
 
     def _handle_generate(self, command: Command) -> None:
+        """Run a generate request, and beside it those queued meanwhile: one batch, a decode
+        step of all of them at a time (worker/engine/decode.py), until every one has ended."""
+        self._take(command)
+        while self._flights:
+            self._step()
+            self._admit_queued()
+        self._publish()
+
+    def _take(self, command: Command) -> None:
+        """Begin a generate request: read, prepared, the GPU waited for if cold, begun on the
+        backend (or answered with what kept it from beginning)."""
         if self._is_cancelled(command.id):
             self._error(command.id, RequestError("cancelled before it started"))
+            self._forget_cancel(command.id)
             return
         self._out.send({"id": command.id, "started": True})  # before it can send a chunk
         self._current = command.id
         self._publish()
-        result: Generation | None = None
-        failure: ArbiterError | None = None
         queued: tuple[Place, _Waiting] | None = None
         try:
             request = GenerateRequest.from_json(command.request)
@@ -512,53 +560,120 @@ class Worker:
             prepared = self._backend.prepare(request, lambda: self._between_pieces(command.id))
             if self._residency.state is ResidencyState.COLD:
                 # Cold from the start, or its turn ended while it tokenized: it queues again.
-                self._warm_up(command.id, priority, queued)
-            started = time.monotonic()
-            result = self._backend.run(
-                prepared, self._sink(command), lambda: self._stops_or_pauses(command.id, priority)
+                self._warm_up(lambda: self._is_cancelled(command.id), priority, queued)
+            flight = _Flight(command.id, priority, time.monotonic())
+            # One that runs alone may pause for a higher class inside its run; a batch pauses
+            # between its steps (`_step`).
+            cancelled = (
+                (lambda: self._stops_or_pauses(command.id, priority))
+                if prepared.alone
+                else (lambda: self._stops(command.id))
             )
+            self._backend.begin(command.id, prepared, self._sink(command), cancelled)
+            self._flights[command.id] = flight
         except ArbiterError as exc:
-            failure = exc
+            self._end(command.id, exc)
         except Exception as exc:
             # A bug met by this request alone (issue 24: a lone surrogate in a prompt, a
             # 5,000-digit token id, each ended the process and kept the model down through the
             # restart backoff).
-            failure = self._internal(command.id, exc)
+            self._end(command.id, self._internal(command.id, exc))
         finally:
             if queued is not None:
                 queued[0].leave()
-            # Published before the reply: a status asked right after it agrees with it.
-            self._served += result is not None
             self._current = None
-            self._idle_since = time.monotonic()
-            with self._cancel_lock:
-                self._cancelled.discard(command.id)
-            self._publish()
-        if result is None:
-            assert failure is not None  # run returned nothing only by raising
-            self._error(command.id, failure)
+        self._publish()
+
+    def _step(self) -> None:
+        """One decode step of the batch, after pausing it for a waiter of a higher class; the
+        requests that ended are answered."""
+        try:
+            self._pause_for_higher_class()
+            ended = self._backend.step()
+        except Exception as exc:
+            # Nothing of the batch can go on (a bug, a device lost): each request fails, the
+            # engine's KV emptied.
+            failure = exc if isinstance(exc, ArbiterError) else self._internal("a batch", exc)
+            ended = dict.fromkeys(self._backend.abandon(failure), failure)
+            ended.update(dict.fromkeys(set(self._flights) - set(ended), failure))
+        for request_id, outcome in ended.items():
+            self._end(request_id, outcome)
+        self._measure_rate()
+
+    def _admit_queued(self) -> None:
+        """Between two steps: begin the generate requests queued meanwhile, in order, up to the
+        first other op or request that runs alone (kept for after the batch, `_deferred`); none
+        once the turn is over (a waiter wants the GPU: the batch ends, and the model with it)."""
+        while self._deferred is None and not self._turn_over():
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command.op is not WorkerOp.GENERATE or _runs_alone(command):
+                self._deferred = command
+                return
+            self._take(command)
+
+    def _turn_over(self) -> bool:
+        """Whether this model's turn is over: a waiter wants the GPU and the quantum has
+        passed. A batch admits nothing new then."""
+        token = self._token
+        if token is None or self._pinned:
+            return True
+        held_s = time.monotonic() - self._warm_since
+        return held_s >= self._quantum_s() and token.wanted()
+
+    def _end(self, request_id: str, outcome: Generation | ArbiterError) -> None:
+        """A request ended: its answer, and its event."""
+        flight = self._flights.pop(request_id, None)
+        # Published before the reply: a status asked right after it agrees with it.
+        self._served += isinstance(outcome, Generation)
+        self._idle_since = time.monotonic()
+        self._forget_cancel(request_id)
+        self._publish()
+        if not isinstance(outcome, Generation):
+            self._error(request_id, outcome)
             self._check_settled()
             return
-        self._reply(command.id, _result_json(result))
+        assert flight is not None  # only a begun request generates
+        self._reply(request_id, _result_json(outcome))
         self._out.send(
             RequestEvent(
                 at=time.time(),
                 model=self.name,
-                request_id=command.id,
-                duration_s=round(time.monotonic() - started, 6),
-                prompt_tokens=result.prompt_tokens,
-                prompt_tokens_evaluated=result.prompt_tokens_evaluated,
-                completion_tokens=result.completion_tokens,
-                cancelled=result.cancelled,
-                status=RequestStatus.CANCELLED if result.cancelled else RequestStatus.OK,
+                request_id=request_id,
+                duration_s=round(time.monotonic() - flight.began, 6),
+                prompt_tokens=outcome.prompt_tokens,
+                prompt_tokens_evaluated=outcome.prompt_tokens_evaluated,
+                completion_tokens=outcome.completion_tokens,
+                cancelled=outcome.cancelled,
+                status=RequestStatus.CANCELLED if outcome.cancelled else RequestStatus.OK,
             ).to_json()
         )
-        for step in result.encoder_steps:  # a vision request's projector, step by step
+        for step in outcome.encoder_steps:  # a vision request's projector, step by step
             self._out.send(
                 dataclasses.replace(
-                    step, at=time.time(), model=self.name, request_id=command.id
+                    step, at=time.time(), model=self.name, request_id=request_id
                 ).to_json()
             )
+
+    def _measure_rate(self) -> None:
+        """Generated tokens per second over the last RATE_WINDOW_S of the batch (0 once it has
+        ended), published with the status."""
+        now = time.monotonic()
+        total = self._backend.tokens_generated_total
+        if not self._flights:
+            self._tokens_per_s = 0.0
+        elif now - self._rate_since < RATE_WINDOW_S:
+            return
+        else:
+            self._tokens_per_s = (total - self._rate_tokens) / (now - self._rate_since)
+        self._rate_since, self._rate_tokens = now, total
+        self._publish()
+
+    def _forget_cancel(self, request_id: str) -> None:
+        with self._cancel_lock:
+            self._cancelled.discard(request_id)
 
     def _internal(self, request_id: str, exc: Exception) -> InternalError:
         """The error a request gets for an exception nothing expected; the traceback is logged
@@ -594,22 +709,39 @@ class Worker:
 
     def _between_pieces(self, request_id: str) -> bool:
         """Between two pieces of a request's tokenizing, which needs no GPU: a waiter gets the
-        GPU now, not after us; and whether the request stops."""
-        self._maybe_release()
+        GPU now, not after us (unless a batch runs: it ends first); and whether the request
+        stops."""
+        if not self._flights:
+            self._maybe_release()
         return self._stops(request_id)
 
     def _stops(self, request_id: str) -> bool:
         """The request was cancelled, or the daemon is gone: nobody waits for its answer. (A
-        shutdown the daemon asks for lets the current request finish.) Asked before each decode
-        batch and tokenizer piece: the engine thread beats here."""
+        shutdown the daemon asks for lets the requests begun finish.) Asked before each decode
+        step and tokenizer piece: the engine thread beats here."""
         self._beat = time.monotonic()
         return self._orphaned.is_set() or self._is_cancelled(request_id)
 
     def _stops_or_pauses(self, request_id: str, priority: Priority) -> bool:
-        """Before each decode of a generation: whether it stops (as `_stops`), after pausing it
-        if a waiter of a higher class has queued meanwhile (preemption at a token boundary)."""
+        """Before each decode of a request that runs alone: whether it stops (as `_stops`),
+        after pausing it if a waiter of a higher class has queued meanwhile (preemption at a
+        token boundary)."""
         if self._stops(request_id):
             return True
+        if self._preempted(priority):
+            self._pause(lambda: self._is_cancelled(request_id), priority)
+        return self._stops(request_id)
+
+    def _pause_for_higher_class(self) -> None:
+        """Before a batch's step: pause it if a waiter of a higher class than each of its
+        requests has queued meanwhile."""
+        priority = min((flight.priority for flight in self._flights.values()), key=_rank)
+        if self._preempted(priority):
+            self._pause(lambda: all(map(self._is_cancelled, self._flights)), priority)
+
+    def _preempted(self, priority: Priority) -> bool:
+        """Whether a generation of class `priority` pauses now: a waiter of a higher class
+        queues (looked at every PREEMPTION_CHECK_S at most), and the minimum hold is over."""
         if not self._can_pause or self._token is None:
             return False
         now = time.monotonic()
@@ -617,22 +749,18 @@ class Worker:
             return False
         self._next_preemption_check = now + PREEMPTION_CHECK_S
         waiting = self._arena.first_class_waiting()
-        if preempts(
-            waiting,
-            priority.rank,
-            held_s=now - self._warm_since,
-            min_hold_s=self.config.min_hold_s,
-        ):
-            self._pause(request_id, priority)
-        return self._stops(request_id)
+        return preempts(
+            waiting, priority.rank, held_s=now - self._warm_since, min_hold_s=self.config.min_hold_s
+        )
 
-    def _pause(self, request_id: str, priority: Priority) -> None:
-        """Give the GPU to the waiter of a higher class, the generation's state kept (its KV
-        saved like any release's; llama-cpp-python's tokens and sampler live on the host),
-        then queue for it again in the request's class and resume where it stopped."""
+    def _pause(self, withdrawn: Callable[[], bool], priority: Priority) -> None:
+        """Give the GPU to the waiter of a higher class, the generations' state kept (their KV
+        saved like any release's; the decoder's tokens and samplers live on the host), then
+        queue for it again in their class and resume where they stopped; unless `withdrawn`
+        says nobody waits for them any more."""
         self._paused += 1
         self._cool(ReleaseReason.PREEMPTED.value)
-        self._warm_up(request_id, priority)
+        self._warm_up(withdrawn, priority)
 
     def _maybe_release(self) -> float | None:
         """Release if the policy says so; else how long its answer holds without a bell (None:
@@ -642,7 +770,9 @@ class Worker:
         now = time.monotonic()
         wanted = self._token.wanted()  # live lock state, probed here where we decide
         held_s = now - self._warm_since
-        queued = self._inbox.qsize() + (self._current is not None)
+        # What waits or runs: the queue, the request being read, the batch.
+        queued = self._inbox.qsize() + (self._deferred is not None)
+        queued += (self._current is not None) + len(self._flights)
         quantum_s = self._quantum_s()
         # The waiters' waits matter only while the turn would go on without them: read then
         # alone (a look at the queue lists its folder and reads /proc/locks).
@@ -718,10 +848,14 @@ class Worker:
         return ticket, waiting
 
     def _warm_up(
-        self, request_id: str, priority: Priority, queued: tuple[Place, _Waiting] | None = None
+        self,
+        withdrawn: Callable[[], bool],
+        priority: Priority,
+        queued: tuple[Place, _Waiting] | None = None,
     ) -> None:
         """cold → warming → warm; waits for the token in the queue, as `priority` (interrupted
-        by cancel or shutdown; a wake for another request's cancel keeps its place)."""
+        by shutdown, or by a cancel once `withdrawn` says nobody waits for it; a wake for
+        another request's cancel keeps its place)."""
         ticket, waiting = queued or self._announce(priority)
         try:
             while True:
@@ -734,7 +868,7 @@ class Worker:
                     self._got_token(taken)
                     break
                 except AcquireCancelledError:
-                    if self._stopping.is_set() or self._is_cancelled(request_id):
+                    if self._stopping.is_set() or withdrawn():
                         raise
         finally:
             ticket.leave()
@@ -761,7 +895,7 @@ class Worker:
     def _stop(self) -> None:
         while True:  # nothing queued is dropped silently
             try:
-                command = self._inbox.get_nowait()
+                command = self._take_deferred() or self._inbox.get_nowait()
             except queue.Empty:
                 break
             if command.id:
@@ -804,7 +938,7 @@ class Worker:
         """The requests that wait: those in the inbox, and the one taken from it while it waits
         for the GPU (issue 40: status said QUEUE 0 while a request waited for the token)."""
         waiting = self._current is not None and self._token is None
-        return self._inbox.qsize() + waiting
+        return self._inbox.qsize() + (self._deferred is not None) + waiting
 
     def _is_cancelled(self, request_id: str) -> bool:
         with self._cancel_lock:
@@ -855,7 +989,11 @@ class Worker:
             "holds_token": self._token is not None,
             "pinned": self._pinned,
             "queue": self._queued(),
-            "current": self._current,
+            # The request being begun, else the batch's oldest; every one the batch runs.
+            "current": self._current or next(iter(self._flights), None),
+            "running": list(self._flights),
+            "sequences": self._backend.generating,
+            "tokens_per_s": round(self._tokens_per_s, 1),
             "served": self._served,
             "paused": self._paused,
             # Issue 43: the turn a wanted model keeps the GPU for, and the cost it comes from.
@@ -953,6 +1091,8 @@ class Unavailable:
 
     keeps_kv_on_device = False
     prompt_tokens_evaluated_total = 0
+    tokens_generated_total = 0
+    generating = 0
     fallback_reason = ""
 
     def __init__(self, spec: ModelSpec, error: EngineError) -> None:
@@ -978,8 +1118,16 @@ class Unavailable:
     def prepare(self, request: GenerateRequest, cancelled: Cancelled) -> Prepared:
         raise self._error
 
-    def run(self, request: Prepared, sink: ChunkSink | None, cancelled: Cancelled) -> Generation:
+    def begin(
+        self, request_id: str, request: Prepared, sink: ChunkSink | None, cancelled: Cancelled
+    ) -> None:
         raise self._error
+
+    def step(self) -> dict[str, Generation | ArbiterError]:
+        return {}
+
+    def abandon(self, error: ArbiterError) -> list[str]:
+        return []
 
     def resident_bytes(self) -> int:
         return 0

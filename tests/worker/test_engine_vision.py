@@ -20,7 +20,7 @@ from arbiterd.worker.engine import InPlaceBackend, ReloadBackend, select_backend
 from arbiterd.worker.engine import backend as backend_module
 from arbiterd.worker.engine.backend import LlamaBackend
 from arbiterd.worker.engine.images import decode_embeddings
-from arbiterd.worker.vision import MARKER, placeholder_ids
+from arbiterd.worker.vision import MARKER
 from tests.support.images import jpeg, png
 from tests.support.requests import request_for
 from tests.support.tiny_gguf import TinyModelSpec, write_tiny_llama
@@ -300,13 +300,13 @@ def test_a_bidirectional_image_is_decoded_in_one_batch_or_refused(tiny_model: Pa
     try:
         llm.eval([300, 301])
         embd = np.zeros((6, TinyModelSpec().n_embd), dtype=np.float32)
-        decode_embeddings(llm, embd, placeholder_ids(b"\0" * 32, 0, 6), non_causal=True)
-        assert llm.n_tokens == 8
-        assert min(llm.input_ids[2:8]) < 0
-        llm.eval([302])  # text decodes after it
+        decode_embeddings(llm, embd, 2, 0, non_causal=True)
+        memory = llama_cpp.llama_get_memory(llm.ctx)
+        assert llama_cpp.llama_memory_seq_pos_max(memory, 0) == 7
         too_big = np.zeros((9, TinyModelSpec().n_embd), dtype=np.float32)
         with pytest.raises(RequestError, match="exceeds the model's batch of 8"):
-            decode_embeddings(llm, too_big, placeholder_ids(b"\1" * 32, 0, 9), non_causal=True)
+            decode_embeddings(llm, too_big, 8, 0, non_causal=True)
+        assert llama_cpp.llama_memory_seq_pos_max(memory, 0) == 7
     finally:
         llm.close()
 

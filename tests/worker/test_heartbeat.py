@@ -28,7 +28,7 @@ FRESH_S = 1.0
 
 @pytest.fixture
 def worker(tmp_path: Path, tiny_model: Path) -> Iterator[BlockingWorker]:
-    spec = ModelSpec(name="long", path=tiny_model, n_ctx=8192, n_gpu_layers=0)
+    spec = ModelSpec(name="long", path=tiny_model, n_ctx=16384, n_gpu_layers=0)
     spawned = BlockingWorker.spawn(WorkerConfig(spec=spec, arena=tmp_path / "arena"))
     yield spawned
     spawned.kill()
@@ -38,7 +38,7 @@ def test_the_beat_stays_fresh_through_a_long_generation(worker: BlockingWorker) 
     generating = threading.Thread(
         target=worker.generate,
         args=(
-            request_for("completion", {"prompt": "the fox", "max_tokens": 4000, "temperature": 0}),
+            request_for("completion", {"prompt": "the fox", "max_tokens": 16000, "temperature": 0}),
         ),
         kwargs={"timeout_s": 120, "request_id": "long"},
     )

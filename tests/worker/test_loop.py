@@ -23,6 +23,7 @@ from arbiterd.daemon.workerclient import (
     WorkerHello,
 )
 from arbiterd.errors import (
+    ArbiterError,
     ContextOverflowError,
     EngineError,
     InternalError,
@@ -551,11 +552,13 @@ class FlakyRestore:
     fallback_reason = "test double: no residency API"
     keeps_kv_on_device = False
     prompt_tokens_evaluated_total = 0
+    tokens_generated_total = 0
 
     def __init__(self, failure: Exception | None = None) -> None:
         self.spec = ModelSpec(name="flaky", path=Path("/nonexistent"))
         self.warm = False
         self.failure = failure or RestoreError("out of device memory")
+        self.begun: dict[str, tuple[Prepared, Any, Any]] = {}  # by request id
 
     def open(self) -> None:
         pass
@@ -573,6 +576,22 @@ class FlakyRestore:
 
     def prepare(self, request: GenerateRequest, cancelled: Any) -> Prepared:
         return Prepared(request.kind, {"prompt": [1]})
+
+    @property
+    def generating(self) -> int:
+        return len(self.begun)
+
+    def begin(self, request_id: str, request: Prepared, sink: Any, cancelled: Any) -> None:
+        self.begun[request_id] = (request, sink, cancelled)
+
+    def step(self) -> dict[str, Generation | ArbiterError]:
+        """One decode of the batch: here each begun request runs to its end (`run`)."""
+        begun, self.begun = self.begun, {}
+        return {request_id: self.run(*args) for request_id, args in begun.items()}
+
+    def abandon(self, error: ArbiterError) -> list[str]:
+        begun, self.begun = self.begun, {}
+        return list(begun)
 
     def run(self, request: Prepared, sink: Any, cancelled: Any) -> Generation:
         return Generation({"choices": []}, 1, 1, 1)
@@ -676,11 +695,18 @@ class Buggy(FlakyRestore):
             "ab\ud800cd".encode()  # what the tokenizer met in issue 24
         return Prepared(request.kind, {"prompt": [1], "bug": request.prompt})
 
+    def step(self) -> dict[str, Generation | ArbiterError]:
+        if any(
+            request.completion["bug"] == "until-paused" and not cancelled()
+            for request, _, cancelled in self.begun.values()
+        ):
+            time.sleep(0.002)  # a decode of a generation that goes on until paused
+            return {}
+        return super().step()
+
     def run(self, request: Prepared, sink: Any, cancelled: Any) -> Generation:
         if request.completion["bug"] == "run":
             int("1" * 5000)  # what the logit bias met in issue 24
-        while request.completion["bug"] == "until-paused" and not cancelled():
-            time.sleep(0.002)  # a decode
         return super().run(request, sink, cancelled)
 
 

@@ -14,7 +14,9 @@ thread-safe, and freeing device buffers must never race a decode.
     inplace     InPlaceBackend: release and restore move the buffers' bytes (the engine patch)
     vocab       Vocab, the vocabulary alone: tokenizing while cold
     prepare     request preparation: checked, rendered and tokenized, pure over the vocabulary
-    generate    generation: run, drain, the instrumented eval and sample, embeddings
+    decode      the batched decoder: KV sequences, one llama_decode per step for every running
+                sequence, C sampler chains, stop strings
+    generate    generation: requests as jobs over the decoder's sequences, chunks, embeddings
     images      the vision steps on the model's context: layout, embeddings decoded, budget
 
 A request is **prepared** (rendered, sized and tokenized) before it **runs**: preparing needs only
@@ -42,7 +44,7 @@ from typing import Any, Protocol
 
 import llama_cpp
 
-from arbiterd.errors import EngineError, ModelLoadError
+from arbiterd.errors import ArbiterError, EngineError, ModelLoadError
 from arbiterd.native import ggml, libllama
 from arbiterd.native.libllama import ResidencyApi, probe_residency_api
 from arbiterd.request import GenerateRequest
@@ -74,7 +76,9 @@ class Backend(Protocol):
     """One model's residency mechanism. All methods run on the engine thread.
 
     `prepare` touches no device state, so the caller may release or restore the model from
-    inside its `cancelled` callback."""
+    inside its `cancelled` callback. Prepared requests are `begin`-ed beside each other and
+    run by `step`s, each one decode of all of them; a release between two steps keeps them
+    (the in-place backend: they resume after the restore)."""
 
     spec: ModelSpec
     kind: BackendKind  # as status, /metrics and the tray name it
@@ -94,9 +98,19 @@ class Backend(Protocol):
 
     def prepare(self, request: GenerateRequest, cancelled: Cancelled) -> Prepared: ...
 
-    def run(
-        self, request: Prepared, sink: ChunkSink | None, cancelled: Cancelled
-    ) -> Generation: ...
+    def begin(
+        self, request_id: str, request: Prepared, sink: ChunkSink | None, cancelled: Cancelled
+    ) -> None: ...
+
+    def step(self) -> dict[str, Generation | ArbiterError]: ...
+
+    def abandon(self, error: ArbiterError) -> list[str]: ...
+
+    @property
+    def generating(self) -> int: ...
+
+    @property
+    def tokens_generated_total(self) -> int: ...
 
     def resident_bytes(self) -> int: ...
 

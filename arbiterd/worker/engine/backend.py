@@ -27,6 +27,7 @@ from llama_cpp._internals import LlamaBatch
 from arbiterd.errors import (
     ArbiterError,
     ContextOverflowError,
+    EngineError,
     ModelLoadError,
     RequestError,
     RestoreError,
@@ -36,10 +37,10 @@ from arbiterd.native import libllama
 from arbiterd.request import GenerateRequest, RequestKind
 from arbiterd.spec import MAX_N_CTX, Capability, KvPolicy, ModelInfo, ModelSpec, capabilities
 from arbiterd.states import BackendKind
+from arbiterd.worker.engine.decode import Decoder, common_prefix
 from arbiterd.worker.engine.generate import Generator
 from arbiterd.worker.engine.images import (
     Prefill,
-    common_prefix,
     decode_embeddings,
     free_device_bytes,
     lay_out,
@@ -70,6 +71,9 @@ POOLING_TYPES = {
     llama_cpp.LLAMA_POOLING_TYPE_RANK: "rank",
 }
 POOLED = ("mean", "cls", "last")
+# The KV sequence a vision prompt is laid out in (a vision request runs alone: the decoder's
+# others are idle meanwhile), and its first choice generates in.
+VISION_SLOT = 0
 
 
 class LlamaBackend(ABC):
@@ -94,7 +98,8 @@ class LlamaBackend(ABC):
         self._vocab: Vocab | None = None
         self._chat: ChatFormat | None = None
         self._kv: KvState | None = None
-        self._generator = Generator(spec.name)
+        self._generator = Generator(spec.name, parallel=spec.parallel, seed=spec.seed)
+        self._ended: dict[str, Generation] = {}  # requests run alone, for the next `step`
         self._projector = (
             None
             if spec.mmproj is None
@@ -181,25 +186,31 @@ class LlamaBackend(ABC):
         if self._kv is not None:
             return self._kv
         llm = self._llm
-        if llm is None or self._is_released() or llm.n_tokens == 0:
+        if llm is None or self._is_released() or not self._generator.decoder.cells_used:
             return None
-        return save_kv(llm)
+        return save_kv(llm, self._generator.decoder)
 
     def adopt_kv(self, kv: KvState) -> None:
         """Set a kept prompt cache into the freshly loaded, warm context: the next request then
         evaluates only what its prompt adds. RestoreError when it does not fit; the context is
         then left empty (a full prefill, never a half-set cache)."""
         llm = self._require_llm()
-        if self._is_released() or llm.n_tokens != 0:
+        decoder = self._generator.decoder
+        if self._is_released() or decoder.cells_used:
             raise RestoreError(f"{self.spec.name} has a prompt cache already")
         if len(kv.tokens) > llm.n_ctx():
             raise RestoreError(f"{len(kv.tokens)} tokens do not fit a context of {llm.n_ctx()}")
+        if kv.seq >= decoder.n_seq:
+            raise RestoreError(
+                f"it was kept in sequence {kv.seq}, beyond parallel = {decoder.n_seq}"
+            )
         try:
             load_kv(llm, kv)
         except RestoreError:
             llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
-            llm.n_tokens = 0
             raise
+        # The state holds every sequence's cells; the one kept is what the slots say.
+        decoder.slots[kv.seq][:] = kv.tokens
 
     def _is_released(self) -> bool:
         """Whether the context is alive but its buffers released (the in-place backend)."""
@@ -207,6 +218,7 @@ class LlamaBackend(ABC):
 
     def close(self) -> None:
         self._free_projector()
+        self._generator.decoder.unbind()
         if self._llm is not None:
             self._llm.close()
             self._llm = None
@@ -246,10 +258,60 @@ class LlamaBackend(ABC):
         )
         return preparer.prepare(request, cancelled)
 
+    def begin(
+        self, request_id: str, request: Prepared, sink: ChunkSink | None, cancelled: Cancelled
+    ) -> None:
+        """Start a prepared request on the warm model beside those running: a chat or
+        completion request joins the decoder's batch; one that runs alone (`Prepared.alone`:
+        images, or embeddings) is run to its end here, with nothing else running. Its result
+        comes from the next `step`; what keeps it from starting is raised."""
+        if request.alone:
+            if self._generator.busy:
+                raise EngineError("a request that runs alone was begun beside others")
+            self._ended[request_id] = self.run(request, sink, cancelled)
+            return
+        self._before_run()
+        self._generator.begin(request, sink, cancelled, key=request_id)
+
+    def step(self) -> dict[str, Generation | ArbiterError]:
+        """One decode of every running request's sequences; the requests that ended, by the
+        ids they were begun with: their generation, or why they failed."""
+        ended: dict[str, Generation | ArbiterError] = dict(self._ended)
+        self._ended.clear()
+        if self._generator.busy:
+            for job in self._generator.step():
+                outcome = job.error or job.generation
+                assert outcome is not None  # a job ends done or failed
+                ended[job.key] = outcome
+        return ended
+
+    def abandon(self, error: ArbiterError) -> list[str]:
+        """End every running request with `error` (a step raised what it never should); their
+        ids. The KV is emptied: the step may have left it half made."""
+        ended = [job.key for job in self._generator.fail_all(error)]
+        ended += self._ended
+        self._ended.clear()
+        return ended
+
+    @property
+    def generating(self) -> int:
+        """The sequences generating now."""
+        return self._generator.running
+
+    @property
+    def tokens_generated_total(self) -> int:
+        return self._generator.decoder.tokens_generated_total
+
+    def _before_run(self) -> None:
+        """Check the model can decode now: it is loaded (and, in place, not released)."""
+        self._require_llm()
+
     def run(self, request: Prepared, sink: ChunkSink | None, cancelled: Cancelled) -> Generation:
         """Generate for a prepared request on the warm model (`Generator.run`), its images
-        first laid out and encoded (`_prefill_images`), or embed its inputs."""
+        first laid out and encoded (`_prefill_images`), or embed its inputs: alone, from
+        begin to end."""
         llm = self._require_llm()
+        self._before_run()
         if request.kind is RequestKind.EMBEDDING:
             return self._generator.embed(llm, request.inputs, cancelled)
         prefill: Prefill | None = None
@@ -260,7 +322,7 @@ class LlamaBackend(ABC):
                 self._log_projector_steps("a failed request")  # none is left for the next one
                 raise
         return self._generator.run(
-            llm, request, sink, cancelled, prefill=prefill, projector=self._projector
+            request, sink, cancelled, prefill=prefill, projector=self._projector
         )
 
     def generate(self, request: GenerateRequest, sink: ChunkSink | None) -> Generation:
@@ -299,7 +361,8 @@ class LlamaBackend(ABC):
                 )
             if tokens[-1] < 0:
                 raise RequestError("the prompt ends with an image: the template must end in text")
-            cached = common_prefix(llm.input_ids[: llm.n_tokens].tolist(), tokens[:-1])
+            decoder = self._generator.decoder
+            cached = common_prefix(decoder.slots[VISION_SLOT], tokens[:-1])
             pending = [p for p in placed if p[0] + len(p[2].ids) > cached]
             if not pending:
                 return Prefill(tokens, 0, 0)
@@ -312,18 +375,18 @@ class LlamaBackend(ABC):
             non_causal = projector.non_causal()
         # The projector is freed here (unless resident), and swapped-out weights are back:
         # the model's context decodes alone.
-        counted = self._generator.count_evals()  # the text evaluated below (Llama.eval counts)
-        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(llm.ctx), -1, start, -1)
-        llm.n_tokens = start
-        image_positions = 0
+        decoder.trim(VISION_SLOT, start)
+        slot = decoder.slots[VISION_SLOT]
+        text = image_positions = 0
         for at, digest, span in pending:
-            if at > llm.n_tokens:
-                llm.eval(tokens[llm.n_tokens : at])
-            decode_embeddings(llm, embeddings[digest][span.chunk], span.ids, non_causal)
+            if at > len(slot):
+                text += decoder.evaluate(VISION_SLOT, tokens[len(slot) : at], never)
+            chunk = embeddings[digest][span.chunk]
+            decode_embeddings(llm, chunk, len(slot), VISION_SLOT, non_causal)
+            decoder.positions(VISION_SLOT, span.ids)
             image_positions += len(span.ids)
-        if len(tokens) - 1 > llm.n_tokens:
-            llm.eval(tokens[llm.n_tokens : len(tokens) - 1])
-        text = sum(counted.evals)
+        if len(tokens) - 1 > len(slot):
+            text += decoder.evaluate(VISION_SLOT, tokens[len(slot) : len(tokens) - 1], never)
         return Prefill(tokens, start, text + image_positions)
 
     @contextmanager
@@ -446,8 +509,10 @@ class LlamaBackend(ABC):
             "use_mmap": self._use_mmap,
             "verbose": False,
         }
-        if spec.n_threads:
-            kwargs["n_threads"] = spec.n_threads
+        # llama-cpp-python's default is half the CPUs for a generation; llama-server's, and
+        # ours, all of them (issue 42: a generation step is one decode, which every CPU speeds).
+        threads = spec.n_threads or len(os.sched_getaffinity(0))
+        kwargs |= {"n_threads": threads, "n_threads_batch": threads}
         if spec.chat_format:
             kwargs["chat_format"] = spec.chat_format
         if spec.embedding:
@@ -460,8 +525,11 @@ class LlamaBackend(ABC):
         if spec.tensor_split:
             kwargs["tensor_split"] = list(spec.tensor_split)
         try:
-            with model_params(
-                use_extra_bufts=spec.repack, devices=self._placement.devices_pointer()
+            with (
+                model_params(
+                    use_extra_bufts=spec.repack, devices=self._placement.devices_pointer()
+                ),
+                context_params(n_seq_max=1 if spec.embedding else spec.parallel),
             ):
                 llm = llama_cpp.Llama(**kwargs)
         except (ValueError, RuntimeError, OSError, MemoryError) as exc:
@@ -479,7 +547,7 @@ class LlamaBackend(ABC):
                     f" ({', '.join(POOLED)} would; an embedding model's GGUF names one as"
                     " <architecture>.pooling_type)"
                 )
-        self._generator.instrument(llm)
+        self._generator.attach(llm)
         _drop_what_workers_never_use(llm)
         template = llm.metadata.get("tokenizer.chat_template", "")
         if spec.chat_template is not None:  # the config's replaces the GGUF's
@@ -535,6 +603,27 @@ def model_params(
         bindings.llama_model_default_params = defaults
 
 
+@contextmanager
+def context_params(*, n_seq_max: int) -> Iterator[None]:
+    """While a Llama is made, the llama_context_params it starts from allow `n_seq_max` KV
+    sequences in one unified cache of n_ctx cells (the decoder's slots, issue 42), which
+    llama-cpp-python's Llama takes no argument for (as `model_params`)."""
+    bindings = llama_cpp.llama_cpp
+    defaults = bindings.llama_context_default_params
+
+    def params() -> llama_cpp.llama_context_params:
+        chosen: llama_cpp.llama_context_params = defaults()
+        chosen.n_seq_max = n_seq_max
+        chosen.kv_unified = True
+        return chosen
+
+    bindings.llama_context_default_params = params
+    try:
+        yield
+    finally:
+        bindings.llama_context_default_params = defaults
+
+
 def disk_read_bytes() -> int:
     """Bytes this process caused to be fetched from storage (page-cache hits excluded)."""
     for line in Path("/proc/self/io").read_text().splitlines():
@@ -543,11 +632,14 @@ def disk_read_bytes() -> int:
     return 0
 
 
-def save_kv(llm: llama_cpp.Llama) -> KvState:
+def save_kv(llm: llama_cpp.Llama, decoder: Decoder) -> KvState:
+    """The context's whole KV state, which names the tokens of the slot used last (what a kept
+    prompt cache keeps); within a worker the decoder's slots say what every sequence holds."""
     size = llama_cpp.llama_state_get_size(llm.ctx)
     buffer = (ctypes.c_uint8 * size)()
     written = llama_cpp.llama_state_get_data(llm.ctx, buffer, size)
-    return KvState(list(llm.input_ids[: llm.n_tokens]), bytes(buffer)[:written])
+    seq = decoder.most_recent_slot() or 0
+    return KvState(list(decoder.slots[seq]), bytes(buffer)[:written], seq)
 
 
 def _drop_what_workers_never_use(llm: llama_cpp.Llama) -> None:
@@ -555,14 +647,14 @@ def _drop_what_workers_never_use(llm: llama_cpp.Llama) -> None:
     memory kept for the worker's life, 9 MB in a cold gemma-3 worker (issue 28).
 
     - Its batch has room for n_ctx sequences a token (n_batch blocks of n_ctx ids: 4 MB at n_ctx
-      2048). Every decode through it, Llama.eval, is of sequence 0 (embeddings decode with a
-      batch of their own, Generator.embed, and images through mtmd): room for one does.
+      2048). No decode goes through it: the decoder (engine/decode.py) has its own batch,
+      embeddings and images theirs. Room for one token does.
     - The candidates of its old sampling API: three arrays of n_vocab entries (5 MB for
       gemma-3's 262,144 tokens), which nothing in the pinned llama-cpp-python reads any more:
       llama.cpp's sampler chain samples."""
     kept = llm._batch
     llm._batch = llm._stack.enter_context(
-        closing(LlamaBatch(n_tokens=llm.n_batch, embd=0, n_seq_max=1, verbose=False))
+        closing(LlamaBatch(n_tokens=1, embd=0, n_seq_max=1, verbose=False))
     )
     kept.close()  # type: ignore[no-untyped-call]  # (and at llm.close() again: a no-op then)
     del llm._candidates
@@ -583,8 +675,3 @@ def load_kv(llm: llama_cpp.Llama, kv: KvState) -> None:
     buffer = (ctypes.c_uint8 * size).from_buffer_copy(kv.data)
     if llama_cpp.llama_state_set_data(llm.ctx, buffer, size) != size:
         raise RestoreError("the saved KV state does not fit the new context")
-    n = len(kv.tokens)
-    llm.input_ids[:n] = kv.tokens
-    llm.n_tokens = n
-    # The state holds the KV only, no logits: make generate() decode at least one token again.
-    llm._requires_eval = True

@@ -1,6 +1,5 @@
-"""Generation: a prepared request run on the warm model, its choices drained into OpenAI's chunks
-and response, or its inputs embedded; and the instrumentation of the llama's `eval` (count the
-tokens decoded, stop between two batches on a cancel) and `sample` (record log-probabilities).
+"""Generation: prepared requests run on the warm model as jobs on the decoder (engine/decode.py),
+several at once, their choices drained into OpenAI's chunks and response; or inputs embedded.
 Part of the engine (arbiterd/worker/engine/): it calls llama_cpp, on the engine thread only.
 """
 
@@ -9,133 +8,128 @@ from __future__ import annotations
 import math
 import time
 from array import array
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import llama_cpp
-import numpy as np
-import numpy.typing as npt
 from llama_cpp._internals import LlamaBatch
 
-from arbiterd.errors import EngineError, RequestError
+from arbiterd.errors import ArbiterError, EngineError
 from arbiterd.request import RequestKind
 from arbiterd.worker.choices import Choice, TokenLogprob
+from arbiterd.worker.engine.decode import Decoder, Sampling, Sequence, new_id
 from arbiterd.worker.engine.images import Prefill
-from arbiterd.worker.engine.records import Cancelled, ChunkSink, Generation, Prepared, never
+from arbiterd.worker.engine.records import Cancelled, ChunkSink, Generation, Prepared
 from arbiterd.worker.toolcalls import CallReader
 from arbiterd.worker.vision import Projector
 
 
-class _EvalCancelled(Exception):
-    """Raised out of `Llama.eval` to stop a cancelled request between two decodes; it never
-    leaves this module (`_drain` turns it into a cancelled Generation)."""
+class Job:
+    """One chat or completion request on the decoder: its `n` choices one after the other (each
+    after the first reuses the prompt's KV), streamed to the sink as they come, and the response
+    assembled from them (`generation`, once `done`)."""
 
-
-@dataclass
-class Run:
-    """One request on the warm model: whether to stop it, and what it sent to llama_decode, from
-    the `Llama.eval` calls it made: the first evaluates the prompt's uncached suffix, each later
-    one feeds back one sampled token."""
-
-    cancelled: Cancelled = never
-    reused_prefix: int = 0
-    evals: list[int] = field(default_factory=list)
-    stopped: bool = False  # the last eval was cut short by a cancel
-    logprobs: list[TokenLogprob] | None = None  # the sampler records here when asked to
-    top_logprobs: int = 0
-
-    @property
-    def prompt_evaluated(self) -> int:
-        return self.evals[0] if self.evals else 0
-
-    @property
-    def sampled(self) -> int:
-        # A token is sampled after every eval (the last one is never fed back), but none after
-        # an eval that a cancel cut short.
-        return len(self.evals) - self.stopped
-
-
-class Generator:
-    """Runs prepared requests on a warm llama, one at a time (the engine thread's). Owns the
-    current run, which the llama's instrumented `eval` and `sample` count into, and the count of
-    prompt tokens evaluated so far."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name  # the model's, as responses name it
-        self._run = Run()
-        self.prompt_tokens_evaluated_total = 0
-
-    def instrument(self, llm: llama_cpp.Llama) -> None:
-        """Make `llm`'s evals and samples count into the current run (a freshly made llama)."""
-        _instrument_eval(llm, lambda: self._run)
-        _instrument_sample(llm, lambda: self._run)
-
-    def count_evals(self) -> Run:
-        """A fresh run, never cancelled, that counts what the llama evaluates outside a
-        request's choices (a vision prompt's prefill)."""
-        self._run = Run()
-        return self._run
-
-    def run(
+    def __init__(
         self,
-        llm: llama_cpp.Llama,
+        name: str,
         request: Prepared,
         sink: ChunkSink | None,
         cancelled: Cancelled,
         *,
+        key: str,
         prefill: Prefill | None,
         projector: Projector | None,
-    ) -> Generation:
-        """Generate for a prepared chat or completion request on the warm `llm`, its `n` choices
-        one after the other (each after the first reuses the prompt's KV), from the vision
-        `prefill` when it has images. With a sink, chunks are streamed to it as they come; the
-        returned response is then assembled from them. `cancelled` is asked before every
-        decode: the prompt is evaluated n_batch tokens at a time, so a cancel waits for one
-        batch at most. The `projector`'s steps are the response's."""
-        head: dict[str, Any] = {}  # one id and creation time for every chunk of every choice
-        choices: list[Choice] = []
-        prompt_tokens = cached = evaluated = completion_tokens = 0
-        stopped = False
-        completion = request.completion
-        if prefill is not None:
-            completion = {**completion, "prompt": prefill.tokens}
-        for index in range(request.n):
-            recorded: list[TokenLogprob] | None = None if request.top_logprobs is None else []
-            run = self._run = Run(
-                cancelled, logprobs=recorded, top_logprobs=request.top_logprobs or 0
-            )
-            calls = (
-                CallReader(
-                    request.tools, forced=request.forced_call, parallel=request.parallel_calls
-                )
-                if request.tools
-                else None
-            )
-            choice = Choice(request.kind, index, calls=calls, logprobs=recorded)
-            try:
-                chunks = llm.create_completion(**_for_choice(completion, index))
-                stopped = self._drain(choice, cast(Iterator[dict[str, Any]], chunks), head, sink)
-            except ValueError as exc:  # llama-cpp-python reports bad arguments as ValueError
-                raise RequestError(str(exc)) from None
-            choices.append(choice)
-            if index == 0:
-                prompt_tokens, cached = run.reused_prefix + run.prompt_evaluated, run.reused_prefix
-                if prefill is not None and prefill.evaluated:
-                    cached = prefill.reused  # the rest of the prefix was evaluated just before
-                    evaluated += prefill.evaluated
-            evaluated += run.prompt_evaluated
-            completion_tokens += run.sampled
-            if stopped:
-                break
-        self.prompt_tokens_evaluated_total += evaluated
+    ) -> None:
+        self.name = name
+        self.key = key  # the caller's name for it
+        self.request = request
+        self._sink = sink
+        self._cancelled = cancelled
+        self._prefill = prefill
+        self._projector = projector
+        self._prompt = prefill.tokens if prefill is not None else request.prompt_tokens
+        self._sampling = Sampling.of(request.completion)
+        self._id = ("chat" if request.kind is RequestKind.CHAT else "") + new_id()
+        self._created = int(time.time())
+        self.choices: list[Choice] = []
+        self.sequences: list[Sequence] = []
+        self.generation: Generation | None = None
+        self.error: ArbiterError | None = None  # why it failed
+
+    @property
+    def done(self) -> bool:
+        return self.generation is not None or self.error is not None
+
+    def next_sequence(self) -> Sequence:
+        """The next choice's sequence (a vision prompt's first in slot 0, where its prefix was
+        evaluated)."""
+        index = len(self.sequences)
+        request = self.request
+        recorded: list[TokenLogprob] | None = None if request.top_logprobs is None else []
+        calls = (
+            CallReader(request.tools, forced=request.forced_call, parallel=request.parallel_calls)
+            if request.tools
+            else None
+        )
+        choice = Choice(request.kind, index, calls=calls, logprobs=recorded)
+        sampling = self._sampling
+        if index and sampling.seed is not None:
+            # Each choice its own seed (seed + index): the choices differ, and the whole
+            # response is the same again for the same seed.
+            sampling = Sampling(**{**sampling.__dict__, "seed": sampling.seed + index})
+        sequence = Sequence(
+            self._prompt,
+            sampling,
+            lambda text, finish: self._emit(choice, text, finish),
+            self._cancelled,
+            logprobs=recorded,
+            top_logprobs=request.top_logprobs or 0,
+            slot=0 if self._prefill is not None and index == 0 else None,
+        )
+        self.choices.append(choice)
+        self.sequences.append(sequence)
+        return sequence
+
+    def ended(self, sequence: Sequence) -> bool:
+        """A sequence of this job ended: True if the job is done (else its next choice is
+        due)."""
+        if sequence.error is not None:
+            self.error = sequence.error
+            return True
+        if sequence.stopped or len(self.sequences) == self.request.n:
+            self.generation = self._generation()
+            return True
+        return False
+
+    def _emit(self, choice: Choice, text: str, finish: str | None) -> None:
+        chunk = {
+            "id": self._id.removeprefix("chat"),
+            "created": self._created,
+            "model": self.name,
+            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}],
+        }
+        for converted in choice.convert(chunk):
+            converted.update(id=self._id, created=self._created)
+            if self._sink is not None:
+                self._sink(converted)
+
+    def _generation(self) -> Generation:
+        request, sequences = self.request, self.sequences
+        first = sequences[0]
+        prompt_tokens, cached = len(self._prompt), first.reused
+        evaluated = sum(s.prompt_evaluated for s in sequences)
+        prefill = self._prefill
+        if prefill is not None and prefill.evaluated:
+            cached = prefill.reused  # the rest of the prefix was evaluated just before
+            evaluated += prefill.evaluated
+        stopped = any(s.stopped for s in sequences)
+        completion_tokens = sum(len(s.generated) for s in sequences)
         chat = request.kind is RequestKind.CHAT
         response = {
-            "id": head.get("id", ""),
+            "id": self._id,
             "object": "chat.completion" if chat else "text_completion",
-            "created": head.get("created", int(time.time())),
+            "created": self._created,
             "model": self.name,
-            "choices": [choice.result() for choice in choices],
+            "choices": [choice.result() for choice in self.choices],
             "usage": {
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": completion_tokens,
@@ -144,9 +138,9 @@ class Generator:
                 "prompt_tokens_details": {"cached_tokens": cached},
             },
         }
-        if sink is not None and request.include_usage and not stopped:
+        if self._sink is not None and request.include_usage and not stopped:
             # OpenAI's last chunk of a stream that asked for it: no choices, the usage.
-            sink(
+            self._sink(
                 {
                     "id": response["id"],
                     "object": "chat.completion.chunk" if chat else "text_completion",
@@ -156,10 +150,108 @@ class Generator:
                     "usage": response["usage"],
                 }
             )
-        steps = projector.take_steps() if projector is not None else ()
+        steps = self._projector.take_steps() if self._projector is not None else ()
         return Generation(
             response, prompt_tokens, evaluated, completion_tokens, stopped, encoder_steps=steps
         )
+
+
+class Generator:
+    """Runs prepared requests on a warm llama (the engine thread's): the decoder and the jobs
+    on it, those whose next choice waits for a free sequence first."""
+
+    def __init__(self, name: str, *, parallel: int = 1, seed: int = 0) -> None:
+        self.name = name  # the model's, as responses name it
+        self.decoder = Decoder(parallel, seed)
+        self._waiting: list[Job] = []  # jobs whose next choice has no sequence yet, oldest first
+        self._jobs: dict[int, Job] = {}  # by the id of their running sequence
+        self._embedded_total = 0
+
+    @property
+    def prompt_tokens_evaluated_total(self) -> int:
+        return self.decoder.prompt_tokens_evaluated_total + self._embedded_total
+
+    @property
+    def busy(self) -> bool:
+        """Whether a job runs or waits."""
+        return bool(self._waiting or self._jobs)
+
+    @property
+    def running(self) -> int:
+        """The sequences generating now."""
+        return len(self._jobs)
+
+    def attach(self, llm: llama_cpp.Llama) -> None:
+        """Decode on a freshly made llama."""
+        self.decoder.bind(llm)
+
+    def begin(
+        self,
+        request: Prepared,
+        sink: ChunkSink | None,
+        cancelled: Cancelled,
+        *,
+        key: str = "",
+        prefill: Prefill | None = None,
+        projector: Projector | None = None,
+    ) -> Job:
+        """A chat or completion request's job, named `key`, started at once when a sequence
+        is free (else at a later `step`). With a sink, chunks are streamed to it as they come;
+        the response is then assembled from them. `cancelled` is asked before every decode
+        step. The `projector`'s steps (a vision request's) are the response's. Raises what
+        keeps it from starting (a prompt the context cannot hold)."""
+        job = Job(
+            self.name, request, sink, cancelled, key=key, prefill=prefill, projector=projector
+        )
+        self._waiting.append(job)
+        self._admit()
+        if job.error is not None:
+            raise job.error
+        return job
+
+    def step(self) -> list[Job]:
+        """One decode of every running sequence; the jobs that ended (done, or failed with
+        their `error`)."""
+        finished: list[Job] = []
+        for sequence in self.decoder.step():
+            job = self._jobs.pop(id(sequence))
+            if job.ended(sequence):
+                finished.append(job)
+            else:
+                self._waiting.insert(0, job)  # its next choice, before newer jobs
+        return finished + self._admit()
+
+    def run(
+        self,
+        request: Prepared,
+        sink: ChunkSink | None,
+        cancelled: Cancelled,
+        *,
+        prefill: Prefill | None = None,
+        projector: Projector | None = None,
+    ) -> Generation:
+        """One request alone, from begin to end (the decoder must be idle)."""
+        job = self.begin(request, sink, cancelled, prefill=prefill, projector=projector)
+        while not job.done:
+            self.step()
+        if job.error is not None:
+            raise job.error
+        assert job.generation is not None
+        return job.generation
+
+    def fail_all(self, error: ArbiterError) -> list[Job]:
+        """End every job, running or waiting, with `error` (the engine cannot go on), and
+        empty the KV: a step that failed midway may have left it unlike the slots' record."""
+        failed = []
+        for sequence in self.decoder.cancel_all(error):
+            job = self._jobs.pop(id(sequence))
+            job.error = error
+            failed.append(job)
+        waiting, self._waiting = self._waiting, []
+        for job in waiting:
+            job.error = error
+        self.decoder.clear()
+        return failed + waiting
 
     def embed(
         self, llm: llama_cpp.Llama, inputs: tuple[list[int], ...], cancelled: Cancelled
@@ -192,7 +284,7 @@ class Generator:
                 tokens += len(input_tokens)
         finally:
             batch.close()  # type: ignore[no-untyped-call]
-        self.prompt_tokens_evaluated_total += tokens
+        self._embedded_total += tokens
         response = {
             "object": "list",
             "data": data,
@@ -201,90 +293,26 @@ class Generator:
         }
         return Generation(response, tokens, tokens, 0, cancelled=len(data) < len(inputs))
 
-    def _drain(
-        self,
-        choice: Choice,
-        stream: Iterator[dict[str, Any]],
-        head: dict[str, Any],
-        sink: ChunkSink | None,
-    ) -> bool:
-        """Feed one choice's text chunks to `choice`, sending what it makes of them to the sink;
-        True if a cancel stopped it."""
-        try:
-            for chunk in stream:
-                chunk["model"] = self.name  # llama-cpp-python names the file it loaded
-                if not head:  # the first chunk names the whole response
-                    prefix = "chat" if choice.kind == "chat" else ""
-                    head.update(id=prefix + chunk["id"], created=chunk["created"])
-                for converted in choice.convert(chunk):
-                    converted.update(head)
-                    if sink is not None:
-                        sink(converted)
-        except _EvalCancelled:  # raised through llama-cpp-python's generators, which are done
-            return True
-        return False
-
-
-def _instrument_eval(llm: llama_cpp.Llama, current: Callable[[], Run]) -> None:
-    """Make every `eval` (the calls that reach llama_decode) count its tokens into the current
-    run and stop it between two batches when it is cancelled. `Llama.eval` decodes n_batch
-    tokens at a time anyway; handing it one batch per call changes nothing but that a cancel
-    is seen in between (a decode itself cannot be interrupted). A stopped eval leaves n_tokens
-    at what was decoded, so the next request's prefix match stays right."""
-    original = llm.eval
-
-    def eval_in_batches(tokens: Any) -> None:
-        run = current()
-        if not run.evals:
-            run.reused_prefix = llm.n_tokens
-        run.evals.append(0)
-        for start in range(0, len(tokens), llm.n_batch):
-            if run.cancelled():
-                run.stopped = True
-                raise _EvalCancelled
-            batch = tokens[start : start + llm.n_batch]
-            original(batch)
-            run.evals[-1] += len(batch)
-
-    llm.eval = eval_in_batches  # type: ignore[method-assign]
-
-
-def _instrument_sample(llm: llama_cpp.Llama, current: Callable[[], Run]) -> None:
-    """Make every `sample` record the sampled token's log-probability, and the most likely
-    tokens at its place, when the current run asks for them: from the logits the model gave
-    (before penalties, bias and grammar: the model's own distribution, as OpenAI reports it).
-    Without this llama-cpp-python computes log-probabilities only with logits_all, which keeps
-    n_ctx x n_vocab floats (4 GiB for gemma-3 at 4,096 tokens) for every request."""
-    original = llm.sample
-    vocab = llm._model.vocab
-    n_vocab = llm.n_vocab()
-
-    def sample_recording(*args: Any, **kwargs: Any) -> int:
-        token: int = original(*args, **kwargs)
-        run = current()
-        if run.logprobs is None or llama_cpp.llama_vocab_is_eog(vocab, token):
-            return token
-        idx = kwargs.get("idx")
-        pointer = llama_cpp.llama_get_logits_ith(llm.ctx, -1 if idx is None else idx - llm.n_tokens)
-        logits = np.ctypeslib.as_array(pointer, shape=(n_vocab,)).astype(np.float64)
-        run.logprobs.append(_token_logprob(llm, logits, token, run.top_logprobs))
-        return token
-
-    llm.sample = sample_recording  # type: ignore[method-assign]
-
-
-def _token_logprob(
-    llm: llama_cpp.Llama, logits: npt.NDArray[np.float64], token: int, top: int
-) -> TokenLogprob:
-    peak = logits.max()
-    logprobs = logits - (peak + np.log(np.exp(logits - peak).sum()))
-    best = np.argpartition(-logprobs, top)[:top] if top else np.array([], dtype=np.intp)
-    ranked = sorted(best.tolist(), key=lambda t: -logprobs[t])
-    return TokenLogprob(
-        token=llm.detokenize([token]),
-        logprob=float(logprobs[token]),
-        top=tuple((llm.detokenize([t]), float(logprobs[t])) for t in ranked),
-    )
+    def _admit(self) -> list[Job]:
+        """Start the waiting jobs' next choices while sequences are free, oldest first; the
+        jobs that failed to start (a prompt that cannot fit)."""
+        failed = []
+        while self._waiting:
+            job = self._waiting[0]
+            sequence = job.next_sequence()
+            try:
+                started = self.decoder.start(sequence)
+            except ArbiterError as exc:
+                job.error = exc
+                failed.append(self._waiting.pop(0))
+                continue
+            if not started:
+                job.sequences.pop()
+                job.choices.pop()
+                break
+            self._waiting.pop(0)
+            self._jobs[id(sequence)] = job
+        return failed
 
 
 def _unit_length(vector: list[float]) -> list[float]:
@@ -292,11 +320,3 @@ def _unit_length(vector: list[float]) -> list[float]:
     answer packs as base64 of float32."""
     norm = math.sqrt(math.fsum(x * x for x in vector))
     return array("f", [x / norm for x in vector] if norm else vector).tolist()
-
-
-def _for_choice(completion: dict[str, Any], index: int) -> dict[str, Any]:
-    """The arguments of choice `index`: with a seed, each choice gets its own (seed + index), so
-    the choices differ and the whole response is the same again for the same seed."""
-    if index == 0 or completion.get("seed") is None:
-        return completion
-    return {**completion, "seed": completion["seed"] + index}

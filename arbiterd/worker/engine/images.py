@@ -63,21 +63,17 @@ def lay_out(
     return tokens, placed
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def decode_embeddings(
-    llm: llama_cpp.Llama, embd: npt.NDArray[np.float32], ids: tuple[int, ...], non_causal: bool
+    llm: llama_cpp.Llama,
+    embd: npt.NDArray[np.float32],
+    position: int,
+    seq: int,
+    non_causal: bool,
 ) -> None:
-    """Decode one image chunk's embeddings at the model's next positions, recording its
-    placeholder ids there (so the next prompt's prefix match runs through it). A model that
-    attends both ways within an image (Gemma 3) needs the whole image in one decode."""
+    """Decode one image chunk's embeddings in KV sequence `seq` from `position` on (the
+    decoder records its placeholder ids there, so the next prompt's prefix match runs through
+    it). A model that attends both ways within an image (Gemma 3) needs the whole image in one
+    decode."""
     n, n_embd = embd.shape
     step = n if non_causal else llm.n_batch
     if non_causal and n > llm.n_batch:
@@ -91,16 +87,14 @@ def decode_embeddings(
             count = min(step, n - first)
             ctypes.memmove(batch.embd, data[first:].ctypes.data, count * n_embd * 4)
             for i in range(count):
-                batch.pos[i] = llm.n_tokens + i
+                batch.pos[i] = position + first + i
                 batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = 0
+                batch.seq_id[i][0] = seq
                 batch.logits[i] = 0
             batch.n_tokens = count
             status = llama_cpp.llama_decode(llm.ctx, batch)
             if status != 0:
                 raise EngineError(f"llama_decode failed (status {status}) on an image")
-            llm.input_ids[llm.n_tokens : llm.n_tokens + count] = ids[first : first + count]
-            llm.n_tokens += count
     finally:
         if non_causal:
             llama_cpp.llama_set_causal_attn(llm.ctx, True)

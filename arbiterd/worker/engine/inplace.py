@@ -24,7 +24,7 @@ from arbiterd.worker.engine.backend import (
     save_kv,
 )
 from arbiterd.worker.engine.placement import runs_on_cpu
-from arbiterd.worker.engine.records import Cancelled, ChunkSink, Generation, Moved, Prepared
+from arbiterd.worker.engine.records import Moved
 
 
 class InPlaceBackend(LlamaBackend):
@@ -83,13 +83,15 @@ class InPlaceBackend(LlamaBackend):
         flags = self._flags(kv)
         if kv is KvPolicy.DROP:
             llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
-            llm.n_tokens = 0
+            self._generator.decoder.forget()
         # On an RPC device the state API costs a round trip per cell range and row (2.5 s for
         # gemma-3-270m's 512 cells over loopback): the engine copies the KV buffers whole.
         whole = kv is KvPolicy.HOST and self._placement is not None and self._placement.remote
         if whole:
             flags |= libllama.KV_TO_HOST
-        self._kv = save_kv(llm) if kv is KvPolicy.HOST and llm.n_tokens > 0 and not whole else None
+        decoder = self._generator.decoder
+        saves = kv is KvPolicy.HOST and decoder.cells_used > 0 and not whole
+        self._kv = save_kv(llm, decoder) if saves else None
         kept = self._api.stats(ctx, self._flags(KvPolicy.HOST)).kv_bytes
         self._kept_kv_bytes = kept if kv is KvPolicy.DEVICE else 0
         try:
@@ -140,9 +142,8 @@ class InPlaceBackend(LlamaBackend):
         elif self._kv_in_engine_bytes:
             kv_bytes = self._kv_in_engine_bytes  # the engine copied it back as it was
         elif self._kept_kv_bytes == 0:
-            llm.n_tokens = 0  # the cache came back empty
+            self._generator.decoder.forget()  # the cache came back empty
         self._kept_kv_bytes = self._kv_in_engine_bytes = 0
-        llm._requires_eval = True  # decode one token again rather than trust kept logits
         weights = released.weights_bytes + self._warm_projector()
         return Moved(
             duration_s=time.monotonic() - started,
@@ -178,11 +179,11 @@ class InPlaceBackend(LlamaBackend):
             return 0
         return self._api.stats(context_pointer(llm), 0).host_bytes
 
-    def run(self, request: Prepared, sink: ChunkSink | None, cancelled: Cancelled) -> Generation:
+    def _before_run(self) -> None:
+        super()._before_run()
         if self._released:
             raise RequestError(f"{self.spec.name} is not warm")
         self._heal_swap()
-        return super().run(request, sink, cancelled)
 
     def _weights_off(self) -> int:
         """Release the weights and compute buffers with KEEP_KV: the KV cells stay where they
@@ -212,7 +213,6 @@ class InPlaceBackend(LlamaBackend):
                 f"{self.spec.name}'s weights could not come back after the projector: {exc}"
             ) from None
         self._swapped_out, self._kept_kv_bytes = False, 0
-        llm._requires_eval = True  # decode one token again rather than trust kept logits
         return weights
 
     def _heal_swap(self) -> None:

@@ -413,5 +413,8 @@ class _CompletionCall:
         return self._tokenize(text, add_bos, special)
 
     def create_completion(self, **arguments: Any) -> Iterator[dict[str, Any]]:
+        # The handlers of GGUF templates stop on the GGUF's EOS token id (a Python check of
+        # the last token), which the decoder stops on as an end-of-generation token anyway.
+        arguments.pop("stopping_criteria", None)
         self.arguments = arguments
         return iter(())

@@ -41,9 +41,9 @@ class Generation:
 
 @dataclass(frozen=True)
 class Prepared:
-    """A request rendered and tokenized: the arguments `Llama.create_completion` runs it with,
-    the prompt as tokens; for an embedding request, each input's tokens. Made from the
-    vocabulary alone, so without the GPU."""
+    """A request rendered and tokenized: the arguments of `Llama.create_completion`, which
+    the decoder reads, the prompt as tokens; for an embedding request, each input's tokens.
+    Made from the vocabulary alone, so without the GPU."""
 
     kind: RequestKind
     completion: dict[str, Any]  # {} for an embedding request
@@ -58,6 +58,13 @@ class Prepared:
     # text tokens (an index into completion["prompt"], in order).
     images: tuple[bytes, ...] = ()
     image_at: tuple[int, ...] = ()
+
+    @property
+    def alone(self) -> bool:
+        """Whether it runs with no other request beside it: a vision request (its images are
+        decoded into a sequence of their own, the projector perhaps swapping the weights out),
+        or an embedding request (an embedding model decodes one input at a time)."""
+        return bool(self.images) or self.kind is RequestKind.EMBEDDING
 
     @property
     def prompt_tokens(self) -> list[int]:

@@ -47,7 +47,11 @@ class ReloadBackend(LlamaBackend):
             raise RequestError("the reload backend cannot keep the KV cache on the device")
         started, read_before = time.monotonic(), disk_read_bytes()
         weights = self._weights_bytes() + self._free_projector()
-        self._kv = save_kv(llm) if kv is KvPolicy.HOST and llm.n_tokens > 0 else None
+        decoder = self._generator.decoder
+        self._kv = save_kv(llm, decoder) if kv is KvPolicy.HOST and decoder.cells_used else None
+        if self._kv is None:
+            decoder.forget()
+        decoder.unbind()
         llm.close()
         self._llm = None
         return_freed_heap()  # the model's small blocks: 38 MB of a cold gemma-3 worker's 102
