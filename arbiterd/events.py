@@ -53,6 +53,7 @@ from arbiterd.states import RequestStatus, ResidencyState
 #
 #     float | None, int | None   a finite number (not a bool), else None
 #     int                        a finite number (not a bool), else 0
+#     float                      a finite number (not a bool), else 0.0
 #     str | None / str           a string, else None / ""
 #     bool                       true only for JSON true
 #     a states.py Enum | None    its member (an unknown value: UNKNOWN), a non-string None
@@ -84,6 +85,11 @@ def _int(value: object) -> int | None:
 def _count(value: object) -> int:
     number = _int(value)
     return 0 if number is None else number
+
+
+def _rate(value: object) -> float:
+    number = _float(value)
+    return 0.0 if number is None else number
 
 
 def _str(value: object) -> str | None:
@@ -118,6 +124,7 @@ _SCALARS: dict[object, _Reader] = {
     float | None: _float,
     int | None: _int,
     int: _count,
+    float: _rate,
     str | None: _str,
     str: _text,
     bool: _true,

@@ -132,6 +132,11 @@ def engine_line(
     return "engine: " + describe_engine(offload, devices)
 
 
+def decoding(sequences: int, parallel: int, tokens_per_s: float) -> str:
+    """A model's batch as it decodes: "decoding 3 of 4 · 120 tok/s"."""
+    return f"decoding {sequences} of {parallel} · {tokens_per_s:.0f} tok/s"
+
+
 def capabilities_text(capabilities: Sequence[str]) -> str:
     """What a model can be asked for, as the CLI's status and the tray say it ("" before its
     worker told: nothing is claimed)."""

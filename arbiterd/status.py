@@ -66,7 +66,9 @@ class ModelStatus(Record):
     device ids it is placed on, in its config's order (issue 27; empty from a daemon from
     before devices had names, which placed every model on gpu0). `architecture`,
     `trained_context` and `chat_template`: what its GGUF says (the template the config's
-    chat_template replaces it with), as its worker read them; "" and 0 until then."""
+    chat_template replaces it with), as its worker read them; "" and 0 until then.
+    `sequences` and `tokens_per_s`: the requests its worker decodes together now (up to
+    `parallel`) and the tokens they generate a second (issue 42)."""
 
     name: str = ""
     aliases: tuple[str, ...] = ()
@@ -75,12 +77,15 @@ class ModelStatus(Record):
     trained_context: int = 0
     chat_template: str = ""
     n_ctx: int = 0
+    parallel: int = 1  # the sequences it decodes in one batch, at most (issue 42)
     devices: tuple[str, ...] = ()
     host_copy: str = ""  # "memfd" | "page-cache"
     state: ResidencyState | SlotState = SlotState.UNKNOWN
     pid: int | None = None
     pinned: bool = False
     queue: int = 0
+    sequences: int = 0  # generating now, in one batch
+    tokens_per_s: float = 0.0  # generated over the last second of its batch; 0 while idle
     resident_bytes: int = 0
     prompt_tokens_evaluated: int = 0
     served: int = 0

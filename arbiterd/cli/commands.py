@@ -531,6 +531,8 @@ def _status_row(model: ModelStatus) -> tuple[str, ...]:
         last = f"from {handoff.from_model} {render.format_seconds(handoff.total_s)}, "
         last += render.format_ago(ago)
     note = [placed] if (placed := render.placement(model.devices)) else []
+    if model.sequences:
+        note.append(render.decoding(model.sequences, model.parallel, model.tokens_per_s))
     if model.silent_s is not None:
         note.append(render.silence(model.name, model.silent_s))
     if model.stale_s is not None:

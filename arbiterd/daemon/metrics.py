@@ -61,6 +61,12 @@ class Metrics:
             ["model"],
             registry=self.registry,
         )
+        self.completion_tokens = Counter(
+            "arbiterd_completion_tokens",
+            "Tokens generated (its rate: a model's tokens per second, its batch's together)",
+            ["model"],
+            registry=self.registry,
+        )
         self.requests = Counter(
             "arbiterd_requests", "Requests by outcome", ["model", "status"], registry=self.registry
         )
@@ -137,6 +143,9 @@ class Metrics:
             evaluated = event.prompt_tokens_evaluated
             if evaluated is not None and evaluated > 0:
                 self.prompt_tokens_evaluated.labels(model=event.model).inc(evaluated)
+            generated = event.completion_tokens
+            if generated is not None and generated > 0:
+                self.completion_tokens.labels(model=event.model).inc(generated)
         elif isinstance(event, EncoderEvent) and event.model is not None:
             if event.action == "load":
                 self.encoder_loads.labels(model=event.model).inc()

@@ -177,6 +177,8 @@ class ModelCard(QFrame):
                 + ("not reported" if host_ram is None else render.format_bytes(host_ram))
             )
         extra = [f"queue: {model.queue}"]
+        if model.sequences:  # decoding now, in one batch (issue 42)
+            extra.append(render.decoding(model.sequences, model.parallel, model.tokens_per_s))
         if model.pinned:
             extra.append("pinned")
         group = state.status.group_of(model.name) if state.status is not None else None

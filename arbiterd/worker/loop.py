@@ -601,10 +601,17 @@ class Worker:
         self._measure_rate()
 
     def _admit_queued(self) -> None:
-        """Between two steps: begin the generate requests queued meanwhile, in order, up to the
-        first other op or request that runs alone (kept for after the batch, `_deferred`); none
-        once the turn is over (a waiter wants the GPU: the batch ends, and the model with it)."""
-        while self._deferred is None and not self._turn_over():
+        """Between two steps: begin the generate requests queued meanwhile, in order, while the
+        batch has a free sequence, up to the first other op or request that runs alone (kept
+        for after the batch, `_deferred`); none once the turn is over (a waiter wants the GPU:
+        the batch ends, and the model's turn with it)."""
+        parallel = self.config.spec.parallel
+        while (
+            self._deferred is None
+            and len(self._flights) < parallel
+            and not self._inbox.empty()
+            and not self._turn_over()
+        ):
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
@@ -615,13 +622,15 @@ class Worker:
             self._take(command)
 
     def _turn_over(self) -> bool:
-        """Whether this model's turn is over: a waiter wants the GPU and the quantum has
-        passed. A batch admits nothing new then."""
+        """Whether a batch admits nothing new: a waiter wants the GPU, and the quantum is spent
+        or a waiter has waited its class's bound (the batch then ends, and the model lets go:
+        `_maybe_release`). A pinned model's turn never ends."""
         token = self._token
-        if token is None or self._pinned:
+        if token is None:
             return True
-        held_s = time.monotonic() - self._warm_since
-        return held_s >= self._quantum_s() and token.wanted()
+        if self._pinned or not token.wanted():
+            return False
+        return time.monotonic() - self._warm_since >= self._quantum_s() or self._wait_left_s() <= 0
 
     def _end(self, request_id: str, outcome: Generation | ArbiterError) -> None:
         """A request ended: its answer, and its event."""

@@ -66,13 +66,20 @@ def test_residency_sets_the_resident_gauge_by_the_state_it_reaches() -> None:
 
 def test_requests_count_by_outcome_and_only_evaluated_prompt_tokens_add_up() -> None:
     metrics = Metrics()
-    metrics.observe(RequestEvent(model="m", status=RequestStatus.OK, prompt_tokens_evaluated=40))
-    metrics.observe(RequestEvent(model="m", cancelled=True, prompt_tokens_evaluated=2))
+    metrics.observe(
+        RequestEvent(
+            model="m", status=RequestStatus.OK, prompt_tokens_evaluated=40, completion_tokens=7
+        )
+    )
+    metrics.observe(
+        RequestEvent(model="m", cancelled=True, prompt_tokens_evaluated=2, completion_tokens=3)
+    )
     metrics.observe(RequestEvent(model="m", status=RequestStatus.ERROR))
     figures = samples(metrics)
     for status in ("ok", "cancelled", "error"):
         assert figures[("arbiterd_requests_total", (("model", "m"), ("status", status)))] == 1
     assert figures[("arbiterd_prompt_tokens_evaluated_total", (("model", "m"),))] == 42
+    assert figures[("arbiterd_completion_tokens_total", (("model", "m"),))] == 10
 
 
 def test_a_projector_counts_its_loads_and_times_each_step() -> None:
