@@ -1,6 +1,7 @@
-"""What every benchmark shares: the summary of a sample and ratios, printing/writing its JSON, a
-process's memory as /proc reports it, the host's memory copy rate, the environment that runs a
-daemon from another checkout (a before/after in one run), and reading a daemon's events."""
+"""What every benchmark shares: the summary of a sample, percentiles and ratios,
+printing/writing its JSON, a process's memory as /proc reports it, the host's memory copy rate,
+the environment that runs a daemon from another checkout (a before/after in one run), and
+reading a daemon's events."""
 
 from __future__ import annotations
 
@@ -42,6 +43,11 @@ def summary(values: list[float], unit: str) -> dict[str, float]:
         f"min_{unit}": round(ordered[0], 6),
         f"max_{unit}": round(ordered[-1], 6),
     }
+
+
+def nearest_rank(ordered: list[float], fraction: float) -> float:
+    """The nearest-rank percentile of `ordered` (ascending, not empty), as summary's p99."""
+    return ordered[max(1, math.ceil(fraction * len(ordered))) - 1]
 
 
 def ratio(ours: float, baseline: float) -> float | None:

@@ -54,19 +54,15 @@ written, all the same).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import platform
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,10 +70,17 @@ from typing import Any
 import httpx
 
 from benchmarks import llama_server
-from benchmarks.common import describe_source, events_after, last_seq, report, source_env
+from benchmarks.common import (
+    describe_source,
+    events_after,
+    last_seq,
+    nearest_rank,
+    report,
+    source_env,
+)
 from benchmarks.load_run import handoff_figures, metrics_text, model_file, scrape
 from benchmarks.worker_handoff import CpuMeter
-from tests.support.daemon import Daemon, free_port
+from tests.support.daemon import Daemon
 
 MODELS = ("a", "b")
 SIDES = ("arbiterd", "ceiling", "router")
@@ -95,9 +98,6 @@ WORDS = (
 )
 CTX_PER_SEQUENCE = 1024  # a request's ~320 tokens, with room; the same on every side
 REQUEST_TIMEOUT_S = 300.0  # a request may wait behind the other model's whole queue
-READY_TIMEOUT_S = 120.0
-READY_POLL_S = 0.2
-STOP_TIMEOUT_S = 30.0
 ERRORS_KEPT = 5
 ERROR_TEXT_CHARS = 300
 # The issue's goals (issue 43, "Numbers").
@@ -130,10 +130,6 @@ def prompt(client: int, request: int, length: int) -> str:
     draw = random.Random(client * 1_000_003 + request)
     words = " ".join(draw.choice(WORDS) for _ in range(length))
     return f"{request} {client}: {words}"
-
-
-def nearest_rank(ordered: list[float], fraction: float) -> float:
-    return ordered[max(1, math.ceil(fraction * len(ordered))) - 1]
 
 
 def side_figures(outcomes: list[Outcome], run_s: float) -> dict[str, Any]:
@@ -350,58 +346,13 @@ def measure_arbiterd(load: Load, source: Path) -> dict[str, Any]:
     }
 
 
-@contextmanager
-def llama_server_at(args: list[str], folder: Path) -> Iterator[str]:
-    """llama-server with `args` on a free loopback port, once /health answers 200: its /v1 URL.
-    It runs in a process group of its own (the router's model servers are its children), which
-    is ended with it; its output goes to folder/llama-server.log."""
-    port = free_port()
-    log = folder / "llama-server.log"
-    # The router looks for models in llama.cpp's download cache too: an empty one here.
-    env = {**os.environ, "LLAMA_CACHE": str(folder / "llama-cache")}
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [*args, "--host", "127.0.0.1", "--port", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not healthy(port):
-            try:
-                # The wait between two polls, which also notices a server that exited.
-                code = process.wait(timeout=READY_POLL_S)
-            except subprocess.TimeoutExpired:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"llama-server not ready in {READY_TIMEOUT_S} s") from None
-            else:
-                raise RuntimeError(f"llama-server exited {code}:\n{log.read_text()[-3000:]}")
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-
-
-def healthy(port: int) -> bool:
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def measure_ceiling(binary: Path, load: Load) -> dict[str, Any]:
     slots = load.per_model * len(MODELS)
     args = [str(binary), "-m", str(load.path), "--alias", MODELS[0], "-np", str(slots)]
     args += ["-c", str(slots * CTX_PER_SEQUENCE), "-t", str(load.threads)]
     with (
         tempfile.TemporaryDirectory(prefix="ad-contention-") as folder,
-        llama_server_at(args, Path(folder)) as url,
+        llama_server.serve(args, Path(folder)) as url,
     ):
         warm_up(url, MODELS[:1], load.words)
         outcomes, run_s = run_clients(url, [MODELS[0]] * slots, load.words, load.seconds)
@@ -434,7 +385,7 @@ def measure_router(binary: Path, load: Load) -> dict[str, Any]:
         preset = Path(folder) / "models.ini"
         preset.write_text(router_preset(load.path, load.per_model, load.threads))
         args = [str(binary), "--models-preset", str(preset), "--models-max", "1"]
-        with llama_server_at(args, Path(folder)) as url:
+        with llama_server.serve(args, Path(folder)) as url:
             warm_up(url, MODELS * 2, load.words)
             outcomes, run_s = run_clients(
                 url, clients_models(load.per_model), load.words, load.seconds

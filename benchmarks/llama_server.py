@@ -1,5 +1,5 @@
-"""Stock llama.cpp's `llama-server` (CPU), the peer the contention benchmark measures arbiterd
-against: built once from the llama.cpp vendored in the pinned llama-cpp-python's source
+"""Stock llama.cpp's `llama-server` (CPU), the peer the contention and parallel benchmarks measure
+arbiterd against: built once from the llama.cpp vendored in the pinned llama-cpp-python's source
 distribution (the version pyproject.toml pins for the engine, unpatched) and cached under
 $XDG_CACHE_HOME/arbiterd/llama-server/VERSION-KEY/, KEY a hash of the build flags.
 
@@ -14,7 +14,8 @@ linked in statically (BUILD_SHARED_LIBS off), so the one file is the whole serve
 router mode (--models-preset, --models-max), which starts copies of its own binary per model,
 works from the cache folder.
 
-Owns the cache folder's llama-server entries; nothing in arbiterd uses them.
+Owns the cache folder's llama-server entries and the servers a benchmark starts from them
+(`serve`); nothing in arbiterd uses them.
 """
 
 from __future__ import annotations
@@ -25,11 +26,19 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import httpx
+
+from tests.support.daemon import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_JOBS = 2  # the machine this runs on has 2 cores, shared with other work
@@ -48,6 +57,9 @@ CMAKE_FLAGS = (
 # (llama.cpp issue 20824), so a native build on a CPU with AMX leaves it out where the compiler
 # can say so; both sides of the benchmark then run the same kernels.
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+READY_TIMEOUT_S = 120.0
+READY_POLL_S = 0.2
+STOP_TIMEOUT_S = 30.0
 
 
 def engine_version() -> str:
@@ -164,6 +176,51 @@ def build() -> Path:
 def ensure() -> Path:
     """The cached llama-server, built first when it is not there."""
     return cached_binary() or build()
+
+
+@contextmanager
+def serve(args: list[str], folder: Path) -> Iterator[str]:
+    """llama-server with `args` on a free loopback port, once /health answers 200: its /v1 URL.
+    It runs in a process group of its own (the router's model servers are its children), which
+    is ended with it; its output goes to folder/llama-server.log."""
+    port = free_port()
+    log = folder / "llama-server.log"
+    # The router looks for models in llama.cpp's download cache too: an empty one here.
+    env = {**os.environ, "LLAMA_CACHE": str(folder / "llama-cache")}
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [*args, "--host", "127.0.0.1", "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not healthy(port):
+            try:
+                # The wait between two polls, which also notices a server that exited.
+                code = process.wait(timeout=READY_POLL_S)
+            except subprocess.TimeoutExpired:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"llama-server not ready in {READY_TIMEOUT_S} s") from None
+            else:
+                raise RuntimeError(f"llama-server exited {code}:\n{log.read_text()[-3000:]}")
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def healthy(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,7 +49,6 @@ CPUs were before the daemon started.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import platform
 import statistics
@@ -68,7 +67,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.common import proc_memory, report, summary
+from benchmarks.common import nearest_rank, proc_memory, report, summary
 from benchmarks.worker_handoff import model_path
 from tests.support.daemon import Daemon, serving, tiny
 from tests.support.tiny_gguf import write_tiny_llama
@@ -97,11 +96,6 @@ class Outcome:
     latency_s: float
     status: str
     error: str = ""
-
-
-def nearest_rank(ordered: list[float], fraction: float) -> float:
-    """The nearest-rank percentile of `ordered` (ascending, not empty), as common.summary's p99."""
-    return ordered[max(1, math.ceil(fraction * len(ordered))) - 1]
 
 
 def window_s(run_s: float) -> float:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.common import nearest_rank
 from benchmarks.load_run import (
     RSS_GROWTH_RATIO_MAX,
     Outcome,
@@ -15,7 +16,6 @@ from benchmarks.load_run import (
     handoff_figures,
     latency_figures,
     main,
-    nearest_rank,
     request_figures,
     rss_figures,
     scrape,
