@@ -6,7 +6,9 @@ Owns the model (through a `Backend`), its residency state and its hold on the ar
 (on each of its devices' arenas for a model on several, `gateway`; issue 27).
 Two threads:
 - the **engine thread** (the main thread) owns the llama objects, the residency state machine
-  and the token. It serves requests one at a time, and between requests it probes `wanted()`
+  and the token. It decodes the requests it has begun together, one batch (issue 42: a decode
+  step of all of them at a time, requests queued meanwhile joining between two steps up to the
+  model's `parallel`), and between requests it probes `wanted()`
   itself and goes cold when the policy says so. Idle and warm, it sleeps on a doorbell
   (arena/doorbell.py) armed on what a waiter does first, and probes when it rings, when the
   io thread queues a command, when the policy's next deadline comes, and at least every

@@ -155,3 +155,37 @@ def test_a_killed_worker_fails_only_the_request_it_had_begun_and_its_queue_is_se
         assert '"error"' not in streamed
         assert streamed.rstrip().endswith("data: [DONE]")
         assert worker_pid(daemon, "a") != pid
+
+
+def test_a_worker_killed_with_a_batch_in_flight_fails_each_of_its_requests_and_restarts(
+    tiny_model: Path,
+) -> None:
+    # Issue 42: four sequences decoding together when the worker dies; each request is told
+    # why (its last words: the signal), and the replacement serves the next.
+    with serving({"a": tiny(tiny_model, n_ctx=16384, parallel=4)}) as daemon:
+        pid = worker_pid(daemon, "a")
+        replies: dict[int, httpx.Response] = {}
+
+        def ask(n: int) -> None:
+            body = {**COMPLETION, "prompt": f"the fox {n}", "max_tokens": 3000}
+            replies[n] = httpx.post(daemon.url + "/completions", json=body, timeout=120)
+
+        threads = [threading.Thread(target=ask, args=(n,)) for n in range(4)]
+        for thread in threads:
+            thread.start()
+
+        def decoding() -> int:
+            with daemon.client() as client:
+                status = client.call("status")
+            return int(next(m for m in status["models"] if m["name"] == "a")["sequences"])
+
+        wait_until(lambda: decoding() == 4, SWAP_S, "four sequences decoding together")
+        os.kill(pid, signal.SIGKILL)
+        for thread in threads:
+            thread.join(timeout=SWAP_S)
+        for n in range(4):
+            assert replies[n].status_code == 503
+            assert "killed by signal 9" in replies[n].json()["error"]["message"]
+        after = httpx.post(daemon.url + "/completions", json=COMPLETION, timeout=SWAP_S)
+        assert after.status_code == 200
+        assert worker_pid(daemon, "a") != pid

@@ -32,3 +32,23 @@ def test_a_card_names_the_models_capabilities(dashboard: DashboardWindow) -> Non
     cards = dashboard.cards
     assert "completion, chat, tools" in cards["chat"].queue.text().split(" · ")
     assert cards["new"].queue.text() == "queue: 0"
+
+
+def test_a_card_shows_the_batch_a_warm_model_decodes(dashboard: DashboardWindow) -> None:
+    # Issue 42: the requests decoding together, of how many, and their tokens per second.
+    state = TrayState()
+    state.apply_status(
+        status(
+            model("busy", "warm", queue=2, sequences=3, parallel=4, tokens_per_s=118.6),
+            model("idle", "warm", parallel=4),
+        ),
+        T,
+    )
+    dashboard.refresh(state, T)
+    cards = dashboard.cards
+    assert cards["busy"].queue.text().split(" · ")[:3] == [
+        "queue: 2",
+        "decoding 3 of 4",
+        "119 tok/s",
+    ]
+    assert "decoding" not in cards["idle"].queue.text()
