@@ -694,9 +694,16 @@ ERRORS = [
     pytest.param(
         M + "n_threads = -4",
         "models.qwen.n_threads",
-        "expected a non-negative integer (0 = the library's default), got -4",
+        "expected a non-negative integer (0 = every CPU), got -4",
         id="n_threads_negative",
     ),
+    pytest.param(
+        M + "parallel = 0",
+        "models.qwen.parallel",
+        "expected an integer from 1 to 256 (requests decoded together), got 0",
+        id="parallel_zero",
+    ),
+    pytest.param(M + 'parallel = "4"', "models.qwen.parallel", 'got "4"', id="parallel_string"),
     pytest.param(
         M + 'n_threads = "auto"', "models.qwen.n_threads", 'got "auto"', id="n_threads_text"
     ),
@@ -828,7 +835,7 @@ ERRORS = [
         M + "n_ctxx = 8",
         "models.qwen.n_ctxx",
         "unknown key; expected one of: path, aliases, n_ctx, n_gpu_layers, n_threads, "
-        "chat_format, mmproj, embedding, kv_on_release, residency, min_hold_s, idle_release_s, "
+        "parallel, chat_format, mmproj, embedding, kv_on_release, residency, min_hold_s, idle_release_s, "
         "priority, preemptible, strict_api, load, unload_after_s, max_queue_s, host_copy, repack, "
         "encoder, max_image_bytes, max_image_pixels, allow_image_urls, tools, chat_template, "
         "chat_template_file, devices, split_mode, tensor_split (did you mean n_ctx?)",

@@ -9,8 +9,8 @@ Just in time (README.md, "Vision models"): `Projector.session()` loads the proje
 before an image is encoded and frees it when the block ends, also on every error path; with
 `resident` it stays loaded until `free()` (the model going cold).
 
-**Placeholders.** llama-cpp-python's prompt cache is a list of token ids (`Llama.input_ids`)
-compared with the next prompt's ids. An image has no ids: it becomes `n` embeddings at `n`
+**Placeholders.** The decoder's prompt cache is a list of token ids per KV sequence
+(`Decoder.slots`, worker/engine/decode.py) compared with the next prompt's ids. An image has no ids: it becomes `n` embeddings at `n`
 positions. Each image position gets a *placeholder id* instead, negative (never a vocabulary
 id, so an image never matches text) and derived from the image's SHA-256 and its place in the
 image, so the same image at the same place gives the same ids and a follow-up turn, which sends

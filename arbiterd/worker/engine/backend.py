@@ -333,15 +333,15 @@ class LlamaBackend(ABC):
     # -- images -----------------------------------------------------------------------------
 
     def _prefill_images(self, llm: llama_cpp.Llama, request: Prepared) -> Prefill:
-        """Lay a vision request's prompt out with its images and evaluate it up to its last
-        token, which `Llama.generate` evaluates (its prefix match then finds every position
-        but that one cached, and samples from fresh logits).
+        """Lay a vision request's prompt out with its images and evaluate it, in the decoder's
+        slot VISION_SLOT, up to its last token, which the decoder evaluates (its prefix match
+        then finds every position but that one cached, and samples from fresh logits).
 
         The projector is loaded only when something needs it: an image never laid out (the
         worker's first sight of it), or one that is not in the cached prefix (to encode it).
         It encodes every such image, is freed (just in time), and only then are the text and
         the embeddings decoded on the model's context. A follow-up turn whose images are all
-        in the cached prefix loads nothing and leaves the whole suffix to `generate`."""
+        in the cached prefix loads nothing and leaves the whole suffix to the decoder."""
         projector = self._projector
         if projector is None:
             raise RequestError(f"{self.spec.name} takes no images")

@@ -37,7 +37,7 @@ def free_device_bytes() -> int | None:
 @dataclass(frozen=True)
 class Prefill:
     """A vision prompt laid out: its tokens (placeholder ids at image positions), the cached
-    prefix kept, and the positions evaluated before `generate` ran (text and image)."""
+    prefix kept, and the positions evaluated before the decoder ran it (text and image)."""
 
     tokens: list[int]
     reused: int

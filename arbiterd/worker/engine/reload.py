@@ -3,11 +3,11 @@ frees the context and the model (the KV, as its policy says, saved to host bytes
 restore loads the model again from its host copy and sets the KV back. Part of the engine
 (arbiterd/worker/engine/): it calls llama_cpp, on the engine thread only.
 
-- cold: `llama_state_get_data` copies the KV cache into host bytes (with the token list it
-  belongs to), then the context and model are freed;
+- cold: `llama_state_get_data` copies the KV cache into host bytes (with the token list of the
+  sequence it keeps, the most recently used), then the context and model are freed;
 - warm: the model is loaded again from its *host copy* — a memfd holding the GGUF, so a restore
   reads 0 bytes from disk — into a context with identical params, the KV bytes are set back,
-  and `Llama.generate`'s prefix matching evaluates only the tokens that are new.
+  and the decoder's prefix matching evaluates only the tokens that are new.
 `Llama.save_state()` is not used: it also copies an n_tokens x n_vocab float32 score array.
 """
 
