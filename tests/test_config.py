@@ -835,10 +835,11 @@ ERRORS = [
         M + "n_ctxx = 8",
         "models.qwen.n_ctxx",
         "unknown key; expected one of: path, aliases, n_ctx, n_gpu_layers, n_threads, "
-        "parallel, chat_format, mmproj, embedding, kv_on_release, residency, min_hold_s, idle_release_s, "
-        "priority, preemptible, strict_api, load, unload_after_s, max_queue_s, host_copy, repack, "
-        "encoder, max_image_bytes, max_image_pixels, allow_image_urls, tools, chat_template, "
-        "chat_template_file, devices, split_mode, tensor_split (did you mean n_ctx?)",
+        "parallel, chat_format, mmproj, embedding, kv_on_release, residency, min_hold_s, "
+        "idle_release_s, priority, preemptible, strict_api, load, unload_after_s, max_queue_s, "
+        "host_copy, repack, encoder, max_image_bytes, max_image_pixels, allow_image_urls, "
+        "tools, chat_template, chat_template_file, devices, split_mode, tensor_split "
+        "(did you mean n_ctx?)",
         id="unknown_model_key",
     ),
     pytest.param(
