@@ -10,13 +10,14 @@ before an image is encoded and frees it when the block ends, also on every error
 `resident` it stays loaded until `free()` (the model going cold).
 
 **Placeholders.** The decoder's prompt cache is a list of token ids per KV sequence
-(`Decoder.slots`, worker/engine/decode.py) compared with the next prompt's ids. An image has
-no ids: it becomes `n` embeddings at `n` positions. Each image position gets a *placeholder id* instead, negative (never a vocabulary
-id, so an image never matches text) and derived from the image's SHA-256 and its place in the
-image, so the same image at the same place gives the same ids and a follow-up turn, which sends
-the conversation again with its image, matches the cached prefix through the image and
-evaluates only its new text. Two different images share their first placeholder with odds of
-1 in 2^31 (then the next positions differ too, with the same odds each).
+(`Decoder.slots`, worker/engine/decode.py) compared with the next prompt's ids. An image has no
+ids: it becomes `n` embeddings at `n` positions. Each image position gets a *placeholder id*
+instead, negative (never a vocabulary id, so an image never matches text) and derived from the
+image's SHA-256 and its place in the image, so the same image at the same place gives the same
+ids and a follow-up turn, which sends the conversation again with its image, matches the cached
+prefix through the image and evaluates only its new text. Two different images share their first
+placeholder with odds of 1 in 2^31 (then the next positions differ too, with the same odds
+each).
 
 **Layouts.** How many positions an image takes, and which text tokens llama.cpp wraps it in
 (e.g. Gemma 3's <start_of_image>), is mtmd's to say and needs the projector. `Projector.layouts`
