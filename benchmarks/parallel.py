@@ -3,13 +3,15 @@ arbiterd against llama.cpp's own llama-server, measured one after another in the
 
     python -m benchmarks.parallel [--seconds 30] [--repeats 5] [--clients 4,8]
         [--model gemma|tiny] [--sides arbiterd,llama-server-np1,llama-server-batched]
-        [--threads N] [--parallel N] [--source CHECKOUT] [--out FILE]
+        [--threads N] [--parallel N] [--host-copy memfd|page-cache] [--source CHECKOUT]
+        [--out FILE]
 
 Three sides, one at a time (on a machine of 2 cores two servers decoding at once would measure
 each other), each serving one model "m" on the CPU with --threads threads (default: every CPU;
 arbiterd through n_threads, llama-server through -t):
 - arbiterd: a daemon (tests.support.daemon, from --source's checkout) with n_ctx N_CTX (room for
-  8 sequences of CTX_PER_SEQUENCE and the ~1k-token prompt) and the daemon's defaults otherwise.
+  8 sequences of CTX_PER_SEQUENCE and the ~1k-token prompt) and the daemon's defaults otherwise
+  (--host-copy sets where its weights are mapped from).
   `parallel` (issue 42: the sequences a model decodes in one batch) is set only by --parallel;
   without it the daemon's default holds, which the JSON names as the checkout's config says
   (ModelConfig; a checkout without the key serves one request at a time).
@@ -522,11 +524,15 @@ def parallel_setting(source_has: dict[str, Any], given: int | None) -> dict[str,
     }
 
 
-def measure_arbiterd(load: Load, source: Path, parallel: dict[str, Any]) -> dict[str, Any]:
+def measure_arbiterd(
+    load: Load, source: Path, parallel: dict[str, Any], host_copy: str | None
+) -> dict[str, Any]:
     keys: dict[str, Any] = {"path": load.path, "n_ctx": N_CTX, "n_gpu_layers": 0}
     keys["n_threads"] = load.threads
     if parallel["config_key"] is not None:
         keys["parallel"] = parallel["config_key"]
+    if host_copy is not None:
+        keys["host_copy"] = host_copy
     daemon = Daemon({MODEL: keys}, env=source_env(source))
     try:
         daemon.wait_ready()
@@ -639,6 +645,13 @@ def arguments() -> argparse.ArgumentParser:
         "default: not written, the daemon's default holds",
     )
     parser.add_argument(
+        "--host-copy",
+        choices=("memfd", "page-cache"),
+        help="write host_copy = X in arbiterd's model table; default: not written (memfd, the "
+        "daemon's default: the weights a CPU model computes with are read from its 4 KiB "
+        "shmem pages, which costs decode speed against the file's page cache)",
+    )
+    parser.add_argument(
         "--prompt-words",
         dest="words",
         type=int,
@@ -692,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
             meter = CpuMeter()
             if side == ARBITERD:
                 assert parallel is not None
-                measured[side] = measure_arbiterd(load, args.source, parallel)
+                measured[side] = measure_arbiterd(load, args.source, parallel, args.host_copy)
             elif side == NP1:
                 assert binary is not None
                 measured[side] = measure_np1(binary, load)
