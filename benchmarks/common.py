@@ -117,6 +117,25 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_peer_arguments(parser: argparse.ArgumentParser, sides: tuple[str, ...]) -> None:
+    """--model, --sides and --threads of a benchmark that sets arbiterd against llama-server on
+    the CPU (contention, parallel): which model, which of `sides` to measure, threads each."""
+    parser.add_argument(
+        "--model",
+        choices=("gemma", "tiny"),
+        default="gemma",
+        help="gemma-3-270m Q4_K_M (default) or the tests' tiny random GGUF (a quick check)",
+    )
+    parser.add_argument(
+        "--sides",
+        default=",".join(sides),
+        help=f"which to measure, comma-separated (default: {','.join(sides)})",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="threads per server"
+    )
+
+
 def source_env(source: Path) -> dict[str, str]:
     """The environment in which `python -m arbiterd ...`, and every worker it starts (they
     inherit it), imports arbiterd from the checkout `source`: PYTHONPATH names it first, and

@@ -71,6 +71,7 @@ import httpx
 
 from benchmarks import llama_server
 from benchmarks.common import (
+    add_peer_arguments,
     describe_source,
     events_after,
     last_seq,
@@ -414,20 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--clients-per-model", type=int, default=3, help="concurrent clients per model (>= 1)"
     )
-    parser.add_argument(
-        "--model",
-        choices=("gemma", "tiny"),
-        default="gemma",
-        help="gemma-3-270m Q4_K_M (default) or the tests' tiny random GGUF (a quick check)",
-    )
-    parser.add_argument(
-        "--sides",
-        default=",".join(SIDES),
-        help=f"which to measure, comma-separated (default: {','.join(SIDES)})",
-    )
-    parser.add_argument(
-        "--threads", type=int, default=os.cpu_count() or 1, help="threads per server"
-    )
+    add_peer_arguments(parser, SIDES)
     parser.add_argument(
         "--prompt-words",
         dest="words",

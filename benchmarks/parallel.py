@@ -77,7 +77,14 @@ from typing import Any
 import httpx
 
 from benchmarks import llama_server
-from benchmarks.common import describe_source, nearest_rank, ratio, report, source_env
+from benchmarks.common import (
+    add_peer_arguments,
+    describe_source,
+    nearest_rank,
+    ratio,
+    report,
+    source_env,
+)
 from benchmarks.contention import ERROR_TEXT_CHARS, ERRORS_KEPT, connection, prompt
 from benchmarks.load_run import model_file
 from benchmarks.worker_handoff import CpuMeter
@@ -624,20 +631,7 @@ def arguments() -> argparse.ArgumentParser:
         default=GOAL_CLIENTS,
         help="concurrent client counts, comma-separated (default: 4,8, the goals' counts)",
     )
-    parser.add_argument(
-        "--model",
-        choices=("gemma", "tiny"),
-        default="gemma",
-        help="gemma-3-270m Q4_K_M (default) or the tests' tiny random GGUF (a quick check)",
-    )
-    parser.add_argument(
-        "--sides",
-        default=",".join(SIDES),
-        help=f"which to measure, comma-separated (default: {','.join(SIDES)})",
-    )
-    parser.add_argument(
-        "--threads", type=int, default=os.cpu_count() or 1, help="threads per server"
-    )
+    add_peer_arguments(parser, SIDES)
     parser.add_argument(
         "--parallel",
         type=int,
