@@ -9,6 +9,7 @@ import argparse
 import json
 import math
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -115,6 +116,21 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--baseline-source", type=Path, help="a checkout to measure the same way first"
     )
+
+
+def load_average() -> list[float]:
+    """The machine's load averages (1, 5, 15 min), rounded: what a run shared the CPUs with."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def machine(load_before: list[float]) -> dict[str, Any]:
+    """The machine a run measured on: its CPUs, Python, and its load before and after."""
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "loadavg_before": load_before,
+        "loadavg_after": load_average(),
+    }
 
 
 def add_peer_arguments(parser: argparse.ArgumentParser, sides: tuple[str, ...]) -> None:

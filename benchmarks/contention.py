@@ -54,8 +54,6 @@ written, all the same).
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import random
 import sys
 import tempfile
@@ -75,6 +73,8 @@ from benchmarks.common import (
     describe_source,
     events_after,
     last_seq,
+    load_average,
+    machine,
     nearest_rank,
     report,
     source_env,
@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("need --seconds > 0 and --clients-per-model, --threads, --prompt-words >= 1")
     if not sides or not set(sides) <= set(SIDES):
         parser.error(f"--sides: a comma-separated subset of {','.join(SIDES)}")
-    load_before = [round(x, 2) for x in os.getloadavg()]
+    load_before = load_average()
     binary = llama_server.ensure() if set(sides) & {"ceiling", "router"} else None
     measured: dict[str, Any] = {}
     with model_file(args.model) as path:
@@ -481,11 +481,7 @@ def main(argv: list[str] | None = None) -> int:
             "llama_server": None if binary is None else str(binary),
             "llama_cpp_python": llama_server.engine_version(),
         },
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "loadavg_before": load_before,
-        },
+        "machine": machine(load_before),
     }
     report(result, args.out)
     return 0 if result["goals"]["pass"] else 1

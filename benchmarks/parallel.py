@@ -60,8 +60,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -80,6 +78,8 @@ from benchmarks import llama_server
 from benchmarks.common import (
     add_peer_arguments,
     describe_source,
+    load_average,
+    machine,
     nearest_rank,
     ratio,
     report,
@@ -687,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.parallel is not None and not source_has["has_key"]:
             parser.error(f"--parallel: {args.source}'s config has no parallel key")
         parallel = parallel_setting(source_has, args.parallel)
-    load_before = [round(x, 2) for x in os.getloadavg()]
+    load_before = load_average()
     binary = llama_server.ensure() if set(sides) & {NP1, BATCHED} else None
     load_kwargs = {k: getattr(args, k) for k in ("threads", "words", "prefill_words", "repeats")}
     measured: dict[str, Any] = {}
@@ -741,12 +741,7 @@ def main(argv: list[str] | None = None) -> int:
             "llama_server": None if binary is None else str(binary),
             "llama_cpp_python": llama_server.engine_version(),
         },
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "loadavg_before": load_before,
-            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-        },
+        "machine": machine(load_before),
     }
     report(result, args.out)
     return 0 if result["goals"]["pass"] else 1
