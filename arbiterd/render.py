@@ -132,6 +132,13 @@ def engine_line(
     return "engine: " + describe_engine(offload, devices)
 
 
+def turn_text(quantum_s: float | None, served: int) -> str | None:
+    """A holder's turn (issue 43): "turn 0.50 s, 3 served"; None before it was sized."""
+    if quantum_s is None:
+        return None
+    return f"turn {format_seconds(quantum_s)}, {served} served"
+
+
 def decoding(sequences: int, parallel: int, tokens_per_s: float) -> str:
     """A model's batch as it decodes: "decoding 3 of 4 · 120 tok/s"."""
     return f"decoding {sequences} of {parallel} · {tokens_per_s:.0f} tok/s"

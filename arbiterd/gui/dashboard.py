@@ -6,9 +6,9 @@
     banners    warnings and the setup's notices, each once (amber), daemon unreachable (red), the
                last command's error
     timeline   timeline.TimelineWidget
-    cards      one per model: state (how it holds the GPU, alone or with its group), VRAM (RAM
-               where the engine runs on the CPU), host RAM, queue, pinned, group, backend, its
-               projector's last steps and last error; Warm / Release / Pin; dimmed while
+    cards      one per model: state (how it holds the GPU, alone or with its group, and its
+               turn), VRAM (RAM where the engine runs on the CPU), host RAM, queue, the batch it
+               decodes, pinned, group, backend, its projector's last steps and last error; Warm / Release / Pin; dimmed while
                unloaded, saying whether its prompt cache is on disk; "unknown" while the daemon
                cannot be reached
     table      handoffs, waits behind other programs and vision requests' projector steps:
@@ -160,10 +160,17 @@ class ModelCard(QFrame):
         )
         self.stripe.setStyleSheet(f"background: {stripe}; border-radius: 2px;")
         holding = state.holding_text(model)
+        # While it holds the GPU: how long its turn lasts while another waits (issue 43).
+        turn = model.turn
+        in_turn = (
+            render.turn_text(turn.quantum_s, turn.served)
+            if holding is not None and turn is not None
+            else None
+        )
         stale = None if model.stale_s is None else render.stale(model.stale_s)
         self.state.setText(
             f"state: {unloaded or model.state}"
-            + "".join(f" · {part}" for part in (holding, stale) if part)
+            + "".join(f" · {part}" for part in (holding, in_turn, stale) if part)
         )
         host_ram = model.host_ram_bytes
         memory = state.memory_name()

@@ -265,3 +265,18 @@ def test_the_table_keeps_and_marks_the_handoffs_of_a_model_not_served_now(
     ]
     assert "not served" not in titles[0]  # a wait of alpha's: served
     assert list(dashboard.cards) == ["alpha"]
+
+
+def test_the_holders_card_shows_its_turn(dashboard: DashboardWindow) -> None:
+    # Issue 43: how long the holder keeps the GPU for its queue while another waits, and what
+    # its turn has served; a model that does not hold the GPU shows no turn.
+    turn = {"quantum_s": 0.5, "handoff_s": 0.06, "handoff_measured": True, "served": 3}
+    state = TrayState()
+    state.apply_status(
+        status(model("alpha", "warm", turn=turn), model("beta", turn=turn), holder="alpha"), T
+    )
+    dashboard.refresh(state, T)
+    assert dashboard.cards["alpha"].state.text() == (
+        "state: warm · holds the GPU · turn 0.50 s, 3 served"
+    )
+    assert dashboard.cards["beta"].state.text() == "state: cold"
