@@ -8,9 +8,9 @@
     timeline   timeline.TimelineWidget
     cards      one per model: state (how it holds the GPU, alone or with its group, and its
                turn), VRAM (RAM where the engine runs on the CPU), host RAM, queue, the batch it
-               decodes, pinned, group, backend, its projector's last steps and last error; Warm / Release / Pin; dimmed while
-               unloaded, saying whether its prompt cache is on disk; "unknown" while the daemon
-               cannot be reached
+               decodes, pinned, group, backend, its projector's last steps and last error;
+               Warm / Release / Pin; dimmed while unloaded, saying whether its prompt cache is
+               on disk; "unknown" while the daemon cannot be reached
     table      handoffs, waits behind other programs and vision requests' projector steps:
                time, from → to (or what the projector did), release / wait / restore / total,
                bytes, tokens; a model the daemon does not serve now (another daemon's, in a
