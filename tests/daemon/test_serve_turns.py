@@ -16,6 +16,9 @@ from arbiterd.arena import Arena
 from tests.support.daemon import Daemon, openai_client, serving, tiny
 from tests.support.waiting import wait_until
 
+# Each answer of the short-turns test: long enough that a batch outlasts the turn.
+SHORT_TURN_TOKENS = 1500
+
 
 def queued_models(daemon: Daemon) -> list[str | None]:
     return [waiter.model for waiter in Arena(daemon.arena).observe().queue]
@@ -108,7 +111,8 @@ def warm_ups(events: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
 
 @pytest.fixture
 def models(tiny_model: Path) -> dict[str, dict[str, Any]]:
-    return {"holder": tiny(tiny_model), "other": tiny(tiny_model)}
+    # Room for a batch of 4 sequences of SHORT_TURN_TOKENS each.
+    return {"holder": tiny(tiny_model, n_ctx=8192), "other": tiny(tiny_model, n_ctx=8192)}
 
 
 @pytest.fixture
@@ -136,8 +140,9 @@ def test_a_wanted_model_serves_its_whole_queue_in_one_turn(long_turns: Daemon) -
 
 @pytest.fixture
 def short_turns(models: dict[str, dict[str, Any]]) -> Iterator[Daemon]:
-    """Turns of 0.3 s: far shorter than the holder's queue takes to serve (12 requests of 400
-    tokens: about 0.1 s each for the tiny model here)."""
+    """Turns of 0.3 s: far shorter than the holder's queue takes to serve (12 requests of
+    SHORT_TURN_TOKENS, decoded 4 at a time: the tiny model generates a few thousand tokens a
+    second here, so each batch of 4 takes about a second)."""
     with serving(models, daemon_keys={"min_turn_s": 0.3, "max_turn_s": 0.3}) as daemon:
         yield daemon
 
@@ -145,7 +150,9 @@ def short_turns(models: dict[str, dict[str, Any]]) -> Iterator[Daemon]:
 def test_a_turn_ends_for_the_waiter_and_the_holder_comes_back_for_the_rest(
     short_turns: Daemon,
 ) -> None:
-    events = after_the_unhold(run_queued_behind_a_hold(short_turns, 12, max_tokens=400))
+    events = after_the_unhold(
+        run_queued_behind_a_hold(short_turns, 12, max_tokens=SHORT_TURN_TOKENS)
+    )
     served = [e["model"] for e in events if e["event"] == "request"]
     first_turn = served.index("other")
     # The waiter did not wait for the whole queue, only for the turn ...
