@@ -533,8 +533,12 @@ class Worker:
 
     def _handle_generate(self, command: Command) -> None:
         """Run a generate request, and beside it those queued meanwhile: one batch, a decode
-        step of all of them at a time (worker/engine/decode.py), until every one has ended."""
+        step of all of them at a time (worker/engine/decode.py), until every one has ended.
+        Those queued while it waited for the GPU join before the first step: a first step that
+        evaluates a long prompt may outlast the turn by itself (issue 43's contention run: each
+        turn served one request where three were queued)."""
         self._take(command)
+        self._admit_queued()
         while self._flights:
             self._step()
             self._admit_queued()
