@@ -249,7 +249,6 @@ class Sequence:
     stopped: bool = False  # a cancel ended it
     error: ArbiterError | None = None  # why it failed (a decode under it)
     started_at: float = 0.0
-    first_token_at: float | None = None
     _pending: list[int] = field(default_factory=list)  # to decode before it samples
     _limit: int = 0  # tokens it may generate
     _chain: Any = None
@@ -308,10 +307,6 @@ class Decoder:
             # The cells' metadata only: a released context has no buffers to wipe.
             llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self._llm.ctx), False)
         self.forget()
-
-    @property
-    def running(self) -> tuple[Sequence, ...]:
-        return tuple(self._running)
 
     @property
     def cells_used(self) -> int:
@@ -509,8 +504,6 @@ class Decoder:
             raise EngineError(f"llama_decode failed (status {status}) on {what}")
 
     def _sample(self, llm: llama_cpp.Llama, sequence: Sequence, index: int) -> None:
-        if sequence.first_token_at is None:
-            sequence.first_token_at = time.monotonic()
         vocab = llama_cpp.llama_model_get_vocab(llm.model)
         recorded = sequence.logprobs
         logits = None
