@@ -178,8 +178,11 @@ class _WaitReport:
             news = replace(news, holder=holder_label(before), holder_pid=before.holder_pid)
         self._say(device, news)
         if self._watch is None:
-            self._watch = threading.Thread(target=self._look_again, name="wait-report", daemon=True)
-            self._watch.start()
+            # Started before it is kept: a signal between the two leaves `stop` nothing to join
+            # (the thread sees `_stopped` and ends), never a thread it cannot join.
+            watch = threading.Thread(target=self._look_again, name="wait-report", daemon=True)
+            watch.start()
+            self._watch = watch
 
     def stop(self) -> None:
         self._stopped.set()
