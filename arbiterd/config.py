@@ -168,8 +168,9 @@ ORIGIN_RE = re.compile(
 # Ollama's tag for a name given without one: "llama3" and "llama3:latest" are one name.
 DEFAULT_TAG = "latest"
 # Keys in the order they are documented (and listed in error messages).
-TOP_KEYS = ("daemon", "models", "groups")
+TOP_KEYS = ("daemon", "models", "groups", "yield")
 GROUP_KEYS = ("models", "priority")
+YIELD_KEYS = ("enabled", "programs", "ignore", "min_bytes", "grace_s", "scan_s", "nodes")
 DAEMON_KEYS = (
     "http",
     "socket",
@@ -315,6 +316,51 @@ class DaemonConfig:
     turns: Turns = DEFAULT_TURNS
 
 
+# Issue 45, [yield]: programs stepped aside for by name. Blender; ComfyUI, which runs as
+# `python main.py` from its folder; and every game Steam starts from its library (its command
+# line holds the library's path, Proton's games too).
+YIELD_PROGRAMS = ("blender", "*comfyui*", "*/steamapps/common/*")
+# Programs that hold the GPU all the time, never stepped aside for by their memory: display
+# servers, compositors and desktop shells, browsers and Electron apps, Steam's own client.
+YIELD_IGNORE = (
+    "Xorg",
+    "Xwayland",
+    "gnome-shell",
+    "kwin_*",
+    "plasmashell",
+    "mutter*",
+    "sway",
+    "Hyprland",
+    "weston",
+    "*firefox*",
+    "*chrome*",
+    "*chromium*",
+    "*brave*",
+    "*electron*",
+    "code",
+    "steam",
+    "steamwebhelper",
+)
+YIELD_MIN_BYTES = 512 << 20  # a game or a diffusion model holds GBs; a video player tens of MB
+YIELD_GRACE_S = 10.0
+YIELD_SCAN_S = 2.0
+
+
+@dataclass(frozen=True)
+class YieldRules:
+    """The [yield] table (issue 45): for which programs that do not take part in the protocol
+    the daemon steps aside (daemon/stepaside/policy.py says how each key is applied)."""
+
+    enabled: bool = True
+    programs: tuple[str, ...] = YIELD_PROGRAMS  # fnmatch globs, matched without case
+    ignore: tuple[str, ...] = YIELD_IGNORE
+    min_bytes: int = YIELD_MIN_BYTES  # 0 = never by memory
+    grace_s: float = YIELD_GRACE_S  # under min_bytes this long: the models come back
+    scan_s: float = YIELD_SCAN_S  # how often programs are looked for by name
+    # The device nodes watched; () = every GPU node under /dev (stepaside/programs.py).
+    nodes: tuple[Path, ...] = ()
+
+
 @dataclass(frozen=True)
 class GroupConfig:
     """One [groups.NAME] table: models that hold the GPU together (arbiterd/arena/groups.py)."""
@@ -450,6 +496,7 @@ class Config:
     models: dict[str, ModelConfig]
     source: Path | None  # None: the embedded default (there is no file to reload)
     groups: dict[str, GroupConfig] = field(default_factory=dict)
+    yield_rules: YieldRules = field(default_factory=YieldRules)
 
     def resolve(self, requested: str) -> str | None:
         """The name of the model `requested` names (its name or one of its aliases, with or
@@ -602,7 +649,45 @@ def _file_config(path: Path, overrides: _Overrides, env: Mapping[str, str]) -> C
     # Defaults last: the file is wholly checked before $XDG_RUNTIME_DIR can be blamed.
     resolved = daemon.resolve(env)
     _check_device_arenas(src, models, resolved.arena)
-    return Config(daemon=resolved, models=models, source=path, groups=groups)
+    yield_rules = _yield(src, raw.values.get("yield", {}))
+    return Config(
+        daemon=resolved, models=models, source=path, groups=groups, yield_rules=yield_rules
+    )
+
+
+def _yield(src: Source, raw: object) -> YieldRules:
+    if not isinstance(raw, dict):
+        raise src.expected(("yield",), "a table ([yield])", raw)
+    table = Table(src, ("yield",), raw)
+    table.check_keys(YIELD_KEYS, lambda key, value: "")
+    scan_s = table.seconds("scan_s", YIELD_SCAN_S)
+    if scan_s < 0.1:
+        raise src.expected(table.keys("scan_s"), "at least 0.1 seconds", scan_s)
+    return YieldRules(
+        enabled=table.boolean("enabled", True),
+        programs=_globs(table, "programs", YIELD_PROGRAMS),
+        ignore=_globs(table, "ignore", YIELD_IGNORE),
+        min_bytes=table.size("min_bytes", YIELD_MIN_BYTES),
+        grace_s=table.seconds("grace_s", YIELD_GRACE_S),
+        scan_s=scan_s,
+        nodes=_nodes(table),
+    )
+
+
+def _nodes(table: Table) -> tuple[Path, ...]:
+    value = table.values.get("nodes", [])
+    expected = 'a list of device node paths (e.g. ["/dev/dri/renderD128"])'
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise table.src.expected(table.keys("nodes"), expected, value)
+    return tuple(table.src.path(table.keys("nodes"), v, expected) for v in value)
+
+
+def _globs(table: Table, key: str, default: tuple[str, ...]) -> tuple[str, ...]:
+    value = table.values.get(key, list(default))
+    expected = 'a list of program names or globs (e.g. ["blender", "*comfyui*"])'
+    if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise table.src.expected(table.keys(key), expected, value)
+    return tuple(value)
 
 
 def _check_device_arenas(src: Source, models: Mapping[str, ModelConfig], gpu0_arena: Path) -> None:

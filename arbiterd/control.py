@@ -65,7 +65,19 @@ PROTOCOL_CODES: Final = frozenset(
 
 # What the daemon can be told (Service.command's names); MODEL_COMMANDS name a model.
 COMMANDS: Final = frozenset(
-    {"warm", "release", "pin", "unpin", "unload", "hold", "unhold", "reload", "shutdown"}
+    {
+        "warm",
+        "release",
+        "pin",
+        "unpin",
+        "unload",
+        "hold",
+        "unhold",
+        "yield",
+        "resume",
+        "reload",
+        "shutdown",
+    }
 )
 MODEL_COMMANDS: Final = frozenset({"warm", "release", "pin", "unpin", "unload"})
 
@@ -82,11 +94,17 @@ _ARGS: dict[str, dict[str, tuple[type, bool]]] = {
     "events": {"since": (float, False), "after_seq": (int, False), "limit": (int, False)},
     # "progress": while the model waits for the GPU, progress lines before the reply (issue 30).
     **{name: {"model": (str, True), "progress": (bool, False)} for name in MODEL_COMMANDS},
-    **{name: {} for name in COMMANDS - MODEL_COMMANDS},
+    # Step aside for program `pid` until it exits (issue 45).
+    "yield": {"pid": (int, True)},
+    **{name: {} for name in COMMANDS - MODEL_COMMANDS - {"yield"}},
 }
 CONTROL_COMMANDS: Final = tuple(sorted(_ARGS))
 # The values an integer argument may take, by name (a seq is an SQLite integer).
-_RANGES: Final = {"limit": (1, EVENTS_PAGE_MAX), "after_seq": (0, 2**63 - 1)}
+_RANGES: Final = {
+    "limit": (1, EVENTS_PAGE_MAX),
+    "after_seq": (0, 2**63 - 1),
+    "pid": (1, 2**22),  # the kernel's pid_max at most
+}
 
 
 @dataclass(frozen=True)

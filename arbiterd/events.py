@@ -432,6 +432,22 @@ class HoldEvent(Event):
     held: bool = False
 
 
+@dataclass(frozen=True, kw_only=True)
+class StepAsideEvent(Event):
+    """The daemon stepped aside for a program that does not take part (`aside`, issue 45: every
+    model released and the daemon holds the GPU on its behalf), or came back (`aside` false:
+    `why` it ended: the program exited, its memory stayed low, the user resumed)."""
+
+    KIND: ClassVar[str] = "step_aside"
+
+    aside: bool = False
+    program: str | None = None
+    pid: int | None = None
+    reason: str | None = None  # what caught it
+    used_bytes: int | None = None  # device memory it held, where a reader measures it
+    why: str | None = None
+
+
 @dataclass(frozen=True)
 class UnloadEvent(Event):
     """A model was unloaded (`reason`: "command", "idle" after unload_after_s, or
@@ -643,6 +659,7 @@ KINDS: dict[str, type[Event]] = {
         WorkerEvent,
         ReloadEvent,
         HoldEvent,
+        StepAsideEvent,
         UnloadEvent,
         RamBudgetEvent,
         PromptCacheEvictEvent,

@@ -28,6 +28,7 @@ from arbiterd.events import (
     ReloadEvent,
     RequestEvent,
     ResidencyEvent,
+    StepAsideEvent,
     UnloadEvent,
     VramEvent,
     VramNotFreedEvent,
@@ -92,6 +93,12 @@ def process(name: str | None, pid: int | None) -> str:
     if pid is None:
         return name or "?"
     return f"{name} (pid {pid})" if name else f"pid {pid}"
+
+
+def stepped_aside(program: str | None, pid: int | None, used_bytes: int | None) -> str:
+    """The program the daemon stepped aside for (issue 45): "blender (pid 4242), 3.1 GiB"."""
+    used = "" if used_bytes is None else f", {format_bytes(used_bytes)}"
+    return process(program, pid) + used
 
 
 def silence(model: str, silent_s: float) -> str:
@@ -200,6 +207,8 @@ def event_detail(event: Event) -> str:  # noqa: PLR0911, PLR0912 (one return per
             return _reload(event)
         case HoldEvent():
             return _hold(event)
+        case StepAsideEvent():
+            return _step_aside(event)
         case UnloadEvent():
             return _unload(event)
         case RamBudgetEvent():
@@ -371,6 +380,13 @@ def _reload(event: ReloadEvent) -> str:
 
 def _hold(event: HoldEvent) -> str:
     return "GPU held by the user" if event.held else "GPU given back by the user"
+
+
+def _step_aside(event: StepAsideEvent) -> str:
+    program = stepped_aside(event.program, event.pid, event.used_bytes)
+    if event.aside:
+        return f"stepped aside for {program}: {event.reason}"
+    return f"back from stepping aside for {program}: {event.why}"
 
 
 def _unload(event: UnloadEvent) -> str:

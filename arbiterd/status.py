@@ -154,6 +154,17 @@ class Holder(Record):
 
 
 @dataclass(frozen=True)
+class SteppedAside(Record):
+    """The program the daemon stepped aside for (issue 45): it holds the GPU on its behalf."""
+
+    program: str | None = None
+    pid: int | None = None
+    reason: str | None = None
+    since: float | None = None
+    used_bytes: int | None = None  # as last measured; None where no reader measures it
+
+
+@dataclass(frozen=True)
 class Waiter(Record):
     """A process waiting for the arena token."""
 
@@ -247,6 +258,10 @@ class DaemonStatus(Record):
     holder: Holder | None = None
     waiters: tuple[Waiter, ...] = ()
     hold: bool = False
+    stepped_aside: SteppedAside | None = None
+    # What the lookout for programs that do not take part sees with (issue 45): "off", or the
+    # nodes it watches and the memory readers it has.
+    yield_watch: str | None = None
     groups: tuple[GroupStatus, ...] = ()
     telemetry: Telemetry | None = None
     host_ram_bytes: int | None = None

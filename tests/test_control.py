@@ -116,6 +116,8 @@ class FakeService:
         name: str,
         model: str | None = None,
         on_news: Callable[[WaitNews], None] | None = None,
+        *,
+        pid: int | None = None,
     ) -> dict[str, Any]:
         self.commands.append((name, model))
         if self.on_command is not None:

@@ -36,7 +36,7 @@ from arbiterd.control import DeviceEntry
 from arbiterd.daemon.journal import Journal, parse_since
 from arbiterd.errors import BadValueError, DaemonError, DaemonNotRunningError
 from arbiterd.events import parse_event
-from arbiterd.status import DaemonStatus, ModelStatus, Turn
+from arbiterd.status import DaemonStatus, ModelStatus, SteppedAside, Turn
 
 # warm may load a model and hold may wait for every model to release: minutes, not seconds.
 COMMAND_TIMEOUT_S = 600.0
@@ -144,6 +144,27 @@ def add_commands(command: AddCommand) -> None:
         plain_parser = command(name, text, f"arbiterd {name}")
         _client_options(plain_parser)
         plain_parser.set_defaults(handler=plain_command)
+
+    yield_parser = command(
+        "yield",
+        "step aside for a program until it exits: every model goes cold, the GPU is the "
+        "program's (for programs the [yield] rules do not catch)",
+        "arbiterd yield --until-exit 4242",
+        'arbiterd yield --until-exit "$(pidof blender)"',
+    )
+    yield_parser.add_argument(
+        "--until-exit", type=int, required=True, metavar="PID", help="the program's pid"
+    )
+    _client_options(yield_parser)
+    yield_parser.set_defaults(handler=yield_command)
+    resume = command(
+        "resume",
+        "end a step aside now: the models may take the GPU again (the program is passed over "
+        "until it exits)",
+        "arbiterd resume",
+    )
+    _client_options(resume)
+    resume.set_defaults(handler=plain_command)
 
     events = command(
         "events",
@@ -319,6 +340,14 @@ def plain_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def yield_command(args: argparse.Namespace) -> int:
+    with ControlClient.connect(_socket(args)) as client:
+        client.timeout_s = COMMAND_TIMEOUT_S
+        result = client.call("yield", pid=args.until_exit)
+    print(_describe("yield", result))
+    return 0
+
+
 def show_events(args: argparse.Namespace) -> int:
     since = parse_since(args.since) if args.since else None
     if since is None and args.follow:
@@ -435,16 +464,29 @@ def render_status(status: DaemonStatus) -> str:
         holds = "holds the GPU" if group.holds_token else "does not hold the GPU"
         failure = f"; its keeper stopped: {group.failure}" if group.failure else ""
         lines.append(f"group {group.name} ({', '.join(group.models)}): {holds}{failure}")
+    lines += _holder_lines(status)
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _holder_lines(status: DaemonStatus) -> list[str]:
+    """Who holds the GPU and who waits; the user's hold and a step aside (issue 45)."""
+    found: list[str] = []
     holder = status.holder
     if holder is not None:
-        lines.append(f"GPU held by {render.process(holder.name, holder.pid)}")
+        found.append(f"GPU held by {render.process(holder.name, holder.pid)}")
     else:
-        lines.append("GPU free")
+        found.append("GPU free")
     if status.waiters:
-        lines.append(render.waiters_line([(w.name, w.pid) for w in status.waiters]))
+        found.append(render.waiters_line([(w.name, w.pid) for w in status.waiters]))
     if status.hold:
-        lines.append("hold: the GPU is held for you (arbiterd unhold gives it back)")
-    return "\n".join(line.rstrip() for line in lines)
+        found.append("hold: the GPU is held for you (arbiterd unhold gives it back)")
+    aside = status.stepped_aside
+    if aside is not None:
+        program = render.stepped_aside(aside.program, aside.pid, aside.used_bytes)
+        found.append(f"stepped aside for {program}: {aside.reason} (arbiterd resume ends it)")
+    if status.yield_watch:
+        found.append(f"step aside: {status.yield_watch}")
+    return found
 
 
 def _turn_line(name: str, turn: Turn) -> str:
@@ -570,6 +612,17 @@ def _kept(result: dict[str, Any]) -> str:
     return ""
 
 
+def _aside_line(result: dict[str, Any]) -> str:
+    aside = result["stepped_aside"]
+    if isinstance(aside, dict):
+        record = SteppedAside.from_json(aside)
+        program = render.stepped_aside(record.program, record.pid, record.used_bytes)
+        return f"stepped aside for {program}: {record.reason}"
+    if result.get("resumed"):
+        return "no longer stepped aside: the models may take the GPU again"
+    return "not stepped aside for any program"
+
+
 def _describe(command: str, result: dict[str, Any]) -> str:
     if "model" in result and "state" in result:
         return f"{result['model']}: {result['state']}" + _kept(result)
@@ -577,6 +630,8 @@ def _describe(command: str, result: dict[str, Any]) -> str:
         return f"{result.get('model', '')}: {'pinned' if result['pinned'] else 'unpinned'}"
     if "hold" in result:
         return "GPU held for you" if result["hold"] else "GPU given back to the models"
+    if "stepped_aside" in result:
+        return _aside_line(result)
     if command == "reload":
         parts = [
             f"{key.replace('_', ' ')}: {', '.join(result[key])}"

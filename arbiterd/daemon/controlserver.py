@@ -383,7 +383,7 @@ class _Connection:
                 progress = {"model": args["model"], **news.to_json()}
                 self._tell({"request_id": request.request_id, "progress": progress})
 
-        return await self._service.command(command, args.get("model"), on_news)
+        return await self._service.command(command, args.get("model"), on_news, pid=args.get("pid"))
 
     async def _devices(self) -> dict[str, Any]:
         """The `devices` reply: the engine's devices as the status has them (what the latest

@@ -89,9 +89,12 @@ class Service(Protocol):
         name: str,
         model: str | None = None,
         on_news: Callable[[WaitNews], None] | None = None,
+        *,
+        pid: int | None = None,
     ) -> dict[str, Any]:
-        """One of COMMANDS; `model` is required for MODEL_COMMANDS. Returns a small result
-        object (e.g. {"model": ..., "state": ...}). While a model command waits for the GPU,
+        """One of COMMANDS; `model` is required for MODEL_COMMANDS, `pid` for yield. Returns a
+        small result object (e.g. {"model": ..., "state": ...}). While a model command waits for
+        the GPU,
         `on_news` is told what it waits for, soon and then every second."""
         ...
 

@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mappin
 from pathlib import Path
 from typing import Any
 
-from arbiterd.arena import Arena, Token
+from arbiterd.arena import Arena
 from arbiterd.arena.devices import canonical_order
 from arbiterd.arena.groups import Keeper
 from arbiterd.config import Config, GroupConfig, Load, ModelConfig
@@ -37,6 +37,7 @@ from arbiterd.control import MODEL_COMMANDS
 from arbiterd.daemon.budgets import ColdModel, CopyUse, ram_plan
 from arbiterd.daemon.eventbus import EventBus
 from arbiterd.daemon.handoffs import Handoffs
+from arbiterd.daemon.hold import DaemonHold
 from arbiterd.daemon.images import ImagePolicy
 from arbiterd.daemon.journal import Journal
 from arbiterd.daemon.lifecycle import Lifecycle
@@ -54,11 +55,12 @@ from arbiterd.daemon.metrics import Metrics
 from arbiterd.daemon.modelfile import check_models, vram_budget_for
 from arbiterd.daemon.routing import Router
 from arbiterd.daemon.slots import Slot
+from arbiterd.daemon.stepaside.aside import StepAside
 from arbiterd.daemon.telemetry import ReaderSet, TelemetrySnapshot
 from arbiterd.daemon.vramwatch import VramWatch
 from arbiterd.daemon.waiting import NewsListener, Waits
 from arbiterd.daemon.workerclient import EngineReport, WorkerClient, WorkerHello
-from arbiterd.errors import ArbiterError, ControlError
+from arbiterd.errors import AcquireTimeoutError, ArbiterError, ControlError
 from arbiterd.events import (
     Event,
     HandoffEvent,
@@ -92,6 +94,7 @@ from arbiterd.status import (
 log = logging.getLogger(__name__)
 
 COMMAND_TIMEOUT_S = 300.0
+USER_HOLD = "user"  # the user's reason for the daemon's hold (game mode)
 STATUS_TIMEOUT_S = 10.0
 # A model due for unloading but not idle (a request waits for the GPU in it) is looked at again
 # this soon; one that is not unloaded for another reason (its file gone, its worker not
@@ -198,7 +201,11 @@ class Supervisor:
         )
         self._waits = Waits(self._arena, notice_after_s=config.daemon.queue_notice_s)
         self._router = Router(self._slots, self._bus.publish, self._lifecycle.load, self._waits)
-        self._hold: Token | None = None
+        # gpu0's token held on someone's behalf: the user's hold, a program stepped aside for.
+        self._hold = DaemonHold(self._arena, self._release_models)
+        self._aside = StepAside(
+            config.yield_rules, self._hold, self._bus.publish, self._vram.process_bytes
+        )
         self._keepers: dict[str, Keeper] = {}  # by group: each holds the token for its members
         self._engine: EngineReport | None = None  # as the latest worker's hello says
         self._gpu_nodes: tuple[str, ...] | None = None  # this machine's, read at the first hello
@@ -231,6 +238,8 @@ class Supervisor:
         self._vram.start()
         self._spawn(self._unload_idle())
         self._spawn(self._watch_holders())
+        self._aside.start()
+        log.info("stepping aside for other GPU programs: %s", self._aside.describe())
 
     async def _start(self, slot: Slot) -> None:
         """Start a new slot's worker, unless it is loaded on demand."""
@@ -249,9 +258,8 @@ class Supervisor:
             task.cancel()
         await self._lifecycle.stop(list(self._slots.values()))
         await self._stop_keepers(list(self._keepers))
-        if self._hold is not None:
-            self._hold.release()
-            self._hold = None
+        await self._aside.close()
+        self._hold.close()
         await self._vram.stop()
 
     def _start_keeper(self, group: GroupConfig) -> None:
@@ -352,7 +360,9 @@ class Supervisor:
             arena=str(arena.path),
             holder=holder,
             waiters=tuple(Waiter(pid=p, name=waiter_name(arena, p)) for p in arena.waiter_pids),
-            hold=self._hold is not None,
+            hold=self._hold.wanted_by(USER_HOLD),
+            stepped_aside=self._aside.status(),
+            yield_watch=self._aside.describe(),
             groups=self._groups_status(),
             telemetry=self._vram.status(snapshot),
             # Each copy once, however many models share it.
@@ -490,7 +500,12 @@ class Supervisor:
         )
 
     async def command(
-        self, name: str, model: str | None = None, on_news: NewsListener | None = None
+        self,
+        name: str,
+        model: str | None = None,
+        on_news: NewsListener | None = None,
+        *,
+        pid: int | None = None,
     ) -> dict[str, Any]:
         if name in MODEL_COMMANDS:
             if not model:
@@ -500,12 +515,23 @@ class Supervisor:
             return await self._take_hold()
         if name == "unhold":
             return self._give_back_hold()
+        if name in ("yield", "resume"):
+            return await self._aside_command(name, pid)
         if name == "reload":
             return await self._reload()
         if name == "shutdown":
             self.stopped.set()
             return {"stopping": True}
         raise ControlError(f"unknown command {name!r}")
+
+    async def _aside_command(self, name: str, pid: int | None) -> dict[str, Any]:
+        """`yield` (step aside for program `pid` until it exits) or `resume` (end a step
+        aside now)."""
+        if name == "resume":
+            return self._aside.resume()
+        if pid is None:
+            raise ControlError("yield needs the pid of the program to step aside for")
+        return await self._aside.yield_to(pid)
 
     async def _model_command(
         self, name: str, model: str, on_news: NewsListener | None = None
@@ -624,23 +650,39 @@ class Supervisor:
 
     async def _take_hold(self) -> dict[str, Any]:
         """Game mode: every model goes cold (pinned or not) and the daemon keeps the token."""
-        if self._hold is not None:
+        if self._hold.wanted_by(USER_HOLD):
             return {"hold": True}
-        for slot in self._slots.values():
-            if slot.worker is not None:
-                await slot.worker.request("release", timeout_s=COMMAND_TIMEOUT_S)
-        self._hold = await asyncio.to_thread(
-            self._arena.acquire, HOLD_HOLDER_NAME, timeout_s=COMMAND_TIMEOUT_S
-        )
+        try:
+            await asyncio.wait_for(
+                self._hold.take(USER_HOLD, HOLD_HOLDER_NAME), timeout=COMMAND_TIMEOUT_S
+            )
+        except TimeoutError:
+            self._hold.give_back(USER_HOLD)
+            raise AcquireTimeoutError(
+                f"the GPU was not free within {COMMAND_TIMEOUT_S:g} s"
+            ) from None
         self._bus.publish(HoldEvent(held=True))
         return {"hold": True}
 
     def _give_back_hold(self) -> dict[str, Any]:
-        if self._hold is not None:
-            self._hold.release()
-            self._hold = None
+        if self._hold.wanted_by(USER_HOLD):
+            self._hold.give_back(USER_HOLD)
             self._bus.publish(HoldEvent(held=False))
         return {"hold": False}
+
+    async def _release_models(self) -> None:
+        """Ask every model to release now (the daemon's hold is about to take the GPU); one
+        that cannot is logged, and the hold waits for its token all the same."""
+
+        async def release(slot: Slot) -> None:
+            if slot.worker is None:
+                return
+            try:
+                await slot.worker.request("release", timeout_s=COMMAND_TIMEOUT_S)
+            except ArbiterError as exc:
+                log.warning("%s: could not release for the daemon's hold: %s", slot.name, exc)
+
+        await asyncio.gather(*(release(slot) for slot in list(self._slots.values())))
 
     async def metrics_text(self) -> bytes:
         """The metrics, with a VRAM reading taken for this scrape: the figures agree with the

@@ -27,6 +27,7 @@ from arbiterd.daemon.telemetry import (
     device_for_arena,
     select_readers,
 )
+from arbiterd.errors import TelemetryError
 from arbiterd.events import Event, ResidencyEvent
 from arbiterd.states import ResidencyState
 from arbiterd.status import Telemetry
@@ -120,6 +121,19 @@ class VramWatch:
     async def fresh(self) -> TelemetrySnapshot | None:
         """A reading taken now (the periodic one may be 5 s old); the latest one if it fails."""
         return await asyncio.to_thread(self._sampler.sample) or self._sampler.latest
+
+    def process_bytes(self) -> dict[int, int]:
+        """What each process the readers see holds on the devices, by pid, read now (blocking:
+        the step aside's lookout calls it from its thread); {} when no reader answers."""
+        try:
+            reading = self.readers.read()
+        except TelemetryError:
+            return {}
+        used: dict[int, int] = {}
+        for process in reading.processes:
+            if process.pid is not None and process.used_bytes is not None:
+                used[process.pid] = used.get(process.pid, 0) + process.used_bytes
+        return used
 
     def model_bytes(self, snapshot: TelemetrySnapshot | None, model: str) -> int | None:
         return None if snapshot is None else snapshot.model_bytes(model, self.device)

@@ -152,6 +152,8 @@ class FakeService:
         name: str,
         model: str | None = None,
         on_news: Callable[[WaitNews], None] | None = None,
+        *,
+        pid: int | None = None,
     ) -> dict[str, Any]:
         return {}
 

@@ -73,8 +73,11 @@ class Daemon:
         groups: dict[str, list[str]] | None = None,
         open_files: tuple[int, int] | None = None,
         journal: Path | None = None,
+        yield_keys: dict[str, Any] | None = None,
     ) -> None:
         """`daemon_keys` are more [daemon] keys; `groups` each [groups.NAME]'s models;
+        `yield_keys` the [yield] table's (issue 45: by default the daemon steps aside for
+        nothing in a test, whatever runs on the machine);
         `open_files` the daemon's RLIMIT_NOFILE at start, (soft, hard); `journal` where the
         journal is (its folder holds the prompt caches too), when not in the daemon's folder."""
         limit = None
@@ -89,7 +92,9 @@ class Daemon:
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.log = self.dir / "daemon.log"
         self.config = self.dir / "config.toml"
-        self.config.write_text(self._toml(models, api_key, daemon_keys or {}, groups or {}))
+        self.config.write_text(
+            self._toml(models, api_key, daemon_keys or {}, groups or {}, yield_keys)
+        )
         with self.log.open("w") as log:  # the child keeps its own copy of the fd
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "arbiterd", "daemon", "--config", str(self.config)],
@@ -106,6 +111,7 @@ class Daemon:
         api_key: str,
         daemon_keys: dict[str, Any],
         groups: dict[str, list[str]],
+        yield_keys: dict[str, Any] | None,
     ) -> str:
         lines = [
             "[daemon]",
@@ -121,6 +127,8 @@ class Daemon:
             lines += [f"{key} = {_toml_value(value)}" for key, value in keys.items()]
         for name, members in groups.items():
             lines += ["", f"[groups.{name}]", f"models = {_toml_value(members)}"]
+        keys = {"enabled": False} if yield_keys is None else yield_keys
+        lines += ["", "[yield]", *(f"{key} = {_toml_value(value)}" for key, value in keys.items())]
         return "\n".join(lines) + "\n"
 
     def client(self) -> ControlClient:

@@ -1,0 +1,206 @@
+"""Looking for programs that start using the GPU, without polling for them: an inotify watch on
+the GPU's device nodes rings when any process opens or closes one (IN_OPEN, IN_CLOSE_*), and
+each ring is followed by a look at /proc (programs.scan, in a thread) and at what each program
+holds on the device (the telemetry readers), handed to `on_look` on the daemon's loop.
+
+Owns one inotify instance read through the loop's `add_reader`, as configwatch.py does, and the
+timers of the looks:
+- after a ring, a look once the burst of opens has settled (SETTLE_S), then again at
+  FOLLOW_UPS_S: a program allocates its memory after it opens the node;
+- by name every `scan_s` while `[yield] programs` names any (a program can use the GPU without
+  opening a node we watch: llvmpipe opens none), reading each process's name, not its fds;
+- a whole look every SAFETY_SCAN_S, for programs that opened a node before the daemon started
+  or whose opens the watch missed.
+A node that goes (a driver reloaded, a GPU unplugged) or appears is seen through watches on
+/dev and /dev/dri, and the watches are set again. Without inotify, the safety look at the
+`scan_s` rate stands in for the rings, after one warning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from inotify_simple import INotify, flags
+
+from arbiterd.daemon.configwatch import why_not
+from arbiterd.daemon.stepaside.policy import Sighting
+from arbiterd.daemon.stepaside.programs import DEV, PROCFS, Scan, device_nodes, node_dirs, scan
+from arbiterd.errors import ArbiterError
+
+log = logging.getLogger(__name__)
+
+SETTLE_S = 0.02  # a program opens several nodes in a burst (card and render node, each GPU)
+FOLLOW_UPS_S = (0.25, 1.0, 3.0)  # after a ring: what the program allocated since it opened
+SAFETY_SCAN_S = 30.0
+NODE_EVENTS = flags.OPEN | flags.CLOSE_WRITE | flags.CLOSE_NOWRITE
+NODE_GONE = flags.DELETE_SELF | flags.IGNORED
+DIR_EVENTS = flags.CREATE | flags.DELETE | flags.ONLYDIR
+
+# What a whole look measures: pid -> device bytes, from the telemetry readers (vramwatch.py),
+# for every process they see; empty where no reader sees other programs.
+Measure = Callable[[], dict[int, int]]
+
+
+class Lookout:
+    """From `start` until `close`, hands each look's sightings to `on_look`."""
+
+    def __init__(
+        self,
+        on_look: Callable[[tuple[Sighting, ...], bool], None],
+        *,
+        measure: Measure,
+        scan_s: float,
+        by_name: bool,
+        dev: Path = DEV,
+        procfs: Path = PROCFS,
+        nodes: Iterable[Path] | None = None,
+    ) -> None:
+        self._on_look = on_look  # (sightings, whole): whole looks read fds and memory
+        self._measure = measure
+        self._scan_s = scan_s
+        self._by_name = by_name
+        self._dev = dev
+        self._procfs = procfs
+        self._fixed_nodes = None if nodes is None else tuple(nodes)  # tests' stand-in files
+        self.nodes: tuple[Path, ...] = ()
+        self._inotify: INotify | None = None
+        self._watches: dict[int, Path] = {}
+        self._timers: list[asyncio.TimerHandle] = []
+        self._periodic: asyncio.TimerHandle | None = None
+        self._looking: asyncio.Task[None] | None = None
+        self._again: bool | None = None  # a look asked for while one runs (True: whole)
+        self._since_whole = 0.0  # seconds of timed looks since the last whole one
+        self.rings = 0
+
+    @property
+    def watching(self) -> bool:
+        return self._inotify is not None
+
+    def start(self) -> None:
+        try:
+            self._inotify = INotify()
+        except OSError as exc:
+            log.warning(
+                "not watching the GPU's device nodes: %s; looking every %s s",
+                why_not(exc),
+                self._scan_s,
+            )
+        else:
+            for directory in node_dirs(self._dev) if self._fixed_nodes is None else ():
+                self._add_watch(directory, DIR_EVENTS)
+            asyncio.get_running_loop().add_reader(self._inotify.fileno(), self._readable)
+        self._arm_nodes()
+        self.look(whole=True)
+        self._schedule_periodic()
+
+    async def close(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
+        self._timers.clear()
+        if self._periodic is not None:
+            self._periodic.cancel()
+        inotify, self._inotify = self._inotify, None
+        if inotify is not None:
+            asyncio.get_running_loop().remove_reader(inotify.fileno())
+            inotify.close()
+        looking, self._looking = self._looking, None
+        if looking is not None:
+            looking.cancel()
+            await asyncio.gather(looking, return_exceptions=True)
+
+    def look(self, *, whole: bool) -> None:
+        """A look now (or once the one running ends); a whole one reads fds and memory."""
+        if self._looking is not None and not self._looking.done():
+            self._again = whole or bool(self._again)
+            return
+        self._looking = asyncio.get_running_loop().create_task(self._looks(whole), name="lookout")
+
+    def _look_whole(self) -> None:
+        self.look(whole=True)
+
+    def _arm_nodes(self) -> None:
+        """Watch every node there is now (again, after one came or went)."""
+        nodes = self._fixed_nodes if self._fixed_nodes is not None else device_nodes(self._dev)
+        self.nodes = tuple(nodes)
+        if self._inotify is None:
+            return
+        watched = set(self._watches.values())
+        for node in self.nodes:
+            if node not in watched:
+                self._add_watch(node, NODE_EVENTS)
+
+    def _add_watch(self, path: Path, mask: int) -> None:
+        assert self._inotify is not None
+        try:
+            wd = self._inotify.add_watch(path, mask)
+        except OSError as exc:
+            if path.exists():
+                log.warning("cannot watch %s: %s", path, why_not(exc))
+            return
+        self._watches[wd] = path
+
+    def _readable(self) -> None:
+        assert self._inotify is not None  # the reader goes with it
+        ring = rearm = False
+        for event in self._inotify.read(timeout=0):
+            path = self._watches.get(event.wd)
+            if event.mask & flags.Q_OVERFLOW:
+                ring = rearm = True
+            elif event.mask & NODE_GONE:
+                self._watches.pop(event.wd, None)
+                rearm = True
+            elif event.mask & (flags.CREATE | flags.DELETE):
+                rearm = True
+            elif path is not None:
+                ring = True
+        if rearm:
+            self._arm_nodes()
+            ring = True
+        if ring:
+            self.rings += 1
+            self._rang()
+
+    def _rang(self) -> None:
+        """Someone opened or closed a node: a look once the burst settles, then follow-ups."""
+        loop = asyncio.get_running_loop()
+        for timer in self._timers:
+            timer.cancel()
+        self._timers = [
+            loop.call_later(delay, self._look_whole) for delay in (SETTLE_S, *FOLLOW_UPS_S)
+        ]
+
+    def _schedule_periodic(self) -> None:
+        """The next timed look: by name every scan_s when names are looked for or inotify is
+        missing, whole every SAFETY_SCAN_S."""
+        frequent = self._by_name or self._inotify is None
+        delay = self._scan_s if frequent else SAFETY_SCAN_S
+        self._periodic = asyncio.get_running_loop().call_later(delay, self._timed, delay)
+
+    def _timed(self, waited_s: float) -> None:
+        self._since_whole += waited_s
+        whole = self._inotify is None or self._since_whole >= SAFETY_SCAN_S
+        if whole:
+            self._since_whole = 0.0
+        self.look(whole=whole)
+        self._schedule_periodic()
+
+    async def _looks(self, whole: bool) -> None:
+        while True:
+            try:
+                sightings = await asyncio.to_thread(self._look, whole)
+            except (ArbiterError, OSError) as exc:
+                log.warning("looking for GPU programs failed: %s", exc)
+            else:
+                self._on_look(sightings, whole)
+            again, self._again = self._again, None
+            if again is None:
+                return
+            whole = again
+
+    def _look(self, whole: bool) -> tuple[Sighting, ...]:
+        found: Scan = scan(self.nodes, procfs=self._procfs, with_fds=whole)
+        used = self._measure() if whole else {}
+        return tuple(Sighting(p, used.get(p.pid)) for p in found.programs)

@@ -1,0 +1,201 @@
+"""Stepping aside end to end (issue 45): a real daemon whose [yield] watches a file standing in
+for a GPU's device node (its open events are real inotify; the /proc scan is real), and real
+programs: one that opens the node under a name the rules know, one that never opens it (as a
+Vulkan program on llvmpipe, which opens no node), one nobody named, and one the user names with
+`arbiterd yield`."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.daemon import Daemon, arbiterd_cli, serving, tiny
+from tests.support.waiting import wait_until
+
+
+@pytest.fixture(scope="module")
+def stand_ins(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with the stand-in node and the stand-in programs: copies of sleep(1) under
+    the names the rules look for (a process's name is its executable's)."""
+    folder = tmp_path_factory.mktemp("stepaside")
+    (folder / "renderD128").write_bytes(b"")
+    sleep = shutil.which("sleep")
+    assert sleep is not None
+    for name in ("fakegame", "fakerender", "quietapp"):
+        shutil.copy(sleep, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_model: Path, stand_ins: Path) -> Iterator[Daemon]:
+    rules = {
+        "programs": ["fakegame", "*fakerender*"],
+        "nodes": [stand_ins / "renderD128"],
+        "scan_s": 0.3,
+    }
+    with serving({"m": tiny(tiny_model, n_ctx=512)}, yield_keys=rules) as running:
+        yield running
+
+
+def start(stand_ins: Path, name: str, *, opens_node: bool) -> subprocess.Popen[bytes]:
+    """`name` running for a minute, holding the stand-in node open or not."""
+    program = stand_ins / name
+    if opens_node:
+        # The shell opens the node on fd 3 and becomes the program, which inherits it.
+        script = f'exec 3<"{stand_ins / "renderD128"}"; exec "{program}" 60'
+        return subprocess.Popen(["bash", "-c", script])
+    return subprocess.Popen([str(program), "60"])
+
+
+def status(daemon: Daemon) -> dict[str, Any]:
+    with daemon.client() as client:
+        found: dict[str, Any] = client.call("status")
+    return found
+
+
+def aside_for(daemon: Daemon) -> dict[str, Any] | None:
+    found: dict[str, Any] | None = status(daemon)["stepped_aside"]
+    return found
+
+
+def ask(daemon: Daemon) -> None:
+    body = {"model": "m", "prompt": "the fox", "max_tokens": 2, "temperature": 0}
+    response = httpx.post(f"{daemon.url}/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+
+
+def step_events(daemon: Daemon) -> list[dict[str, Any]]:
+    with daemon.client() as client:
+        found = client.call("events", limit=500)["events"]
+    return [e for e in found if e["event"] == "step_aside"]
+
+
+def stop(program: subprocess.Popen[bytes]) -> None:
+    program.kill()
+    program.wait()
+
+
+def test_a_named_program_opening_the_node_makes_the_model_step_aside_until_it_exits(
+    daemon: Daemon, stand_ins: Path
+) -> None:
+    ask(daemon)
+    assert status(daemon)["models"][0]["state"] == "warm"
+    game = start(stand_ins, "fakegame", opens_node=True)
+    try:
+        wait_until(lambda: aside_for(daemon) is not None, 10, "the step aside")
+        aside = aside_for(daemon)
+        assert aside is not None
+        assert (aside["program"], aside["pid"]) == ("fakegame", game.pid)
+        assert "named in [yield] programs ('fakegame')" in aside["reason"]
+        wait_until(lambda: status(daemon)["models"][0]["state"] == "cold", 10, "the release")
+        holder = status(daemon)["holder"]
+        assert holder["pid"] == daemon.process.pid
+        assert holder["name"] == f"stepped aside for fakegame ({game.pid})"
+        # A request meanwhile waits for the program, and is served once it is gone.
+        served = threading.Event()
+        asker = threading.Thread(target=lambda: (ask(daemon), served.set()))
+        asker.start()
+        time.sleep(1.0)
+        assert not served.is_set()
+        assert status(daemon)["models"][0]["state"] == "cold"
+    finally:
+        stop(game)
+    asker.join(timeout=60)
+    assert served.is_set()
+    assert aside_for(daemon) is None
+    aside_event, back_event = step_events(daemon)[-2:]
+    assert (aside_event["aside"], aside_event["program"], aside_event["pid"]) == (
+        True,
+        "fakegame",
+        game.pid,
+    )
+    assert (back_event["aside"], back_event["why"]) == (False, "it exited")
+
+
+def test_a_named_program_that_opens_no_node_is_caught_by_the_look_by_name(
+    daemon: Daemon, stand_ins: Path
+) -> None:
+    """As a Vulkan program on llvmpipe: it opens no device node, and `programs` names it."""
+    ask(daemon)
+    program = start(stand_ins, "fakerender", opens_node=False)
+    try:
+        wait_until(lambda: aside_for(daemon) is not None, 10, "the step aside")
+        aside = aside_for(daemon)
+        assert aside is not None
+        assert aside["pid"] == program.pid
+        wait_until(lambda: status(daemon)["models"][0]["state"] == "cold", 10, "the release")
+    finally:
+        stop(program)
+    wait_until(lambda: aside_for(daemon) is None, 10, "the return")
+    ask(daemon)
+    assert status(daemon)["models"][0]["state"] == "warm"
+
+
+def test_a_program_nobody_named_opening_the_node_changes_nothing(
+    daemon: Daemon, stand_ins: Path
+) -> None:
+    """No reader measures its memory on this machine, and its name is in no rule."""
+    ask(daemon)
+    program = start(stand_ins, "quietapp", opens_node=True)
+    try:
+        time.sleep(1.5)  # the ring's look and its follow-ups up to 1 s
+        assert aside_for(daemon) is None
+        assert status(daemon)["models"][0]["state"] == "warm"
+    finally:
+        stop(program)
+
+
+def test_yield_until_exit_and_resume_from_the_cli(daemon: Daemon, stand_ins: Path) -> None:
+    ask(daemon)
+    program = start(stand_ins, "quietapp", opens_node=False)
+    try:
+        said = arbiterd_cli(
+            "yield", "--until-exit", str(program.pid), "--socket", str(daemon.socket)
+        )
+        assert said.startswith(f"stepped aside for quietapp (pid {program.pid}): asked for")
+        assert status(daemon)["models"][0]["state"] == "cold"
+        text = arbiterd_cli("status", "--socket", str(daemon.socket))
+        assert f"stepped aside for quietapp (pid {program.pid})" in text
+        said = arbiterd_cli("resume", "--socket", str(daemon.socket))
+        assert said.strip() == "no longer stepped aside: the models may take the GPU again"
+        ask(daemon)
+        # Passed over from now on: the looks that follow do not step aside for it again.
+        time.sleep(1.0)
+        assert aside_for(daemon) is None
+        assert status(daemon)["models"][0]["state"] == "warm"
+    finally:
+        stop(program)
+    back = step_events(daemon)[-1]
+    assert (back["aside"], back["why"]) == (False, "resumed by the user")
+
+
+def test_yield_for_a_process_that_is_not_running_is_refused(daemon: Daemon) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "arbiterd",
+            "yield",
+            "--until-exit",
+            str(gone.pid),
+            "--socket",
+            str(daemon.socket),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode != 0
+    assert f"no process {gone.pid} of yours is running" in done.stderr
