@@ -322,7 +322,9 @@ def test_status_is_the_services_status(conns: Connections) -> None:
 @pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_each_command_reaches_the_service(name: str, served: Served, conns: Connections) -> None:
     model = "beta" if name in MODEL_COMMANDS else None
-    args = {"model": model} if model else {}
+    args: dict[str, object] = {"model": model} if model else {}
+    if name == "yield":
+        args = {"pid": 4242}
     assert conns.client().call(name, **args) == {"command": name, "model": model}
     assert served.service.commands == [(name, model)]
 

@@ -24,6 +24,7 @@ from arbiterd.events import (
     ReloadEvent,
     RequestEvent,
     ResidencyEvent,
+    StepAsideEvent,
     UnloadEvent,
     VramEvent,
     VramNotFreedEvent,
@@ -98,6 +99,14 @@ SAMPLES: list[Event] = [
     ),
     ReloadEvent(at=T, added=("a",), removed=("b", "c"), changed=("d",), warnings=("a: no mmproj",)),
     HoldEvent(at=T, held=True),
+    StepAsideEvent(
+        at=T,
+        aside=True,
+        program="blender",
+        pid=5151,
+        reason="named in [yield] programs ('blender')",
+        used_bytes=3 << 30,
+    ),
     UnloadEvent(
         at=T,
         model="gemma",

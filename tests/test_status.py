@@ -21,6 +21,7 @@ from arbiterd.status import (
     HostRam,
     ModelStatus,
     PromptCache,
+    SteppedAside,
     Telemetry,
     Turn,
     Waiter,
@@ -31,6 +32,7 @@ RECORDS: tuple[type[Record], ...] = (
     DaemonStatus,
     ModelStatus,
     Holder,
+    SteppedAside,
     Waiter,
     GroupStatus,
     HostRam,
@@ -68,6 +70,10 @@ FULL = DaemonStatus(
     arena="/run/user/1000/arbiterd/arena/gpu0",
     holder=Holder(pid=4242, name="story", since=1.0),
     waiters=(Waiter(pid=77, name=None),),
+    stepped_aside=SteppedAside(
+        program="blender", pid=5151, reason="asked for (arbiterd yield)", since=3.0
+    ),
+    yield_watch="watching /dev/dri/renderD128 (inotify)",
     groups=(GroupStatus("rag", ("story",), "normal", holds_token=True, handoffs=2, failure=""),),
     telemetry=Telemetry(
         at=2.0,

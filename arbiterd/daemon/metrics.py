@@ -18,6 +18,7 @@ from arbiterd.events import (
     HandoffEvent,
     RequestEvent,
     ResidencyEvent,
+    StepAsideEvent,
     WorkerEvent,
 )
 from arbiterd.states import RequestStatus, ResidencyState
@@ -113,6 +114,17 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.stepped_aside = Gauge(
+            "arbiterd_stepped_aside",
+            "1 while the daemon holds the GPU for a program that does not take part (issue 45)",
+            registry=self.registry,
+        )
+        self.steps_aside = Counter(
+            "arbiterd_steps_aside",
+            "Times the daemon stepped aside for a program that does not take part",
+            registry=self.registry,
+        )
+
     def add_model(self, model: str, devices: Sequence[str]) -> None:
         """Make a model's series exist (at 0) before its first event, and name its devices
         (a model configured again on other devices loses the old ones' series)."""
@@ -153,6 +165,10 @@ class Metrics:
                 self.encoder_seconds.labels(model=event.model, action=event.action).observe(
                     event.duration_s
                 )
+        elif isinstance(event, StepAsideEvent):
+            self.stepped_aside.set(1 if event.aside else 0)
+            if event.aside:
+                self.steps_aside.inc()
         elif isinstance(event, HandoffEvent):
             self.handoffs.inc()
             self.handoff_seconds.observe(event.total_s)

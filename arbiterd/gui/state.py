@@ -192,17 +192,26 @@ class TrayState:
         status = self.status
         if not self.reachable or status is None:
             return "daemon not running"
+        aside = status.stepped_aside
+        if aside is not None:  # issue 45: whoever holds the token at this instant
+            used = "" if aside.used_bytes is None else f" ({render.format_bytes(aside.used_bytes)})"
+            return f"stepped aside for {aside.program or 'a program'}{used}"
         if status.holder is None:
             return "GPU free"
         if status.hold or status.holder.name == HOLD_HOLDER_NAME:
             return "GPU held for you (game mode)"
+        return f"GPU: {self._holder_name(status)}"
+
+    @staticmethod
+    def _holder_name(status: DaemonStatus) -> str:
+        """Who holds the GPU, when it is neither the user's hold nor a step aside."""
+        assert status.holder is not None
         if status.holder_model is not None:
-            return f"GPU: {status.holder_model}"
+            return status.holder_model
         group = status.holder_group
         if group is not None:
-            return f"GPU: group {group.name} — {', '.join(group.models)}"
-        holder = status.holder
-        return f"GPU: {render.process(holder.name or 'another program', holder.pid)}"
+            return f"group {group.name} — {', '.join(group.models)}"
+        return render.process(status.holder.name or "another program", status.holder.pid)
 
     def vram_text(self) -> str:
         """The memory in use, of the devices' total when telemetry reports it; "RAM" where the

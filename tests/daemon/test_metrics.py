@@ -11,6 +11,7 @@ from arbiterd.events import (
     HoldEvent,
     RequestEvent,
     ResidencyEvent,
+    StepAsideEvent,
     WorkerEvent,
 )
 from arbiterd.states import RequestStatus, ResidencyState
@@ -144,3 +145,18 @@ def test_each_release_counts_the_requests_its_turn_served() -> None:
     assert figures[("arbiterd_turn_requests_count", (("model", "m"),))] == 2
     assert figures[("arbiterd_turn_requests_sum", (("model", "m"),))] == 7
     assert figures[("arbiterd_turn_requests_bucket", (("le", "4.0"), ("model", "m")))] == 1
+
+
+def test_stepping_aside_sets_the_gauge_and_counts_each_program_stepped_aside_for() -> None:
+    metrics = Metrics()
+    assert samples(metrics)[("arbiterd_stepped_aside", ())] == 0
+    metrics.observe(StepAsideEvent(aside=True, program="blender", pid=10))
+    assert samples(metrics)[("arbiterd_stepped_aside", ())] == 1
+    # Handed from one program to the next: it stays stepped aside, and counts both.
+    metrics.observe(StepAsideEvent(aside=False, program="blender", pid=10, why="it exited"))
+    metrics.observe(StepAsideEvent(aside=True, program="fakegame", pid=11))
+    figures = samples(metrics)
+    assert figures[("arbiterd_stepped_aside", ())] == 1
+    assert figures[("arbiterd_steps_aside_total", ())] == 2
+    metrics.observe(StepAsideEvent(aside=False, program="fakegame", pid=11, why="it exited"))
+    assert samples(metrics)[("arbiterd_stepped_aside", ())] == 0

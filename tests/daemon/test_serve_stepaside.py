@@ -102,7 +102,12 @@ def test_a_named_program_opening_the_node_makes_the_model_step_aside_until_it_ex
         assert holder["name"] == f"stepped aside for fakegame ({game.pid})"
         # A request meanwhile waits for the program, and is served once it is gone.
         served = threading.Event()
-        asker = threading.Thread(target=lambda: (ask(daemon), served.set()))
+
+        def ask_and_say() -> None:
+            ask(daemon)
+            served.set()
+
+        asker = threading.Thread(target=ask_and_say)
         asker.start()
         time.sleep(1.0)
         assert not served.is_set()

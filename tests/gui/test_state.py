@@ -622,3 +622,16 @@ def test_a_projector_step_the_journal_sends_again_after_the_window_counts_once()
     for step in steps:  # a window opens: the journal's last hour comes again
         state.apply_event(step)
     assert [s.action for s in state.history.last_encoder["eye"].steps] == ["load", "encode", "free"]
+
+
+def test_a_step_aside_says_for_which_program_and_what_it_holds() -> None:
+    """Issue 45: the headline names the program the models stepped aside for, with its device
+    memory where a reader measures it, whoever holds the token at this instant."""
+    state = TrayState()
+    aside = {"program": "blender", "pid": 5151, "reason": "named", "used_bytes": 3 * GiB}
+    holder = "stepped aside for blender (5151)"
+    state.apply_status(status(model("qwen"), holder=holder, stepped_aside=aside), T)
+    assert state.holder_text() == "stepped aside for blender (3.0 GiB)"
+    unmeasured = {**aside, "used_bytes": None}
+    state.apply_status(status(model("qwen"), holder=None, stepped_aside=unmeasured), T)
+    assert state.holder_text() == "stepped aside for blender"

@@ -19,7 +19,9 @@ A node that goes (a driver reloaded, a GPU unplugged) or appears is seen through
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import logging
+import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -27,7 +29,15 @@ from inotify_simple import INotify, flags
 
 from arbiterd.daemon.configwatch import why_not
 from arbiterd.daemon.stepaside.policy import Sighting
-from arbiterd.daemon.stepaside.programs import DEV, PROCFS, Scan, device_nodes, node_dirs, scan
+from arbiterd.daemon.stepaside.programs import (
+    DEV,
+    NODE_PATTERNS,
+    PROCFS,
+    Scan,
+    device_nodes,
+    node_dirs,
+    scan,
+)
 from arbiterd.errors import ArbiterError
 
 log = logging.getLogger(__name__)
@@ -68,6 +78,7 @@ class Lookout:
         self.nodes: tuple[Path, ...] = ()
         self._inotify: INotify | None = None
         self._watches: dict[int, Path] = {}
+        self._inodes: dict[Path, int] = {}  # each watched node's inode when its watch was set
         self._timers: list[asyncio.TimerHandle] = []
         self._periodic: asyncio.TimerHandle | None = None
         self._looking: asyncio.Task[None] | None = None
@@ -89,8 +100,6 @@ class Lookout:
                 self._scan_s,
             )
         else:
-            for directory in node_dirs(self._dev) if self._fixed_nodes is None else ():
-                self._add_watch(directory, DIR_EVENTS)
             asyncio.get_running_loop().add_reader(self._inotify.fileno(), self._readable)
         self._arm_nodes()
         self.look(whole=True)
@@ -123,24 +132,35 @@ class Lookout:
 
     def _arm_nodes(self) -> None:
         """Watch every node there is now (again, after one came or went)."""
-        nodes = self._fixed_nodes if self._fixed_nodes is not None else device_nodes(self._dev)
-        self.nodes = tuple(nodes)
+        fixed = self._fixed_nodes
+        self.nodes = tuple(p for p in fixed if p.exists()) if fixed else device_nodes(self._dev)
         if self._inotify is None:
             return
         watched = set(self._watches.values())
+        # The folders nodes appear in: a node created there (a driver loaded) is watched then.
+        folders = {p.parent for p in fixed} if fixed else set(node_dirs(self._dev))
+        for folder in sorted(folders - watched):
+            if folder.is_dir():
+                self._add_watch(folder, DIR_EVENTS)
         for node in self.nodes:
-            if node not in watched:
-                self._add_watch(node, NODE_EVENTS)
+            try:
+                inode = os.stat(node).st_ino
+            except OSError:
+                continue  # gone again
+            # A node made again under its name is another inode: the old watch sees nothing.
+            if self._inodes.get(node) != inode and self._add_watch(node, NODE_EVENTS):
+                self._inodes[node] = inode
 
-    def _add_watch(self, path: Path, mask: int) -> None:
+    def _add_watch(self, path: Path, mask: int) -> bool:
         assert self._inotify is not None
         try:
             wd = self._inotify.add_watch(path, mask)
         except OSError as exc:
             if path.exists():
                 log.warning("cannot watch %s: %s", path, why_not(exc))
-            return
+            return False
         self._watches[wd] = path
+        return True
 
     def _readable(self) -> None:
         assert self._inotify is not None  # the reader goes with it
@@ -150,10 +170,15 @@ class Lookout:
             if event.mask & flags.Q_OVERFLOW:
                 ring = rearm = True
             elif event.mask & NODE_GONE:
-                self._watches.pop(event.wd, None)
+                gone = self._watches.pop(event.wd, None)
+                if gone is not None:
+                    self._inodes.pop(gone, None)
                 rearm = True
             elif event.mask & (flags.CREATE | flags.DELETE):
-                rearm = True
+                if path is not None and self._may_be_node(path, event.name):
+                    # Deleted: a node made again may get the inode's number back.
+                    self._inodes.pop(path / event.name, None)
+                    rearm = True
             elif path is not None:
                 ring = True
         if rearm:
@@ -162,6 +187,15 @@ class Lookout:
         if ring:
             self.rings += 1
             self._rang()
+
+    def _may_be_node(self, folder: Path, name: str) -> bool:
+        """Whether `name`, created in or deleted from `folder`, may be a node to watch."""
+        if self._fixed_nodes:
+            return folder / name in self._fixed_nodes
+        return name == "dri" or any(
+            fnmatch.fnmatchcase(str((folder / name).relative_to(self._dev)), pattern)
+            for pattern in NODE_PATTERNS
+        )
 
     def _rang(self) -> None:
         """Someone opened or closed a node: a look once the burst settles, then follow-ups."""

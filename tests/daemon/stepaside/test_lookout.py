@@ -1,0 +1,164 @@
+"""The lookout on a real inotify, watching files that stand in for the GPU's device nodes, with
+real processes opening them and the /proc scan real: a ring brings a whole look at once, a node
+made again is watched again, looks by name come every scan_s only when names are looked for."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+from arbiterd.daemon.stepaside.lookout import SETTLE_S, Lookout
+from arbiterd.daemon.stepaside.policy import Sighting
+
+DEADLINE_S = 10.0
+
+
+async def until(condition: Callable[[], object], what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + DEADLINE_S
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {DEADLINE_S} s waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+class Looks:
+    """What the lookout handed over, look by look."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[tuple[Sighting, ...], bool]] = []
+
+    def __call__(self, sightings: tuple[Sighting, ...], whole: bool) -> None:
+        self.seen.append((sightings, whole))
+
+    def holding(self, pid: int) -> Sighting | None:
+        """`pid`'s sighting in the latest whole look, if it held a node then."""
+        for sightings, whole in reversed(self.seen):
+            if whole:
+                held = (s for s in sightings if s.program.pid == pid and s.program.on_gpu)
+                return next(held, None)
+        return None
+
+
+@contextlib.asynccontextmanager
+async def looking(lookout: Lookout) -> AsyncIterator[Lookout]:
+    lookout.start()
+    try:
+        yield lookout
+    finally:
+        await lookout.close()
+
+
+@contextlib.contextmanager
+def holding_open(node: Path) -> Iterator[subprocess.Popen[bytes]]:
+    program = subprocess.Popen(["bash", "-c", f'exec 3<"{node}"; exec sleep 30'])
+    try:
+        yield program
+    finally:
+        program.kill()
+        program.wait()
+
+
+def test_a_process_opening_a_watched_node_rings_and_the_look_names_it_with_its_memory(
+    tmp_path: Path,
+) -> None:
+    node = tmp_path / "renderD128"
+    node.write_bytes(b"")
+    looks = Looks()
+    measured: dict[int, int] = {}
+
+    async def scenario() -> None:
+        lookout = Lookout(looks, measure=lambda: measured, scan_s=60, by_name=False, nodes=[node])
+        async with looking(lookout):
+            await until(lambda: looks.seen, "the first look")
+            assert lookout.watching
+            with holding_open(node) as program:
+                measured[program.pid] = 3 << 30
+                await until(lambda: looks.holding(program.pid), "a look that sees it")
+                sighting = looks.holding(program.pid)
+                assert sighting is not None
+                assert sighting.program.nodes == {str(node)}
+                assert sighting.used_bytes == 3 << 30
+                assert lookout.rings >= 1
+
+    asyncio.run(scenario())
+
+
+def test_the_look_after_a_ring_comes_at_once_not_at_the_next_timed_look(tmp_path: Path) -> None:
+    node = tmp_path / "renderD128"
+    node.write_bytes(b"")
+    looks = Looks()
+
+    async def scenario() -> None:
+        lookout = Lookout(looks, measure=dict, scan_s=60, by_name=False, nodes=[node])
+        async with looking(lookout):
+            await until(lambda: looks.seen, "the first look")
+            loop = asyncio.get_running_loop()
+            with holding_open(node) as program:
+                opened = loop.time()
+                await until(lambda: looks.holding(program.pid), "a look that sees it")
+                # The bash start, the ring, the settle and one scan of /proc: well under a
+                # second, where the safety look would take 30.
+                assert loop.time() - opened < 2.0
+                assert SETTLE_S < 0.1
+
+    asyncio.run(scenario())
+
+
+def test_a_node_made_again_is_watched_again(tmp_path: Path) -> None:
+    node = tmp_path / "renderD128"
+    node.write_bytes(b"")
+    looks = Looks()
+
+    async def scenario() -> None:
+        lookout = Lookout(looks, measure=dict, scan_s=60, by_name=False, nodes=[node])
+        async with looking(lookout):
+            await until(lambda: looks.seen, "the first look")
+            node.unlink()  # a driver unloaded
+            await until(lambda: lookout.nodes == (), "the node gone")
+            node.write_bytes(b"")  # and loaded again: a new inode under the name
+            await until(lambda: lookout.nodes == (node,), "the node back")
+            rings = lookout.rings
+            with holding_open(node):
+                await until(lambda: lookout.rings > rings, "the open to ring")
+
+    asyncio.run(scenario())
+
+
+def test_looks_by_name_come_every_scan_s_only_when_names_are_looked_for(tmp_path: Path) -> None:
+    node = tmp_path / "renderD128"
+    node.write_bytes(b"")
+
+    async def count(by_name: bool) -> list[bool]:
+        looks = Looks()
+        lookout = Lookout(looks, measure=dict, scan_s=0.1, by_name=by_name, nodes=[node])
+        async with looking(lookout):
+            await asyncio.sleep(0.75)
+        return [whole for _, whole in looks.seen]
+
+    by_name = asyncio.run(count(True))
+    assert by_name[0] is True  # the first look is whole
+    assert by_name[1:].count(False) >= 4
+    quiet = asyncio.run(count(False))
+    assert quiet == [True]  # nothing but the first look while nobody opens a node
+
+
+def test_a_look_lists_this_users_processes_by_name_without_reading_their_fds(
+    tmp_path: Path,
+) -> None:
+    looks = Looks()
+
+    async def scenario() -> None:
+        lookout = Lookout(looks, measure=dict, scan_s=0.1, by_name=True, nodes=[])
+        async with looking(lookout):
+            await until(lambda: any(not whole for _, whole in looks.seen), "a look by name")
+
+    asyncio.run(scenario())
+    sightings = next(s for s, whole in looks.seen if not whole)
+    mine = next(s for s in sightings if s.program.pid == os.getpid())
+    assert mine.program.name.startswith("python")
+    assert mine.program.nodes == frozenset()
+    assert mine.used_bytes is None
