@@ -133,7 +133,7 @@ class Lookout:
     def _arm_nodes(self) -> None:
         """Watch every node there is now (again, after one came or went)."""
         fixed = self._fixed_nodes
-        self.nodes = tuple(p for p in fixed if p.exists()) if fixed else device_nodes(self._dev)
+        self.nodes = fixed if fixed else device_nodes(self._dev)
         if self._inotify is None:
             return
         watched = set(self._watches.values())
