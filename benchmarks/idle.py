@@ -11,7 +11,8 @@ keys (n_gpu_layers = 0: the CPU):
   nobody wants it, so it keeps it;
 - `cold`, a model that waits for nothing;
 - `member1` and `member2`, both cold, the group `pair` (`[groups.pair]`): its keeper, a thread
-  of the daemon, holds nothing and waits for a member to want the GPU.
+  of the daemon, holds nothing and waits for a member to want the GPU;
+and the `[yield]` defaults (issue 45): the daemon looks for programs by name every scan_s.
 Once every model is in that state (the daemon's status says so, the `warm` worker holds the
 token and the group does not) and SETTLE_S have passed, it reads /proc every
 SAMPLE_INTERVAL_S for --seconds, for the daemon and each of its children (the four workers,
@@ -303,7 +304,10 @@ def measure(source: Path, model: Path, seconds: float) -> dict[str, Any]:
     """One daemon from `source`, set up idle, read for `seconds`."""
     models = {name: tiny(model) for name in (WARM, COLD, *MEMBERS)}
     load_before = [round(x, 2) for x in os.getloadavg()]
-    with serving(models, env=source_env(source), groups={GROUP: list(MEMBERS)}) as daemon:
+    # yield_keys={}: the [yield] defaults, as a user runs it (issue 45: its look by name
+    # every scan_s is an idle cost too).
+    groups = {GROUP: list(MEMBERS)}
+    with serving(models, env=source_env(source), groups=groups, yield_keys={}) as daemon:
         with ControlClient.connect(daemon.socket, timeout_s=STATE_TIMEOUT_S) as client:
             client.call("warm", model=WARM)
         deadline = time.monotonic() + STATE_TIMEOUT_S

@@ -77,7 +77,8 @@ class Daemon:
     ) -> None:
         """`daemon_keys` are more [daemon] keys; `groups` each [groups.NAME]'s models;
         `yield_keys` the [yield] table's (issue 45: by default the daemon steps aside for
-        nothing in a test, whatever runs on the machine);
+        nothing in a test, whatever runs on the machine; {} writes no table, the daemon's
+        defaults apply);
         `open_files` the daemon's RLIMIT_NOFILE at start, (soft, hard); `journal` where the
         journal is (its folder holds the prompt caches too), when not in the daemon's folder."""
         limit = None
@@ -128,7 +129,8 @@ class Daemon:
         for name, members in groups.items():
             lines += ["", f"[groups.{name}]", f"models = {_toml_value(members)}"]
         keys = {"enabled": False} if yield_keys is None else yield_keys
-        lines += ["", "[yield]", *(f"{key} = {_toml_value(value)}" for key, value in keys.items())]
+        if keys:  # {}: no table, the daemon's defaults
+            lines += ["", "[yield]", *(f"{key} = {_toml_value(v)}" for key, v in keys.items())]
         return "\n".join(lines) + "\n"
 
     def client(self) -> ControlClient:
