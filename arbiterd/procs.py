@@ -14,6 +14,7 @@ from typing import Any
 import psutil
 
 from arbiterd.arena import ArenaState
+from arbiterd.status import STEP_ASIDE_SUFFIX
 
 
 def process_name(pid: int) -> str | None:
@@ -94,6 +95,8 @@ def holder_label(state: ArenaState) -> str:
     info = state.holder
     if info is None:
         return f"{process_name(pid) or 'a process'} (pid {pid})"
+    if info.name.endswith(STEP_ASIDE_SUFFIX):
+        return info.name  # names the program the daemon holds it for, and its pid
     runs = "arbiterd run, " if info.command_pid is not None else ""
     return f"{info.name} ({runs}pid {pid})"
 

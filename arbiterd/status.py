@@ -29,6 +29,9 @@ from arbiterd.states import (
 
 # The name the daemon's own hold (game mode) takes the arena token under (supervisor.py).
 HOLD_HOLDER_NAME = "arbiterd hold"
+# The daemon holds the arena token for a program it stepped aside for (issue 45) under the name
+# "PROGRAM (pid PID; arbiterd stepped aside)": what a waiter is told holds the GPU, as is.
+STEP_ASIDE_SUFFIX = "; arbiterd stepped aside)"
 # A group's keeper holds the arena token as "group NAME" (arena/groups.py, _Files.holder_name).
 GROUP_HOLDER_PREFIX = "group "
 # The telemetry source of the engines' own figures, where no GPU reader works

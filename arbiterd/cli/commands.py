@@ -36,7 +36,7 @@ from arbiterd.control import DeviceEntry
 from arbiterd.daemon.journal import Journal, parse_since
 from arbiterd.errors import BadValueError, DaemonError, DaemonNotRunningError
 from arbiterd.events import parse_event
-from arbiterd.status import DaemonStatus, ModelStatus, SteppedAside, Turn
+from arbiterd.status import STEP_ASIDE_SUFFIX, DaemonStatus, ModelStatus, SteppedAside, Turn
 
 # warm may load a model and hold may wait for every model to release: minutes, not seconds.
 COMMAND_TIMEOUT_S = 600.0
@@ -473,7 +473,9 @@ def _holder_lines(status: DaemonStatus) -> list[str]:
     found: list[str] = []
     holder = status.holder
     if holder is not None:
-        found.append(f"GPU held by {render.process(holder.name, holder.pid)}")
+        name = holder.name or ""
+        shown = name if name.endswith(STEP_ASIDE_SUFFIX) else render.process(name, holder.pid)
+        found.append(f"GPU held by {shown}")
     else:
         found.append("GPU free")
     if status.waiters:

@@ -204,7 +204,11 @@ class Supervisor:
         # gpu0's token held on someone's behalf: the user's hold, a program stepped aside for.
         self._hold = DaemonHold(self._arena, self._release_models)
         self._aside = StepAside(
-            config.yield_rules, self._hold, self._bus.publish, self._vram.process_bytes
+            config.yield_rules,
+            self._hold,
+            self._bus.publish,
+            self._vram.process_bytes,
+            measured_by=self._vram.other_programs_readers(),
         )
         self._keepers: dict[str, Keeper] = {}  # by group: each holds the token for its members
         self._engine: EngineReport | None = None  # as the latest worker's hello says

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from arbiterd.daemon.telemetry import (
     ColdFootprints,
+    DrmFdinfoReader,
+    NvmlReader,
     ReaderSet,
     Sampler,
     TeardownCheck,
@@ -121,6 +123,12 @@ class VramWatch:
     async def fresh(self) -> TelemetrySnapshot | None:
         """A reading taken now (the periodic one may be 5 s old); the latest one if it fails."""
         return await asyncio.to_thread(self._sampler.sample) or self._sampler.latest
+
+    def other_programs_readers(self) -> str:
+        """The readers that measure other programs' device memory ("nvml", "drm-fdinfo"), not
+        only the engines' own figures; "" where none does."""
+        per_process = (NvmlReader.source, DrmFdinfoReader.source)
+        return " + ".join(r.source for r in self.readers.readers if r.source in per_process)
 
     def process_bytes(self) -> dict[int, int]:
         """What each process the readers see holds on the devices, by pid, read now (blocking:

@@ -44,7 +44,9 @@ def test_held_while_any_reason_wants_it_and_let_go_once_none_does(arena: Arena) 
         info = arena.observe().holder
         assert info is not None
         assert info.name == "arbiterd hold"
-        await hold.take("aside", "stepped aside for blender (5151)")  # already held: kept as is
+        await hold.take(
+            "aside", "blender (pid 5151; arbiterd stepped aside)"
+        )  # already held: kept as is
         assert releases.asked == 1
         assert hold.give_back("user") is False  # the step aside still wants it
         assert holder_of(arena) == os.getpid()
@@ -67,13 +69,13 @@ def test_a_wait_given_up_leaves_nothing_locked_and_a_new_take_gets_it(arena: Are
 
         async def scenario() -> None:
             hold = DaemonHold(arena, Releases())
-            first = asyncio.create_task(hold.take("aside", "stepped aside for a (1)"))
+            first = asyncio.create_task(hold.take("aside", "a (pid 1; arbiterd stepped aside)"))
             await asyncio.sleep(0.3)
             assert not first.done()  # waits behind the other holder
             assert hold.give_back("aside") is False  # nothing held yet
             with pytest.raises(AcquireCancelledError):
                 await first
-            second = asyncio.create_task(hold.take("aside", "stepped aside for b (2)"))
+            second = asyncio.create_task(hold.take("aside", "b (pid 2; arbiterd stepped aside)"))
             await asyncio.sleep(0.3)
             assert not second.done()
             os.killpg(blocker.pid, signal.SIGKILL)
@@ -81,7 +83,7 @@ def test_a_wait_given_up_leaves_nothing_locked_and_a_new_take_gets_it(arena: Are
             assert hold.held
             info = arena.observe().holder
             assert info is not None
-            assert info.name == "stepped aside for b (2)"
+            assert info.name == "b (pid 2; arbiterd stepped aside)"
             hold.close()
             assert holder_of(arena) is None
 

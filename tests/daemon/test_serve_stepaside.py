@@ -42,7 +42,8 @@ def daemon(tiny_model: Path, stand_ins: Path) -> Iterator[Daemon]:
         "nodes": [stand_ins / "renderD128"],
         "scan_s": 0.3,
     }
-    with serving({"m": tiny(tiny_model, n_ctx=512)}, yield_keys=rules) as running:
+    models = {"m": tiny(tiny_model, n_ctx=512), "patient": tiny(tiny_model, max_queue_s=0.5)}
+    with serving(models, yield_keys=rules) as running:
         yield running
 
 
@@ -99,7 +100,7 @@ def test_a_named_program_opening_the_node_makes_the_model_step_aside_until_it_ex
         wait_until(lambda: status(daemon)["models"][0]["state"] == "cold", 10, "the release")
         holder = status(daemon)["holder"]
         assert holder["pid"] == daemon.process.pid
-        assert holder["name"] == f"stepped aside for fakegame ({game.pid})"
+        assert holder["name"] == f"fakegame (pid {game.pid}; arbiterd stepped aside)"
         # A request meanwhile waits for the program, and is served once it is gone.
         served = threading.Event()
 
@@ -204,3 +205,39 @@ def test_yield_for_a_process_that_is_not_running_is_refused(daemon: Daemon) -> N
     )
     assert done.returncode != 0
     assert f"no process {gone.pid} of yours is running" in done.stderr
+
+
+def test_a_request_meanwhile_is_told_for_whom_the_daemon_stepped_aside_or_gets_a_503(
+    daemon: Daemon, stand_ins: Path
+) -> None:
+    """The waiting notices of issue 30 and max_queue_s name the program, not the daemon."""
+    ask(daemon)
+    game = start(stand_ins, "fakegame", opens_node=True)
+    holder = f"fakegame (pid {game.pid}; arbiterd stepped aside)"
+    try:
+        wait_until(lambda: status(daemon)["holder"]["name"] == holder, 10, "the step aside")
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        with httpx.Client(base_url=daemon.url, timeout=60) as http:
+            reply = http.post("/chat/completions", json={**chat, "model": "patient"})
+            assert reply.status_code == 503
+            assert f"held by {holder}; try again in 1 s" in reply.json()["error"]["message"]
+            with http.stream(
+                "POST", "/chat/completions", json={**chat, "model": "m", "stream": True}
+            ) as streamed:
+                lines = streamed.iter_lines()
+                assert next(lines) == f": waiting for the GPU, held by {holder}, 1st in queue"
+                stop(game)
+                data = [line for line in lines if line.startswith("data: ")]
+        assert data[-1] == "data: [DONE]"
+    finally:
+        stop(game)
+
+
+def test_status_says_what_the_daemon_watches_and_that_it_steps_aside_by_names_only_here(
+    daemon: Daemon, stand_ins: Path
+) -> None:
+    watch = status(daemon)["yield_watch"]
+    assert watch == (
+        f"watching {stand_ins / 'renderD128'} (inotify); "
+        "names only: no reader measures other programs' memory here"
+    )

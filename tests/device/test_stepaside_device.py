@@ -87,7 +87,7 @@ def test_a_foreign_vulkan_program_makes_the_model_step_aside_and_it_comes_back(
         # The engine's own figures: what the worker still holds on the device once released.
         assert release["resident_bytes"] < warm["resident_bytes"] / 2
         holder = status(daemon)["holder"]
-        assert holder["name"] == f"stepped aside for {aside['program']} ({game.pid})"
+        assert holder["name"] == f"{aside['program']} (pid {game.pid}; arbiterd stepped aside)"
         # The program works on the device while the daemon holds the GPU for it.
         assert next(line for line in game.stdout if line.strip() == "copied")
         assert status(daemon)["models"][0]["state"] == "cold"

@@ -629,7 +629,7 @@ def test_a_step_aside_says_for_which_program_and_what_it_holds() -> None:
     memory where a reader measures it, whoever holds the token at this instant."""
     state = TrayState()
     aside = {"program": "blender", "pid": 5151, "reason": "named", "used_bytes": 3 * GiB}
-    holder = "stepped aside for blender (5151)"
+    holder = "blender (pid 5151; arbiterd stepped aside)"
     state.apply_status(status(model("qwen"), holder=holder, stepped_aside=aside), T)
     assert state.holder_text() == "stepped aside for blender (3.0 GiB)"
     unmeasured = {**aside, "used_bytes": None}

@@ -24,7 +24,7 @@ from arbiterd.daemon.stepaside.programs import DEV, PROCFS, Program, descendants
 from arbiterd.errors import ArbiterError, ControlError
 from arbiterd.events import Event, StepAsideEvent
 from arbiterd.render import format_bytes
-from arbiterd.status import SteppedAside
+from arbiterd.status import STEP_ASIDE_SUFFIX, SteppedAside
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ HOLD_REASON = "aside"
 
 def hold_label(aside: Aside) -> str:
     """The holder's name in holder.json while the daemon holds the GPU for `aside`'s program."""
-    return f"stepped aside for {aside.name} ({aside.pid})"
+    return f"{aside.name} (pid {aside.pid}{STEP_ASIDE_SUFFIX}"
 
 
 class StepAside:
@@ -44,10 +44,12 @@ class StepAside:
         publish: Callable[[Event], object],
         measure: Measure,
         *,
+        measured_by: str = "",
         dev: Path = DEV,
         procfs: Path = PROCFS,
     ) -> None:
         self.rules = rules
+        self._measured_by = measured_by  # the readers of other programs' memory; "": none
         self._hold = hold
         self._publish = publish
         self._procfs = procfs
@@ -81,7 +83,12 @@ class StepAside:
             return "off ([yield] enabled = false)"
         nodes = ", ".join(str(n) for n in self.lookout.nodes) or "no GPU device nodes"
         how = "inotify" if self.lookout.watching else f"a look every {self.rules.scan_s:g} s"
-        return f"watching {nodes} ({how})"
+        memory = (
+            f"memory by {self._measured_by}"
+            if self._measured_by
+            else "names only: no reader measures other programs' memory here"
+        )
+        return f"watching {nodes} ({how}); {memory}"
 
     def status(self) -> SteppedAside | None:
         aside = self.aside
