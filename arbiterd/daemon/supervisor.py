@@ -561,7 +561,8 @@ class Supervisor:
     async def _reload(self) -> dict[str, Any]:
         """Re-read the config file: start added models, stop removed ones, restart changed
         ones (a failed one too); the others keep serving undisturbed, also when only their
-        aliases changed (those apply at once). [daemon] changes need a restart."""
+        aliases changed (those apply at once), and apply [yield]. [daemon] changes need a
+        restart."""
         if self._reload_config is None:
             raise ControlError("running on the embedded default: there is no config to reload")
         async with self._config_lock:
@@ -622,8 +623,13 @@ class Supervisor:
         ]
         await self._stop_keepers(regrouped)
         self.config = Config(
-            daemon=self.config.daemon, models=new.models, source=new.source, groups=new.groups
+            daemon=self.config.daemon,
+            models=new.models,
+            source=new.source,
+            groups=new.groups,
+            yield_rules=new.yield_rules,
         )
+        await self._aside.apply(new.yield_rules)
         for name, group in new.groups.items():
             if name not in self._keepers:
                 self._start_keeper(group)

@@ -241,3 +241,28 @@ def test_status_says_what_the_daemon_watches_and_that_it_steps_aside_by_names_on
         f"watching {stand_ins / 'renderD128'} (inotify); "
         "names only: no reader measures other programs' memory here"
     )
+
+
+def test_a_reload_applies_a_changed_yield_table(daemon: Daemon, stand_ins: Path) -> None:
+    """Last in the file: it changes the module's daemon, and puts its config back after."""
+    ask(daemon)
+    before = daemon.config.read_text()
+    assert '"fakegame", "*fakerender*"' in before
+    daemon.config.write_text(before.replace('"fakegame", "*fakerender*"', '"quietapp"'))
+    program = start(stand_ins, "quietapp", opens_node=False)
+    try:
+        with daemon.client() as client:
+            client.call("reload")
+        wait_until(lambda: aside_for(daemon) is not None, 10, "the step aside")
+        aside = aside_for(daemon)
+        assert aside is not None
+        assert (aside["pid"], aside["reason"]) == (
+            program.pid,
+            "named in [yield] programs ('quietapp')",
+        )
+    finally:
+        stop(program)
+        daemon.config.write_text(before)
+        with daemon.client() as client:
+            client.call("reload")
+    wait_until(lambda: aside_for(daemon) is None, 10, "the return")

@@ -52,24 +52,49 @@ class StepAside:
         self._measured_by = measured_by  # the readers of other programs' memory; "": none
         self._hold = hold
         self._publish = publish
+        self._measure = measure
+        self._dev = dev
         self._procfs = procfs
-        self.lookout = Lookout(
-            self._on_look,
-            measure=measure,
-            scan_s=rules.scan_s,
-            by_name=bool(rules.programs),
-            dev=dev,
-            procfs=procfs,
-            nodes=rules.nodes or None,
-        )
+        self.lookout = self._new_lookout()
         self.aside: Aside | None = None
         self._passed: set[tuple[int, int]] = set()  # resumed past: not again until they exit
         self._exit_fd: int | None = None
         self._taking: asyncio.Task[None] | None = None
 
+    def _new_lookout(self) -> Lookout:
+        return Lookout(
+            self._on_look,
+            measure=self._measure,
+            scan_s=self.rules.scan_s,
+            by_name=bool(self.rules.programs),
+            dev=self._dev,
+            procfs=self._procfs,
+            nodes=self.rules.nodes or None,
+        )
+
     def start(self) -> None:
         if self.rules.enabled:
             self.lookout.start()
+
+    async def apply(self, rules: YieldRules) -> None:
+        """A reload's [yield]: the next look applies it; the lookout starts again when what it
+        watches or how often it looks changed. A step aside in force goes on: its program
+        still runs (`arbiterd resume` ends it)."""
+        if rules == self.rules:
+            return
+        old, self.rules = self.rules, rules
+        if (old.enabled, old.scan_s, bool(old.programs), old.nodes) != (
+            rules.enabled,
+            rules.scan_s,
+            bool(rules.programs),
+            rules.nodes,
+        ):
+            await self.lookout.close()
+            self.lookout = self._new_lookout()
+            self.start()
+        elif rules.enabled:
+            self.lookout.look(whole=True)
+        log.info("[yield] changed: %s", self.describe())
 
     async def close(self) -> None:
         await self.lookout.close()
