@@ -621,6 +621,14 @@ class Token:
         self.info = dataclasses.replace(self.info, command_pid=pid)
         self.arena._write_holder_file(self.info)
 
+    def rename(self, name: str) -> None:
+        """Name the holder anew in holder.json: the daemon's hold, handed from one program it
+        holds the GPU for to the next, keeps its token."""
+        if self._fd is None:
+            raise ArenaError("rename() on a released token")
+        self.info = dataclasses.replace(self.info, name=name)
+        self.arena._write_holder_file(self.info)
+
     def wanted(self) -> bool:
         """True when some other program waits for the token (holds want.lock shared) and is
         not stopped (issue 40 item 1: Arena._wanted_by_a_live_waiter says why)."""

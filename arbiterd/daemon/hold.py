@@ -23,6 +23,7 @@ class DaemonHold:
         self._release_models = release_models
         self._token: Token | None = None
         self._reasons: set[str] = set()  # who wants it held: "user", "aside"
+        self._named_by = ""  # the reason whose label holder.json shows
         self._taking: asyncio.Task[None] | None = None
         self._cancel = threading.Event()
 
@@ -41,6 +42,7 @@ class DaemonHold:
             return
         if self._taking is None or self._taking.done() or self._cancel.is_set():
             # None in flight, or one given up that ends by itself: a wait of our own.
+            self._named_by = reason
             self._cancel = threading.Event()
             self._taking = asyncio.get_running_loop().create_task(
                 self._take(label, self._cancel), name="hold"
@@ -70,6 +72,11 @@ class DaemonHold:
             token.release()
         else:
             self._token = token
+
+    def relabel(self, reason: str, label: str) -> None:
+        """Show `label` in holder.json, if `reason` took the token under its own label."""
+        if self._token is not None and self._named_by == reason:
+            self._token.rename(label)
 
     def give_back(self, reason: str) -> bool:
         """`reason` no longer wants it; the token goes once nobody does. True when it went."""

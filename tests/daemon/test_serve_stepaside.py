@@ -184,6 +184,33 @@ def test_yield_until_exit_and_resume_from_the_cli(daemon: Daemon, stand_ins: Pat
     assert (back["aside"], back["why"]) == (False, "resumed by the user")
 
 
+def test_yield_to_a_second_program_hands_the_gpu_on_and_names_it(
+    daemon: Daemon, stand_ins: Path
+) -> None:
+    ask(daemon)
+    first = start(stand_ins, "quietapp", opens_node=False)
+    second = start(stand_ins, "quietapp", opens_node=False)
+    try:
+        with daemon.client() as client:
+            client.call("yield", pid=first.pid)
+            client.call("yield", pid=second.pid)
+        assert status(daemon)["holder"]["name"] == (
+            f"quietapp (pid {second.pid}; arbiterd stepped aside)"
+        )
+        handed, taken = step_events(daemon)[-2:]
+        assert (handed["aside"], handed["pid"], handed["why"]) == (
+            False,
+            first.pid,
+            f"arbiterd yield asked for quietapp (pid {second.pid})",
+        )
+        assert (taken["aside"], taken["pid"]) == (True, second.pid)
+    finally:
+        stop(second)
+        stop(first)
+    wait_until(lambda: aside_for(daemon) is None, 10, "the return")
+    ask(daemon)
+
+
 def test_yield_for_a_process_that_is_not_running_is_refused(daemon: Daemon) -> None:
     gone = subprocess.Popen(["true"])
     gone.wait()

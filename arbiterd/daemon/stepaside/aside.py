@@ -136,7 +136,8 @@ class StepAside:
             raise ControlError(f"no process {pid} of yours is running")
         if self.aside is None or self.aside.key != program.key:
             self._passed.discard(program.key)
-            self._become(asked(program, time.time()), why="another program asked for")
+            why = f"arbiterd yield asked for {program.name} (pid {program.pid})"
+            self._become(asked(program, time.time()), why=why)
         await self._held()
         return {"stepped_aside": self.status_json()}
 
@@ -192,6 +193,8 @@ class StepAside:
                     used_bytes=new.used_bytes,
                 )
             )
+        if old is not None and new is not None and old.key == new.key:
+            return  # the same program, its memory measured again
         self._watch_exit(new)
         if new is None:
             if self._hold.give_back(HOLD_REASON):
@@ -200,6 +203,8 @@ class StepAside:
             self._taking = asyncio.get_running_loop().create_task(
                 self._take(new), name="step-aside"
             )
+        else:  # handed to another program: the token stays, holder.json names the new one
+            self._hold.relabel(HOLD_REASON, hold_label(new))
 
     async def _held(self) -> None:
         """Wait until the hold for the step aside in force is taken (or it ended)."""
@@ -210,6 +215,8 @@ class StepAside:
     async def _take(self, aside: Aside) -> None:
         try:
             await self._hold.take(HOLD_REASON, hold_label(aside))
+            if self.aside is not None and self.aside.key != aside.key:  # handed on meanwhile
+                self._hold.relabel(HOLD_REASON, hold_label(self.aside))
         except ArbiterError as exc:
             if self.aside is not None:  # not a wait given up because the step aside ended
                 log.warning("could not take the GPU for %s: %s", aside.name, exc)
