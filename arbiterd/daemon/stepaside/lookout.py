@@ -84,6 +84,7 @@ class Lookout:
         self._looking: asyncio.Task[None] | None = None
         self._again: bool | None = None  # a look asked for while one runs (True: whole)
         self._since_whole = 0.0  # seconds of timed looks since the last whole one
+        self._last: Scan | None = None  # the latest scan: a look by name reads only what is new
         self.rings = 0
 
     @property
@@ -235,6 +236,7 @@ class Lookout:
             whole = again
 
     def _look(self, whole: bool) -> tuple[Sighting, ...]:
-        found: Scan = scan(self.nodes, procfs=self._procfs, with_fds=whole)
+        found = scan(self.nodes, procfs=self._procfs, with_fds=whole, known=self._last)
+        self._last = found
         used = self._measure() if whole else {}
         return tuple(Sighting(p, used.get(p.pid)) for p in found.programs)

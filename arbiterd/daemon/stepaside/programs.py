@@ -9,6 +9,7 @@ thread (lookout.py).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ class Program:
 class Scan:
     programs: tuple[Program, ...]
     with_fds: bool  # False: names only, `nodes` not read
+    others: frozenset[int] = frozenset()  # pids seen that are not ours (or were gone at once)
 
 
 def scan(
@@ -68,11 +70,19 @@ def scan(
     procfs: Path = PROCFS,
     uid: int | None = None,
     with_fds: bool = True,
+    known: Scan | None = None,
 ) -> Scan:
-    """Every process of `uid` (default: ours) and, `with_fds`, the `nodes` each holds open."""
+    """Every process of `uid` (default: ours) and, `with_fds`, the `nodes` each holds open.
+
+    A names-only scan given the `known` scan before it reads only the processes that are new
+    since: the others keep the name and command line it read (a pid reused between the two is
+    taken for the process before it until a scan with fds reads everything again)."""
     uid = os.getuid() if uid is None else uid
     wanted = {os.path.realpath(node) for node in nodes}
-    programs = []
+    before = {} if known is None or with_fds else {p.pid: p for p in known.programs}
+    not_ours = frozenset() if known is None or with_fds else known.others
+    programs: list[Program] = []
+    others: set[int] = set()
     try:
         entries = os.listdir(procfs)
     except OSError:
@@ -80,10 +90,20 @@ def scan(
     for entry in entries:
         if not entry.isdigit():
             continue
-        program = _read(procfs / entry, int(entry), uid, wanted if with_fds else None)
+        pid = int(entry)
+        if pid in not_ours:
+            others.add(pid)
+            continue
+        program = before.get(pid)
         if program is not None:
+            programs.append(dataclasses.replace(program, nodes=frozenset()))
+            continue
+        program = _read(procfs / entry, pid, uid, wanted if with_fds else None)
+        if program is None:
+            others.add(pid)
+        else:
             programs.append(program)
-    return Scan(tuple(programs), with_fds)
+    return Scan(tuple(programs), with_fds, frozenset(others))
 
 
 def read_program(pid: int, *, procfs: Path = PROCFS, uid: int | None = None) -> Program | None:

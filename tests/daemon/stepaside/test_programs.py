@@ -6,6 +6,7 @@ the test ends."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -132,6 +133,31 @@ def test_a_names_only_scan_lists_the_process_without_its_nodes(start: Started, n
     program = found(result, proc.pid)
     assert (program.name, program.cmdline) == ("sleep", ("sleep", "30"))
     assert program.nodes == frozenset()
+
+
+def test_a_names_only_scan_after_another_reads_only_the_processes_new_since(
+    start: Started, node: Path
+) -> None:
+    """What the earlier scan read is kept (here a name no process has, to tell it apart); a
+    process started since is read; one of `others` is not read again; one gone is dropped."""
+    kept = holding(start, node)
+    earlier = scan([node])
+    marked = dataclasses.replace(found(earlier, kept.pid), name="as-read-before")
+    gone = Program(pid=2**22 + 1, start=1, name="gone", cmdline=(), parent=1)
+    known = Scan((marked, gone), with_fds=True, others=frozenset({os.getpid()}))
+    new = start("sleep", "30")
+    runs(new.pid, "sleep", "sleep", "30")
+
+    result = scan([node], with_fds=False, known=known)
+
+    assert found(result, kept.pid).name == "as-read-before"
+    assert found(result, kept.pid).nodes == frozenset()  # a names-only scan says no nodes
+    assert found(result, new.pid).cmdline == ("sleep", "30")
+    assert os.getpid() in result.others
+    assert all(p.pid != os.getpid() for p in result.programs)
+    assert all(p.pid != gone.pid for p in result.programs)
+    # A scan with fds reads everything again.
+    assert found(scan([node], known=known), kept.pid).name == "sleep"
 
 
 def test_a_process_that_does_not_hold_the_node_has_no_nodes(
