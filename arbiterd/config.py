@@ -343,7 +343,7 @@ YIELD_IGNORE = (
 )
 YIELD_MIN_BYTES = 512 << 20  # a game or a diffusion model holds GBs; a video player tens of MB
 YIELD_GRACE_S = 10.0
-YIELD_SCAN_S = 2.0
+YIELD_SCAN_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -356,7 +356,7 @@ class YieldRules:
     ignore: tuple[str, ...] = YIELD_IGNORE
     min_bytes: int = YIELD_MIN_BYTES  # 0 = never by memory
     grace_s: float = YIELD_GRACE_S  # under min_bytes this long: the models come back
-    scan_s: float = YIELD_SCAN_S  # how often programs are looked for by name
+    scan_s: float = YIELD_SCAN_S  # how often programs are looked for by name, with no node
     # The device nodes watched; () = every GPU node under /dev (stepaside/programs.py).
     nodes: tuple[Path, ...] = ()
 

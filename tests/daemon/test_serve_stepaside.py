@@ -127,10 +127,20 @@ def test_a_named_program_opening_the_node_makes_the_model_step_aside_until_it_ex
     assert (back_event["aside"], back_event["why"]) == (False, "it exited")
 
 
-def test_a_named_program_that_opens_no_node_is_caught_by_the_look_by_name(
-    daemon: Daemon, stand_ins: Path
+@pytest.fixture
+def nodeless(tiny_model: Path, stand_ins: Path) -> Iterator[Daemon]:
+    """A daemon on a machine without a node to watch (the one [yield] names is not there), as
+    one whose only Vulkan device is llvmpipe: it looks for named programs every scan_s."""
+    rules = {"programs": ["*fakerender*"], "nodes": [stand_ins / "absent"], "scan_s": 0.3}
+    with serving({"m": tiny(tiny_model, n_ctx=512)}, yield_keys=rules) as running:
+        yield running
+
+
+def test_a_named_program_is_caught_by_the_look_by_name_where_no_node_rings(
+    nodeless: Daemon, stand_ins: Path
 ) -> None:
     """As a Vulkan program on llvmpipe: it opens no device node, and `programs` names it."""
+    daemon = nodeless
     ask(daemon)
     program = start(stand_ins, "fakerender", opens_node=False)
     try:

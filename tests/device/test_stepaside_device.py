@@ -27,8 +27,13 @@ EVENT_TIMEOUT_S = 60
 
 
 @pytest.fixture(scope="module")
-def daemon(vulkan0: ggml.Device, tiny_model: Path) -> Iterator[Daemon]:
-    rules = {"programs": ["*vulkan_game*"], "scan_s": 0.5}
+def daemon(
+    vulkan0: ggml.Device, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Daemon]:
+    # No node to watch, as on a machine whose only Vulkan device is llvmpipe (also where a
+    # GPU's nodes are there: this test's program runs on llvmpipe all the same).
+    absent = tmp_path_factory.mktemp("nodes") / "renderD128"
+    rules = {"programs": ["*vulkan_game*"], "scan_s": 0.5, "nodes": [absent]}
     with serving({"m": tiny(tiny_model, n_ctx=512, **ON_DEVICE)}, yield_keys=rules) as running:
         yield running
 

@@ -7,8 +7,9 @@ Owns one inotify instance read through the loop's `add_reader`, as configwatch.p
 timers of the looks:
 - after a ring, a look once the burst of opens has settled (SETTLE_S), then again at
   FOLLOW_UPS_S: a program allocates its memory after it opens the node;
-- by name every `scan_s` while `[yield] programs` names any (a program can use the GPU without
-  opening a node we watch: llvmpipe opens none), reading each process's name, not its fds;
+- by name every `scan_s` while `[yield] programs` names any and no node is there to ring (a
+  machine whose GPU, as llvmpipe, opens no node), reading the names of the processes new
+  since the last look, not their fds;
 - a whole look every SAFETY_SCAN_S, for programs that opened a node before the daemon started
   or whose opens the watch missed.
 A node that goes (a driver reloaded, a GPU unplugged) or appears is seen through watches on
@@ -208,9 +209,11 @@ class Lookout:
         ]
 
     def _schedule_periodic(self) -> None:
-        """The next timed look: by name every scan_s when names are looked for or inotify is
-        missing, whole every SAFETY_SCAN_S."""
-        frequent = self._by_name or self._inotify is None
+        """The next timed look: every scan_s when names are looked for and no node would ring
+        for the program (none here to watch: a machine whose GPU opens no node, as llvmpipe),
+        or without inotify; else a whole one every SAFETY_SCAN_S."""
+        rings = any(node.exists() for node in self.nodes)
+        frequent = self._inotify is None or (self._by_name and not rings)
         delay = self._scan_s if frequent else SAFETY_SCAN_S
         self._periodic = asyncio.get_running_loop().call_later(delay, self._timed, delay)
 
@@ -225,7 +228,13 @@ class Lookout:
     async def _looks(self, whole: bool) -> None:
         while True:
             try:
-                sightings = await asyncio.to_thread(self._look, whole)
+                # A look by name reads only the processes new since the last look (programs.py):
+                # less than a millisecond, on the loop; a thread's hand-offs would cost more
+                # wake-ups than the look itself.
+                if whole:
+                    sightings = await asyncio.to_thread(self._look, whole)
+                else:
+                    sightings = self._look(whole)
             except (ArbiterError, OSError) as exc:
                 log.warning("looking for GPU programs failed: %s", exc)
             else:

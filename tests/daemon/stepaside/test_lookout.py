@@ -129,22 +129,26 @@ def test_a_node_made_again_is_watched_again(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
-def test_looks_by_name_come_every_scan_s_only_when_names_are_looked_for(tmp_path: Path) -> None:
+def test_looks_by_name_come_every_scan_s_only_where_names_matter_and_no_node_rings(
+    tmp_path: Path,
+) -> None:
     node = tmp_path / "renderD128"
     node.write_bytes(b"")
+    absent = tmp_path / "renderD129"  # a node the config names that is not there
 
-    async def count(by_name: bool) -> list[bool]:
+    async def count(by_name: bool, nodes: list[Path]) -> list[bool]:
         looks = Looks()
-        lookout = Lookout(looks, measure=dict, scan_s=0.1, by_name=by_name, nodes=[node])
+        lookout = Lookout(looks, measure=dict, scan_s=0.1, by_name=by_name, nodes=nodes)
         async with looking(lookout):
             await asyncio.sleep(0.75)
         return [whole for _, whole in looks.seen]
 
-    by_name = asyncio.run(count(True))
+    by_name = asyncio.run(count(True, [absent]))
     assert by_name[0] is True  # the first look is whole
     assert by_name[1:].count(False) >= 4
-    quiet = asyncio.run(count(False))
-    assert quiet == [True]  # nothing but the first look while nobody opens a node
+    # A node that rings for every program opening it: nothing but the first look meanwhile.
+    assert asyncio.run(count(True, [node])) == [True]
+    assert asyncio.run(count(False, [absent])) == [True]  # no names to look for
 
 
 def test_a_look_lists_this_users_processes_by_name_without_reading_their_fds(
