@@ -343,7 +343,7 @@ YIELD_IGNORE = (
 )
 YIELD_MIN_BYTES = 512 << 20  # a game or a diffusion model holds GBs; a video player tens of MB
 YIELD_GRACE_S = 10.0
-YIELD_SCAN_S = 5.0
+YIELD_SCAN_S = 10.0
 
 
 @dataclass(frozen=True)

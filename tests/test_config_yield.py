@@ -41,7 +41,7 @@ def test_without_a_yield_table_the_defaults_apply(tmp_path: Path, env: dict[str,
     assert absent.enabled
     assert absent.programs == ("blender", "*comfyui*", "*/steamapps/common/*")
     assert {"Xorg", "gnome-shell", "*firefox*", "steam"} <= set(absent.ignore)
-    assert (absent.min_bytes, absent.grace_s, absent.scan_s) == (512 << 20, 10.0, 5.0)
+    assert (absent.min_bytes, absent.grace_s, absent.scan_s) == (512 << 20, 10.0, 10.0)
     assert absent.nodes == ()  # every GPU node under /dev
 
 

@@ -24,6 +24,7 @@ import fnmatch
 import logging
 import os
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from inotify_simple import INotify, flags
@@ -86,6 +87,9 @@ class Lookout:
         self._again: bool | None = None  # a look asked for while one runs (True: whole)
         self._since_whole = 0.0  # seconds of timed looks since the last whole one
         self._last: Scan | None = None  # the latest scan: a look by name reads only what is new
+        # Whole looks run here, one thread of its own: the loop's default pool would wake a
+        # thread or two more for each.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lookout")
         self.rings = 0
 
     @property
@@ -121,6 +125,7 @@ class Lookout:
         if looking is not None:
             looking.cancel()
             await asyncio.gather(looking, return_exceptions=True)
+        self._thread.shutdown(wait=False)
 
     def look(self, *, whole: bool) -> None:
         """A look now (or once the one running ends); a whole one reads fds and memory."""
@@ -232,7 +237,8 @@ class Lookout:
                 # less than a millisecond, on the loop; a thread's hand-offs would cost more
                 # wake-ups than the look itself.
                 if whole:
-                    sightings = await asyncio.to_thread(self._look, whole)
+                    loop = asyncio.get_running_loop()
+                    sightings = await loop.run_in_executor(self._thread, self._look, whole)
                 else:
                     sightings = self._look(whole)
             except (ArbiterError, OSError) as exc:
