@@ -2,7 +2,8 @@
 the lookout's scan reads the recorded /proc tree (each process given the `stat` and `cmdline`
 a live one has), the DRM fdinfo reader measures what each holds on the device, and the policy
 steps aside for the game by its memory, never for the daemon's own worker nor for a program
-`ignore` names. NVIDIA's side is the NVML reader's (tests/daemon/telemetry/test_nvml.py)."""
+`ignore` names; and NVIDIA's process lists through the NVML reader on a pynvml stand-in with
+the real module's names (tests/daemon/telemetry/support.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import pytest
 from arbiterd.config import YieldRules
 from arbiterd.daemon.stepaside.lookout import Lookout
 from arbiterd.daemon.stepaside.policy import Aside, Sighting, next_aside
-from arbiterd.daemon.telemetry import DrmFdinfoReader
-from tests.daemon.telemetry.support import copied_tree
+from arbiterd.daemon.stepaside.programs import Program
+from arbiterd.daemon.telemetry import DrmFdinfoReader, NvmlReader
+from tests.daemon.telemetry.support import copied_tree, two_gpus
 
 MiB = 1 << 20
 # The recorded links' targets: no such nodes here, and a scan matches the links' text.
@@ -110,3 +112,22 @@ def test_intel_local_memory_over_min_bytes_is_stepped_aside_for(
     aside = stepped_for(sightings, MEMORY_ONLY, own=set())
     assert aside is not None
     assert (aside.pid, aside.used_bytes) == (pid, used)
+
+
+def test_nvidia_a_game_in_nvmls_graphics_list_over_min_bytes_is_stepped_aside_for() -> None:
+    """NVML's process lists (the reader on pynvml's names, tests/daemon/telemetry): the game's
+    2 GiB in the graphics list, the worker's 6 GiB counted once though listed twice; a process
+    NVML lists without a figure never counts as over min_bytes."""
+    reader = NvmlReader(two_gpus(), name_of=lambda pid: None)
+    assert reader.open() is None
+    used = {p.pid: p.used_bytes for p in reader.read().processes if p.pid is not None}
+    assert used == {4242: 6 << 30, 4343: None, 5151: 2 << 30}
+    programs = {
+        4242: Program(4242, 100, "python3", ("python3", "-m", "arbiterd.worker"), 1),
+        4343: Program(4343, 200, "cudaapp", ("cudaapp",), 1),
+        5151: Program(5151, 300, "Game.exe", ("Game.exe",), 1),
+    }
+    sightings = tuple(Sighting(programs[pid], used[pid]) for pid in programs)
+    aside = stepped_for(sightings, MEMORY_ONLY, own={4242})
+    assert aside is not None
+    assert (aside.pid, aside.used_bytes) == (5151, 2 << 30)
