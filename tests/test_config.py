@@ -869,7 +869,8 @@ ERRORS = [
     pytest.param(
         'http = "127.0.0.1:1"\n' + M,
         "http",
-        "unknown key; expected one of: daemon, models, groups (it belongs in the [daemon] table)",
+        "unknown key; expected one of: daemon, models, groups, yield "
+        "(it belongs in the [daemon] table)",
         id="daemon_key_at_top",
     ),
     pytest.param(

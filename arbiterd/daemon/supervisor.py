@@ -95,6 +95,10 @@ log = logging.getLogger(__name__)
 
 COMMAND_TIMEOUT_S = 300.0
 USER_HOLD = "user"  # the user's reason for the daemon's hold (game mode)
+# The residency states in which a worker holds the GPU's token.
+_HOLDS_TOKEN = frozenset(
+    {ResidencyState.LOADING, ResidencyState.WARMING, ResidencyState.WARM, ResidencyState.COOLING}
+)
 STATUS_TIMEOUT_S = 10.0
 # A model due for unloading but not idle (a request waits for the GPU in it) is looked at again
 # this soon; one that is not unloaded for another reason (its file gone, its worker not
@@ -209,6 +213,7 @@ class Supervisor:
             self._bus.publish,
             self._vram.process_bytes,
             measured_by=self._vram.other_programs_readers(),
+            arena=self._arena,
         )
         self._keepers: dict[str, Keeper] = {}  # by group: each holds the token for its members
         self._engine: EngineReport | None = None  # as the latest worker's hello says
@@ -681,11 +686,13 @@ class Supervisor:
         return {"hold": False}
 
     async def _release_models(self) -> None:
-        """Ask every model to release now (the daemon's hold is about to take the GPU); one
-        that cannot is logged, and the hold waits for its token all the same."""
+        """Ask every model that holds the GPU to release now (the daemon's hold waits for it);
+        one that cannot is logged, and the hold waits for its token all the same. Not one that
+        waits for the GPU: its engine answers once it got the GPU, which the hold, ahead of it
+        in the queue, keeps."""
 
         async def release(slot: Slot) -> None:
-            if slot.worker is None:
+            if slot.worker is None or slot.residency not in _HOLDS_TOKEN:
                 return
             try:
                 await slot.worker.request("release", timeout_s=COMMAND_TIMEOUT_S)

@@ -6,7 +6,9 @@ Vulkan program on llvmpipe, which opens no node), one nobody named, and one the 
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -21,6 +23,12 @@ import pytest
 from tests.support.daemon import Daemon, arbiterd_cli, serving, tiny
 from tests.support.waiting import wait_until
 
+# The stand-in programs' names, this run's own: a rule of another run's daemon on this machine
+# (the same user's processes) does not name them. 15 characters at most, as the kernel keeps.
+GAME = f"game{os.getpid()}"
+RENDER = f"render{os.getpid()}"
+QUIET = f"quiet{os.getpid()}"
+
 
 @pytest.fixture(scope="module")
 def stand_ins(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -30,7 +38,7 @@ def stand_ins(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (folder / "renderD128").write_bytes(b"")
     sleep = shutil.which("sleep")
     assert sleep is not None
-    for name in ("fakegame", "fakerender", "quietapp"):
+    for name in (GAME, RENDER, QUIET):
         shutil.copy(sleep, folder / name)
     return folder
 
@@ -38,7 +46,7 @@ def stand_ins(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def daemon(tiny_model: Path, stand_ins: Path) -> Iterator[Daemon]:
     rules = {
-        "programs": ["fakegame", "*fakerender*"],
+        "programs": [GAME, f"*{RENDER}*"],
         "nodes": [stand_ins / "renderD128"],
         "scan_s": 0.3,
     }
@@ -90,17 +98,17 @@ def test_a_named_program_opening_the_node_makes_the_model_step_aside_until_it_ex
 ) -> None:
     ask(daemon)
     assert status(daemon)["models"][0]["state"] == "warm"
-    game = start(stand_ins, "fakegame", opens_node=True)
+    game = start(stand_ins, GAME, opens_node=True)
     try:
         wait_until(lambda: aside_for(daemon) is not None, 10, "the step aside")
         aside = aside_for(daemon)
         assert aside is not None
-        assert (aside["program"], aside["pid"]) == ("fakegame", game.pid)
-        assert "named in [yield] programs ('fakegame')" in aside["reason"]
+        assert (aside["program"], aside["pid"]) == (GAME, game.pid)
+        assert f"named in [yield] programs ('{GAME}')" in aside["reason"]
         wait_until(lambda: status(daemon)["models"][0]["state"] == "cold", 10, "the release")
         holder = status(daemon)["holder"]
         assert holder["pid"] == daemon.process.pid
-        assert holder["name"] == f"fakegame (pid {game.pid}; arbiterd stepped aside)"
+        assert holder["name"] == f"{GAME} (pid {game.pid}; arbiterd stepped aside)"
         # A request meanwhile waits for the program, and is served once it is gone.
         served = threading.Event()
 
@@ -121,7 +129,7 @@ def test_a_named_program_opening_the_node_makes_the_model_step_aside_until_it_ex
     aside_event, back_event = step_events(daemon)[-2:]
     assert (aside_event["aside"], aside_event["program"], aside_event["pid"]) == (
         True,
-        "fakegame",
+        GAME,
         game.pid,
     )
     assert (back_event["aside"], back_event["why"]) == (False, "it exited")
@@ -131,7 +139,7 @@ def test_a_named_program_opening_the_node_makes_the_model_step_aside_until_it_ex
 def nodeless(tiny_model: Path, stand_ins: Path) -> Iterator[Daemon]:
     """A daemon on a machine without a node to watch (the one [yield] names is not there), as
     one whose only Vulkan device is llvmpipe: it looks for named programs every scan_s."""
-    rules = {"programs": ["*fakerender*"], "nodes": [stand_ins / "absent"], "scan_s": 0.3}
+    rules = {"programs": [f"*{RENDER}*"], "nodes": [stand_ins / "absent"], "scan_s": 0.3}
     with serving({"m": tiny(tiny_model, n_ctx=512)}, yield_keys=rules) as running:
         yield running
 
@@ -142,7 +150,7 @@ def test_a_named_program_is_caught_by_the_look_by_name_where_no_node_rings(
     """As a Vulkan program on llvmpipe: it opens no device node, and `programs` names it."""
     daemon = nodeless
     ask(daemon)
-    program = start(stand_ins, "fakerender", opens_node=False)
+    program = start(stand_ins, RENDER, opens_node=False)
     try:
         wait_until(lambda: aside_for(daemon) is not None, 10, "the step aside")
         aside = aside_for(daemon)
@@ -161,7 +169,7 @@ def test_a_program_nobody_named_opening_the_node_changes_nothing(
 ) -> None:
     """No reader measures its memory on this machine, and its name is in no rule."""
     ask(daemon)
-    program = start(stand_ins, "quietapp", opens_node=True)
+    program = start(stand_ins, QUIET, opens_node=True)
     try:
         time.sleep(1.5)  # the ring's look and its follow-ups up to 1 s
         assert aside_for(daemon) is None
@@ -170,17 +178,39 @@ def test_a_program_nobody_named_opening_the_node_changes_nothing(
         stop(program)
 
 
+def test_a_named_program_that_takes_part_through_arbiterd_run_is_not_stepped_aside_for(
+    daemon: Daemon, stand_ins: Path
+) -> None:
+    """It waited for the GPU and holds the token: the models already gave it up."""
+    ask(daemon)
+    script = f'exec 3<"{stand_ins / "renderD128"}"; exec "{stand_ins / GAME}" 60'
+    command = ["bash", "-c", script]
+    run = subprocess.Popen(
+        [sys.executable, "-m", "arbiterd", "run", "--arena", str(daemon.arena), "--", *command],
+        start_new_session=True,  # its command shares the token: both go, by their group
+    )
+    try:
+        wait_until(lambda: status(daemon)["holder"]["pid"] == run.pid, 10, "the run's hold")
+        time.sleep(1.5)  # the ring's look and its follow-ups up to 1 s
+        assert aside_for(daemon) is None
+        assert status(daemon)["waiters"] == []
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)
+        run.wait()
+    ask(daemon)
+
+
 def test_yield_until_exit_and_resume_from_the_cli(daemon: Daemon, stand_ins: Path) -> None:
     ask(daemon)
-    program = start(stand_ins, "quietapp", opens_node=False)
+    program = start(stand_ins, QUIET, opens_node=False)
     try:
         said = arbiterd_cli(
             "yield", "--until-exit", str(program.pid), "--socket", str(daemon.socket)
         )
-        assert said.startswith(f"stepped aside for quietapp (pid {program.pid}): asked for")
+        assert said.startswith(f"stepped aside for {QUIET} (pid {program.pid}): asked for")
         assert status(daemon)["models"][0]["state"] == "cold"
         text = arbiterd_cli("status", "--socket", str(daemon.socket))
-        assert f"stepped aside for quietapp (pid {program.pid})" in text
+        assert f"stepped aside for {QUIET} (pid {program.pid})" in text
         said = arbiterd_cli("resume", "--socket", str(daemon.socket))
         assert said.strip() == "no longer stepped aside: the models may take the GPU again"
         ask(daemon)
@@ -198,20 +228,20 @@ def test_yield_to_a_second_program_hands_the_gpu_on_and_names_it(
     daemon: Daemon, stand_ins: Path
 ) -> None:
     ask(daemon)
-    first = start(stand_ins, "quietapp", opens_node=False)
-    second = start(stand_ins, "quietapp", opens_node=False)
+    first = start(stand_ins, QUIET, opens_node=False)
+    second = start(stand_ins, QUIET, opens_node=False)
     try:
         with daemon.client() as client:
             client.call("yield", pid=first.pid)
             client.call("yield", pid=second.pid)
         assert status(daemon)["holder"]["name"] == (
-            f"quietapp (pid {second.pid}; arbiterd stepped aside)"
+            f"{QUIET} (pid {second.pid}; arbiterd stepped aside)"
         )
         handed, taken = step_events(daemon)[-2:]
         assert (handed["aside"], handed["pid"], handed["why"]) == (
             False,
             first.pid,
-            f"arbiterd yield asked for quietapp (pid {second.pid})",
+            f"arbiterd yield asked for {QUIET} (pid {second.pid})",
         )
         assert (taken["aside"], taken["pid"]) == (True, second.pid)
     finally:
@@ -249,8 +279,8 @@ def test_a_request_meanwhile_is_told_for_whom_the_daemon_stepped_aside_or_gets_a
 ) -> None:
     """The waiting notices of issue 30 and max_queue_s name the program, not the daemon."""
     ask(daemon)
-    game = start(stand_ins, "fakegame", opens_node=True)
-    holder = f"fakegame (pid {game.pid}; arbiterd stepped aside)"
+    game = start(stand_ins, GAME, opens_node=True)
+    holder = f"{GAME} (pid {game.pid}; arbiterd stepped aside)"
     try:
         wait_until(lambda: status(daemon)["holder"]["name"] == holder, 10, "the step aside")
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -284,9 +314,10 @@ def test_a_reload_applies_a_changed_yield_table(daemon: Daemon, stand_ins: Path)
     """Last in the file: it changes the module's daemon, and puts its config back after."""
     ask(daemon)
     before = daemon.config.read_text()
-    assert '"fakegame", "*fakerender*"' in before
-    daemon.config.write_text(before.replace('"fakegame", "*fakerender*"', '"quietapp"'))
-    program = start(stand_ins, "quietapp", opens_node=False)
+    named = f'"{GAME}", "*{RENDER}*"'
+    assert named in before
+    daemon.config.write_text(before.replace(named, f'"{QUIET}"'))
+    program = start(stand_ins, QUIET, opens_node=False)
     try:
         with daemon.client() as client:
             client.call("reload")
@@ -295,7 +326,7 @@ def test_a_reload_applies_a_changed_yield_table(daemon: Daemon, stand_ins: Path)
         assert aside is not None
         assert (aside["pid"], aside["reason"]) == (
             program.pid,
-            "named in [yield] programs ('quietapp')",
+            f"named in [yield] programs ('{QUIET}')",
         )
     finally:
         stop(program)

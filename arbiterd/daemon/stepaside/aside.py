@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from arbiterd.arena import Arena
 from arbiterd.config import YieldRules
 from arbiterd.daemon.hold import DaemonHold
 from arbiterd.daemon.stepaside.lookout import Lookout, Measure
@@ -45,6 +46,7 @@ class StepAside:
         measure: Measure,
         *,
         measured_by: str = "",
+        arena: Arena | None = None,
         dev: Path = DEV,
         procfs: Path = PROCFS,
     ) -> None:
@@ -53,6 +55,7 @@ class StepAside:
         self._hold = hold
         self._publish = publish
         self._measure = measure
+        self._arena = arena  # gpu0's: a program that holds its token takes part
         self._dev = dev
         self._procfs = procfs
         self.lookout = self._new_lookout()
@@ -158,7 +161,7 @@ class StepAside:
 
     def _on_look(self, sightings: tuple[Sighting, ...], whole: bool) -> None:
         programs = [s.program for s in sightings]
-        own = descendants(programs, os.getpid())
+        own = descendants(programs, os.getpid()) | self._taking_part(programs)
         self._passed &= {p.key for p in programs}  # a program that exited is forgotten
         current = self.aside
         if not whole and current is not None and current.by_memory:
@@ -171,6 +174,25 @@ class StepAside:
             gone = current is not None and current.key not in {p.key for p in programs}
             why = "it exited" if gone else f"it stayed under min_bytes for {self.rules.grace_s:g} s"
             self._become(new, why=why)
+
+    def _taking_part(self, programs: list[Program]) -> set[int]:
+        """The processes that hold the GPU's token by the protocol (a bare-protocol program, the
+        command of `arbiterd run -- blender`) and those below them: they took their turn, and
+        the daemon does not step aside for them too."""
+        if self._arena is None:
+            return set()
+        try:
+            state = self._arena.observe()
+        except (ArbiterError, OSError):
+            return set()  # the next look may read it
+        roots = {state.holder_pid} - {None, os.getpid()}
+        if state.holder is not None and state.holder.command_pid is not None:
+            roots.add(state.holder.command_pid)
+        found: set[int] = set()
+        for root in roots:
+            assert root is not None
+            found |= descendants(programs, root)
+        return found
 
     def _become(self, new: Aside | None, *, why: str) -> None:
         old, self.aside = self.aside, new
@@ -241,7 +263,8 @@ class StepAside:
 
     def _exited(self, key: tuple[int, int]) -> None:
         if self.aside is not None and self.aside.key == key:
-            self._passed.discard(key)
+            # Passed over until a look no longer lists it: it is gone, whatever /proc says.
+            self._passed.add(key)
             self._become(None, why="it exited")
             self.lookout.look(whole=True)  # another program may be waiting to be stepped for
 

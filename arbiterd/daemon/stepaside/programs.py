@@ -124,6 +124,8 @@ def _read(root: Path, pid: int, uid: int, wanted: set[str] | None) -> Program | 
     fields = stat[close_paren + 2 :].split()
     if open_paren < 0 or close_paren < 0 or len(fields) < 20:
         return None
+    if fields[0] in ("Z", "X"):
+        return None  # exited: a zombie its parent has not reaped holds nothing
     comm = stat[open_paren + 1 : close_paren]
     args = tuple(a.decode(errors="replace") for a in cmdline.split(b"\0")[:-1])
     nodes = frozenset() if wanted is None else _open_nodes(root / "fd", wanted)

@@ -388,3 +388,18 @@ def test_a_machine_without_gpu_nodes_has_none(tmp_path: Path) -> None:
     (tmp_path / "null").write_bytes(b"")
     assert device_nodes(tmp_path) == ()
     assert device_nodes(tmp_path / "absent") == ()
+
+
+def test_a_zombie_is_not_listed(start: Started) -> None:
+    """A process that exited and is not reaped yet (its parent killed, and a PID 1 that reaps
+    nothing, as in some containers) still has a /proc entry: it is no program to step aside for,
+    nor one whose exit would be seen again and again."""
+    exited = start("true")
+
+    def zombie() -> bool:
+        stat = Path(f"/proc/{exited.pid}/stat").read_text()
+        return stat[stat.rfind(")") + 2] == "Z"
+
+    wait_until(zombie, TIMEOUT_S, "the child to exit unreaped")
+    assert all(p.pid != exited.pid for p in scan([]).programs)
+    assert read_program(exited.pid) is None
