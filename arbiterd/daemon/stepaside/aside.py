@@ -159,7 +159,9 @@ class StepAside:
 
     # -- what the lookout saw -------------------------------------------------------------------
 
-    def _on_look(self, sightings: tuple[Sighting, ...], whole: bool) -> None:
+    def _on_look(self, sightings: tuple[Sighting, ...], whole: bool, began: float) -> None:
+        if self.aside is not None and self.aside.since > began:
+            return  # began before the step aside in force (a yield's): it may not list its program
         programs = [s.program for s in sightings]
         own = descendants(programs, os.getpid()) | self._taking_part(programs)
         self._passed &= {p.key for p in programs}  # a program that exited is forgotten

@@ -23,6 +23,7 @@ import asyncio
 import fnmatch
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -61,7 +62,7 @@ class Lookout:
 
     def __init__(
         self,
-        on_look: Callable[[tuple[Sighting, ...], bool], None],
+        on_look: Callable[[tuple[Sighting, ...], bool, float], None],
         *,
         measure: Measure,
         scan_s: float,
@@ -70,7 +71,8 @@ class Lookout:
         procfs: Path = PROCFS,
         nodes: Iterable[Path] | None = None,
     ) -> None:
-        self._on_look = on_look  # (sightings, whole): whole looks read fds and memory
+        # (sightings, whole, when the look began, time.time()): whole looks read fds and memory
+        self._on_look = on_look
         self._measure = measure
         self._scan_s = scan_s
         self._by_name = by_name
@@ -232,6 +234,7 @@ class Lookout:
 
     async def _looks(self, whole: bool) -> None:
         while True:
+            began = time.time()
             try:
                 # A look by name reads only the processes new since the last look (programs.py):
                 # less than a millisecond, on the loop; a thread's hand-offs would cost more
@@ -244,7 +247,7 @@ class Lookout:
             except (ArbiterError, OSError) as exc:
                 log.warning("looking for GPU programs failed: %s", exc)
             else:
-                self._on_look(sightings, whole)
+                self._on_look(sightings, whole, began)
             again, self._again = self._again, None
             if again is None:
                 return

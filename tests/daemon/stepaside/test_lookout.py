@@ -22,7 +22,7 @@ class Looks:
     def __init__(self) -> None:
         self.seen: list[tuple[tuple[Sighting, ...], bool]] = []
 
-    def __call__(self, sightings: tuple[Sighting, ...], whole: bool) -> None:
+    def __call__(self, sightings: tuple[Sighting, ...], whole: bool, began: float) -> None:
         self.seen.append((sightings, whole))
 
     def holding(self, pid: int) -> Sighting | None:

@@ -59,7 +59,7 @@ def look(machine: str, tmp_path: Path) -> tuple[Sighting, ...]:
 
     async def scenario() -> None:
         lookout = Lookout(
-            lambda sightings, whole: seen.append(sightings),
+            lambda sightings, whole, began: seen.append(sightings),
             measure=measure,
             scan_s=60,
             by_name=False,
