@@ -123,14 +123,15 @@ class Daemon:
             f'api_key = "{api_key}"',
             *(f"{key} = {_toml_value(value)}" for key, value in daemon_keys.items()),
         ]
+        # Before the models: a test may add keys to the last model's table at the file's end.
+        rules = {"enabled": False} if yield_keys is None else yield_keys
+        if rules:  # {}: no table, the daemon's defaults
+            lines += ["", "[yield]", *(f"{key} = {_toml_value(v)}" for key, v in rules.items())]
         for name, keys in models.items():
             lines += ["", f"[models.{toml_key(name)}]"]
             lines += [f"{key} = {_toml_value(value)}" for key, value in keys.items()]
         for name, members in groups.items():
             lines += ["", f"[groups.{name}]", f"models = {_toml_value(members)}"]
-        keys = {"enabled": False} if yield_keys is None else yield_keys
-        if keys:  # {}: no table, the daemon's defaults
-            lines += ["", "[yield]", *(f"{key} = {_toml_value(v)}" for key, v in keys.items())]
         return "\n".join(lines) + "\n"
 
     def client(self) -> ControlClient:
