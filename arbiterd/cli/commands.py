@@ -29,6 +29,7 @@ from arbiterd.config import (
     DEFAULT_HTTP,
     SOCKET_FILE,
     Config,
+    default_config_path,
     load_config,
     load_daemon_config,
 )
@@ -212,8 +213,12 @@ def run_daemon(args: argparse.Namespace) -> int:
 
     config = load()
     if config.source is None:
-        logging.getLogger("arbiterd").info("no config file: serving the embedded default model")
-    asyncio.run(serve(config, load if config.source is not None else None))
+        logging.getLogger("arbiterd").info(
+            "no config file at %s: serving the embedded default models (write one there, "
+            "then `arbiterd reload`)",
+            default_config_path(),
+        )
+    asyncio.run(serve(config, load))
     return 0
 
 

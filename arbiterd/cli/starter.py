@@ -13,6 +13,9 @@ from arbiterd.config import (
     HEADER_TIMEOUT_S,
     HOLDER_TIMEOUT_S,
     STARTER_N_CTX,
+    YIELD_GRACE_S,
+    YIELD_MIN_BYTES,
+    YIELD_PROGRAMS,
     Load,
 )
 from arbiterd.spec import MAX_TURN_S, MAX_WAIT_S, MIN_TURN_S, SWITCH_OVERHEAD
@@ -55,6 +58,16 @@ def starter_config_text(models: list[FoundModel]) -> str:
         + ", ".join(f"{p.value} = {MAX_WAIT_S[p.rank]:g}" for p in Priority)
         + " }",
         "#                           # a waiter of the class that waited this long ends a turn",
+        "",
+        "# [yield]   stepping aside for GPU programs that do not take part (a game, ComfyUI):",
+        "#           the models release and the daemon holds the GPU for the program until it",
+        "#           exits (docs/stepping-aside.md). Every key optional:",
+        "# enabled = true",
+        "# programs = [" + ", ".join(toml_string(p) for p in YIELD_PROGRAMS) + "]",
+        "#                           # by name, or anywhere in the command line (globs)",
+        f'# min_bytes = "{YIELD_MIN_BYTES >> 20}MiB"    # or by the device memory a program holds',
+        "# ignore = [...]            # never by memory: the desktop, browsers, Steam's client",
+        f"# grace_s = {YIELD_GRACE_S:g}              # back once under min_bytes this long",
         "",
         "# One [models.NAME] table per model; NAME (1-64 of A-Z a-z 0-9 . _ -, and an optional",
         "# :TAG as Ollama names models) is the `model` requests ask for; quote it when it",

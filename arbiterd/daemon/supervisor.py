@@ -32,7 +32,7 @@ from typing import Any
 from arbiterd.arena import Arena
 from arbiterd.arena.devices import canonical_order
 from arbiterd.arena.groups import Keeper
-from arbiterd.config import Config, GroupConfig, Load, ModelConfig
+from arbiterd.config import Config, GroupConfig, Load, ModelConfig, default_config_path
 from arbiterd.control import MODEL_COMMANDS
 from arbiterd.daemon.budgets import ColdModel, CopyUse, ram_plan
 from arbiterd.daemon.eventbus import EventBus
@@ -569,7 +569,7 @@ class Supervisor:
         aliases changed (those apply at once), and apply [yield]. [daemon] changes need a
         restart."""
         if self._reload_config is None:
-            raise ControlError("running on the embedded default: there is no config to reload")
+            raise ControlError("this daemon was given no way to read its config again")
         async with self._config_lock:
             result = await self._reload_from(self._reload_config)
         self._unload_wake.set()  # unload_after_s may have changed, slots come and gone
@@ -578,6 +578,12 @@ class Supervisor:
     async def _reload_from(self, read: Callable[[], Config]) -> dict[str, Any]:
         """The reload, under the config lock, of the config `read` returns."""
         new = await asyncio.to_thread(read)
+        if new.source is None:  # the embedded default, and still no file where it looks
+            raise ControlError(
+                f"running on the embedded default: there is no config file at "
+                f"{default_config_path()}; write one there (`arbiterd install` writes a starter "
+                f"with the GGUFs it finds), then `arbiterd reload`"
+            )
         # The whole new config is checked before anything changes: a bad file applies nothing.
         warnings = await asyncio.to_thread(
             check_models, new, copy_held=self._lifecycle.host_copies.holds

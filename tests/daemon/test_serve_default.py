@@ -20,8 +20,9 @@ from tests.support.waiting import wait_until
 
 
 @pytest.fixture
-def default_daemon() -> Iterator[tuple[str, Path]]:
-    """`arbiterd daemon` with no config file at the default path; its URL and socket."""
+def default_daemon() -> Iterator[tuple[str, Path, Path]]:
+    """`arbiterd daemon` with no config file at the default path; its URL, its socket and
+    the default config path."""
     with tempfile.TemporaryDirectory(prefix="arbd-") as folder:
         base = Path(folder)
         runtime = base / "run"
@@ -45,7 +46,8 @@ def default_daemon() -> Iterator[tuple[str, Path]]:
         socket = runtime / "arbiterd" / "control.sock"
         try:
             wait_until(lambda: _ready(socket, daemon, log), 120, "both default models loaded")
-            yield f"http://127.0.0.1:{port}/v1", socket
+            config = base / "config" / "arbiterd" / "config.toml"
+            yield f"http://127.0.0.1:{port}/v1", socket, config
         finally:
             daemon.terminate()
             try:
@@ -66,9 +68,9 @@ def _ready(socket: Path, daemon: subprocess.Popen[bytes], log: Path) -> bool:
 
 
 def test_a_chat_with_no_config_is_answered_by_the_instruct_model(
-    default_daemon: tuple[str, Path],
+    default_daemon: tuple[str, Path, Path],
 ) -> None:
-    url, _ = default_daemon
+    url, _, _ = default_daemon
     client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
     listed = [m.id for m in client.models.list().data]
     assert listed == [EMBEDDED_CHAT_MODEL_NAME, EMBEDDED_MODEL_NAME]
@@ -84,3 +86,33 @@ def test_a_chat_with_no_config_is_answered_by_the_instruct_model(
         model=EMBEDDED_MODEL_NAME, prompt="Once upon a time", max_tokens=4, temperature=0
     )
     assert completion.choices[0].text
+
+
+def test_reload_on_the_embedded_default_takes_the_config_written_since(
+    default_daemon: tuple[str, Path, Path], tiny_model: Path
+) -> None:
+    """A new user's first config: written where the daemon looks, taken by `arbiterd reload`
+    without a restart; before it exists, reload says where to write it."""
+    url, socket, config = default_daemon
+    before = arbiterd("reload", "--socket", str(socket))
+    assert before.returncode != 0
+    assert f"there is no config file at {config}; write one there" in before.stderr
+    config.parent.mkdir(parents=True)
+    config.write_text(f'[models.mine]\npath = "{tiny_model}"\nn_ctx = 512\nn_gpu_layers = 0\n')
+    after = arbiterd("reload", "--socket", str(socket))
+    assert after.returncode == 0, after.stderr
+    assert after.stdout.startswith("reloaded (added: mine; removed: ")
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list().data] == ["mine"]
+    done = client.completions.create(model="mine", prompt="the fox", max_tokens=2)
+    assert done.model == "mine"
+
+
+def arbiterd(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "arbiterd", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
