@@ -25,6 +25,7 @@ from arbiterd.cli.demo import main as run_demo
 from arbiterd.cli.discovery import FoundModel, find_models
 from arbiterd.cli.install import Installer, copy_of_this_clone
 from arbiterd.cli.runner import run_holding_token
+from arbiterd.cli.starter import model_tables
 from arbiterd.errors import ArbiterError, BadValueError, MissingPartError, UsageError
 from arbiterd.paths import DEFAULT_DEVICE, DEVICE_ID_SHAPES, device_arena_of, resolve_arena
 from arbiterd.procs import holder_name, process_name, waiter_name
@@ -103,8 +104,15 @@ def _parser() -> argparse.ArgumentParser:
         "list the GGUF models found where Ollama, LM Studio and others keep them",
         "arbiterd models",
         "arbiterd models --json",
+        "arbiterd models --toml >> ~/.config/arbiterd/config.toml",
     )
-    models.add_argument("--json", action="store_true", help='print {"models": [...]}')
+    shown = models.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true", help='print {"models": [...]}')
+    shown.add_argument(
+        "--toml",
+        action="store_true",
+        help="print a [models.NAME] table for each, ready to paste into the config",
+    )
     models.set_defaults(handler=_models)
     install = command(
         "install",
@@ -260,6 +268,11 @@ def _models(args: argparse.Namespace) -> int:
         print(f"arbiterd models: warning: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps({"models": [model.to_json() for model in found.models]}))
+        return 0
+    if args.toml:
+        tables = model_tables(found.models)
+        if tables:  # nothing found: nothing printed, and a config it is appended to stays valid
+            print("\n".join(tables).lstrip("\n"))
         return 0
     if not found.models:
         looked = "\n".join(f"  {place.folder} ({place.source})" for place in found.places)

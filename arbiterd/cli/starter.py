@@ -96,7 +96,16 @@ def starter_config_text(models: list[FoundModel]) -> str:
         '#   host_copy = "memfd"       "page-cache": no copy of the file in RAM (restores may',
         "#                             read the disk; the file must stay there)",
     ]
-    written = 0
+    tables = model_tables(models)
+    lines += tables or ["", "# [models.my-model]", '# path = "~/models/my-model.gguf"']
+    return "\n".join(lines) + "\n"
+
+
+def model_tables(models: list[FoundModel]) -> list[str]:
+    """Each of `models` as a [models.NAME] table ready to serve, after a comment saying where
+    it was found (the lines of the starter config's models, and of `arbiterd models --toml`);
+    no lines when none can be written."""
+    lines: list[str] = []
     skipped = 0
     for found in models:
         try:
@@ -112,14 +121,11 @@ def starter_config_text(models: list[FoundModel]) -> str:
         lines.append(f"n_ctx = {starter_n_ctx(found)}")
         if mmproj is not None:
             lines.append(f"mmproj = {mmproj}")
-        # Every GGUF install finds is served, and none takes memory before it is asked for.
+        # Every GGUF found is served, and none takes memory before it is asked for.
         lines.append(f'load = "{Load.DEMAND.value}"')
-        written += 1
     if skipped:
         lines += ["", f"# ({skipped} GGUF file(s) left out: their names are not UTF-8)"]
-    if not written:
-        lines += ["", "# [models.my-model]", '# path = "~/models/my-model.gguf"']
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def starter_n_ctx(found: FoundModel) -> int:

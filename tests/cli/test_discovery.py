@@ -17,6 +17,7 @@ from arbiterd.cli.discovery import FoundModel, config_name, find_models, ollama_
 from arbiterd.cli.starter import starter_config_text
 from arbiterd.config import load_config
 from arbiterd.render import format_bytes
+from tests.support.daemon import Daemon, openai_client
 from tests.support.ollama_store import add_model, model_blob
 from tests.support.tiny_gguf import DEFAULT_SPEC, TinyModelSpec, write_tiny_llama
 
@@ -383,3 +384,30 @@ def test_models_with_nothing_found_says_where_it_looked(home: Path) -> None:
     assert f"  {home / '.cache/huggingface/hub'} (huggingface)\n" in done.stdout
     assert f"  {home / '.lmstudio/models'} (lm-studio)\n" in done.stdout
     assert f"  {home / 'models'} (models)\n" in done.stdout
+
+
+def test_models_toml_pasted_into_a_config_serves_each_model(
+    home: Path, tiny_model: Path, plain_model: Path
+) -> None:
+    """From "I have these GGUFs" to a config: `arbiterd models --toml`'s tables, pasted under
+    a [daemon] table, are a config the daemon serves every model of, each by its name."""
+    add_model(home / ".ollama/models", "llama3.2:3b", tiny_model)
+    copy(plain_model, home / "models/plain.gguf")
+    done = arbiterd_models(home, "--toml")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("[models.") == 2
+    daemon = Daemon({}, pasted=done.stdout)
+    try:
+        status = daemon.wait_ready(states=("unloaded",))  # load = "demand": none started yet
+        assert [m["name"] for m in status["models"]] == ["llama3.2:3b", "arbiterd-tiny-llama"]
+        api = openai_client(daemon, timeout_s=120)
+        for name in ("llama3.2:3b", "arbiterd-tiny-llama"):
+            answer = api.completions.create(model=name, prompt="the fox", max_tokens=2)
+            assert answer.model == name
+    finally:
+        daemon.cleanup()
+
+
+def test_models_toml_with_nothing_found_prints_nothing(home: Path) -> None:
+    done = arbiterd_models(home, "--toml")
+    assert (done.returncode, done.stdout) == (0, "")

@@ -74,11 +74,12 @@ class Daemon:
         open_files: tuple[int, int] | None = None,
         journal: Path | None = None,
         yield_keys: dict[str, Any] | None = None,
+        pasted: str = "",
     ) -> None:
         """`daemon_keys` are more [daemon] keys; `groups` each [groups.NAME]'s models;
         `yield_keys` the [yield] table's (issue 45: by default the daemon steps aside for
         nothing in a test, whatever runs on the machine; {} writes no table, the daemon's
-        defaults apply);
+        defaults apply); `pasted` is TOML put at the file's end as a user pastes it;
         `open_files` the daemon's RLIMIT_NOFILE at start, (soft, hard); `journal` where the
         journal is (its folder holds the prompt caches too), when not in the daemon's folder."""
         limit = None
@@ -94,7 +95,7 @@ class Daemon:
         self.log = self.dir / "daemon.log"
         self.config = self.dir / "config.toml"
         self.config.write_text(
-            self._toml(models, api_key, daemon_keys or {}, groups or {}, yield_keys)
+            self._toml(models, api_key, daemon_keys or {}, groups or {}, yield_keys) + pasted
         )
         with self.log.open("w") as log:  # the child keeps its own copy of the fd
             self.process = subprocess.Popen(
