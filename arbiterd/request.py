@@ -103,6 +103,9 @@ class GenerateRequest:
 
     kind: RequestKind
     prompt: str = ""  # COMPLETION's
+    # COMPLETION's text after the point to fill in (fill-in-the-middle: the model writes what
+    # goes between `prompt` and it); "": none, the prompt is completed.
+    suffix: str = ""
     messages: tuple[dict[str, Any], ...] = ()  # CHAT's, with roles as chat templates name them
     # CHAT's text for a model without a chat template, completed as it is (issue 40: Ollama's
     # /api/generate, whose prompt such a model takes as is); "": such a model refuses the chat.
@@ -148,7 +151,7 @@ class GenerateRequest:
     def _text_json(self) -> dict[str, Any]:
         """What the model reads: the prompt, the conversation or the texts to embed."""
         if self.kind is RequestKind.COMPLETION:
-            return {"prompt": self.prompt}
+            return {"prompt": self.prompt, **({"suffix": self.suffix} if self.suffix else {})}
         if self.kind is RequestKind.CHAT:
             plain = {"plain_prompt": self.plain_prompt} if self.plain_prompt else {}
             return {"messages": list(self.messages), **plain}
@@ -182,6 +185,7 @@ class GenerateRequest:
         return cls(
             kind=kind,
             prompt=_prompt(wire) if kind is RequestKind.COMPLETION else "",
+            suffix=_suffix(wire) if kind is RequestKind.COMPLETION else "",
             messages=_messages(wire) if kind is RequestKind.CHAT else (),
             plain_prompt=_plain_prompt(wire) if kind is RequestKind.CHAT else "",
             inputs=_inputs(wire) if kind is RequestKind.EMBEDDING else (),
@@ -212,6 +216,13 @@ def _prompt(wire: dict[str, Any]) -> str:
     if not isinstance(prompt, str):
         raise RequestError("'prompt' must be a string")
     return prompt
+
+
+def _suffix(wire: dict[str, Any]) -> str:
+    suffix = wire.get("suffix", "")
+    if not isinstance(suffix, str):
+        raise RequestError("'suffix' must be a string")
+    return suffix
 
 
 def _plain_prompt(wire: dict[str, Any]) -> str:

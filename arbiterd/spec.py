@@ -141,6 +141,7 @@ class Capability(enum.StrEnum):
     TOOLS = "tools"  # chat requests may offer tools (unless tools = "refuse")
     VISION = "vision"  # its config names a projector (mmproj)
     EMBEDDING = "embedding"  # an embedding model, which serves nothing else
+    FIM = "fim"  # its GGUF names fill-in-the-middle tokens: a completion may have a suffix
 
 
 @dataclass(frozen=True)
@@ -153,12 +154,15 @@ class ModelInfo:
     chat_template: str
 
 
-def capabilities(spec: ModelSpec, *, has_chat_template: bool) -> tuple[Capability, ...]:
+def capabilities(
+    spec: ModelSpec, *, has_chat_template: bool, has_fim: bool = False
+) -> tuple[Capability, ...]:
     """What the model `spec` describes can do, `has_chat_template` saying whether its GGUF has
     a chat template: an embedding model only embeds; any other completes, chats when it has a
     template (the GGUF's, a chat_format or the config's), takes tools with chat unless its
     config refuses them (a template without a place for them gets them in the system turn,
-    arbiterd/chattemplate.py), and images when a projector is named."""
+    arbiterd/chattemplate.py), and images when a projector is named; it fills in the middle when
+    its GGUF names the tokens for it (`has_fim`)."""
     if spec.embedding:
         return (Capability.EMBEDDING,)
     chat = has_chat_template or spec.chat_format is not None or spec.chat_template is not None
@@ -169,6 +173,8 @@ def capabilities(spec: ModelSpec, *, has_chat_template: bool) -> tuple[Capabilit
             found.append(Capability.TOOLS)
         if spec.mmproj is not None:
             found.append(Capability.VISION)
+    if has_fim:
+        found.append(Capability.FIM)
     return tuple(found)
 
 

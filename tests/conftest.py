@@ -90,6 +90,13 @@ def tiny_mmproj(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_fim_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama as a code model: its GGUF names fill-in-the-middle tokens."""
+    spec = TinyModelSpec(fim=True)
+    return write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-fim.gguf", spec)
+
+
+@pytest.fixture(scope="session")
 def tiny_embedding_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny llama as an embedding model: its GGUF says to mean-pool its vectors."""
     spec = TinyModelSpec(pooling=gguf.PoolingType.MEAN)

@@ -215,7 +215,6 @@ IGNORED_COMPLETION = {
     **IGNORED_ANY,
     "echo": _Ignored(lambda v: v is False, "false"),
     "best_of": _Ignored(lambda v: v == 1 and not isinstance(v, bool), "1"),
-    "suffix": _Ignored(lambda v: v == "", "an empty string"),
 }
 # Fields that would change what the answer means if they were dropped: refused by name.
 REFUSED = {
@@ -239,7 +238,7 @@ CHAT_KEYS = COMMON_KEYS | {
     *IGNORED_CHAT,
     *REFUSED,
 }
-COMPLETION_KEYS = COMMON_KEYS | {"prompt", *IGNORED_COMPLETION}
+COMPLETION_KEYS = COMMON_KEYS | {"prompt", "suffix", *IGNORED_COMPLETION}
 
 
 @dataclass(frozen=True)
@@ -612,6 +611,13 @@ def _prompt(value: object) -> str:
     return value
 
 
+def _suffix(value: object) -> str:
+    """The text after the point to fill in (fill-in-the-middle); "" or absent: none."""
+    if not isinstance(value, str):
+        raise _wrong_type("suffix", "a string", value)
+    return value
+
+
 def _max_completion_tokens(given: dict[str, Any]) -> None:
     """Fold chat's newer name for max_tokens into it."""
     alias = given.pop("max_completion_tokens", None)
@@ -665,7 +671,11 @@ def parse_request(kind: RequestKind, payload: object) -> ApiRequest:
     request = (
         _chat_request(given, image_urls)
         if chat
-        else GenerateRequest(RequestKind.COMPLETION, prompt=_prompt(given.get("prompt")))
+        else GenerateRequest(
+            RequestKind.COMPLETION,
+            prompt=_prompt(given.get("prompt")),
+            suffix=_suffix(given.get("suffix", "")),
+        )
     )
     logprobs = _logprobs(kind, given)
     logit_bias = _logit_bias(given.get("logit_bias"))

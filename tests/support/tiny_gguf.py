@@ -94,6 +94,9 @@ class TinyModelSpec:
     # The layers' matrices stored as Q4_0, which the CPU repacks at load into a buffer of its
     # own (ggml's extra buffer types on AVX2 and NEON): weights that are not the file's bytes.
     quantized: bool = False
+    # Set: the GGUF names fill-in-the-middle tokens (tokenizer.ggml.fim_pre/suf/mid_token_id),
+    # the vocabulary's last three, as a code model's names its own.
+    fim: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -244,6 +247,9 @@ def write_tiny_llama(path: Path, spec: TinyModelSpec = DEFAULT_SPEC) -> Path:
         writer.add_eos_token_id(_EOS_ID)
         writer.add_add_bos_token(True)
         writer.add_add_eos_token(False)
+        if spec.fim:
+            for offset, role in enumerate(("pre", "suf", "mid"), start=3):
+                writer.add_uint32(f"tokenizer.ggml.fim_{role}_token_id", spec.n_vocab - offset)
         if spec.chat_template:  # "": no template at all, as a base model's GGUF has none
             writer.add_chat_template(spec.chat_template)
 

@@ -237,7 +237,10 @@ class LlamaBackend(ABC):
         whether its GGUF has a chat template is read there; () before."""
         if self._vocab is None:
             return ()
-        return capabilities(self.spec, has_chat_template=bool(self._vocab.chat_template))
+        vocab = self._vocab
+        return capabilities(
+            self.spec, has_chat_template=bool(vocab.chat_template), has_fim=vocab.fim is not None
+        )
 
     def model_info(self) -> ModelInfo | None:
         """What its GGUF says of the model, with the chat template chats are rendered with (the

@@ -77,7 +77,13 @@ class Preparer:
             )
         else:
             _check_characters(len(request.prompt), vocab.max_text_bytes(n_ctx))
-            tokens = vocab.completion_prompt(request.prompt, limit=n_ctx, cancelled=cancelled)
+            tokens = (
+                vocab.infill_prompt(
+                    request.prompt, request.suffix, limit=n_ctx, cancelled=cancelled
+                )
+                if request.suffix
+                else vocab.completion_prompt(request.prompt, limit=n_ctx, cancelled=cancelled)
+            )
             completion = {"prompt": tokens, "stream": True, **kwargs}
         prepared = Prepared(
             request.kind,

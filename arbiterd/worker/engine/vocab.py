@@ -66,6 +66,14 @@ class Vocab:
         self.bos = llama_cpp.llama_vocab_bos(vocab)
         self.eos = llama_cpp.llama_vocab_eos(vocab)
         self.sep = llama_cpp.llama_vocab_sep(vocab)
+        fim = (
+            llama_cpp.llama_vocab_fim_pre(vocab),
+            llama_cpp.llama_vocab_fim_suf(vocab),
+            llama_cpp.llama_vocab_fim_mid(vocab),
+        )
+        # Fill-in-the-middle's prefix, suffix and middle tokens, as the GGUF names them (a code
+        # model's tokenizer.ggml.fim_*_token_id); None: the model has no such tokens.
+        self.fim: tuple[int, int, int] | None = None if -1 in fim else fim
         self.add_bos = llama_cpp.llama_vocab_get_add_bos(vocab)
         self.add_eos = llama_cpp.llama_vocab_get_add_eos(vocab)
         self.n_tokens = llama_cpp.llama_vocab_n_tokens(vocab)
@@ -144,6 +152,33 @@ class Vocab:
         bos = [self.bos] if self.add_bos and self.bos != -1 else []
         eos = [self.sep if self.sep != -1 else self.eos] if self.add_eos or self.sep != -1 else []
         return bos + text + eos
+
+    def infill_prompt(
+        self, prefix: str, suffix: str, *, limit: int, cancelled: Cancelled
+    ) -> list[int]:
+        """The tokens of a fill-in-the-middle prompt, in the prefix-suffix-middle order code
+        models are trained on (as llama-server's infill): BOS if the vocabulary adds one, then
+        FIM_PRE, the prefix, FIM_SUF, the suffix and FIM_MID, after which the model writes the
+        middle. The texts are code: a special token's text in them is text, not the token."""
+        if self.fim is None:
+            raise RequestError(
+                "this model has no fill-in-the-middle tokens (its GGUF names no "
+                "tokenizer.ggml.fim_pre/suf/mid_token_id): a completion with a suffix needs a "
+                "code model that has them"
+            )
+        pre, suf, mid = self.fim
+
+        def text(part: str) -> list[int]:
+            return self.tokenize(
+                part.encode(),
+                add_special=False,
+                parse_special=False,
+                limit=limit,
+                cancelled=cancelled,
+            )
+
+        bos = [self.bos] if self.add_bos and self.bos != -1 else []
+        return [*bos, pre, *text(prefix), suf, *text(suffix), mid]
 
     def tokenize(
         self,
