@@ -98,14 +98,32 @@ class ResponseFormat:
 
 
 @dataclass(frozen=True)
+class Infill:
+    """A completion that fills in the middle: the model writes what goes between the request's
+    prompt (the text before the point) and `suffix`, after `middle` (text already there, as
+    llama-server's /infill `prompt`), with `extra` files (name, text) of the project before it
+    all, as a code model trained on repositories reads them."""
+
+    suffix: str
+    middle: str = ""
+    extra: tuple[tuple[str, str], ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {"suffix": self.suffix}
+        if self.middle:
+            wire["middle"] = self.middle
+        if self.extra:
+            wire["extra"] = [{"filename": name, "text": text} for name, text in self.extra]
+        return wire
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """One request to a model: what to make, from what, and how to answer."""
 
     kind: RequestKind
     prompt: str = ""  # COMPLETION's
-    # COMPLETION's text after the point to fill in (fill-in-the-middle: the model writes what
-    # goes between `prompt` and it); "": none, the prompt is completed.
-    suffix: str = ""
+    infill: Infill | None = None  # COMPLETION's: fill in the middle; None: complete the prompt
     messages: tuple[dict[str, Any], ...] = ()  # CHAT's, with roles as chat templates name them
     # CHAT's text for a model without a chat template, completed as it is (issue 40: Ollama's
     # /api/generate, whose prompt such a model takes as is); "": such a model refuses the chat.
@@ -151,7 +169,8 @@ class GenerateRequest:
     def _text_json(self) -> dict[str, Any]:
         """What the model reads: the prompt, the conversation or the texts to embed."""
         if self.kind is RequestKind.COMPLETION:
-            return {"prompt": self.prompt, **({"suffix": self.suffix} if self.suffix else {})}
+            fill = {} if self.infill is None else {"infill": self.infill.to_json()}
+            return {"prompt": self.prompt, **fill}
         if self.kind is RequestKind.CHAT:
             plain = {"plain_prompt": self.plain_prompt} if self.plain_prompt else {}
             return {"messages": list(self.messages), **plain}
@@ -185,7 +204,7 @@ class GenerateRequest:
         return cls(
             kind=kind,
             prompt=_prompt(wire) if kind is RequestKind.COMPLETION else "",
-            suffix=_suffix(wire) if kind is RequestKind.COMPLETION else "",
+            infill=_infill(wire.get("infill")) if kind is RequestKind.COMPLETION else None,
             messages=_messages(wire) if kind is RequestKind.CHAT else (),
             plain_prompt=_plain_prompt(wire) if kind is RequestKind.CHAT else "",
             inputs=_inputs(wire) if kind is RequestKind.EMBEDDING else (),
@@ -218,11 +237,23 @@ def _prompt(wire: dict[str, Any]) -> str:
     return prompt
 
 
-def _suffix(wire: dict[str, Any]) -> str:
-    suffix = wire.get("suffix", "")
-    if not isinstance(suffix, str):
-        raise RequestError("'suffix' must be a string")
-    return suffix
+def _infill(raw: object) -> Infill | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise RequestError("'infill' must be an object")
+    suffix, middle = raw.get("suffix"), raw.get("middle", "")
+    if not isinstance(suffix, str) or not isinstance(middle, str):
+        raise RequestError("'infill' must give 'suffix' and 'middle' as strings")
+    extra = raw.get("extra", [])
+    if not isinstance(extra, list) or not all(
+        isinstance(item, dict)
+        and isinstance(item.get("filename"), str)
+        and isinstance(item.get("text"), str)
+        for item in extra
+    ):
+        raise RequestError("'infill.extra' must be a list of {filename, text} strings")
+    return Infill(suffix, middle, tuple((item["filename"], item["text"]) for item in extra))
 
 
 def _plain_prompt(wire: dict[str, Any]) -> str:

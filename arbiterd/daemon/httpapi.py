@@ -43,7 +43,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from arbiterd.config import RESPONSES_BUDGET_BYTES
-from arbiterd.daemon import images, jsonbody, ollama, responses
+from arbiterd.daemon import images, infill, jsonbody, ollama, responses
 from arbiterd.daemon.openai_requests import (
     INTERNAL_ERROR,
     INVALID_REQUEST,
@@ -59,7 +59,7 @@ from arbiterd.daemon.service import Service
 from arbiterd.errors import ArbiterError, ErrorCode, QueueTimeoutError, UnknownModelError
 from arbiterd.procs import WaitNews
 from arbiterd.request import RequestKind
-from arbiterd.spec import MAX_IMAGES
+from arbiterd.spec import MAX_IMAGES, Capability
 from arbiterd.status import ModelStatus
 from arbiterd.wire import MAX_MESSAGE_BYTES
 
@@ -286,14 +286,17 @@ class EventStream(Response):
         names: Callable[[], list[str]],
         *,
         ndjson: bool = False,
+        done: bool = True,
     ) -> None:
+        """`done`: an SSE stream ends with `data: [DONE]` (OpenAI's); llama-server's /infill
+        ends with its last object."""
         # Not Response.__init__: it would render an empty body with Content-Length: 0.
         self.status_code = 200
         self.background = None
         self._open = chunks
         self._names = names
         self._line = _ndjson if ndjson else _sse
-        self._end = b"" if ndjson else SSE_DONE
+        self._end = SSE_DONE if done and not ndjson else b""
         self._ndjson = ndjson
         if ndjson:
             self.media_type = "application/x-ndjson"
@@ -497,12 +500,11 @@ def create_app(
     async def completions(request: Request) -> Response:
         return await serve(request, RequestKind.COMPLETION)
 
-    _add_embeddings_route(app, service, guarded, names, max_body_bytes)
+    for add in (_add_embeddings_route, _add_ollama_routes, _add_infill_route):
+        add(app, service, guarded, names, max_body_bytes)
     _add_responses_route(
         app, service, guarded, names, max_body_bytes, budget_bytes=responses_budget_bytes
     )
-
-    _add_ollama_routes(app, service, guarded, names, max_body_bytes)
     return app
 
 
@@ -763,6 +765,55 @@ def _add_ollama_routes(
         if isinstance(outcome, Response):  # an error, answered as such
             return outcome
         return JSONResponse(ollama.embed_answer(outcome, time.monotonic() - started))
+
+
+def _add_infill_route(
+    app: FastAPI,
+    service: Service,
+    guarded: list[Any],
+    names: Callable[[], list[str]],
+    max_body_bytes: int,
+) -> None:
+    """llama-server's /infill (daemon/infill.py translates), for the editors that call it."""
+
+    @app.post("/infill", dependencies=guarded)
+    async def infill_route(request: Request) -> Response:
+        try:
+            body = await _read_body(request, max_body_bytes)
+            models = (await service.status()).models
+            coder = next((m.name for m in models if Capability.FIM in m.capabilities), None)
+            parsed = await _parse_json(body, partial(infill.infill_request, default_model=coder))
+            parsed = await _admit(service, request.headers, parsed, names)
+        except Exception as exc:
+            return _api_error(exc, names).response()
+        if parsed.stream:
+            pieces = partial(_infill_pieces, service, parsed)
+            return EventStream(pieces, names, done=False)
+        outcome = await _complete(service, parsed, request.receive, names)
+        if isinstance(outcome, Response):  # an error, answered as such
+            return outcome
+        return JSONResponse(infill.answer(parsed.model, outcome))
+
+
+async def _infill_pieces(
+    service: Service, parsed: ApiRequest
+) -> AsyncIterator[dict[str, Any] | WaitNews]:
+    """A streamed /infill: each piece of text, then the last object with the counts."""
+    chunks = service.stream(parsed.model, replace(parsed.request, include_usage=True))
+    finish_reason, usage = None, None
+    try:
+        async for chunk in chunks:
+            if isinstance(chunk, WaitNews):
+                yield chunk  # an SSE comment, as any stream's wait
+                continue
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or []:
+                finish_reason = choice.get("finish_reason") or finish_reason
+                if choice.get("text"):
+                    yield infill.piece(choice["text"])
+        yield infill.last(parsed.model, finish_reason, usage)
+    finally:
+        await _close(chunks)
 
 
 def _from_ollama(route: str, payload: object) -> tuple[RequestKind, ApiRequest, bool]:

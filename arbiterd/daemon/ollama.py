@@ -289,7 +289,8 @@ def show(status: ModelStatus) -> dict[str, Any]:
         "template": status.chat_template,
         "details": _details(status),
         "model_info": info,
-        "capabilities": list(status.capabilities),
+        # Ollama names fill-in-the-middle "insert".
+        "capabilities": ["insert" if c == "fim" else c for c in status.capabilities],
     }
 
 

@@ -30,6 +30,7 @@ from arbiterd.request import (
     MAX_TOKEN_ID,
     MAX_TOP_LOGPROBS,
     GenerateRequest,
+    Infill,
     RequestKind,
     ResponseFormat,
     Sampling,
@@ -611,11 +612,11 @@ def _prompt(value: object) -> str:
     return value
 
 
-def _suffix(value: object) -> str:
-    """The text after the point to fill in (fill-in-the-middle); "" or absent: none."""
-    if not isinstance(value, str):
-        raise _wrong_type("suffix", "a string", value)
-    return value
+def _infill(suffix: object) -> Infill | None:
+    """A completion's `suffix`: the text after the point to fill in; "" or absent: none."""
+    if not isinstance(suffix, str):
+        raise _wrong_type("suffix", "a string", suffix)
+    return Infill(suffix) if suffix else None
 
 
 def _max_completion_tokens(given: dict[str, Any]) -> None:
@@ -674,7 +675,7 @@ def parse_request(kind: RequestKind, payload: object) -> ApiRequest:
         else GenerateRequest(
             RequestKind.COMPLETION,
             prompt=_prompt(given.get("prompt")),
-            suffix=_suffix(given.get("suffix", "")),
+            infill=_infill(given.get("suffix", "")),
         )
     )
     logprobs = _logprobs(kind, given)

@@ -6,6 +6,7 @@ cancelling the last, the prompt cache reused by the next; a model without FIM to
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -92,3 +93,62 @@ def test_keystrokes_cancel_the_last_request_and_reuse_its_prompt(daemon: Daemon)
     # tokens after it) is evaluated again.
     final = ended[-1]
     assert final["prompt_tokens_evaluated"] < final["prompt_tokens"] - 10
+
+
+def infill(daemon: Daemon, body: dict[str, Any]) -> httpx.Response:
+    """llama-server's /infill, at the daemon's root (not under /v1), as llama.vscode calls it."""
+    return httpx.post(daemon.url.removesuffix("/v1") + "/infill", json=body, timeout=60)
+
+
+def test_infill_answers_as_llama_server_and_serves_the_fim_model_unnamed(daemon: Daemon) -> None:
+    """An editor sends no model name: the model with FIM tokens serves it. The answer's text
+    is the same as the completion with that suffix gives."""
+    api = openai_client(daemon)
+    body = {"input_prefix": CODE, "input_suffix": AFTER, "n_predict": 6, "temperature": 0}
+    done = infill(daemon, {**body, "cache_prompt": True, "t_max_predict_ms": 500})
+    assert done.status_code == 200, done.text
+    answer = done.json()
+    same = api.completions.create(
+        model="coder", prompt=CODE, suffix=AFTER, max_tokens=6, temperature=0
+    )
+    assert answer["content"] == same.choices[0].text
+    assert (answer["stop"], answer["model"], answer["tokens_predicted"]) == (True, "coder", 6)
+    assert answer["stop_type"] == "limit"
+    assert same.usage is not None
+    assert answer["tokens_evaluated"] == same.usage.prompt_tokens
+    streamed = infill(daemon, {**body, "stream": True})
+    lines = [line for line in streamed.text.splitlines() if line.startswith("data: ")]
+    objects = [json.loads(line.removeprefix("data: ")) for line in lines]  # no [DONE]
+    assert "".join(o["content"] for o in objects) == answer["content"]
+    assert [o["stop"] for o in objects[-1:]] == [True]
+    assert objects[-1]["tokens_predicted"] == 6
+
+
+def test_infill_takes_the_projects_other_files_and_the_text_typed_after_the_prefix(
+    daemon: Daemon,
+) -> None:
+    body = {"input_prefix": CODE, "input_suffix": AFTER, "n_predict": 2, "temperature": 0}
+    plain = infill(daemon, body).json()
+    extra = [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n"}]
+    more = infill(daemon, {**body, "input_extra": extra, "prompt": " a"}).json()
+    # The other file and the middle are read: the prompt has more tokens.
+    assert more["tokens_evaluated"] > plain["tokens_evaluated"] + 10
+
+
+def test_infill_refusals_name_the_field_or_what_the_model_lacks(daemon: Daemon) -> None:
+    unknown = infill(daemon, {"input_prefix": CODE, "input_sufix": AFTER})
+    assert unknown.status_code == 400
+    assert "input_sufix" in unknown.json()["error"]["message"]
+    wrong = infill(daemon, {"input_prefix": CODE, "input_extra": "util.py"})
+    assert wrong.status_code == 400
+    assert "input_extra" in wrong.json()["error"]["message"]
+    plain = infill(daemon, {"model": "plain", "input_prefix": CODE, "input_suffix": AFTER})
+    assert plain.status_code == 400
+    assert "no fill-in-the-middle tokens" in plain.json()["error"]["message"]
+
+
+def test_ollamas_show_names_fill_in_the_middle_insert(daemon: Daemon) -> None:
+    root = daemon.url.removesuffix("/v1")
+    shown = httpx.post(f"{root}/api/show", json={"model": "coder"}, timeout=30).json()
+    assert "insert" in shown["capabilities"]
+    assert "fim" not in shown["capabilities"]

@@ -77,13 +77,13 @@ class Preparer:
             )
         else:
             _check_characters(len(request.prompt), vocab.max_text_bytes(n_ctx))
-            tokens = (
-                vocab.infill_prompt(
-                    request.prompt, request.suffix, limit=n_ctx, cancelled=cancelled
-                )
-                if request.suffix
-                else vocab.completion_prompt(request.prompt, limit=n_ctx, cancelled=cancelled)
-            )
+            fill = request.infill
+            if fill is None:
+                tokens = vocab.completion_prompt(request.prompt, limit=n_ctx, cancelled=cancelled)
+            else:  # fill in the middle, between the prompt and the suffix
+                parts = (fill.suffix, fill.middle, *(text for _, text in fill.extra))
+                _check_characters(sum(map(len, parts)), vocab.max_text_bytes(n_ctx))
+                tokens = vocab.infill_prompt(request.prompt, fill, limit=n_ctx, cancelled=cancelled)
             completion = {"prompt": tokens, "stream": True, **kwargs}
         prepared = Prepared(
             request.kind,

@@ -14,6 +14,7 @@ from llama_cpp._internals import LlamaModel
 from llama_cpp.llama_grammar import LlamaGrammar
 
 from arbiterd.errors import ContextOverflowError, ModelLoadError, RequestError
+from arbiterd.request import Infill
 from arbiterd.worker.engine.records import Cancelled
 
 # One llama_tokenize call takes time quadratic in the special tokens its text holds (llama.cpp's
@@ -74,6 +75,10 @@ class Vocab:
         # Fill-in-the-middle's prefix, suffix and middle tokens, as the GGUF names them (a code
         # model's tokenizer.ggml.fim_*_token_id); None: the model has no such tokens.
         self.fim: tuple[int, int, int] | None = None if -1 in fim else fim
+        # The repository-level tokens a code model may have besides (Qwen 2.5 Coder's
+        # <|repo_name|> and <|file_sep|>): -1 where it has none.
+        self.fim_rep = llama_cpp.llama_vocab_fim_rep(vocab)
+        self.fim_sep = llama_cpp.llama_vocab_fim_sep(vocab)
         self.add_bos = llama_cpp.llama_vocab_get_add_bos(vocab)
         self.add_eos = llama_cpp.llama_vocab_get_add_eos(vocab)
         self.n_tokens = llama_cpp.llama_vocab_n_tokens(vocab)
@@ -154,12 +159,15 @@ class Vocab:
         return bos + text + eos
 
     def infill_prompt(
-        self, prefix: str, suffix: str, *, limit: int, cancelled: Cancelled
+        self, prefix: str, fill: Infill, *, limit: int, cancelled: Cancelled
     ) -> list[int]:
         """The tokens of a fill-in-the-middle prompt, in the prefix-suffix-middle order code
-        models are trained on (as llama-server's infill): BOS if the vocabulary adds one, then
-        FIM_PRE, the prefix, FIM_SUF, the suffix and FIM_MID, after which the model writes the
-        middle. The texts are code: a special token's text in them is text, not the token."""
+        models are trained on (as llama-server's infill): BOS if the vocabulary adds one; the
+        extra files, each FIM_SEP, its name and its text after a FIM_REP line where the model
+        has those tokens (the repository-level pattern), else their texts as they are; then
+        FIM_PRE, the prefix, FIM_SUF, the suffix, FIM_MID and the middle typed so far, after
+        which the model writes the rest. The texts are code: a special token's text in them
+        is text, not the token."""
         if self.fim is None:
             raise RequestError(
                 "this model has no fill-in-the-middle tokens (its GGUF names no "
@@ -178,7 +186,16 @@ class Vocab:
             )
 
         bos = [self.bos] if self.add_bos and self.bos != -1 else []
-        return [*bos, pre, *text(prefix), suf, *text(suffix), mid]
+        extra: list[int] = []
+        if fill.extra and -1 not in (self.fim_rep, self.fim_sep):
+            extra = [self.fim_rep, *text("myproject\n")]
+            for name, body in fill.extra:
+                extra += [self.fim_sep, *text(f"{name}\n{body}")]
+        else:
+            for _, body in fill.extra:
+                extra += text(body)
+        middle = text(fill.middle) if fill.middle else []
+        return [*bos, *extra, pre, *text(prefix), suf, *text(fill.suffix), mid, *middle]
 
     def tokenize(
         self,
