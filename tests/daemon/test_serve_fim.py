@@ -7,6 +7,7 @@ cancelling the last, the prompt cache reused by the next; a model without FIM to
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionUserMessageParam
 
 from tests.support.daemon import Daemon, openai_client, serving, tiny
 from tests.support.waiting import wait_until
@@ -72,8 +74,20 @@ def test_a_model_without_fim_tokens_answers_400_naming_them(daemon: Daemon) -> N
 
 def test_keystrokes_cancel_the_last_request_and_reuse_its_prompt(daemon: Daemon) -> None:
     """The coding-assistant pattern: a request every 0.3 s, each one typed further, the editor
-    dropping the last one's stream as the next goes out."""
+    dropping the last one's stream as the next goes out, while a chat streams on another
+    model."""
     before = len(requests(daemon, "coder"))
+    chat: list[str] = []
+
+    def chat_streams() -> None:
+        story: ChatCompletionUserMessageParam = {"role": "user", "content": "A long story."}
+        stream = openai_client(daemon).chat.completions.create(
+            model="plain", messages=[story], max_tokens=300, stream=True
+        )
+        chat.extend(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+
+    chatting = threading.Thread(target=chat_streams)
+    chatting.start()
     typed = CODE
     with httpx.Client(base_url=daemon.url, timeout=60) as http:
         for key in " a + b":
@@ -85,6 +99,8 @@ def test_keystrokes_cancel_the_last_request_and_reuse_its_prompt(daemon: Daemon)
             time.sleep(0.3)
         last = http.post("/completions", json={**body, "max_tokens": 4})
         assert last.status_code == 200
+    chatting.join(timeout=120)
+    assert "".join(chat)  # the chat was answered all the while
     wait_until(lambda: len(requests(daemon, "coder")) >= before + 7, 30, "every request's end")
     ended = requests(daemon, "coder")[before:]
     assert sum(1 for e in ended if e["cancelled"]) >= 5
