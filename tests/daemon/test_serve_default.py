@@ -15,6 +15,7 @@ import pytest
 
 from arbiterd.cli.controlclient import ControlClient
 from arbiterd.config import EMBEDDED_CHAT_MODEL_NAME, EMBEDDED_MODEL_NAME
+from tests.daemon.test_serve import arbiterd
 from tests.support.daemon import free_port
 from tests.support.waiting import wait_until
 
@@ -106,13 +107,3 @@ def test_reload_on_the_embedded_default_takes_the_config_written_since(
     assert [m.id for m in client.models.list().data] == ["mine"]
     done = client.completions.create(model="mine", prompt="the fox", max_tokens=2)
     assert done.model == "mine"
-
-
-def arbiterd(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "arbiterd", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
