@@ -75,6 +75,7 @@ class ModelStatus(Record):
 
     name: str = ""
     aliases: tuple[str, ...] = ()
+    path: str = ""  # its GGUF, as the config names it (issue 47)
     capabilities: tuple[str, ...] = ()
     architecture: str = ""
     trained_context: int = 0

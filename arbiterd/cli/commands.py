@@ -448,6 +448,7 @@ def render_status(status: DaemonStatus) -> str:
     capabilities = ((m.name, render.capabilities_text(m.capabilities)) for m in models)
     for names, can in render.grouped(capabilities):
         lines.append(f"capabilities ({', '.join(names)}): {can}")
+    lines += [f"file ({m.name}): {m.path}" for m in models if m.path]
     for names, reason in render.grouped((m.name, m.fallback_reason) for m in models):
         lines.append(f"backend reload ({', '.join(names)}): {reason}")
     lines += [_turn_line(m.name, m.turn) for m in models if m.turn and m.turn.quantum_s]

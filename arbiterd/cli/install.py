@@ -250,6 +250,8 @@ class Installer:
                 self._say(f"same     {target}")
             else:
                 self._say(f"{'would write' if self.dry_run else 'wrote'}    {target}")
+                if self.dry_run and placement.template is None:  # the starter config: shown
+                    self._say("\n".join(f"    {line}" for line in text.splitlines()))
                 manifest.update(dict.fromkeys(map(str, missing_folders(target)), FOLDER))
                 self._write(target, text)
             manifest[str(target)] = _digest(text)

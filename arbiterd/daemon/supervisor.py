@@ -403,6 +403,7 @@ class Supervisor:
         report = ModelStatus(
             name=slot.name,
             aliases=slot.config.aliases,
+            path=str(slot.config.path),
             n_ctx=slot.config.n_ctx,
             parallel=slot.config.parallel,
             devices=slot.config.devices,

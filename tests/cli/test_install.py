@@ -361,3 +361,20 @@ def test_install_copy_of_an_arbiterd_that_is_no_clone_is_refused(
     monkeypatch.setattr(install, "running_from_clone", lambda: None)
     with pytest.raises(InstallError, match="run `arbiterd install` without --copy"):
         copy_of_this_clone(home)
+
+
+def test_dry_run_shows_the_starter_config_it_would_write(
+    home: dict[str, str], tiny_model: Path
+) -> None:
+    """Issue 47: read before it is written, so a user sees what install would serve."""
+    models = Path(home["HOME"]) / "models"
+    models.mkdir()
+    shutil.copyfile(tiny_model, models / "coder.gguf")
+    tool, lines = installer(home, Systemctl(), dry_run=True)
+    tool.install()
+    config = Path(home["HOME"]) / ".config/arbiterd/config.toml"
+    at = lines.index(f"would write    {config}")
+    shown = lines[at + 1]
+    assert shown.startswith("    # arbiterd configuration")
+    assert f'    path = "{models / "coder.gguf"}"' in shown.splitlines()
+    assert not config.exists()

@@ -45,3 +45,18 @@ def test_status_says_each_models_turn_and_the_handoff_it_is_sized_from() -> None
         " ".join(lines)
     )
     assert not [line for line in lines if line.startswith("turn old")]
+
+
+def test_status_names_each_models_file() -> None:
+    """Issue 47: where each model's GGUF is, to copy into a config of one's own."""
+    status = DaemonStatus.from_json(
+        {
+            "models": [
+                {"name": "coder", "state": "cold", "path": "/models/qwen-coder.gguf"},
+                {"name": "old", "state": "cold"},  # a daemon from before said none
+            ]
+        }
+    )
+    lines = render_status(status).splitlines()
+    assert "file (coder): /models/qwen-coder.gguf" in lines
+    assert not [line for line in lines if line.startswith("file (old)")]

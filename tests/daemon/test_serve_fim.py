@@ -38,11 +38,12 @@ def requests(daemon: Daemon, model: str) -> list[dict[str, Any]]:
     return [e for e in found if e["event"] == "request" and e["model"] == model]
 
 
-def test_a_code_model_says_it_fills_in_the_middle(daemon: Daemon) -> None:
+def test_a_code_model_says_it_fills_in_the_middle(daemon: Daemon, tiny_fim_model: Path) -> None:
     with daemon.client() as client:
         models = {m["name"]: m for m in client.call("status")["models"]}
     assert "fim" in models["coder"]["capabilities"]
     assert "fim" not in models["plain"]["capabilities"]
+    assert models["coder"]["path"] == str(tiny_fim_model)  # its file, for a config of one's own
 
 
 def test_a_completion_with_a_suffix_fills_in_the_middle(daemon: Daemon) -> None:
