@@ -20,13 +20,15 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Final
 
-from PySide6.QtCore import QObject, QProcess, QTimer
-from PySide6.QtGui import QAction, QIcon, QPixmap
+from PySide6.QtCore import QObject, QProcess, QTimer, QUrl
+from PySide6.QtGui import QAction, QDesktopServices, QIcon, QPixmap
 from PySide6.QtWidgets import QApplication, QMenu, QSystemTrayIcon
 
 from arbiterd import render
+from arbiterd.config import default_config_path
 from arbiterd.events import Event
 from arbiterd.gui import autostart, palette
 from arbiterd.gui.connection import DaemonConnection
@@ -50,6 +52,11 @@ def _start_detached(program: str, args: list[str]) -> bool:
     return bool(started)
 
 
+def _open_file(path: Path) -> bool:
+    """Open `path` in the desktop's application for it (an editor, for a .toml)."""
+    return QDesktopServices.openUrl(QUrl.fromLocalFile(str(path)))
+
+
 def _swatch(colour: palette.RGB) -> QIcon:
     pixmap = QPixmap(12, 12)
     pixmap.fill(qcolor(colour))
@@ -66,6 +73,7 @@ class TrayApp(QObject):
         start_detached: Callable[[str, list[str]], bool] = _start_detached,
         daemon_command: Callable[[], list[str]] | None = None,
         autostart_env: Mapping[str, str] | None = None,
+        open_file: Callable[[Path], bool] = _open_file,
         quit_app: Callable[[], None] = QApplication.quit,
         clock: Callable[[], float] = time.time,
         refresh_interval_s: float = REFRESH_INTERVAL_S,
@@ -85,6 +93,7 @@ class TrayApp(QObject):
         self._start_detached = start_detached
         self._daemon_command = daemon_command or daemon_start_command
         self._autostart_env = autostart_env
+        self._open_file = open_file
         self._quit_app = quit_app
         self._clock = clock
         self._refresh_interval_s = refresh_interval_s
@@ -248,6 +257,16 @@ class TrayApp(QObject):
         else:
             self._set_message(f"could not start the daemon: {' '.join(argv)}")
 
+    def open_config(self) -> None:
+        """The config file in the desktop's editor; where there is none yet, how to get one."""
+        path = default_config_path(self._autostart_env)
+        if not path.exists():
+            self._set_message(
+                f"no config at {path} yet: `arbiterd install` writes a starter with your GGUFs"
+            )
+        elif not self._open_file(path):
+            self._set_message(f"could not open {path}")
+
     def set_autostart(self, enabled: bool) -> None:
         try:
             path = autostart.set_enabled(enabled, self._autostart_env)
@@ -321,6 +340,7 @@ class TrayApp(QObject):
             tuple(state.notices()),
             models,
             status.hold if status is not None else False,
+            status.stepped_aside if status is not None else None,
             autostart_on,
             self.message,
         )
@@ -365,15 +385,22 @@ class TrayApp(QObject):
             hold.setCheckable(True)
             hold.setChecked(status.hold)
             hold.triggered.connect(lambda checked: self.send("hold" if checked else "unhold"))
+            aside = status.stepped_aside
+            if aside is not None:  # issue 45: the program may hold the device forever
+                resume = add("resume", f"Resume models (stepped aside for {aside.program})")
+                resume.triggered.connect(lambda: self.send("resume"))
         if self.message:
             add("message", f"⚠ {self.message}", enabled=False)
         menu.addSeparator()
         add("dashboard", "Open dashboard").triggered.connect(self.show_dashboard)
+        add("open-config", "Open config").triggered.connect(self.open_config)
         login = add("autostart", "Start at login")
         login.setCheckable(True)
         login.setChecked(autostart_on)
         login.triggered.connect(self.set_autostart)
         menu.addSeparator()
+        if state.reachable and status is not None:
+            add("stop-daemon", "Stop daemon").triggered.connect(lambda: self.send("shutdown"))
         add("quit", "Quit").triggered.connect(self.quit)
 
     def _add_model_menu(self, model: ModelStatus) -> None:

@@ -120,7 +120,14 @@ def test_the_menu_lists_each_model_with_its_state_and_vram(
     assert isinstance(submenu, QMenu)
     assert [a.text() for a in submenu.actions()] == ["Warm", "Release", "Pin"]
     top = [a.text() for a in app.menu.actions() if a.text()]
-    assert top[-4:] == ["Hold GPU (game mode)", "Open dashboard", "Start at login", "Quit"]
+    assert top[-6:] == [
+        "Hold GPU (game mode)",
+        "Open dashboard",
+        "Open config",
+        "Start at login",
+        "Stop daemon",
+        "Quit",
+    ]
 
 
 def test_the_menu_follows_the_daemon(
@@ -491,3 +498,42 @@ def test_the_daemon_starts_through_its_unit_when_one_is_installed(
     socket, config = tmp_path / "s.sock", tmp_path / "c.toml"
     argv = daemon_start_command(socket, config, env=env)
     assert argv[1:] == ["daemon", "--socket", str(socket), "--config", str(config)]
+
+
+def test_the_menu_resumes_a_step_aside_and_stops_the_daemon(
+    qtbot: QtBot, make_app: AppFactory, server: FakeControlServer
+) -> None:
+    """Issues 45 and 47: the cases the rules miss, and stopping without a terminal."""
+    server.status = {
+        **server.status,
+        "stepped_aside": {"program": "blender", "pid": 5151, "reason": "named"},
+    }
+    app = make_app()
+    wait_for_text(qtbot, app, "resume", "Resume models (stepped aside for blender)")
+    app.actions["resume"].trigger()
+    app.actions["stop-daemon"].trigger()
+    expected = Counter([("resume", None), ("shutdown", None)])
+    qtbot.waitUntil(lambda: Counter(server.commands_seen()) == expected, timeout=WAIT_MS)
+
+
+def test_open_config_opens_the_file_or_says_how_to_get_one(
+    qtbot: QtBot, make_app: AppFactory, autostart_env: dict[str, str]
+) -> None:
+    opened: list[Path] = []
+
+    def open_file(path: Path) -> bool:
+        opened.append(path)
+        return True
+
+    app = make_app(open_file=open_file)
+    qtbot.waitUntil(lambda: "open-config" in app.actions, timeout=WAIT_MS)
+    config = Path(autostart_env["XDG_CONFIG_HOME"]) / "arbiterd" / "config.toml"
+    app.actions["open-config"].trigger()
+    assert opened == []
+    assert app.message == (
+        f"no config at {config} yet: `arbiterd install` writes a starter with your GGUFs"
+    )
+    config.parent.mkdir(parents=True)
+    config.write_text('[models.m]\npath = "/m.gguf"\n')
+    app.actions["open-config"].trigger()
+    assert opened == [config]
