@@ -1,7 +1,8 @@
 """Looking for programs that start using the GPU, without polling for them: an inotify watch on
 the GPU's device nodes rings when any process opens or closes one (IN_OPEN, IN_CLOSE_*), and
-each ring is followed by a look at /proc (programs.scan, in a thread) and at what each program
-holds on the device (the telemetry readers), handed to `on_look` on the daemon's loop.
+each ring is followed by a whole look, on a thread of the lookout's own: which processes hold a
+node (programs.scan) and what each holds on the device (the telemetry readers), handed to
+`on_look` on the daemon's loop.
 
 Owns one inotify instance read through the loop's `add_reader`, as configwatch.py does, and the
 timers of the looks:
@@ -78,7 +79,8 @@ class Lookout:
         self._by_name = by_name
         self._dev = dev
         self._procfs = procfs
-        self._fixed_nodes = None if nodes is None else tuple(nodes)  # tests' stand-in files
+        # [yield] nodes, the ones the config names (or a test's stand-in files); None: /dev's.
+        self._fixed_nodes = None if nodes is None else tuple(nodes)
         self.nodes: tuple[Path, ...] = ()
         self._inotify: INotify | None = None
         self._watches: dict[int, Path] = {}

@@ -3,8 +3,8 @@ that names each process and says which of those nodes it holds open.
 
 Reads only, from roots that tests point elsewhere: `dev` (the nodes) and `procfs`. A process
 of another user is not ours to read (its fd links are refused) and is skipped; one that exits
-while it is read is simply not in the scan. Blocking file I/O: the daemon runs a scan in a
-thread (lookout.py).
+while it is read is simply not in the scan. Blocking file I/O: the lookout runs a scan with fds
+in a thread of its own, and a names-only scan that reads only what is new on its loop.
 """
 
 from __future__ import annotations
