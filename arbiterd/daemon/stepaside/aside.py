@@ -166,9 +166,7 @@ class StepAside:
         own = descendants(programs, os.getpid()) | self._taking_part(programs)
         self._passed &= {p.key for p in programs}  # a program that exited is forgotten
         current = self.aside
-        if not whole and current is not None and current.by_memory:
-            # A names-only look carries no memory figures: it can only see the program gone.
-            sightings = tuple(Sighting(s.program, None) for s in sightings)
+        # A look by name carries no memory figures (None): it can only see a program gone.
         new = next_aside(
             current, sightings, self.rules, own=own, passed=self._passed, now=time.time()
         )
