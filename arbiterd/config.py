@@ -32,7 +32,8 @@
     [models.NAME]                 # one table per model; NAME is what requests ask for
     path = "/models/x.gguf"       # required
     aliases = []                  # more names requests may ask for, e.g. ["gpt-4o-mini"]
-    n_ctx = 4096, n_gpu_layers = -1, n_threads = 0, chat_format = "", mmproj = "",
+    n_ctx = 4096,                 # absent: 4096, or the context the GGUF was trained for if less
+    n_gpu_layers = -1, n_threads = 0, chat_format = "", mmproj = "",
     parallel = 4,                 # requests decoded together, sharing the n_ctx cells (issue 42)
     embedding = true|false,       # absent: as the GGUF says (daemon/modelfile.py)
     kv_on_release = "host", min_hold_s = 0.1, idle_release_s = 0,
@@ -370,13 +371,22 @@ class GroupConfig:
     priority: Priority  # the class its keeper queues in
 
 
+def default_n_ctx(trained: int | None) -> int:
+    """The context of a model whose table sets no n_ctx: STARTER_N_CTX, or the context its
+    GGUF says it was trained for (`trained`; None: it does not say) when that is shorter: past
+    it, answers degrade, so a model trained for 2048 tokens is given 2048."""
+    return min(STARTER_N_CTX, trained) if trained else STARTER_N_CTX
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """One [models.NAME] table. Paths are absolute; the files need not exist (yet)."""
 
     name: str
     path: Path
-    n_ctx: int
+    # None: the table sets none; default_n_ctx of its GGUF's trained context, decided as its
+    # worker is spawned (daemon/modelfile.py model_traits)
+    n_ctx: int | None
     n_gpu_layers: int  # -1 = every layer on the GPU
     n_threads: int | None  # None = every CPU this process may run on
     chat_format: str | None  # None = the GGUF's own chat template
@@ -439,6 +449,7 @@ class ModelConfig:
         host_copy_fd: int | None = None,
         *,
         embedding: bool,
+        n_ctx: int,
         kv_file: Path | None = None,
         model_version: tuple[int, int] | None = None,
         vram_budget: int = 0,
@@ -446,14 +457,15 @@ class ModelConfig:
     ) -> WorkerConfig:
         """What the worker process for this model is started with; `host_copy_fd` is the
         daemon's memfd of the model file, inherited by the worker; `embedding`, whether it
-        serves embeddings, as the daemon decided (modelfile.serves_embeddings); `kv_file`,
+        serves embeddings, and `n_ctx`, its context, as the daemon decided from the file
+        (modelfile.model_traits); `kv_file`,
         where its prompt cache waits while it is unloaded; `model_version`, the (size,
         mtime_ns) of the file version the host copy holds; `vram_budget`, [daemon]
         vram_budget (0: none), which a vision model's projector must fit beside it."""
         spec = ModelSpec(
             name=self.name,
             path=self.path,
-            n_ctx=self.n_ctx,
+            n_ctx=n_ctx,
             n_gpu_layers=self.n_gpu_layers,
             n_threads=self.n_threads,
             parallel=self.parallel,
@@ -998,11 +1010,15 @@ def _model(src: Source, name: str, raw: object, rpc_servers: tuple[str, ...] = (
 
     kv_on_release = table.choice("kv_on_release", KvPolicy.HOST, _KV_EXPECTED)
     residency = table.choice("residency", Residency.AUTO, _RESIDENCY_EXPECTED)
-    n_ctx = table.integer(
-        "n_ctx",
-        STARTER_N_CTX,
-        f"a positive integer (tokens, at most {MAX_N_CTX})",
-        ok=lambda v: 0 < v <= MAX_N_CTX,
+    n_ctx = (
+        table.integer(
+            "n_ctx",
+            STARTER_N_CTX,
+            f"a positive integer (tokens, at most {MAX_N_CTX})",
+            ok=lambda v: 0 < v <= MAX_N_CTX,
+        )
+        if "n_ctx" in table.values
+        else None
     )
     n_gpu_layers = table.integer(
         "n_gpu_layers", -1, "an integer >= -1 (-1 = every layer)", ok=lambda v: v >= -1

@@ -158,7 +158,8 @@ def test_absent_keys_take_their_defaults(tmp_path: Path, env: dict[str, str]) ->
     model = config.models["qwen"]
     assert model.path == Path("/models/qwen.gguf")
     assert model.aliases == ()
-    assert (model.n_ctx, model.n_gpu_layers, model.n_threads) == (4096, -1, None)
+    # n_ctx: none set, so as its GGUF says (modelfile.model_traits)
+    assert (model.n_ctx, model.n_gpu_layers, model.n_threads) == (None, -1, None)
     assert model.chat_format is None
     assert model.mmproj is None
     assert model.embedding is None  # as the GGUF says
@@ -474,7 +475,7 @@ def test_the_embedded_default_serves_an_instruct_model_first_and_gemma(
     assert gemma.path.is_file()
     assert gemma.path.suffix == ".gguf"
     assert gemma.chat_format == "gemma"  # its GGUF has no chat template
-    assert (gemma.n_ctx, gemma.n_gpu_layers) == (4096, -1)
+    assert (gemma.n_ctx, gemma.n_gpu_layers) == (None, -1)
     assert config.daemon.http_port == 9999  # flags apply to the embedded default too
     assert config.daemon.socket == runtime_dir / "arbiterd/control.sock"
     assert config.daemon.arena == runtime_dir / "arbiterd/arena/gpu0"
@@ -607,6 +608,7 @@ def test_worker_config_carries_the_model(tmp_path: Path, env: dict[str, str]) ->
         tmp_path / "arena",
         host_copy_fd=7,
         embedding=True,
+        n_ctx=6000,
         kv_file=tmp_path / "qwen.kv",
         model_version=(1234, 5678),
         vram_budget=22 << 30,
@@ -614,11 +616,11 @@ def test_worker_config_carries_the_model(tmp_path: Path, env: dict[str, str]) ->
     )
 
     spec = worker.spec
-    assert (spec.name, spec.path, spec.n_ctx) == ("qwen", model.path, 8192)
+    assert (spec.name, spec.path, spec.n_ctx) == ("qwen", model.path, 6000)
     assert (spec.n_gpu_layers, spec.n_threads, spec.chat_format) == (20, 6, "chatml")
     assert spec.host_copy
     assert spec.host_copy_fd == 7
-    assert spec.embedding  # as the daemon decided, whatever the config said
+    assert spec.embedding  # as the daemon decided, whatever the config said (n_ctx too)
     assert worker.arena == tmp_path / "arena"
     assert worker.kv_on_release is KvPolicy.DROP
     assert spec.residency is Residency.RELOAD
@@ -632,7 +634,7 @@ def test_worker_config_carries_the_model(tmp_path: Path, env: dict[str, str]) ->
 
 def test_a_page_cache_model_loads_its_file_itself(tmp_path: Path, env: dict[str, str]) -> None:
     model = load_text(tmp_path, env, MINIMAL + 'host_copy = "page-cache"\n').models["qwen"]
-    spec = model.worker_config(tmp_path / "arena", None, embedding=False).spec
+    spec = model.worker_config(tmp_path / "arena", None, embedding=False, n_ctx=2048).spec
     assert (spec.host_copy, spec.host_copy_fd) == (False, None)  # no memfd, not even its own
 
 
@@ -645,7 +647,7 @@ def test_a_vision_model_names_its_projector_and_encoder(
     assert model.encoder is Encoder.RESIDENT
     assert model.allow_image_urls is True
     assert model.max_image_bytes == DEFAULT_MAX_IMAGE_BYTES
-    spec = model.worker_config(tmp_path / "arena", embedding=False).spec
+    spec = model.worker_config(tmp_path / "arena", embedding=False, n_ctx=2048).spec
     assert (spec.mmproj, spec.encoder_resident) == (model.mmproj, True)
 
 
@@ -1070,7 +1072,7 @@ def test_groups_tell_their_members_and_queue_in_their_highest_class(
     (group,) = config.groups.values()
     assert (group.name, group.models, group.priority) == ("pair", ("a", "b"), Priority.INTERACTIVE)
     assert [config.models[n].group for n in "abc"] == ["pair", "pair", ""]
-    assert config.models["a"].worker_config(tmp_path, embedding=False).group == "pair"
+    assert config.models["a"].worker_config(tmp_path, embedding=False, n_ctx=2048).group == "pair"
     assert config.daemon.vram_budget == 22 << 30
     named = load_text(tmp_path, env, text + 'priority = "batch"\n')
     assert named.groups["pair"].priority is Priority.BATCH

@@ -39,7 +39,7 @@ def test_a_model_is_on_gpu0_by_default_split_by_layer_with_no_shares(
 ) -> None:
     model = load(tmp_path, env, "").models["m"]
     assert (model.devices, model.split_mode, model.tensor_split) == (("gpu0",), "layer", ())
-    spec = model.worker_config(tmp_path / "arena", embedding=False).spec
+    spec = model.worker_config(tmp_path / "arena", embedding=False, n_ctx=2048).spec
     assert (spec.devices, spec.split_mode, spec.tensor_split) == (("gpu0",), "layer", ())
 
 

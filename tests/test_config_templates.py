@@ -27,7 +27,7 @@ def env(tmp_path: Path) -> dict[str, str]:
 
 def _spec(tmp_path: Path, environ: dict[str, str], extra: str) -> WorkerConfig:
     config = load_config(write(tmp_path, MODEL + extra), env=environ)
-    return config.models["chat"].worker_config(tmp_path, embedding=False)
+    return config.models["chat"].worker_config(tmp_path, embedding=False, n_ctx=2048)
 
 
 def test_tools_are_offered_unless_refused(tmp_path: Path, env: dict[str, str]) -> None:

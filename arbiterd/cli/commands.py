@@ -43,7 +43,7 @@ from arbiterd.status import STEP_ASIDE_SUFFIX, DaemonStatus, ModelStatus, Steppe
 COMMAND_TIMEOUT_S = 600.0
 # The model commands that may wait for the GPU, and say so while they do.
 WAITING_COMMANDS = ("warm", "release", "unload")
-# Requests in flight finish and every worker releases the GPU before the daemon exits: the
+# Requests in flight are ended and every worker releases the GPU before the daemon exits: the
 # systemd unit's TimeoutStopSec.
 SHUTDOWN_TIMEOUT_S = 60.0
 # How often `events --follow` asks for what is new (as the journal's follow polls its file).
@@ -123,7 +123,8 @@ def add_commands(command: AddCommand) -> None:
         model_parser.set_defaults(handler=model_command)
     shutdown = command(
         "shutdown",
-        "stop the daemon: requests in flight finish, models release the GPU, the journal closes",
+        "stop the daemon: requests in flight end with a 503 saying so, models release the GPU, "
+        "the journal closes",
         "arbiterd shutdown",
         "arbiterd shutdown --timeout 120",
     )
@@ -287,10 +288,10 @@ def shutdown_daemon(args: argparse.Namespace) -> int:
         unit = systemd_unit(pid)
         client.call("shutdown")
     if not _exited(pid, timeout_s):
+        longer = max(2 * timeout_s, 60)
         raise DaemonError(
-            f"arbiterd (pid {pid}) is still stopping after {timeout_s:g} s (its workers may be "
-            f"finishing requests); `arbiterd shutdown --timeout {max(2 * timeout_s, 60):g}` "
-            "waits longer"
+            f"arbiterd (pid {pid}) is still stopping after {timeout_s:g} s (its workers may "
+            f"still be releasing the GPU); `arbiterd shutdown --timeout {longer:g}` waits longer"
         )
     print(f"arbiterd stopped (pid {pid})")
     if unit is not None:

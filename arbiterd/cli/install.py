@@ -86,6 +86,18 @@ def placements(env: Mapping[str, str]) -> list[Placement]:
     ]
 
 
+def how_to_start(env: Mapping[str, str]) -> str:
+    """How the user starts a daemon that is not running: through the unit `install` wrote, or
+    by hand where there is none."""
+    unit = _xdg(env, "XDG_CONFIG_HOME", ".config") / "systemd" / "user" / UNIT
+    if unit.is_file():
+        return f"start it: systemctl --user start {UNIT}"
+    return (
+        "start it: arbiterd daemon (in a terminal of its own), or `arbiterd install` to have "
+        "it start at each login"
+    )
+
+
 def autostart_path(env: Mapping[str, str]) -> Path:
     return _xdg(env, "XDG_CONFIG_HOME", ".config") / "autostart" / "arbiterd-tray.desktop"
 

@@ -23,10 +23,16 @@ from arbiterd.arena.devices import canonical_order
 from arbiterd.cli import commands, rpcserver
 from arbiterd.cli.demo import main as run_demo
 from arbiterd.cli.discovery import FoundModel, find_models
-from arbiterd.cli.install import Installer, copy_of_this_clone
+from arbiterd.cli.install import Installer, copy_of_this_clone, how_to_start
 from arbiterd.cli.runner import run_holding_token
 from arbiterd.cli.starter import model_tables
-from arbiterd.errors import ArbiterError, BadValueError, MissingPartError, UsageError
+from arbiterd.errors import (
+    ArbiterError,
+    BadValueError,
+    DaemonNotRunningError,
+    MissingPartError,
+    UsageError,
+)
 from arbiterd.paths import DEFAULT_DEVICE, DEVICE_ID_SHAPES, device_arena_of, resolve_arena
 from arbiterd.procs import holder_name, process_name, waiter_name
 
@@ -212,6 +218,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefix += f" {args_list[0]}"
     try:
         return _dispatch(args_list)
+    except DaemonNotRunningError as exc:
+        print(f"{prefix}: {exc}; {how_to_start(os.environ)}", file=sys.stderr)
+        return exc.exit_code
     except ArbiterError as exc:
         print(f"{prefix}: {exc}", file=sys.stderr)
         return exc.exit_code

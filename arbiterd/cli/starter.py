@@ -17,6 +17,7 @@ from arbiterd.config import (
     YIELD_MIN_BYTES,
     YIELD_PROGRAMS,
     Load,
+    default_n_ctx,
 )
 from arbiterd.spec import MAX_TURN_S, MAX_WAIT_S, MIN_TURN_S, SWITCH_OVERHEAD
 from arbiterd.tomltable import toml_key, toml_string
@@ -129,10 +130,9 @@ def model_tables(models: list[FoundModel]) -> list[str]:
 
 
 def starter_n_ctx(found: FoundModel) -> int:
-    """STARTER_N_CTX, or the model's trained context when that is shorter: past it, answers
-    degrade (a model trained for 2048 tokens is given 2048)."""
-    trained = found.context_length
-    return min(STARTER_N_CTX, trained) if trained else STARTER_N_CTX
+    """The context the daemon gives the model when its table sets none (config.default_n_ctx),
+    written out so that the user sees it and can change it."""
+    return default_n_ctx(found.context_length)
 
 
 def _provenance(found: FoundModel) -> str:

@@ -32,7 +32,7 @@ from typing import Any
 
 from arbiterd.config import PROMPT_CACHE_BUDGET_BYTES, HostCopyMode, ModelConfig
 from arbiterd.daemon.budgets import PromptCache, StateFile
-from arbiterd.daemon.modelfile import serves_embeddings
+from arbiterd.daemon.modelfile import model_traits
 from arbiterd.daemon.slots import Slot
 from arbiterd.daemon.workerclient import WorkerClient
 from arbiterd.errors import (
@@ -140,9 +140,9 @@ class Lifecycle:
                 _require_file(slot)
             slot.file_found()
             # From what the worker loads: ~0.1 s for a large vocabulary, in a thread.
-            slot.serves_embeddings(
+            slot.decided(
                 await asyncio.to_thread(
-                    serves_embeddings, slot.config, None if copy is None else copy.fd
+                    model_traits, slot.config, None if copy is None else copy.fd
                 )
             )
             worker = await WorkerClient.spawn(
@@ -150,6 +150,7 @@ class Lifecycle:
                     self._arena,
                     None if copy is None else copy.fd,
                     embedding=slot.embedding,
+                    n_ctx=slot.n_ctx,
                     kv_file=self._kv_file(slot),
                     # None: the worker keys the state file by the file as it finds it.
                     model_version=(

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from arbiterd.config import Config, ModelConfig
+from arbiterd.config import Config, ModelConfig, default_n_ctx
 from arbiterd.errors import ConfigError
 from arbiterd.tomltable import key_path
 
@@ -217,22 +217,41 @@ def _skip_value(f: BinaryIO, kind: int) -> None:
 # -- what a model serves ------------------------------------------------------------------------
 
 
-def serves_embeddings(model: ModelConfig, fd: int | None) -> bool:
-    """Whether `model` serves embeddings: its config's `embedding` when it has one, else what the
-    header of its GGUF says (`GgufHeader.embedding`), read from `fd`, the daemon's copy of the
-    file (what the worker loads, even if the file on disk has changed or gone since); None:
-    the model has no copy (host_copy = "page-cache") and its worker loads the file itself.
+@dataclass(frozen=True)
+class ModelTraits:
+    """What the daemon decides from a model's file as its worker is spawned: whether it serves
+    embeddings, and its context."""
+
+    embedding: bool  # its config's `embedding`, else what its GGUF says (GgufHeader.embedding)
+    n_ctx: int  # its config's `n_ctx`, else config.default_n_ctx of its trained context
+
+
+def model_traits(model: ModelConfig, fd: int | None) -> ModelTraits:
+    """`model`'s traits (ModelTraits): its config's where it says them, else from the header
+    of its GGUF, read from `fd`, the daemon's copy of the file (what the worker loads, even if
+    the file on disk has changed or gone since); None: the model has no copy (host_copy =
+    "page-cache") and its worker loads the file itself.
 
     Raises ConfigError when the copy (or file) is not a GGUF, OSError when it cannot be read."""
-    if model.embedding is not None:
-        return model.embedding
+    if model.embedding is not None and model.n_ctx is not None:
+        return ModelTraits(model.embedding, model.n_ctx)
     source = model.path if fd is None else Path(f"/proc/self/fd/{fd}")
     try:
-        return read_header(source).embedding
+        header = read_header(source)
     except NotGgufError as exc:
         where = key_path("models", model.name, "path")
         what = model.path if fd is None else f"the copy of {model.path}"
         raise ConfigError(f"{where}: {what} is {exc}") from None
+    return ModelTraits(
+        header.embedding if model.embedding is None else model.embedding,
+        context_of(model, header),
+    )
+
+
+def context_of(model: ModelConfig, header: GgufHeader) -> int:
+    """The context `model` runs with: its config's `n_ctx`, else the default for the context
+    its GGUF was trained for (config.default_n_ctx)."""
+    return default_n_ctx(header.context_length) if model.n_ctx is None else model.n_ctx
 
 
 # -- the config check ---------------------------------------------------------------------------
@@ -278,7 +297,7 @@ def check_models(
         if model.mmproj is not None:
             _check_projector(label, model)
         trained = header.context_length
-        if trained is not None and model.n_ctx > trained:
+        if trained is not None and model.n_ctx is not None and model.n_ctx > trained:
             warnings.append(
                 f"{label}: {key_path('models', model.name, 'n_ctx')}: {model.n_ctx} is more "
                 f"than the {trained} tokens {model.path.name} was trained for; answers past "
@@ -302,7 +321,7 @@ class VramNeed:
     def of(cls, model: ModelConfig, header: GgufHeader, file_size: int) -> VramNeed:
         if model.n_gpu_layers == 0:
             return cls(0, 0)  # runs on the CPU: holds no device memory
-        return cls(file_size, header.kv_bytes(model.n_ctx) or 0)
+        return cls(file_size, header.kv_bytes(context_of(model, header)) or 0)
 
     @property
     def total(self) -> int:

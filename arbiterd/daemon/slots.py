@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from arbiterd.config import ModelConfig
+from arbiterd.config import STARTER_N_CTX, ModelConfig
+from arbiterd.daemon.modelfile import ModelTraits
 from arbiterd.daemon.workerclient import WorkerClient, WorkerHello
 from arbiterd.errors import InvalidTransitionError
 from arbiterd.events import HandoffEvent
@@ -34,9 +35,11 @@ class Slot:
     worker: WorkerClient | None = None  # set exactly while READY
     residency: ResidencyState | None = None  # the worker's residency state, as it last said
     hello: WorkerHello | None = None  # its last worker's: what runs it; kept across restarts
-    # Serves embeddings only (spec.EMBEDDING requests); decided as its worker is spawned
-    # (modelfile.serves_embeddings), so right whenever `ready` is set.
+    # Serves embeddings only (spec.EMBEDDING requests), and its context; decided as its worker
+    # is spawned (modelfile.model_traits), so right whenever `ready` is set. Until then, the
+    # context is its config's, else STARTER_N_CTX (the trained context is not read yet).
     embedding: bool = False
+    n_ctx: int = 0
     pinned: bool = False
     restarts: int = 0
     failures_in_row: int = 0
@@ -62,6 +65,9 @@ class Slot:
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # set exactly while READY
     # Set, and replaced by a fresh one, at every move: `worker_changed` awaits it.
     _moved: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+
+    def __post_init__(self) -> None:
+        self.n_ctx = self.config.n_ctx or STARTER_N_CTX
 
     @property
     def name(self) -> str:
@@ -143,8 +149,8 @@ class Slot:
     def pin(self, pinned: bool) -> None:
         self.pinned = pinned
 
-    def serves_embeddings(self, embedding: bool) -> None:
-        self.embedding = embedding
+    def decided(self, traits: ModelTraits) -> None:
+        self.embedding, self.n_ctx = traits.embedding, traits.n_ctx
 
     def file_missing(self) -> None:
         """A start did not find its model file: that, not a retry, is what is awaited."""

@@ -404,7 +404,7 @@ class Supervisor:
             name=slot.name,
             aliases=slot.config.aliases,
             path=str(slot.config.path),
-            n_ctx=slot.config.n_ctx,
+            n_ctx=slot.n_ctx,
             parallel=slot.config.parallel,
             devices=slot.config.devices,
             host_copy=slot.config.host_copy.value,

@@ -641,3 +641,20 @@ def test_daemon_help_names_the_defaults_of_its_paths_and_port(
     text = " ".join(capsys.readouterr().out.split())
     for default in ("config.toml", "127.0.0.1:8642", "control.sock", "arena/gpu0"):
         assert default in text
+
+
+def test_a_daemon_not_running_is_said_with_how_to_start_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    socket = str(tmp_path / "none.sock")
+    assert cli.main(["status", "--socket", socket]) == 69
+    err = capsys.readouterr().err
+    assert err.startswith(f"arbiterd status: arbiterd is not running (no daemon on {socket})")
+    assert "start it: arbiterd daemon" in err
+    # Once `arbiterd install` has written the unit, the unit is how.
+    unit = tmp_path / "config/systemd/user/arbiterd.service"
+    unit.parent.mkdir(parents=True)
+    unit.write_text("[Service]\n")
+    assert cli.main(["status", "--socket", socket]) == 69
+    assert "start it: systemctl --user start arbiterd.service" in capsys.readouterr().err

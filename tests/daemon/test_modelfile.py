@@ -5,17 +5,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from arbiterd.config import Config, load_config
+from arbiterd.config import STARTER_N_CTX, Config, default_n_ctx, load_config
 from arbiterd.daemon.modelfile import (
     GgufHeader,
+    ModelTraits,
     NotGgufError,
     check_models,
+    model_traits,
     read_header,
-    serves_embeddings,
     vram_budget_for,
 )
 from arbiterd.errors import ConfigError
@@ -95,7 +97,7 @@ def test_the_config_says_what_a_model_serves_else_its_gguf(
     try:
 
         def serves(path: Path, embedding: bool | None) -> bool:
-            return serves_embeddings(model_config("m", path, embedding=embedding), fds[path])
+            return model_traits(model_config("m", path, embedding=embedding), fds[path]).embedding
 
         assert not serves(tiny_model, None)
         assert serves(tiny_embedding_model, None)
@@ -106,13 +108,29 @@ def test_the_config_says_what_a_model_serves_else_its_gguf(
             os.close(fd)
 
 
+def test_a_model_without_n_ctx_gets_4096_or_the_context_it_was_trained_for(
+    tiny_model: Path,
+) -> None:
+    assert DEFAULT_SPEC.n_ctx_train < STARTER_N_CTX
+    unset = model_config("m", tiny_model, n_ctx=None, embedding=False)
+    assert model_traits(unset, None) == ModelTraits(False, DEFAULT_SPEC.n_ctx_train)
+    assert model_traits(replace(unset, n_ctx=8192), None).n_ctx == 8192  # as the user wrote
+    assert (default_n_ctx(None), default_n_ctx(32768), default_n_ctx(1024)) == (4096, 4096, 1024)
+
+
+def test_a_context_left_to_the_gguf_is_no_warning(tmp_path: Path, tiny_model: Path) -> None:
+    config = config_for(tmp_path, tiny_model)
+    unset = replace(config.models["m"], n_ctx=None)
+    assert check_models(replace(config, models={"m": unset})) == []
+
+
 def test_a_copy_that_is_not_a_gguf_fails_its_model(tmp_path: Path) -> None:
     text = tmp_path / "notes.gguf"
     text.write_text("hello")
     fd = os.open(text, os.O_RDONLY)
     try:
         with pytest.raises(ConfigError, match=r"models\.m\.path: the copy of .* is not a GGUF"):
-            serves_embeddings(model_config("m", text), fd)
+            model_traits(model_config("m", text, n_ctx=None), fd)
     finally:
         os.close(fd)
 

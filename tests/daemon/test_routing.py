@@ -13,6 +13,7 @@ import pytest
 
 from arbiterd.arena import Arena
 from arbiterd.daemon import routing
+from arbiterd.daemon.modelfile import ModelTraits
 from arbiterd.daemon.routing import Router
 from arbiterd.daemon.slots import Slot
 from arbiterd.daemon.waiting import Waits
@@ -350,7 +351,7 @@ def test_a_model_whose_worker_failed_to_load_is_refused_at_once() -> None:
 def test_a_request_of_a_kind_its_model_does_not_serve_never_reaches_the_worker() -> None:
     async def scenario() -> tuple[FakeWorker, FakeWorker, Daemon]:
         daemon = Daemon("chat", "embed")
-        daemon.slots["embed"].serves_embeddings(True)
+        daemon.slots["embed"].decided(ModelTraits(embedding=True, n_ctx=2048))
         talker = daemon.serve("chat", FakeWorker("w1"))
         embedder = daemon.serve("embed", FakeWorker("w2"))
         with pytest.raises(RequestError, match="'chat' is not an embedding model"):
