@@ -43,6 +43,15 @@ OLLAMA_DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
 MAX_MANIFEST_BYTES = 1 << 20
 # Characters a model name may not hold, each run made one "-".
 _NOT_IN_NAME_RE = re.compile(r"[^A-Za-z0-9._-]+")
+# A GGUF's general.name that names a training run, not a model: its converter took the run's
+# folder name. A word of it is a run's (an epoch, a step, a data mix: "Smollm2 135M 8k Lc100K
+# Mix1 Ep2", SmolLM2-135M-Instruct's), or the whole name is a folder a trainer writes to.
+_TRAINING_WORD_RE = re.compile(r"(?:ep|epoch|steps?|ckpt|checkpoint|iter|mix|lc)\d+k?", re.I)
+_TRAINING_FOLDER_RE = re.compile(r"(?:checkpoint|merged|output|model|final)(?:[\s_-]*\d+)?", re.I)
+# The quantization a GGUF file's name ends in (".Q4_1", "-q4_k_m", "-UD-IQ3_XXS", "-bf16").
+_QUANT_SUFFIX_RE = re.compile(
+    r"[.-](?:UD-)?(?:I?Q\d(?:_[A-Z0-9]+)*|[BM]?F16|FP16|F32|FP32|MXFP4)$", re.I
+)
 
 
 @dataclass(frozen=True)
@@ -200,8 +209,12 @@ class _Finder:
         if header.architecture == PROJECTOR_ARCHITECTURE:
             return  # a vision model's projector, not a model of its own
         # Ollama's name; else the model's own (general.name), or its file's name when another
-        # model found has that one (two quantizations of one model, say).
-        names = [config_name(text) for text in (suggested, header.name, _stem(path)) if text]
+        # model found has that one (two quantizations of one model, say). A general.name that
+        # names a training run gives way to the file's name, without its quantization first.
+        own = [header.name, _stem(path)]
+        if header.name and training_tag(header.name):
+            own = [_QUANT_SUFFIX_RE.sub("", _stem(path)), _stem(path)]
+        names = [config_name(text) for text in (suggested, *own) if text]
         free = [name for name in names if model_key(name) not in self._names]
         name = free[0] if free else _unique(names[0], self._names)
         self._names.add(model_key(name))
@@ -250,6 +263,15 @@ def config_name(text: str) -> str:
     base = _NOT_IN_NAME_RE.sub("-", base).strip("-.")[: MAX_MODEL_NAME_CHARS - len(suffix)]
     base = base.rstrip("-.") or "model"
     return f"{base}{suffix}"[:MAX_MODEL_NAME_CHARS]
+
+
+def training_tag(name: str) -> bool:
+    """Whether a GGUF's general.name names a training run rather than a model: a word of it
+    is a run's (an epoch, a step, a data mix), or it is the folder a trainer writes to."""
+    words = re.split(r"[\s_-]+", name)
+    return bool(_TRAINING_FOLDER_RE.fullmatch(name.strip())) or any(
+        _TRAINING_WORD_RE.fullmatch(word) for word in words
+    )
 
 
 def _unique(name: str, used: set[str]) -> str:

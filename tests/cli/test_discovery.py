@@ -13,9 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from arbiterd.cli.discovery import FoundModel, config_name, find_models, ollama_name
+from arbiterd.cli.discovery import (
+    FoundModel,
+    config_name,
+    find_models,
+    ollama_name,
+    training_tag,
+)
 from arbiterd.cli.starter import starter_config_text
-from arbiterd.config import load_config
+from arbiterd.config import SMOLLM_FILE, load_config, smollm_model_path
 from arbiterd.render import format_bytes
 from tests.support.daemon import Daemon, openai_client
 from tests.support.ollama_store import add_model, model_blob
@@ -220,6 +226,39 @@ def test_the_environment_moves_ollamas_store_and_the_hugging_face_cache(
 )
 def test_a_suggested_name_is_a_valid_config_name(text: str, name: str) -> None:
     assert config_name(text) == name
+
+
+@pytest.mark.parametrize(
+    ("name", "tag"),
+    [
+        ("Smollm2 135M 8k Lc100K Mix1 Ep2", True),  # SmolLM2-135M-Instruct's GGUF says so
+        ("checkpoint-500", True),
+        ("merged", True),
+        ("Qwen2.5 7B Instruct", False),
+        ("Mistral 7B Instruct v0.2", False),
+        ("Phi 3 Mini 4k Instruct", False),
+        ("Falcon Model 7B", False),
+    ],
+)
+def test_a_gguf_name_of_a_training_run_is_told_from_a_models(name: str, tag: bool) -> None:
+    assert training_tag(name) is tag
+
+
+def test_a_model_whose_gguf_names_its_training_run_is_named_by_its_file(home: Path) -> None:
+    smollm = home / "models" / SMOLLM_FILE
+    smollm.parent.mkdir(parents=True)
+    smollm.symlink_to(smollm_model_path())
+    run = TinyModelSpec(general_name="Tiny 1M Lc8K Ep3")
+    for quantization in ("Q4_K_M", "Q8_0"):
+        write_tiny_llama(home / "models" / f"tiny-1m-{quantization}.gguf", run)
+
+    # The file's name without its quantization; the second quantization keeps its own. (A
+    # folder's symlinks are listed after its files.)
+    assert [m.name for m in found_in(home)] == [
+        "tiny-1m",
+        "tiny-1m-Q8_0",
+        "SmolLM2-135M-Instruct",
+    ]
 
 
 def test_ollama_names_leave_out_the_default_registry_and_namespace() -> None:

@@ -97,6 +97,7 @@ class TinyModelSpec:
     # Set: the GGUF names fill-in-the-middle tokens (tokenizer.ggml.fim_pre/suf/mid_token_id),
     # the vocabulary's last three, as a code model's names its own.
     fim: bool = False
+    general_name: str = "arbiterd-tiny-llama"  # as a converter names the model it wrote
 
     @property
     def head_dim(self) -> int:
@@ -221,7 +222,7 @@ def write_tiny_llama(path: Path, spec: TinyModelSpec = DEFAULT_SPEC) -> Path:
 
     writer = gguf.GGUFWriter(path, "llama")
     try:
-        writer.add_name("arbiterd-tiny-llama")
+        writer.add_name(spec.general_name)
         writer.add_file_type(
             gguf.LlamaFileType.MOSTLY_Q4_0 if spec.quantized else gguf.LlamaFileType.ALL_F32
         )
