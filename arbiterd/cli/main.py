@@ -25,6 +25,7 @@ from arbiterd.cli.demo import main as run_demo
 from arbiterd.cli.discovery import FoundModel, find_models
 from arbiterd.cli.install import Installer, copy_of_this_clone, how_to_start
 from arbiterd.cli.runner import run_holding_token
+from arbiterd.cli.served import Served, configured, served
 from arbiterd.cli.starter import model_tables
 from arbiterd.errors import (
     ArbiterError,
@@ -107,13 +108,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     models = command(
         "models",
-        "list the GGUF models found where Ollama, LM Studio and others keep them",
+        "list the models arbiterd serves, and the GGUFs found where Ollama, LM Studio and "
+        "others keep them",
         "arbiterd models",
         "arbiterd models --json",
         "arbiterd models --toml >> ~/.config/arbiterd/config.toml",
     )
+    models.add_argument(
+        "--config", type=Path, help="the config whose models are served (and its daemon's socket)"
+    )
     shown = models.add_mutually_exclusive_group()
-    shown.add_argument("--json", action="store_true", help='print {"models": [...]}')
+    shown.add_argument(
+        "--json", action="store_true", help='print {"served": {...}, "models": [...]}'
+    )
     shown.add_argument(
         "--toml",
         action="store_true",
@@ -275,14 +282,29 @@ def _models(args: argparse.Namespace) -> int:
     found = find_models()
     for warning in found.warnings:
         print(f"arbiterd models: warning: {warning}", file=sys.stderr)
-    if args.json:
-        print(json.dumps({"models": [model.to_json() for model in found.models]}))
-        return 0
     if args.toml:
-        tables = model_tables(found.models)
+        # Appended to the config, a model it serves already would be a second table for one
+        # file (or one name twice); the embedded default's models are not in a file.
+        serving = configured(args.config)
+        new = [m for m in found.models if serving.config is None or not serving.name_of(m.path)]
+        if len(new) < len(found.models):
+            left = ", ".join(m.name for m in found.models if m not in new)
+            print(
+                f"arbiterd models: left out, as {serving.config} serves them already: {left}",
+                file=sys.stderr,
+            )
+        tables = model_tables(new)
         if tables:  # nothing found: nothing printed, and a config it is appended to stays valid
             print("\n".join(tables).lstrip("\n"))
         return 0
+    serving = served(args.config)
+    if args.json:
+        models = [
+            {**model.to_json(), "served_as": serving.name_of(model.path)} for model in found.models
+        ]
+        print(json.dumps({"served": serving.to_json(), "models": models}))
+        return 0
+    print(f"{serving.by}:\n{render_served(serving)}\n")
     if not found.models:
         looked = "\n".join(f"  {place.folder} ({place.source})" for place in found.places)
         print(
@@ -290,14 +312,24 @@ def _models(args: argparse.Namespace) -> int:
             "a model pulled by Ollama or LM Studio, or a .gguf file put in ~/models, is found"
         )
         return 0
-    print(render_models(found.models))
+    print("found (`arbiterd models --toml` prints a [models.NAME] table for each):")
+    print(render_models(found.models, serving))
     return 0
 
 
-def render_models(models: list[FoundModel]) -> str:
+def render_served(serving: Served) -> str:
+    """The models served as a table, indented under its heading: NAME (and its aliases), FILE."""
+    rows = [("NAME", "FILE")]
+    rows += [(", ".join((m.name, *m.aliases)), str(m.path)) for m in serving.models]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"  {name.ljust(width)}  {path}" for name, path in rows)
+
+
+def render_models(models: list[FoundModel], serving: Served) -> str:
     """The models found as a table; NAME is what the starter config serves each under (and its
-    aliases: its other names in Ollama's store)."""
-    rows = [("NAME", "SIZE", "ARCH", "CONTEXT", "CHAT TEMPLATE", "SOURCE", "PATH")]
+    aliases: its other names in Ollama's store); SERVED, the name the daemon serves its file
+    under, if it does."""
+    rows = [("NAME", "SIZE", "ARCH", "CONTEXT", "CHAT TEMPLATE", "SOURCE", "SERVED", "PATH")]
     rows += [
         (
             ", ".join((model.name, *model.aliases)),
@@ -306,6 +338,7 @@ def render_models(models: list[FoundModel]) -> str:
             "?" if model.context_length is None else str(model.context_length),
             "yes" if model.chat_template else "no",
             model.source,
+            serving.name_of(model.path) or "-",
             str(model.path),
         )
         for model in models

@@ -21,9 +21,15 @@ from arbiterd.cli.discovery import (
     training_tag,
 )
 from arbiterd.cli.starter import starter_config_text
-from arbiterd.config import SMOLLM_FILE, load_config, smollm_model_path
+from arbiterd.config import (
+    EMBEDDED_CHAT_MODEL_NAME,
+    EMBEDDED_MODEL_NAME,
+    SMOLLM_FILE,
+    load_config,
+    smollm_model_path,
+)
 from arbiterd.render import format_bytes
-from tests.support.daemon import Daemon, openai_client
+from tests.support.daemon import Daemon, openai_client, serving, tiny
 from tests.support.ollama_store import add_model, model_blob
 from tests.support.tiny_gguf import DEFAULT_SPEC, TinyModelSpec, write_tiny_llama
 
@@ -320,7 +326,8 @@ def arbiterd_at_home(home: Path, *args: str) -> subprocess.CompletedProcess[str]
     """`arbiterd ARGS` run by a user whose home is `home`, with no model places moved."""
     env = {k: v for k, v in os.environ.items() if k not in {"OLLAMA_MODELS", "HF_HOME"}}
     env |= {"HOME": str(home)}
-    for name in ("HF_HUB_CACHE", "LLAMA_CACHE"):
+    # Nor a daemon of the user running the tests, nor a config of theirs.
+    for name in ("HF_HUB_CACHE", "LLAMA_CACHE", "XDG_RUNTIME_DIR", "XDG_CONFIG_HOME"):
         env.pop(name, None)
     return subprocess.run(
         [sys.executable, "-m", "arbiterd", *args],
@@ -343,22 +350,28 @@ def test_models_json_lists_what_was_found_and_warns_on_stderr(
     done = arbiterd_models(home, "--json")
 
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == {
-        "models": [
-            {
-                "name": "llama3.2:3b",
-                "path": str(model_blob(manifest)),
-                "size_bytes": tiny_model.stat().st_size,
-                "source": "ollama",
-                "architecture": "llama",
-                "context_length": DEFAULT_SPEC.n_ctx_train,
-                "chat_template": True,
-                "ollama_name": "llama3.2:3b",
-                "mmproj": None,
-                "aliases": [],
-            }
-        ]
-    }
+    listed = json.loads(done.stdout)
+    assert listed["served"]["pid"] is None  # not running: what the embedded default serves
+    assert listed["served"]["config"] is None
+    assert [m["name"] for m in listed["served"]["models"]] == [
+        EMBEDDED_CHAT_MODEL_NAME,
+        EMBEDDED_MODEL_NAME,
+    ]
+    assert listed["models"] == [
+        {
+            "name": "llama3.2:3b",
+            "path": str(model_blob(manifest)),
+            "size_bytes": tiny_model.stat().st_size,
+            "source": "ollama",
+            "architecture": "llama",
+            "context_length": DEFAULT_SPEC.n_ctx_train,
+            "chat_template": True,
+            "ollama_name": "llama3.2:3b",
+            "mmproj": None,
+            "aliases": [],
+            "served_as": None,
+        }
+    ]
     assert done.stderr == (
         f"arbiterd models: warning: skipped {gone}: its model blob {model_blob(gone)} is missing\n"
     )
@@ -389,10 +402,14 @@ def test_models_prints_a_table(home: Path, tiny_model: Path, plain_model: Path) 
     done = arbiterd_models(home)
 
     assert done.returncode == 0, done.stderr
-    header, *rows = [line.split("  ") for line in done.stdout.splitlines()]
+    served, found = done.stdout.split("\n\n")
+    assert served.startswith("served by the embedded default once arbiterd runs")
+    assert f"  {EMBEDDED_CHAT_MODEL_NAME}  {smollm_model_path()}" in served
+    heading, header, *rows = [line.split("  ") for line in found.splitlines()]
+    assert heading == ["found (`arbiterd models --toml` prints a [models.NAME] table for each):"]
     cells = [[cell.strip() for cell in row if cell.strip()] for row in (header, *rows)]
     assert cells == [
-        ["NAME", "SIZE", "ARCH", "CONTEXT", "CHAT TEMPLATE", "SOURCE", "PATH"],
+        ["NAME", "SIZE", "ARCH", "CONTEXT", "CHAT TEMPLATE", "SOURCE", "SERVED", "PATH"],
         [
             "llama3.2:3b",
             format_bytes(tiny_model.stat().st_size),
@@ -400,6 +417,7 @@ def test_models_prints_a_table(home: Path, tiny_model: Path, plain_model: Path) 
             str(DEFAULT_SPEC.n_ctx_train),
             "yes",
             "ollama",
+            "-",
             str(model_blob(manifest)),
         ],
         [
@@ -409,16 +427,45 @@ def test_models_prints_a_table(home: Path, tiny_model: Path, plain_model: Path) 
             "1024",
             "no",
             "models",
+            "-",
             str(plain),
         ],
     ]
+
+
+def test_models_lists_what_the_running_daemon_serves_and_toml_leaves_it_out(
+    home: Path, tiny_model: Path, plain_model: Path
+) -> None:
+    mine = copy(tiny_model, home / "models/tiny.gguf")
+    plain = copy(plain_model, home / "models/plain.gguf")
+    with serving({"chat": tiny(mine)}) as daemon:
+        listed = arbiterd_models(home, "--config", str(daemon.config))
+        pasted = arbiterd_models(home, "--config", str(daemon.config), "--toml")
+
+    assert listed.returncode == 0, listed.stderr
+    served, found = listed.stdout.split("\n\n")
+    assert served.splitlines() == [
+        f"served by the running daemon (pid {daemon.process.pid}):",
+        "  NAME  FILE",
+        f"  chat  {mine}",
+    ]
+    rows = {row.split()[-1]: row.split() for row in found.splitlines()[2:]}
+    assert rows[str(mine)][-2] == "chat"  # the file the daemon serves as chat
+    assert rows[str(plain)][-2] == "-"
+    # Appended to the config, a second table for the file it serves would be one too many.
+    assert pasted.returncode == 0, pasted.stderr
+    assert pasted.stdout.count("[models.") == 1
+    assert f'path = "{plain}"' in pasted.stdout
+    assert pasted.stderr == (
+        f"arbiterd models: left out, as {daemon.config} serves them already: {rows[str(mine)][0]}\n"
+    )
 
 
 def test_models_with_nothing_found_says_where_it_looked(home: Path) -> None:
     done = arbiterd_models(home)
 
     assert done.returncode == 0
-    assert done.stdout.startswith("no GGUF models found; looked in:\n")
+    assert "\n\nno GGUF models found; looked in:\n" in done.stdout
     assert f"  {home / '.ollama/models'} (ollama)\n" in done.stdout
     assert f"  {home / '.cache/huggingface/hub'} (huggingface)\n" in done.stdout
     assert f"  {home / '.lmstudio/models'} (lm-studio)\n" in done.stdout
