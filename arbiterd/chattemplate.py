@@ -7,7 +7,8 @@ the tools are described in the system turn, with the one answer shape that calls
 object {"name": ..., "arguments": {...}} (toolcalls.call_schema, which a forced tool_choice's
 grammar constrains the answer to; toolcalls.CallReader reads it back either way). Earlier
 calls in the conversation become the assistant's text in that shape, and tool results a user
-turn that names the tool, so templates that know only user/assistant/system still render them.
+turn that names the tool, so templates that know only user/assistant/system still render them;
+results the answer follows end by asking for that answer (ANSWER_RESULTS).
 
 Shared and pure: imports jinja2 only, so config.py checks templates without llama.cpp and
 the worker (engine/prepare.py) renders tools with the same module.
@@ -23,6 +24,9 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+# Closes tool results that the answer follows. Without it, SmolLM2-135M-Instruct called the
+# same tool again after its result, 6 times of 6 (benchmarks/tool_results.py measures it).
+ANSWER_RESULTS = "With these results, answer my request above in plain words."
 # What a template is rendered with when it is checked: one user turn.
 SAMPLE_MESSAGES = ({"role": "user", "content": "Hello"},)
 
@@ -120,6 +124,8 @@ def generic_tool_messages(messages: list[Any], tools: list[dict[str, Any]]) -> l
         else:
             shaped.append(message)
         results_open = is_result
+    if results_open:  # the answer comes next: to the results, not the same call again
+        shaped[-1] = {**shaped[-1], "content": shaped[-1]["content"] + "\n\n" + ANSWER_RESULTS}
     first = shaped[0] if shaped else None
     if isinstance(first, dict) and first.get("role") == "system":
         content = first.get("content")

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from arbiterd.chattemplate import generic_tool_messages, template_problem
+from arbiterd.chattemplate import ANSWER_RESULTS, generic_tool_messages, template_problem
 from arbiterd.errors import RequestError
 from arbiterd.spec import Capability, ModelSpec, capabilities
 from arbiterd.worker.engine import ReloadBackend
@@ -72,9 +72,25 @@ def test_earlier_calls_and_results_become_turns_any_template_renders() -> None:
     call = {"name": "get_weather", "arguments": {"city": "Oslo"}}
     assert json.loads(shaped[2]["content"]) == call
     # Two results in a row are one user turn: templates that make roles alternate render it.
+    # The answer follows them: they end by asking for it (not for the same call again).
     assert shaped[3]["content"] == (
         "The result of get_weather (call_1): sunny\nThe result of get_weather (call_1): 12 C"
+        f"\n\n{ANSWER_RESULTS}"
     )
+
+
+def test_only_the_results_the_answer_follows_ask_for_it() -> None:
+    later = [*CALLED, {"role": "assistant", "content": "Sunny, 12 C."}, *ASK]
+    shaped = generic_tool_messages(later, [WEATHER])
+    assert [m["role"] for m in shaped] == [
+        "system",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+        "user",
+    ]
+    assert ANSWER_RESULTS not in json.dumps(shaped)
 
 
 # -- checking a template from the config ------------------------------------------------------
@@ -124,7 +140,7 @@ def test_capabilities_follow_the_template_the_config_and_the_kind() -> None:
 
 @pytest.fixture
 def engine(tiny_model: Path) -> Iterator[ReloadBackend]:
-    backend = ReloadBackend(ModelSpec(name="plain", path=tiny_model, n_ctx=512, n_gpu_layers=0))
+    backend = ReloadBackend(ModelSpec(name="plain", path=tiny_model, n_ctx=1024, n_gpu_layers=0))
     backend.load()
     try:
         yield backend
