@@ -12,15 +12,13 @@ import pytest
 
 from arbiterd.config import STARTER_N_CTX, Config, default_n_ctx, load_config
 from arbiterd.daemon.modelfile import (
-    GgufHeader,
     ModelTraits,
-    NotGgufError,
     check_models,
     model_traits,
-    read_header,
     vram_budget_for,
 )
 from arbiterd.errors import ConfigError
+from arbiterd.ggufheader import GgufHeader, NotGgufError, read_header
 from tests.support.models import model_config
 from tests.support.tiny_gguf import DEFAULT_SPEC, TinyModelSpec, write_tiny_llama
 from tests.support.tiny_mmproj import write_tiny_mmproj
