@@ -42,6 +42,10 @@ _NUMBERS = frozenset(
         "value_length",
     }
 )
+# Read too when met before the reading stops, but never waited for: the attention window of a
+# model whose layers alternate sliding-window and full attention (gemma-2/3), which the compute
+# buffers' masks follow (arbiterd/footprint.py).
+_WHEN_MET = frozenset({"sliding_window"})
 _INTEGER_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
 MAX_DIMS = 4  # GGML_MAX_DIMS
 # ggml's tensor types (ggml.h `enum ggml_type`) by (elements per block, bytes per block), as
@@ -136,7 +140,8 @@ class GgufHeader:
     pooling_type: int | None
     # The integers that size the KV cache, those the file has: `<architecture>.block_count`,
     # `.embedding_length`, and `<architecture>.attention.head_count`, `.head_count_kv`,
-    # `.key_length`, `.value_length` (by their last part).
+    # `.key_length`, `.value_length` (by their last part); `.sliding_window` where the reading
+    # met it.
     shape: Mapping[str, int] = field(default_factory=dict)
     name: str | None = None  # `general.name`, as its converter wrote it ("SmolLM2 135M Instruct")
     # Whether the metadata holds a non-empty `tokenizer.chat_template`; None: not known, the
@@ -214,13 +219,13 @@ def _read_after_magic(f: BinaryIO, *, all_metadata: bool, tensors: bool) -> Gguf
         elif (
             architecture
             and prefix in (architecture, f"{architecture}.attention")
-            and name in _NUMBERS
+            and (name in _NUMBERS or name in _WHEN_MET)
             and kind in _INTEGER_FORMATS
         ):
             (numbers[name],) = _unpack(f, _INTEGER_FORMATS[kind])
         else:
             _skip_value(f, kind)
-        if not all_metadata and architecture is not None and len(numbers) == len(_NUMBERS):
+        if not all_metadata and architecture is not None and _NUMBERS <= numbers.keys():
             break  # all we need; the tokenizer's arrays after it can be megabytes
     # A file without some of them is read to the end of its metadata: ~0.1 s for the 262,144
     # tokens of gemma-3's vocabulary.
