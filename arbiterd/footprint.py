@@ -41,11 +41,13 @@ _NO_KV = frozenset({"bert", "eurobert", "jina-bert-v2", "jina-bert-v3", "modern-
 # Tensors of the input layer, kept on the CPU whatever the placement (llama.cpp's dev_input).
 _INPUT_TENSORS = ("token_embd.", "token_types.", "position_embd.", "per_layer_token_embd.")
 TIED_OUTPUT = "token_embd.weight"  # the output matrix of a model without `output.weight`
-# Architectures whose tied output llama.cpp multiplies where the input embeddings are, on the
-# CPU, leaving no copy on the output layer's device (measured: gemma-3-270m on Vulkan0, whose
-# output layer is offloaded, holds its blocks' weights alone); the others get a copy there
-# (measured: SmolLM2, a llama, holds its 28.7 MiB token_embd twice on Vulkan0 and the CPU).
-_TIED_OUTPUT_ON_CPU = frozenset({"gemma3"})
+# The largest buffer a Vulkan shader can bind (VkPhysicalDeviceLimits.maxStorageBufferRange): a
+# weight larger than that cannot be used on the device, and llama.cpp keeps it on the CPU. Mesa's
+# llvmpipe reports 128 MiB, hardware drivers commonly 4 GiB. Measured on llvmpipe: gemma-3-270m's
+# tied output (170 MiB) stays on the CPU, which then computes the logits; SmolLM2's (28.7 MiB) is
+# copied to the device, as both are to an RPC server.
+LLVMPIPE_STORAGE_RANGE_BYTES = 128 << 20
+VULKAN_STORAGE_RANGE_BYTES = 4 << 30
 # ggml types the CPU repacks at load into its own buffers (ggml-cpu's repack.cpp on x86 with
 # AVX2: Q4_0 and Q4_K as 8x8 blocks, IQ4_NL likewise) when a matrix's rows come in eights:
 # Q4_0, Q4_K, IQ4_NL. The token embeddings are read by row (GET_ROWS), never repacked.
@@ -74,7 +76,9 @@ class Layout:
     : all on the CPU), `n_gpu_layers` of them offloaded (-1: all), shared out by `split` (the
     devices' proportions; (): evenly); a context of `n_ctx` tokens, `n_ubatch` a micro-batch,
     its KV cache of `cache_type`; `repack`: the CPU repacks the weights it holds
-    (use_extra_bufts on an engine whose CPU has them)."""
+    (use_extra_bufts on an engine whose CPU has them); `largest_weight`: (device, bytes) for
+    each device that cannot take a weight larger than that (a Vulkan device's storage range),
+    which then stays on the CPU."""
 
     n_ctx: int
     devices: tuple[str, ...] = ()
@@ -83,6 +87,7 @@ class Layout:
     n_ubatch: int = 512
     cache_type: str = "f16"
     repack: bool = False
+    largest_weight: tuple[tuple[str, int], ...] = ()
 
 
 def predict(header: GgufHeader, layout: Layout) -> tuple[DeviceFootprint, ...]:
@@ -97,21 +102,27 @@ def predict(header: GgufHeader, layout: Layout) -> tuple[DeviceFootprint, ...]:
     per token) — plus the attention masks, which live through the layers."""
     n_layer = header.shape.get("block_count", 0)
     where = _layer_devices(n_layer, layout)
-    output_device = where[n_layer]
+    largest = dict(layout.largest_weight)
     tensors = {t.name: t for t in header.tensors}
-    tied = "output.weight" not in tensors and TIED_OUTPUT in tensors
-    output_on_cpu = tied and header.architecture in _TIED_OUTPUT_ON_CPU
     weights: dict[str, int] = {}
     for tensor in header.tensors:
         device = _device_of(tensor.name, where, n_layer)
+        if tensor.nbytes > largest.get(device, tensor.nbytes):
+            device = CPU
         if device != CPU:
             weights[device] = weights.get(device, 0) + tensor.nbytes
         elif layout.repack and _repacked(tensor):
             weights[CPU] = weights.get(CPU, 0) + tensor.nbytes
-    if tied and not output_on_cpu and output_device != CPU:
-        weights[output_device] = weights.get(output_device, 0) + tensors[TIED_OUTPUT].nbytes
+    # A model without an output matrix multiplies by its token embeddings: a copy of them goes
+    # to the output layer's device, where it fits (on the CPU the embeddings themselves serve).
+    output = tensors.get("output.weight") or tensors.get(TIED_OUTPUT)
+    output_device = where[n_layer]
+    if output is None or output.nbytes > largest.get(output_device, output.nbytes):
+        output_device = CPU
+    elif output.name == TIED_OUTPUT and output_device != CPU:
+        weights[output_device] = weights.get(output_device, 0) + output.nbytes
     kv = _kv(header, layout, where[:n_layer])
-    compute = _compute(header, layout, where, CPU if output_on_cpu else output_device)
+    compute = _compute(header, layout, where, output_device)
     order = [CPU, *layout.devices]
     found = [
         DeviceFootprint(d, weights.get(d, 0), kv.get(d, 0), compute.get(d, 0))

@@ -225,7 +225,7 @@ def _read_after_magic(f: BinaryIO, *, all_metadata: bool, tensors: bool) -> Gguf
             (numbers[name],) = _unpack(f, _INTEGER_FORMATS[kind])
         else:
             _skip_value(f, kind)
-        if not all_metadata and architecture is not None and _NUMBERS <= numbers.keys():
+        if not all_metadata and architecture is not None and numbers.keys() >= _NUMBERS:
             break  # all we need; the tokenizer's arrays after it can be megabytes
     # A file without some of them is read to the end of its metadata: ~0.1 s for the 262,144
     # tokens of gemma-3's vocabulary.

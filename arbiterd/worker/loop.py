@@ -85,6 +85,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from arbiterd import footprint
 from arbiterd.arena import Arena, ArenaState, Gateway, Hold, Place, Priority
 from arbiterd.arena.devices import device_arenas
 from arbiterd.arena.doorbell import SAFETY_PROBE_S, Doorbell
@@ -102,6 +103,7 @@ from arbiterd.errors import (
     WorkerGoneError,
 )
 from arbiterd.events import PassedOverEvent, RequestEvent, ResidencyEvent
+from arbiterd.footprint import DeviceFootprint
 from arbiterd.paths import DeviceKind, parse_device_id
 from arbiterd.procs import holder_name
 from arbiterd.request import GenerateRequest, RequestKind
@@ -156,6 +158,9 @@ LOAD_RETRY_S = 1.0
 # The window the status's tokens per second is measured over.
 RATE_WINDOW_S = 1.0
 LOAD_RETRY_MAX_S = 30.0
+# A footprint prediction off the measured one by more than this share of it is logged with both
+# figures (issue 44, "Bad input").
+FOOTPRINT_FAR_OFF = 0.25
 
 
 @dataclass(frozen=True)
@@ -259,6 +264,9 @@ class Worker:
         self._rate_since = time.monotonic()
         self._rate_tokens = 0
         self._last_error = ""
+        # Its footprint by the engine's figures, as it was when it last became warm (issue 44);
+        # () until it first is, or where the engine cannot tell.
+        self._footprint: tuple[DeviceFootprint, ...] = ()
         self._retry_load = False  # the last load failed for a device out of reach: try again
         self._warm_since = time.monotonic()
         self._idle_since = time.monotonic()
@@ -986,7 +994,32 @@ class Worker:
             event = dataclasses.replace(event, turn_served=self._served - self._served_when_warm)
         elif expected is ResidencyState.WARMING and event.duration_s is not None:
             self._handoff = self._handoff.restored(event.duration_s)
+        if new is ResidencyState.WARM:
+            self._measure_footprint()
         self._emit(event)
+
+    def _measure_footprint(self) -> None:
+        """Take the footprint by the engine's figures, now warm; the first time, a prediction
+        off by more than FOOTPRINT_FAR_OFF is logged with both."""
+        measured = self._backend.footprint()
+        if not measured:
+            return
+        first, self._footprint = not self._footprint, measured
+        predicted = self._backend.predicted_footprint
+        if not first or not predicted:
+            return
+        off = footprint.error(predicted, measured)
+        if abs(off) > FOOTPRINT_FAR_OFF:
+            log.warning(
+                "%s: its footprint was predicted at %d bytes and measured at %d (%+.0f %%):"
+                " predicted %s, measured %s",
+                self.name,
+                footprint.total(predicted),
+                footprint.total(measured),
+                100 * off,
+                [f.to_json() for f in predicted],
+                [f.to_json() for f in measured],
+            )
 
     def _emit(self, event: ResidencyEvent) -> None:
         self._publish()  # first: whoever sees the event and asks for status sees it applied
@@ -1019,6 +1052,12 @@ class Worker:
                 "served": self._served - self._served_when_warm,
             },
             "resident_bytes": self._backend.resident_bytes(),
+            # Issue 44: what it takes of each device, predicted before its first load and
+            # measured when it last became warm.
+            "footprint": {
+                "predicted": [f.to_json() for f in self._backend.predicted_footprint],
+                "measured": [f.to_json() for f in self._footprint],
+            },
             "capabilities": [str(capability) for capability in self._backend.capabilities()],
             "model_info": None if info is None else dataclasses.asdict(info),
             "host_kv_bytes": self._backend.host_kv_bytes(),
@@ -1146,6 +1185,13 @@ class Unavailable:
 
     def resident_bytes(self) -> int:
         return 0
+
+    @property
+    def predicted_footprint(self) -> tuple[DeviceFootprint, ...]:
+        return ()
+
+    def footprint(self) -> tuple[DeviceFootprint, ...]:
+        return ()
 
     def capabilities(self) -> tuple[Capability, ...]:
         return ()

@@ -33,6 +33,7 @@ from arbiterd.errors import (
     RestoreError,
     WorkerError,
 )
+from arbiterd.footprint import DeviceFootprint
 from arbiterd.request import GenerateRequest
 from arbiterd.spec import (
     WORKER_PROTOCOL,
@@ -598,6 +599,13 @@ class FlakyRestore:
 
     def resident_bytes(self) -> int:
         return 100 if self.warm else 0
+
+    @property
+    def predicted_footprint(self) -> tuple[DeviceFootprint, ...]:
+        return ()
+
+    def footprint(self) -> tuple[DeviceFootprint, ...]:
+        return ()
 
     def capabilities(self) -> tuple[Capability, ...]:
         return (Capability.COMPLETION,)

@@ -45,6 +45,7 @@ from typing import Any, Protocol
 import llama_cpp
 
 from arbiterd.errors import ArbiterError, EngineError, ModelLoadError
+from arbiterd.footprint import DeviceFootprint
 from arbiterd.native import ggml, libllama
 from arbiterd.native.libllama import ResidencyApi, probe_residency_api
 from arbiterd.request import GenerateRequest
@@ -113,6 +114,11 @@ class Backend(Protocol):
     def tokens_generated_total(self) -> int: ...
 
     def resident_bytes(self) -> int: ...
+
+    @property
+    def predicted_footprint(self) -> tuple[DeviceFootprint, ...]: ...
+
+    def footprint(self) -> tuple[DeviceFootprint, ...]: ...
 
     def capabilities(self) -> tuple[Capability, ...]: ...
 

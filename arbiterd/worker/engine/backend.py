@@ -32,6 +32,8 @@ from arbiterd.errors import (
     RequestError,
     RestoreError,
 )
+from arbiterd.footprint import DeviceFootprint, Layout, predict
+from arbiterd.ggufheader import NotGgufError, read_header
 from arbiterd.hostcopy import copy_into_memfd
 from arbiterd.native import libllama
 from arbiterd.request import GenerateRequest, RequestKind
@@ -45,7 +47,13 @@ from arbiterd.worker.engine.images import (
     free_device_bytes,
     lay_out,
 )
-from arbiterd.worker.engine.placement import SPLIT_MODES, Placement, place, runs_on_cpu
+from arbiterd.worker.engine.placement import (
+    SPLIT_MODES,
+    Placement,
+    largest_weights,
+    place,
+    runs_on_cpu,
+)
 from arbiterd.worker.engine.prepare import GGUF_TEMPLATE, ChatFormat, Preparer
 from arbiterd.worker.engine.records import Cancelled, ChunkSink, Generation, Moved, Prepared, never
 from arbiterd.worker.engine.vocab import Vocab
@@ -71,6 +79,11 @@ POOLING_TYPES = {
     llama_cpp.LLAMA_POOLING_TYPE_RANK: "rank",
 }
 POOLED = ("mean", "cls", "last")
+# llama-cpp-python's Llama: n_batch = min(n_ctx, 512) and n_ubatch = min(n_batch, 512).
+DEFAULT_UBATCH = 512
+# What llama.cpp's system info says of a CPU that repacks Q4_0/Q4_K/IQ4_NL weights as footprint.py
+# expects (ggml-cpu's x86 repacking needs AVX2).
+REPACKING_CPU = (b"AVX2 = 1", b"REPACK = 1")
 # The KV sequence a vision prompt is laid out in (a vision request runs alone: the decoder's
 # others are idle meanwhile), and its first choice generates in.
 VISION_SLOT = 0
@@ -93,6 +106,9 @@ class LlamaBackend(ABC):
         self.vram_budget = vram_budget
         self._use_mmap = True
         self._placement: Placement | None = None  # its devices, found when it first loads
+        # Its footprint as predicted from its GGUF before it first loaded (issue 44); () until
+        # then, or where the file could not be read for it.
+        self._predicted: tuple[DeviceFootprint, ...] = ()
         self._llm: llama_cpp.Llama | None = None
         self._host_fd: int | None = None
         self._vocab: Vocab | None = None
@@ -156,6 +172,8 @@ class LlamaBackend(ABC):
     def load(self) -> Moved:
         started, read_before = time.monotonic(), disk_read_bytes()
         self.open()
+        if not self._predicted:
+            self._predicted = self._predict()
         self._llm = self._new_llama(ModelLoadError)
         if self._projector is not None:
             self._projector.n_threads = self._llm.context_params.n_threads
@@ -440,6 +458,38 @@ class LlamaBackend(ABC):
             return 0
         free = free_device_bytes()
         return 0 if free is None else resident_bytes + free
+
+    @property
+    def predicted_footprint(self) -> tuple[DeviceFootprint, ...]:
+        return self._predicted
+
+    def footprint(self) -> tuple[DeviceFootprint, ...]:
+        """The footprint by the engine's own figures while warm, per device; () where the
+        engine cannot tell (a subclass that can says)."""
+        return ()
+
+    def _predict(self) -> tuple[DeviceFootprint, ...]:
+        """The footprint footprint.py predicts from the file this worker loads, laid out as
+        `_new_llama` makes the model; () when the file cannot be read for it (the load that
+        follows says why)."""
+        spec = self.spec
+        try:
+            header = read_header(Path(self._model_path(ModelLoadError)), tensors=True)
+        except (OSError, NotGgufError, ModelLoadError) as exc:
+            log.warning("%s: no footprint predicted: %s", spec.name, exc)
+            return ()
+        on_cpu = runs_on_cpu(spec)
+        system = llama_cpp.llama_print_system_info()
+        layout = Layout(
+            n_ctx=spec.n_ctx,
+            devices=() if on_cpu else tuple(d for d in spec.devices if d != "cpu"),
+            n_gpu_layers=spec.n_gpu_layers,
+            split=tuple(spec.tensor_split),
+            n_ubatch=spec.n_ctx if spec.embedding else min(spec.n_ctx, DEFAULT_UBATCH),
+            repack=spec.repack and all(flag in system for flag in REPACKING_CPU),
+            largest_weight=largest_weights(spec, libllama.loaded_libllama()),
+        )
+        return predict(header, layout)
 
     def _free_projector(self) -> int:
         """Free a loaded projector (going cold, closing); the bytes it held on the device, which

@@ -12,6 +12,7 @@ import time
 import llama_cpp
 
 from arbiterd.errors import EngineError, RequestError, ResidencyCallError, RestoreError
+from arbiterd.footprint import CPU, DeviceFootprint
 from arbiterd.native import libllama
 from arbiterd.native.libllama import ResidencyApi
 from arbiterd.spec import KvPolicy, ModelSpec
@@ -163,6 +164,31 @@ class InPlaceBackend(LlamaBackend):
             return self._kept_kv_bytes + self._projector_bytes()
         stats = self._api.stats(context_pointer(llm), self._flags(KvPolicy.HOST))
         return stats.device_bytes + self._projector_bytes()
+
+    def footprint(self) -> tuple[DeviceFootprint, ...]:
+        """The footprint while warm, by the residency stats: what a release would free of the
+        device buffers, and of the host buffers the CPU entry (footprint.py says what counts).
+        The stats add up the devices' buffers: a model on several devices is measured on them
+        together ("gpu0+rpc:…"). The projector, loaded on demand, is not counted."""
+        llm = self._llm
+        if llm is None or self._released or self._swapped_out:
+            return ()
+        ctx = context_pointer(llm)
+        host = self._api.stats(ctx, libllama.HOST_BUFFERS)
+        if self._host_buffers:  # on the CPU: every buffer is a host buffer
+            return (DeviceFootprint(CPU, host.weights_bytes, host.kv_bytes, host.compute_bytes),)
+        device = self._api.stats(ctx, 0)
+        devices = "+".join(d for d in self.spec.devices if d != CPU)
+        found = (
+            DeviceFootprint(
+                CPU,
+                host.weights_bytes - device.weights_bytes,
+                host.kv_bytes - device.kv_bytes,
+                host.compute_bytes - device.compute_bytes,
+            ),
+            DeviceFootprint(devices, device.weights_bytes, device.kv_bytes, device.compute_bytes),
+        )
+        return tuple(f for f in found if f.total_bytes)
 
     def host_kv_bytes(self) -> int:
         return super().host_kv_bytes() + self._kv_in_engine_bytes

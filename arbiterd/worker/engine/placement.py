@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from arbiterd.errors import BadValueError, ModelLoadError
+from arbiterd.footprint import LLVMPIPE_STORAGE_RANGE_BYTES, VULKAN_STORAGE_RANGE_BYTES
 from arbiterd.native import ggml, libllama, rpc
 from arbiterd.paths import DeviceId, DeviceKind, parse_device_id
 from arbiterd.spec import ModelSpec, SplitMode
@@ -62,6 +63,26 @@ def runs_on_cpu(spec: ModelSpec) -> bool:
     if tuple(spec.devices) != DEFAULT_DEVICES:
         return False
     return not _local_gpus(libllama.loaded_libllama())
+
+
+def largest_weights(spec: ModelSpec, library: Path) -> tuple[tuple[str, int], ...]:
+    """(device id, bytes) for each local Vulkan device `spec` names: the largest weight it can
+    use, its storage range (footprint.py), llvmpipe's where the driver runs on the CPU. Asks no
+    RPC server: their devices take any weight their memory holds."""
+    local = _local_gpus(library)
+    limits = []
+    for text in spec.devices:
+        try:
+            device = parse_device_id(text)
+        except BadValueError:
+            continue  # the load says what is wrong with it
+        if device.kind is not DeviceKind.GPU or device.index >= len(local):
+            continue
+        found = local[device.index]
+        if found.name.startswith("Vulkan"):
+            limit = LLVMPIPE_STORAGE_RANGE_BYTES if found.on_cpu else VULKAN_STORAGE_RANGE_BYTES
+            limits.append((text, limit))
+    return tuple(limits)
 
 
 def _local_gpus(library: Path) -> list[ggml.Device]:
