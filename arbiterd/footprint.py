@@ -71,6 +71,24 @@ class DeviceFootprint(Record):
 
 
 @dataclass(frozen=True)
+class ModelFootprint(Record):
+    """A model's footprint as status carries it: `predicted` before its first load, `measured`
+    when it last became warm (() until then, or where the engine cannot tell), and `error`,
+    the prediction's (`error`), once both are known."""
+
+    predicted: tuple[DeviceFootprint, ...] = ()
+    measured: tuple[DeviceFootprint, ...] = ()
+    error: float | None = None
+
+    @classmethod
+    def of(
+        cls, predicted: Sequence[DeviceFootprint], measured: Sequence[DeviceFootprint]
+    ) -> ModelFootprint:
+        off = round(error(predicted, measured), 4) if predicted and measured else None
+        return cls(tuple(predicted), tuple(measured), off)
+
+
+@dataclass(frozen=True)
 class Layout:
     """How a model is made, besides its file: `devices`, the ids its layers go to in order (()
     : all on the CPU), `n_gpu_layers` of them offloaded (-1: all), shared out by `split` (the

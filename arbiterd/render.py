@@ -35,6 +35,7 @@ from arbiterd.events import (
     WaitEvent,
     WorkerEvent,
 )
+from arbiterd.footprint import ModelFootprint, error, matched
 from arbiterd.states import CpuCause, ResidencyState
 
 NONE = "—"  # what a missing name or figure shows as
@@ -169,6 +170,22 @@ def placement(devices: Sequence[str]) -> str:
     if tuple(devices) in ((), _DEFAULT_DEVICES):
         return ""
     return "on " + " + ".join(devices)
+
+
+def footprint_text(footprint: ModelFootprint) -> str:
+    """Each device's footprint, predicted and measured, with the prediction's error (issue 44):
+    "gpu0 predicted 102.9 MiB, measured 104.7 MiB (-1.7 %); cpu ..."."""
+    parts = []
+    for device, guess, found in matched(footprint.predicted, footprint.measured):
+        said = [] if guess is None else [f"predicted {format_bytes(guess.total_bytes)}"]
+        if found is not None:
+            said.append(f"measured {format_bytes(found.total_bytes)}")
+            if guess is not None:
+                said[-1] += f" ({100 * error([guess], [found]):+.1f} %)"
+        parts.append(f"{device} " + ", ".join(said))
+    if not footprint.measured:
+        parts.append("not measured yet")
+    return "; ".join(parts)
 
 
 def grouped(pairs: Iterable[tuple[str, str]]) -> list[tuple[list[str], str]]:

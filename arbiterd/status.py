@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from arbiterd.events import DeviceMemory, HandoffEvent, ProcessMemory, Record
+from arbiterd.footprint import ModelFootprint
 from arbiterd.states import (
     TROUBLE,
     WITHOUT_WORKER,
@@ -71,7 +72,9 @@ class ModelStatus(Record):
     `trained_context` and `chat_template`: what its GGUF says (the template the config's
     chat_template replaces it with), as its worker read them; "" and 0 until then.
     `sequences` and `tokens_per_s`: the requests its worker decodes together now (up to
-    `parallel`) and the tokens they generate a second (issue 42)."""
+    `parallel`) and the tokens they generate a second (issue 42). `footprint`: what it takes
+    of each device, predicted from its GGUF and measured by the engine once warm (issue 44,
+    arbiterd/footprint.py); None while it has no worker, or from a worker from before."""
 
     name: str = ""
     aliases: tuple[str, ...] = ()
@@ -108,6 +111,7 @@ class ModelStatus(Record):
     stale_s: float | None = None
     silent_s: float | None = None
     turn: Turn | None = None  # None: no worker, or one from before turns
+    footprint: ModelFootprint | None = None
 
     def to_json(self) -> dict[str, Any]:
         obj = super().to_json()

@@ -450,6 +450,11 @@ def render_status(status: DaemonStatus) -> str:
     for names, can in render.grouped(capabilities):
         lines.append(f"capabilities ({', '.join(names)}): {can}")
     lines += [f"file ({m.name}): {m.path}" for m in models if m.path]
+    lines += [
+        f"footprint ({m.name}): {render.footprint_text(m.footprint)}"
+        for m in models
+        if m.footprint is not None and (m.footprint.predicted or m.footprint.measured)
+    ]
     for names, reason in render.grouped((m.name, m.fallback_reason) for m in models):
         lines.append(f"backend reload ({', '.join(names)}): {reason}")
     lines += [_turn_line(m.name, m.turn) for m in models if m.turn and m.turn.quantum_s]

@@ -72,6 +72,7 @@ from arbiterd.events import (
     VramEvent,
     parse_event,
 )
+from arbiterd.footprint import ModelFootprint
 from arbiterd.offload import CpuNote, cpu_note, gpu_nodes, setup_script
 from arbiterd.paths import device_arena_of
 from arbiterd.procs import WaitNews, holder_name, waiter_name
@@ -442,6 +443,7 @@ class Supervisor:
             stale_s=stale_s,
             silent_s=self._silence(slot, worker),
             turn=Turn.from_json(live["turn"]) if isinstance(live.get("turn"), dict) else None,
+            footprint=_footprint(live.get("footprint")),
         )
         return self._host_ram(slot, report)
 
@@ -996,3 +998,12 @@ class Supervisor:
     def _on_leak(self, event: Event) -> None:
         log.warning("VRAM not freed after release: %s", event.to_json())
         self._bus.publish(event)
+
+
+def _footprint(raw: object) -> ModelFootprint | None:
+    """A worker status's "footprint" (issue 44) with the prediction's error; None from a worker
+    that does not say."""
+    if not isinstance(raw, dict):
+        return None
+    said = ModelFootprint.from_json(raw)
+    return ModelFootprint.of(said.predicted, said.measured)
