@@ -33,6 +33,11 @@ from arbiterd.ggufheader import GgufHeader, Tensor
 CPU = "cpu"
 KV_CELL_ROUNDING = 256  # llama.cpp rounds n_ctx up to whole 256s (n_ctx 1000 gets 1024 cells)
 F32_BYTES = 4  # activations, logits and attention masks are f32
+# Over several devices llama.cpp pipelines micro-batches: its scheduler keeps this many copies
+# of the graph's inputs (GGML_SCHED_MAX_COPIES), the masks among them. Measured: the tiny model
+# on two RPC servers holds 9.2 MiB of host compute buffers (2.4 MiB on one) and 19.2 MiB on the
+# servers (10.6 MiB on one).
+PIPELINE_COPIES = 4
 # Bytes per element of the KV cache's types (llama_context_params type_k/type_v; ggml's blocks).
 CACHE_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 # Architectures without a KV cache: they encode each input at once (ggufheader's encoder-only).
@@ -266,11 +271,12 @@ def _compute(
     attention = tokens * cells * heads * F32_BYTES + stream
     feed_forward = 3 * tokens * n_ff * F32_BYTES + stream
     output = tokens * n_vocab * F32_BYTES + 2 * tokens * n_embd * F32_BYTES
+    copies = PIPELINE_COPIES if len(set(where) - {CPU}) > 1 else 1
     found: dict[str, int] = {}
     for device in dict.fromkeys(where[:-1]):
-        found[device] = masks + max(attention, feed_forward)
+        found[device] = copies * masks + max(attention, feed_forward)
     if CPU not in found:  # the CPU embeds the tokens and hands the masks to the devices
-        found[CPU] = masks + stream
+        found[CPU] = copies * (masks + stream)
     found[output_device] = max(found.get(output_device, 0), output)
     return found
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from arbiterd.events import DeviceMemory, HandoffEvent, ProcessMemory, Record
+from arbiterd.footprint import DeviceFootprint, ModelFootprint
 from arbiterd.states import BackendKind, ResidencyState, SlotState
 from arbiterd.status import (
     DaemonStatus,
@@ -40,6 +41,8 @@ RECORDS: tuple[type[Record], ...] = (
     Engine,
     Telemetry,
     Turn,
+    ModelFootprint,
+    DeviceFootprint,
     DeviceMemory,
     ProcessMemory,
 )
