@@ -28,8 +28,10 @@ class Members:
         self.arena = arena
         self.holds: list[GateHold] = []
 
-    def enter(self, name: str, timeout_s: float = 10) -> GateHold:
-        ticket = Gate(self.arena, "pair").queue(Priority.NORMAL)
+    def enter(
+        self, name: str, timeout_s: float = 10, *, footprint: int | None = None, group: str = "pair"
+    ) -> GateHold:
+        ticket = Gate(self.arena, group, name, lambda: footprint).queue(Priority.NORMAL)
         cancel = threading.Event()
         timer = threading.Timer(timeout_s, cancel.set)
         timer.start()
@@ -143,7 +145,7 @@ def test_a_member_waits_at_the_gate_while_an_outsider_waits(
 def test_a_member_waiting_at_a_shut_gate_can_give_up(arena: Arena) -> None:
     # No keeper runs: the gate never opens.
     Keeper(arena, "pair")  # makes the files; never started
-    ticket = Gate(arena, "pair").queue(Priority.NORMAL)
+    ticket = Gate(arena, "pair", "a").queue(Priority.NORMAL)
     cancel = threading.Event()
     threading.Timer(0.1, cancel.set).start()
     with pytest.raises(AcquireCancelledError):
@@ -176,7 +178,7 @@ import sys, time
 from pathlib import Path
 from arbiterd.arena import Arena, Priority
 from arbiterd.arena.groups import Gate
-ticket = Gate(Arena(Path(sys.argv[1])), "pair").queue(Priority.NORMAL)
+ticket = Gate(Arena(Path(sys.argv[1])), "pair", "victim").queue(Priority.NORMAL)
 hold = ticket.take("victim")
 ticket.leave()
 print("in", flush=True)
@@ -235,8 +237,68 @@ def test_group_names_cannot_leave_the_arena(arena: Arena, name: str) -> None:
 
 
 def test_group_files_are_private(arena: Arena) -> None:
-    Gate(arena, "pair")
+    Gate(arena, "pair", "a")
     folder = group_dir(arena, "pair")
     assert folder.stat().st_mode & 0o777 == 0o700
-    for name in ("gate.lock", "want.lock"):
+    assert (folder / "members").stat().st_mode & 0o777 == 0o700
+    for name in ("gate.lock", "want.lock", "members/a.want.lock", "members/a.admit.lock"):
         assert (folder / name).stat().st_mode & 0o777 == 0o600
+
+
+# -- a fitting set: a group with a budget (issue 44) --------------------------------------------
+
+
+@pytest.fixture
+def fitting_keeper(arena: Arena, members: Members) -> Iterator[Keeper]:
+    keeper = Keeper(arena, "fit", budget=100)
+    keeper.start()
+    yield keeper
+    members.release_all()
+    keeper.stop()
+
+
+def test_members_that_fit_the_budget_are_warm_together(
+    arena: Arena, fitting_keeper: Keeper, members: Members
+) -> None:
+    a = members.enter("a", footprint=40, group="fit")
+    b = members.enter("b", footprint=50, group="fit")
+    assert not a.wanted()
+    assert not b.wanted()
+    assert arena.observe().holder is not None
+    assert [(m.name, m.warm) for m in fitting_keeper.members] == [("a", True), ("b", True)]
+    assert fitting_keeper.withdrawals == 0
+
+
+def test_one_that_does_not_fit_makes_the_least_recently_admitted_leave(
+    arena: Arena, fitting_keeper: Keeper, members: Members
+) -> None:
+    a = members.enter("a", footprint=40, group="fit")
+    b = members.enter("b", footprint=50, group="fit")
+    entered: list[GateHold] = []
+    third = threading.Thread(
+        target=lambda: entered.append(members.enter("c", footprint=30, group="fit"))
+    )
+    third.start()
+    wait_until(a.wanted, 5, "a, admitted first, to be told to leave")
+    assert not b.wanted()
+    assert not entered  # c waits until a has left: never over the budget
+    a.release()
+    third.join(timeout=10)
+    assert entered
+    assert not b.wanted()
+    assert not entered[0].wanted()
+    assert fitting_keeper.withdrawals == 1
+    # The token never moved: the set kept it throughout, nobody outside was involved.
+    state = arena.observe()
+    assert state.holder is not None
+    assert state.holder.name == "group fit"
+
+
+def test_a_member_that_left_is_admitted_anew_when_it_comes_back(
+    arena: Arena, fitting_keeper: Keeper, members: Members
+) -> None:
+    a = members.enter("a", footprint=60, group="fit")
+    a.release()
+    b = members.enter("b", footprint=60, group="fit")  # a's admission ended as it left
+    assert not b.wanted()
+    assert fitting_keeper.withdrawals == 0

@@ -7,6 +7,13 @@ arena and both sides of its protocol (specified in docs/arena-protocol.md § Gro
     groups/NAME/want.lock   LOCK_SH by each member while it waits to become warm
     groups/NAME/leave.lock  LOCK_EX by the keeper from when the group must leave the GPU (an
                             outside waiter, or the keeper stops) until the token is gone
+    groups/NAME/members/MEMBER.want.lock
+                            LOCK_SH by the member while it waits; it holds the member's
+                            footprint (device bytes, decimal text; empty: not known)
+    groups/NAME/members/MEMBER.in.lock
+                            LOCK_SH by the member while it is warm
+    groups/NAME/members/MEMBER.admit.lock
+                            LOCK_EX by the keeper while the member may be warm (issue 44)
 
 - The **keeper** (`Keeper`, a thread of the daemon) holds the arena's token on the group's
   behalf, as one holder named "group NAME". When a member waits, it queues for the token like
@@ -22,6 +29,12 @@ arena and both sides of its protocol (specified in docs/arena-protocol.md § Gro
   instant would each see the other's probe as a waiter (measured: members went cold for
   nobody), while shared probes never conflict with each other. So members never see each other
   and never hand the GPU to each other.
+- **Admission** (issue 44): a member enters only while the keeper holds its admit.lock, and goes
+  cold once the keeper lets go of it. The keeper admits by fitting.plan: every member that waits
+  in a group without a budget (a static group: all are warm together); in a fitting set (a
+  group with a budget, the daemon's automatic set of a device) those that fit beside the ones
+  admitted, withdrawing the least recently admitted ones to make room. A member neither waiting
+  nor warm has its admission withdrawn: each warm spell is admitted anew.
 
 Nobody polls (issue 29): each side sleeps on a doorbell (doorbell.py) armed on the files the
 other side opens or closes, and probes the locks when it rings. A member waits to be warm on
@@ -41,9 +54,11 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+from arbiterd.arena import fitting
 from arbiterd.arena.doorbell import SAFETY_PROBE_S, Bell, Change, Doorbell, ring
 from arbiterd.arena.locks import (
     CANCEL_POLL_S,
@@ -65,6 +80,13 @@ GROUPS_DIR = "groups"
 GATE_FILE = "gate.lock"
 GROUP_WANT_FILE = "want.lock"
 LEAVE_FILE = "leave.lock"
+MEMBERS_DIR = "members"
+# A member's own lock files, MEMBER + each suffix.
+WANT = ".want.lock"
+IN = ".in.lock"
+ADMIT = ".admit.lock"
+# The most a want lock's footprint text may be: a decimal byte count.
+FOOTPRINT_MAX_BYTES = 32
 
 
 def group_dir(arena: Arena, group: str) -> Path:
@@ -80,7 +102,7 @@ def keeper_name(group: str) -> str:
 
 
 class _Files:
-    """A group's three lock files, created once and never unlinked (as the arena's own)."""
+    """A group's lock files, created once and never unlinked (as the arena's own)."""
 
     def __init__(self, arena: Arena, group: str) -> None:
         self.arena = arena
@@ -88,6 +110,8 @@ class _Files:
         path = group_dir(arena, group)
         arena.ensure_dir(path.parent)
         arena.ensure_dir(path)
+        self.members_path = path / MEMBERS_DIR
+        arena.ensure_dir(self.members_path)
         self.gate_path = path / GATE_FILE
         self.want_path = path / GROUP_WANT_FILE
         self.leave_path = path / LEAVE_FILE
@@ -102,19 +126,45 @@ class _Files:
         holder = self.arena.observe().holder  # only when it names the token's live owner
         return holder is not None and holder.name == self.holder_name
 
+    def member_path(self, member: str, kind: str) -> Path:
+        """A member's lock file of `kind` (WANT, IN or ADMIT)."""
+        if not member or "/" in member or member.startswith("."):
+            raise BadValueError(f"member name {member!r}: a model name")
+        return self.members_path / f"{member}{kind}"
+
+    def members(self) -> list[str]:
+        """The members that ever waited, by their want lock files."""
+        try:
+            names = os.listdir(self.members_path)
+        except FileNotFoundError:
+            return []
+        return sorted(n.removesuffix(WANT) for n in names if n.endswith(WANT))
+
 
 class Gate:
-    """A member's way to the GPU: through its group's gate instead of the arena's token."""
+    """A member's way to the GPU: through its group's gate instead of the arena's token.
+    `footprint()` says the device bytes the member holds warm (None: not known yet), for the
+    keeper of a fitting set to count; asked each time it queues."""
 
-    def __init__(self, arena: Arena, group: str) -> None:
+    def __init__(
+        self,
+        arena: Arena,
+        group: str,
+        member: str,
+        footprint: Callable[[], int | None] = lambda: None,
+    ) -> None:
         self._files = _Files(arena, group)
         self.arena = arena
+        self.member = member
+        self._footprint = footprint
+        for kind in (WANT, IN, ADMIT):
+            os.close(arena.open_lock(self._files.member_path(member, kind), create=True))
 
     def queue(self, priority: Priority) -> GateTicket:
         """A place among the group's waiters (the keeper queues in the arena for all of them:
         `priority` does not change its class, the group's configured one)."""
         del priority
-        return GateTicket(self._files)
+        return GateTicket(self._files, self.member, self._footprint())
 
     def observe(self) -> ArenaState:
         """The arena as a member sees it: its own keeper holding the token is the group's
@@ -131,17 +181,28 @@ class Gate:
 
 
 class GateTicket:
-    """A member waiting to be warm: holds the group's want.lock shared until it leaves."""
+    """A member waiting to be warm: holds its own want lock (which says its footprint) and the
+    group's want.lock shared until it leaves."""
 
-    def __init__(self, files: _Files) -> None:
+    def __init__(self, files: _Files, member: str, footprint: int | None) -> None:
         self._files = files
-        fd = files.arena.open_lock(files.want_path)
+        self._member = member
+        fds: list[int] = []
         try:
-            lock(fd, SHARED)
+            own = files.arena.open_lock(files.member_path(member, WANT))
+            fds.append(own)
+            data = b"" if footprint is None else str(footprint).encode()
+            os.ftruncate(own, 0)
+            os.pwrite(own, data, 0)  # before the lock: the keeper reads it once it sees it
+            lock(own, SHARED)
+            group = files.arena.open_lock(files.want_path)
+            fds.append(group)
+            lock(group, SHARED)
         except BaseException:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
             raise
-        self._want_fd: int | None = fd
+        self._want_fds: tuple[int, ...] | None = tuple(fds)
 
     def take(
         self,
@@ -151,34 +212,49 @@ class GateTicket:
         cancel: threading.Event | None = None,
         on_wait: Callable[[ArenaState], None] | None = None,
     ) -> GateHold:
-        """Wait for the gate to be open with the group not leaving, and enter it (LOCK_SH).
-        Raises AcquireCancelledError when `cancel` is set; the ticket stays."""
+        """Wait for the gate to be open with the group not leaving and this member admitted,
+        and enter it (LOCK_SH). Raises AcquireCancelledError when `cancel` is set; the ticket
+        stays."""
         del name, model  # the keeper is the arena's holder; members are named by the daemon
-        if self._want_fd is None:
+        if self._want_fds is None:
             raise ArenaError("take() on a ticket that left")
         files = self._files
+        admit_path = files.member_path(self._member, ADMIT)
         before = files.arena.observe() if on_wait is not None else None
-        gate_fd = files.arena.open_lock(files.gate_path)
-        probe_fd = files.arena.open_lock(files.leave_path)
+        fds = {
+            "gate": files.arena.open_lock(files.gate_path),
+            "leave": files.arena.open_lock(files.leave_path),
+            "admit": files.arena.open_lock(admit_path),
+            "in": files.arena.open_lock(files.member_path(self._member, IN)),
+        }
         doorbell = Doorbell()
         try:
-            # The keeper rings both after it changes their locks; armed before the first look.
+            # The keeper rings each after it changes its lock; armed before the first look.
             doorbell.arm(
-                (Bell(files.gate_path, Change.OPENED), Bell(files.leave_path, Change.OPENED))
+                (
+                    Bell(files.gate_path, Change.OPENED),
+                    Bell(files.leave_path, Change.OPENED),
+                    Bell(admit_path, Change.OPENED),
+                )
             )
             # How long a sleep may last: a cancel is an Event, which no doorbell hears.
             nap_s = SAFETY_PROBE_S if cancel is None else CANCEL_POLL_S
             while True:
-                if not contended(probe_fd, SHARED) and try_flock(gate_fd, SHARED):
+                if (
+                    not contended(fds["leave"], SHARED)
+                    and contended(fds["admit"], SHARED)  # the keeper holds it: admitted
+                    and try_flock(fds["gate"], SHARED)
+                ):
                     # Open means "not shut": a gate no keeper has shut yet (or any more) is
                     # open too. Inside it, the token must be the keeper's: it cannot go while
                     # we are in (the keeper shuts the gate first).
                     if files.keeper_holds_token():
-                        hold = GateHold(gate_fd, probe_fd, files.leave_path)
-                        gate_fd = probe_fd = -1  # the hold owns them now
+                        lock(fds["in"], SHARED)  # warm before it stops waiting: never neither
+                        hold = GateHold(fds, files.leave_path, admit_path)
+                        fds = {}  # the hold owns them now
                         self.leave()
                         return hold
-                    unlock(gate_fd)
+                    unlock(fds["gate"])
                 if on_wait is not None and before is not None:
                     on_wait(before)
                     on_wait = None
@@ -187,37 +263,37 @@ class GateTicket:
                     raise AcquireCancelledError("gave up waiting for the group's gate")
         finally:
             doorbell.close()
-            for fd in (gate_fd, probe_fd):
-                if fd >= 0:
-                    os.close(fd)
+            for fd in fds.values():
+                os.close(fd)
 
     def leave(self) -> None:
         """Stop waiting. Idempotent."""
-        fd, self._want_fd = self._want_fd, None
-        if fd is not None:
+        fds, self._want_fds = self._want_fds, None
+        for fd in fds or ():
             os.close(fd)
 
 
 class GateHold:
-    """A warm member's place inside the open gate (LOCK_SH on gate.lock)."""
+    """A warm member's place inside the open gate (LOCK_SH on gate.lock and its in.lock)."""
 
-    def __init__(self, gate_fd: int, probe_fd: int, leave_path: Path) -> None:
-        self._gate_fd: int | None = gate_fd
-        self._probe_fd = probe_fd  # the group's leave.lock
+    def __init__(self, fds: dict[str, int], leave_path: Path, admit_path: Path) -> None:
+        self._fds: dict[str, int] | None = fds  # gate, leave, admit, in
         self._leave_path = leave_path
+        self._admit_path = admit_path
         # A member waits at its gate, in no queue: it passes nobody over (its keeper may).
         self.passed_over: tuple[PassedOver, ...] = ()
 
     def wanted(self) -> bool:
-        """True when the group must leave the GPU: someone outside it waits, or its keeper
-        stops."""
-        if self._gate_fd is None:
+        """True when the member must leave the GPU: someone outside the group waits, or its
+        keeper stops (leave.lock), or the keeper withdrew its admission to make room for
+        another member (admit.lock let go)."""
+        if self._fds is None:
             raise ArenaError("wanted() on a released gate hold")
-        return contended(self._probe_fd, SHARED)
+        return contended(self._fds["leave"], SHARED) or not contended(self._fds["admit"], SHARED)
 
     def bells(self) -> tuple[Bell, ...]:
-        """The keeper rings leave.lock once it has locked it."""
-        return (Bell(self._leave_path, Change.OPENED),)
+        """The keeper rings leave.lock and admit.lock once it has changed them."""
+        return (Bell(self._leave_path, Change.OPENED), Bell(self._admit_path, Change.OPENED))
 
     def hand_over(self) -> None:
         """Leave the gate; the keeper hands the token over once every member has."""
@@ -225,15 +301,18 @@ class GateHold:
 
     def release(self) -> None:
         """Leave the gate. Idempotent."""
-        fd, self._gate_fd = self._gate_fd, None
-        if fd is None:
+        fds, self._fds = self._fds, None
+        if fds is None:
             return
-        os.close(self._probe_fd)
-        os.close(fd)  # closing drops our LOCK_SH
+        # in.lock before gate.lock: the keeper, woken by the gate's close, sees it cold.
+        for key in ("in", "admit", "leave", "gate"):
+            os.close(fds[key])  # closing drops our locks
 
 
 class Keeper:
-    """Holds the arena's token for one group while its members want the GPU; a daemon thread.
+    """Holds the arena's token for one group while its members want the GPU, and admits them
+    (fitting.plan: `budget` None admits every member that waits; a budget, those that fit);
+    a daemon thread.
 
     `on_change(holding)` is called from the thread when it takes or lets go of the token."""
 
@@ -243,13 +322,23 @@ class Keeper:
         group: str,
         *,
         priority: Priority = Priority.NORMAL,
+        budget: int | None = None,
+        min_stay_s: float = 0.0,
         on_change: Callable[[str, bool], None] | None = None,
     ) -> None:
         self._files = _Files(arena, group)
         self.arena = arena
         self.group = group
         self.priority = priority
+        self.budget = budget
+        self.min_stay_s = min_stay_s
         self._on_change = on_change
+        # The thread's own: each admitted member's admit.lock descriptor (held LOCK_EX) and
+        # when it was admitted; when each waiting member was first seen waiting.
+        self._admitted: dict[str, tuple[int, float]] = {}
+        self._waiting_since: dict[str, float] = {}
+        self.members: tuple[fitting.Member, ...] = ()  # as last seen (for status)
+        self.withdrawals = 0  # admissions withdrawn to make room
         self._stop = threading.Event()
         self._doorbell: Doorbell | None = None  # the thread's, made by start(); stop() wakes it
         self._holding = False
@@ -334,26 +423,105 @@ class Keeper:
         unlock(gate_fd)
         ring(files.gate_path)  # members waiting for the gate look now
         outside = leaving = False
-        while True:
-            if not leaving:
-                outside = outside_waits()
-                leaving = outside or self._stop.is_set()
-                if leaving:
-                    # Blocks only for a member's probe (microseconds).
-                    lock(leave_fd, EXCLUSIVE)
-                    ring(files.leave_path)  # warm members go cold now
-                elif contended(waiters_fd, EXCLUSIVE):
-                    # A member waits to come in: nothing to shut until it has left again.
-                    doorbell.wait(SAFETY_PROBE_S)
-                    continue
-            if try_flock(gate_fd, EXCLUSIVE):  # fails while a member is warm
-                if leaving or not contended(waiters_fd, EXCLUSIVE):
-                    return outside
-                unlock(gate_fd)  # one came as we shut: open again
-                ring(files.gate_path)
-            # Until an outside waiter or a member leaving the gate rings; the safety probe is
-            # for outside programs that keep the arena's want.lock open across their waits.
-            doorbell.wait(SAFETY_PROBE_S)
+        try:
+            while True:
+                nap_s = SAFETY_PROBE_S
+                if not leaving:
+                    outside = outside_waits()
+                    leaving = outside or self._stop.is_set()
+                    if leaving:
+                        # Blocks only for a member's probe (microseconds).
+                        lock(leave_fd, EXCLUSIVE)
+                        ring(files.leave_path)  # warm members go cold now
+                    else:
+                        next_look = self._admit(time.monotonic())
+                        if next_look is not None:
+                            nap_s = min(nap_s, max(0.0, next_look - time.monotonic()))
+                        if contended(waiters_fd, EXCLUSIVE):
+                            # A member waits to come in: nothing to shut until it has left.
+                            doorbell.wait(nap_s)
+                            continue
+                if try_flock(gate_fd, EXCLUSIVE):  # fails while a member is warm
+                    if leaving or not contended(waiters_fd, EXCLUSIVE):
+                        return outside
+                    unlock(gate_fd)  # one came as we shut: open again
+                    ring(files.gate_path)
+                # Until an outside waiter or a member leaving the gate rings; the safety probe
+                # is for outside programs that keep the arena's want.lock open across their
+                # waits.
+                doorbell.wait(nap_s)
+        finally:
+            self._withdraw(list(self._admitted))  # the next holding admits anew
+
+    def _admit(self, now: float) -> float | None:
+        """Look at every member and apply fitting.plan: admit (lock each one's admit.lock) and
+        withdraw (let go of it), ringing each admit.lock changed; return when to look again
+        though nothing rings (None: no need)."""
+        files = self._files
+        seen: list[fitting.Member] = []
+        for name in files.members():
+            waiting, warm, footprint = self._look_at(name)
+            if waiting:
+                self._waiting_since.setdefault(name, now)
+            else:
+                self._waiting_since.pop(name, None)
+            admitted = self._admitted.get(name)
+            seen.append(
+                fitting.Member(
+                    name=name,
+                    footprint=footprint,
+                    warm=warm,
+                    waiting=waiting,
+                    admitted_at=None if admitted is None else admitted[1],
+                    waiting_since=self._waiting_since.get(name, now),
+                )
+            )
+        self.members = tuple(seen)
+        # Each warm spell is admitted anew: a member neither waiting nor warm is done.
+        self._withdraw(
+            [m.name for m in seen if m.admitted_at is not None and not m.waiting and not m.warm]
+        )
+        live = [
+            m if m.name in self._admitted else dataclasses.replace(m, admitted_at=None)
+            for m in seen
+        ]
+        plan = fitting.plan(self.budget, live, now, self.min_stay_s)
+        if plan.withdraw:
+            self.withdrawals += len(plan.withdraw)
+            log.info(
+                "group %s: making room, %s to leave", self.group, ", ".join(sorted(plan.withdraw))
+            )
+        self._withdraw(sorted(plan.withdraw))
+        for name in sorted(plan.admit):
+            path = files.member_path(name, ADMIT)
+            fd = files.arena.open_lock(path, create=True)
+            lock(fd, EXCLUSIVE)  # only the keeper takes it so: a member's probe, microseconds
+            self._admitted[name] = (fd, now)
+            ring(path)
+        return plan.next_look_at
+
+    def _look_at(self, name: str) -> tuple[bool, bool, int | None]:
+        """Whether a member waits, whether it is warm, and the footprint it says."""
+        files = self._files
+        want_fd = files.arena.open_lock(files.member_path(name, WANT), create=True)
+        in_fd = files.arena.open_lock(files.member_path(name, IN), create=True)
+        try:
+            waiting = contended(want_fd, EXCLUSIVE)
+            warm = contended(in_fd, EXCLUSIVE)
+            # Written as it last queued: what it holds while warm too.
+            text = os.pread(want_fd, FOOTPRINT_MAX_BYTES, 0)
+        finally:
+            os.close(in_fd)
+            os.close(want_fd)
+        footprint = int(text) if text.isdigit() else None
+        return waiting, warm, footprint
+
+    def _withdraw(self, names: list[str]) -> None:
+        for name in names:
+            entry = self._admitted.pop(name, None)
+            if entry is not None:
+                os.close(entry[0])  # drops the LOCK_EX: the member goes cold
+                ring(self._files.member_path(name, ADMIT))
 
     def _set_holding(self, holding: bool) -> None:
         self._holding = holding

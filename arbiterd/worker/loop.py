@@ -219,7 +219,7 @@ class Worker:
         self._kv_policy, why = kv_on_release(config, backend.keeps_kv_on_device)
         if why:
             log.warning("%s: %s", self.name, why)
-        self._arena = gateway(config)
+        self._arena = gateway(config, self._gate_footprint)
         self._reader = LineReader(sock)
         self._out = LineWriter(sock)
         self._inbox: queue.Queue[Command] = queue.Queue()
@@ -998,6 +998,16 @@ class Worker:
             self._measure_footprint()
         self._emit(event)
 
+    def _gate_footprint(self) -> int | None:
+        """The bytes a fitting set's keeper counts for this model (issue 44): its footprint as
+        measured when it last became warm, else as predicted; on its accelerators, or on the
+        host for a model that has none. None: not known."""
+        known = self._footprint or self._backend.predicted_footprint
+        if not known:
+            return None
+        off_host = [f for f in known if f.device != footprint.CPU]
+        return footprint.total(off_host or known)
+
     def _measure_footprint(self) -> None:
         """Take the footprint by the engine's figures, now warm; the first time, a prediction
         off by more than FOOTPRINT_FAR_OFF is logged with both."""
@@ -1082,14 +1092,15 @@ class Worker:
         self._out.send({"id": request_id, "error": exc.to_wire()})
 
 
-def gateway(config: WorkerConfig) -> Gateway:
+def gateway(config: WorkerConfig, footprint: Callable[[], int | None]) -> Gateway:
     """The worker's way to the GPU: its group's gate in gpu0's arena (`config.arena`; a group's
-    models are all on gpu0, config.py refuses any other), else the arenas of its devices, taken
-    in the canonical order (arena/devices.py). A model on one device goes through that device's
-    arena alone: on the default ["gpu0"], gpu0's, exactly as before devices had names; on
-    ["cpu"], the cpu arena, shared only with the other models placed on the CPU."""
+    models are all on gpu0, config.py refuses any other), where it says `footprint()` to the
+    keeper, else the arenas of its devices, taken in the canonical order (arena/devices.py). A
+    model on one device goes through that device's arena alone: on the default ["gpu0"],
+    gpu0's, exactly as before devices had names; on ["cpu"], the cpu arena, shared only with
+    the other models placed on the CPU."""
     if config.group:
-        return Gate(Arena(config.arena), config.group)
+        return Gate(Arena(config.arena), config.group, config.spec.name, footprint)
     return device_arenas(config.spec.devices, config.arena)
 
 

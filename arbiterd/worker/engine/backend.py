@@ -168,12 +168,12 @@ class LlamaBackend(ABC):
         elif self.spec.host_copy and self._host_fd is None:
             self._host_fd = copy_into_memfd(self.spec.path).fd
         self._vocab = Vocab(self._model_path(ModelLoadError), self.spec.path)
+        # Before the token too: a fitting set's keeper counts it before the first load.
+        self._predicted = self._predict()
 
     def load(self) -> Moved:
         started, read_before = time.monotonic(), disk_read_bytes()
         self.open()
-        if not self._predicted:
-            self._predicted = self._predict()
         self._llm = self._new_llama(ModelLoadError)
         if self._projector is not None:
             self._projector.n_threads = self._llm.context_params.n_threads

@@ -1,0 +1,87 @@
+"""Which members of a fitting set may be warm together (issue 44): the keeper's pure policy.
+
+A fitting set is a group (groups.py) with a budget: the device bytes its members may hold at
+once. A member that wants the GPU and fits beside the members admitted is admitted at once,
+nobody releasing; one that does not fit has the least recently admitted members withdrawn
+until it does, and is admitted once they have left (their bytes count while they are still
+warm). A member admitted less than `min_stay_s` ago keeps its place: two busy members that do
+not fit together take turns of at least that long, not a token each. A member larger than the
+whole budget is admitted alone. Without a budget (a static group), every member that waits is
+admitted, as groups always were.
+
+`plan` only decides; the keeper applies it (locks and unlocks each member's admit lock) and
+calls it again whenever a member starts waiting, leaves the gate, or a stay ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Member:
+    """One member as the keeper sees it now."""
+
+    name: str
+    footprint: int | None  # the device bytes it holds warm, as it says; None: not known yet
+    warm: bool  # inside the gate now
+    waiting: bool  # waits to be warm
+    admitted_at: float | None  # when it was admitted (monotonic s); None: not admitted
+    waiting_since: float = 0.0  # when the keeper first saw it waiting: first come, first in
+
+
+@dataclass(frozen=True)
+class Plan:
+    admit: frozenset[str] = frozenset()
+    withdraw: frozenset[str] = frozenset()
+    # When to look again though nothing rings: the end of a stay that blocks a waiter (None:
+    # no need).
+    next_look_at: float | None = None
+
+
+def plan(budget: int | None, members: list[Member], now: float, min_stay_s: float) -> Plan:
+    """What to change: who is admitted now, whose admission is withdrawn (see the module)."""
+    if budget is None:
+        return Plan(admit=frozenset(m.name for m in members if m.waiting and m.admitted_at is None))
+    admitted = {m.name: m for m in members if m.admitted_at is not None}
+    # Bytes held or promised: every admitted member's, and a warm one's whose admission is
+    # already withdrawn (until it has left: `leaving`, room that is coming).
+    leaving = sum(_size(m, budget) for m in members if m.admitted_at is None and m.warm)
+    used = leaving + sum(_size(m, budget) for m in admitted.values())
+    admit: set[str] = set()
+    withdraw: set[str] = set()
+    next_look: float | None = None
+    queue = sorted(
+        (m for m in members if m.waiting and m.admitted_at is None),
+        key=lambda m: (m.waiting_since, m.name),
+    )
+    for member in queue:
+        need = _size(member, budget)
+        if used + need <= budget:
+            admit.add(member.name)
+            used += need
+            continue
+        # Make room: the least recently admitted first, those whose stay is over.
+        room = budget - used + leaving
+        candidates = sorted(
+            (m for m in admitted.values() if m.name not in withdraw and m.name not in admit),
+            key=lambda m: (m.admitted_at or 0.0, m.name),
+        )
+        for candidate in candidates:
+            if room >= need:
+                break
+            stay_ends = (candidate.admitted_at or 0.0) + min_stay_s
+            if stay_ends > now:
+                next_look = stay_ends if next_look is None else min(next_look, stay_ends)
+                continue
+            withdraw.add(candidate.name)
+            room += _size(candidate, budget)
+        break  # first come, first in: nobody passes the first that must wait
+    return Plan(frozenset(admit), frozenset(withdraw), next_look)
+
+
+def _size(member: Member, budget: int) -> int:
+    """A member's bytes; unknown, or larger than the budget, it takes the whole budget."""
+    if member.footprint is None:
+        return budget
+    return min(member.footprint, budget)
