@@ -114,6 +114,7 @@ from arbiterd.spec import (
 )
 from arbiterd.tomltable import (
     MISSING,
+    SIZE_EXPECTED,
     Keys,
     Missing,
     Source,
@@ -169,8 +170,12 @@ ORIGIN_RE = re.compile(
 # Ollama's tag for a name given without one: "llama3" and "llama3:latest" are one name.
 DEFAULT_TAG = "latest"
 # Keys in the order they are documented (and listed in error messages).
-TOP_KEYS = ("daemon", "models", "groups", "yield")
+TOP_KEYS = ("daemon", "models", "groups", "yield", "devices")
 GROUP_KEYS = ("models", "priority")
+DEVICE_KEYS = ("memory",)
+# The group of a device's fitting set (issue 44), in that device's arena: no [groups] table may
+# take the name.
+FITTING_GROUP = "fitting"
 YIELD_KEYS = ("enabled", "programs", "ignore", "min_bytes", "grace_s", "scan_s", "nodes")
 DAEMON_KEYS = (
     "http",
@@ -363,6 +368,18 @@ class YieldRules:
 
 
 @dataclass(frozen=True)
+class DeviceConfig:
+    """One [devices.ID] table (issue 44): `memory`, the bytes arbiterd's models may hold on
+    the device at once. With it, the models placed on that device alone (and in no [groups]
+    table) form its fitting set: those that fit stay warm together, and only those that do not
+    take turns (arbiterd/arena/fitting.py)."""
+
+    device: str
+    memory: int
+    members: tuple[str, ...] = ()  # the models of its fitting set, in the file's order
+
+
+@dataclass(frozen=True)
 class GroupConfig:
     """One [groups.NAME] table: models that hold the GPU together (arbiterd/arena/groups.py)."""
 
@@ -509,6 +526,7 @@ class Config:
     source: Path | None  # None: the embedded default (there is no file to reload)
     groups: dict[str, GroupConfig] = field(default_factory=dict)
     yield_rules: YieldRules = field(default_factory=YieldRules)
+    devices: dict[str, DeviceConfig] = field(default_factory=dict)  # by device id
 
     def resolve(self, requested: str) -> str | None:
         """The name of the model `requested` names (its name or one of its aliases, with or
@@ -671,7 +689,14 @@ def configured_models(
 
 def _read_file(
     path: Path, overrides: _Overrides, env: Mapping[str, str]
-) -> tuple[Source, Table, dict[str, ModelConfig], _DaemonValues, dict[str, GroupConfig]]:
+) -> tuple[
+    Source,
+    Table,
+    dict[str, ModelConfig],
+    _DaemonValues,
+    dict[str, GroupConfig],
+    dict[str, DeviceConfig],
+]:
     """The config file checked, its [daemon] defaults not yet resolved."""
     src = Source(label=str(path), base=path.parent, home=_home(env))
     raw = Table(src, (), read_toml(path))
@@ -682,17 +707,26 @@ def _read_file(
     for group in groups.values():
         for name in group.models:
             models[name] = replace(models[name], group=group.name)
-    return src, raw, models, daemon, groups
+    devices = _device_tables(src, raw.values.get("devices", {}), models)
+    for device in devices.values():
+        for name in device.members:
+            models[name] = replace(models[name], group=FITTING_GROUP)
+    return src, raw, models, daemon, groups, devices
 
 
 def _file_config(path: Path, overrides: _Overrides, env: Mapping[str, str]) -> Config:
-    src, raw, models, daemon, groups = _read_file(path, overrides, env)
+    src, raw, models, daemon, groups, devices = _read_file(path, overrides, env)
     # Defaults last: the file is wholly checked before $XDG_RUNTIME_DIR can be blamed.
     resolved = daemon.resolve(env)
     _check_device_arenas(src, models, resolved.arena)
     yield_rules = _yield(src, raw.values.get("yield", {}))
     return Config(
-        daemon=resolved, models=models, source=path, groups=groups, yield_rules=yield_rules
+        daemon=resolved,
+        models=models,
+        source=path,
+        groups=groups,
+        yield_rules=yield_rules,
+        devices=devices,
     )
 
 
@@ -1283,6 +1317,10 @@ def _groups(src: Source, raw: object, models: Mapping[str, ModelConfig]) -> dict
         where: Keys = ("groups", name)
         if not GROUP_NAME_RE.fullmatch(name):
             raise src.expected(where, GROUP_NAME_EXPECTED, name)
+        if name == FITTING_GROUP:
+            raise src.fail(
+                where, f"{describe(name)} is the name of a device's fitting set ([devices.ID])"
+            )
         if not isinstance(values, dict):
             raise src.expected(where, 'a table ([groups.NAME] with models = ["a", "b"])', values)
         table = Table(src, where, values)
@@ -1323,6 +1361,36 @@ def _groups(src: Source, raw: object, models: Mapping[str, ModelConfig]) -> dict
         priority = _priority(table) if "priority" in values else highest
         groups[name] = GroupConfig(name, tuple(members), priority)
     return groups
+
+
+def _device_tables(
+    src: Source, raw: object, models: Mapping[str, ModelConfig]
+) -> dict[str, DeviceConfig]:
+    """The [devices.ID] tables, each with its fitting set's members: the models placed on that
+    device alone, in no [groups] table."""
+    if not isinstance(raw, dict):
+        raise src.expected(("devices",), 'tables ([devices.gpu0] memory = "8GiB")', raw)
+    devices: dict[str, DeviceConfig] = {}
+    for text, values in raw.items():
+        where: Keys = ("devices", text)
+        try:
+            device = str(parse_device_id(text))
+        except BadValueError:
+            raise src.expected(where, f"a device id ({DEVICE_ID_SHAPES})", text) from None
+        if not isinstance(values, dict):
+            raise src.expected(where, 'a table ([devices.gpu0] memory = "8GiB")', values)
+        table = Table(src, where, values)
+        table.check_keys(DEVICE_KEYS, lambda key, value: "")
+        if "memory" not in values:
+            raise src.fail(table.keys("memory"), f"expected {SIZE_EXPECTED}, got nothing")
+        memory = table.size("memory")
+        if memory <= 0:
+            raise src.expected(table.keys("memory"), f"more than 0: {SIZE_EXPECTED}", memory)
+        members = tuple(
+            name for name, model in models.items() if model.devices == (device,) and not model.group
+        )
+        devices[device] = DeviceConfig(device, memory, members)
+    return devices
 
 
 def _priority(table: Table) -> Priority:

@@ -182,9 +182,13 @@ class Waiter(Record):
 
 @dataclass(frozen=True)
 class GroupStatus(Record):
-    """Models that hold the GPU together behind one keeper (issue 14, `[groups.NAME]`):
-    `holds_token` while its keeper holds the arena's token, `handoffs` how often it let the
-    token go to an outside waiter, `failure` why its keeper stopped ("" while it runs)."""
+    """Models that hold the GPU together behind one keeper: a `[groups.NAME]` table (issue 14)
+    or a device's fitting set (issue 44, name "fitting", with its `budget_bytes`, the device's
+    `[devices.ID] memory`; 0 for a table). `holds_token` while its keeper holds the arena's
+    token, `handoffs` how often it let the token go to an outside waiter, `failure` why its
+    keeper stopped ("" while it runs). `warm`: the members warm now, and `used_bytes`, their
+    footprints as they say them; `withdrawals`, how often a member was made to leave to make
+    room for another."""
 
     name: str = ""
     models: tuple[str, ...] = ()
@@ -192,6 +196,11 @@ class GroupStatus(Record):
     holds_token: bool = False
     handoffs: int = 0
     failure: str = ""
+    device: str = "gpu0"
+    budget_bytes: int = 0
+    warm: tuple[str, ...] = ()
+    used_bytes: int = 0
+    withdrawals: int = 0
 
 
 @dataclass(frozen=True)

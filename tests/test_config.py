@@ -871,7 +871,7 @@ ERRORS = [
     pytest.param(
         'http = "127.0.0.1:1"\n' + M,
         "http",
-        "unknown key; expected one of: daemon, models, groups, yield "
+        "unknown key; expected one of: daemon, models, groups, yield, devices "
         "(it belongs in the [daemon] table)",
         id="daemon_key_at_top",
     ),

@@ -221,6 +221,10 @@ class GateTicket:
         files = self._files
         admit_path = files.member_path(self._member, ADMIT)
         before = files.arena.observe() if on_wait is not None else None
+        if before is not None and before.holder is not None:
+            if before.holder.name == files.holder_name:
+                # The group has the GPU: waiting to be admitted is no wait for another holder.
+                before = on_wait = None
         fds = {
             "gate": files.arena.open_lock(files.gate_path),
             "leave": files.arena.open_lock(files.leave_path),

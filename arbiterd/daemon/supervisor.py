@@ -32,7 +32,15 @@ from typing import Any
 from arbiterd.arena import Arena
 from arbiterd.arena.devices import canonical_order
 from arbiterd.arena.groups import Keeper
-from arbiterd.config import Config, GroupConfig, Load, ModelConfig, default_config_path
+from arbiterd.config import (
+    FITTING_GROUP,
+    Config,
+    DeviceConfig,
+    GroupConfig,
+    Load,
+    ModelConfig,
+    default_config_path,
+)
 from arbiterd.control import MODEL_COMMANDS
 from arbiterd.daemon.budgets import ColdModel, CopyUse, ram_plan
 from arbiterd.daemon.eventbus import EventBus
@@ -217,6 +225,7 @@ class Supervisor:
             arena=self._arena,
         )
         self._keepers: dict[str, Keeper] = {}  # by group: each holds the token for its members
+        self._fitting: dict[str, Keeper] = {}  # by device: the keeper of its fitting set
         self._engine: EngineReport | None = None  # as the latest worker's hello says
         self._gpu_nodes: tuple[str, ...] | None = None  # this machine's, read at the first hello
         self._cpu_causes_said: set[CpuCause] = set()  # logged this run (offload.py)
@@ -241,8 +250,7 @@ class Supervisor:
             cache = self._lifecycle.prompt_cache
             if cache is not None:  # refused now, with its fix, rather than at the first unload
                 await asyncio.to_thread(cache.make_private)
-            for group in self.config.groups.values():
-                self._start_keeper(group)
+            self._start_missing_keepers()
             await asyncio.gather(*(self._start(slot) for slot in self._slots.values()))
         log.info("VRAM telemetry: %s", self._vram.readers.describe())
         self._vram.start()
@@ -268,6 +276,7 @@ class Supervisor:
             task.cancel()
         await self._lifecycle.stop(list(self._slots.values()))
         await self._stop_keepers(list(self._keepers))
+        await self._stop_fitting(list(self._fitting))
         await self._aside.close()
         self._hold.close()
         await self._vram.stop()
@@ -276,6 +285,42 @@ class Supervisor:
         keeper = Keeper(self._arena, group.name, priority=group.priority)
         keeper.start()
         self._keepers[group.name] = keeper
+
+    async def _stop_changed_keepers(self, new: Config) -> None:
+        """A group or fitting set whose members, class or budget change in `new` gets a new
+        keeper: the old one stops here, once its old members left (_start_missing_keepers
+        starts the new one)."""
+        old = self.config
+        await self._stop_keepers([n for n, g in old.groups.items() if new.groups.get(n) != g])
+        await self._stop_fitting([d for d, c in old.devices.items() if new.devices.get(d) != c])
+
+    def _start_missing_keepers(self) -> None:
+        for name, group in self.config.groups.items():
+            if name not in self._keepers:
+                self._start_keeper(group)
+        for device_id, device in self.config.devices.items():
+            if device_id not in self._fitting:
+                self._start_fitting(device)
+
+    def _start_fitting(self, device: DeviceConfig) -> None:
+        """The keeper of a device's fitting set (issue 44), in that device's arena, when the
+        set has members."""
+        if not device.members:
+            return
+        members = [self.config.models[name] for name in device.members]
+        keeper = Keeper(
+            Arena(device_arena_of(device.device, self.config.daemon.arena)),
+            FITTING_GROUP,
+            priority=min((m.priority for m in members), key=lambda p: p.rank),
+            budget=device.memory,
+            min_stay_s=self.config.daemon.turns.min_turn_s,
+        )
+        keeper.start()
+        self._fitting[device.device] = keeper
+
+    async def _stop_fitting(self, devices: list[str]) -> None:
+        keepers = [self._fitting.pop(d) for d in devices if d in self._fitting]
+        await asyncio.gather(*(asyncio.to_thread(keeper.stop) for keeper in keepers))
 
     async def _stop_keepers(self, names: list[str]) -> None:
         """Stop these groups' keepers: each lets go of the token once its members are cold
@@ -295,6 +340,23 @@ class Supervisor:
             )
             for group in self.config.groups.values()
             if (keeper := self._keepers.get(group.name)) is not None
+        ) + tuple(self._fitting_status(device, keeper) for device, keeper in self._fitting.items())
+
+    def _fitting_status(self, device: str, keeper: Keeper) -> GroupStatus:
+        seen = keeper.members
+        warm = [m for m in seen if m.warm]
+        return GroupStatus(
+            name=FITTING_GROUP,
+            models=self.config.devices[device].members,
+            priority=keeper.priority.value,
+            holds_token=keeper.holding,
+            handoffs=keeper.handoffs,
+            failure=keeper.failure,
+            device=device,
+            budget_bytes=keeper.budget or 0,
+            warm=tuple(m.name for m in warm),
+            used_bytes=sum(m.footprint or 0 for m in warm),
+            withdrawals=keeper.withdrawals,
         )
 
     # -- requests -----------------------------------------------------------------------------
@@ -631,22 +693,17 @@ class Supervisor:
             await retiring
             if name in removed:  # no config left to restore its prompt cache into
                 await self._lifecycle.forget_prompt_cache(name)
-        # A group whose members or class changed gets a new keeper, once its old members left.
-        regrouped = [
-            name for name, group in self.config.groups.items() if new.groups.get(name) != group
-        ]
-        await self._stop_keepers(regrouped)
+        await self._stop_changed_keepers(new)
         self.config = Config(
             daemon=self.config.daemon,
             models=new.models,
             source=new.source,
             groups=new.groups,
             yield_rules=new.yield_rules,
+            devices=new.devices,
         )
         await self._aside.apply(new.yield_rules)
-        for name, group in new.groups.items():
-            if name not in self._keepers:
-                self._start_keeper(group)
+        self._start_missing_keepers()
         for name, slot in self._slots.items():  # kept: the same worker, perhaps new aliases
             slot.reconfigure(new.models[name])
         for name, slot in fresh.items():

@@ -104,7 +104,7 @@ from arbiterd.errors import (
 )
 from arbiterd.events import PassedOverEvent, RequestEvent, ResidencyEvent
 from arbiterd.footprint import DeviceFootprint
-from arbiterd.paths import DeviceKind, parse_device_id
+from arbiterd.paths import DeviceKind, device_arena_of, parse_device_id
 from arbiterd.procs import holder_name
 from arbiterd.request import GenerateRequest, RequestKind
 from arbiterd.spec import (
@@ -1093,14 +1093,16 @@ class Worker:
 
 
 def gateway(config: WorkerConfig, footprint: Callable[[], int | None]) -> Gateway:
-    """The worker's way to the GPU: its group's gate in gpu0's arena (`config.arena`; a group's
-    models are all on gpu0, config.py refuses any other), where it says `footprint()` to the
-    keeper, else the arenas of its devices, taken in the canonical order (arena/devices.py). A
-    model on one device goes through that device's arena alone: on the default ["gpu0"],
-    gpu0's, exactly as before devices had names; on ["cpu"], the cpu arena, shared only with
-    the other models placed on the CPU."""
+    """The worker's way to the GPU: its group's gate in its device's arena (a group's models,
+    a [groups] table's or a device's fitting set, are on one device: config.py sees to it),
+    where it says `footprint()` to the keeper; else the arenas of its devices, taken in the
+    canonical order (arena/devices.py). A model on one device goes through that device's arena
+    alone: on the default ["gpu0"], gpu0's (`config.arena`), exactly as before devices had
+    names; on ["cpu"], the cpu arena, shared only with the other models placed on the CPU."""
     if config.group:
-        return Gate(Arena(config.arena), config.group, config.spec.name, footprint)
+        (device,) = config.spec.devices
+        arena = Arena(device_arena_of(device, config.arena))
+        return Gate(arena, config.group, config.spec.name, footprint)
     return device_arenas(config.spec.devices, config.arena)
 
 
