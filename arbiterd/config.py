@@ -29,6 +29,9 @@
     max_wait_s = { interactive = 5, normal = 30, batch = 60 }
                                   # a waiter of the class that waited this long ends the turn;
                                   #   each at least max_turn_s
+    [devices.ID]                  # e.g. [devices.gpu0]: its fitting set (issue 44)
+    memory = "20GiB"              # what models placed on it alone hold at once; those that fit
+                                  #   stay warm together
     [models.NAME]                 # one table per model; NAME is what requests ask for
     path = "/models/x.gguf"       # required
     aliases = []                  # more names requests may ask for, e.g. ["gpt-4o-mini"]

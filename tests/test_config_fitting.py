@@ -1,0 +1,87 @@
+"""The [devices.ID] table (issue 44): a device's memory makes the models placed on it alone, and
+in no [groups] table, its fitting set; each bad value is refused with the key named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from arbiterd.config import FITTING_GROUP, DeviceConfig, load_config
+from arbiterd.errors import ConfigError
+
+MODELS = """\
+[models.chat]
+path = "/models/chat.gguf"
+[models.embed]
+path = "/models/embed.gguf"
+[models.task]
+path = "/models/task.gguf"
+[models.rag]
+path = "/models/rag.gguf"
+[models.other]
+path = "/models/other.gguf"
+devices = ["gpu1"]
+[groups.pair]
+models = ["rag", "task"]
+"""
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    home = tmp_path / "home"
+    home.mkdir()
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    return {"HOME": str(home), "XDG_RUNTIME_DIR": str(run)}
+
+
+def test_a_devices_memory_makes_its_models_outside_groups_a_fitting_set(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    config = load_config(_write(tmp_path, MODELS + '[devices.gpu0]\nmemory = "20GiB"\n'), env=env)
+    assert config.devices == {"gpu0": DeviceConfig("gpu0", 20 << 30, ("chat", "embed"))}
+    groups = {name: model.group for name, model in config.models.items()}
+    assert groups == {
+        "chat": FITTING_GROUP,
+        "embed": FITTING_GROUP,
+        "task": "pair",
+        "rag": "pair",
+        "other": "",  # on gpu1, which has no [devices] table
+    }
+    worker = config.models["chat"].worker_config(tmp_path, embedding=False, n_ctx=2048)
+    assert worker.group == FITTING_GROUP
+
+
+def test_without_a_devices_table_nothing_changes(tmp_path: Path, env: dict[str, str]) -> None:
+    config = load_config(_write(tmp_path, MODELS), env=env)
+    assert config.devices == {}
+    assert config.models["chat"].group == ""
+
+
+@pytest.mark.parametrize(
+    ("table", "key", "expected"),
+    [
+        ('[devices.gpu9x]\nmemory = "1GiB"\n', "devices.gpu9x", "a device id"),
+        ("[devices.gpu0]\n", "devices.gpu0.memory", "got nothing"),
+        ("[devices.gpu0]\nmemory = 0\n", "devices.gpu0.memory", "more than 0"),
+        ('[devices.gpu0]\nmemory = "lots"\n', "devices.gpu0.memory", "a number of bytes"),
+        ('[devices.gpu0]\nmemory = "1GiB"\nreserve = 1\n', "devices.gpu0.reserve", "unknown"),
+        ("devices = 3\n", "devices", "tables"),
+        ('[groups.fitting]\nmodels = ["chat", "embed"]\n', "groups.fitting", "fitting set"),
+    ],
+)
+def test_a_bad_devices_table_is_refused_naming_the_key(
+    tmp_path: Path, env: dict[str, str], table: str, key: str, expected: str
+) -> None:
+    text = table + MODELS if table.startswith("devices =") else MODELS + table
+    with pytest.raises(ConfigError) as caught:
+        load_config(_write(tmp_path, text), env=env)
+    assert key in str(caught.value)
+    assert expected in str(caught.value)
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
