@@ -68,6 +68,7 @@ def test_without_a_devices_table_nothing_changes(tmp_path: Path, env: dict[str, 
         ('[devices.gpu0]\nmemory = "lots"\n', "devices.gpu0.memory", "a number of bytes"),
         ('[devices.gpu0]\nmemory = "1GiB"\nreserve = 1\n', "devices.gpu0.reserve", "unknown"),
         ("devices = 3\n", "devices", "tables"),
+        ('[devices."rpc:127.0.0.1:50052"]\nmemory = "1GiB"\n', "devices", "one client"),
         ('[groups.fitting]\nmodels = ["chat", "embed"]\n', "groups.fitting", "fitting set"),
     ],
 )
