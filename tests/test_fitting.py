@@ -3,6 +3,8 @@ withdrawn to make room, and when to look again; pure."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from arbiterd.arena.fitting import Member, Plan, plan
 
 GIB = 1 << 30
@@ -83,3 +85,16 @@ def test_the_first_waiter_is_let_in_first() -> None:
         member("small", GIB, waiting=True, since=2),  # would fit, but big came first
     ]
     assert plan(8 * GIB, members, now=10, min_stay_s=0.5) == Plan(next_look_at=10.4)
+
+
+def test_the_least_recently_used_leaves_first_not_the_first_admitted() -> None:
+    members = [
+        member("busy", 4 * GIB, warm=True, admitted_at=1),  # admitted first, used just now
+        member("idle", 3 * GIB, warm=True, admitted_at=2),
+        member("new", 3 * GIB, waiting=True),
+    ]
+    used = [
+        dataclasses.replace(members[0], used_at=9.9),
+        dataclasses.replace(members[1], used_at=3),
+    ]
+    assert plan(8 * GIB, [*used, members[2]], now=10, min_stay_s=0).withdraw == {"idle"}

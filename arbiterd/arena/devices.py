@@ -251,6 +251,9 @@ class DevicesHold:
         """Every device's bells: a waiter on any of them rings."""
         return tuple(itertools.chain.from_iterable(hold.bells() for _, hold in self.parts))
 
+    def used(self) -> None:
+        """Nothing to say: a model on several devices is in no group (Hold)."""
+
     def hand_over(self) -> None:
         """Hand each device over to its waiters, the last taken first."""
         _each_reversed(self.parts, lambda hold: hold.hand_over())

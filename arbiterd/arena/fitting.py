@@ -2,12 +2,12 @@
 
 A fitting set is a group (groups.py) with a budget: the device bytes its members may hold at
 once. A member that wants the GPU and fits beside the members admitted is admitted at once,
-nobody releasing; one that does not fit has the least recently admitted members withdrawn
-until it does, and is admitted once they have left (their bytes count while they are still
-warm). A member admitted less than `min_stay_s` ago keeps its place: two busy members that do
-not fit together take turns of at least that long, not a token each. A member larger than the
-whole budget is admitted alone. Without a budget (a static group), every member that waits is
-admitted, as groups always were.
+nobody releasing; one that does not fit has the least recently used members (by the last
+request each began) withdrawn until it does, and is admitted once they have left (their bytes
+count while they are still warm). A member admitted less than `min_stay_s` ago keeps its
+place: two busy members that do not fit together take turns of at least that long, not a token
+each. A member larger than the whole budget is admitted alone. Without a budget (a static
+group), every member that waits is admitted, as groups always were.
 
 `plan` only decides; the keeper applies it (locks and unlocks each member's admit lock) and
 calls it again whenever a member starts waiting, leaves the gate, or a stay ends.
@@ -28,6 +28,7 @@ class Member:
     waiting: bool  # waits to be warm
     admitted_at: float | None  # when it was admitted (monotonic s); None: not admitted
     waiting_since: float = 0.0  # when the keeper first saw it waiting: first come, first in
+    used_at: float = 0.0  # when it last began a request (epoch s): least recently used first
 
 
 @dataclass(frozen=True)
@@ -61,11 +62,11 @@ def plan(budget: int | None, members: list[Member], now: float, min_stay_s: floa
             admit.add(member.name)
             used += need
             continue
-        # Make room: the least recently admitted first, those whose stay is over.
+        # Make room: the least recently used first, those whose stay is over.
         room = budget - used + leaving
         candidates = sorted(
             (m for m in admitted.values() if m.name not in withdraw and m.name not in admit),
-            key=lambda m: (m.admitted_at or 0.0, m.name),
+            key=lambda m: (m.used_at, m.admitted_at or 0.0, m.name),
         )
         for candidate in candidates:
             if room >= need:

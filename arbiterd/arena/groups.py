@@ -11,7 +11,8 @@ arena and both sides of its protocol (specified in docs/arena-protocol.md § Gro
                             LOCK_SH by the member while it waits; it holds the member's
                             footprint (device bytes, decimal text; empty: not known)
     groups/NAME/members/MEMBER.in.lock
-                            LOCK_SH by the member while it is warm
+                            LOCK_SH by the member while it is warm; its time, when the
+                            member last began a request (least recently used leaves first)
     groups/NAME/members/MEMBER.admit.lock
                             LOCK_EX by the keeper while the member may be warm (issue 44)
 
@@ -33,7 +34,7 @@ arena and both sides of its protocol (specified in docs/arena-protocol.md § Gro
   cold once the keeper lets go of it. The keeper admits by fitting.plan: every member that waits
   in a group without a budget (a static group: all are warm together); in a fitting set (a
   group with a budget, the daemon's automatic set of a device) those that fit beside the ones
-  admitted, withdrawing the least recently admitted ones to make room. A member neither waiting
+  admitted, withdrawing the least recently used ones to make room. A member neither waiting
   nor warm has its admission withdrawn: each warm spell is admitted anew.
 
 Nobody polls (issue 29): each side sleeps on a doorbell (doorbell.py) armed on the files the
@@ -221,10 +222,9 @@ class GateTicket:
         files = self._files
         admit_path = files.member_path(self._member, ADMIT)
         before = files.arena.observe() if on_wait is not None else None
-        if before is not None and before.holder is not None:
-            if before.holder.name == files.holder_name:
-                # The group has the GPU: waiting to be admitted is no wait for another holder.
-                before = on_wait = None
+        if before is not None and before.holder and before.holder.name == files.holder_name:
+            # The group has the GPU: waiting to be admitted is no wait for another holder.
+            before = on_wait = None
         fds = {
             "gate": files.arena.open_lock(files.gate_path),
             "leave": files.arena.open_lock(files.leave_path),
@@ -298,6 +298,12 @@ class GateHold:
     def bells(self) -> tuple[Bell, ...]:
         """The keeper rings leave.lock and admit.lock once it has changed them."""
         return (Bell(self._leave_path, Change.OPENED), Bell(self._admit_path, Change.OPENED))
+
+    def used(self) -> None:
+        """A request begins: its in.lock's time says so to the keeper (least recently used
+        leaves first)."""
+        if self._fds is not None:
+            os.utime(self._fds["in"])
 
     def hand_over(self) -> None:
         """Leave the gate; the keeper hands the token over once every member has."""
@@ -464,7 +470,7 @@ class Keeper:
         files = self._files
         seen: list[fitting.Member] = []
         for name in files.members():
-            waiting, warm, footprint = self._look_at(name)
+            waiting, warm, footprint, used_at = self._look_at(name)
             if waiting:
                 self._waiting_since.setdefault(name, now)
             else:
@@ -478,6 +484,7 @@ class Keeper:
                     waiting=waiting,
                     admitted_at=None if admitted is None else admitted[1],
                     waiting_since=self._waiting_since.get(name, now),
+                    used_at=used_at,
                 )
             )
         self.members = tuple(seen)
@@ -504,8 +511,9 @@ class Keeper:
             ring(path)
         return plan.next_look_at
 
-    def _look_at(self, name: str) -> tuple[bool, bool, int | None]:
-        """Whether a member waits, whether it is warm, and the footprint it says."""
+    def _look_at(self, name: str) -> tuple[bool, bool, int | None, float]:
+        """Whether a member waits, whether it is warm, the footprint it says, and when it last
+        began a request (GateHold.used; the epoch)."""
         files = self._files
         want_fd = files.arena.open_lock(files.member_path(name, WANT), create=True)
         in_fd = files.arena.open_lock(files.member_path(name, IN), create=True)
@@ -514,11 +522,12 @@ class Keeper:
             warm = contended(in_fd, EXCLUSIVE)
             # Written as it last queued: what it holds while warm too.
             text = os.pread(want_fd, FOOTPRINT_MAX_BYTES, 0)
+            used_at = os.fstat(in_fd).st_mtime
         finally:
             os.close(in_fd)
             os.close(want_fd)
         footprint = int(text) if text.isdigit() else None
-        return waiting, warm, footprint
+        return waiting, warm, footprint, used_at
 
     def _withdraw(self, names: list[str]) -> None:
         for name in names:

@@ -241,6 +241,10 @@ class Hold(Protocol):
 
     def hand_over(self) -> None: ...  # let go to the waiters
 
+    # A request begins on the GPU: a fitting set's keeper makes the least recently used member
+    # leave first (groups.py); nothing for the arena's token.
+    def used(self) -> None: ...
+
     @property
     def passed_over(self) -> tuple[PassedOver, ...]: ...  # whom the take went before
 

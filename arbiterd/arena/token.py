@@ -642,6 +642,9 @@ class Token:
         watched, so it rings nothing."""
         return self.arena.bells()
 
+    def used(self) -> None:
+        """Nothing to say: who used the token last matters only inside a group (Hold)."""
+
     def hand_over(self, timeout_s: float = HAND_OVER_TIMEOUT_S) -> None:
         """Release to the programs waiting now: return once one of them holds the token, nobody
         waits any more (or only stopped waiters, who cannot take it), or `timeout_s` passed.

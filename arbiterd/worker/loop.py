@@ -583,6 +583,8 @@ class Worker:
                 if prepared.alone
                 else (lambda: self._stops(command.id))
             )
+            if self._token is not None:
+                self._token.used()
             self._backend.begin(command.id, prepared, self._sink(command), cancelled)
             self._flights[command.id] = flight
         except ArbiterError as exc:
