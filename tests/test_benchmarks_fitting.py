@@ -1,0 +1,50 @@
+"""benchmarks/fitting: its pure parts (releases counted from events, a side's figures, a
+footprint read from status) and its --help."""
+
+from __future__ import annotations
+
+from benchmarks.fitting import footprint_bytes, releases, side_figures
+from tests.support.benchmark_help import benchmark_help
+
+
+def residency(model: str, from_: str, to: str) -> dict[str, str]:
+    return {"event": "residency", "model": model, "from": from_, "to": to}
+
+
+def test_a_release_is_a_move_from_cooling_to_cold() -> None:
+    events = [
+        residency("a", "warm", "cooling"),
+        residency("a", "cooling", "cold"),
+        residency("b", "cooling", "cold"),
+        residency("a", "cold", "warming"),
+        {"event": "handoff", "model": "a"},
+    ]
+    assert (releases(events, "a"), releases(events, "b"), releases(events, "c")) == (1, 1, 0)
+
+
+def test_a_sides_figures_count_releases_per_request() -> None:
+    latencies = {"a": [0.1, 0.3, 0.2], "b": [0.5]}
+    events = [residency("a", "cooling", "cold"), residency("b", "cooling", "cold")]
+    figures = side_figures(latencies, events, withdrawals=2)
+    assert figures["requests"] == {"a": 3, "b": 1}
+    assert figures["releases"] == {"a": 1, "b": 1}
+    assert figures["releases_per_request"] == 0.5
+    assert figures["latency"]["a"]["median_s"] == 0.2
+    assert figures["withdrawals"] == 2
+
+
+def test_a_footprint_is_every_devices_measured_bytes() -> None:
+    entry = {"weights_bytes": 1, "kv_bytes": 2, "compute_bytes": 3}
+    status = {
+        "models": [
+            {"name": "a", "footprint": {"measured": [entry, {**entry, "device": "gpu0"}]}},
+            {"name": "b", "footprint": {"measured": []}},
+        ]
+    }
+    assert (footprint_bytes(status, "a"), footprint_bytes(status, "b")) == (12, 0)
+
+
+def test_help_names_its_options() -> None:
+    text = benchmark_help("fitting")
+    assert "--seconds" in text
+    assert "--out" in text
