@@ -116,13 +116,16 @@ def test_a_waiter_is_named_by_its_ticket_not_by_its_process(tmp_path: Path) -> N
         assert state.queue[0].model == "alpha"
         assert waiter_name(state, os.getpid()) == "alpha"
         others = Waiters(arena)
-        others.start("w2")  # acquire() names its ticket too
-        assert [w.name for w in arena.observe().queue] == ["alpha", "w2"]
+        others.start("w2")  # acquire() names its ticket too, once it is in the queue
+        wait_until(
+            lambda: [w.name for w in arena.observe().queue] == ["alpha", "w2"], 10, "w2's label"
+        )
     finally:
         holder.release()
         thread.join(timeout=30)
         ticket.leave()
-    taken[0].release()
+        for token in taken:  # also when an assertion failed: w2 is not left waiting for it
+            token.release()
     others.join()
     assert others.order == ["w2"]
 
