@@ -196,7 +196,7 @@ class GroupStatus(Record):
     holds_token: bool = False
     handoffs: int = 0
     failure: str = ""
-    device: str = "gpu0"
+    device: str = ""  # "" from a daemon before issue 44
     budget_bytes: int = 0
     warm: tuple[str, ...] = ()
     used_bytes: int = 0

@@ -82,7 +82,7 @@ from arbiterd.events import (
 )
 from arbiterd.footprint import ModelFootprint
 from arbiterd.offload import CpuNote, cpu_note, gpu_nodes, setup_script
-from arbiterd.paths import device_arena_of
+from arbiterd.paths import DEFAULT_DEVICE, device_arena_of
 from arbiterd.procs import WaitNews, holder_name, waiter_name
 from arbiterd.request import GenerateRequest
 from arbiterd.states import BackendKind, CpuCause, ResidencyState, SlotState
@@ -337,6 +337,7 @@ class Supervisor:
                 holds_token=keeper.holding,
                 handoffs=keeper.handoffs,
                 failure=keeper.failure,
+                device=DEFAULT_DEVICE,  # a [groups] table's models are on gpu0 (config.py)
             )
             for group in self.config.groups.values()
             if (keeper := self._keepers.get(group.name)) is not None

@@ -333,7 +333,10 @@ class DashboardWindow(QWidget):
             engine = state.engine_text()
             parts = [state.vram_text(), state.waiters_text(), *([engine] if engine else [])]
             self.details.setText("   ·   ".join(parts))
-            memory = [t for t in (state.host_ram_text(), state.prompt_cache_text()) if t]
+            memory = [
+                *state.fitting_texts(),
+                *[t for t in (state.host_ram_text(), state.prompt_cache_text()) if t],
+            ]
             self.memory.setText("   ·   ".join(memory))
             self.memory.setToolTip(state.host_ram_parts_text() or "")
         else:

@@ -209,6 +209,8 @@ class TrayState:
         if status.holder_model is not None:
             return status.holder_model
         group = status.holder_group
+        if group is not None and group.budget_bytes:  # a device's fitting set (issue 44)
+            return f"{', '.join(group.warm) or 'nobody'} warm together (they fit)"
         if group is not None:
             return f"group {group.name} — {', '.join(group.models)}"
         return render.process(status.holder.name or "another program", status.holder.pid)
@@ -250,6 +252,17 @@ class TrayState:
             f"weights' own copies {render.format_bytes(ram.host_weights_bytes)}"
         )
 
+    def fitting_texts(self) -> list[str]:
+        """Each device's fitting set (issue 44): who is warm on it together, and the room they
+        take of its budget."""
+        groups = self.status.groups if self.status is not None else ()
+        return [
+            f"{g.device}: {', '.join(g.warm) or 'nobody'} warm · "
+            f"{render.format_bytes(g.used_bytes)} of {render.format_bytes(g.budget_bytes)}"
+            for g in groups
+            if g.budget_bytes
+        ]
+
     def prompt_cache_text(self) -> str | None:
         """The prompt caches kept on disk against their budget, or None when it does not say."""
         cache = self.status.prompt_cache if self.status is not None else None
@@ -270,11 +283,14 @@ class TrayState:
         if status.holder_model == model.name:
             return "holds the GPU"
         group = status.holder_group
-        if group is None or model.name not in group.models:
+        # A fitting set's members hold it while warm in it; a group's, all of them.
+        holding = group.warm if group is not None and group.budget_bytes else ()
+        if group is None or model.name not in (holding or group.models):
             return None
-        others = [name for name in group.models if name != model.name]
+        others = [name for name in holding or group.models if name != model.name]
         with_ = f" with {', '.join(others)}" if others else ""
-        return f"holds the GPU{with_} (group {group.name})"
+        why = f"they fit on {group.device}" if group.budget_bytes else f"group {group.name}"
+        return f"holds the GPU{with_} ({why})"
 
     def unloaded_text(self, model: ModelStatus) -> str | None:
         """What is left of an unloaded model (issue 14), or None when it is not unloaded."""
@@ -313,7 +329,7 @@ class TrayState:
     def tooltip(self, now: float) -> str:
         if not self.reachable:
             return f"arbiterd — daemon not running\n{self.unreachable_reason}"
-        lines = ["arbiterd — " + self.holder_text(), self.vram_text()]
+        lines = ["arbiterd — " + self.holder_text(), self.vram_text(), *self.fitting_texts()]
         lines += [t for t in (self.host_ram_text(), self.prompt_cache_text()) if t is not None]
         lines.append(self.waiters_text())
         lines += [f"⚠ {w}" for w in self.warnings(now) + self.notices()]

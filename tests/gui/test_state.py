@@ -480,7 +480,7 @@ def test_budgets_and_groups_are_read_and_an_older_daemon_has_none() -> None:
         host_weights_bytes=2 * GiB,
     )
     assert read.prompt_cache == PromptCache(bytes_=12 * MiB, files=2, budget_bytes=4 * GiB)
-    assert read.groups == (
+    assert read.groups == (  # from a daemon before issue 44: no device, budget or members warm
         GroupStatus("rag", ("qwen", "nomic"), "normal", holds_token=True, handoffs=2, failure=""),
         GroupStatus("odd", (), "", holds_token=False, handoffs=0, failure=""),
     )
@@ -510,6 +510,31 @@ def test_a_group_holding_the_gpu_is_its_members_warm_together() -> None:
     assert state.holding_text(qwen) == "holds the GPU with nomic (group rag)"
     assert state.holding_text(nomic) == "holds the GPU with qwen (group rag)"
     assert state.holding_text(eye) is None
+
+
+def test_a_fitting_set_shows_who_is_warm_together_and_the_room_they_take() -> None:
+    state = TrayState()
+    fitting = {
+        "name": "fitting",
+        "models": ["qwen", "nomic", "task"],
+        "priority": "normal",
+        "holds_token": True,
+        "device": "gpu0",
+        "budget_bytes": 8 * GiB,
+        "warm": ["qwen", "nomic"],
+        "used_bytes": 5 * GiB,
+        "withdrawals": 1,
+    }
+    models = (model("qwen", "warm"), model("nomic", "warm"), model("task"))
+    state.apply_status(status(*models, holder="group fitting", groups=[fitting]), T)
+    assert state.status is not None
+    assert state.holder_text() == "GPU: qwen, nomic warm together (they fit)"
+    assert state.fitting_texts() == ["gpu0: qwen, nomic warm · 5.0 GiB of 8.0 GiB"]
+    assert "gpu0: qwen, nomic warm · 5.0 GiB of 8.0 GiB" in state.tooltip(T).splitlines()
+    qwen, nomic, task = state.status.models
+    assert state.holding_text(qwen) == "holds the GPU with nomic (they fit on gpu0)"
+    assert state.holding_text(nomic) == "holds the GPU with qwen (they fit on gpu0)"
+    assert state.holding_text(task) is None  # a member, but not warm in it now
 
 
 def test_a_group_that_does_not_hold_the_gpu_leaves_its_members_alone() -> None:
