@@ -3,7 +3,15 @@ footprint read from status) and its --help."""
 
 from __future__ import annotations
 
-from benchmarks.fitting import footprint_bytes, releases, side_figures
+from typing import Any
+
+from benchmarks.fitting import (
+    alternation,
+    footprint_bytes,
+    latency_ratio,
+    releases,
+    side_figures,
+)
 from tests.support.benchmark_help import benchmark_help
 
 
@@ -48,3 +56,28 @@ def test_help_names_its_options() -> None:
     text = benchmark_help("fitting")
     assert "--seconds" in text
     assert "--out" in text
+
+
+def test_the_alternating_client_asks_the_pair_by_turns_and_the_third_now_and_then() -> None:
+    assert alternation(11) == [
+        "gemma",
+        "smollm",
+        "gemma",
+        "smollm",
+        "tiny",
+        "gemma",
+        "smollm",
+        "gemma",
+        "smollm",
+        "tiny",
+        "gemma",
+    ]
+
+
+def test_the_latency_ratio_is_the_geometric_mean_of_each_models() -> None:
+    def side(**medians: float) -> dict[str, Any]:
+        return {"latency": {m: {"median_s": v} for m, v in medians.items()}}
+
+    assert latency_ratio(side(a=2.0, b=0.5), side(a=1.0, b=1.0)) == 1.0
+    assert latency_ratio(side(a=1.1, b=1.1), side(a=1.0, b=1.0)) == 1.1
+    assert latency_ratio(side(a=1.0), side(b=1.0)) is None
