@@ -31,10 +31,12 @@ requests is not favoured.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,17 +88,12 @@ def side_figures(
     }
 
 
-def alternation(count: int) -> list[str]:
+def alternation() -> Iterator[str]:
     """The models the alternating client asks, in order: gemma and smollm by turns, the third
     every THIRD_EVERY-th request."""
     pair = ("gemma", "smollm")
-    order: list[str] = []
-    while len(order) < count:
-        if len(order) % THIRD_EVERY == THIRD_EVERY - 1:
-            order.append(THIRD)
-        else:
-            order.append(pair[sum(1 for m in order if m != THIRD) % 2])
-    return order
+    for n in itertools.count():
+        yield THIRD if n % THIRD_EVERY == THIRD_EVERY - 1 else pair[(n - n // THIRD_EVERY) % 2]
 
 
 def latency_ratio(ours: dict[str, Any], baseline: dict[str, Any]) -> float | None:
@@ -157,7 +154,7 @@ def run_side(
 
             def alternating() -> None:
                 with httpx.Client(base_url=daemon.url, timeout=REQUEST_TIMEOUT_S) as own:
-                    for name in alternation(1 << 20):
+                    for name in alternation():
                         if time.monotonic() >= until:
                             return
                         started = time.monotonic()
