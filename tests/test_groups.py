@@ -265,7 +265,7 @@ def test_members_that_fit_the_budget_are_warm_together(
     assert not a.wanted()
     assert not b.wanted()
     assert arena.observe().holder is not None
-    assert [(m.name, m.warm) for m in fitting_keeper.members] == [("a", True), ("b", True)]
+    assert fitting_keeper.look() == [("a", True, 40), ("b", True, 50)]
     assert fitting_keeper.withdrawals == 0
 
 

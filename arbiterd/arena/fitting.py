@@ -4,13 +4,14 @@ A fitting set is a group (groups.py) with a budget: the device bytes its members
 once. A member that wants the GPU and fits beside the members admitted is admitted at once,
 nobody releasing; one that does not fit has the least recently used members (by the last
 request each began) withdrawn until it does, and is admitted once they have left (their bytes
-count while they are still warm). A member admitted less than `min_stay_s` ago keeps its
-place: two busy members that do not fit together take turns of at least that long, not a token
-each. A member larger than the whole budget is admitted alone. Without a budget (a static
+count while they are still warm). How long a member told to leave stays is its own turn
+policy's (worker/policy.py), as for a waiter on the arena's token: an idle one goes at once,
+a busy one finishes its turn, so two busy members that do not fit together take turns, not a
+token each. A member larger than the whole budget is admitted alone. Without a budget (a static
 group), every member that waits is admitted, as groups always were.
 
 `plan` only decides; the keeper applies it (locks and unlocks each member's admit lock) and
-calls it again whenever a member starts waiting, leaves the gate, or a stay ends.
+calls it again whenever a member starts waiting or leaves the gate.
 """
 
 from __future__ import annotations
@@ -35,12 +36,9 @@ class Member:
 class Plan:
     admit: frozenset[str] = frozenset()
     withdraw: frozenset[str] = frozenset()
-    # When to look again though nothing rings: the end of a stay that blocks a waiter (None:
-    # no need).
-    next_look_at: float | None = None
 
 
-def plan(budget: int | None, members: list[Member], now: float, min_stay_s: float) -> Plan:
+def plan(budget: int | None, members: list[Member]) -> Plan:
     """What to change: who is admitted now, whose admission is withdrawn (see the module)."""
     if budget is None:
         return Plan(admit=frozenset(m.name for m in members if m.waiting and m.admitted_at is None))
@@ -51,7 +49,6 @@ def plan(budget: int | None, members: list[Member], now: float, min_stay_s: floa
     used = leaving + sum(_size(m, budget) for m in admitted.values())
     admit: set[str] = set()
     withdraw: set[str] = set()
-    next_look: float | None = None
     queue = sorted(
         (m for m in members if m.waiting and m.admitted_at is None),
         key=lambda m: (m.waiting_since, m.name),
@@ -62,7 +59,7 @@ def plan(budget: int | None, members: list[Member], now: float, min_stay_s: floa
             admit.add(member.name)
             used += need
             continue
-        # Make room: the least recently used first, those whose stay is over.
+        # Make room: the least recently used first.
         room = budget - used + leaving
         candidates = sorted(
             (m for m in admitted.values() if m.name not in withdraw and m.name not in admit),
@@ -71,14 +68,10 @@ def plan(budget: int | None, members: list[Member], now: float, min_stay_s: floa
         for candidate in candidates:
             if room >= need:
                 break
-            stay_ends = (candidate.admitted_at or 0.0) + min_stay_s
-            if stay_ends > now:
-                next_look = stay_ends if next_look is None else min(next_look, stay_ends)
-                continue
             withdraw.add(candidate.name)
             room += _size(candidate, budget)
         break  # first come, first in: nobody passes the first that must wait
-    return Plan(frozenset(admit), frozenset(withdraw), next_look)
+    return Plan(frozenset(admit), frozenset(withdraw))
 
 
 def _size(member: Member, budget: int) -> int:

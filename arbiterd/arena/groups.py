@@ -333,7 +333,6 @@ class Keeper:
         *,
         priority: Priority = Priority.NORMAL,
         budget: int | None = None,
-        min_stay_s: float = 0.0,
         on_change: Callable[[str, bool], None] | None = None,
     ) -> None:
         self._files = _Files(arena, group)
@@ -341,13 +340,11 @@ class Keeper:
         self.group = group
         self.priority = priority
         self.budget = budget
-        self.min_stay_s = min_stay_s
         self._on_change = on_change
         # The thread's own: each admitted member's admit.lock descriptor (held LOCK_EX) and
         # when it was admitted; when each waiting member was first seen waiting.
         self._admitted: dict[str, tuple[int, float]] = {}
         self._waiting_since: dict[str, float] = {}
-        self.members: tuple[fitting.Member, ...] = ()  # as last seen (for status)
         self.withdrawals = 0  # admissions withdrawn to make room
         self._over: set[str] = set()  # members said to be larger than the budget
         self._stop = threading.Event()
@@ -445,9 +442,7 @@ class Keeper:
                         lock(leave_fd, EXCLUSIVE)
                         ring(files.leave_path)  # warm members go cold now
                     else:
-                        next_look = self._admit(time.monotonic())
-                        if next_look is not None:
-                            nap_s = min(nap_s, max(0.0, next_look - time.monotonic()))
+                        self._admit(time.monotonic())
                         if contended(waiters_fd, EXCLUSIVE):
                             # A member waits to come in: nothing to shut until it has left.
                             doorbell.wait(nap_s)
@@ -464,10 +459,9 @@ class Keeper:
         finally:
             self._withdraw(list(self._admitted))  # the next holding admits anew
 
-    def _admit(self, now: float) -> float | None:
+    def _admit(self, now: float) -> None:
         """Look at every member and apply fitting.plan: admit (lock each one's admit.lock) and
-        withdraw (let go of it), ringing each admit.lock changed; return when to look again
-        though nothing rings (None: no need)."""
+        withdraw (let go of it), ringing each admit.lock changed."""
         files = self._files
         seen: list[fitting.Member] = []
         for name in files.members():
@@ -497,7 +491,6 @@ class Keeper:
                     used_at=used_at,
                 )
             )
-        self.members = tuple(seen)
         # Each warm spell is admitted anew: a member neither waiting nor warm is done.
         self._withdraw(
             [m.name for m in seen if m.admitted_at is not None and not m.waiting and not m.warm]
@@ -506,7 +499,7 @@ class Keeper:
             m if m.name in self._admitted else dataclasses.replace(m, admitted_at=None)
             for m in seen
         ]
-        plan = fitting.plan(self.budget, live, now, self.min_stay_s)
+        plan = fitting.plan(self.budget, live)
         if plan.withdraw:
             self.withdrawals += len(plan.withdraw)
             log.info(
@@ -519,7 +512,11 @@ class Keeper:
             lock(fd, EXCLUSIVE)  # only the keeper takes it so: a member's probe, microseconds
             self._admitted[name] = (fd, now)
             ring(path)
-        return plan.next_look_at
+
+    def look(self) -> list[tuple[str, bool, int | None]]:
+        """Each member now, for status: its name, whether it is warm, and the footprint it
+        says. From any thread: it only probes, on descriptors of its own."""
+        return [(name, *self._look_at(name)[1:3]) for name in self._files.members()]
 
     def _look_at(self, name: str) -> tuple[bool, bool, int | None, float]:
         """Whether a member waits, whether it is warm, the footprint it says, and when it last

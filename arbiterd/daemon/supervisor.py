@@ -313,7 +313,6 @@ class Supervisor:
             FITTING_GROUP,
             priority=min((m.priority for m in members), key=lambda p: p.rank),
             budget=device.memory,
-            min_stay_s=self.config.daemon.turns.min_turn_s,
         )
         keeper.start()
         self._fitting[device.device] = keeper
@@ -344,8 +343,7 @@ class Supervisor:
         ) + tuple(self._fitting_status(device, keeper) for device, keeper in self._fitting.items())
 
     def _fitting_status(self, device: str, keeper: Keeper) -> GroupStatus:
-        seen = keeper.members
-        warm = [m for m in seen if m.warm]
+        warm = [(name, footprint) for name, is_warm, footprint in keeper.look() if is_warm]
         return GroupStatus(
             name=FITTING_GROUP,
             models=self.config.devices[device].members,
@@ -355,8 +353,8 @@ class Supervisor:
             failure=keeper.failure,
             device=device,
             budget_bytes=keeper.budget or 0,
-            warm=tuple(m.name for m in warm),
-            used_bytes=sum(m.footprint or 0 for m in warm),
+            warm=tuple(name for name, _ in warm),
+            used_bytes=sum(footprint or 0 for _, footprint in warm),
             withdrawals=keeper.withdrawals,
         )
 
