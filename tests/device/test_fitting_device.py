@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from arbiterd.native import ggml
-from tests.daemon.test_serve_fitting import devices_table, fitting_set
+from tests.daemon.test_serve_fitting import devices_table, fitting_set, measured_bytes
 from tests.daemon.test_serve_groups import events_after, last_seq, releases, states
 from tests.support.daemon import Daemon, openai_client, serving, tiny
 
@@ -37,17 +37,6 @@ def ask(daemon: Daemon, model: str) -> str:
     return done.choices[0].text
 
 
-def on_device(daemon: Daemon, model: str) -> int:
-    with daemon.client() as client:
-        status = client.call("status")
-    (entry,) = [m for m in status["models"] if m["name"] == model]
-    return sum(
-        d["weights_bytes"] + d["kv_bytes"] + d["compute_bytes"]
-        for d in entry["footprint"]["measured"]
-        if d["device"] == "gpu0"
-    )
-
-
 def test_models_that_fit_are_warm_on_the_device_together(daemon: Daemon) -> None:
     first = {name: ask(daemon, name) for name in PROMPTS}
     before = last_seq(daemon)
@@ -58,14 +47,14 @@ def test_models_that_fit_are_warm_on_the_device_together(daemon: Daemon) -> None
     new = events_after(daemon, before)
     assert [e for e in new if e["event"] == "handoff"] == []
     assert releases(new, "a") == releases(new, "b") == 0
-    assert on_device(daemon, "a") > 0
-    assert on_device(daemon, "b") > 0  # both models' buffers on Vulkan0 at once
+    assert measured_bytes(daemon, "a", "gpu0") > 0
+    assert measured_bytes(daemon, "b", "gpu0") > 0  # both models' buffers on Vulkan0 at once
     assert sorted(fitting_set(daemon)["warm"]) == ["a", "b"]
 
 
 def test_with_room_for_one_they_take_turns_releasing_in_place(daemon: Daemon) -> None:
     first = {name: ask(daemon, name) for name in PROMPTS}
-    one = max(on_device(daemon, name) for name in PROMPTS)  # what the keeper counts
+    one = max(measured_bytes(daemon, name, "gpu0") for name in PROMPTS)  # the keeper counts it
     text = daemon.config.read_text().replace(devices_table("1GiB"), devices_table(one + one // 2))
     daemon.config.write_text(text)
     with daemon.client() as client:
