@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from arbiterd.arena.fitting import Member, Plan, plan
+from arbiterd.arena.fitting import USE_HALF_LIFE_S, Member, Plan, Use, plan
 
 GIB = 1 << 30
 
@@ -18,13 +18,14 @@ def member(
     waiting: bool = False,
     admitted_at: float | None = None,
     since: float = 0.0,
+    use: Use | None = None,
 ) -> Member:
-    return Member(name, footprint, warm, waiting, admitted_at, since)
+    return Member(name, footprint, warm, waiting, admitted_at, since, use or Use())
 
 
 def test_without_a_budget_every_member_that_waits_is_admitted() -> None:
     members = [member("a", None, waiting=True), member("b", 5 * GIB, warm=True, admitted_at=1)]
-    assert plan(None, members) == Plan(admit=frozenset({"a"}))
+    assert plan(None, members, now=10) == Plan(admit=frozenset({"a"}))
 
 
 def test_members_that_fit_are_admitted_with_nobody_leaving() -> None:
@@ -33,7 +34,7 @@ def test_members_that_fit_are_admitted_with_nobody_leaving() -> None:
         member("embed", GIB // 2, waiting=True),
         member("task", GIB, waiting=True, since=1),
     ]
-    assert plan(8 * GIB, members) == Plan(admit=frozenset({"embed", "task"}))
+    assert plan(8 * GIB, members, now=10) == Plan(admit=frozenset({"embed", "task"}))
 
 
 def test_one_that_does_not_fit_has_the_least_recently_admitted_leave_first() -> None:
@@ -43,11 +44,11 @@ def test_one_that_does_not_fit_has_the_least_recently_admitted_leave_first() -> 
         member("c", 3 * GIB, waiting=True),
     ]
     # 4 + 3 + 3 > 8: a (admitted first) leaves; c comes in once it has left, not before.
-    assert plan(8 * GIB, members) == Plan(withdraw=frozenset({"a"}))
+    assert plan(8 * GIB, members, now=10) == Plan(withdraw=frozenset({"a"}))
     gone = [member("a", 4 * GIB, warm=True), *members[1:]]  # withdrawn, still leaving
-    assert plan(8 * GIB, gone) == Plan()
+    assert plan(8 * GIB, gone, now=10) == Plan()
     left = [member("a", 4 * GIB), *members[1:]]
-    assert plan(8 * GIB, left) == Plan(admit=frozenset({"c"}))
+    assert plan(8 * GIB, left, now=10) == Plan(admit=frozenset({"c"}))
 
 
 def test_only_as_many_leave_as_make_room() -> None:
@@ -57,16 +58,16 @@ def test_only_as_many_leave_as_make_room() -> None:
         member("c", 2 * GIB, warm=True, admitted_at=3),
         member("d", 4 * GIB, waiting=True),
     ]
-    assert plan(7 * GIB, members).withdraw == frozenset({"a", "b"})
+    assert plan(7 * GIB, members, now=10).withdraw == frozenset({"a", "b"})
     three = [*members[:3], member("d", 3 * GIB, waiting=True)]
-    assert plan(7 * GIB, three).withdraw == frozenset({"a"})
+    assert plan(7 * GIB, three, now=10).withdraw == frozenset({"a"})
 
 
 def test_an_unknown_or_oversized_footprint_takes_the_whole_budget() -> None:
     members = [member("a", GIB, warm=True, admitted_at=1), member("b", None, waiting=True)]
-    assert plan(8 * GIB, members).withdraw == frozenset({"a"})
+    assert plan(8 * GIB, members, now=10).withdraw == frozenset({"a"})
     alone = [member("a", GIB), member("big", 20 * GIB, waiting=True)]
-    assert plan(8 * GIB, alone).admit == frozenset({"big"})
+    assert plan(8 * GIB, alone, now=10).admit == frozenset({"big"})
 
 
 def test_the_first_waiter_is_let_in_first() -> None:
@@ -75,17 +76,37 @@ def test_the_first_waiter_is_let_in_first() -> None:
         member("big", 4 * GIB, waiting=True, since=1),
         member("small", GIB, waiting=True, since=2),  # would fit, but big came first
     ]
-    assert plan(8 * GIB, members) == Plan(withdraw=frozenset({"a"}))
+    assert plan(8 * GIB, members, now=10) == Plan(withdraw=frozenset({"a"}))
 
 
-def test_the_least_recently_used_leaves_first_not_the_first_admitted() -> None:
+def test_of_two_used_alike_the_least_recently_used_leaves_first() -> None:
     members = [
         member("busy", 4 * GIB, warm=True, admitted_at=1),  # admitted first, used just now
         member("idle", 3 * GIB, warm=True, admitted_at=2),
         member("new", 3 * GIB, waiting=True),
     ]
     used = [
-        dataclasses.replace(members[0], used_at=9.9),
-        dataclasses.replace(members[1], used_at=3),
+        dataclasses.replace(members[0], use=Use(1, 9.9)),
+        dataclasses.replace(members[1], use=Use(1, 3)),
     ]
-    assert plan(8 * GIB, [*used, members[2]]).withdraw == {"idle"}
+    assert plan(8 * GIB, [*used, members[2]], now=10).withdraw == {"idle"}
+
+
+def test_one_used_often_stays_before_one_used_once_more_recently() -> None:
+    # The alternating pattern: a and b asked by turns, c now and then (just now).
+    members = [
+        member("a", 3 * GIB, warm=True, admitted_at=1, use=Use(8, 9.5)),
+        member("c", 3 * GIB, warm=True, admitted_at=9, use=Use(1, 9.8)),
+        member("b", 3 * GIB, waiting=True),
+    ]
+    assert plan(7 * GIB, members, now=10).withdraw == {"c"}
+
+
+def test_a_use_is_forgotten_by_half_every_half_life_and_read_back_from_its_text() -> None:
+    use = Use().began(100.0).began(100.0)
+    assert use == Use(2.0, 100.0)
+    assert use.weight_at(100.0 + USE_HALF_LIFE_S) == 1.0
+    assert use.began(100.0 + USE_HALF_LIFE_S) == Use(2.0, 100.0 + USE_HALF_LIFE_S)
+    assert Use.from_text(use.to_text()) == use
+    assert Use.from_text(b"") == Use()
+    assert Use.from_text(b"nonsense 1 2") == Use()

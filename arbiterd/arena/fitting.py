@@ -2,13 +2,14 @@
 
 A fitting set is a group (groups.py) with a budget: the device bytes its members may hold at
 once. A member that wants the GPU and fits beside the members admitted is admitted at once,
-nobody releasing; one that does not fit has the least recently used members (by the last
-request each began) withdrawn until it does, and is admitted once they have left (their bytes
-count while they are still warm). How long a member told to leave stays is its own turn
-policy's (worker/policy.py), as for a waiter on the arena's token: an idle one goes at once,
-a busy one finishes its turn, so two busy members that do not fit together take turns, not a
-token each. A member larger than the whole budget is admitted alone. Without a budget (a static
-group), every member that waits is admitted, as groups always were.
+nobody releasing; one that does not fit has the members used least lately (`Use`: the requests
+each began, the older counting less; then the least recently used) withdrawn until it does,
+and is admitted once they have left (their bytes count while they are still warm). How long a
+member told to leave stays is its own turn policy's (worker/policy.py), as for a waiter on the
+arena's token: an idle one goes at once, a busy one finishes its turn, so two busy members that
+do not fit together take turns, not a token each. A member larger than the whole budget is
+admitted alone. Without a budget (a static group), every member that waits is admitted, as
+groups always were.
 
 `plan` only decides; the keeper applies it (locks and unlocks each member's admit lock) and
 calls it again whenever a member starts waiting or leaves the gate.
@@ -17,6 +18,41 @@ calls it again whenever a member starts waiting or leaves the gate.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# How fast a member's use is forgotten: a request it began counts half after this long.
+USE_HALF_LIFE_S = 30.0
+# Its largest text ("weight at"), as a member writes it into its in.lock.
+USE_TEXT_MAX_BYTES = 64
+
+
+@dataclass(frozen=True)
+class Use:
+    """How much a member was used lately: the requests it began, each counting less the older
+    it is (halved every USE_HALF_LIFE_S), summed as of `at` (epoch s). A member that is asked
+    for often stays; one asked for now and then leaves first, however recently."""
+
+    weight: float = 0.0
+    at: float = 0.0
+
+    def weight_at(self, now: float) -> float:
+        decay: float = 0.5 ** (max(0.0, now - self.at) / USE_HALF_LIFE_S)
+        return self.weight * decay
+
+    def began(self, now: float) -> Use:
+        """After one more request began at `now`."""
+        return Use(self.weight_at(now) + 1.0, now)
+
+    def to_text(self) -> bytes:
+        return f"{self.weight:.6g} {self.at:.6f}".encode()
+
+    @classmethod
+    def from_text(cls, text: bytes) -> Use:
+        """As `to_text` wrote it; none (Use()) when it cannot be read."""
+        try:
+            weight, at = (float(part) for part in text.split())
+        except ValueError:
+            return cls()
+        return cls(weight, at)
 
 
 @dataclass(frozen=True)
@@ -29,7 +65,7 @@ class Member:
     waiting: bool  # waits to be warm
     admitted_at: float | None  # when it was admitted (monotonic s); None: not admitted
     waiting_since: float = 0.0  # when the keeper first saw it waiting: first come, first in
-    used_at: float = 0.0  # when it last began a request (epoch s): least recently used first
+    use: Use = Use()  # how much it was used lately: the least used leaves first
 
 
 @dataclass(frozen=True)
@@ -38,8 +74,9 @@ class Plan:
     withdraw: frozenset[str] = frozenset()
 
 
-def plan(budget: int | None, members: list[Member]) -> Plan:
-    """What to change: who is admitted now, whose admission is withdrawn (see the module)."""
+def plan(budget: int | None, members: list[Member], now: float) -> Plan:
+    """What to change at `now` (epoch s): who is admitted, whose admission is withdrawn (see
+    the module)."""
     if budget is None:
         return Plan(admit=frozenset(m.name for m in members if m.waiting and m.admitted_at is None))
     admitted = {m.name: m for m in members if m.admitted_at is not None}
@@ -59,11 +96,11 @@ def plan(budget: int | None, members: list[Member]) -> Plan:
             admit.add(member.name)
             used += need
             continue
-        # Make room: the least recently used first.
+        # Make room: the least used lately first, then the least recently used.
         room = budget - used + leaving
         candidates = sorted(
             (m for m in admitted.values() if m.name not in withdraw and m.name not in admit),
-            key=lambda m: (m.used_at, m.admitted_at or 0.0, m.name),
+            key=lambda m: (m.use.weight_at(now), m.use.at, m.name),
         )
         for candidate in candidates:
             if room >= need:

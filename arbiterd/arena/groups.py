@@ -11,8 +11,8 @@ arena and both sides of its protocol (specified in docs/arena-protocol.md § Gro
                             LOCK_SH by the member while it waits; it holds the member's
                             footprint (device bytes, decimal text; empty: not known)
     groups/NAME/members/MEMBER.in.lock
-                            LOCK_SH by the member while it is warm; its time, when the
-                            member last began a request (least recently used leaves first)
+                            LOCK_SH by the member while it is warm; it holds the member's
+                            use (fitting.Use: the least used leaves first)
     groups/NAME/members/MEMBER.admit.lock
                             LOCK_EX by the keeper while the member may be warm (issue 44)
 
@@ -34,7 +34,7 @@ arena and both sides of its protocol (specified in docs/arena-protocol.md § Gro
   cold once the keeper lets go of it. The keeper admits by fitting.plan: every member that waits
   in a group without a budget (a static group: all are warm together); in a fitting set (a
   group with a budget, the daemon's automatic set of a device) those that fit beside the ones
-  admitted, withdrawing the least recently used ones to make room. A member neither waiting
+  admitted, withdrawing the ones used least lately to make room. A member neither waiting
   nor warm has its admission withdrawn: each warm spell is admitted anew.
 
 Nobody polls (issue 29): each side sleeps on a doorbell (doorbell.py) armed on the files the
@@ -158,6 +158,7 @@ class Gate:
         self.arena = arena
         self.member = member
         self._footprint = footprint
+        self.use = fitting.Use()  # kept across warm spells; each hold adds its requests
         for kind in (WANT, IN, ADMIT):
             os.close(arena.open_lock(self._files.member_path(member, kind), create=True))
 
@@ -165,7 +166,7 @@ class Gate:
         """A place among the group's waiters (the keeper queues in the arena for all of them:
         `priority` does not change its class, the group's configured one)."""
         del priority
-        return GateTicket(self._files, self.member, self._footprint())
+        return GateTicket(self, self._footprint())
 
     def observe(self) -> ArenaState:
         """The arena as a member sees it: its own keeper holding the token is the group's
@@ -185,9 +186,10 @@ class GateTicket:
     """A member waiting to be warm: holds its own want lock (which says its footprint) and the
     group's want.lock shared until it leaves."""
 
-    def __init__(self, files: _Files, member: str, footprint: int | None) -> None:
-        self._files = files
-        self._member = member
+    def __init__(self, gate: Gate, footprint: int | None) -> None:
+        files = self._files = gate._files
+        self._gate = gate
+        self._member = member = gate.member
         fds: list[int] = []
         try:
             own = files.arena.open_lock(files.member_path(member, WANT))
@@ -254,7 +256,7 @@ class GateTicket:
                     # we are in (the keeper shuts the gate first).
                     if files.keeper_holds_token():
                         lock(fds["in"], SHARED)  # warm before it stops waiting: never neither
-                        hold = GateHold(fds, files.leave_path, admit_path)
+                        hold = GateHold(self._gate, fds, files.leave_path, admit_path)
                         fds = {}  # the hold owns them now
                         self.leave()
                         return hold
@@ -280,7 +282,8 @@ class GateTicket:
 class GateHold:
     """A warm member's place inside the open gate (LOCK_SH on gate.lock and its in.lock)."""
 
-    def __init__(self, fds: dict[str, int], leave_path: Path, admit_path: Path) -> None:
+    def __init__(self, gate: Gate, fds: dict[str, int], leave_path: Path, admit_path: Path) -> None:
+        self._gate = gate
         self._fds: dict[str, int] | None = fds  # gate, leave, admit, in
         self._leave_path = leave_path
         self._admit_path = admit_path
@@ -300,10 +303,15 @@ class GateHold:
         return (Bell(self._leave_path, Change.OPENED), Bell(self._admit_path, Change.OPENED))
 
     def used(self) -> None:
-        """A request begins: its in.lock's time says so to the keeper (least recently used
-        leaves first)."""
-        if self._fds is not None:
-            os.utime(self._fds["in"])
+        """A request begins: the member's use, in its in.lock, says so to the keeper (the least
+        used leaves first)."""
+        if self._fds is None:
+            return
+        gate = self._gate
+        gate.use = gate.use.began(time.time())
+        fd = self._fds["in"]
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, gate.use.to_text(), 0)
 
     def hand_over(self) -> None:
         """Leave the gate; the keeper hands the token over once every member has."""
@@ -465,7 +473,7 @@ class Keeper:
         files = self._files
         seen: list[fitting.Member] = []
         for name in files.members():
-            waiting, warm, footprint, used_at = self._look_at(name)
+            waiting, warm, footprint, use = self._look_at(name)
             if self.budget and footprint and footprint > self.budget and name not in self._over:
                 self._over.add(name)
                 log.warning(
@@ -488,7 +496,7 @@ class Keeper:
                     waiting=waiting,
                     admitted_at=None if admitted is None else admitted[1],
                     waiting_since=self._waiting_since.get(name, now),
-                    used_at=used_at,
+                    use=use,
                 )
             )
         # Each warm spell is admitted anew: a member neither waiting nor warm is done.
@@ -499,7 +507,7 @@ class Keeper:
             m if m.name in self._admitted else dataclasses.replace(m, admitted_at=None)
             for m in seen
         ]
-        plan = fitting.plan(self.budget, live)
+        plan = fitting.plan(self.budget, live, time.time())
         if plan.withdraw:
             self.withdrawals += len(plan.withdraw)
             log.info(
@@ -518,9 +526,9 @@ class Keeper:
         says. From any thread: it only probes, on descriptors of its own."""
         return [(name, *self._look_at(name)[1:3]) for name in self._files.members()]
 
-    def _look_at(self, name: str) -> tuple[bool, bool, int | None, float]:
-        """Whether a member waits, whether it is warm, the footprint it says, and when it last
-        began a request (GateHold.used; the epoch)."""
+    def _look_at(self, name: str) -> tuple[bool, bool, int | None, fitting.Use]:
+        """Whether a member waits, whether it is warm, the footprint it says, and its use
+        (GateHold.used)."""
         files = self._files
         want_fd = files.arena.open_lock(files.member_path(name, WANT), create=True)
         in_fd = files.arena.open_lock(files.member_path(name, IN), create=True)
@@ -529,12 +537,12 @@ class Keeper:
             warm = contended(in_fd, EXCLUSIVE)
             # Written as it last queued: what it holds while warm too.
             text = os.pread(want_fd, FOOTPRINT_MAX_BYTES, 0)
-            used_at = os.fstat(in_fd).st_mtime
+            use = fitting.Use.from_text(os.pread(in_fd, fitting.USE_TEXT_MAX_BYTES, 0))
         finally:
             os.close(in_fd)
             os.close(want_fd)
         footprint = int(text) if text.isdigit() else None
-        return waiting, warm, footprint, used_at
+        return waiting, warm, footprint, use
 
     def _withdraw(self, names: list[str]) -> None:
         for name in names:

@@ -241,7 +241,7 @@ class Hold(Protocol):
 
     def hand_over(self) -> None: ...  # let go to the waiters
 
-    # A request begins on the GPU: a fitting set's keeper makes the least recently used member
+    # A request begins on the GPU: a fitting set's keeper makes the member used least lately
     # leave first (groups.py); nothing for the arena's token.
     def used(self) -> None: ...
 
