@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from arbiterd.arena.fitting import USE_HALF_LIFE_S, Member, Plan, Use, plan
+from arbiterd.arena.fitting import (
+    USE_HALF_LIFE_S,
+    USE_TEXT_MAX_BYTES,
+    Member,
+    Plan,
+    Use,
+    plan,
+)
 
 GIB = 1 << 30
 
@@ -108,5 +115,6 @@ def test_a_use_is_forgotten_by_half_every_half_life_and_read_back_from_its_text(
     assert use.weight_at(100.0 + USE_HALF_LIFE_S) == 1.0
     assert use.began(100.0 + USE_HALF_LIFE_S) == Use(2.0, 100.0 + USE_HALF_LIFE_S)
     assert Use.from_text(use.to_text()) == use
+    assert len(use.to_text()) == len(Use(1e9, 2e9).to_text()) == USE_TEXT_MAX_BYTES
     assert Use.from_text(b"") == Use()
     assert Use.from_text(b"nonsense 1 2") == Use()

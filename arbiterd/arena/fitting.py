@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 # How fast a member's use is forgotten: a request it began counts half after this long.
 USE_HALF_LIFE_S = 30.0
-# Its largest text ("weight at"), as a member writes it into its in.lock.
-USE_TEXT_MAX_BYTES = 64
+# Its text ("weight at", Use.to_text), as a member writes it into its in.lock.
+USE_TEXT_MAX_BYTES = 49
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,9 @@ class Use:
         return Use(self.weight_at(now) + 1.0, now)
 
     def to_text(self) -> bytes:
-        return f"{self.weight:.6g} {self.at:.6f}".encode()
+        """Of one width always: written over the last in place, never cut short first (a
+        reader between a truncate and the write would read no use at all)."""
+        return f"{self.weight:24.6e} {self.at:24.6f}".encode()
 
     @classmethod
     def from_text(cls, text: bytes) -> Use:

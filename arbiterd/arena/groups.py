@@ -309,9 +309,7 @@ class GateHold:
             return
         gate = self._gate
         gate.use = gate.use.began(time.time())
-        fd = self._fds["in"]
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, gate.use.to_text(), 0)
+        os.pwrite(self._fds["in"], gate.use.to_text(), 0)
 
     def hand_over(self) -> None:
         """Leave the gate; the keeper hands the token over once every member has."""
