@@ -23,34 +23,35 @@ def member(
     *,
     warm: bool = False,
     waiting: bool = False,
-    admitted_at: float | None = None,
+    admitted: bool = False,
     since: float = 0.0,
     use: Use | None = None,
 ) -> Member:
-    return Member(name, footprint, warm, waiting, admitted_at, since, use or Use())
+    return Member(name, footprint, warm, waiting, admitted, since, use or Use())
 
 
 def test_without_a_budget_every_member_that_waits_is_admitted() -> None:
-    members = [member("a", None, waiting=True), member("b", 5 * GIB, warm=True, admitted_at=1)]
+    members = [member("a", None, waiting=True), member("b", 5 * GIB, warm=True, admitted=True)]
     assert plan(None, members, now=10) == Plan(admit=frozenset({"a"}))
 
 
 def test_members_that_fit_are_admitted_with_nobody_leaving() -> None:
     members = [
-        member("chat", 5 * GIB, warm=True, admitted_at=1),
+        member("chat", 5 * GIB, warm=True, admitted=True),
         member("embed", GIB // 2, waiting=True),
         member("task", GIB, waiting=True, since=1),
     ]
     assert plan(8 * GIB, members, now=10) == Plan(admit=frozenset({"embed", "task"}))
 
 
-def test_one_that_does_not_fit_has_the_least_recently_admitted_leave_first() -> None:
+def test_one_that_does_not_fit_has_others_leave_and_comes_in_once_they_left() -> None:
     members = [
-        member("a", 4 * GIB, warm=True, admitted_at=1),
-        member("b", 3 * GIB, warm=True, admitted_at=2),
+        member("a", 4 * GIB, warm=True, admitted=True),
+        member("b", 3 * GIB, warm=True, admitted=True),
         member("c", 3 * GIB, waiting=True),
     ]
-    # 4 + 3 + 3 > 8: a (admitted first) leaves; c comes in once it has left, not before.
+    # 4 + 3 + 3 > 8: a leaves (neither was used: the first by name); c comes in once it has
+    # left, not before.
     assert plan(8 * GIB, members, now=10) == Plan(withdraw=frozenset({"a"}))
     gone = [member("a", 4 * GIB, warm=True), *members[1:]]  # withdrawn, still leaving
     assert plan(8 * GIB, gone, now=10) == Plan()
@@ -60,9 +61,9 @@ def test_one_that_does_not_fit_has_the_least_recently_admitted_leave_first() -> 
 
 def test_only_as_many_leave_as_make_room() -> None:
     members = [
-        member("a", 2 * GIB, warm=True, admitted_at=1),
-        member("b", 2 * GIB, warm=True, admitted_at=2),
-        member("c", 2 * GIB, warm=True, admitted_at=3),
+        member("a", 2 * GIB, warm=True, admitted=True),
+        member("b", 2 * GIB, warm=True, admitted=True),
+        member("c", 2 * GIB, warm=True, admitted=True),
         member("d", 4 * GIB, waiting=True),
     ]
     assert plan(7 * GIB, members, now=10).withdraw == frozenset({"a", "b"})
@@ -71,7 +72,7 @@ def test_only_as_many_leave_as_make_room() -> None:
 
 
 def test_an_unknown_or_oversized_footprint_takes_the_whole_budget() -> None:
-    members = [member("a", GIB, warm=True, admitted_at=1), member("b", None, waiting=True)]
+    members = [member("a", GIB, warm=True, admitted=True), member("b", None, waiting=True)]
     assert plan(8 * GIB, members, now=10).withdraw == frozenset({"a"})
     alone = [member("a", GIB), member("big", 20 * GIB, waiting=True)]
     assert plan(8 * GIB, alone, now=10).admit == frozenset({"big"})
@@ -79,7 +80,7 @@ def test_an_unknown_or_oversized_footprint_takes_the_whole_budget() -> None:
 
 def test_the_first_waiter_is_let_in_first() -> None:
     members = [
-        member("a", 6 * GIB, warm=True, admitted_at=9.9),
+        member("a", 6 * GIB, warm=True, admitted=True),
         member("big", 4 * GIB, waiting=True, since=1),
         member("small", GIB, waiting=True, since=2),  # would fit, but big came first
     ]
@@ -88,8 +89,8 @@ def test_the_first_waiter_is_let_in_first() -> None:
 
 def test_of_two_used_alike_the_least_recently_used_leaves_first() -> None:
     members = [
-        member("busy", 4 * GIB, warm=True, admitted_at=1),  # admitted first, used just now
-        member("idle", 3 * GIB, warm=True, admitted_at=2),
+        member("busy", 4 * GIB, warm=True, admitted=True),  # used just now
+        member("idle", 3 * GIB, warm=True, admitted=True),
         member("new", 3 * GIB, waiting=True),
     ]
     used = [
@@ -102,8 +103,8 @@ def test_of_two_used_alike_the_least_recently_used_leaves_first() -> None:
 def test_one_used_often_stays_before_one_used_once_more_recently() -> None:
     # The alternating pattern: a and b asked by turns, c now and then (just now).
     members = [
-        member("a", 3 * GIB, warm=True, admitted_at=1, use=Use(8, 9.5)),
-        member("c", 3 * GIB, warm=True, admitted_at=9, use=Use(1, 9.8)),
+        member("a", 3 * GIB, warm=True, admitted=True, use=Use(8, 9.5)),
+        member("c", 3 * GIB, warm=True, admitted=True, use=Use(1, 9.8)),
         member("b", 3 * GIB, waiting=True),
     ]
     assert plan(7 * GIB, members, now=10).withdraw == {"c"}

@@ -279,7 +279,7 @@ def test_one_that_does_not_fit_makes_the_least_recently_admitted_leave(
         target=lambda: entered.append(members.enter("c", footprint=30, group="fit"))
     )
     third.start()
-    wait_until(a.wanted, 5, "a, admitted first, to be told to leave")
+    wait_until(a.wanted, 5, "a (neither used: the first by name) to be told to leave")
     assert not b.wanted()
     assert not entered  # c waits until a has left: never over the budget
     a.release()

@@ -65,7 +65,7 @@ class Member:
     footprint: int | None  # the device bytes it holds warm, as it says; None: not known yet
     warm: bool  # inside the gate now
     waiting: bool  # waits to be warm
-    admitted_at: float | None  # when it was admitted (monotonic s); None: not admitted
+    admitted: bool  # the keeper holds its admit.lock
     waiting_since: float = 0.0  # when the keeper first saw it waiting: first come, first in
     use: Use = Use()  # how much it was used lately: the least used leaves first
 
@@ -80,16 +80,16 @@ def plan(budget: int | None, members: list[Member], now: float) -> Plan:
     """What to change at `now` (epoch s): who is admitted, whose admission is withdrawn (see
     the module)."""
     if budget is None:
-        return Plan(admit=frozenset(m.name for m in members if m.waiting and m.admitted_at is None))
-    admitted = {m.name: m for m in members if m.admitted_at is not None}
+        return Plan(admit=frozenset(m.name for m in members if m.waiting and not m.admitted))
+    admitted = {m.name: m for m in members if m.admitted}
     # Bytes held or promised: every admitted member's, and a warm one's whose admission is
     # already withdrawn (until it has left: `leaving`, room that is coming).
-    leaving = sum(_size(m, budget) for m in members if m.admitted_at is None and m.warm)
+    leaving = sum(_size(m, budget) for m in members if not m.admitted and m.warm)
     used = leaving + sum(_size(m, budget) for m in admitted.values())
     admit: set[str] = set()
     withdraw: set[str] = set()
     queue = sorted(
-        (m for m in members if m.waiting and m.admitted_at is None),
+        (m for m in members if m.waiting and not m.admitted),
         key=lambda m: (m.waiting_since, m.name),
     )
     for member in queue:

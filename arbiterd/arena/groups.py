@@ -347,9 +347,9 @@ class Keeper:
         self.priority = priority
         self.budget = budget
         self._on_change = on_change
-        # The thread's own: each admitted member's admit.lock descriptor (held LOCK_EX) and
-        # when it was admitted; when each waiting member was first seen waiting.
-        self._admitted: dict[str, tuple[int, float]] = {}
+        # The thread's own: each admitted member's admit.lock descriptor (held LOCK_EX); when
+        # each waiting member was first seen waiting.
+        self._admitted: dict[str, int] = {}
         self._waiting_since: dict[str, float] = {}
         self.withdrawals = 0  # admissions withdrawn to make room
         self._over: set[str] = set()  # members said to be larger than the budget
@@ -485,26 +485,20 @@ class Keeper:
                 self._waiting_since.setdefault(name, now)
             else:
                 self._waiting_since.pop(name, None)
-            admitted = self._admitted.get(name)
             seen.append(
                 fitting.Member(
                     name=name,
                     footprint=footprint,
                     warm=warm,
                     waiting=waiting,
-                    admitted_at=None if admitted is None else admitted[1],
+                    admitted=name in self._admitted,
                     waiting_since=self._waiting_since.get(name, now),
                     use=use,
                 )
             )
         # Each warm spell is admitted anew: a member neither waiting nor warm is done.
-        self._withdraw(
-            [m.name for m in seen if m.admitted_at is not None and not m.waiting and not m.warm]
-        )
-        live = [
-            m if m.name in self._admitted else dataclasses.replace(m, admitted_at=None)
-            for m in seen
-        ]
+        self._withdraw([m.name for m in seen if m.admitted and not m.waiting and not m.warm])
+        live = [dataclasses.replace(m, admitted=m.name in self._admitted) for m in seen]
         plan = fitting.plan(self.budget, live, time.time())
         if plan.withdraw:
             self.withdrawals += len(plan.withdraw)
@@ -516,7 +510,7 @@ class Keeper:
             path = files.member_path(name, ADMIT)
             fd = files.arena.open_lock(path, create=True)
             lock(fd, EXCLUSIVE)  # only the keeper takes it so: a member's probe, microseconds
-            self._admitted[name] = (fd, now)
+            self._admitted[name] = fd
             ring(path)
 
     def look(self) -> list[tuple[str, bool, int | None]]:
@@ -544,9 +538,9 @@ class Keeper:
 
     def _withdraw(self, names: list[str]) -> None:
         for name in names:
-            entry = self._admitted.pop(name, None)
-            if entry is not None:
-                os.close(entry[0])  # drops the LOCK_EX: the member goes cold
+            fd = self._admitted.pop(name, None)
+            if fd is not None:
+                os.close(fd)  # drops the LOCK_EX: the member goes cold
                 ring(self._files.member_path(name, ADMIT))
 
     def _set_holding(self, holding: bool) -> None:
