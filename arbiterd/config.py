@@ -29,9 +29,11 @@
     max_wait_s = { interactive = 5, normal = 30, batch = 60 }
                                   # a waiter of the class that waited this long ends the turn;
                                   #   each at least max_turn_s
-    [devices.ID]                  # e.g. [devices.gpu0]: its fitting set (issue 44)
-    memory = "20GiB"              # what models placed on it alone hold at once; those that fit
-                                  #   stay warm together
+    [devices.ID]                  # e.g. [devices.gpu0]: its fitting set (issue 44): the models
+                                  #   placed on it alone that fit its budget stay warm together
+    memory = "20GiB"              # its size where it cannot tell (llvmpipe, no GPU reader); where
+                                  #   it can, the smaller counts; absent: as measured
+    reserve = "512MiB"            # kept free for other programs to grow into
     [models.NAME]                 # one table per model; NAME is what requests ask for
     path = "/models/x.gguf"       # required
     aliases = []                  # more names requests may ask for, e.g. ["gpt-4o-mini"]
@@ -99,6 +101,7 @@ from arbiterd.paths import (
     parse_device_id,
     runtime_dir,
 )
+from arbiterd.render import format_bytes
 from arbiterd.spec import (
     DEFAULT_PARALLEL,
     DEFAULT_TURNS,
@@ -175,7 +178,10 @@ DEFAULT_TAG = "latest"
 # Keys in the order they are documented (and listed in error messages).
 TOP_KEYS = ("daemon", "models", "groups", "yield", "devices")
 GROUP_KEYS = ("models", "priority")
-DEVICE_KEYS = ("memory",)
+DEVICE_KEYS = ("memory", "reserve")
+# What a device's fitting set leaves free by default: room for a desktop's compositor and
+# browser to grow into (what they hold now is measured and counted apart).
+DEFAULT_DEVICE_RESERVE = 512 << 20
 # The group of a device's fitting set (issue 44), in that device's arena: no [groups] table may
 # take the name.
 FITTING_GROUP = "fitting"
@@ -372,14 +378,17 @@ class YieldRules:
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    """One [devices.ID] table (issue 44): `memory`, the bytes arbiterd's models may hold on
-    the device at once. With it, the models placed on that device alone (and in no [groups]
-    table) form its fitting set: those that fit stay warm together, and only those that do not
-    take turns (arbiterd/arena/fitting.py)."""
+    """One [devices.ID] table (issue 44): the models placed on that device alone (and in no
+    [groups] table) form its fitting set: those that fit its budget stay warm together, and
+    only those that do not take turns (arbiterd/arena/fitting.py). The budget is the device's
+    size less `reserve` less what other programs hold now (daemon/budgets.py device_budget);
+    the size is `memory` where the device cannot tell it, the smaller of the two where it can.
+    """
 
     device: str
-    memory: int
+    memory: int | None  # None: as the device's readers measure it
     members: tuple[str, ...] = ()  # the models of its fitting set, in the file's order
+    reserve: int = DEFAULT_DEVICE_RESERVE
 
 
 @dataclass(frozen=True)
@@ -1393,15 +1402,22 @@ def _device_tables(
             raise src.expected(where, 'a table ([devices.gpu0] memory = "8GiB")', values)
         table = Table(src, where, values)
         table.check_keys(DEVICE_KEYS, lambda key, value: "")
-        if "memory" not in values:
-            raise src.fail(table.keys("memory"), f"expected {SIZE_EXPECTED}, got nothing")
-        memory = table.size("memory")
-        if memory <= 0:
-            raise src.expected(table.keys("memory"), f"more than 0: {SIZE_EXPECTED}", memory)
+        memory = None
+        if "memory" in values:
+            memory = table.size("memory")
+            if memory <= 0:
+                raise src.expected(table.keys("memory"), f"more than 0: {SIZE_EXPECTED}", memory)
+        reserve = table.size("reserve", DEFAULT_DEVICE_RESERVE)
+        if memory is not None and reserve >= memory:
+            raise src.fail(
+                table.keys("reserve"),
+                f"{format_bytes(reserve)} is not less than the device's memory "
+                f"({format_bytes(memory)}): nothing would be left for its models",
+            )
         members = tuple(
             name for name, model in models.items() if model.devices == (device,) and not model.group
         )
-        devices[device] = DeviceConfig(device, memory, members)
+        devices[device] = DeviceConfig(device, memory, members, reserve)
     return devices
 
 

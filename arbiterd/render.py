@@ -37,6 +37,7 @@ from arbiterd.events import (
 )
 from arbiterd.footprint import ModelFootprint, error, matched
 from arbiterd.states import CpuCause, ResidencyState
+from arbiterd.status import GroupStatus
 
 NONE = "—"  # what a missing name or figure shows as
 KIND_WIDTH = 9  # "residency": the kinds line up in `arbiterd events`; longer ones push the text
@@ -536,3 +537,17 @@ def _fields(event: Event) -> str:
         f"{key}={json.dumps(value, ensure_ascii=False, default=str)}"
         for key, value in fields.items()
     )
+
+
+def fitting_budget(group: GroupStatus) -> str:
+    """A fitting set's budget and what made it: "7.5 GiB (8 GiB by nvml - 512 MiB reserve -
+    1.2 GiB others)"; with none, why each member is warm alone."""
+    if group.size_bytes is None:
+        return f"no budget: {group.device}'s memory is not known, each warm alone"
+    made = (
+        f"{format_bytes(group.size_bytes)} by {group.size_source} - "
+        f"{format_bytes(group.reserve_bytes)} reserve - {format_bytes(group.others_bytes)} others"
+    )
+    if not group.budget_bytes:
+        return f"no room ({made}), each warm alone"
+    return f"{format_bytes(group.budget_bytes)} ({made})"

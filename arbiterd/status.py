@@ -183,12 +183,14 @@ class Waiter(Record):
 @dataclass(frozen=True)
 class GroupStatus(Record):
     """Models that hold the GPU together behind one keeper: a `[groups.NAME]` table (issue 14)
-    or a device's fitting set (issue 44, name "fitting", with its `budget_bytes`, the device's
-    `[devices.ID] memory`; 0 for a table). `holds_token` while its keeper holds the arena's
-    token, `handoffs` how often it let the token go to an outside waiter, `failure` why its
-    keeper stopped ("" while it runs). `warm`: the members warm now, and `used_bytes`, their
-    footprints as they say them; `withdrawals`, how often a member was made to leave to make
-    room for another."""
+    or a device's fitting set (issue 44: `fitting`, name "fitting"). `holds_token` while its
+    keeper holds the arena's token, `handoffs` how often it let the token go to an outside
+    waiter, `failure` why its keeper stopped ("" while it runs). A fitting set's `warm`: the
+    members warm now, and `used_bytes`, their footprints as they say them; `withdrawals`, how
+    often a member was made to leave to make room for another or for a budget that shrank;
+    `budget_bytes`, what its members may hold at once now (0: each is warm alone), made of the
+    device's `size_bytes` (None: not known) as `size_source` tells it, less `reserve_bytes`,
+    less what other programs hold now, `others_bytes` (daemon/budgets.py device_budget)."""
 
     name: str = ""
     models: tuple[str, ...] = ()
@@ -197,10 +199,15 @@ class GroupStatus(Record):
     handoffs: int = 0
     failure: str = ""
     device: str = ""  # "" from a daemon before issue 44
+    fitting: bool = False
     budget_bytes: int = 0
     warm: tuple[str, ...] = ()
     used_bytes: int = 0
     withdrawals: int = 0
+    size_bytes: int | None = None
+    size_source: str = ""
+    reserve_bytes: int = 0
+    others_bytes: int = 0
 
 
 @dataclass(frozen=True)

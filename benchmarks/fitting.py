@@ -181,12 +181,17 @@ def measure(seconds: float, pattern: str) -> dict[str, Any]:
         }
         sides: dict[str, Any] = {}
         sides["group"], _ = run_side(paths, seconds, pattern, groups={"all": list(MODELS)})
-        fit = '\n[devices.gpu0]\nmemory = "1GiB"\n'
+        # No reserve: nothing measures this gpu0, the budget is `memory` whole.
+        fit = '\n[devices.gpu0]\nmemory = "1GiB"\nreserve = 0\n'
         sides["fitting"], status = run_side(paths, seconds, pattern, pasted=fit, groups={})
         measured = {name: footprint_bytes(status, name) for name in MODELS}
         two = measured["gemma"] + measured["smollm"] + measured["tiny"] // 2
         sides["fitting_two"], _ = run_side(
-            paths, seconds, pattern, pasted=f"\n[devices.gpu0]\nmemory = {two}\n", groups={}
+            paths,
+            seconds,
+            pattern,
+            pasted=f"\n[devices.gpu0]\nmemory = {two}\nreserve = 0\n",
+            groups={},
         )
         sides["time_sharing"], _ = run_side(paths, seconds, pattern, groups={})
     ratios = {

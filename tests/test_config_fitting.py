@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from arbiterd.config import FITTING_GROUP, DeviceConfig, load_config
+from arbiterd.config import DEFAULT_DEVICE_RESERVE, FITTING_GROUP, DeviceConfig, load_config
 from arbiterd.errors import ConfigError
 
 MODELS = """\
@@ -40,7 +40,9 @@ def test_a_devices_memory_makes_its_models_outside_groups_a_fitting_set(
     tmp_path: Path, env: dict[str, str]
 ) -> None:
     config = load_config(_write(tmp_path, MODELS + '[devices.gpu0]\nmemory = "20GiB"\n'), env=env)
-    assert config.devices == {"gpu0": DeviceConfig("gpu0", 20 << 30, ("chat", "embed"))}
+    assert config.devices == {
+        "gpu0": DeviceConfig("gpu0", 20 << 30, ("chat", "embed"), DEFAULT_DEVICE_RESERVE)
+    }
     groups = {name: model.group for name, model in config.models.items()}
     assert groups == {
         "chat": FITTING_GROUP,
@@ -53,6 +55,16 @@ def test_a_devices_memory_makes_its_models_outside_groups_a_fitting_set(
     assert worker.group == FITTING_GROUP
 
 
+def test_a_devices_table_may_leave_the_memory_to_be_measured_and_set_the_reserve(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    config = load_config(_write(tmp_path, MODELS + '[devices.gpu0]\nreserve = "2GiB"\n'), env=env)
+    assert config.devices["gpu0"] == DeviceConfig("gpu0", None, ("chat", "embed"), 2 << 30)
+    config = load_config(_write(tmp_path, MODELS + "[devices.gpu0]\n"), env=env)
+    assert config.devices["gpu0"].reserve == DEFAULT_DEVICE_RESERVE
+    assert config.models["chat"].group == FITTING_GROUP
+
+
 def test_without_a_devices_table_nothing_changes(tmp_path: Path, env: dict[str, str]) -> None:
     config = load_config(_write(tmp_path, MODELS), env=env)
     assert config.devices == {}
@@ -63,10 +75,12 @@ def test_without_a_devices_table_nothing_changes(tmp_path: Path, env: dict[str, 
     ("table", "key", "expected"),
     [
         ('[devices.gpu9x]\nmemory = "1GiB"\n', "devices.gpu9x", "a device id"),
-        ("[devices.gpu0]\n", "devices.gpu0.memory", "got nothing"),
         ("[devices.gpu0]\nmemory = 0\n", "devices.gpu0.memory", "more than 0"),
         ('[devices.gpu0]\nmemory = "lots"\n', "devices.gpu0.memory", "a number of bytes"),
-        ('[devices.gpu0]\nmemory = "1GiB"\nreserve = 1\n', "devices.gpu0.reserve", "unknown"),
+        ('[devices.gpu0]\nmemory = "1GiB"\nspare = 1\n', "devices.gpu0.spare", "unknown"),
+        ('[devices.gpu0]\nreserve = "lots"\n', "devices.gpu0.reserve", "a number of bytes"),
+        ('[devices.gpu0]\nmemory = "512MiB"\n', "devices.gpu0.reserve", "512.0 MiB is not less"),
+        ('[devices.gpu0]\nmemory = "8GiB"\nreserve = "8GiB"\n', "devices.gpu0.reserve", "not less"),
         ("devices = 3\n", "devices", "tables"),
         ('[devices."rpc:127.0.0.1:50052"]\nmemory = "1GiB"\n', "devices", "one client"),
         ('[groups.fitting]\nmodels = ["chat", "embed"]\n', "groups.fitting", "fitting set"),

@@ -119,3 +119,36 @@ def test_a_use_is_forgotten_by_half_every_half_life_and_read_back_from_its_text(
     assert len(use.to_text()) == len(Use(1e9, 2e9).to_text()) == USE_TEXT_MAX_BYTES
     assert Use.from_text(b"") == Use()
     assert Use.from_text(b"nonsense 1 2") == Use()
+
+
+def test_a_budget_that_shrank_has_the_least_used_leave_until_it_holds() -> None:
+    # Another program took 1 GiB of the 8, then 3: a (used least), then b, leave; c (used
+    # most) stays.
+    members = [
+        member("a", 2 * GIB, warm=True, admitted=True, use=Use(1.0, 10)),
+        member("b", 2 * GIB, warm=True, admitted=True, use=Use(2.0, 10)),
+        member("c", 3 * GIB, warm=True, admitted=True, use=Use(5.0, 10)),
+    ]
+    assert plan(7 * GIB, members, now=10) == Plan()
+    assert plan(6 * GIB, members, now=10) == Plan(withdraw=frozenset({"a"}))
+    assert plan(3 * GIB, members, now=10) == Plan(withdraw=frozenset({"a", "b"}))
+    # Nobody comes in while a leaves: its bytes still count.
+    waiter = member("d", GIB, waiting=True)
+    assert plan(6 * GIB, [*members, waiter], now=10).admit == frozenset()
+    left = [dataclasses.replace(members[0], warm=False, admitted=False), *members[1:], waiter]
+    assert plan(6 * GIB, left, now=10) == Plan(admit=frozenset({"d"}))
+
+
+def test_the_last_member_stays_however_small_the_budget_gets() -> None:
+    members = [member("a", 4 * GIB, warm=True, admitted=True)]
+    assert plan(GIB, members, now=10) == Plan()
+
+
+def test_a_budget_of_nothing_makes_every_member_warm_alone() -> None:
+    # Not known yet, or no room left: the members take turns as models always did.
+    members = [member("a", 1, waiting=True), member("b", 1, waiting=True, since=1)]
+    assert plan(0, members, now=10) == Plan(admit=frozenset({"a"}))
+    warm = [member("a", 1, warm=True, admitted=True), members[1]]
+    assert plan(0, warm, now=10) == Plan(withdraw=frozenset({"a"}))
+    two = [member("a", 1, warm=True, admitted=True), member("b", 1, warm=True, admitted=True)]
+    assert plan(0, two, now=10).withdraw == frozenset({"a"})

@@ -319,3 +319,21 @@ def test_a_member_larger_than_the_budget_is_warm_alone_with_a_warning(
     big.join(timeout=10)
     assert entered
     assert "big takes 500 bytes, more than the budget of 100: it is warm alone" in caplog.text
+
+
+def test_a_budget_that_shrinks_makes_the_least_used_leave_and_one_that_grows_lets_in(
+    arena: Arena, fitting_keeper: Keeper, members: Members
+) -> None:
+    a = members.enter("a", footprint=40, group="fit")
+    b = members.enter("b", footprint=50, group="fit")
+    b.used()  # b was asked for: a, used least, is the one to leave
+    fitting_keeper.set_budget(60)  # another program took 40 of the device's room
+    wait_until(a.wanted, 5, "a to leave for the smaller budget")
+    assert not b.wanted()
+    assert fitting_keeper.withdrawals == 1
+    a.release()
+    fitting_keeper.set_budget(100)  # the program is gone: a comes back beside b
+    back = members.enter("a", footprint=40, group="fit")
+    assert not back.wanted()
+    assert not b.wanted()
+    assert fitting_keeper.withdrawals == 1

@@ -8,8 +8,10 @@ and is admitted once they have left (their bytes count while they are still warm
 member told to leave stays is its own turn policy's (worker/policy.py), as for a waiter on the
 arena's token: an idle one goes at once, a busy one finishes its turn, so two busy members that
 do not fit together take turns, not a token each. A member larger than the whole budget is
-admitted alone. Without a budget (a static group), every member that waits is admitted, as
-groups always were.
+admitted alone, and so is every member while the budget is 0 (not known yet, or no room left).
+When the budget shrinks under what the admitted members hold (another program grew on the
+device), the least used leave until it holds again; the last one stays. Without a budget (a
+static group), every member that waits is admitted, as groups always were.
 
 `plan` only decides; the keeper applies it (locks and unlocks each member's admit lock) and
 calls it again whenever a member starts waiting or leaves the gate.
@@ -17,6 +19,7 @@ calls it again whenever a member starts waiting or leaves the gate.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 # How fast a member's use is forgotten: a request it began counts half after this long.
@@ -81,13 +84,25 @@ def plan(budget: int | None, members: list[Member], now: float) -> Plan:
     the module)."""
     if budget is None:
         return Plan(admit=frozenset(m.name for m in members if m.waiting and not m.admitted))
+    if budget <= 0:  # each alone: every member takes the whole of a budget of one byte
+        budget = 1
+        members = [dataclasses.replace(m, footprint=None) for m in members]
     admitted = {m.name: m for m in members if m.admitted}
     # Bytes held or promised: every admitted member's, and a warm one's whose admission is
     # already withdrawn (until it has left: `leaving`, room that is coming).
     leaving = sum(_size(m, budget) for m in members if not m.admitted and m.warm)
-    used = leaving + sum(_size(m, budget) for m in admitted.values())
-    admit: set[str] = set()
+    held = sum(_size(m, budget) for m in admitted.values())
     withdraw: set[str] = set()
+    # The least used lately first, then the least recently used.
+    by_use = sorted(admitted.values(), key=lambda m: (m.use.weight_at(now), m.use.at, m.name))
+    for member in by_use[:-1]:  # the budget shrank: the last one admitted stays whatever it is
+        if held <= budget:
+            break
+        withdraw.add(member.name)
+        held -= _size(member, budget)
+        leaving += _size(member, budget)  # held until it has left
+    used = leaving + held
+    admit: set[str] = set()
     queue = sorted(
         (m for m in members if m.waiting and not m.admitted),
         key=lambda m: (m.waiting_since, m.name),
@@ -98,17 +113,14 @@ def plan(budget: int | None, members: list[Member], now: float) -> Plan:
             admit.add(member.name)
             used += need
             continue
-        # Make room: the least used lately first, then the least recently used.
+        # Make room, in the same order.
         room = budget - used + leaving
-        candidates = sorted(
-            (m for m in admitted.values() if m.name not in withdraw and m.name not in admit),
-            key=lambda m: (m.use.weight_at(now), m.use.at, m.name),
-        )
-        for candidate in candidates:
+        for candidate in by_use:
             if room >= need:
                 break
-            withdraw.add(candidate.name)
-            room += _size(candidate, budget)
+            if candidate.name not in withdraw:
+                withdraw.add(candidate.name)
+                room += _size(candidate, budget)
         break  # first come, first in: nobody passes the first that must wait
     return Plan(frozenset(admit), frozenset(withdraw))
 

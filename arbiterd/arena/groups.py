@@ -34,7 +34,8 @@ arena and both sides of its protocol (specified in docs/arena-protocol.md § Gro
   cold once the keeper lets go of it. The keeper admits by fitting.plan: every member that waits
   in a group without a budget (a static group: all are warm together); in a fitting set (a
   group with a budget, the daemon's automatic set of a device) those that fit beside the ones
-  admitted, withdrawing the ones used least lately to make room. A member neither waiting
+  admitted, withdrawing the ones used least lately to make room, or to fit a budget that
+  shrank (`set_budget`: the daemon follows the device's free memory). A member neither waiting
   nor warm has its admission withdrawn: each warm spell is admitted anew.
 
 Nobody polls (issue 29): each side sleeps on a doorbell (doorbell.py) armed on the files the
@@ -364,6 +365,16 @@ class Keeper:
     def holding(self) -> bool:
         """Whether it holds the arena's token for the group now."""
         return self._holding
+
+    def set_budget(self, budget: int) -> None:
+        """A fitting set's new budget (its device's room changed), applied at once: members
+        that no longer fit leave, the least used first; waiters that now fit come in. From any
+        thread."""
+        if budget == self.budget:
+            return
+        self.budget = budget
+        if self._doorbell is not None:
+            self._doorbell.wake()
 
     def start(self) -> None:
         self._doorbell = Doorbell()

@@ -475,16 +475,15 @@ def render_status(status: DaemonStatus) -> str:
     for group in status.groups:
         holds = "holds the GPU" if group.holds_token else "does not hold the GPU"
         failure = f"; its keeper stopped: {group.failure}" if group.failure else ""
-        if not group.budget_bytes:
+        if not group.fitting:
             lines.append(f"group {group.name} ({', '.join(group.models)}): {holds}{failure}")
             continue
         # A device's fitting set (issue 44): who is warm in it, and the room they leave.
         warm = ", ".join(group.warm) or "none"
         lines.append(
             f"fitting set on {group.device} ({', '.join(group.models)}): {holds}; warm: "
-            f"{warm}, {render.format_bytes(group.used_bytes)} of "
-            f"{render.format_bytes(group.budget_bytes)}; {group.withdrawals} made to leave "
-            f"for room{failure}"
+            f"{warm}, {render.format_bytes(group.used_bytes)} of {render.fitting_budget(group)}; "
+            f"{group.withdrawals} made to leave{failure}"
         )
     lines += _holder_lines(status)
     return "\n".join(line.rstrip() for line in lines)

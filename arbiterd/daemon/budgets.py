@@ -1,12 +1,15 @@
-"""The daemon's two memory budgets (issue 14): host RAM and the prompt caches on disk.
+"""The daemon's memory budgets: host RAM and the prompt caches on disk (issue 14), and each
+device's fitting set (issue 44).
 
-Owns the two pure policies — which cold models to unload when the host copies and cold KV
+Owns the three pure policies — which cold models to unload when the host copies and cold KV
 caches exceed [daemon] host_ram_budget (`ram_plan`), which state files to remove so the prompt
-caches fit [daemon] prompt_cache_budget (`cache_evictions`) — and the prompt-cache folder's
-files (`PromptCache`: their sizes and ages, and removing them). It never starts, stops or asks a
-worker anything: the supervisor applies `ram_plan` through the lifecycle's unload, and the
-lifecycle calls `PromptCache` around a worker's save. `PromptCache`'s methods touch the disk
-(a directory listing, an unlink): the daemon calls them from a thread.
+caches fit [daemon] prompt_cache_budget (`cache_evictions`), what a fitting set may hold on its
+device now (`device_budget`, from what `measured_device` or `measured_host` read) — and the
+prompt-cache folder's files (`PromptCache`: their sizes and ages, and removing them). It never
+starts, stops or asks a worker anything: the supervisor applies `ram_plan` through the
+lifecycle's unload and gives each fitting set's keeper its budget, and the lifecycle calls
+`PromptCache` around a worker's save. `measured_host` reads /proc and `PromptCache`'s methods
+touch the disk (a directory listing, an unlink): the daemon calls them from a thread.
 """
 
 from __future__ import annotations
@@ -16,8 +19,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
+from arbiterd.daemon.telemetry import TelemetrySnapshot
 from arbiterd.errors import DaemonError
 from arbiterd.paths import ensure_private_dir
+from arbiterd.status import ACCOUNTING_SOURCE
 
 KV_SUFFIX = ".kv"  # <model>.kv; the worker writes ".<model>.kv.<pid>.tmp" first (kvfile.write)
 
@@ -101,6 +108,90 @@ def ram_plan(
             if leases[copy] == 0:
                 after -= copies[copy].size_bytes
     return RamPlan(used, budget_bytes, tuple(chosen), after)
+
+
+# -- a device's fitting set -----------------------------------------------------------------------
+
+HOST_SOURCE = "host RAM"
+MEMORY_SOURCE = "[devices] memory"
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A device as its readers see it now: its size, and what programs outside its fitting set
+    hold on it (other programs, arbiterd's models that are not members, what no process owns)."""
+
+    total_bytes: int
+    others_bytes: int
+    source: str  # who measured: the readers ("nvml"), or HOST_SOURCE
+
+
+@dataclass(frozen=True)
+class DeviceBudget:
+    """What a fitting set's members may hold on their device at once, and what it was made of
+    (status shows each part). `budget_bytes` 0: not known, or nothing left: each member is
+    warm alone, as models always took turns."""
+
+    budget_bytes: int
+    size_bytes: int | None  # the device's size as counted; None: not known
+    size_source: str  # who told the size: a reader, HOST_SOURCE, MEMORY_SOURCE; "": nobody
+    reserve_bytes: int
+    others_bytes: int  # what others hold now; 0 where nothing measures them
+
+
+def device_budget(memory: int | None, reserve: int, measured: Measured | None) -> DeviceBudget:
+    """The device's size (the smaller of `memory`, [devices.ID] memory, and the `measured` one,
+    whichever there are) less `reserve` less what the others hold now."""
+    sizes = [(memory, MEMORY_SOURCE)] if memory is not None else []
+    if measured is not None:
+        sizes.append((measured.total_bytes, measured.source))
+    if not sizes:
+        return DeviceBudget(0, None, "", reserve, 0)
+    size, source = min(sizes, key=lambda s: s[0])
+    others = measured.others_bytes if measured is not None else 0
+    return DeviceBudget(max(0, size - reserve - others), size, source, reserve, others)
+
+
+def measured_device(
+    snapshot: TelemetrySnapshot | None, device: str, members: Iterable[str]
+) -> Measured | None:
+    """What `snapshot` says of `device` ("gpu0"): None where it cannot tell (no reading, the
+    device not in it, or only the engines' own accounting, which knows no size and no other
+    program). The others are everything the device uses but the `members`' workers: measured as
+    one figure, so drivers' own memory and processes the reader cannot name count too."""
+    if snapshot is None or snapshot.source == ACCOUNTING_SOURCE:
+        return None
+    found = snapshot.device(device)
+    if found is None or found.total_bytes is None:
+        return None
+    inside = set(members)
+    ours = sum(
+        m.used_bytes or 0 for m in snapshot.models if m.device == device and m.model in inside
+    )
+    if found.used_bytes is not None:
+        others = max(0, found.used_bytes - ours)
+    else:  # only the processes: each one's row that is not a member's
+        others = sum(p.used_bytes or 0 for p in snapshot.others if p.device == device) + sum(
+            m.used_bytes or 0
+            for m in snapshot.models
+            if m.device == device and m.model not in inside
+        )
+    return Measured(found.total_bytes, others, snapshot.source)
+
+
+def measured_host(workers: Iterable[int]) -> Measured:
+    """The host's RAM as a CPU device's (`cpu`) size, and what programs other than arbiterd's
+    `workers` (pids) hold of it: the RAM not available, less the workers' resident memory.
+    Reads /proc: call it off the event loop."""
+    memory = psutil.virtual_memory()
+    ours = 0
+    for pid in workers:
+        try:
+            ours += psutil.Process(pid).memory_info().rss
+        except psutil.Error:  # gone since: holds nothing
+            continue
+    others = max(0, memory.total - memory.available - ours)
+    return Measured(memory.total, others, HOST_SOURCE)
 
 
 # -- the prompt caches on disk ---------------------------------------------------------------------

@@ -42,7 +42,16 @@ from arbiterd.config import (
     default_config_path,
 )
 from arbiterd.control import MODEL_COMMANDS
-from arbiterd.daemon.budgets import ColdModel, CopyUse, ram_plan
+from arbiterd.daemon.budgets import (
+    ColdModel,
+    CopyUse,
+    DeviceBudget,
+    Measured,
+    device_budget,
+    measured_device,
+    measured_host,
+    ram_plan,
+)
 from arbiterd.daemon.eventbus import EventBus
 from arbiterd.daemon.handoffs import Handoffs
 from arbiterd.daemon.hold import DaemonHold
@@ -68,7 +77,7 @@ from arbiterd.daemon.telemetry import ReaderSet, TelemetrySnapshot
 from arbiterd.daemon.vramwatch import VramWatch
 from arbiterd.daemon.waiting import NewsListener, Waits
 from arbiterd.daemon.workerclient import EngineReport, WorkerClient, WorkerHello
-from arbiterd.errors import AcquireTimeoutError, ArbiterError, ControlError
+from arbiterd.errors import AcquireTimeoutError, ArbiterError, ConfigError, ControlError
 from arbiterd.events import (
     Event,
     HandoffEvent,
@@ -82,8 +91,9 @@ from arbiterd.events import (
 )
 from arbiterd.footprint import ModelFootprint
 from arbiterd.offload import CpuNote, cpu_note, gpu_nodes, setup_script
-from arbiterd.paths import DEFAULT_DEVICE, device_arena_of
+from arbiterd.paths import DEFAULT_DEVICE, DeviceId, DeviceKind, device_arena_of
 from arbiterd.procs import WaitNews, holder_name, waiter_name
+from arbiterd.render import format_bytes
 from arbiterd.request import GenerateRequest
 from arbiterd.states import BackendKind, CpuCause, ResidencyState, SlotState
 from arbiterd.status import (
@@ -99,6 +109,7 @@ from arbiterd.status import (
     Waiter,
     model_info_fields,
 )
+from arbiterd.tomltable import key_path
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +209,7 @@ class Supervisor:
             on_snapshot=self._on_snapshot,
             on_leak=self._on_leak,
             watched=lambda: self._bus.watched,
+            on_reading=self._fit_budgets,
             readers=readers,
         )
         self._lifecycle = Lifecycle(
@@ -226,6 +238,9 @@ class Supervisor:
         )
         self._keepers: dict[str, Keeper] = {}  # by group: each holds the token for its members
         self._fitting: dict[str, Keeper] = {}  # by device: the keeper of its fitting set
+        # Each fitting set's budget as last measured, by device: replaced whole (the sampler's
+        # thread writes it, status reads it).
+        self._budgets: dict[str, DeviceBudget] = {}
         self._engine: EngineReport | None = None  # as the latest worker's hello says
         self._gpu_nodes: tuple[str, ...] | None = None  # this machine's, read at the first hello
         self._cpu_causes_said: set[CpuCause] = set()  # logged this run (offload.py)
@@ -250,6 +265,7 @@ class Supervisor:
             cache = self._lifecycle.prompt_cache
             if cache is not None:  # refused now, with its fix, rather than at the first unload
                 await asyncio.to_thread(cache.make_private)
+            await self._check_reserves(self.config)
             self._start_missing_keepers()
             await asyncio.gather(*(self._start(slot) for slot in self._slots.values()))
         log.info("VRAM telemetry: %s", self._vram.readers.describe())
@@ -304,18 +320,62 @@ class Supervisor:
 
     def _start_fitting(self, device: DeviceConfig) -> None:
         """The keeper of a device's fitting set (issue 44), in that device's arena, when the
-        set has members."""
+        set has members; its budget as the latest reading measures it (_fit_budgets keeps it
+        current)."""
         if not device.members:
             return
         members = [self.config.models[name] for name in device.members]
+        budget = self._device_budget(device, self._vram.latest)
         keeper = Keeper(
             Arena(device_arena_of(device.device, self.config.daemon.arena)),
             FITTING_GROUP,
             priority=min((m.priority for m in members), key=lambda p: p.rank),
-            budget=device.memory,
+            budget=budget.budget_bytes,
         )
         keeper.start()
+        self._budgets = {**self._budgets, device.device: budget}
         self._fitting[device.device] = keeper
+
+    def _device_budget(
+        self, device: DeviceConfig, snapshot: TelemetrySnapshot | None
+    ) -> DeviceBudget:
+        """What `device`'s fitting set may hold now: the host's RAM for the CPU, else as the
+        readers' `snapshot` measures the device (reads /proc for the CPU's)."""
+        measured: Measured | None
+        if device.device == str(DeviceId(DeviceKind.CPU)):
+            measured = measured_host(self._vram.models_by_pid)
+        else:
+            measured = measured_device(snapshot, device.device, device.members)
+        return device_budget(device.memory, device.reserve, measured)
+
+    def _fit_budgets(self, snapshot: TelemetrySnapshot) -> None:
+        """Each fitting set's budget from a new reading (on the sampler's thread): a device
+        whose free memory dropped makes members leave, one that grew lets waiters in."""
+        budgets = {}
+        for device_id, keeper in list(self._fitting.items()):
+            device = self.config.devices.get(device_id)
+            if device is None:  # a reload took it away; its keeper is stopping
+                continue
+            budget = budgets[device_id] = self._device_budget(device, snapshot)
+            keeper.set_budget(budget.budget_bytes)
+        self._budgets = budgets
+
+    async def _check_reserves(self, config: Config) -> None:
+        """Refuse a config whose [devices.ID] reserve is not less than the device's memory as
+        measured now (config.py refuses one against its `memory`)."""
+        snapshot = await self._vram.fresh() if config.devices else None
+        for device in config.devices.values():
+            if not device.members:
+                continue
+            budget = await asyncio.to_thread(self._device_budget, device, snapshot)
+            if budget.size_bytes is not None and device.reserve >= budget.size_bytes:
+                label = str(config.source) if config.source else "embedded default config"
+                raise ConfigError(
+                    f"{label}: {key_path('devices', device.device, 'reserve')}: "
+                    f"{format_bytes(device.reserve)} is not less than {device.device}'s "
+                    f"{format_bytes(budget.size_bytes)} ({budget.size_source}): nothing would "
+                    "be left for its models"
+                )
 
     async def _stop_fitting(self, devices: list[str]) -> None:
         keepers = [self._fitting.pop(d) for d in devices if d in self._fitting]
@@ -344,6 +404,7 @@ class Supervisor:
 
     def _fitting_status(self, device: str, keeper: Keeper) -> GroupStatus:
         warm = [(name, footprint) for name, is_warm, footprint in keeper.look() if is_warm]
+        budget = self._budgets.get(device)
         return GroupStatus(
             name=FITTING_GROUP,
             models=self.config.devices[device].members,
@@ -352,10 +413,15 @@ class Supervisor:
             handoffs=keeper.handoffs,
             failure=keeper.failure,
             device=device,
+            fitting=True,
             budget_bytes=keeper.budget or 0,
             warm=tuple(name for name, _ in warm),
             used_bytes=sum(footprint or 0 for _, footprint in warm),
             withdrawals=keeper.withdrawals,
+            size_bytes=budget.size_bytes if budget else None,
+            size_source=budget.size_source if budget else "",
+            reserve_bytes=budget.reserve_bytes if budget else 0,
+            others_bytes=budget.others_bytes if budget else 0,
         )
 
     # -- requests -----------------------------------------------------------------------------
@@ -652,6 +718,7 @@ class Supervisor:
         warnings = await asyncio.to_thread(
             check_models, new, copy_held=self._lifecycle.host_copies.holds
         )
+        await self._check_reserves(new)
         for warning in warnings:
             log.warning("%s", warning)
         old = self.config.models

@@ -7,7 +7,8 @@ its latest residency event; on a machine without a GPU that is host RAM), the ve
 teardown after every release (in a thread: it polls the driver for seconds) and each model's
 cold footprint. It reaches the event loop only through the callbacks it is given, hopping
 there from its threads, and only while someone watches: otherwise a periodic reading is kept
-as the latest (a teardown's "before") and the loop sleeps on; `status` and a /metrics scrape
+as the latest (a teardown's "before") and the loop sleeps on (`on_reading` sees every reading
+on the sampler's thread, for the fitting sets' budgets); `status` and a /metrics scrape
 take a reading of their own (issue 29).
 """
 
@@ -48,9 +49,11 @@ class VramWatch:
         on_snapshot: Callable[[TelemetrySnapshot], None],
         on_leak: Callable[[Event], None],
         watched: Callable[[], bool],
+        on_reading: Callable[[TelemetrySnapshot], None] = lambda _: None,
         readers: ReaderSet | None = None,
     ) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_reading = on_reading
         self._watched = watched
         self._on_snapshot = on_snapshot
         self._on_leak = on_leak
@@ -192,7 +195,13 @@ class VramWatch:
         if event is not None:
             self._on_leak(event)
 
+    @property
+    def latest(self) -> TelemetrySnapshot | None:
+        """The latest periodic reading (up to 5 s old), without reading anew."""
+        return self._sampler.latest
+
     def _from_sampler(self, snapshot: TelemetrySnapshot) -> None:
+        self._on_reading(snapshot)  # on this thread, watched or not: cheap, wakes no loop
         loop = self._loop
         if loop is not None and not loop.is_closed() and self._watched():
             loop.call_soon_threadsafe(self._on_snapshot, snapshot)

@@ -209,7 +209,7 @@ class TrayState:
         if status.holder_model is not None:
             return status.holder_model
         group = status.holder_group
-        if group is not None and group.budget_bytes:  # a device's fitting set (issue 44)
+        if group is not None and group.fitting:  # a device's fitting set (issue 44)
             return f"{', '.join(group.warm) or 'nobody'} warm together (they fit)"
         if group is not None:
             return f"group {group.name} — {', '.join(group.models)}"
@@ -258,9 +258,9 @@ class TrayState:
         groups = self.status.groups if self.status is not None else ()
         return [
             f"{g.device}: {', '.join(g.warm) or 'nobody'} warm · "
-            f"{render.format_bytes(g.used_bytes)} of {render.format_bytes(g.budget_bytes)}"
+            f"{render.format_bytes(g.used_bytes)} of {render.fitting_budget(g)}"
             for g in groups
-            if g.budget_bytes
+            if g.fitting
         ]
 
     def prompt_cache_text(self) -> str | None:
@@ -284,12 +284,12 @@ class TrayState:
             return "holds the GPU"
         group = status.holder_group
         # A fitting set's members hold it while warm in it; a group's, all of them.
-        holding = group.warm if group is not None and group.budget_bytes else ()
+        holding = group.warm if group is not None and group.fitting else ()
         if group is None or model.name not in (holding or group.models):
             return None
         others = [name for name in holding or group.models if name != model.name]
         with_ = f" with {', '.join(others)}" if others else ""
-        why = f"they fit on {group.device}" if group.budget_bytes else f"group {group.name}"
+        why = f"they fit on {group.device}" if group.fitting else f"group {group.name}"
         return f"holds the GPU{with_} ({why})"
 
     def unloaded_text(self, model: ModelStatus) -> str | None:

@@ -591,6 +591,44 @@ def test_status_names_each_group_and_whether_it_holds_the_gpu() -> None:
     )
 
 
+def test_status_shows_a_fitting_sets_budget_and_what_made_it() -> None:
+    GiB = 1 << 30
+    fitting = {
+        "name": "fitting",
+        "models": ["qwen", "nomic"],
+        "holds_token": True,
+        "device": "gpu0",
+        "fitting": True,
+        "budget_bytes": 9 * GiB,
+        "warm": ["qwen", "nomic"],
+        "used_bytes": 6 * GiB,
+        "withdrawals": 2,
+        "size_bytes": 12 * GiB,
+        "size_source": "nvml",
+        "reserve_bytes": GiB // 2,
+        "others_bytes": 5 * GiB // 2,
+    }
+    unknown = {**fitting, "device": "gpu1", "budget_bytes": 0, "warm": [], "used_bytes": 0}
+    unknown |= {"size_bytes": None, "size_source": "", "others_bytes": 0, "withdrawals": 0}
+    crowded = {**fitting, "device": "gpu2", "budget_bytes": 0, "others_bytes": 12 * GiB}
+    lines = rendered(
+        {"models": [status_model("qwen")], "groups": [fitting, unknown, crowded]}
+    ).splitlines()
+    assert (
+        "fitting set on gpu0 (qwen, nomic): holds the GPU; warm: qwen, nomic, 6.0 GiB of 9.0 GiB "
+        "(12.0 GiB by nvml - 512.0 MiB reserve - 2.5 GiB others); 2 made to leave" in lines
+    )
+    assert (
+        "fitting set on gpu1 (qwen, nomic): holds the GPU; warm: none, 0 B of no budget: gpu1's "
+        "memory is not known, each warm alone; 0 made to leave" in lines
+    )
+    assert (
+        "fitting set on gpu2 (qwen, nomic): holds the GPU; warm: qwen, nomic, 6.0 GiB of no room "
+        "(12.0 GiB by nvml - 512.0 MiB reserve - 12.0 GiB others), each warm alone; "
+        "2 made to leave" in lines
+    )
+
+
 def test_status_splits_host_ram_into_copies_kv_and_released_weights() -> None:
     ram = {
         "host_copies_bytes": 253 << 20,

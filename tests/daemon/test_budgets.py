@@ -7,19 +7,100 @@ import os
 import stat
 from pathlib import Path
 
+import psutil
 import pytest
 
 from arbiterd.daemon.budgets import (
+    HOST_SOURCE,
+    MEMORY_SOURCE,
     ColdModel,
     CopyUse,
+    DeviceBudget,
+    Measured,
     PromptCache,
     StateFile,
     cache_evictions,
+    device_budget,
+    measured_device,
+    measured_host,
     ram_plan,
 )
+from arbiterd.daemon.telemetry import TelemetrySnapshot, build_snapshot
+from arbiterd.daemon.telemetry.records import Reading
 from arbiterd.errors import DaemonError
+from arbiterd.events import DeviceMemory, ProcessMemory
+from arbiterd.status import ACCOUNTING_SOURCE
 
 MiB = 1 << 20
+
+
+# -- a device's fitting set -----------------------------------------------------------------------
+
+GiB = 1 << 30
+
+
+def test_a_measured_device_gives_its_size_less_the_reserve_less_the_others() -> None:
+    measured = Measured(24 * GiB, 3 * GiB, "nvml")
+    assert device_budget(None, GiB, measured) == DeviceBudget(
+        20 * GiB, 24 * GiB, "nvml", GiB, 3 * GiB
+    )
+    # [devices] memory below the measured size caps it; above, the device's own size counts.
+    assert device_budget(16 * GiB, GiB, measured).budget_bytes == 12 * GiB
+    assert device_budget(16 * GiB, GiB, measured).size_source == MEMORY_SOURCE
+    assert device_budget(32 * GiB, GiB, measured).budget_bytes == 20 * GiB
+
+
+def test_a_device_nothing_measures_gives_its_memory_less_the_reserve_or_nothing() -> None:
+    assert device_budget(8 * GiB, GiB, None) == DeviceBudget(
+        7 * GiB, 8 * GiB, MEMORY_SOURCE, GiB, 0
+    )
+    # Not known: 0, each member warm alone, as models always took turns.
+    assert device_budget(None, GiB, None) == DeviceBudget(0, None, "", GiB, 0)
+    # Others that took all the room: 0 as well, never below.
+    assert device_budget(None, GiB, Measured(8 * GiB, 9 * GiB, "nvml")).budget_bytes == 0
+
+
+def snapshot(
+    source: str, *processes: ProcessMemory, used: int | None = 10 * GiB
+) -> TelemetrySnapshot:
+    reading = Reading(
+        devices=(DeviceMemory("gpu0", "a GPU", 24 * GiB, used),),
+        processes=processes,
+        measured=frozenset({"gpu0"}),
+    )
+    pids = {"chat": 11, "embed": 12, "other": 13}
+    return build_snapshot(reading, pids, source=source, at=0.0)
+
+
+def test_a_reading_counts_all_the_device_uses_but_the_members_as_others() -> None:
+    rows = (
+        ProcessMemory(11, "gpu0", 5 * GiB, "worker"),  # chat, a member
+        ProcessMemory(12, "gpu0", GiB, "worker"),  # embed, a member
+        ProcessMemory(13, "gpu0", 2 * GiB, "worker"),  # other: a model outside the set
+        ProcessMemory(99, "gpu0", GiB, "game"),
+    )
+    # 10 GiB used in all: 1 GiB of it no process owns (the driver's), counted with the others.
+    found = measured_device(snapshot("nvml", *rows), "gpu0", ["chat", "embed"])
+    assert found == Measured(24 * GiB, 4 * GiB, "nvml")
+    # Without the device's own figure: the rows that are not the members'.
+    found = measured_device(snapshot("nvml", *rows, used=None), "gpu0", ["chat", "embed"])
+    assert found == Measured(24 * GiB, 3 * GiB, "nvml")
+
+
+def test_the_engines_own_accounting_measures_no_device() -> None:
+    # It knows no size (it stands in with the host's RAM) and no other program.
+    assert measured_device(snapshot(ACCOUNTING_SOURCE), "gpu0", ["chat"]) is None
+    assert measured_device(snapshot("nvml"), "gpu1", ["chat"]) is None
+    assert measured_device(None, "gpu0", ["chat"]) is None
+
+
+def test_the_host_measures_its_ram_and_leaves_the_workers_out_of_the_others() -> None:
+    alone = measured_host([])
+    assert (alone.total_bytes, alone.source) == (psutil.virtual_memory().total, HOST_SOURCE)
+    rss = psutil.Process().memory_info().rss
+    with_us = measured_host([os.getpid()])  # this process as a worker: its RSS is not others'
+    assert with_us.others_bytes <= alone.others_bytes - rss // 2
+    assert measured_host([2**22 + 12345]).others_bytes > 0  # a pid gone holds nothing
 
 
 # -- host RAM ------------------------------------------------------------------------------------

@@ -520,17 +520,26 @@ def test_a_fitting_set_shows_who_is_warm_together_and_the_room_they_take() -> No
         "priority": "normal",
         "holds_token": True,
         "device": "gpu0",
+        "fitting": True,
         "budget_bytes": 8 * GiB,
         "warm": ["qwen", "nomic"],
         "used_bytes": 5 * GiB,
         "withdrawals": 1,
+        "size_bytes": 12 * GiB,
+        "size_source": "nvml",
+        "reserve_bytes": GiB,
+        "others_bytes": 3 * GiB,
     }
     models = (model("qwen", "warm"), model("nomic", "warm"), model("task"))
     state.apply_status(status(*models, holder="group fitting", groups=[fitting]), T)
     assert state.status is not None
     assert state.holder_text() == "GPU: qwen, nomic warm together (they fit)"
-    assert state.fitting_texts() == ["gpu0: qwen, nomic warm · 5.0 GiB of 8.0 GiB"]
-    assert "gpu0: qwen, nomic warm · 5.0 GiB of 8.0 GiB" in state.tooltip(T).splitlines()
+    shown = (
+        "gpu0: qwen, nomic warm · 5.0 GiB of 8.0 GiB (12.0 GiB by nvml - 1.0 GiB reserve - "
+        "3.0 GiB others)"
+    )
+    assert state.fitting_texts() == [shown]
+    assert shown in state.tooltip(T).splitlines()
     qwen, nomic, task = state.status.models
     assert state.holding_text(qwen) == "holds the GPU with nomic (they fit on gpu0)"
     assert state.holding_text(nomic) == "holds the GPU with qwen (they fit on gpu0)"
