@@ -18,8 +18,9 @@
     ├── EngineError                   a model could not do what was asked
     │   ├── ModelLoadError            missing, unreadable or corrupt GGUF; context too large
     │   ├── RestoreError              warming a cold model failed (it stays cold)
+    │   │   └── OutOfDeviceMemoryError ... for want of device memory (its copies kept)
     │   ├── ResidencyCallError        the engine build's residency call returned a status
-│   ├── DeviceUnreachableError    an RPC server a model is placed on is down or of another version
+    │   ├── DeviceUnreachableError    an RPC server it is placed on: down, or of another version
     │   └── RequestError              one request is bad; the model keeps serving
     │       └── ContextOverflowError  the prompt (plus max_tokens) exceeds the context
     ├── WorkerError                   the worker process or its protocol failed
@@ -258,6 +259,13 @@ class ModelLoadError(EngineError):
 
 class RestoreError(EngineError):
     code = ErrorCode.RESTORE
+
+
+class OutOfDeviceMemoryError(RestoreError):
+    """A restore could not allocate the model's device buffers (libllama.Status DEVICE_ALLOC or
+    COMPUTE): it is still released, its weights' copy and its KV kept, and may be tried again
+    once the device has room (a fitting set's member then tries once more alone, issue 44).
+    It crosses the wire as a RestoreError."""
 
 
 class DeviceUnreachableError(EngineError):

@@ -223,6 +223,7 @@ def test_a_restore_that_cannot_allocate_on_the_device_stays_cold_and_the_next_wo
     assert error is not None, "the restore succeeded under the lowered RLIMIT_AS"
     assert "restore failed" in error
     assert STATUS_TEXT[Status.DEVICE_ALLOC] in error  # "out of device memory"
+    assert result["error_class"] == "OutOfDeviceMemoryError"
     after = result["after_failure"]
     assert (after["resident_bytes"], after["generate"]) == (0, "m is not warm")
     assert after["host_kv_bytes"] == result["released_kv_bytes"] > 0

@@ -1,9 +1,10 @@
 """The in-place backend when things go wrong, on the real arbiterd engine build (issue 15).
 
 - A restore that cannot allocate (RLIMIT_AS lowered under it: the CPU allocator then fails as
-  a device allocator does when VRAM is full) stays cold with its weights' copy and its saved KV,
-  and the next warm-up works as if nothing happened. On the CPU the buffer that cannot be had
-  holds the weights the CPU repacked at load (the others are mapped from the host copy).
+  a device allocator does when VRAM is full) raises OutOfDeviceMemoryError, stays cold with its
+  weights' copy and its saved KV, and the next warm-up works as if nothing happened. On the CPU
+  the buffer that cannot be had holds the weights the CPU repacked at load (the others are
+  mapped from the host copy).
 - The C side refuses misuse on its own: a second release, a restore while resident, a decode on
   a released context.
 - In a real worker a release can never free buffers under a decode: the engine thread runs ops
@@ -87,9 +88,9 @@ soft, hard = resource.getrlimit(resource.RLIMIT_AS)
 resource.setrlimit(resource.RLIMIT_AS, (vm_size_bytes() + int(sys.argv[2]), hard))
 try:
     backend.restore()
-    error = None
+    error = error_class = None
 except RestoreError as exc:
-    error = str(exc)
+    error, error_class = str(exc), type(exc).__name__
 finally:
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 if error is None:  # the restore succeeded: nothing more to see
@@ -112,6 +113,7 @@ print(json.dumps({
     "released_weights_bytes": released.weights_bytes,
     "released_kv_bytes": released.kv_bytes,
     "error": error,
+    "error_class": error_class,
     "after_failure": after_failure,
     "restored_kv_bytes": restored.kv_bytes,
     "same_text": text(again) == text(first),
@@ -187,6 +189,7 @@ def test_a_restore_that_cannot_allocate_stays_cold_and_the_next_warm_up_works(
     assert error is not None, "the restore succeeded under the lowered RLIMIT_AS"
     assert "restore failed" in error
     assert STATUS_TEXT[Status.DEVICE_ALLOC] in error  # "out of device memory"
+    assert result["error_class"] == "OutOfDeviceMemoryError"  # what a fitting set retries
     # Still cold: nothing resident, the weights' copy and the saved KV both kept.
     after = result["after_failure"]
     assert result["released_kv_bytes"] > 0

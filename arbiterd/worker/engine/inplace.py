@@ -11,7 +11,13 @@ import time
 
 import llama_cpp
 
-from arbiterd.errors import EngineError, RequestError, ResidencyCallError, RestoreError
+from arbiterd.errors import (
+    EngineError,
+    OutOfDeviceMemoryError,
+    RequestError,
+    ResidencyCallError,
+    RestoreError,
+)
 from arbiterd.footprint import CPU, DeviceFootprint
 from arbiterd.native import libllama
 from arbiterd.native.libllama import ResidencyApi
@@ -127,8 +133,12 @@ class InPlaceBackend(LlamaBackend):
             self._api.restore_device(ctx)
         except ResidencyCallError as exc:
             # Still released, the weights' copy intact, the saved KV kept: the next warm-up
-            # tries again.
-            raise RestoreError(f"restore failed: {exc}") from None
+            # tries again (out of device memory, a fitting set's member does so at once and
+            # alone: worker/loop.py).
+            error = RestoreError
+            if exc.status in (libllama.Status.DEVICE_ALLOC, libllama.Status.COMPUTE):
+                error = OutOfDeviceMemoryError
+            raise error(f"restore failed: {exc}") from None
         self._released = False
         kv_bytes = 0
         if self._kv is not None:
