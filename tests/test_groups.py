@@ -337,3 +337,34 @@ def test_a_budget_that_shrinks_makes_the_least_used_leave_and_one_that_grows_let
     assert not back.wanted()
     assert not b.wanted()
     assert fitting_keeper.withdrawals == 1
+
+
+def test_a_member_back_before_its_keeper_looked_is_admitted_for_the_footprint_it_says_now(
+    arena: Arena, members: Members, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keeper = Keeper(arena, "fit", budget=100)
+    # A keeper slow to look (a busy daemon): the member is back before it saw it leave.
+    look = keeper._admit
+
+    def slowly(now: float) -> None:
+        time.sleep(0.2)
+        look(now)
+
+    monkeypatch.setattr(keeper, "_admit", slowly)
+    keeper.start()
+    try:
+        other = members.enter("other", footprint=40, group="fit")
+        members.enter("a", footprint=50, group="fit").release()
+        # Back at once, its footprint unknown (a retry alone, worker/loop.py): the whole budget.
+        entered: list[GateHold] = []
+        back = threading.Thread(target=lambda: entered.append(members.enter("a", group="fit")))
+        back.start()
+        wait_until(other.wanted, 5, "other to leave for a, now counted at the whole budget")
+        assert not entered  # not on its admission for 50 bytes
+        other.release()
+        back.join(timeout=10)
+        assert entered
+        assert keeper.look() == [("a", True, None), ("other", False, 40)]
+    finally:
+        members.release_all()
+        keeper.stop()

@@ -14,7 +14,8 @@ arena and both sides of its protocol (specified in docs/arena-protocol.md § Gro
                             LOCK_SH by the member while it is warm; it holds the member's
                             use (fitting.Use: the least used leaves first)
     groups/NAME/members/MEMBER.admit.lock
-                            LOCK_EX by the keeper while the member may be warm (issue 44)
+                            LOCK_EX by the keeper while the member may be warm (issue 44); it
+                            holds the footprint the member was admitted for (`admitted_text`)
 
 - The **keeper** (`Keeper`, a thread of the daemon) holds the arena's token on the group's
   behalf, as one holder named "group NAME". When a member waits, it queues for the token like
@@ -30,13 +31,16 @@ arena and both sides of its protocol (specified in docs/arena-protocol.md § Gro
   instant would each see the other's probe as a waiter (measured: members went cold for
   nobody), while shared probes never conflict with each other. So members never see each other
   and never hand the GPU to each other.
-- **Admission** (issue 44): a member enters only while the keeper holds its admit.lock, and goes
-  cold once the keeper lets go of it. The keeper admits by fitting.plan: every member that waits
-  in a group without a budget (a static group: all are warm together); in a fitting set (a
-  group with a budget, the daemon's automatic set of a device) those that fit beside the ones
-  admitted, withdrawing the ones used least lately to make room, or to fit a budget that
-  shrank (`set_budget`: the daemon follows the device's free memory). A member neither waiting
-  nor warm has its admission withdrawn: each warm spell is admitted anew.
+- **Admission** (issue 44): a member enters only while the keeper holds its admit.lock for the
+  footprint it says now, and goes cold once the keeper lets go of it. The keeper admits by
+  fitting.plan: every member that waits in a group without a budget (a static group: all are
+  warm together); in a fitting set (a group with a budget, the daemon's automatic set of a
+  device) those that fit beside the ones admitted, withdrawing the ones used least lately to
+  make room, or to fit a budget that shrank (`set_budget`: the daemon follows the device's free
+  memory). A member neither waiting nor warm has its admission withdrawn: each warm spell is
+  admitted anew. So has one that waits again saying another footprint before the keeper saw it
+  leave (a member that retries alone, worker/loop.py): an admission is for the bytes it was
+  counted at.
 
 Nobody polls (issue 29): each side sleeps on a doorbell (doorbell.py) armed on the files the
 other side opens or closes, and probes the locks when it rings. A member waits to be warm on
@@ -96,6 +100,18 @@ def group_dir(arena: Arena, group: str) -> Path:
     if not GROUP_NAME_RE.fullmatch(group):
         raise BadValueError(f"group name {group!r}: expected {GROUP_NAME_EXPECTED}")
     return arena.path / GROUPS_DIR / group
+
+
+def said_text(footprint: int | None) -> bytes:
+    """A footprint as a member says it in its want lock: decimal bytes, empty when unknown."""
+    return b"" if footprint is None else str(footprint).encode()
+
+
+def admitted_text(footprint: int | None) -> bytes:
+    """The footprint an admission is for, as the keeper writes it into the admit lock: the
+    member's `said_text`, of one width always (written over the last in place, never cut short
+    first: a member reading between a truncate and the write would read an unknown footprint)."""
+    return said_text(footprint).rjust(FOOTPRINT_MAX_BYTES)
 
 
 def keeper_name(group: str) -> str:
@@ -195,9 +211,8 @@ class GateTicket:
         try:
             own = files.arena.open_lock(files.member_path(member, WANT))
             fds.append(own)
-            data = b"" if footprint is None else str(footprint).encode()
             os.ftruncate(own, 0)
-            os.pwrite(own, data, 0)  # before the lock: the keeper reads it once it sees it
+            os.pwrite(own, said_text(footprint), 0)  # before the lock: the keeper reads it then
             lock(own, SHARED)
             group = files.arena.open_lock(files.want_path)
             fds.append(group)
@@ -207,6 +222,7 @@ class GateTicket:
                 os.close(fd)
             raise
         self._want_fds: tuple[int, ...] | None = tuple(fds)
+        self._admitted_text = admitted_text(footprint)  # what its admission must be for
 
     def take(
         self,
@@ -216,9 +232,9 @@ class GateTicket:
         cancel: threading.Event | None = None,
         on_wait: Callable[[ArenaState], None] | None = None,
     ) -> GateHold:
-        """Wait for the gate to be open with the group not leaving and this member admitted,
-        and enter it (LOCK_SH). Raises AcquireCancelledError when `cancel` is set; the ticket
-        stays."""
+        """Wait for the gate to be open with the group not leaving and this member admitted for
+        the footprint it says, and enter it (LOCK_SH). Raises AcquireCancelledError when
+        `cancel` is set; the ticket stays."""
         del name, model  # the keeper is the arena's holder; members are named by the daemon
         if self._want_fds is None:
             raise ArenaError("take() on a ticket that left")
@@ -249,6 +265,10 @@ class GateTicket:
             while True:
                 if (
                     not contended(fds["leave"], SHARED)
+                    # For what it says now: an admission for another footprint, one it had
+                    # before the keeper saw it leave, is not its own. The text first: the
+                    # keeper writes it before it locks, and never while it holds the lock.
+                    and os.pread(fds["admit"], FOOTPRINT_MAX_BYTES, 0) == self._admitted_text
                     and contended(fds["admit"], SHARED)  # the keeper holds it: admitted
                     and try_flock(fds["gate"], SHARED)
                 ):
@@ -348,9 +368,10 @@ class Keeper:
         self.priority = priority
         self.budget = budget
         self._on_change = on_change
-        # The thread's own: each admitted member's admit.lock descriptor (held LOCK_EX); when
-        # each waiting member was first seen waiting.
+        # The thread's own: each admitted member's admit.lock descriptor (held LOCK_EX) and the
+        # footprint it was admitted for; when each waiting member was first seen waiting.
         self._admitted: dict[str, int] = {}
+        self._admitted_for: dict[str, int | None] = {}
         self._waiting_since: dict[str, float] = {}
         self.withdrawals = 0  # admissions withdrawn to make room
         self._over: set[str] = set()  # members said to be larger than the budget
@@ -507,8 +528,18 @@ class Keeper:
                     use=use,
                 )
             )
-        # Each warm spell is admitted anew: a member neither waiting nor warm is done.
-        self._withdraw([m.name for m in seen if m.admitted and not m.waiting and not m.warm])
+        # Each warm spell is admitted anew: a member neither waiting nor warm is done, and one
+        # that waits again saying another footprint (it left and came back before we looked)
+        # is planned for what it says now.
+        self._withdraw(
+            [
+                m.name
+                for m in seen
+                if m.admitted
+                and not m.warm
+                and (not m.waiting or m.footprint != self._admitted_for[m.name])
+            ]
+        )
         live = [dataclasses.replace(m, admitted=m.name in self._admitted) for m in seen]
         plan = fitting.plan(self.budget, live, time.time())
         if plan.withdraw:
@@ -517,11 +548,13 @@ class Keeper:
                 "group %s: making room, %s to leave", self.group, ", ".join(sorted(plan.withdraw))
             )
         self._withdraw(sorted(plan.withdraw))
+        said = {m.name: m.footprint for m in live}
         for name in sorted(plan.admit):
             path = files.member_path(name, ADMIT)
             fd = files.arena.open_lock(path, create=True)
+            os.pwrite(fd, admitted_text(said[name]), 0)  # before the lock, as the member reads
             lock(fd, EXCLUSIVE)  # only the keeper takes it so: a member's probe, microseconds
-            self._admitted[name] = fd
+            self._admitted[name], self._admitted_for[name] = fd, said[name]
             ring(path)
 
     def look(self) -> list[tuple[str, bool, int | None]]:
@@ -550,6 +583,7 @@ class Keeper:
     def _withdraw(self, names: list[str]) -> None:
         for name in names:
             fd = self._admitted.pop(name, None)
+            self._admitted_for.pop(name, None)
             if fd is not None:
                 os.close(fd)  # drops the LOCK_EX: the member goes cold
                 ring(self._files.member_path(name, ADMIT))
