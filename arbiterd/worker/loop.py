@@ -90,12 +90,14 @@ from arbiterd.arena import Arena, ArenaState, Gateway, Hold, Place, Priority
 from arbiterd.arena.devices import device_arenas
 from arbiterd.arena.doorbell import SAFETY_PROBE_S, Doorbell
 from arbiterd.arena.groups import Gate
+from arbiterd.config import FITTING_GROUP
 from arbiterd.errors import (
     AcquireCancelledError,
     ArbiterError,
     DeviceUnreachableError,
     EngineError,
     InternalError,
+    OutOfDeviceMemoryError,
     ProtocolError,
     RequestError,
     RestoreError,
@@ -267,6 +269,9 @@ class Worker:
         # Its footprint by the engine's figures, as it was when it last became warm (issue 44);
         # () until it first is, or where the engine cannot tell.
         self._footprint: tuple[DeviceFootprint, ...] = ()
+        # A fitting set's member retrying a restore that ran out of device memory: it says no
+        # footprint, so its keeper admits it alone (`_warm_up`).
+        self._alone = False
         self._retry_load = False  # the last load failed for a device out of reach: try again
         self._warm_since = time.monotonic()
         self._idle_since = time.monotonic()
@@ -880,7 +885,37 @@ class Worker:
     ) -> None:
         """cold → warming → warm; waits for the token in the queue, as `priority` (interrupted
         by shutdown, or by a cancel once `withdrawn` says nobody waits for it; a wake for
-        another request's cancel keeps its place)."""
+        another request's cancel keeps its place).
+
+        A member of a fitting set whose restore runs out of device memory (its footprint was
+        wrong, or another program grew) queues once more with its footprint unknown, which its
+        keeper counts at the whole budget (fitting.py): admitted alone, it tries again, and
+        stays counted so for the warm spell that follows. If that fails too, it does not fit
+        the device now even alone, and the error is raised (issue 44). Either way it is cold
+        again after a failure, its KV and weights' copies kept. Only in a fitting set: in a
+        group without a budget the keeper admits every member whatever it says, so a retry
+        would meet the same members."""
+        try:
+            self._take_and_restore(withdrawn, priority, queued)
+        except OutOfDeviceMemoryError as exc:
+            if self.config.group != FITTING_GROUP or self._stopping.is_set():
+                raise
+            log.warning("%s; it tries once more, alone on its device", exc)
+            self._alone = True  # read by `_gate_footprint` as it queues again
+            try:
+                self._take_and_restore(withdrawn, priority)
+            finally:
+                self._alone = False  # the next warm spell says its footprint again
+
+    def _take_and_restore(
+        self,
+        withdrawn: Callable[[], bool],
+        priority: Priority,
+        queued: tuple[Place, _Waiting] | None = None,
+    ) -> None:
+        """One try of `_warm_up`: the token, then the restore; a restore that fails is rolled
+        back to cold without the token and raised (RestoreError, or what no restore should
+        raise)."""
         ticket, waiting = queued or self._announce(priority)
         try:
             while True:
@@ -911,7 +946,10 @@ class Worker:
             self._give_up_token()
             self._emit(rolled_back)
             if isinstance(exc, EngineError):
-                raise RestoreError(f"{self.name} could not be restored: {exc}") from None
+                error = RestoreError
+                if isinstance(exc, OutOfDeviceMemoryError):
+                    error = OutOfDeviceMemoryError  # `_warm_up` may try again
+                raise error(f"{self.name} could not be restored: {exc}") from None
             raise
         self._moved(ResidencyState.WARMING, ResidencyState.WARM, moved, wait=wait)
         self._warm_since = self._idle_since = time.monotonic()
@@ -1003,7 +1041,9 @@ class Worker:
     def _gate_footprint(self) -> int | None:
         """The bytes a fitting set's keeper counts for this model (issue 44): its footprint as
         measured when it last became warm, else as predicted; on its accelerators, or on the
-        host for a model that has none. None: not known."""
+        host for a model that has none. None: not known, or retrying alone (`_warm_up`)."""
+        if self._alone:
+            return None
         known = self._footprint or self._backend.predicted_footprint
         if not known:
             return None

@@ -17,6 +17,8 @@ import pytest
 
 from arbiterd.arena import Arena, Priority
 from arbiterd.arena.doorbell import SAFETY_PROBE_S
+from arbiterd.arena.groups import Gate, GateHold, Keeper, group_dir
+from arbiterd.config import FITTING_GROUP
 from arbiterd.daemon.workerclient import (
     HELLO_TIMEOUT_S,
     EngineReport,
@@ -28,6 +30,7 @@ from arbiterd.errors import (
     EngineError,
     InternalError,
     ModelLoadError,
+    OutOfDeviceMemoryError,
     ProtocolError,
     RequestError,
     RestoreError,
@@ -559,6 +562,7 @@ class FlakyRestore:
         self.spec = ModelSpec(name="flaky", path=Path("/nonexistent"))
         self.warm = False
         self.failure = failure or RestoreError("out of device memory")
+        self.restores = 0  # how often a restore was tried
         self.begun: dict[str, tuple[Prepared, Any, Any]] = {}  # by request id
 
     def open(self) -> None:
@@ -573,6 +577,7 @@ class FlakyRestore:
         return Moved(0.0, 100, 10, 0)
 
     def restore(self) -> Moved:
+        self.restores += 1
         raise self.failure
 
     def prepare(self, request: GenerateRequest, cancelled: Any) -> Prepared:
@@ -632,18 +637,21 @@ class FlakyRestore:
 @pytest.mark.parametrize(
     ("failure", "code", "message"),
     [
-        (RestoreError("out of device memory"), "restore", "out of device memory"),
+        (RestoreError("the model file changed"), "restore", "the model file changed"),
+        # Outside a fitting set, out of device memory is not tried again at once (issue 44).
+        (OutOfDeviceMemoryError("out of device memory"), "restore", "out of device memory"),
         # What a restore should never raise is rolled back all the same (issue 24).
         (ValueError("a bug"), "internal_error", "(ValueError)"),
     ],
-    ids=["restore-error", "unexpected"],
+    ids=["restore-error", "out-of-device-memory", "unexpected"],
 )
 def test_a_failed_restore_rolls_back_to_cold_without_the_token(
     tmp_path: Path, failure: Exception, code: str, message: str
 ) -> None:
     ours, theirs = socket.socketpair()
     config = WorkerConfig(spec=ModelSpec(name="flaky", path=Path("/x")), arena=tmp_path / "arena")
-    worker = Worker(config, FlakyRestore(failure), theirs, FAKE_ENGINE)
+    backend = FlakyRestore(failure)
+    worker = Worker(config, backend, theirs, FAKE_ENGINE)
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     reader, writer = LineReader(ours), LineWriter(ours)
@@ -668,6 +676,7 @@ def test_a_failed_restore_rolls_back_to_cold_without_the_token(
     assert until(lambda m: m.get("id") == "w")["error"]["code"] == code
     rollback = [m for m in messages if m.get("from") == "warming"]
     assert [m["to"] for m in rollback] == ["cold", "cold"]
+    assert backend.restores == 2  # one try each
     assert Arena(tmp_path / "arena").observe().holder_pid is None
     writer.send({"op": "status", "id": "3"})
     assert until(lambda m: m.get("id") == "3")["result"]["state"] == "cold"
@@ -792,6 +801,134 @@ def test_a_request_that_meets_a_bug_is_its_own_error_and_the_worker_serves_on(
     status = worker.ask("s", op="status")["result"]
     assert (status["state"], status["holds_token"], status["served"]) == ("warm", True, 1)
     worker.close()
+    assert worker.raised == []
+
+
+class OutOfDeviceMemory(FlakyRestore):
+    """In place, its footprint predicted (50 bytes on gpu0): its first `failures` restores run
+    out of device memory, the next ones work. Each restore notes the other members of its
+    fitting set warm as it ran."""
+
+    kind = BackendKind.IN_PLACE
+    fallback_reason = ""
+
+    def __init__(self, keeper: Keeper, failures: int) -> None:
+        super().__init__(OutOfDeviceMemoryError("restore failed: out of device memory"))
+        self.keeper = keeper
+        self.failures = failures
+        self.beside: list[list[str]] = []  # by restore, the others warm
+
+    def restore(self) -> Moved:
+        self.beside.append(
+            [name for name, warm, _ in self.keeper.look() if warm and name != "buggy"]
+        )
+        if len(self.beside) <= self.failures:
+            return super().restore()
+        self.restores += 1
+        self.warm = True
+        return Moved(0.0, 100, 10, 0)
+
+    @property
+    def predicted_footprint(self) -> tuple[DeviceFootprint, ...]:
+        return (DeviceFootprint("gpu0", weights_bytes=30, kv_bytes=10, compute_bytes=10),)
+
+
+@pytest.fixture
+def fitting_set(tmp_path: Path) -> Iterator[Keeper]:
+    """A device's fitting set of 100 bytes, its keeper running in the test's arena."""
+    keeper = Keeper(Arena(tmp_path / "arena"), FITTING_GROUP, budget=100)
+    keeper.start()
+    yield keeper
+    keeper.stop()
+
+
+def enter(keeper: Keeper, member: str, footprint: int) -> GateHold:
+    """`member` warm in the keeper's set, as a worker enters it."""
+    ticket = Gate(keeper.arena, FITTING_GROUP, member, lambda: footprint).queue(Priority.NORMAL)
+    try:
+        return ticket.take(member)
+    finally:
+        ticket.leave()
+
+
+def said_footprint(keeper: Keeper, member: str) -> bytes:
+    """The footprint `member` wrote into its want lock as it last queued."""
+    path = group_dir(keeper.arena, FITTING_GROUP) / "members" / f"{member}.want.lock"
+    return path.read_bytes()
+
+
+def test_a_member_out_of_device_memory_tries_once_more_alone_and_is_served(
+    tmp_path: Path, fitting_set: Keeper, caplog: pytest.LogCaptureFixture
+) -> None:
+    other = enter(fitting_set, "other", 40)
+    backend = OutOfDeviceMemory(fitting_set, failures=1)
+    worker = InProcess(tmp_path, backend, group=FITTING_GROUP)
+    try:
+        worker.until(lambda m: m.get("to") == "warm")  # loaded beside the other: 50 + 40 fit
+        assert worker.ask("r", op="release")["result"] == {"state": "cold"}
+
+        def leave_when_told() -> None:  # the retry alone makes the keeper withdraw the other
+            wait_until(other.wanted, 10, "other told to leave")
+            other.release()
+
+        events: list[dict[str, Any]] = []
+
+        def answer(message: dict[str, Any]) -> bool:
+            events.append(message)
+            return message.get("id") == "g" and "started" not in message
+
+        leaving = threading.Thread(target=leave_when_told)
+        leaving.start()
+        with caplog.at_level(logging.WARNING, logger="arbiterd.worker.loop"):
+            worker.writer.send(
+                {"op": "generate", "id": "g", "request": {"kind": "completion", "prompt": "x"}}
+            )
+            reply = worker.until(answer)
+        leaving.join(timeout=10)
+        assert "result" in reply, reply
+        # The first try beside the other; the retry alone, once the other had left.
+        assert backend.beside == [["other"], []]
+        warm_ups = [(m["from"], m["to"]) for m in events if m.get("event") == "residency"]
+        assert warm_ups == [
+            ("cold", "warming"),
+            ("warming", "cold"),
+            ("cold", "warming"),
+            ("warming", "warm"),
+        ]
+        assert "out of device memory; it tries once more, alone on its device" in caplog.text
+        # The retry said no footprint (the whole budget): the keeper counts it so while warm.
+        assert said_footprint(fitting_set, "buggy") == b""
+        assert ("buggy", True, None) in fitting_set.look()
+        # Its next warm spell says its footprint again.
+        assert worker.ask("r2", op="release")["result"] == {"state": "cold"}
+        assert "result" in worker.generate("g2", "x")
+        assert said_footprint(fitting_set, "buggy") == b"50"
+    finally:
+        worker.close()
+        other.release()
+    assert worker.raised == []
+
+
+def test_a_member_out_of_device_memory_alone_too_gets_the_error_and_keeps_its_kv(
+    tmp_path: Path, fitting_set: Keeper
+) -> None:
+    backend = OutOfDeviceMemory(fitting_set, failures=2)
+    worker = InProcess(tmp_path, backend, group=FITTING_GROUP)
+    try:
+        worker.until(lambda m: m.get("to") == "warm")
+        assert worker.ask("r", op="release")["result"] == {"state": "cold"}
+        reply = worker.generate("g", "x")
+        assert reply["error"]["code"] == "restore"
+        assert "out of device memory" in reply["error"]["message"]
+        assert backend.restores == 2  # the retry was the only one
+        status = worker.ask("s", op="status")["result"]
+        assert (status["state"], status["holds_token"]) == ("cold", False)
+        assert status["host_kv_bytes"] == 10  # the KV released with it is kept
+        # Alone was for the retry only: the next queue says its footprint again.
+        assert "result" in worker.generate("g2", "x")
+        assert said_footprint(fitting_set, "buggy") == b"50"
+    finally:
+        worker.close()
     assert worker.raised == []
 
 
