@@ -152,3 +152,19 @@ def test_a_budget_of_nothing_makes_every_member_warm_alone() -> None:
     assert plan(0, warm, now=10) == Plan(withdraw=frozenset({"a"}))
     two = [member("a", 1, warm=True, admitted=True), member("b", 1, warm=True, admitted=True)]
     assert plan(0, two, now=10).withdraw == frozenset({"a"})
+
+
+def test_a_budget_that_wavers_within_the_tolerance_makes_nobody_leave() -> None:
+    members = [
+        member("a", 2 * GIB, warm=True, admitted=True),
+        member("b", 2 * GIB, warm=True, admitted=True, use=Use(1.0, 10)),
+    ]
+    half_a_reserve = GIB // 2
+    assert plan(4 * GIB - GIB // 4, members, now=10, tolerance=half_a_reserve) == Plan()
+    shrunk = plan(3 * GIB, members, now=10, tolerance=half_a_reserve)
+    assert shrunk == Plan(withdraw=frozenset({"a"}))
+    # A waiter still comes in only within the budget itself.
+    waiter = member("c", GIB // 8, waiting=True)
+    assert plan(4 * GIB, [*members, waiter], now=10, tolerance=GIB).admit == frozenset()
+    # With no room at all, each is alone whatever the tolerance.
+    assert plan(0, members, now=10, tolerance=GIB).withdraw == frozenset({"a"})

@@ -9,8 +9,10 @@ member told to leave stays is its own turn policy's (worker/policy.py), as for a
 arena's token: an idle one goes at once, a busy one finishes its turn, so two busy members that
 do not fit together take turns, not a token each. A member larger than the whole budget is
 admitted alone, and so is every member while the budget is 0 (not known yet, or no room left).
-When the budget shrinks under what the admitted members hold (another program grew on the
-device), the least used leave until it holds again; the last one stays. Without a budget (a
+When the budget shrinks under what the admitted members hold, by more than a `tolerance`
+(another program grew on the device; the daemon tolerates half the device's reserve, so that a
+budget that wavers around what the members hold does not make them come and go), the least used
+leave until it holds again; the last one stays. Without a budget (a
 static group), every member that waits is admitted, as groups always were.
 
 `plan` only decides; the keeper applies it (locks and unlocks each member's admit lock) and
@@ -79,13 +81,14 @@ class Plan:
     withdraw: frozenset[str] = frozenset()
 
 
-def plan(budget: int | None, members: list[Member], now: float) -> Plan:
+def plan(budget: int | None, members: list[Member], now: float, *, tolerance: int = 0) -> Plan:
     """What to change at `now` (epoch s): who is admitted, whose admission is withdrawn (see
-    the module)."""
+    the module); the admitted may hold up to `tolerance` bytes past the budget before any is
+    made to leave for it (not for a waiter: a waiter comes in only within the budget)."""
     if budget is None:
         return Plan(admit=frozenset(m.name for m in members if m.waiting and not m.admitted))
     if budget <= 0:  # each alone: every member takes the whole of a budget of one byte
-        budget = 1
+        budget, tolerance = 1, 0
         members = [dataclasses.replace(m, footprint=None) for m in members]
     admitted = {m.name: m for m in members if m.admitted}
     # Bytes held or promised: every admitted member's, and a warm one's whose admission is
@@ -96,7 +99,7 @@ def plan(budget: int | None, members: list[Member], now: float) -> Plan:
     # The least used lately first, then the least recently used.
     by_use = sorted(admitted.values(), key=lambda m: (m.use.weight_at(now), m.use.at, m.name))
     for member in by_use[:-1]:  # the budget shrank: the last one admitted stays whatever it is
-        if held <= budget:
+        if held <= budget + tolerance:
             break
         withdraw.add(member.name)
         held -= _size(member, budget)

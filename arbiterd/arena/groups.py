@@ -367,6 +367,7 @@ class Keeper:
         self.group = group
         self.priority = priority
         self.budget = budget
+        self.tolerance = 0  # bytes the admitted may hold past the budget (fitting.plan)
         self._on_change = on_change
         # The thread's own: each admitted member's admit.lock descriptor (held LOCK_EX) and the
         # footprint it was admitted for; when each waiting member was first seen waiting.
@@ -387,13 +388,13 @@ class Keeper:
         """Whether it holds the arena's token for the group now."""
         return self._holding
 
-    def set_budget(self, budget: int) -> None:
+    def set_budget(self, budget: int, tolerance: int = 0) -> None:
         """A fitting set's new budget (its device's room changed), applied at once: members
-        that no longer fit leave, the least used first; waiters that now fit come in. From any
-        thread."""
-        if budget == self.budget:
+        that no longer fit it, with `tolerance` bytes to spare, leave, the least used first;
+        waiters that now fit come in. From any thread."""
+        if (budget, tolerance) == (self.budget, self.tolerance):
             return
-        self.budget = budget
+        self.budget, self.tolerance = budget, tolerance
         if self._doorbell is not None:
             self._doorbell.wake()
 
@@ -541,7 +542,7 @@ class Keeper:
             ]
         )
         live = [dataclasses.replace(m, admitted=m.name in self._admitted) for m in seen]
-        plan = fitting.plan(self.budget, live, time.time())
+        plan = fitting.plan(self.budget, live, time.time(), tolerance=self.tolerance)
         if plan.withdraw:
             self.withdrawals += len(plan.withdraw)
             log.info(

@@ -332,6 +332,7 @@ class Supervisor:
             priority=min((m.priority for m in members), key=lambda p: p.rank),
             budget=budget.budget_bytes,
         )
+        keeper.set_budget(budget.budget_bytes, device.reserve // 2)
         keeper.start()
         self._budgets = {**self._budgets, device.device: budget}
         self._fitting[device.device] = keeper
@@ -357,7 +358,9 @@ class Supervisor:
             if device is None:  # a reload took it away; its keeper is stopping
                 continue
             budget = budgets[device_id] = self._device_budget(device, snapshot)
-            keeper.set_budget(budget.budget_bytes)
+            # Half the reserve for a budget that wavers: members leave for another program
+            # once it has taken that much of the room kept for it (fitting.plan).
+            keeper.set_budget(budget.budget_bytes, device.reserve // 2)
         self._budgets = budgets
 
     async def _check_reserves(self, config: Config) -> None:
