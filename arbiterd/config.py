@@ -667,12 +667,6 @@ _KV_ON_RPC = (
     "connection to the server, which serves one client at a time, so no other model could use "
     'it while this one is cold; use "host" (the default) or "drop"'
 )
-# An RPC server serves one client at a time (docs/devices.md): two models cannot be warm on it
-# together, whatever their size.
-_FITTING_ON_RPC = (
-    "an RPC server serves one client at a time, so its models cannot be warm together: they "
-    "take turns on it whatever its memory"
-)
 # Origins that stand for pages the owner cannot name: allowing one would let any page in.
 _OPEN_ORIGINS = {
     "*": "list each origin; every web page would be one",
@@ -1395,8 +1389,6 @@ def _device_tables(
             parsed = parse_device_id(text)
         except BadValueError:
             raise src.expected(where, f"a device id ({DEVICE_ID_SHAPES})", text) from None
-        if parsed.kind is DeviceKind.RPC:
-            raise src.fail(where, _FITTING_ON_RPC)
         device = str(parsed)
         if not isinstance(values, dict):
             raise src.expected(where, 'a table ([devices.gpu0] memory = "8GiB")', values)

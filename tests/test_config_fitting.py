@@ -65,6 +65,18 @@ def test_a_devices_table_may_leave_the_memory_to_be_measured_and_set_the_reserve
     assert config.models["chat"].group == FITTING_GROUP
 
 
+def test_an_rpc_servers_models_may_be_a_fitting_set(tmp_path: Path, env: dict[str, str]) -> None:
+    # Whether the server serves several clients at once is the daemon's to ask (supervisor.py).
+    text = (
+        '[daemon]\nrpc_servers = ["127.0.0.1:50052"]\n'
+        '[models.x]\npath = "/models/x.gguf"\ndevices = ["rpc:127.0.0.1:50052"]\n'
+        '[devices."rpc:127.0.0.1:50052"]\nmemory = "4GiB"\n'
+    )
+    config = load_config(_write(tmp_path, text), env=env)
+    assert config.devices["rpc:127.0.0.1:50052"].members == ("x",)
+    assert config.models["x"].group == FITTING_GROUP
+
+
 def test_without_a_devices_table_nothing_changes(tmp_path: Path, env: dict[str, str]) -> None:
     config = load_config(_write(tmp_path, MODELS), env=env)
     assert config.devices == {}
@@ -82,7 +94,6 @@ def test_without_a_devices_table_nothing_changes(tmp_path: Path, env: dict[str, 
         ('[devices.gpu0]\nmemory = "512MiB"\n', "devices.gpu0.reserve", "512.0 MiB is not less"),
         ('[devices.gpu0]\nmemory = "8GiB"\nreserve = "8GiB"\n', "devices.gpu0.reserve", "not less"),
         ("devices = 3\n", "devices", "tables"),
-        ('[devices."rpc:127.0.0.1:50052"]\nmemory = "1GiB"\n', "devices", "one client"),
         ('[groups.fitting]\nmodels = ["chat", "embed"]\n', "groups.fitting", "fitting set"),
     ],
 )

@@ -6,8 +6,10 @@ client of the daemon, and it imports llama_cpp only once it runs (`arbiterd --he
 other command load nothing). Owns which local devices a server serves (by their arbiterd ids),
 the refusal of a listen address beyond this machine, the process's malloc tuning, and how the
 process ends: ggml's server runs in a thread of its own and never returns while it serves, so
-SIGTERM or SIGINT ends the process from the main thread with `os._exit(0)`. `start_local` runs
-one as a child process serving the CPU (the devices demo, the tests).
+SIGTERM or SIGINT ends the process from the main thread with `os._exit(0)`. With `--clients N`
+the process is a front instead (rpcfront.py), which serves each client with such a process of
+its own. `start_local` runs one as a child process serving the CPU (the devices demo, the
+tests).
 
 The RPC protocol has no authentication: whoever reaches the port can allocate memory on the
 device and run graphs on it. So the server listens on loopback unless `--allow-remote` says
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from arbiterd.cli import rpcfront
 from arbiterd.errors import (
     BadValueError,
     DeviceUnreachableError,
@@ -53,6 +56,7 @@ EXIT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 1 << 20
 _IOLBF = 1  # setvbuf(3)'s line-buffered mode in glibc's stdio.h
+PR_SET_PDEATHSIG = 1  # prctl(2), linux/prctl.h
 REMOTE_REFUSAL = (
     "the llama.cpp RPC protocol has no authentication: whoever reaches the port can use the "
     "device's memory and compute, so arbiterd rpc-server listens on a loopback address "
@@ -90,6 +94,15 @@ def add_command(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="CPU threads of a CPU device's computations (default: half the CPUs this process "
         "may run on)",
+    )
+    parser.add_argument(
+        "--clients",
+        type=int,
+        default=1,
+        metavar="N",
+        help="clients served at once, each by a server process of its own, so that several "
+        "models are on the devices together (a daemon's fitting set); 1, the default, is ggml's "
+        "own server, which serves one client at a time",
     )
     parser.add_argument(
         "--allow-remote",
@@ -165,14 +178,18 @@ def _offered(gpus: Sequence[ggml.Device], cpu: ggml.Device | None) -> str:
     return ", ".join(names) or "none"
 
 
-def start_local(endpoint: str, log: Path, timeout_s: float) -> subprocess.Popen[bytes]:
-    """`arbiterd rpc-server --listen ENDPOINT` in a child process serving this machine's CPU,
-    its output appended to `log`, returned once it answers a probe (the engine loads before it
-    listens). DeviceUnreachableError, with the end of its log, when it exits first or does not
-    answer within `timeout_s`; it is killed then. The caller stops and reaps it."""
+def start_local(
+    endpoint: str, log: Path, timeout_s: float, clients: int = 1
+) -> subprocess.Popen[bytes]:
+    """`arbiterd rpc-server --listen ENDPOINT --clients CLIENTS` in a child process serving this
+    machine's CPU, its output appended to `log`, returned once it answers a probe (the engine
+    loads before it listens). DeviceUnreachableError, with the end of its log, when it exits
+    first or does not answer within `timeout_s`; it is killed then. The caller stops and reaps
+    it."""
+    command = ["rpc-server", "--listen", endpoint, "--clients", str(clients)]
     with log.open("ab") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "arbiterd", "rpc-server", "--listen", endpoint],
+            [sys.executable, "-m", "arbiterd", *command],
             stdout=out,
             stderr=subprocess.STDOUT,
             env={**os.environ, "GGML_VK_VISIBLE_DEVICES": ""},  # the CPU: no Vulkan driver
@@ -209,7 +226,13 @@ def serve_command(args: argparse.Namespace) -> int:
     threads: int | None = args.threads
     if threads is not None and threads < 1:
         raise BadValueError(f"--threads must be 1 or more, got {threads}")
+    clients: int = args.clients
+    if clients < 1:
+        raise BadValueError(f"--clients must be 1 or more, got {clients}")
     _check_free(listen)  # a taken port is said before the engine takes seconds to load
+    if clients > 1:
+        return _serve_several(args, listen, clients)
+    _end_with_front()
     library = _load_engine()
     chosen = choose_devices(ggml.devices(library), args.device)
     cache: Path | None = args.cache
@@ -234,6 +257,41 @@ def serve_command(args: argparse.Namespace) -> int:
         f"ggml's RPC server could not serve on {listen} (its line above says why; most often "
         "another process took the port)"
     )
+
+
+def _serve_several(args: argparse.Namespace, listen: Listen, clients: int) -> int:
+    """The front (rpcfront.py) on `listen`, its server processes on these devices; SIGTERM or
+    SIGINT stop them, then the front."""
+    for signum in EXIT_SIGNALS:
+        signal.signal(signum, _stop_front)
+    each = [arg for device in args.device or () for arg in ("--device", device)]
+    if args.threads is not None:
+        each += ["--threads", str(args.threads)]
+    if args.cache is not None:
+        each += ["--cache", str(args.cache)]
+    print(f"serving up to {clients} clients at once on {listen}", flush=True)
+    front = rpcfront.Front(str(listen), rpcfront.server_argv(each), clients)
+    try:
+        front.serve_forever()
+    except SystemExit:
+        return 0
+    return 1
+
+
+def _stop_front(_signum: int, _frame: FrameType | None) -> None:
+    raise SystemExit(0)  # out of accept(), through the front's stop
+
+
+def _end_with_front() -> None:
+    """A server process of a front (rpcfront.FRONT_ENV) ends when the front does, however it
+    ends: the kernel sends SIGTERM at its death (PR_SET_PDEATHSIG)."""
+    front = os.environ.pop(rpcfront.FRONT_ENV, None)
+    if front is None:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != int(front):  # it died before the request: nobody to serve
+        os._exit(0)
 
 
 def _exit_now(_signum: int, _frame: FrameType | None) -> None:

@@ -77,7 +77,13 @@ from arbiterd.daemon.telemetry import ReaderSet, TelemetrySnapshot
 from arbiterd.daemon.vramwatch import VramWatch
 from arbiterd.daemon.waiting import NewsListener, Waits
 from arbiterd.daemon.workerclient import EngineReport, WorkerClient, WorkerHello
-from arbiterd.errors import AcquireTimeoutError, ArbiterError, ConfigError, ControlError
+from arbiterd.errors import (
+    AcquireTimeoutError,
+    ArbiterError,
+    ConfigError,
+    ControlError,
+    DeviceUnreachableError,
+)
 from arbiterd.events import (
     Event,
     HandoffEvent,
@@ -90,8 +96,9 @@ from arbiterd.events import (
     parse_event,
 )
 from arbiterd.footprint import ModelFootprint
+from arbiterd.native import rpc
 from arbiterd.offload import CpuNote, cpu_note, gpu_nodes, setup_script
-from arbiterd.paths import DEFAULT_DEVICE, DeviceId, DeviceKind, device_arena_of
+from arbiterd.paths import DEFAULT_DEVICE, DeviceId, DeviceKind, device_arena_of, parse_device_id
 from arbiterd.procs import WaitNews, holder_name, waiter_name
 from arbiterd.render import format_bytes
 from arbiterd.request import GenerateRequest
@@ -265,7 +272,7 @@ class Supervisor:
             cache = self._lifecycle.prompt_cache
             if cache is not None:  # refused now, with its fix, rather than at the first unload
                 await asyncio.to_thread(cache.make_private)
-            await self._check_reserves(self.config)
+            await self._check_devices(self.config)
             self._start_missing_keepers()
             await asyncio.gather(*(self._start(slot) for slot in self._slots.values()))
         log.info("VRAM telemetry: %s", self._vram.readers.describe())
@@ -363,21 +370,39 @@ class Supervisor:
             keeper.set_budget(budget.budget_bytes, device.reserve // 2)
         self._budgets = budgets
 
-    async def _check_reserves(self, config: Config) -> None:
-        """Refuse a config whose [devices.ID] reserve is not less than the device's memory as
-        measured now (config.py refuses one against its `memory`)."""
+    async def _check_devices(self, config: Config) -> None:
+        """Refuse a config whose fitting sets cannot work: a [devices.ID] reserve not less than
+        the device's memory as measured now (config.py refuses one against its `memory`), or
+        an RPC server that serves one client at a time (its models could never be warm
+        together: a second one would wait for the first to leave). A server that does not
+        answer now is let be: its models say so when they warm up."""
         snapshot = await self._vram.fresh() if config.devices else None
+        label = str(config.source) if config.source else "embedded default config"
         for device in config.devices.values():
             if not device.members:
                 continue
+            where = f"{label}: {key_path('devices', device.device)}"
             budget = await asyncio.to_thread(self._device_budget, device, snapshot)
             if budget.size_bytes is not None and device.reserve >= budget.size_bytes:
-                label = str(config.source) if config.source else "embedded default config"
                 raise ConfigError(
-                    f"{label}: {key_path('devices', device.device, 'reserve')}: "
-                    f"{format_bytes(device.reserve)} is not less than {device.device}'s "
-                    f"{format_bytes(budget.size_bytes)} ({budget.size_source}): nothing would "
-                    "be left for its models"
+                    f"{where}.reserve: {format_bytes(device.reserve)} is not less than "
+                    f"{device.device}'s {format_bytes(budget.size_bytes)} "
+                    f"({budget.size_source}): nothing would be left for its models"
+                )
+            parsed = parse_device_id(device.device)
+            if parsed.kind is not DeviceKind.RPC:
+                continue
+            endpoint = f"{parsed.host}:{parsed.port}"
+            try:
+                several = await asyncio.to_thread(rpc.serves_several, endpoint)
+            except DeviceUnreachableError as exc:
+                log.warning("%s: cannot tell whether it serves several clients: %s", where, exc)
+                continue
+            if not several:
+                raise ConfigError(
+                    f"{where}: the RPC server at {endpoint} serves one client at a time, so "
+                    f"its models cannot be warm together; serve it with `arbiterd rpc-server "
+                    f"--clients N`, or remove the table (its models then take turns)"
                 )
 
     async def _stop_fitting(self, devices: list[str]) -> None:
@@ -721,7 +746,7 @@ class Supervisor:
         warnings = await asyncio.to_thread(
             check_models, new, copy_held=self._lifecycle.host_copies.holds
         )
-        await self._check_reserves(new)
+        await self._check_devices(new)
         for warning in warnings:
             log.warning("%s", warning)
         old = self.config.models

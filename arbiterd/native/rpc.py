@@ -3,7 +3,8 @@ by ggml's own RPC server and used by this engine as one of its devices.
 
 Owns three things:
 - `probe`: asking a server, over its wire protocol, for its protocol version and its devices'
-  memory, with timeouts. ggml's own client aborts the process when a server is down, refuses,
+  memory, with timeouts (and `serves_several`: whether it answers a second client while a
+  first is connected). ggml's own client aborts the process when a server is down, refuses,
   or speaks another protocol version (GGML_ABORT in its dispatcher), so a worker asks this
   first and fails with a reason instead of dying.
 - `register_server`: making a server's devices devices of the loaded engine
@@ -13,7 +14,9 @@ Owns three things:
   for `arbiterd rpc-server`.
 
 A ggml RPC server serves **one client at a time** (it accepts the next connection when the
-last one closes) and frees everything it holds for a client when that client disconnects. A
+last one closes) and frees everything it holds for a client when that client disconnects;
+`arbiterd rpc-server --clients N` serves several, each with a ggml server of its own
+(cli/rpcfront.py). A
 worker is connected while it holds a buffer or a backend on the server, so the engine's
 residency patch frees both on release (llama-residency.cpp, residency_detach_remote): the
 server's memory goes back, and the next model placed on that server can connect. A probe of
@@ -114,6 +117,29 @@ def probe(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> ServerInfo:
                 f"{endpoint} is not a ggml RPC server that answers: {exc}"
             ) from None
     return ServerInfo(endpoint, (major, minor, patch), tuple(found))
+
+
+def serves_several(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether the server at `endpoint` answers a second client while a first one is
+    connected (`arbiterd rpc-server --clients N`), or serves one at a time (ggml's own
+    server, whose next client waits until the one it serves leaves: a first connection it
+    does not answer, while it serves someone else, says as much). DeviceUnreachableError
+    when it takes no connection, or is no ggml server."""
+    deadline = time.monotonic() + timeout_s
+    with _connect(endpoint, timeout_s) as first:
+        try:
+            _hello(_Connection(first, deadline))
+        except TimeoutError:
+            return False
+        except (OSError, _NotRpcError) as exc:
+            raise DeviceUnreachableError(
+                f"{endpoint} is not a ggml RPC server that answers: {exc}"
+            ) from None
+        try:
+            probe(endpoint, max(0.1, deadline - time.monotonic()))
+        except DeviceUnreachableError:
+            return False
+        return True
 
 
 def check_listening(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:

@@ -1,10 +1,13 @@
 """`arbiterd rpc-server` (issue 27): ggml's own RPC server serving this machine's CPU, run as a
 real process on 127.0.0.1 and asked over the wire (arbiterd.native.rpc.probe); its refusals,
-and its exit on SIGTERM and SIGINT. The choice of devices and the listen checks are also tested
-as pure functions, over device lists no engine made."""
+and its exit on SIGTERM and SIGINT; with --clients, several clients answered at once, each by
+a process of its own that ends with its connection, and all of them with the front. The choice
+of devices and the listen checks are also tested as pure functions, over device lists no engine
+made."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -119,6 +122,97 @@ def test_a_server_busy_with_another_client_is_up_though_it_answers_nobody_else(
     server.process.wait(timeout=EXIT_TIMEOUT_S)
     with pytest.raises(DeviceUnreachableError, match=f"RPC server {server.endpoint} is not"):
         rpc.check_listening(server.endpoint, timeout_s=0.5)
+
+
+# -- several clients at once (--clients N, rpcfront.py) ----------------------------------------
+
+
+def children(pid: int) -> set[int]:
+    """The processes `pid` started that still run."""
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended since
+            found |= {int(c) for c in (task / "children").read_text().split()}
+    return found
+
+
+def hello(conn: socket.socket) -> None:
+    conn.sendall(bytes([14]) + (24).to_bytes(8, "little") + bytes(24))
+    assert len(conn.recv(64)) > 0  # a server answers this client
+
+
+def test_a_server_of_several_clients_answers_a_second_while_the_first_is_connected(
+    tmp_path: Path,
+) -> None:
+    server = Server(tmp_path / "front.log", "--device", "cpu", "--clients", "3")
+    try:
+        server.wait_serving()
+        assert rpc.serves_several(server.endpoint, timeout_s=5)
+        with (
+            socket.create_connection(("127.0.0.1", server.port)) as first,
+            socket.create_connection(("127.0.0.1", server.port)) as second,
+        ):
+            hello(first)
+            hello(second)
+            info = rpc.probe(server.endpoint, timeout_s=5.0)  # a third, all three connected
+            assert info.version[:2] == (rpc.PROTOCOL_MAJOR, rpc.PROTOCOL_MINOR)
+            serving = children(server.process.pid)
+            assert len(serving) >= 3  # a process for each client, and spares
+        # Each client's process ends with its connection: what it held goes back with it.
+        wait_until(
+            lambda: not serving & (children(server.process.pid) - spares(server)),
+            10,
+            "the clients' processes to end",
+        )
+        assert "serving up to 3 clients at once on" in server.log.read_text()
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=EXIT_TIMEOUT_S) == 0
+        wait_until(
+            lambda: not any(Path(f"/proc/{p}").exists() for p in serving),
+            10,
+            "every server process to end with the front",
+        )
+    finally:
+        server.close()
+
+
+def spares(server: Server) -> set[int]:
+    """The front's server processes that serve no client: those with no connection but
+    their listening socket (a served one has its client's too)."""
+    idle = set()
+    for pid in children(server.process.pid):
+        sockets = [f for f in Path(f"/proc/{pid}/fd").iterdir() if "socket" in os.readlink(f)]
+        if len(sockets) <= 1:
+            idle.add(pid)
+    return idle
+
+
+def test_a_killed_front_takes_its_server_processes_with_it(tmp_path: Path) -> None:
+    server = Server(tmp_path / "front.log", "--device", "cpu", "--clients", "2")
+    try:
+        server.wait_serving()
+        started = children(server.process.pid)
+        assert started
+        server.process.kill()  # no handler runs: the kernel ends them (PR_SET_PDEATHSIG)
+        server.process.wait(timeout=EXIT_TIMEOUT_S)
+        wait_until(
+            lambda: not any(Path(f"/proc/{p}").exists() for p in started),
+            10,
+            "the server processes to end with the killed front",
+        )
+    finally:
+        server.close()
+
+
+def test_a_server_of_one_client_is_told_apart(server: Server) -> None:
+    server.wait_serving()
+    assert not rpc.serves_several(server.endpoint, timeout_s=1.0)
+
+
+def test_clients_must_be_one_or_more() -> None:
+    done = arbiterd("rpc-server", "--clients", "0")
+    assert done.returncode == EX_DATAERR
+    assert "--clients must be 1 or more, got 0" in done.stderr
 
 
 def test_rpc_server_refuses_an_address_beyond_loopback_without_allow_remote() -> None:
@@ -241,3 +335,10 @@ def test_the_serving_line_numbers_several_devices_as_clients_name_them() -> None
     assert rpcserver.serving_line([VULKAN0, CPU], listen) == (
         "serving Vulkan0: Vulkan0 model (device 0), CPU: CPU model (device 1) on 127.0.0.1:50052"
     )
+
+
+def test_a_server_of_one_client_busy_with_another_is_told_apart(server: Server) -> None:
+    server.wait_serving()
+    with socket.create_connection(("127.0.0.1", server.port)) as other:
+        hello(other)  # it serves this client now: nobody else gets an answer
+        assert not rpc.serves_several(server.endpoint, timeout_s=1.0)

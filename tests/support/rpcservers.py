@@ -1,10 +1,12 @@
 """llama.cpp RPC servers for tests: `arbiterd rpc-server` (ggml's own server, serving this
-machine's CPU) run as real processes on 127.0.0.1, each on a free port; and a fake one, in
+machine's CPU, or its front of several clients) run as real processes on 127.0.0.1, each on a
+free port; and a fake one, in
 this process, that lies to a probe as another local user's program could (issue 40)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import struct
@@ -47,13 +49,30 @@ class RpcServer:
         self.process.wait(timeout=10)
 
 
-def start_server(folder: Path, port: int | None = None) -> RpcServer:
-    """`arbiterd rpc-server` serving the CPU on 127.0.0.1 (a free port unless given), once it
-    answers a probe."""
+def start_server(folder: Path, port: int | None = None, clients: int = 1) -> RpcServer:
+    """`arbiterd rpc-server` serving the CPU on 127.0.0.1 (a free port unless given), `clients`
+    at once, once it answers a probe."""
     port = free_port() if port is None else port
     endpoint = f"127.0.0.1:{port}"
     log = folder / f"rpc-server-{port}.log"
-    return RpcServer(endpoint, rpcserver.start_local(endpoint, log, START_TIMEOUT_S), log)
+    started = rpcserver.start_local(endpoint, log, START_TIMEOUT_S, clients)
+    return RpcServer(endpoint, started, log)
+
+
+def serving_processes(front: RpcServer) -> list[int]:
+    """The server processes of a front (`--clients N`) that serve a client now: connected to
+    one (a socket besides their listening one); the spares are not."""
+    pids = []
+    for task in Path(f"/proc/{front.process.pid}/task").iterdir():
+        started: list[str] = []
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended since
+            started = (task / "children").read_text().split()
+        for pid in started:
+            with contextlib.suppress(FileNotFoundError):  # ended since
+                fds = list(Path(f"/proc/{pid}/fd").iterdir())
+                if sum(os.readlink(fd).startswith("socket:") for fd in fds) > 1:
+                    pids.append(int(pid))
+    return pids
 
 
 @contextmanager

@@ -1,0 +1,197 @@
+"""`arbiterd rpc-server --clients N`: several clients served at once (issue 44), where ggml's own
+RPC server serves one at a time.
+
+Owns the front: the process that listens on `--listen`, gives each connection a ggml server
+process of its own on the same devices (`arbiterd rpc-server --clients 1` on a loopback port),
+and passes the bytes between the two with splice(2) until either side closes; then it stops
+that process, so everything the client held on the device goes back with it, as when a client
+of ggml's server disconnects. The protocol is not read: every byte goes through as it came.
+
+Each server process takes about half a second to load the engine, so SPARES of them are kept
+started ahead, listening for the next connection (each one idle holds what a backend holds
+before any client: on a GPU, its context). A connection beyond `clients` waits, accepted, for
+one to end, as a connection to ggml's server waits in its queue. Why processes: two clients
+of one ggml server would share its one `rpc_server` (ggml serves one connection in one call
+and frees everything when it closes), and models release by disconnecting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+
+from arbiterd.errors import DeviceUnreachableError, ListenError
+from arbiterd.native import rpc
+
+log = logging.getLogger(__name__)
+
+# Set in a server process's environment to the front's pid: the process ends with the front
+# (rpcserver.py, PR_SET_PDEATHSIG), even a front killed with SIGKILL.
+FRONT_ENV = "ARBITERD_RPC_FRONT"
+SPARES = 2  # started ahead: a restore probes the server, then connects (two connections)
+READY_TIMEOUT_S = 60.0  # a server process loads the engine and its backends before it listens
+SPLICE_BYTES = 1 << 20  # at most moved per splice(2) call (the pipe takes 64 KiB at a time)
+STOP_TIMEOUT_S = 5.0
+
+
+class _Server:
+    """One ggml server process, listening on a loopback port for its one client."""
+
+    def __init__(self, argv: Sequence[str]) -> None:
+        with socket.socket() as chooser:  # a free port, taken back at once for the child
+            chooser.bind(("127.0.0.1", 0))
+            self.port = chooser.getsockname()[1]
+        self.endpoint = f"127.0.0.1:{self.port}"
+        # Its lines (ggml's, per connection) would interleave with every other one's: kept
+        # apart, read only to say why it did not start.
+        self._output = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop)
+        self.process = subprocess.Popen(
+            [*argv, "--listen", self.endpoint, "--clients", "1"],
+            stdin=subprocess.DEVNULL,
+            stdout=self._output,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, FRONT_ENV: str(os.getpid())},  # it ends when the front does
+        )
+
+    def wait_ready(self) -> None:
+        """Return once it listens; DeviceUnreachableError when it exits or takes too long."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            try:
+                rpc.check_listening(self.endpoint, timeout_s=1.0)
+                return
+            except DeviceUnreachableError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self._output.seek(0)
+                    said = self._output.read().decode(errors="replace")[-2000:]
+                    self.stop()
+                    raise DeviceUnreachableError(
+                        f"a server process for a client (pid {self.process.pid}) did not listen "
+                        f"on {self.endpoint} (exit status {self.process.returncode}): {said}"
+                    ) from None
+                time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()  # its handler ends it at once (rpcserver._exit_now)
+            try:
+                self.process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._output.close()
+
+
+class Front:
+    """Accepts clients on `listen` ("HOST:PORT") and serves each with a process of `argv`
+    (the `arbiterd rpc-server` command line without --listen and --clients), `clients` at
+    once at most."""
+
+    def __init__(self, listen: str, argv: Sequence[str], clients: int) -> None:
+        self._listen = listen
+        self._argv = list(argv)
+        self._slots = threading.BoundedSemaphore(clients)
+        self._spares: list[_Server] = []
+        self._lock = threading.Lock()  # the spares list
+        self._live: set[_Server] = set()  # serving a client now
+
+    def serve_forever(self) -> None:
+        """Listen and serve; returns only by an exception (ListenError when the port is
+        taken). The server processes are stopped on the way out. They are started from this
+        thread alone: a process's PR_SET_PDEATHSIG fires when the thread that started it
+        ends, and this one lasts as long as the front."""
+        host, port = rpc.split_endpoint(self._listen)
+        try:
+            listener = socket.create_server((host, port), backlog=64)
+        except OSError as exc:
+            raise ListenError(f"cannot listen on {self._listen}: {exc.strerror or exc}") from None
+        try:
+            self._start_spares()
+            with listener:
+                while True:
+                    conn, _ = listener.accept()
+                    server = self._claim()
+                    threading.Thread(
+                        target=self._serve, args=(conn, server), name="rpc-client", daemon=True
+                    ).start()
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        with self._lock:
+            servers, self._spares = [*self._spares, *self._live], []
+        for server in servers:
+            server.stop()
+
+    def _start_spares(self) -> None:
+        with self._lock:
+            while len(self._spares) < SPARES:
+                self._spares.append(_Server(self._argv))
+
+    def _claim(self) -> _Server:
+        """A server process for the connection just accepted: the oldest spare, the next
+        ones starting meanwhile."""
+        with self._lock:
+            server = self._spares.pop(0) if self._spares else _Server(self._argv)
+            self._live.add(server)
+        self._start_spares()
+        return server
+
+    def _serve(self, client: socket.socket, server: _Server) -> None:
+        with client, self._slots:
+            try:
+                server.wait_ready()
+                with socket.create_connection(("127.0.0.1", server.port)) as upstream:
+                    _relay(client, upstream)
+            except (DeviceUnreachableError, OSError) as exc:
+                log.warning("rpc-server: a client could not be served: %s", exc)
+            finally:
+                server.stop()  # everything the client held on the device goes back
+                with self._lock:
+                    self._live.discard(server)
+
+
+def _relay(a: socket.socket, b: socket.socket) -> None:
+    """Pass bytes both ways until both directions ended (one side closing ends both: a
+    ggml client or server never half-closes)."""
+    for sock in (a, b):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    back = threading.Thread(target=_pipe, args=(b, a), name="rpc-relay", daemon=True)
+    back.start()
+    _pipe(a, b)
+    back.join()
+
+
+def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    """Move what `source` sends to `sink` through a kernel pipe (splice(2): no copy into
+    Python), until `source` ends; then end both sockets, which ends the other direction."""
+    read_end, write_end = os.pipe()
+    try:
+        while True:
+            moved = os.splice(source.fileno(), write_end, SPLICE_BYTES)
+            if moved == 0:
+                break
+            while moved:
+                moved -= os.splice(read_end, sink.fileno(), moved)
+    except OSError:
+        pass  # the other direction shut the sockets, or a peer reset: the connection is over
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+        for sock in (source, sink):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+def server_argv(args: Sequence[str]) -> list[str]:
+    """The command line of a server process: this interpreter running `arbiterd rpc-server`
+    with `args` (the devices, threads and cache the front was given)."""
+    return [sys.executable, "-m", "arbiterd", "rpc-server", *args]
