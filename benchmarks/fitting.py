@@ -1,7 +1,8 @@
 """Fitting sets (issue 44): three models sharing gpu0 by measured footprint, against the same
 models always resident together and against time-sharing, one daemon after another in one run.
 
-    python -m benchmarks.fitting [--seconds 60] [--pattern alternating|concurrent] [--out FILE]
+    python -m benchmarks.fitting [--seconds 60] [--pattern alternating|concurrent] [--on cpu|rpc]
+                                 [--out FILE]
 
 The models, on the CPU (n_gpu_layers = 0: what a model holds is host memory, counted by the
 engine's own figures): gemma-3-270m, SmolLM2-135M-Instruct and the tests' tiny GGUF, each asked
@@ -31,6 +32,7 @@ requests is not favoured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import math
 import tempfile
@@ -47,6 +49,7 @@ from arbiterd.config import smollm_model_path
 from benchmarks.common import events_after, last_seq, load_average, machine, report, summary
 from benchmarks.groups import releases
 from tests.support.daemon import serving, tiny
+from tests.support.rpcservers import RpcServer, start_server
 from tests.support.tiny_gguf import write_tiny_llama
 
 MODELS = ("gemma", "smollm", "tiny")
@@ -56,6 +59,25 @@ THIRD_EVERY_S = 2.0  # concurrent: the third model's client asks this often
 BODY = {"prompt": "Q: What is the capital of France?\nA:", "max_tokens": 8, "temperature": 0}
 REQUEST_TIMEOUT_S = 120.0
 GOAL_LATENCY_RATIO = 1.1  # the issue's: fitting within 1.1 x always-resident
+# Every layer on the server, released in place: what a model on an RPC device runs as.
+ON_RPC: dict[str, Any] = {"n_gpu_layers": -1, "residency": "in-place"}
+# The fitting side's budget, which the three fit, by where the models run.
+BUDGETS = {"cpu": 1 << 30, "rpc": 2 << 30}
+# What each side is, by where the models run.
+SIDES = {
+    "cpu": {
+        "group": "one [groups] table: the three always resident together",
+        "fitting": "[devices.gpu0] memory = 1 GiB: the three fit",
+        "fitting_two": "[devices.gpu0] memory: two of the three fit",
+        "time_sharing": "no table: one model warm at a time",
+    },
+    "rpc": {
+        "group": "each model on an RPC server of its own: always resident",
+        "fitting": 'one server of --clients 4, [devices."rpc:..."] memory = 2 GiB: the three fit',
+        "fitting_two": "the same server and table, memory for two of the three",
+        "time_sharing": "one ggml server (one client at a time): one model warm at a time",
+    },
+}
 
 
 # -- pure parts ---------------------------------------------------------------------------------
@@ -117,11 +139,17 @@ def run_side(
     *,
     pasted: str = "",
     groups: dict[str, list[str]],
+    placed: dict[str, list[str]] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """One daemon of the three models, asked in `pattern`; its figures, and its status at the
-    end."""
+    end. `placed`: each model's RPC devices (None: the CPU, as gpu0)."""
     tables = {name: tiny(path, n_ctx=1024, min_hold_s=0.02) for name, path in paths.items()}
-    with serving(tables, pasted=pasted, groups=groups) as daemon:
+    keys: dict[str, Any] = {}
+    if placed is not None:
+        for name, devices in placed.items():
+            tables[name].update(ON_RPC, devices=devices)
+        keys["rpc_servers"] = sorted({d.removeprefix("rpc:") for v in placed.values() for d in v})
+    with serving(tables, pasted=pasted, groups=groups, daemon_keys=keys) as daemon:
         with httpx.Client(base_url=daemon.url, timeout=REQUEST_TIMEOUT_S) as http:
             for name in MODELS:  # each warm once, its footprint measured
                 http.post("/completions", json={**BODY, "model": name}).raise_for_status()
@@ -171,7 +199,7 @@ def run_side(
     return figures, status
 
 
-def measure(seconds: float, pattern: str) -> dict[str, Any]:
+def measure(seconds: float, pattern: str, on: str = "cpu") -> dict[str, Any]:
     load_before = load_average()
     with tempfile.TemporaryDirectory(prefix="ad-fit-") as tmp:
         paths = {
@@ -179,21 +207,12 @@ def measure(seconds: float, pattern: str) -> dict[str, Any]:
             "smollm": smollm_model_path(),
             "tiny": write_tiny_llama(Path(tmp) / "tiny.gguf"),
         }
-        sides: dict[str, Any] = {}
-        sides["group"], _ = run_side(paths, seconds, pattern, groups={"all": list(MODELS)})
-        # No reserve: nothing measures this gpu0, the budget is `memory` whole.
-        fit = '\n[devices.gpu0]\nmemory = "1GiB"\nreserve = 0\n'
-        sides["fitting"], status = run_side(paths, seconds, pattern, pasted=fit, groups={})
-        measured = {name: footprint_bytes(status, name) for name in MODELS}
-        two = measured["gemma"] + measured["smollm"] + measured["tiny"] // 2
-        sides["fitting_two"], _ = run_side(
-            paths,
-            seconds,
-            pattern,
-            pasted=f"\n[devices.gpu0]\nmemory = {two}\nreserve = 0\n",
-            groups={},
-        )
-        sides["time_sharing"], _ = run_side(paths, seconds, pattern, groups={})
+        if on == "rpc":
+            sides = measure_on_rpc(paths, seconds, pattern, Path(tmp))
+        else:
+            sides = measure_on_cpu(paths, seconds, pattern)
+    measured = sides.pop("footprints")
+    two = sides.pop("budget_two")
     ratios = {
         "fitting_over_group_latency": latency_ratio(sides["fitting"], sides["group"]),
         "fitting_over_time_sharing_latency": latency_ratio(sides["fitting"], sides["time_sharing"]),
@@ -203,11 +222,13 @@ def measure(seconds: float, pattern: str) -> dict[str, Any]:
     against_group = ratios["fitting_over_group_latency"]
     return {
         "benchmark": "fitting",
+        "on": on,
+        "sides_are": SIDES[on],
         "seconds": seconds,
         "pattern": pattern,
         "machine": machine(load_before),
         "footprints_bytes": measured,
-        "budgets_bytes": {"fitting": 1 << 30, "fitting_two": two},
+        "budgets_bytes": {"fitting": BUDGETS[on], "fitting_two": two},
         "sides": sides,
         "ratios": ratios,
         "goal": {
@@ -220,6 +241,66 @@ def measure(seconds: float, pattern: str) -> dict[str, Any]:
     }
 
 
+def measure_on_cpu(paths: dict[str, Path], seconds: float, pattern: str) -> dict[str, Any]:
+    sides: dict[str, Any] = {}
+    sides["group"], _ = run_side(paths, seconds, pattern, groups={"all": list(MODELS)})
+    # No reserve: nothing measures this gpu0, the budget is `memory` whole.
+    fit = '\n[devices.gpu0]\nmemory = "1GiB"\nreserve = 0\n'
+    sides["fitting"], status = run_side(paths, seconds, pattern, pasted=fit, groups={})
+    measured = {name: footprint_bytes(status, name) for name in MODELS}
+    two = measured["gemma"] + measured["smollm"] + measured["tiny"] // 2
+    sides["fitting_two"], _ = run_side(
+        paths,
+        seconds,
+        pattern,
+        pasted=f"\n[devices.gpu0]\nmemory = {two}\nreserve = 0\n",
+        groups={},
+    )
+    sides["time_sharing"], _ = run_side(paths, seconds, pattern, groups={})
+    return {**sides, "footprints": measured, "budget_two": two}
+
+
+def measure_on_rpc(
+    paths: dict[str, Path], seconds: float, pattern: str, folder: Path
+) -> dict[str, Any]:
+    """The same sides with every layer on RPC servers (`arbiterd rpc-server`, serving the CPU):
+    the ceiling is each model on a server of its own (never leaving it); the fitting sets are on
+    one server of several clients (`--clients 4`); time-sharing is on one of ggml's servers,
+    which serves one client at a time (what RPC users had before)."""
+    sides: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(running(folder)) for _ in MODELS]
+        own = {name: [server.device] for name, server in zip(MODELS, servers, strict=True)}
+        sides["group"], _ = run_side(paths, seconds, pattern, groups={}, placed=own)
+        front = stack.enter_context(running(folder, clients=4))
+        on_front = {name: [front.device] for name in MODELS}
+
+        def table(memory: int | str) -> str:
+            shown = f'"{memory}"' if isinstance(memory, str) else str(memory)
+            return f'\n[devices."{front.device}"]\nmemory = {shown}\nreserve = 0\n'
+
+        sides["fitting"], status = run_side(
+            paths, seconds, pattern, pasted=table(BUDGETS["rpc"]), groups={}, placed=on_front
+        )
+        measured = {name: footprint_bytes(status, name) for name in MODELS}
+        two = measured["gemma"] + measured["smollm"] + measured["tiny"] // 2
+        sides["fitting_two"], _ = run_side(
+            paths, seconds, pattern, pasted=table(two), groups={}, placed=on_front
+        )
+        shared = {name: [servers[0].device] for name in MODELS}
+        sides["time_sharing"], _ = run_side(paths, seconds, pattern, groups={}, placed=shared)
+    return {**sides, "footprints": measured, "budget_two": two}
+
+
+@contextlib.contextmanager
+def running(folder: Path, clients: int = 1) -> Iterator[RpcServer]:
+    server = start_server(folder, clients=clients)
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=60.0, help="each side's clients run")
@@ -229,11 +310,17 @@ def main(argv: list[str] | None = None) -> int:
         default="alternating",
         help="one client alternating the models (default), or a client per model at once",
     )
+    parser.add_argument(
+        "--on",
+        choices=("cpu", "rpc"),
+        default="cpu",
+        help="the models on the CPU (default), or every layer on RPC servers on 127.0.0.1",
+    )
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args(argv)
     if args.seconds <= 0:
         parser.error("--seconds must be more than 0")
-    result = measure(args.seconds, args.pattern)
+    result = measure(args.seconds, args.pattern, args.on)
     report(result, args.out)
     return 0 if result["goal"]["pass"] else 1
 
