@@ -8,8 +8,9 @@ device now (`device_budget`, from what `measured_device` or `measured_host` read
 prompt-cache folder's files (`PromptCache`: their sizes and ages, and removing them). It never
 starts, stops or asks a worker anything: the supervisor applies `ram_plan` through the
 lifecycle's unload and gives each fitting set's keeper its budget, and the lifecycle calls
-`PromptCache` around a worker's save. `measured_host` reads /proc and `PromptCache`'s methods
-touch the disk (a directory listing, an unlink): the daemon calls them from a thread.
+`PromptCache` around a worker's save. `PromptCache`'s methods touch the disk (a directory
+listing, an unlink): the daemon calls them from a thread. `measured_host` reads a few small
+/proc files (well under a millisecond).
 """
 
 from __future__ import annotations
@@ -181,8 +182,7 @@ def measured_device(
 
 def measured_host(workers: Iterable[int]) -> Measured:
     """The host's RAM as a CPU device's (`cpu`) size, and what programs other than arbiterd's
-    `workers` (pids) hold of it: the RAM not available, less the workers' resident memory.
-    Reads /proc: call it off the event loop."""
+    `workers` (pids) hold of it: the RAM not available, less the workers' resident memory."""
     memory = psutil.virtual_memory()
     ours = 0
     for pid in workers:

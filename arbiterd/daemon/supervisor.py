@@ -347,8 +347,8 @@ class Supervisor:
     def _device_budget(
         self, device: DeviceConfig, snapshot: TelemetrySnapshot | None
     ) -> DeviceBudget:
-        """What `device`'s fitting set may hold now: the host's RAM for the CPU, else as the
-        readers' `snapshot` measures the device (reads /proc for the CPU's)."""
+        """What `device`'s fitting set may hold now: as the host's RAM says for the CPU, else
+        as the readers' `snapshot` measures the device."""
         measured: Measured | None
         if device.device == str(DeviceId(DeviceKind.CPU)):
             measured = measured_host(self._vram.models_by_pid)
