@@ -37,7 +37,14 @@ from arbiterd.control import DeviceEntry
 from arbiterd.daemon.journal import Journal, parse_since
 from arbiterd.errors import BadValueError, DaemonError, DaemonNotRunningError
 from arbiterd.events import parse_event
-from arbiterd.status import STEP_ASIDE_SUFFIX, DaemonStatus, ModelStatus, SteppedAside, Turn
+from arbiterd.status import (
+    ACCOUNTING_SOURCE,
+    STEP_ASIDE_SUFFIX,
+    DaemonStatus,
+    ModelStatus,
+    SteppedAside,
+    Turn,
+)
 
 # warm may load a model and hold may wait for every model to release: minutes, not seconds.
 COMMAND_TIMEOUT_S = 600.0
@@ -451,7 +458,7 @@ def render_status(status: DaemonStatus) -> str:
         lines.append(f"capabilities ({', '.join(names)}): {can}")
     lines += [f"file ({m.name}): {m.path}" for m in models if m.path]
     lines += [
-        f"footprint ({m.name}): {render.footprint_text(m.footprint)}"
+        _footprint_line(status, m)
         for m in models
         if m.footprint is not None and (m.footprint.predicted or m.footprint.measured)
     ]
@@ -487,6 +494,19 @@ def render_status(status: DaemonStatus) -> str:
         )
     lines += _holder_lines(status)
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _footprint_line(status: DaemonStatus, model: ModelStatus) -> str:
+    """A model's footprint, predicted and measured by the engine; and, where a GPU reader
+    measures the device (not the engines' own accounting), what it reads for the model's
+    worker, its driver context included: the engine's figure checked against the device's."""
+    assert model.footprint is not None
+    line = f"footprint ({model.name}): {render.footprint_text(model.footprint)}"
+    telemetry = status.telemetry
+    source = telemetry.source if telemetry is not None else ""
+    if source and source != ACCOUNTING_SOURCE and model.vram_bytes is not None:
+        line += f"; {source} reads {render.format_bytes(model.vram_bytes)} for its worker"
+    return line
 
 
 def _holder_lines(status: DaemonStatus) -> list[str]:

@@ -696,3 +696,20 @@ def test_a_daemon_not_running_is_said_with_how_to_start_it(
     unit.write_text("[Service]\n")
     assert cli.main(["status", "--socket", socket]) == 69
     assert "start it: systemctl --user start arbiterd.service" in capsys.readouterr().err
+
+
+def test_status_checks_a_footprint_against_what_a_gpu_reader_reads() -> None:
+    MiB = 1 << 20
+    device = {"device": "gpu0", "weights_bytes": 90 * MiB, "kv_bytes": 10 * MiB}
+    footprint = {"predicted": [{**device, "compute_bytes": 3 * MiB}]}
+    footprint["measured"] = [{**device, "compute_bytes": 5 * MiB}]
+    chat = status_model("chat", footprint=footprint, vram_bytes=412 * MiB)
+    telemetry = {"source": "nvml", "devices": []}
+    lines = rendered({"models": [chat], "telemetry": telemetry}).splitlines()
+    assert (
+        "footprint (chat): gpu0 predicted 103.0 MiB, measured 105.0 MiB (-1.9 %); "
+        "nvml reads 412.0 MiB for its worker" in lines
+    )
+    # The engines' own accounting is the measured figure itself: nothing to check it against.
+    lines = rendered({"models": [chat], "telemetry": {**telemetry, "source": "accounting"}})
+    assert "reads" not in next(ln for ln in lines.splitlines() if ln.startswith("footprint"))
