@@ -121,12 +121,13 @@ def latency_ratio(ours: dict[str, Any], baseline: dict[str, Any]) -> float | Non
 
 
 def footprint_bytes(status: dict[str, Any], model: str) -> int:
-    """A model's measured footprint, every device's entry, from a status object."""
+    """A model's measured footprint from a status object, as its fitting set's keeper counts it
+    (worker/loop.py `_gate_footprint`): the entries off the host (`cpu`) where it has any (a
+    model on an RPC server or a GPU), else the host's (a model on the CPU)."""
     (entry,) = [m for m in status["models"] if m["name"] == model]
-    return sum(
-        d["weights_bytes"] + d["kv_bytes"] + d["compute_bytes"]
-        for d in entry["footprint"]["measured"]
-    )
+    measured = entry["footprint"]["measured"]
+    counted = [d for d in measured if d.get("device") != "cpu"] or measured
+    return sum(d["weights_bytes"] + d["kv_bytes"] + d["compute_bytes"] for d in counted)
 
 
 # -- the run ------------------------------------------------------------------------------------

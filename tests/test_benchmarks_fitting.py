@@ -30,15 +30,18 @@ def test_a_sides_figures_count_releases_per_request() -> None:
     assert figures["withdrawals"] == 2
 
 
-def test_a_footprint_is_every_devices_measured_bytes() -> None:
+def test_a_footprint_is_what_the_keeper_counts_off_the_host_else_on_it() -> None:
     entry = {"weights_bytes": 1, "kv_bytes": 2, "compute_bytes": 3}
+    host = {**entry, "device": "cpu", "compute_bytes": 100}
     status = {
         "models": [
-            {"name": "a", "footprint": {"measured": [entry, {**entry, "device": "gpu0"}]}},
-            {"name": "b", "footprint": {"measured": []}},
+            {"name": "a", "footprint": {"measured": [host, {**entry, "device": "rpc:h:1"}]}},
+            {"name": "b", "footprint": {"measured": [host]}},
+            {"name": "c", "footprint": {"measured": []}},
         ]
     }
-    assert (footprint_bytes(status, "a"), footprint_bytes(status, "b")) == (12, 0)
+    counted = [footprint_bytes(status, name) for name in "abc"]
+    assert counted == [6, 103, 0]
 
 
 def test_help_names_its_options() -> None:
