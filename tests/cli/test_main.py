@@ -711,5 +711,5 @@ def test_status_checks_a_footprint_against_what_a_gpu_reader_reads() -> None:
         "nvml reads 412.0 MiB for its worker" in lines
     )
     # The engines' own accounting is the measured figure itself: nothing to check it against.
-    lines = rendered({"models": [chat], "telemetry": {**telemetry, "source": "accounting"}})
-    assert "reads" not in next(ln for ln in lines.splitlines() if ln.startswith("footprint"))
+    text = rendered({"models": [chat], "telemetry": {**telemetry, "source": "accounting"}})
+    assert "reads" not in next(ln for ln in text.splitlines() if ln.startswith("footprint"))

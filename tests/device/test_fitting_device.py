@@ -5,7 +5,7 @@ and every answer is the one the model gave first."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,8 @@ def ask(daemon: Daemon, model: str) -> str:
     return done.choices[0].text
 
 
-def test_models_that_fit_are_warm_on_the_device_together(daemon: Daemon) -> None:
+def alternate_warm_together(daemon: Daemon) -> None:
+    """Ask a and b by turns: both stay warm, no handoff, no release, the same answers."""
     first = {name: ask(daemon, name) for name in PROMPTS}
     before = last_seq(daemon)
     for _ in range(3):
@@ -47,15 +48,31 @@ def test_models_that_fit_are_warm_on_the_device_together(daemon: Daemon) -> None
     new = events_after(daemon, before)
     assert [e for e in new if e["event"] == "handoff"] == []
     assert releases(new, "a") == releases(new, "b") == 0
-    assert measured_bytes(daemon, "a", "gpu0") > 0
-    assert measured_bytes(daemon, "b", "gpu0") > 0  # both models' buffers on Vulkan0 at once
     assert sorted(fitting_set(daemon)["warm"]) == ["a", "b"]
 
 
+def test_models_that_fit_are_warm_on_the_device_together(daemon: Daemon) -> None:
+    alternate_warm_together(daemon)
+    assert measured_bytes(daemon, "a", "gpu0") > 0
+    assert measured_bytes(daemon, "b", "gpu0") > 0  # both models' buffers on Vulkan0 at once
+
+
 def test_with_room_for_one_they_take_turns_releasing_in_place(daemon: Daemon) -> None:
+    take_turns(daemon, "gpu0", devices_table)
+
+
+def take_turns(
+    daemon: Daemon,
+    device: str,
+    table: Callable[[int | str], str],
+    after_each: Callable[[], None] = lambda: None,
+) -> None:
+    """With room for one (`table` of a budget, replacing the 1 GiB one), asking a and b by
+    turns makes each release in place for the other, with the same answers; `after_each`
+    switch, more checks."""
     first = {name: ask(daemon, name) for name in PROMPTS}
-    one = max(measured_bytes(daemon, name, "gpu0") for name in PROMPTS)  # the keeper counts it
-    text = daemon.config.read_text().replace(devices_table("1GiB"), devices_table(one + one // 2))
+    one = max(measured_bytes(daemon, name, device) for name in PROMPTS)  # as the keeper counts
+    text = daemon.config.read_text().replace(table("1GiB"), table(one + one // 2))
     daemon.config.write_text(text)
     with daemon.client() as client:
         client.call("reload")
@@ -64,6 +81,7 @@ def test_with_room_for_one_they_take_turns_releasing_in_place(daemon: Daemon) ->
         for name in PROMPTS:
             assert ask(daemon, name) == first[name]
             assert fitting_set(daemon)["warm"] == [name]
+            after_each()
     new = events_after(daemon, before)
     assert releases(new, "a") >= 1
     assert releases(new, "b") >= 1

@@ -8,21 +8,21 @@ fitting set: its models could never be warm together."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from arbiterd.errors import ConfigError
-from tests.daemon.test_serve_fitting import fitting_set
-from tests.daemon.test_serve_groups import events_after, last_seq, releases, states
-from tests.support.daemon import Daemon, openai_client, serving, tiny
+from tests.device.test_fitting_device import (
+    ON_DEVICE,
+    PROMPTS,
+    alternate_warm_together,
+    take_turns,
+)
+from tests.support.daemon import Daemon, serving, tiny
 from tests.support.rpcservers import RpcServer, serving_processes, start_server
 from tests.support.waiting import wait_until
-
-ON_SERVER: dict[str, Any] = {"n_gpu_layers": -1, "residency": "in-place", "min_hold_s": 0.02}
-PROMPTS = {"a": "the fox", "b": "the dog"}
-CLIENT_TIMEOUT_S = 120
 
 
 def devices_table(device: str, memory: int | str) -> str:
@@ -40,7 +40,7 @@ def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RpcServer]:
 @pytest.fixture(scope="module")
 def daemon(front: RpcServer, tiny_model: Path) -> Iterator[Daemon]:
     models = {
-        name: tiny(tiny_model, n_ctx=512, devices=[front.device], **ON_SERVER) for name in PROMPTS
+        name: tiny(tiny_model, n_ctx=512, devices=[front.device], **ON_DEVICE) for name in PROMPTS
     }
     keys = {"rpc_servers": [front.endpoint]}
     pasted = devices_table(front.device, "1GiB")
@@ -48,55 +48,21 @@ def daemon(front: RpcServer, tiny_model: Path) -> Iterator[Daemon]:
         yield running
 
 
-def ask(daemon: Daemon, model: str) -> str:
-    with openai_client(daemon, timeout_s=CLIENT_TIMEOUT_S) as api:
-        done = api.completions.create(
-            model=model, prompt=PROMPTS[model], max_tokens=6, temperature=0
-        )
-    return done.choices[0].text
-
-
 def test_models_that_fit_are_warm_on_one_rpc_server_together(
     daemon: Daemon, front: RpcServer
 ) -> None:
-    first = {name: ask(daemon, name) for name in PROMPTS}
-    before = last_seq(daemon)
-    for _ in range(3):
-        for name in PROMPTS:
-            assert ask(daemon, name) == first[name]
-    assert states(daemon) == {"a": "warm", "b": "warm"}
-    new = events_after(daemon, before)
-    assert [e for e in new if e["event"] == "handoff"] == []
-    assert releases(new, "a") == releases(new, "b") == 0
-    assert sorted(fitting_set(daemon)["warm"]) == ["a", "b"]
+    alternate_warm_together(daemon)
     assert len(serving_processes(front)) == 2  # a server process for each, at once
 
 
 def test_with_room_for_one_each_switch_releases_and_ends_the_others_server_process(
     daemon: Daemon, front: RpcServer
 ) -> None:
-    first = {name: ask(daemon, name) for name in PROMPTS}
-    with daemon.client() as client:
-        models = {m["name"]: m for m in client.call("status")["models"]}
-    one = max(
-        sum(d["weights_bytes"] + d["kv_bytes"] + d["compute_bytes"] for d in found)
-        for found in (models[n]["footprint"]["measured"] for n in PROMPTS)
-    )
-    table = devices_table(front.device, "1GiB")
-    text = daemon.config.read_text().replace(table, devices_table(front.device, one + one // 2))
-    daemon.config.write_text(text)
-    with daemon.client() as client:
-        client.call("reload")
-    before = last_seq(daemon)
-    for _ in range(2):
-        for name in PROMPTS:
-            assert ask(daemon, name) == first[name]
-            assert fitting_set(daemon)["warm"] == [name]
-            # The other's connection closed with its release: its process ends, one is left.
-            wait_until(lambda: len(serving_processes(front)) == 1, 10, "the other's to end")
-    new = events_after(daemon, before)
-    assert releases(new, "a") >= 1
-    assert releases(new, "b") >= 1
+    def one_left() -> None:
+        # The other's connection closed with its release: its process ends, one is left.
+        wait_until(lambda: len(serving_processes(front)) == 1, 10, "the other's process to end")
+
+    take_turns(daemon, front.device, partial(devices_table, front.device), one_left)
 
 
 def test_a_server_of_one_client_at_a_time_is_refused_a_fitting_set(
@@ -104,7 +70,7 @@ def test_a_server_of_one_client_at_a_time_is_refused_a_fitting_set(
 ) -> None:
     stock = start_server(tmp_path)  # ggml's own server
     try:
-        models = {"a": tiny(tiny_model, n_ctx=512, devices=[stock.device], **ON_SERVER)}
+        models = {"a": tiny(tiny_model, n_ctx=512, devices=[stock.device], **ON_DEVICE)}
         with serving(models, daemon_keys={"rpc_servers": [stock.endpoint]}) as daemon:
             daemon.config.write_text(
                 daemon.config.read_text() + devices_table(stock.device, "1GiB")
