@@ -1,9 +1,9 @@
 """`arbiterd rpc-server` (issue 27): ggml's own RPC server serving this machine's CPU, run as a
 real process on 127.0.0.1 and asked over the wire (arbiterd.native.rpc.probe); its refusals,
 and its exit on SIGTERM and SIGINT; with --clients, several clients answered at once, each by
-a process of its own that ends with its connection, and all of them with the front. The choice
-of devices and the listen checks are also tested as pure functions, over device lists no engine
-made."""
+a process of its own, idle again once its connection closes, and all of them ending with the
+front. The choice of devices and the listen checks are also tested as pure functions, over
+device lists no engine made."""
 
 from __future__ import annotations
 
@@ -158,7 +158,8 @@ def test_a_server_of_several_clients_answers_a_second_while_the_first_is_connect
             assert info.version[:2] == (rpc.PROTOCOL_MAJOR, rpc.PROTOCOL_MINOR)
             serving = children(server.process.pid)
             assert len(serving) >= 3  # a process for each client, and spares
-        # Each client's process ends with its connection: what it held goes back with it.
+        # Each client's process is idle again once its connection closed (ggml's server frees
+        # what a client held when it leaves).
         wait_until(
             lambda: not serving & (children(server.process.pid) - spares(server)),
             10,

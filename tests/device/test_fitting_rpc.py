@@ -1,9 +1,9 @@
 """A fitting set on an RPC device (issue 44): `arbiterd rpc-server --clients 4` serves each
 client with a ggml server process of its own, so two tiny models on it are warm together and
 alternate with no release; with room for one, each switch makes the other release in place, its
-connection closes and its server process ends (what it held goes back), and every answer is the
-one the model gave first. A server of ggml's, which serves one client at a time, is refused a
-fitting set: its models could never be warm together."""
+connection closes and its server process is idle again (it freed what the model held), and
+every answer is the one the model gave first. A server of ggml's, which serves one client at a
+time, is refused a fitting set: its models could never be warm together."""
 
 from __future__ import annotations
 
@@ -55,11 +55,11 @@ def test_models_that_fit_are_warm_on_one_rpc_server_together(
     assert len(serving_processes(front)) == 2  # a server process for each, at once
 
 
-def test_with_room_for_one_each_switch_releases_and_ends_the_others_server_process(
+def test_with_room_for_one_each_switch_releases_and_idles_the_others_server_process(
     daemon: Daemon, front: RpcServer
 ) -> None:
     def one_left() -> None:
-        # The other's connection closed with its release: its process ends, one is left.
+        # The other's connection closed with its release: its process is idle, one serves.
         wait_until(lambda: len(serving_processes(front)) == 1, 10, "the other's process to end")
 
     take_turns(daemon, front.device, partial(devices_table, front.device), one_left)
