@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from arbiterd.config import embedded_model_path
 from arbiterd.native import rpc
 from arbiterd.spec import KvPolicy, ModelSpec, Residency
 from arbiterd.worker.engine import InPlaceBackend, select_backend
@@ -106,11 +107,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    model = args.model
-    if model is None:
-        from arbiterd.config import embedded_model_path  # noqa: PLC0415 (253 MB, on demand)
-
-        model = embedded_model_path()
+    model = args.model or embedded_model_path()  # the demo's, assembled on demand (253 MB)
     report(measure(model, args.rounds, args.tokens), args.out)
     return 0
 
