@@ -371,8 +371,7 @@ class Keeper:
         self._on_change = on_change
         # The thread's own: each admitted member's admit.lock descriptor (held LOCK_EX) and the
         # footprint it was admitted for; when each waiting member was first seen waiting.
-        self._admitted: dict[str, int] = {}
-        self._admitted_for: dict[str, int | None] = {}
+        self._admitted: dict[str, tuple[int, int | None]] = {}
         self._waiting_since: dict[str, float] = {}
         self.withdrawals = 0  # admissions withdrawn to make room
         self._over: set[str] = set()  # members said to be larger than the budget
@@ -538,7 +537,7 @@ class Keeper:
                 for m in seen
                 if m.admitted
                 and not m.warm
-                and (not m.waiting or m.footprint != self._admitted_for[m.name])
+                and (not m.waiting or m.footprint != self._admitted[m.name][1])
             ]
         )
         live = [dataclasses.replace(m, admitted=m.name in self._admitted) for m in seen]
@@ -555,7 +554,7 @@ class Keeper:
             fd = files.arena.open_lock(path, create=True)
             os.pwrite(fd, admitted_text(said[name]), 0)  # before the lock, as the member reads
             lock(fd, EXCLUSIVE)  # only the keeper takes it so: a member's probe, microseconds
-            self._admitted[name], self._admitted_for[name] = fd, said[name]
+            self._admitted[name] = (fd, said[name])
             ring(path)
 
     def look(self) -> list[tuple[str, bool, int | None]]:
@@ -583,10 +582,9 @@ class Keeper:
 
     def _withdraw(self, names: list[str]) -> None:
         for name in names:
-            fd = self._admitted.pop(name, None)
-            self._admitted_for.pop(name, None)
-            if fd is not None:
-                os.close(fd)  # drops the LOCK_EX: the member goes cold
+            entry = self._admitted.pop(name, None)
+            if entry is not None:
+                os.close(entry[0])  # drops the LOCK_EX: the member goes cold
                 ring(self._files.member_path(name, ADMIT))
 
     def _set_holding(self, holding: bool) -> None:

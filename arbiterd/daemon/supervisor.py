@@ -337,9 +337,8 @@ class Supervisor:
             Arena(device_arena_of(device.device, self.config.daemon.arena)),
             FITTING_GROUP,
             priority=min((m.priority for m in members), key=lambda p: p.rank),
-            budget=budget.budget_bytes,
         )
-        keeper.set_budget(budget.budget_bytes, device.reserve // 2)
+        keeper.set_budget(budget.budget_bytes, device.reserve // 2)  # before it looks
         keeper.start()
         self._budgets = {**self._budgets, device.device: budget}
         self._fitting[device.device] = keeper

@@ -946,9 +946,9 @@ class Worker:
             self._give_up_token()
             self._emit(rolled_back)
             if isinstance(exc, EngineError):
-                error = RestoreError
-                if isinstance(exc, OutOfDeviceMemoryError):
-                    error = OutOfDeviceMemoryError  # `_warm_up` may try again
+                # Out of device memory stays so: `_warm_up` may try again.
+                oom = isinstance(exc, OutOfDeviceMemoryError)
+                error = OutOfDeviceMemoryError if oom else RestoreError
                 raise error(f"{self.name} could not be restored: {exc}") from None
             raise
         self._moved(ResidencyState.WARMING, ResidencyState.WARM, moved, wait=wait)
