@@ -40,7 +40,7 @@
     n_ctx = 4096,                 # absent: 4096, or the context the GGUF was trained for if less
     n_gpu_layers = -1, n_threads = 0, chat_format = "", mmproj = "",
     parallel = 4,                 # requests decoded together, sharing the n_ctx cells (issue 42)
-    embedding = true|false,       # absent: as the GGUF says (daemon/modelfile.py)
+    embedding = true|false,       # absent: as the GGUF says (daemon/models/modelfile.py)
     kv_on_release = "host", min_hold_s = 0.1, idle_release_s = 0,
     priority = "normal", preemptible = true, strict_api = false,
     load = "start",               # "demand": no worker until its first request (or `warm`)
@@ -67,7 +67,7 @@
 
 With no file at the default path the *embedded default* serves one demo model (gemma-3-270m).
 Every problem with a file is one `ConfigError` naming the file, the key path and what was
-expected; nothing is half-applied. This module never opens a model file (daemon/modelfile.py
+expected; nothing is half-applied. This module never opens a model file (daemon/models/modelfile.py
 checks them before anything loads) and never creates a file or directory: it only resolves
 paths (and the user names in allow_users).
 
@@ -139,7 +139,7 @@ JOURNAL_FILE = "journal.sqlite3"
 DEFAULT_HTTP = "127.0.0.1:8642"
 HEADER_TIMEOUT_S = 10.0
 # Issue 24: far above one decode batch or one projector load on the machines arbiterd runs on
-# (a single native call longer than this looks like a hung driver: daemon/liveness.py).
+# (a single native call longer than this looks like a hung driver: daemon/models/liveness.py).
 HOLDER_TIMEOUT_S = 30.0
 MAX_UID = 2**32 - 2  # (uid_t)-1 means "no user"
 # The embedded default's two models: an instruct model for chats, listed first (apps pick the
@@ -302,7 +302,7 @@ class DaemonConfig:
     journal: Path
     api_key: str  # "" = the HTTP API needs no bearer token
     allow_uids: frozenset[int]  # users besides the owner whom the HTTP API serves without a key
-    # Web origins whose pages may use the HTTP API (arbiterd.daemon.browsers); empty: none.
+    # Web origins whose pages may use the HTTP API (arbiterd.daemon.http.browsers); empty: none.
     allow_origins: frozenset[str]
     api_socket: Path
     header_timeout_s: float
@@ -316,13 +316,13 @@ class DaemonConfig:
     host_ram_budget_bytes: int = 0
     # Issue 14: the prompt caches of unloaded models on disk; the oldest go first.
     prompt_cache_budget_bytes: int = PROMPT_CACHE_BUDGET_BYTES
-    # Issue 40: the past responses /v1/responses keeps (daemon/responses.py); the oldest go
+    # Issue 40: the past responses /v1/responses keeps (daemon/http/responses.py); the oldest go
     # first, and 0 keeps none. Read at start, as every [daemon] key.
     responses_budget_bytes: int = RESPONSES_BUDGET_BYTES
     # Issue 29: the daemon follows its config file (daemon/configwatch.py); read at start only.
     watch_config: bool = True
     # Issue 30: a stream that has waited this long for the GPU is told who holds it
-    # (daemon/waiting.py), and again every few seconds.
+    # (daemon/models/waiting.py), and again every few seconds.
     queue_notice_s: float = QUEUE_NOTICE_S
     # Issue 27: the llama.cpp RPC servers models may be placed on, "host:port" as an rpc:
     # device id spells its server (the host lower-cased), in the file's order.
@@ -381,7 +381,7 @@ class DeviceConfig:
     """One [devices.ID] table (issue 44): the models placed on that device alone (and in no
     [groups] table) form its fitting set: those that fit its budget stay warm together, and
     only those that do not take turns (arbiterd/arena/fitting.py). The budget is the device's
-    size less `reserve` less what other programs hold now (daemon/budgets.py device_budget);
+    size less `reserve` less what other programs hold now (daemon/models/budgets.py device_budget);
     the size is `memory` where the device cannot tell it, the smaller of the two where it can.
     """
 
@@ -414,7 +414,7 @@ class ModelConfig:
     name: str
     path: Path
     # None: the table sets none; default_n_ctx of its GGUF's trained context, decided as its
-    # worker is spawned (daemon/modelfile.py model_traits)
+    # worker is spawned (daemon/models/modelfile.py model_traits)
     n_ctx: int | None
     n_gpu_layers: int  # -1 = every layer on the GPU
     n_threads: int | None  # None = every CPU this process may run on

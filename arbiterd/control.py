@@ -2,7 +2,7 @@
 
 Owns what both ends agree on (docs/control-protocol.md): the commands and their arguments, the
 protocol's own error codes, the bounds, and the guard ladder a request line goes through
-(`parse_request`). The daemon's side is arbiterd.daemon.controlserver, the CLI's
+(`parse_request`). The daemon's side is arbiterd.daemon.control.server, the CLI's
 arbiterd.cli.controlclient; the tray speaks it over Qt (arbiterd.gui.connection).
 
     client → daemon  {"command": NAME, "request_id": SCALAR, ...args}
@@ -13,7 +13,7 @@ arbiterd.cli.controlclient; the tray speaks it over Qt (arbiterd.gui.connection)
                      {"event": KIND, "at": SECONDS, ...}          after `subscribe`
 
 The `devices` reply is `{"devices": [DeviceEntry, ...]}`: the record is here, where both ends
-read it (the daemon's arbiterd.daemon.devicelist writes it, `arbiterd devices` reads it).
+read it (the daemon's arbiterd.daemon.control.devicelist writes it, `arbiterd devices` reads it).
 """
 
 from __future__ import annotations

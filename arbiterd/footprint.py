@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from arbiterd.events import Record
-from arbiterd.ggufheader import GgufHeader, Tensor
+from arbiterd.gguf import GgufHeader, Tensor
 
 CPU = "cpu"
 KV_CELL_ROUNDING = 256  # llama.cpp rounds n_ctx up to whole 256s (n_ctx 1000 gets 1024 cells)
@@ -40,7 +40,7 @@ F32_BYTES = 4  # activations, logits and attention masks are f32
 PIPELINE_COPIES = 4
 # Bytes per element of the KV cache's types (llama_context_params type_k/type_v; ggml's blocks).
 CACHE_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
-# Architectures without a KV cache: they encode each input at once (ggufheader's encoder-only).
+# Architectures without a KV cache: they encode each input at once (gguf.py's encoder-only).
 _NO_KV = frozenset({"bert", "eurobert", "jina-bert-v2", "jina-bert-v3", "modern-bert", "neo-bert",
                     "nomic-bert", "nomic-bert-moe", "t5encoder"})  # fmt: skip
 # Tensors of the input layer, kept on the CPU whatever the placement (llama.cpp's dev_input).

@@ -1,7 +1,7 @@
 """Names of other processes, for humans: who holds the GPU and who waits. Read-only, via psutil.
 
 A wait for the GPU is said in the same words wherever it is shown (issue 30): the daemon's
-notices to HTTP clients and its CLI commands (daemon/waiting.py), and `arbiterd run`:
+notices to HTTP clients and its CLI commands (daemon/models/waiting.py), and `arbiterd run`:
 
     waiting for the GPU, held by game (arbiterd run, pid 4242), 2nd in queue
 """

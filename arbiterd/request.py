@@ -2,7 +2,7 @@
 an OpenAI or Ollama body, the daemon routes, and the worker protocol carries to the engine.
 
 Owns `GenerateRequest` and its codec (`to_json`, `from_json`), and the limits a request may ask
-for. Holds no OpenAI dialect: the edge (arbiterd/daemon/openai_requests.py) checks a body field
+for. Holds no OpenAI dialect: the edge (arbiterd/daemon/http/openai_requests.py) checks a body field
 by field and answers each bad one with a 400 naming it; what reaches this record is already
 what the engine runs. `from_json` reads a record off the wire with a ladder of guard clauses,
 each failure a RequestError naming the field, so that a malformed message fails its request

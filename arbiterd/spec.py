@@ -93,7 +93,7 @@ class ModelSpec:
     seed: int = 0
     residency: Residency = Residency.AUTO
     # Serves embeddings and nothing else: the config's `embedding`, else what the GGUF says
-    # (arbiterd.daemon.modelfile), decided by the daemon before the worker starts.
+    # (arbiterd.daemon.models.modelfile), decided by the daemon before the worker starts.
     embedding: bool = False
     host_copy: bool = True  # keep the GGUF in a memfd: restores read nothing from disk
     # A memfd the daemon filled and passed down (one per file, shared by its workers); None:

@@ -2,7 +2,7 @@
 boundary, as Enums, with the transition tables of the two state machines.
 
 Owns the names. The worker (worker/residency.py moves a model through ResidencyState), the
-daemon (daemon/slots.py moves a slot through SlotState), the CLI and the tray read the same
+daemon (daemon/models/slots.py moves a slot through SlotState), the CLI and the tray read the same
 members; outside the (de)serialisation of a record no module compares one of these names as a
 string. Reading is tolerant: a value this version does not know (a newer worker, a newer daemon)
 reads as the Enum's UNKNOWN member, which no table lets anything move to or from, instead of

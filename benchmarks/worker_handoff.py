@@ -101,7 +101,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from arbiterd.daemon.telemetry.nvml import NvmlReader
+from arbiterd.daemon.observe.telemetry.nvml import NvmlReader
 from arbiterd.errors import ModelLoadError, TelemetryError, WorkerError
 from arbiterd.spec import KvPolicy, ModelSpec, Residency, WorkerConfig
 from arbiterd.worker.engine import ReloadBackend, select_backend

@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "architecture.md"
-# A path of the repository, as the page names one: `arbiterd/daemon/slots.py`, `arbiterd/arena/`.
+# A path of the repository, as the page names one: `arbiterd/daemon/models/slots.py`.
 PATH_RE = re.compile(r"`((?:arbiterd|docs|tests|benchmarks|packaging|scripts)/[\w./-]*)`")
 # Five minutes of reading at a careful pace.
 MAX_WORDS = 1500

@@ -36,10 +36,10 @@ from arbiterd.control import (
     MAX_LINE_BYTES,
     MODEL_COMMANDS,
 )
-from arbiterd.daemon import controlserver
-from arbiterd.daemon.controlserver import ControlServer, StoredEvent, peer_uid
-from arbiterd.daemon.images import ImagePolicy
-from arbiterd.daemon.journal import Journal
+from arbiterd.daemon.control import server as controlserver
+from arbiterd.daemon.control.server import ControlServer, StoredEvent, peer_uid
+from arbiterd.daemon.http.images import ImagePolicy
+from arbiterd.daemon.observe.journal import Journal
 from arbiterd.errors import (
     ControlError,
     ControlReplyError,

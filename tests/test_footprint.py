@@ -19,7 +19,7 @@ from arbiterd.footprint import (
     matched,
     predict,
 )
-from arbiterd.ggufheader import GgufHeader, Tensor, read_header
+from arbiterd.gguf import GgufHeader, Tensor, read_header
 from tests.support.tiny_gguf import DEFAULT_SPEC
 
 F32, F16, Q4_K, Q8_0 = 0, 1, 12, 8

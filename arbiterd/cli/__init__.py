@@ -8,10 +8,8 @@
     discovery     the GGUFs other tools keep (Ollama's store too), for `models` and install
     starter       the commented config install writes from them
     demo          `arbiterd demo`: a real daemon, two models, live handoffs
-    rpcserver     `arbiterd rpc-server`: ggml's RPC server on this machine's devices (it loads
-                  llama.cpp: the one command that does)
-    rpcfront      `rpc-server --clients N`: several clients at once, a server process each
 
-May start the daemon (`arbiterd daemon` runs arbiterd.daemon.serve) and the tray; never
-imports the worker (ruff's banned-api rule in this folder's ruff.toml says so).
+May start the daemon (`arbiterd daemon` runs arbiterd.daemon.serve), the tray and an RPC server
+(`arbiterd rpc-server` runs arbiterd.rpcserver, an engine process of its own); never imports the
+worker or llama.cpp (ruff's banned-api rule in this folder's ruff.toml says so).
 """

@@ -34,7 +34,7 @@ from arbiterd.config import (
     load_daemon_config,
 )
 from arbiterd.control import DeviceEntry
-from arbiterd.daemon.journal import Journal, parse_since
+from arbiterd.daemon.observe.journal import Journal, parse_since
 from arbiterd.errors import BadValueError, DaemonError, DaemonNotRunningError
 from arbiterd.events import parse_event
 from arbiterd.status import (

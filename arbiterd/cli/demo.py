@@ -30,12 +30,12 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from arbiterd.cli import rpcserver
 from arbiterd.cli.controlclient import ControlClient
 from arbiterd.config import embedded_model_path, smollm_model_path
 from arbiterd.errors import ArbiterError, DaemonNotRunningError
 from arbiterd.events import HandoffEvent
 from arbiterd.render import placement
+from arbiterd.rpcserver import server as rpcserver
 from arbiterd.states import ResidencyState
 
 STORY, CHAT = "gemma-story", "smollm-chat"

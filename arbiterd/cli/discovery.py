@@ -9,7 +9,7 @@ the layout of Ollama's store, and the name each model found is suggested to be s
     llama.cpp    $LLAMA_CACHE, else ~/.cache/llama.cpp (llama.cpp's -hf downloads)
     models       ~/models and ~/.local/share/models
 
-Reads directories, Ollama's manifests and GGUF headers (arbiterd/ggufheader.py reads those), never
+Reads directories, Ollama's manifests and GGUF headers (arbiterd/gguf.py reads those), never
 a whole model file (only the metadata before its tensors), and never writes anything. A file
 reached twice (a symlink, a hard link, two manifests of one blob) is listed once, where it was
 first found, in the order above; another Ollama name of it becomes an alias. What it could not
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from arbiterd.config import MAX_MODEL_NAME_CHARS, is_model_name, model_key
-from arbiterd.ggufheader import PROJECTOR_ARCHITECTURE, NotGgufError, read_header
+from arbiterd.gguf import PROJECTOR_ARCHITECTURE, NotGgufError, read_header
 
 GGUF_SUFFIX = ".gguf"
 # Ollama's store, as `ollama pull` lays it out: the registry and namespace a short name stands

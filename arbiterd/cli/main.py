@@ -20,7 +20,7 @@ from typing import Any
 from arbiterd import __version__, render
 from arbiterd.arena import PRIORITY_CHOICES, Arena, ArenaState, Priority, parse_priority
 from arbiterd.arena.devices import canonical_order
-from arbiterd.cli import commands, rpcserver
+from arbiterd.cli import commands
 from arbiterd.cli.demo import main as run_demo
 from arbiterd.cli.discovery import FoundModel, find_models
 from arbiterd.cli.install import Installer, copy_of_this_clone, how_to_start
@@ -36,6 +36,7 @@ from arbiterd.errors import (
 )
 from arbiterd.paths import DEFAULT_DEVICE, DEVICE_ID_SHAPES, device_arena_of, resolve_arena
 from arbiterd.procs import holder_name, process_name, waiter_name
+from arbiterd.rpcserver import server as rpcserver
 
 RUN_USAGE = (
     "arbiterd run [--arena DIR] [--device ID]... [--name NAME] [--priority P] [--timeout S] "

@@ -1,22 +1,22 @@
-"""What runs in the daemon process: never llama.cpp, which only workers load.
+"""What runs in the daemon process: never llama.cpp, which only engine processes load.
 
-    serve        `arbiterd daemon`: wires the parts, binds the sockets, runs until stopped
-    supervisor   the Service the edges call: composes the parts below, status and commands
-    slots        one model's lifecycle in the daemon (an Enum and a transition table)
-    lifecycle    starts, restarts and stops each slot's worker
-    workerclient the daemon's side of a worker process, on the event loop
-    routing      sends requests to workers, with one retry rule
-    eventbus     stamps, counts, journals and fans out every event
-    handoffs     turns the waits workers measured into handoffs and waits
-    vramwatch    VRAM readings, the engines' own figures, verified teardowns
-    service      what the edges may ask of the core (a Protocol)
-    httpapi      the OpenAI HTTP API;  httpserver  its listener, peers  who connects
-    controlserver  the control socket's server side
-    journal      the SQLite event history;  metrics  Prometheus figures
+The daemon in rooms by role (docs/architecture.md draws them):
+
+    http/        the edge for HTTP clients: OpenAI, Ollama, Responses and /infill routes, bodies,
+                 who may connect, images
+    control/     the edge for the control socket: the CLI's and the tray's requests
+    models/      the core: one slot per model, its worker, routing, waits, handoffs, budgets
+    observe/     what the daemon tells: the event bus, the journal, metrics, VRAM telemetry
+    stepaside/   the daemon's own hold of the GPU: game mode, programs it steps aside for
+
+and the composition root beside them:
+
+    serve        `arbiterd daemon`: wires the rooms, binds the sockets, runs until stopped
+    service      what an edge may ask of the core (a Protocol): the one door between them
+    supervisor   the Service: composes the rooms, status and commands
+    configwatch  a saved config applied as `arbiterd reload`
     instance     one daemon per control socket;  socketfile  the socket files
-    modelfile    model files checked before anything loads
-    telemetry/   VRAM readers (NVML, AMD sysfs, DRM fdinfo, accounting) and the sampler
 
-Imports the shared modules (arbiterd/*.py), never the worker, the CLI or the tray (ruff's
-banned-api rule in this folder's ruff.toml says so).
+An edge reaches the core only through `service.Service`; each room's ruff.toml bans what it
+must not import, and this folder's bans the worker, the CLI, the tray and llama.cpp.
 """

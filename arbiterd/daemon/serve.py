@@ -19,9 +19,9 @@ from collections.abc import Callable
 
 from arbiterd.config import Config
 from arbiterd.daemon.configwatch import ConfigWatch
-from arbiterd.daemon.controlserver import ControlServer
-from arbiterd.daemon.httpapi import create_app
-from arbiterd.daemon.httpserver import (
+from arbiterd.daemon.control.server import ControlServer
+from arbiterd.daemon.http.app import create_app
+from arbiterd.daemon.http.server import (
     HttpServer,
     UnixListener,
     bind_http,
@@ -29,8 +29,8 @@ from arbiterd.daemon.httpserver import (
     raise_fd_limit,
 )
 from arbiterd.daemon.instance import InstanceLock
-from arbiterd.daemon.journal import Journal
-from arbiterd.daemon.modelfile import check_models
+from arbiterd.daemon.models.modelfile import check_models
+from arbiterd.daemon.observe.journal import Journal
 from arbiterd.daemon.supervisor import Supervisor
 from arbiterd.errors import DaemonError
 

@@ -33,7 +33,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from arbiterd.daemon.images import ImagePolicy
+from arbiterd.daemon.http.images import ImagePolicy
 from arbiterd.procs import WaitNews
 from arbiterd.request import GenerateRequest
 from arbiterd.status import DaemonStatus

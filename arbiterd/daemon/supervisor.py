@@ -42,7 +42,8 @@ from arbiterd.config import (
     default_config_path,
 )
 from arbiterd.control import MODEL_COMMANDS
-from arbiterd.daemon.budgets import (
+from arbiterd.daemon.http.images import ImagePolicy
+from arbiterd.daemon.models.budgets import (
     ColdModel,
     CopyUse,
     DeviceBudget,
@@ -52,13 +53,9 @@ from arbiterd.daemon.budgets import (
     measured_host,
     ram_plan,
 )
-from arbiterd.daemon.eventbus import EventBus
-from arbiterd.daemon.handoffs import Handoffs
-from arbiterd.daemon.hold import DaemonHold
-from arbiterd.daemon.images import ImagePolicy
-from arbiterd.daemon.journal import Journal
-from arbiterd.daemon.lifecycle import Lifecycle
-from arbiterd.daemon.liveness import (
+from arbiterd.daemon.models.handoffs import Handoffs
+from arbiterd.daemon.models.lifecycle import Lifecycle
+from arbiterd.daemon.models.liveness import (
     STATUS_ANSWER_S,
     Verdict,
     holds_token,
@@ -68,15 +65,18 @@ from arbiterd.daemon.liveness import (
     silent_s,
     stale,
 )
-from arbiterd.daemon.metrics import Metrics
-from arbiterd.daemon.modelfile import check_models, vram_budget_for
-from arbiterd.daemon.routing import Router
-from arbiterd.daemon.slots import Slot
+from arbiterd.daemon.models.modelfile import check_models, vram_budget_for
+from arbiterd.daemon.models.routing import Router
+from arbiterd.daemon.models.slots import Slot
+from arbiterd.daemon.models.waiting import NewsListener, Waits
+from arbiterd.daemon.models.workerclient import EngineReport, WorkerClient, WorkerHello
+from arbiterd.daemon.observe.eventbus import EventBus
+from arbiterd.daemon.observe.journal import Journal
+from arbiterd.daemon.observe.metrics import Metrics
+from arbiterd.daemon.observe.telemetry import ReaderSet, TelemetrySnapshot
+from arbiterd.daemon.observe.vramwatch import VramWatch
 from arbiterd.daemon.stepaside.aside import StepAside
-from arbiterd.daemon.telemetry import ReaderSet, TelemetrySnapshot
-from arbiterd.daemon.vramwatch import VramWatch
-from arbiterd.daemon.waiting import NewsListener, Waits
-from arbiterd.daemon.workerclient import EngineReport, WorkerClient, WorkerHello
+from arbiterd.daemon.stepaside.hold import DaemonHold
 from arbiterd.errors import (
     AcquireTimeoutError,
     ArbiterError,

@@ -16,7 +16,7 @@ Owns three things:
 A ggml RPC server serves **one client at a time** (it accepts the next connection when the
 last one closes) and frees everything it holds for a client when that client disconnects;
 `arbiterd rpc-server --clients N` serves several, each with a ggml server of its own
-(cli/rpcfront.py). A
+(rpcserver/front.py). A
 worker is connected while it holds a buffer or a backend on the server, so the engine's
 residency patch frees both on release (llama-residency.cpp, residency_detach_remote): the
 server's memory goes back, and the next model placed on that server can connect. A probe of

@@ -27,7 +27,7 @@ Two threads:
   release or a restore is one long native call that asks nothing back: inside one, the engine
   thread's CPU clock moving on is its beat (worker/progress.py, issue 40), so a large model
   that loads for minutes stays live and one blocked on an RPC server that stopped answering
-  does not. The daemon judges every holder (daemon/liveness.py, issues 24 and 40).
+  does not. The daemon judges every holder (daemon/models/liveness.py, issues 24 and 40).
   When the daemon's end closes, it stops the worker: the current request is cancelled before
   its next decode, the token released, the process exits.
 

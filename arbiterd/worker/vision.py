@@ -70,7 +70,7 @@ log = logging.getLogger(__name__)
 MARKER = IMAGE_MARKER  # where a rendered prompt holds an image (arbiterd/spec.py says why)
 # Image formats the decoder in libmtmd (stb_image) reads, by their first bytes. WebP it reads
 # only through an ffmpeg subprocess (a build with MTMD_VIDEO), which a worker never starts: the
-# HTTP edge converts a WebP to PNG (arbiterd/daemon/images.py).
+# HTTP edge converts a WebP to PNG (arbiterd/daemon/http/images.py).
 IMAGE_SIGNATURES = {b"\x89PNG\r\n\x1a\n": "png", b"\xff\xd8\xff": "jpeg"}
 # mtmd's log lines kept to explain a failure (it reports one on its log, returning NULL).
 _LOG_LINES = 32

@@ -26,8 +26,8 @@ from arbiterd import __version__, render
 from arbiterd.arena import Arena
 from arbiterd.cli import main as cli
 from arbiterd.cli.commands import render_status
-from arbiterd.daemon.controlserver import ControlServer
-from arbiterd.daemon.journal import Journal
+from arbiterd.daemon.control.server import ControlServer
+from arbiterd.daemon.observe.journal import Journal
 from arbiterd.events import parse_event
 from arbiterd.status import DaemonStatus
 from tests.conftest import Processes

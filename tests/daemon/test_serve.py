@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from arbiterd.arena import Arena
-from arbiterd.daemon.journal import Journal
+from arbiterd.daemon.observe.journal import Journal
 from tests.support.daemon import Daemon, openai_client, serving, tiny
 from tests.support.waiting import wait_until
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from arbiterd.daemon.httpapi import MAX_BODY_BYTES
-from arbiterd.daemon.jsonbody import MAX_CONTAINERS
+from arbiterd.daemon.http.app import MAX_BODY_BYTES
+from arbiterd.daemon.http.jsonbody import MAX_CONTAINERS
 from tests.support.daemon import Daemon, serving, tiny
 from tests.support.large_bodies import health_while_posting, legal_60_deep, lists_60_deep
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import openai
 
-from arbiterd.daemon.journal import Journal
+from arbiterd.daemon.observe.journal import Journal
 from tests.support.daemon import Daemon
 from tests.support.daemon import tiny as tiny_table
 from tests.support.waiting import wait_until

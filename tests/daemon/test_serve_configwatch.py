@@ -14,7 +14,7 @@ from typing import Any
 import openai
 import pytest
 
-from arbiterd.daemon.journal import Journal
+from arbiterd.daemon.observe.journal import Journal
 from tests.daemon.test_serve import arbiterd
 from tests.support.daemon import Daemon, free_port, serving, tiny
 from tests.support.waiting import wait_until

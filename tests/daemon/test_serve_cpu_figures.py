@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from arbiterd.daemon.journal import Journal
+from arbiterd.daemon.observe.journal import Journal
 from tests.support.daemon import Daemon, arbiterd_cli, serving, tiny
 from tests.support.waiting import wait_until
 

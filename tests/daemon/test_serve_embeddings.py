@@ -15,7 +15,7 @@ import ollama
 import openai
 import pytest
 
-from arbiterd.daemon.journal import Journal
+from arbiterd.daemon.observe.journal import Journal
 from tests.support.daemon import Daemon, openai_client, serving
 from tests.support.tiny_gguf import DEFAULT_SPEC
 

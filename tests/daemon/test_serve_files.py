@@ -19,7 +19,7 @@ from typing import Any
 import openai
 import pytest
 
-from arbiterd.daemon.journal import Journal
+from arbiterd.daemon.observe.journal import Journal
 from arbiterd.errors import ControlError
 from tests.support.daemon import Daemon, openai_client, serving
 from tests.support.daemon import tiny as tiny_table

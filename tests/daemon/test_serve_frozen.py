@@ -22,7 +22,7 @@ import pytest
 
 from arbiterd.arena import Arena
 from arbiterd.cli.controlclient import ControlClient
-from arbiterd.daemon.liveness import STATUS_ANSWER_S
+from arbiterd.daemon.models.liveness import STATUS_ANSWER_S
 from arbiterd.paths import device_arena_of
 from tests.support.daemon import Daemon, arbiterd_cli, openai_client, serving, tiny
 from tests.support.rpcservers import RpcServer, rpc_servers

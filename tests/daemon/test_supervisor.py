@@ -15,17 +15,17 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from arbiterd.config import Load, load_config
-from arbiterd.daemon import lifecycle
-from arbiterd.daemon.metrics import Metrics
-from arbiterd.daemon.slots import Slot
+from arbiterd.daemon.models import lifecycle
+from arbiterd.daemon.models.slots import Slot
+from arbiterd.daemon.models.workerclient import BACKENDS, WorkerClient
+from arbiterd.daemon.observe.metrics import Metrics
+from arbiterd.daemon.observe.telemetry import DeviceMemory, ProcessMemory, ReaderSet, Reading
 from arbiterd.daemon.supervisor import (
     Supervisor,
     new_slot,
     next_unload_check,
     unload_due,
 )
-from arbiterd.daemon.telemetry import DeviceMemory, ProcessMemory, ReaderSet, Reading
-from arbiterd.daemon.workerclient import BACKENDS, WorkerClient
 from arbiterd.offload import cpu_note, gpu_nodes, setup_script
 from arbiterd.states import ResidencyState, SlotState
 from tests.support.models import model_config

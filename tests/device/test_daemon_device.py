@@ -28,7 +28,7 @@ import pytest
 from openai.types import Completion
 
 from arbiterd.native import ggml
-from tests.daemon.test_workerclient import dying_env
+from tests.daemon.models.test_workerclient import dying_env
 from tests.support.daemon import Daemon, openai_client, serving, tiny
 from tests.support.last_words.sitecustomize import WORDS
 from tests.support.waiting import wait_until

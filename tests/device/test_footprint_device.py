@@ -12,7 +12,7 @@ import pytest
 
 from arbiterd import footprint
 from arbiterd.footprint import CPU, DeviceFootprint
-from arbiterd.ggufheader import read_header
+from arbiterd.gguf import read_header
 from arbiterd.native import ggml
 from arbiterd.spec import ModelSpec, Residency
 from arbiterd.worker.engine import InPlaceBackend, select_backend

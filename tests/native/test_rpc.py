@@ -1,7 +1,7 @@
 """The RPC probe (native/rpc.py) against servers that lie (issue 40): one that claims 2^32-1
 devices and answers for each, one that answers a byte at a time. Each is a real socket served by
 tests/support/rpcservers.py's FakeRpcServer; ggml's own server is probed in
-tests/cli/test_rpcserver.py."""
+tests/rpcserver/test_server.py."""
 
 from __future__ import annotations
 

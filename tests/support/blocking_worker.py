@@ -1,6 +1,6 @@
 """`BlockingWorker`: a `WorkerClient` driven from ordinary threads, on a private event loop, for
 tests and benchmarks that talk to a real worker process without an asyncio loop of their own.
-The daemon never uses it (it lives on its own loop, arbiterd/daemon/workerclient.py).
+The daemon never uses it (it lives on its own loop, arbiterd/daemon/models/workerclient.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from arbiterd.daemon.workerclient import (
+from arbiterd.daemon.models.workerclient import (
     SHUTDOWN_TIMEOUT_S,
     ChunkListener,
     EventListener,

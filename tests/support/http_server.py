@@ -1,4 +1,4 @@
-"""arbiterd.daemon.httpserver serving a trivial app, in this process (`hello`) or as a script in a
+"""arbiterd.daemon.http.server serving a trivial app, in this process (`hello`) or as a script in a
 process of its own, under an fd limit of the test's choosing:
 
     python tests/support/http_server.py OPEN_FILES MAX_CONNECTIONS HEADER_TIMEOUT_S
@@ -17,7 +17,7 @@ import sys
 
 from starlette.types import Receive, Scope, Send
 
-from arbiterd.daemon.httpserver import HttpServer
+from arbiterd.daemon.http.server import HttpServer
 
 
 async def hello(scope: Scope, receive: Receive, send: Send) -> None:

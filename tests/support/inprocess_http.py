@@ -1,4 +1,4 @@
-"""arbiterd.daemon.httpserver in a thread of the test's process, serving a trivial app (or the
+"""arbiterd.daemon.http.server in a thread of the test's process, serving a trivial app (or the
 test's) with the peers the test chooses."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp
 
-from arbiterd.daemon.httpserver import HttpServer
-from arbiterd.daemon.peers import Peer, peer_of
+from arbiterd.daemon.http.peers import Peer, peer_of
+from arbiterd.daemon.http.server import HttpServer
 from tests.support.http_server import hello
 from tests.support.waiting import wait_until
 

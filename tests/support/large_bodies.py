@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from arbiterd.daemon.httpapi import MAX_BODY_BYTES
-from arbiterd.daemon.jsonbody import MAX_CONTAINERS
+from arbiterd.daemon.http.app import MAX_BODY_BYTES
+from arbiterd.daemon.http.jsonbody import MAX_CONTAINERS
 
 DEPTH = 60  # the audit's, within jsonbody.MAX_DEPTH
 JSON = {"content-type": "application/json"}

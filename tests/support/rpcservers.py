@@ -17,8 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from arbiterd.cli import rpcserver
 from arbiterd.native import rpc
+from arbiterd.rpcserver import server as rpcserver
 from tests.support.daemon import free_port
 
 START_TIMEOUT_S = 60.0  # the engine loads in the server before it listens

@@ -109,7 +109,7 @@ def request(
     headers: dict[str, str] | None = None,
 ) -> tuple[int, bytes]:
     """One HTTP/1.1 request on a new connection; the status and the body of its answer."""
-    # localhost: a name the TCP port answers to (arbiterd.daemon.browsers); api.sock takes any.
+    # localhost: a name the TCP port answers to (arbiterd.daemon.http.browsers); api.sock takes any.
     lines = [f"{method} {path} HTTP/1.1", "Host: localhost", "Connection: close"]
     lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
     if body:

@@ -19,7 +19,7 @@ from arbiterd.arena import Arena, Priority
 from arbiterd.arena.doorbell import SAFETY_PROBE_S
 from arbiterd.arena.groups import Gate, GateHold, Keeper, group_dir
 from arbiterd.config import FITTING_GROUP
-from arbiterd.daemon.workerclient import (
+from arbiterd.daemon.models.workerclient import (
     HELLO_TIMEOUT_S,
     EngineReport,
     WorkerHello,

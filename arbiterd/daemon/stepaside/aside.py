@@ -18,7 +18,7 @@ from pathlib import Path
 
 from arbiterd.arena import Arena
 from arbiterd.config import YieldRules
-from arbiterd.daemon.hold import DaemonHold
+from arbiterd.daemon.stepaside.hold import DaemonHold
 from arbiterd.daemon.stepaside.lookout import Lookout, Measure
 from arbiterd.daemon.stepaside.policy import Aside, Sighting, asked, next_aside
 from arbiterd.daemon.stepaside.programs import DEV, PROCFS, Program, descendants, read_program

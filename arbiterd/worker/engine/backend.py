@@ -33,7 +33,7 @@ from arbiterd.errors import (
     RestoreError,
 )
 from arbiterd.footprint import DeviceFootprint, Layout, predict
-from arbiterd.ggufheader import NotGgufError, read_header
+from arbiterd.gguf import NotGgufError, read_header
 from arbiterd.hostcopy import copy_into_memfd
 from arbiterd.native import libllama
 from arbiterd.request import GenerateRequest, RequestKind

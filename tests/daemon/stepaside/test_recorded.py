@@ -3,7 +3,7 @@ the lookout's scan reads the recorded /proc tree (each process given the `stat` 
 a live one has), the DRM fdinfo reader measures what each holds on the device, and the policy
 steps aside for the game by its memory, never for the daemon's own worker nor for a program
 `ignore` names; and NVIDIA's process lists through the NVML reader on a pynvml stand-in with
-the real module's names (tests/daemon/telemetry/support.py)."""
+the real module's names (tests/daemon/observe/telemetry/support.py)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from arbiterd.config import YieldRules
+from arbiterd.daemon.observe.telemetry import DrmFdinfoReader, NvmlReader
 from arbiterd.daemon.stepaside.lookout import Lookout
 from arbiterd.daemon.stepaside.policy import Aside, Sighting, next_aside
 from arbiterd.daemon.stepaside.programs import Program
-from arbiterd.daemon.telemetry import DrmFdinfoReader, NvmlReader
-from tests.daemon.telemetry.support import copied_tree, two_gpus
+from tests.daemon.observe.telemetry.support import copied_tree, two_gpus
 
 MiB = 1 << 20
 # The recorded links' targets: no such nodes here, and a scan matches the links' text.
@@ -115,7 +115,7 @@ def test_intel_local_memory_over_min_bytes_is_stepped_aside_for(
 
 
 def test_nvidia_a_game_in_nvmls_graphics_list_over_min_bytes_is_stepped_aside_for() -> None:
-    """NVML's process lists (the reader on pynvml's names, tests/daemon/telemetry): the game's
+    """NVML's process lists (the reader on pynvml's names, tests/daemon/observe/telemetry): the game's
     2 GiB in the graphics list, the worker's 6 GiB counted once though listed twice; a process
     NVML lists without a figure never counts as over min_bytes."""
     reader = NvmlReader(two_gpus(), name_of=lambda pid: None)
