@@ -38,8 +38,8 @@ from arbiterd.control import (
 )
 from arbiterd.daemon.control import server as controlserver
 from arbiterd.daemon.control.server import ControlServer, StoredEvent, peer_uid
-from arbiterd.daemon.http.images import ImagePolicy
 from arbiterd.daemon.observe.journal import Journal
+from arbiterd.daemon.service import ImagePolicy
 from arbiterd.errors import (
     ControlError,
     ControlReplyError,

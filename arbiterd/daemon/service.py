@@ -31,12 +31,22 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from arbiterd.daemon.http.images import ImagePolicy
 from arbiterd.procs import WaitNews
 from arbiterd.request import GenerateRequest
 from arbiterd.status import DaemonStatus
+
+
+@dataclass(frozen=True)
+class ImagePolicy:
+    """What a vision model accepts (its [models.NAME] table), as the core tells the HTTP edge."""
+
+    model: str
+    max_bytes: int
+    max_pixels: int
+    allow_urls: bool
 
 
 class Service(Protocol):

@@ -42,7 +42,6 @@ from arbiterd.config import (
     default_config_path,
 )
 from arbiterd.control import MODEL_COMMANDS
-from arbiterd.daemon.http.images import ImagePolicy
 from arbiterd.daemon.models.budgets import (
     ColdModel,
     CopyUse,
@@ -75,6 +74,7 @@ from arbiterd.daemon.observe.journal import Journal
 from arbiterd.daemon.observe.metrics import Metrics
 from arbiterd.daemon.observe.telemetry import ReaderSet, TelemetrySnapshot
 from arbiterd.daemon.observe.vramwatch import VramWatch
+from arbiterd.daemon.service import ImagePolicy
 from arbiterd.daemon.stepaside.aside import StepAside
 from arbiterd.daemon.stepaside.hold import DaemonHold
 from arbiterd.errors import (

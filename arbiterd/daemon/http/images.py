@@ -59,6 +59,8 @@ from dataclasses import dataclass
 from io import BytesIO
 from pathlib import Path
 
+from arbiterd.daemon.service import ImagePolicy
+
 _SEND = "send PNG, JPEG or WebP"
 FETCH_TIMEOUT_S = 10.0  # an http(s) image URL, when allowed
 # The most memory the daemon gives one image's check beyond its bytes, and how many images are
@@ -104,16 +106,6 @@ _ADAM7 = (
 )
 # JPEG start-of-frame markers (ITU T.81 B.1.1.3): SOF0..SOF15 but DHT, JPG and DAC.
 _JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
-
-
-@dataclass(frozen=True)
-class ImagePolicy:
-    """What a vision model accepts (its [models.NAME] table)."""
-
-    model: str
-    max_bytes: int
-    max_pixels: int
-    allow_urls: bool
 
 
 class ImageRefused(Exception):

@@ -21,9 +21,8 @@ from starlette.types import ASGIApp, Message, Scope
 
 from arbiterd.config import model_key
 from arbiterd.daemon.http.app import IGNORED_HEADER, create_app, refuse_stranger
-from arbiterd.daemon.http.images import ImagePolicy
 from arbiterd.daemon.http.openai_requests import ENGINE_CHECKS
-from arbiterd.daemon.service import Service
+from arbiterd.daemon.service import ImagePolicy, Service
 from arbiterd.errors import (
     ContextOverflowError,
     EngineError,

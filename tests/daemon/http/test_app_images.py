@@ -23,7 +23,7 @@ from PIL import Image
 
 from arbiterd.daemon.http import app as httpapi
 from arbiterd.daemon.http.app import create_app
-from arbiterd.daemon.http.images import ImagePolicy
+from arbiterd.daemon.service import ImagePolicy
 from arbiterd.spec import IMAGE_MARKER, MAX_IMAGES
 from tests.daemon.http.test_app import DEADLINE_S, FakeService, assert_error, call, serving
 from tests.support.images import jpeg, pattern, png, png_data_url, webp
@@ -357,9 +357,10 @@ def test_pillow_is_imported_only_when_a_webp_arrives(tmp_path: Path) -> None:
     code = (
         "import sys\n"
         "from pathlib import Path\n"
-        "from arbiterd.daemon.http import app as httpapi, images\n"
+        "from arbiterd.daemon.http import images\n"
+        "from arbiterd.daemon.service import ImagePolicy\n"
         "def pillow(): return [m for m in sys.modules if m.partition('.')[0] == 'PIL']\n"
-        "policy = images.ImagePolicy('m', 1 << 20, 1 << 20, allow_urls=False)\n"
+        "policy = ImagePolicy('m', 1 << 20, 1 << 20, allow_urls=False)\n"
         "for name in ('a.png', 'a.jpeg', 'a.webp'):\n"
         f"    images.check(name, Path({str(tmp_path)!r}, name).read_bytes(), policy)\n"
         "    print(name, bool(pillow()))\n"

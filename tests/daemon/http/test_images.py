@@ -16,7 +16,8 @@ import pytest
 from PIL import Image
 
 from arbiterd.daemon.http import images
-from arbiterd.daemon.http.images import ImagePolicy, ImageRefused
+from arbiterd.daemon.http.images import ImageRefused
+from arbiterd.daemon.service import ImagePolicy
 from tests.daemon.http.test_app_images import huge_webp_header
 from tests.support.images import flat_png, interlaced_png, pattern
 
@@ -29,10 +30,11 @@ CHECK_AT_ONCE = """
 import asyncio, base64, json, os, sys
 from pathlib import Path
 from arbiterd.daemon.http import images
+from arbiterd.daemon.service import ImagePolicy
 from tests.support.memory import peak_bytes, reset_peak
 
 url = "data:image/png;base64," + base64.b64encode(Path(sys.argv[1]).read_bytes()).decode()
-policy = images.ImagePolicy("m", 5 << 20, 8192 * 4096, allow_urls=False)
+policy = ImagePolicy("m", 5 << 20, 8192 * 4096, allow_urls=False)
 
 async def requests():
     return await asyncio.gather(

@@ -115,9 +115,9 @@ def test_intel_local_memory_over_min_bytes_is_stepped_aside_for(
 
 
 def test_nvidia_a_game_in_nvmls_graphics_list_over_min_bytes_is_stepped_aside_for() -> None:
-    """NVML's process lists (the reader on pynvml's names, tests/daemon/observe/telemetry): the game's
-    2 GiB in the graphics list, the worker's 6 GiB counted once though listed twice; a process
-    NVML lists without a figure never counts as over min_bytes."""
+    """NVML's process lists (the reader on pynvml's names, tests/daemon/observe/telemetry): the
+    game's 2 GiB in the graphics list, the worker's 6 GiB counted once though listed twice; a
+    process NVML lists without a figure never counts as over min_bytes."""
     reader = NvmlReader(two_gpus(), name_of=lambda pid: None)
     assert reader.open() is None
     used = {p.pid: p.used_bytes for p in reader.read().processes if p.pid is not None}
