@@ -256,8 +256,8 @@ def test_rpc_server_whose_ggml_server_cannot_start_exits_non_zero_saying_so() ->
         taken.listen()
         port = taken.getsockname()[1]
         script = (
-            "import sys; from arbiterd.cli import main, rpcserver; "
-            "rpcserver._check_free = lambda listen: None; "
+            "import sys; from arbiterd.cli import main; from arbiterd.rpcserver import server; "
+            "server._check_free = lambda listen: None; "
             f"sys.exit(main.main(['rpc-server', '--listen', '127.0.0.1:{port}']))"
         )
         done = subprocess.run(
