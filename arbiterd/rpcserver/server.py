@@ -13,7 +13,7 @@ client with such a process of its own. `start_local` runs one as a child process
 
 The RPC protocol has no authentication: whoever reaches the port can allocate memory on the
 device and run graphs on it. So the server listens on loopback unless `--allow-remote` says
-otherwise; across machines, use a trusted link or an SSH tunnel (README § RPC servers).
+otherwise; across machines, use a trusted link or an SSH tunnel (docs/devices.md, "RPC servers").
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ the engine (arbiterd/worker/engine/), the only module that touches llama_cpp; it
 on the model's context itself (the engine's images.py does, with the embeddings this module
 hands back) and never keeps an image.
 
-Just in time (README.md, "Vision models"): `Projector.session()` loads the projector right
+Just in time (docs/vision.md, "Just in time"): `Projector.session()` loads the projector right
 before an image is encoded and frees it when the block ends, also on every error path; with
 `resident` it stays loaded until `free()` (the model going cold).
 

@@ -1,5 +1,5 @@
-"""Measured VRAM (issue 5; README.md, "Measured VRAM"): per device and per process, sampled by a
-named thread, and a verified teardown after every release.
+"""Measured VRAM (issue 5; docs/lifecycle.md, "Measured VRAM"): per device and per process,
+sampled by a named thread, and a verified teardown after every release.
 
     records.py     Reading (its rows: events.DeviceMemory, events.ProcessMemory), the Reader
                    protocol, device ↔ arena names
