@@ -2,14 +2,18 @@
 
 Owns the files of an arena directory and every lock taken on them. Its modules:
 
-    records.py  what is read and written: Priority, QueuedWaiter, HolderInfo, ArenaState, and
+    records     what is read and written: Priority, QueuedWaiter, HolderInfo, ArenaState, and
                 the protocols of a way to the GPU (Gateway, Place, Hold)
-    token.py    Arena (the directory, its queue, observing it), Ticket and Token
-    groups.py   models that hold the GPU together: a group's gate inside an arena (issue 14)
-    devices.py  a model on several devices: their arenas taken in one order, held together
+    token       Arena (the directory, its queue, observing it), Ticket and Token
+    groups      models that hold the GPU together: a group's gate inside an arena (issue 14)
+    fitting     which members of a fitting set may be warm together: the keeper's pure policy
+                (issue 44)
+    devices     a model on several devices: their arenas taken in one order, held together
                 (issue 27; paths.py names the devices and finds each one's arena)
-    locks.py    the flock(2) calls: the only module of arbiterd that imports `fcntl`
-    procfs.py   reading /proc/locks, /proc/PID/fdinfo and /proc/PID/stat
+    doorbell    sleeping until the arena's files say someone may want the GPU (inotify,
+                issue 29), instead of probing the locks on a timer
+    locks       the flock(2) calls: the only module of arbiterd that imports `fcntl`
+    procfs      reading /proc/locks, /proc/PID/fdinfo and /proc/PID/stat
 
 The protocol is specified in docs/arena-protocol.md; in short:
 
@@ -17,7 +21,7 @@ The protocol is specified in docs/arena-protocol.md; in short:
     want.lock    LOCK_SH by every waiter while it waits; dropped only after the token is owned
     holder.json  who holds the token (pid, name, model, since, command_pid); informational,
                  written by rename
-    queue/       one ticket file per queued waiter, PRIORITY.SINCE_NS.PID.THREAD.ticket, held
+    queue/*      one ticket file per queued waiter, PRIORITY.SINCE_NS.PID.THREAD.ticket, held
                  LOCK_EX by it while it waits (its content names the waiter, informational
                  as holder.json is): the token goes to the first live ticket in the
                  order (arrival, put back one aging period per class below interactive). A

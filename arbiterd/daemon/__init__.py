@@ -15,7 +15,8 @@ and the composition root beside them:
     service      what an edge may ask of the core (a Protocol): the one door between them
     supervisor   the Service: composes the rooms, status and commands
     configwatch  a saved config applied as `arbiterd reload`
-    instance     one daemon per control socket;  socketfile  the socket files
+    instance     one daemon per control socket
+    socketfile   the socket files: made private, a stale one replaced only by its owner
 
 An edge reaches the core only through `service.Service`; each room's ruff.toml bans what it
 must not import, and this folder's bans the worker, the CLI, the tray and llama.cpp.

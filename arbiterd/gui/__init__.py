@@ -14,7 +14,6 @@ control protocol (control, wire): never the CLI or the daemon (tests/gui/test_im
 Without Qt (pure, tested without a display):
 
     state        TrayState: what every view shows, from statuses and events
-    status       the daemon's status object, read tolerantly
     history      VRAM samples, handoffs and waits of the last minutes (events, no I/O)
     palette      a stable colour per model; red, amber, grey
     replay       recorded sessions (JSON lines) for --screenshot --replay

@@ -2,9 +2,9 @@
 programs that do not take part in the protocol (issue 45): a game, ComfyUI or Blender started
 the usual way gets the GPU, and the models come back when it is gone.
 
-- hold.py: gpu0's token, held while the user or a program stepped aside for wants it;
-- programs.py: the device nodes, and which of the user's processes hold them open (/proc);
-- lookout.py: inotify on the nodes, and the looks that follow a ring or a timer;
-- policy.py: pure: which program the daemon steps aside for, and when that ends ([yield]);
-- aside.py: the step aside in force, acted on through the daemon's hold (hold.py).
+    hold      gpu0's token, held while the user or a program stepped aside for wants it
+    programs  the device nodes, and which of the user's processes hold them open (/proc)
+    lookout   inotify on the nodes, and the looks that follow a ring or a timer
+    policy    pure: which program the daemon steps aside for, and when that ends ([yield])
+    aside     the step aside in force, acted on through the daemon's hold (hold)
 """

@@ -18,6 +18,7 @@ thread-safe, and freeing device buffers must never race a decode.
                 sequence, C sampler chains, stop strings
     generate    generation: requests as jobs over the decoder's sequences, chunks, embeddings
     images      the vision steps on the model's context: layout, embeddings decoded, budget
+    placement   the model's `devices` as the engine's ggml devices, RPC servers registered
 
 A request is **prepared** (rendered, sized and tokenized) before it **runs**: preparing needs only
 the vocabulary, which a vocab-only model (no weights, no context, no device memory) holds for the

@@ -1,14 +1,14 @@
 """Measured VRAM (issue 5; docs/lifecycle.md, "Measured VRAM"): per device and per process,
 sampled by a named thread, and a verified teardown after every release.
 
-    records.py     Reading (its rows: events.DeviceMemory, events.ProcessMemory), the Reader
+    records        Reading (its rows: events.DeviceMemory, events.ProcessMemory), the Reader
                    protocol, device ↔ arena names
-    nvml.py        NVIDIA through pynvml — the only module that calls NVML
-    drm.py         AMD sysfs totals; any DRM driver's per-process fdinfo (amdgpu, i915, xe)
-    readers.py     AccountingReader (no GPU: the engines' own figures), select_readers, ReaderSet
-    sampler.py     the "telemetry-sampler" thread and TelemetrySnapshot
-    teardown.py    teardown_verdict (pure), TeardownCheck (polling), ColdFootprints
-    prometheus.py  arbiterd_vram_bytes{device,owner} from a snapshot
+    nvml           NVIDIA through pynvml — the only module that calls NVML
+    drm            AMD sysfs totals; any DRM driver's per-process fdinfo (amdgpu, i915, xe)
+    readers        AccountingReader (no GPU: the engines' own figures), select_readers, ReaderSet
+    sampler        the "telemetry-sampler" thread and TelemetrySnapshot
+    teardown       teardown_verdict (pure), TeardownCheck (polling), ColdFootprints
+    prometheus     arbiterd_vram_bytes{device,owner} from a snapshot
 
 Nothing here imports pynvml at import time, writes anywhere, or raises out of the sampler.
 """
