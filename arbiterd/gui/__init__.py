@@ -1,7 +1,8 @@
 """The tray app and dashboard (PySide6). Only a client of the control socket: the daemon never
 imports this package, and nothing outside it imports Qt. Of arbiterd's own modules it imports
-only the event records and their rendering (events, render), errors, config and paths, and the
-control protocol (control, wire): never the CLI or the daemon (tests/gui/test_imports.py).
+only the shared records (events, status, states) and their rendering (render), errors, config
+and paths, and the control protocol (control, wire): never the CLI or the daemon
+(tests/gui/test_imports.py).
 
     app          `arbiterd tray`: main(argv), the QApplication, --screenshot
     tray         TrayApp: icon, menu, dashboard and notifications wired to a connection
