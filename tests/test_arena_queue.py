@@ -30,7 +30,7 @@ from arbiterd.arena import (
     parse_priority,
 )
 from arbiterd.arena import records as arena_records
-from arbiterd.arena.procfs import stopped
+from arbiterd.arena.procfs import PROC_LOCKS, flock_records, inode_key, parse_proc_locks, stopped
 from arbiterd.arena.token import PASS_OVER_S, STALL_CHECK_S
 from arbiterd.cli.main import arena_status_json
 from arbiterd.errors import AcquireCancelledError, BadValueError
@@ -160,6 +160,12 @@ def test_an_interactive_waiter_behind_four_batch_waiters_is_admitted_next(
     assert waiters.order == ["person", "b1", "b2", "b3", "b4"]
 
 
+def blocked_on_token(arena: Arena) -> bool:
+    """Whether the kernel shows a flock request waiting for the arena's token.lock."""
+    token = inode_key(os.stat(arena.path / "token.lock"))
+    return any(r.blocked for r in flock_records(parse_proc_locks(PROC_LOCKS.read_text()), token))
+
+
 def test_a_waiter_of_a_higher_class_overtakes_the_one_already_blocked_on_the_token(
     tmp_path: Path,
 ) -> None:
@@ -169,7 +175,7 @@ def test_a_waiter_of_a_higher_class_overtakes_the_one_already_blocked_on_the_tok
     holder = arena.acquire("holder")
     waiters = Waiters(arena)
     waiters.start("normal")
-    time.sleep(0.1)  # blocked on token.lock by now
+    wait_until(lambda: blocked_on_token(arena), 10, "normal to block on token.lock")
     waiters.start("person", Priority.INTERACTIVE)
     holder.release()
     waiters.join()

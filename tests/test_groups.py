@@ -29,9 +29,18 @@ class Members:
         self.holds: list[GateHold] = []
 
     def enter(
-        self, name: str, timeout_s: float = 10, *, footprint: int | None = None, group: str = "pair"
+        self,
+        name: str,
+        timeout_s: float = 10,
+        *,
+        footprint: int | None = None,
+        group: str = "pair",
+        queued: threading.Event | None = None,
     ) -> GateHold:
+        """Queue at the group's gate (then `queued` is set), and take it."""
         ticket = Gate(self.arena, group, name, lambda: footprint).queue(Priority.NORMAL)
+        if queued is not None:
+            queued.set()
         cancel = threading.Event()
         timer = threading.Timer(timeout_s, cancel.set)
         timer.start()
@@ -99,7 +108,7 @@ def test_an_outside_waiter_gets_the_token_only_once_every_member_is_cold(
     thread.start()
     wait_until(lambda: a.wanted() and b.wanted(), 5, "the members to see the outsider")
     a.release()
-    time.sleep(0.1)
+    time.sleep(0.1)  # a window for the token to move, were it free to: an absence needs one
     assert not got, "the token moved while b was still warm"
     b_cold = time.monotonic()
     b.release()
@@ -126,14 +135,16 @@ def test_a_member_waits_at_the_gate_while_an_outsider_waits(
     wait_until(a.wanted, 5, "a to see the outsider")
 
     # b asks while the outsider waits: it must not slip in ahead (that would starve the outsider).
+    b_queued = threading.Event()
+
     def member_b() -> None:
-        hold = members.enter("b", timeout_s=20)
+        hold = members.enter("b", timeout_s=20, queued=b_queued)
         order.append("b")
         hold.release()
 
     b_thread = threading.Thread(target=member_b)
     b_thread.start()
-    time.sleep(0.1)
+    assert b_queued.wait(10)
     a.release()
     thread.join(timeout=20)
     b_thread.join(timeout=20)
@@ -201,7 +212,8 @@ def test_a_killed_member_holds_nothing(arena: Arena, keeper: Keeper) -> None:
 
         thread = threading.Thread(target=outsider)
         thread.start()
-        time.sleep(0.2)
+        wait_until(lambda: arena.observe().queue, 5, "the outsider to queue")
+        time.sleep(0.2)  # a window for the token to move, were it free to: an absence needs one
         assert not got.is_set()  # the member is warm (and deaf: it never looks)
         os.kill(proc.pid, signal.SIGKILL)
         thread.join(timeout=20)

@@ -14,6 +14,7 @@ import pytest
 from arbiterd import wire
 from arbiterd.errors import ProtocolError
 from arbiterd.wire import AsyncLineReader, Framer, LineReader, LineWriter, decode, encode
+from tests.support.waiting import to_first_wait
 
 LIMIT = 64  # a small MAX_MESSAGE_BYTES, so an oversized line is cheap to make
 
@@ -199,9 +200,8 @@ def test_the_async_reader_waits_for_a_whole_line_then_none_at_eof() -> None:
         stream = asyncio.StreamReader()
         reader = AsyncLineReader(stream)
         line = encode({"op": "status", "id": "r1"})
-        pending = asyncio.create_task(reader.read())
         stream.feed_data(line[:5])
-        await asyncio.sleep(0)
+        pending = await to_first_wait(reader.read())  # it took the half, and waits for more
         half_done = pending.done()
         stream.feed_data(line[5:] + b"[]\n")
         first = await asyncio.wait_for(pending, timeout=10)

@@ -18,17 +18,14 @@ from inotify_simple import Event, INotify, flags
 from arbiterd.daemon import configwatch
 from arbiterd.daemon.configwatch import ConfigWatch, Noticed, notice, why_not
 from arbiterd.errors import ConfigError
+from tests.support import waiting
 
 DEADLINE_S = 10.0
 
 
 async def until(condition: Callable[[], object], what: str) -> None:
     """Let the loop run until `condition` holds; fail after DEADLINE_S."""
-    deadline = asyncio.get_running_loop().time() + DEADLINE_S
-    while not condition():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out after {DEADLINE_S} s waiting for {what}")
-        await asyncio.sleep(0.005)
+    await waiting.until(condition, DEADLINE_S, what)
 
 
 class Applies:

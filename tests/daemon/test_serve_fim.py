@@ -97,7 +97,7 @@ def test_keystrokes_cancel_the_last_request_and_reuse_its_prompt(daemon: Daemon)
             with http.stream("POST", "/completions", json={**body, "stream": True}) as reply:
                 assert reply.status_code == 200
                 next(reply.iter_lines())  # the first chunk; then the next keystroke
-            time.sleep(0.3)
+            time.sleep(0.3)  # a person's pace between keystrokes: the load is the point
         last = http.post("/completions", json={**body, "max_tokens": 4})
         assert last.status_code == 200
     chatting.join(timeout=120)

@@ -118,7 +118,7 @@ def test_a_named_program_opening_the_node_makes_the_model_step_aside_until_it_ex
 
         asker = threading.Thread(target=ask_and_say)
         asker.start()
-        time.sleep(1.0)
+        time.sleep(1.0)  # a window in which a request not made to wait would be served
         assert not served.is_set()
         assert status(daemon)["models"][0]["state"] == "cold"
     finally:
@@ -215,7 +215,7 @@ def test_yield_until_exit_and_resume_from_the_cli(daemon: Daemon, stand_ins: Pat
         assert said.strip() == "no longer stepped aside: the models may take the GPU again"
         ask(daemon)
         # Passed over from now on: the looks that follow do not step aside for it again.
-        time.sleep(1.0)
+        time.sleep(1.0)  # the ring's look and its follow-ups up to 1 s
         assert aside_for(daemon) is None
         assert status(daemon)["models"][0]["state"] == "warm"
     finally:

@@ -105,7 +105,7 @@ def test_warm_under_a_hold_names_the_holder_within_a_second_and_ctrl_c_withdraws
     wait_until(lambda: worker not in queued_pids(held), 10, "alpha's worker to leave the queue")
     with held.client() as client:
         client.call("unhold")
-    time.sleep(0.5)
+    time.sleep(0.5)  # a window in which a worker still queued would warm: an absence needs one
     assert state_of(held, "alpha") == "cold"
 
 

@@ -37,7 +37,7 @@ from arbiterd.daemon.http.server import (
 from arbiterd.errors import ListenError
 from tests.support.http_server import hello
 from tests.support.inprocess_http import DEADLINE_S, serving
-from tests.support.waiting import wait_until
+from tests.support.waiting import to_first_wait, wait_until
 
 SCRIPT = Path(__file__).parents[2] / "support" / "http_server.py"
 KEY = "sekrit"
@@ -345,8 +345,7 @@ def test_the_server_waits_for_should_exit_from_any_thread_without_ticking(
     monkeypatch.setattr(server, "on_tick", tick)
 
     async def scenario() -> None:
-        waiting = asyncio.create_task(server.main_loop())
-        await asyncio.sleep(0)  # to its wait
+        waiting = await to_first_wait(server.main_loop())
         await asyncio.to_thread(setattr, server, "should_exit", True)  # as tests stop theirs
         await asyncio.wait_for(waiting, DEADLINE_S)
 

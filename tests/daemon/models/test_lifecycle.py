@@ -34,6 +34,7 @@ from arbiterd.states import SlotState
 from tests.support.models import model_config
 from tests.support.pagecache import drop_page_cache
 from tests.support.requests import request_for
+from tests.support.waiting import to_first_wait
 
 _T = TypeVar("_T")
 
@@ -488,8 +489,8 @@ def test_an_unloaded_slot_keeps_nothing_and_its_next_worker_starts_after_the_las
         slot = harness.slot()
         await harness.lifecycle.start(slot)
         _, first = harness.readied.get_nowait()
-        unloading = asyncio.create_task(harness.lifecycle.unload(slot, "command"))
-        await asyncio.sleep(0)
+        # The unload begins at once, before its first wait (lifecycle.py).
+        unloading = await to_first_wait(harness.lifecycle.unload(slot, "command"))
         assert (slot.state, slot.worker) == (SlotState.UNLOADING, None)
         loading = asyncio.create_task(harness.lifecycle.load(slot))  # a request came
         saved = await unloading

@@ -33,6 +33,7 @@ from arbiterd.request import GenerateRequest
 from arbiterd.states import RequestStatus, ResidencyState, SlotState
 from tests.support.models import model_config
 from tests.support.requests import request_for, wire_of
+from tests.support.waiting import until
 
 _T = TypeVar("_T")
 BODY = {"prompt": "the fox", "max_tokens": 4}
@@ -121,13 +122,40 @@ def ready(slot: Slot, worker: FakeWorker) -> None:
     slot.move(SlotState.READY, worker=cast(WorkerClient, worker))
 
 
+class WatchedSlot(Slot):
+    """A slot that says when a request waits for it: `settled` is how the router waits for a
+    slot to be ready (or retired), and `waited_on` is set once a call will wait."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.waited_on = asyncio.Event()
+
+    async def settled(self) -> None:
+        if self.state not in (SlotState.READY, SlotState.STOPPED):
+            self.waited_on.set()
+        await super().settled()
+
+
+async def waiting_for(slot: Slot, request: asyncio.Task[Any]) -> None:
+    """Return once `request` waits for `slot`; fail if it ends first (or after 10 s)."""
+    assert isinstance(slot, WatchedSlot)
+    waited = asyncio.get_running_loop().create_task(slot.waited_on.wait())
+    try:
+        done, _ = await asyncio.wait({waited, request}, timeout=10, return_when="FIRST_COMPLETED")
+    finally:
+        waited.cancel()
+    assert waited in done, f"the request did not wait for {slot.name}: {request}"
+
+
 class Daemon:
     """Slots, a router and what it published; `lifecycle_replaces` plays the lifecycle's part."""
 
     def __init__(self, *names: str) -> None:
-        self.slots = {name: Slot(model_config(name)) for name in names}
+        self.slots: dict[str, Slot] = {name: WatchedSlot(model_config(name)) for name in names}
         self.published: list[Event] = []
         self.loaded: list[str] = []  # the slots `load` started, in order
+        self.spawned = asyncio.Event()  # cleared, a spawn waits until the test sets it
+        self.spawned.set()
         waits = Waits(Arena(Path(ARENAS.name) / "arena"), notice_after_s=1.0)
         self.router = Router(self.slots, self.published.append, self.load, waits)
 
@@ -135,7 +163,7 @@ class Daemon:
         """What lifecycle.py does for an unloaded slot: a new worker, ready."""
         self.loaded.append(slot.name)
         slot.move(SlotState.STARTING)
-        await asyncio.sleep(0)  # the spawn
+        await self.spawned.wait()  # the spawn
         ready(slot, FakeWorker(f"{slot.name}-loaded"))
 
     def serve(self, model: str, worker: FakeWorker) -> FakeWorker:
@@ -147,7 +175,10 @@ class Daemon:
         await gone.wait()
         slot = self.slots[model]
         slot.move(SlotState.RESTARTING, reason="worker killed by signal 9")
-        await asyncio.sleep(0)  # the backoff
+        # The backoff lasts until the retry waits for the successor: the retry is seen to wait
+        # through the restart, not sent to a worker that is not ready.
+        assert isinstance(slot, WatchedSlot)
+        await slot.waited_on.wait()
         slot.move(SlotState.STARTING)
         ready(slot, successor)
 
@@ -184,19 +215,12 @@ def test_a_request_waits_for_a_starting_model_and_is_served_once_it_is_ready() -
     async def scenario() -> dict[str, Any]:
         daemon = Daemon("m")
         request = asyncio.create_task(daemon.router.complete("m", request_for("completion", BODY)))
-        await asyncio.sleep(0)
+        await waiting_for(daemon.slots["m"], request)
         assert not request.done()
         daemon.serve("m", FakeWorker("w1"))
         return await request
 
     assert run(scenario()) == {"text": "answered by w1"}
-
-
-async def until_waiting() -> None:
-    """Let the tasks scheduled run until each awaits something (turns of the loop; no time
-    passes): a request sent now is then waiting for its model's worker."""
-    for _ in range(10):
-        await asyncio.sleep(0)
 
 
 def test_a_request_waiting_for_a_model_a_reload_replaces_is_served_by_its_new_slot(
@@ -208,12 +232,12 @@ def test_a_request_waiting_for_a_model_a_reload_replaces_is_served_by_its_new_sl
         daemon = Daemon("m")
         old = daemon.slots["m"]
         request = asyncio.create_task(daemon.router.complete("m", request_for("completion", BODY)))
-        await until_waiting()
+        await waiting_for(old, request)
         # What the supervisor's reload does for a changed model: the new slot serves the
         # name, then the old one retires, then the new one's worker starts.
-        daemon.slots["m"] = Slot(model_config("m"))
+        daemon.slots["m"] = new = WatchedSlot(model_config("m"))
         old.move(SlotState.STOPPED)
-        await until_waiting()
+        await waiting_for(new, request)
         assert not request.done()  # waiting for the new slot's worker, not told it is gone
         daemon.serve("m", FakeWorker("new"))
         return await request
@@ -229,7 +253,7 @@ def test_a_request_waiting_for_a_model_a_reload_removes_is_told_it_is_gone(
     async def scenario() -> None:
         daemon = Daemon("m", "other")
         request = asyncio.create_task(daemon.router.complete("m", request_for("completion", BODY)))
-        await until_waiting()
+        await waiting_for(daemon.slots["m"], request)
         daemon.slots.pop("m").move(SlotState.STOPPED)
         with pytest.raises(UnknownModelError, match="no model named 'm'; available: other"):
             await request
@@ -244,10 +268,13 @@ def test_a_request_for_an_unloaded_model_starts_its_worker_once() -> None:
         ready(slot, FakeWorker("w1"))
         slot.move(SlotState.UNLOADING)
         slot.move(SlotState.UNLOADED)
+        daemon.spawned.clear()
         first = asyncio.create_task(daemon.router.complete("m", request_for("completion", BODY)))
-        await asyncio.sleep(0)
-        second = await daemon.router.complete("m", request_for("completion", BODY))
-        return [await first, second], daemon
+        await until(lambda: daemon.loaded == ["m"], 10, "the first request to start m")
+        second = asyncio.create_task(daemon.router.complete("m", request_for("completion", BODY)))
+        await waiting_for(slot, second)  # for the worker the first one starts
+        daemon.spawned.set()
+        return [await first, await second], daemon
 
     responses, daemon = run(scenario())
     assert responses == [{"text": "answered by m-loaded"}] * 2

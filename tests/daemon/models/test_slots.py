@@ -18,6 +18,7 @@ from arbiterd.daemon.models.workerclient import WorkerClient
 from arbiterd.errors import InvalidTransitionError
 from arbiterd.states import SLOT_TRANSITIONS, ResidencyState, SlotState
 from tests.support.models import model_config
+from tests.support.waiting import to_first_wait
 
 WORKER = cast(WorkerClient, object())  # a slot only keeps its worker; it never calls it
 # How a new slot (starting) gets to each state, one allowed move at a time.
@@ -113,8 +114,7 @@ def test_the_ready_event_is_set_exactly_while_ready() -> None:
 def test_a_request_waiting_for_the_slot_wakes_when_it_becomes_ready() -> None:
     async def scenario() -> WorkerClient | None:
         slot = Slot(model_config("m"))
-        waiting = asyncio.create_task(slot.ready.wait())
-        await asyncio.sleep(0)
+        waiting = await to_first_wait(slot.ready.wait())
         assert not waiting.done()
         move(slot, SlotState.READY)
         await asyncio.wait_for(waiting, timeout=10)
@@ -171,8 +171,7 @@ def test_an_unloaded_slot_shows_unloaded_and_forgets_its_residency() -> None:
 def test_a_wait_for_another_worker_wakes_when_the_slot_moves_on_from_it() -> None:
     async def scenario() -> tuple[bool, bool]:
         slot = slot_in(SlotState.READY)
-        waiting = asyncio.create_task(slot.worker_changed(WORKER))
-        await asyncio.sleep(0)
+        waiting = await to_first_wait(slot.worker_changed(WORKER))
         still_waiting = not waiting.done()
         move(slot, SlotState.RESTARTING, reason="worker exited with code 1")
         await asyncio.wait_for(waiting, timeout=10)

@@ -16,7 +16,7 @@ import pytest
 from arbiterd.arena import Arena
 from arbiterd.daemon.stepaside.hold import DaemonHold
 from arbiterd.errors import AcquireCancelledError
-from tests.support.waiting import wait_until
+from tests.support.waiting import until, wait_until
 
 
 class Releases:
@@ -27,6 +27,11 @@ class Releases:
 
     async def __call__(self) -> None:
         self.asked += 1
+
+
+def queued(arena: Arena, label: str) -> bool:
+    """Whether a wait under `label` stands in the arena's queue."""
+    return any(w.name == label for w in arena.observe().queue)
 
 
 def holder_of(arena: Arena) -> int | None:
@@ -69,21 +74,23 @@ def test_a_wait_given_up_leaves_nothing_locked_and_a_new_take_gets_it(arena: Are
 
         async def scenario() -> None:
             hold = DaemonHold(arena, Releases())
-            first = asyncio.create_task(hold.take("aside", "a (pid 1; arbiterd stepped aside)"))
-            await asyncio.sleep(0.3)
+            first_label = "a (pid 1; arbiterd stepped aside)"
+            first = asyncio.create_task(hold.take("aside", first_label))
+            await until(lambda: queued(arena, first_label), 10, "the first take to queue")
             assert not first.done()  # waits behind the other holder
             assert hold.give_back("aside") is False  # nothing held yet
             with pytest.raises(AcquireCancelledError):
                 await first
-            second = asyncio.create_task(hold.take("aside", "b (pid 2; arbiterd stepped aside)"))
-            await asyncio.sleep(0.3)
+            second_label = "b (pid 2; arbiterd stepped aside)"
+            second = asyncio.create_task(hold.take("aside", second_label))
+            await until(lambda: queued(arena, second_label), 10, "the second take to queue")
             assert not second.done()
             os.killpg(blocker.pid, signal.SIGKILL)
             await asyncio.wait_for(second, 10)
             assert hold.held
             info = arena.observe().holder
             assert info is not None
-            assert info.name == "b (pid 2; arbiterd stepped aside)"
+            assert info.name == second_label
             hold.close()
             assert holder_of(arena) is None
 

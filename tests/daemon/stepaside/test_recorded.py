@@ -18,6 +18,7 @@ from arbiterd.daemon.stepaside.lookout import Lookout
 from arbiterd.daemon.stepaside.policy import Aside, Sighting, next_aside
 from arbiterd.daemon.stepaside.programs import Program
 from tests.daemon.observe.telemetry.support import copied_tree, two_gpus
+from tests.support.waiting import until
 
 MiB = 1 << 20
 # The recorded links' targets: no such nodes here, and a scan matches the links' text.
@@ -67,8 +68,7 @@ def look(machine: str, tmp_path: Path) -> tuple[Sighting, ...]:
             nodes=NODES,
         )
         lookout.start()
-        while not seen:
-            await asyncio.sleep(0.01)
+        await until(lambda: seen, 10, "the first look")
         await lookout.close()
 
     asyncio.run(scenario())
