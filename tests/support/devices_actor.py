@@ -1,5 +1,5 @@
 """A real process that takes several devices' arenas as one model does (arbiterd.arena.devices),
-driven by tests/test_arena_devices.py.
+driven by tests/arena/test_devices.py.
 
     devices_actor.py SPEC
 

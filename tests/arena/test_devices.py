@@ -130,7 +130,7 @@ def test_folder_names_of_different_devices_differ() -> None:
     assert len({device.folder_name for device in devices}) == len(ids)
 
 
-PROTOCOL_DOC = Path(__file__).parents[1] / "docs" / "arena-protocol.md"
+PROTOCOL_DOC = Path(__file__).parents[2] / "docs" / "arena-protocol.md"
 
 
 def test_the_protocol_docs_folder_names_are_the_ones_made() -> None:

@@ -23,7 +23,7 @@ from arbiterd.arena import doorbell as doorbell_module
 from arbiterd.arena.doorbell import FOLLOW_UPS_S, Bell, Change, Doorbell, ring
 from tests.conftest import Processes
 
-GPU_JOB = Path(__file__).parents[1] / "docs" / "examples" / "gpu-job.sh"
+GPU_JOB = Path(__file__).parents[2] / "docs" / "examples" / "gpu-job.sh"
 LONG_S = 60.0  # a wait that ends by its timeout failed the test long before
 
 
