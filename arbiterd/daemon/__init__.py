@@ -14,6 +14,7 @@ and the composition root beside them:
     serve        `arbiterd daemon`: wires the rooms, binds the sockets, runs until stopped
     service      what an edge may ask of the core (a Protocol): the one door between them
     supervisor   the Service: composes the rooms, status and commands
+    reload       a re-read config applied to the running daemon (`arbiterd reload`)
     configwatch  a saved config applied as `arbiterd reload`
     instance     one daemon per control socket
     socketfile   the socket files: made private, a stale one replaced only by its owner

@@ -7,7 +7,11 @@ ruff.toml bans daemon/http and daemon/control); the supervisor composes it.
     routing       sends requests to workers, with one retry rule
     waiting       what a request that waits for the GPU is told meanwhile
     liveness      whether a worker that holds the token still shows signs of life
+    holderwatch   asks the workers that hold a token for their status, applies liveness's verdict
     handoffs      turns the waits workers measured into handoffs and waits
     budgets       host RAM, prompt caches and each fitting set's device budget
+    keepers       the groups' and the fitting sets' keepers, and the fitting sets' budgets
+    unloads       unloads models idle for their unload_after_s, or over the host RAM budget
+    modelstatus   one model's status record, from its slot, its worker and the VRAM watch
     modelfile     model files checked before anything loads
 """

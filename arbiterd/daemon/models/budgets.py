@@ -6,8 +6,8 @@ caches exceed [daemon] host_ram_budget (`ram_plan`), which state files to remove
 caches fit [daemon] prompt_cache_budget (`cache_evictions`), what a fitting set may hold on its
 device now (`device_budget`, from what `measured_device` or `measured_host` read) — and the
 prompt-cache folder's files (`PromptCache`: their sizes and ages, and removing them). It never
-starts, stops or asks a worker anything: the supervisor applies `ram_plan` through the
-lifecycle's unload and gives each fitting set's keeper its budget, and the lifecycle calls
+starts, stops or asks a worker anything: unloads.py applies `ram_plan` through the
+lifecycle's unload, keepers.py gives each fitting set's keeper its budget, and the lifecycle calls
 `PromptCache` around a worker's save. `PromptCache`'s methods touch the disk (a directory
 listing, an unlink): the daemon calls them from a thread. `measured_host` reads a few small
 /proc files (well under a millisecond).

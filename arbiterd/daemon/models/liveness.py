@@ -7,7 +7,7 @@ Owns `Heard`, what the daemon last heard of one worker (workerclient.WorkerClien
 `holds_token`, whether a worker in a given state holds a token another model may wait for, and
 `judge`, a pure function of a `Heard`, that and a clock: LIVE, SILENT (report it: an event, the
 tray amber, `status`) or KILL (SIGKILL it: the kernel frees its token, which moves on, and the
-lifecycle restarts it as after any crash). Never sends, kills or sleeps: the supervisor asks
+lifecycle restarts it as after any crash). Never sends, kills or sleeps: holderwatch.py asks
 every holder for its status each `ping_interval_s` and applies the verdicts.
 
 How the daemon knows the engine thread lives (worker/loop.py): the worker's io thread answers

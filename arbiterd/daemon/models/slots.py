@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from arbiterd.config import STARTER_N_CTX, ModelConfig
+from arbiterd.config import STARTER_N_CTX, Load, ModelConfig
 from arbiterd.daemon.models.modelfile import ModelTraits
 from arbiterd.daemon.models.workerclient import WorkerClient, WorkerHello
 from arbiterd.errors import InvalidTransitionError
@@ -196,3 +196,10 @@ class Slot:
     def replacing(self, retire: asyncio.Task[None]) -> None:
         """It replaces a slot whose worker `retire` stops."""
         self.replaces = retire
+
+
+def new_slot(model: ModelConfig) -> Slot:
+    """A slot for `model`: starting, or unloaded for a model loaded on demand."""
+    return Slot(
+        model, state=SlotState.UNLOADED if model.load is Load.DEMAND else SlotState.STARTING
+    )

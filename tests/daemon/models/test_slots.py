@@ -13,7 +13,8 @@ from typing import cast
 import pytest
 
 import arbiterd
-from arbiterd.daemon.models.slots import Slot
+from arbiterd.config import Load
+from arbiterd.daemon.models.slots import Slot, new_slot
 from arbiterd.daemon.models.workerclient import WorkerClient
 from arbiterd.errors import InvalidTransitionError
 from arbiterd.states import SLOT_TRANSITIONS, ResidencyState, SlotState
@@ -241,3 +242,8 @@ def test_no_module_but_the_slot_writes_its_fields() -> None:
         for write in slot_writes(path.read_text())
     }
     assert not writes, "change a slot through its methods:\n" + "\n".join(sorted(writes))
+
+
+def test_a_demand_model_begins_unloaded_and_the_others_starting() -> None:
+    assert new_slot(model_config("m", load=Load.DEMAND)).state is SlotState.UNLOADED
+    assert new_slot(model_config("m")).state is SlotState.STARTING
