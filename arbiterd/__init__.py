@@ -23,7 +23,7 @@ and the modules every process shares:
     wire          JSON lines, bounded in size
     control       the control protocol
     render        human output for the CLI and the tray
-    config        reading and validating config.toml
+    config/       reading and validating config.toml: its records, and a reader per table
     tomltable     a TOML table read from the user's own file, with typed getters
     chattemplate  chat templates a config gives, and the generic rendering of tools
     gguf          reading a GGUF file's header

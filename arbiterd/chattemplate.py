@@ -10,7 +10,7 @@ calls in the conversation become the assistant's text in that shape, and tool re
 turn that names the tool, so templates that know only user/assistant/system still render them;
 results the answer follows end by asking for that answer (ANSWER_RESULTS).
 
-Shared and pure: imports jinja2 only, so config.py checks templates without llama.cpp and
+Shared and pure: imports jinja2 only, so arbiterd/config checks templates without llama.cpp and
 the worker (engine/prepare.py) renders tools with the same module.
 """
 

@@ -191,7 +191,7 @@ class Turns:
     """How long a wanted model keeps the GPU for the requests queued for it (issue 43): a
     quantum sized so that handoffs take at most `switch_overhead` of the time, within
     [min_turn_s, max_turn_s], ended early once a waiter has waited `max_wait_s` of its class
-    (indexed by Priority.rank). config.py checks the values; the worker applies them
+    (indexed by Priority.rank). config/daemontable.py checks the values; the worker applies them
     (worker/policy.py)."""
 
     switch_overhead: float = SWITCH_OVERHEAD

@@ -1,7 +1,7 @@
 """Reading a TOML table for a config: the file, read only when it is the user's alone (owned by
 the user, writable by nobody else: paths.trusted_file_problem), typed getters whose errors name
 the file, the key path and what was expected, and the spelling of keys and values that those
-messages quote back. Owns no key of arbiterd's config (config.py does): only how a value is read
+messages quote back. Owns no key of arbiterd's config (config/ does): only how a value is read
 and shown.
 """
 

@@ -1,7 +1,7 @@
 """The commented config.toml that `arbiterd install` writes: every key explained, and each
 GGUF it found (cli/discovery.py) as a [models.NAME] table ready to serve, under the name
 discovery suggests (an Ollama model's own) and with its n_ctx no more than its trained context.
-The keys and defaults are config.py's.
+The keys and defaults are arbiterd/config/'s.
 """
 
 from __future__ import annotations

@@ -1136,7 +1136,7 @@ class Worker:
 
 def gateway(config: WorkerConfig, footprint: Callable[[], int | None]) -> Gateway:
     """The worker's way to the GPU: its group's gate in its device's arena (a group's models,
-    a [groups] table's or a device's fitting set, are on one device: config.py sees to it),
+    a [groups] table's or a device's fitting set, are on one device: config/sharing.py sees to it),
     where it says `footprint()` to the keeper; else the arenas of its devices, taken in the
     canonical order (arena/devices.py). A model on one device goes through that device's arena
     alone: on the default ["gpu0"], gpu0's (`config.arena`), exactly as before devices had

@@ -42,7 +42,7 @@ STRANDED_S = 20.0
 PROBE_INTERVAL_S = 0.0005
 # The turns fuzz's scale (issue 43): the daemon's defaults divided by 100 and more, so that a
 # run sees thousands of turns. Each bound is at least the quantum and at least the class's
-# aging (rank x TURN_AGING_S), as config.py and docs/scheduling.md ask of the real ones.
+# aging (rank x TURN_AGING_S), as config/daemontable.py and docs/scheduling.md ask of the real ones.
 TURN_AGING_S = 0.05
 TURN_QUANTUM_S = 0.02
 TURN_BOUNDS_S = {Priority.INTERACTIVE: 0.05, Priority.NORMAL: 0.1, Priority.BATCH: 0.15}

@@ -16,7 +16,7 @@ The checks, in order, each answered in the OpenAI error envelope:
 1. Host (TCP only): the configured listen host, `localhost`, or a loopback address (127.0.0.0/8,
    [::1]), with any port (a tunnel such as `ssh -L` changes the port, and rebinding changes only
    the name), else 421. A wildcard listen address (0.0.0.0, ::) names no host, so any is taken
-   there; such a daemon has an api_key (config.py insists), which a page cannot send without a
+   there; such a daemon has an api_key (the config insists), which a page cannot send without a
    preflight. No browser can open a Unix socket, and clients write any name there (curl
    `--unix-socket` and httpx send the URL's host, whatever it is): Host is not checked on
    api.sock.

@@ -128,7 +128,7 @@ class Keepers:
 
     async def check_devices(self, config: Config) -> None:
         """Refuse a config whose fitting sets cannot work: a [devices.ID] reserve not less than
-        the device's memory as measured now (config.py refuses one against its `memory`), or
+        the device's memory as measured now (config/sharing.py refuses one against its `memory`), or
         an RPC server that serves one client at a time (its models could never be warm
         together: a second one would wait for the first to leave). A server that does not
         answer now is let be: its models say so when they warm up."""
@@ -181,7 +181,7 @@ class Keepers:
                 holds_token=keeper.holding,
                 handoffs=keeper.handoffs,
                 failure=keeper.failure,
-                device=DEFAULT_DEVICE,  # a [groups] table's models are on gpu0 (config.py)
+                device=DEFAULT_DEVICE,  # a [groups] table's models are on gpu0 (config/sharing.py)
             )
             for group in self.config.groups.values()
             if (keeper := self._keepers.get(group.name)) is not None

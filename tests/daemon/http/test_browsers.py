@@ -282,7 +282,7 @@ def test_a_daemon_off_loopback_answers_to_its_configured_host() -> None:
     assert accepted_hosts("127.0.0.1") == frozenset({"localhost", "127.0.0.1"})
     assert accepted_hosts("MyBox.lan") == frozenset({"localhost", "mybox.lan"})
     assert accepted_hosts("192.0.2.7") == frozenset({"localhost", "192.0.2.7"})
-    # A wildcard address names no host; such a daemon has an api_key (config.py insists).
+    # A wildcard address names no host; such a daemon has an api_key (the config insists).
     assert accepted_hosts("0.0.0.0") is None
     assert accepted_hosts("::") is None
 
