@@ -11,8 +11,8 @@ import pytest
 from arbiterd.config import Tools, load_config
 from arbiterd.errors import ConfigError
 from arbiterd.spec import WorkerConfig
+from tests.config.test_config import write
 from tests.support.tiny_gguf import CHAT_TEMPLATE
-from tests.test_config import write
 
 MODEL = '[models.chat]\npath = "/models/chat.gguf"\n'
 
