@@ -45,7 +45,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
-from arbiterd.states import RequestStatus, ResidencyState
+from arbiterd.states import (
+    PassOverReason,
+    ReleaseReason,
+    RequestStatus,
+    ResidencyState,
+    UnloadReason,
+)
 
 # -- the field codec -------------------------------------------------------------------------
 #
@@ -56,7 +62,8 @@ from arbiterd.states import RequestStatus, ResidencyState
 #     float                      a finite number (not a bool), else 0.0
 #     str | None / str           a string, else None / ""
 #     bool                       true only for JSON true
-#     a states.py Enum | None    its member (an unknown value: UNKNOWN), a non-string None
+#     a states.py Enum | None    its member (an unknown value: UNKNOWN), a non-string None;
+#                                an Enum without UNKNOWN (Priority): an unknown value None too
 #     Enum | Enum (states.py's)  the member of the first that knows the value, else the first's
 #                                UNKNOWN (a non-string too): one name that may be either
 #     Record | None              an object read as that record, else None
@@ -133,7 +140,12 @@ _SCALARS: dict[object, _Reader] = {
 
 def _member(kind: type[enum.StrEnum]) -> _Reader:
     def read(value: object) -> Any:
-        return kind(value) if isinstance(value, str) else None
+        if not isinstance(value, str):
+            return None
+        try:
+            return kind(value)  # a tolerant Enum reads an unknown value as UNKNOWN
+        except ValueError:  # one without UNKNOWN: no member, no value
+            return None
 
     return read
 
@@ -142,9 +154,14 @@ def _value(member: enum.StrEnum | None) -> str | None:
     return None if member is None else str(member)  # a StrEnum's str() is its value
 
 
+def _names_a_value(kind: object) -> bool:
+    """Whether `kind` is a StrEnum (states.py's): an optional one reads as its member or None."""
+    return isinstance(kind, type) and issubclass(kind, enum.StrEnum)
+
+
 def _tolerant(kind: object) -> bool:
     """Whether `kind` is an Enum that reads an unknown value as UNKNOWN (states.py's): only
-    such an Enum keeps reading from raising."""
+    such an Enum can stand in a union of Enums, whose reading falls back on its UNKNOWN."""
     return (
         isinstance(kind, type) and issubclass(kind, enum.StrEnum) and "UNKNOWN" in kind.__members__
     )
@@ -194,7 +211,7 @@ def _union_codec(args: tuple[Any, ...]) -> tuple[_Reader, _Writer] | None:
     """The codec of an optional Enum or record, or of a union of Enums; None for another."""
     if len(args) == 2 and args[1] is type(None):
         kind = args[0]
-        if _tolerant(kind):
+        if _names_a_value(kind):
             return _member(kind), _value
         if isinstance(kind, type) and issubclass(kind, Record):
             return _record(kind), _written_record
@@ -300,6 +317,8 @@ class ResidencyEvent(Event):
     disk_read_bytes: int | None = None
     file_bytes: int | None = None
     copied_bytes: int | None = None
+    # A release's ReleaseReason (warm → cooling, cooling → cold); else what went wrong, if
+    # anything (a load that failed, a restore rolled back): free text.
     reason: str = ""
     waited_from: float | None = None
     wait_s: float | None = None
@@ -312,6 +331,12 @@ class ResidencyEvent(Event):
     def moved_bytes(self) -> int:
         """Weights and KV together; 0 when the event did not say."""
         return (self.weights_bytes or 0) + (self.kv_bytes or 0)
+
+    @property
+    def release_reason(self) -> ReleaseReason | None:
+        """Why the model gave the GPU up, when this is a release that says so; else None."""
+        releasing = self.from_state in (ResidencyState.WARM, ResidencyState.COOLING)
+        return ReleaseReason(self.reason) if releasing and self.reason else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -357,9 +382,9 @@ class HandoffEvent(Event):
     release_s: float | None = None
     restore_s: float | None = None
     restored_bytes: int | None = None
-    # Why `from_model` let go, when it did during the wait: "wanted", or "preempted" (paused
+    # Why `from_model` let go, when it did during the wait: WANTED, or PREEMPTED (paused
     # mid-generation for a waiter of a higher class).
-    release_reason: str | None = None
+    release_reason: ReleaseReason | None = None
     devices: tuple[str, ...] = ()
     # How many requests `from_model`'s turn served before that release (issue 43), when known.
     turn_served: int | None = None
@@ -450,16 +475,15 @@ class StepAsideEvent(Event):
 
 @dataclass(frozen=True)
 class UnloadEvent(Event):
-    """A model was unloaded (`reason`: "command", "idle" after unload_after_s, or
-    "host_ram_budget"): its worker
-    saved `tokens` tokens of prompt cache, `kv_bytes` in all, to `kv_file` and exited; `error`
-    says why nothing was saved when a save failed (it unloaded regardless)."""
+    """A model was unloaded (`reason`: why, an UnloadReason): its worker saved `tokens` tokens
+    of prompt cache, `kv_bytes` in all, to `kv_file` and exited; `error` says why nothing was
+    saved when a save failed (it unloaded regardless)."""
 
     KIND: ClassVar[str] = "unload"
 
     model: str | None = None
     pid: int | None = None
-    reason: str = ""
+    reason: UnloadReason | None = None
     kv_file: str | None = None
     kv_bytes: int | None = None
     tokens: int | None = None
@@ -603,8 +627,8 @@ class HolderSilentEvent(Event):
 @dataclass(frozen=True, kw_only=True)
 class PassedOverEvent(Event):
     """`model` took the GPU before `pid`, a waiter ahead of it in the queue of `arena` that could
-    not take the free token: its process was stopped (`reason` "stopped": Ctrl-Z, SIGSTOP) or
-    it left the token free for `free_s` ("not_taking": it hangs, or keeps its ticket while it
+    not take the free token: its process was stopped (`reason` STOPPED: Ctrl-Z, SIGSTOP) or
+    it left the token free for `free_s` (NOT_TAKING: it hangs, or keeps its ticket while it
     does something else). That waiter keeps its place: it is first again once it can take
     (docs/arena-protocol.md, "The queue")."""
 
@@ -612,7 +636,7 @@ class PassedOverEvent(Event):
 
     model: str | None = None
     pid: int | None = None
-    reason: str = ""
+    reason: PassOverReason | None = None
     free_s: float | None = None
     arena: str = ""
 

@@ -36,7 +36,7 @@ from arbiterd.events import (
     WorkerEvent,
 )
 from arbiterd.footprint import ModelFootprint, error, matched
-from arbiterd.states import CpuCause, ResidencyState
+from arbiterd.states import CpuCause, PassOverReason, ReleaseReason, ResidencyState
 from arbiterd.status import GroupStatus
 
 NONE = "—"  # what a missing name or figure shows as
@@ -254,7 +254,7 @@ def handoff_title(event: HandoffEvent | WaitEvent) -> str:
     was preempted mid-generation, or "beta waited behind steam (pid 9)"."""
     if isinstance(event, HandoffEvent):
         title = f"{_name(event.from_model)} → {_name(event.to_model)}"
-        if event.release_reason == "preempted":
+        if event.release_reason is ReleaseReason.PREEMPTED:
             title += f" ({_name(event.from_model)} paused)"
         return title
     return f"{_name(event.model)} waited behind {process(event.holder_name, event.holder_pid)}"
@@ -524,7 +524,7 @@ def _holder_silent(event: HolderSilentEvent) -> str:
 
 def _passed_over(event: PassedOverEvent) -> str:
     line = f"{_name(event.model)} went before pid {event.pid}, ahead of it in the queue"
-    if event.reason == "stopped":
+    if event.reason is PassOverReason.STOPPED:
         line += ": stopped"
     elif event.free_s is not None:
         line += f": left the free GPU untaken for {format_seconds(event.free_s)}"

@@ -17,9 +17,9 @@ import enum
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from arbiterd.arena import Priority, parse_priority
 from arbiterd.errors import BadValueError, RequestError
-from arbiterd.spec import COMPLETION_PARAMS, EMBEDDING, MAX_IMAGES
+from arbiterd.spec import COMPLETION_PARAMS, MAX_IMAGES
+from arbiterd.states import Priority, RequestKind, parse_priority
 
 # What a request may ask for at most: choices (generated one after the other), alternatives
 # per token in logprobs, a bias either way.
@@ -28,14 +28,6 @@ MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # in either direction, as OpenAI
 MAX_TOKEN_ID = 2**31 - 1  # llama.cpp's llama_token is an int32_t
 MAX_SHOWN_CHARS = 40  # of a refused value, in an error message
-
-
-class RequestKind(enum.StrEnum):
-    """What a request asks its model to make; an embedding model serves EMBEDDING only."""
-
-    COMPLETION = "completion"  # text after a prompt
-    CHAT = "chat"  # the next turn of a conversation, through the model's chat template
-    EMBEDDING = EMBEDDING  # a vector for each input text
 
 
 class ToolChoice(enum.StrEnum):

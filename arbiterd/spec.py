@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from arbiterd.arena import Priority
+from arbiterd.states import Priority, RequestKind
 
 # 2: error replies carry a stable code (errors.ErrorCode), not an exception class name.
 # 3: a generate op carries one "request" (arbiterd.request.GenerateRequest), not "kind" and "body".
@@ -35,9 +35,6 @@ COMPLETION_PARAMS: dict[str, tuple[type, ...]] = {
     "seed": (int,),
     "stop": (str, list),
 }
-# What an embedding model serves (ModelSpec.embedding); every other model serves "chat" and
-# "completion" requests.
-EMBEDDING = "embedding"
 # llama.cpp keeps n_ctx in a uint32 and sizes host arrays by it; larger values wrap or exhaust RAM.
 MAX_N_CTX = (1 << 31) - 1
 # Requests a model decodes together (`parallel`, issue 42): llama-server's and LM Studio's
@@ -119,13 +116,14 @@ class ModelSpec:
     tensor_split: tuple[float, ...] = ()  # each device's share; () = by free memory
 
 
-def kind_refusal(model: str, kind: str, embedding: bool) -> str:
-    """Why `model` cannot serve a request of `kind` ("chat", "completion" or EMBEDDING), as one
-    line for the client; "" when it can. `embedding`: the model is an embedding model."""
-    if embedding and kind != EMBEDDING:
-        wanted = "chat completions" if kind == "chat" else "completions"
+def kind_refusal(model: str, kind: RequestKind, embedding: bool) -> str:
+    """Why `model` cannot serve a request of `kind`, as one line for the client; "" when it
+    can. `embedding`: the model is an embedding model, which serves EMBEDDING requests only
+    (every other model serves CHAT and COMPLETION ones)."""
+    if embedding and kind is not RequestKind.EMBEDDING:
+        wanted = "chat completions" if kind is RequestKind.CHAT else "completions"
         return f"{model!r} is an embedding model: it makes embeddings, not {wanted}"
-    if not embedding and kind == EMBEDDING:
+    if not embedding and kind is RequestKind.EMBEDDING:
         return (
             f"{model!r} is not an embedding model: it makes chat completions and completions, "
             "not embeddings"

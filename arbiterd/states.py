@@ -24,12 +24,18 @@ A slot, one configured model in the daemon:
     ready ──► unloading ──► unloaded ──► starting  (`unload` or unload_after_s;
                                                     a demand model begins unloaded)
     any ──► stopped
+
+Not every name here is read tolerantly: a `Priority` or a `RequestKind` is an input (a config
+key, a header, a request field), where a value this version does not know is refused with the
+names it does (`parse_priority`), never read as something else.
 """
 
 from __future__ import annotations
 
 import enum
 from typing import Self
+
+from arbiterd.errors import BadValueError
 
 
 class _Tolerant(enum.StrEnum):
@@ -144,3 +150,70 @@ class BackendKind(_Tolerant):
     IN_PLACE = "in-place"  # the patched engine releases and restores buffers in place
     RELOAD = "reload"  # the model is freed and loaded again from the host copy
     UNKNOWN = "unknown"
+
+
+class ReleaseReason(_Tolerant):
+    """Why a warm model gave the GPU up (worker/policy.py decides WANTED and IDLE; the worker
+    preempts; the daemon commands): the `reason` of its warm → cooling residency event, and a
+    handoff's `release_reason`."""
+
+    WANTED = "wanted"  # another program waits for the token
+    IDLE = "idle"  # idle longer than idle_release_s
+    PREEMPTED = "preempted"  # paused mid-request for a waiter of a higher class
+    COMMAND = "command"  # the `release` control command (or a hold, a step aside)
+    UNKNOWN = "unknown"
+
+
+# The releases made for a waiter: the token is handed over to it rather than given up.
+FOR_A_WAITER = frozenset({ReleaseReason.WANTED, ReleaseReason.PREEMPTED})
+
+
+class UnloadReason(_Tolerant):
+    """Why the daemon unloaded a model (its worker saved its prompt cache and exited): the
+    `reason` of an unload event."""
+
+    COMMAND = "command"  # the `unload` control command
+    IDLE = "idle"  # unused for unload_after_s
+    HOST_RAM_BUDGET = "host_ram_budget"  # cold models over [daemon] host_ram_budget, oldest first
+    UNKNOWN = "unknown"
+
+
+class PassOverReason(_Tolerant):
+    """Why a waiter ahead in the queue was passed over (issue 40 item 1): the `reason` of a
+    passed_over event."""
+
+    STOPPED = "stopped"  # its process is stopped (SIGSTOP, Ctrl-Z's SIGTSTP, a debugger)
+    NOT_TAKING = "not_taking"  # it let the free token lie for the bound (token.PASS_OVER_S)
+    UNKNOWN = "unknown"
+
+
+class Priority(enum.StrEnum):
+    """A waiter's class in an arena's queue: a higher one is admitted first; within a class,
+    arrival order. The tickets' names spell it (docs/arena-protocol.md, "The queue")."""
+
+    INTERACTIVE = "interactive"  # a person waiting on the answer
+    NORMAL = "normal"
+    BATCH = "batch"  # work nobody watches
+
+    @property
+    def rank(self) -> int:
+        return list(Priority).index(self)  # 0 first
+
+
+PRIORITY_CHOICES = ", ".join(p.value for p in Priority)
+
+
+def parse_priority(text: str, where: str) -> Priority:
+    """`text` as a Priority; BadValueError naming `where` and the allowed names."""
+    try:
+        return Priority(text)
+    except ValueError:
+        raise BadValueError(f"{where} must be one of {PRIORITY_CHOICES}, got {text!r}") from None
+
+
+class RequestKind(enum.StrEnum):
+    """What a request asks its model to make; an embedding model serves EMBEDDING only."""
+
+    COMPLETION = "completion"  # text after a prompt
+    CHAT = "chat"  # the next turn of a conversation, through the model's chat template
+    EMBEDDING = "embedding"  # a vector for each input text

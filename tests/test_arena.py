@@ -17,15 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from arbiterd.arena import (
-    QUEUE_DIR,
-    Arena,
-    ArenaState,
-    HolderInfo,
-    Priority,
-    parse_proc_locks,
-    procfs,
-)
+from arbiterd.arena import QUEUE_DIR, Arena, ArenaState, HolderInfo, parse_proc_locks, procfs
 from arbiterd.arena import token as arena_token
 from arbiterd.errors import (
     AcquireCancelledError,
@@ -34,6 +26,7 @@ from arbiterd.errors import (
     ArenaUnwritableError,
     BadValueError,
 )
+from arbiterd.states import Priority
 from tests.conftest import ACTOR, Processes, RecordProperty
 from tests.support.arena_actor import TURN_BOUNDS_S
 from tests.support.stamps import overlaps, read_holds

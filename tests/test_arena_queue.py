@@ -19,22 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from arbiterd.arena import (
-    QUEUE_DIR,
-    Arena,
-    ArenaState,
-    PassOverReason,
-    Priority,
-    QueuedWaiter,
-    Token,
-    parse_priority,
-)
+from arbiterd.arena import QUEUE_DIR, Arena, ArenaState, QueuedWaiter, Token
 from arbiterd.arena import records as arena_records
 from arbiterd.arena.procfs import PROC_LOCKS, flock_records, inode_key, parse_proc_locks, stopped
 from arbiterd.arena.token import PASS_OVER_S, STALL_CHECK_S
 from arbiterd.cli.main import arena_status_json
 from arbiterd.errors import AcquireCancelledError, BadValueError
 from arbiterd.procs import news_for, waiter_name
+from arbiterd.states import PassOverReason, Priority, parse_priority
 from tests.conftest import SUPPORT, Processes
 from tests.support.stamps import overlaps, read_holds
 from tests.support.waiting import wait_until
@@ -289,7 +281,7 @@ def test_a_killed_waiters_ticket_vanishes_and_blocks_nobody(tmp_path: Path) -> N
     arena = Arena(path)
     holder = arena.acquire("holder")
     script = (
-        "import sys; from arbiterd.arena import Arena, Priority; "
+        "import sys; from arbiterd.arena import Arena; from arbiterd.states import Priority; "
         "Arena(__import__('pathlib').Path(sys.argv[1])).acquire('doomed', "
         "priority=Priority.INTERACTIVE)"
     )

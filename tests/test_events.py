@@ -32,7 +32,13 @@ from arbiterd.events import (
     WorkerEvent,
     parse_event,
 )
-from arbiterd.states import RequestStatus, ResidencyState
+from arbiterd.states import (
+    PassOverReason,
+    ReleaseReason,
+    RequestStatus,
+    ResidencyState,
+    UnloadReason,
+)
 
 T = 1_718_000_000.25
 GiB = 1 << 30
@@ -76,7 +82,7 @@ SAMPLES: list[Event] = [
         release_s=0.4,
         restore_s=0.9,
         restored_bytes=GiB,
-        release_reason="wanted",
+        release_reason=ReleaseReason.WANTED,
         devices=("gpu0",),
         turn_served=7,
     ),
@@ -111,7 +117,7 @@ SAMPLES: list[Event] = [
         at=T,
         model="gemma",
         pid=4242,
-        reason="idle",
+        reason=UnloadReason.IDLE,
         kv_file="/state/arbiterd/prompt-cache/gemma.kv",
         kv_bytes=3 << 20,
         tokens=812,
@@ -159,7 +165,12 @@ SAMPLES: list[Event] = [
     ),
     HolderSilentEvent(at=T, model="gemma", pid=4242, silent_s=61.5, timeout_s=30.0, killed=True),
     PassedOverEvent(
-        at=T, model="tiny", pid=4343, reason="stopped", free_s=0.0, arena="/run/arena/gpu0"
+        at=T,
+        model="tiny",
+        pid=4343,
+        reason=PassOverReason.STOPPED,
+        free_s=0.0,
+        arena="/run/arena/gpu0",
     ),
     OverflowEvent(at=T),
 ]

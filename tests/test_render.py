@@ -18,6 +18,7 @@ from arbiterd.events import (
     WaitEvent,
     parse_event,
 )
+from arbiterd.states import ReleaseReason
 from tests.test_events import SAMPLES
 
 AT = 1_718_020_803.12  # a time with milliseconds that binary floats cannot hold exactly
@@ -334,7 +335,7 @@ def test_handoffs_and_waits_as_the_tray_titles_and_labels_them() -> None:
     handoff = HandoffEvent(from_model="a", to_model="b", wait_s=0.5, restore_s=0.9)
     wait = WaitEvent(model="b", holder_name="steam", holder_pid=9, wait_s=3.2)
     assert render.handoff_title(handoff) == "a → b"
-    paused = dataclasses.replace(handoff, release_reason="preempted")
+    paused = dataclasses.replace(handoff, release_reason=ReleaseReason.PREEMPTED)
     assert render.handoff_title(paused) == "a → b (a paused)"
     assert render.handoff_title(wait) == "b waited behind steam (pid 9)"
     assert render.handoff_label(handoff) == "→ b 1.40 s"

@@ -7,17 +7,10 @@ from typing import Any
 
 import pytest
 
-from arbiterd.arena import Priority
 from arbiterd.errors import RequestError
-from arbiterd.request import (
-    GenerateRequest,
-    RequestKind,
-    ResponseFormat,
-    Sampling,
-    Tool,
-    ToolChoice,
-)
+from arbiterd.request import GenerateRequest, ResponseFormat, Sampling, Tool, ToolChoice
 from arbiterd.spec import COMPLETION_PARAMS
+from arbiterd.states import Priority, RequestKind
 
 WEATHER = Tool(
     name="get_weather",

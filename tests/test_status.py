@@ -13,7 +13,7 @@ import pytest
 
 from arbiterd.events import DeviceMemory, HandoffEvent, ProcessMemory, Record
 from arbiterd.footprint import DeviceFootprint, ModelFootprint
-from arbiterd.states import BackendKind, ResidencyState, SlotState
+from arbiterd.states import BackendKind, Priority, ResidencyState, SlotState
 from arbiterd.status import (
     DaemonStatus,
     Engine,
@@ -77,7 +77,9 @@ FULL = DaemonStatus(
         program="blender", pid=5151, reason="asked for (arbiterd yield)", since=3.0
     ),
     yield_watch="watching /dev/dri/renderD128 (inotify)",
-    groups=(GroupStatus("rag", ("story",), "normal", holds_token=True, handoffs=2, failure=""),),
+    groups=(
+        GroupStatus("rag", ("story",), Priority.NORMAL, holds_token=True, handoffs=2, failure=""),
+    ),
     telemetry=Telemetry(
         at=2.0,
         source="nvml",

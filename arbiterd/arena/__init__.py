@@ -2,8 +2,9 @@
 
 Owns the files of an arena directory and every lock taken on them. Its modules:
 
-    records     what is read and written: Priority, QueuedWaiter, HolderInfo, ArenaState, and
-                the protocols of a way to the GPU (Gateway, Place, Hold)
+    records     what is read and written: QueuedWaiter, HolderInfo, ArenaState, and the
+                protocols of a way to the GPU (Gateway, Place, Hold); a waiter's class
+                (Priority) is the shared vocabulary's, arbiterd/states.py
     token       Arena (the directory, its queue, observing it), Ticket and Token
     groups      models that hold the GPU together: a group's gate inside an arena (issue 14)
     fitting     which members of a fitting set may be warm together: the keeper's pure policy
@@ -78,22 +79,17 @@ from arbiterd.arena.devices import (
 )
 from arbiterd.arena.procfs import parse_proc_locks
 from arbiterd.arena.records import (
-    PRIORITY_CHOICES,
     ArenaState,
     Gateway,
     Hold,
     HolderInfo,
     PassedOver,
-    PassOverReason,
     Place,
-    Priority,
     QueuedWaiter,
-    parse_priority,
 )
 from arbiterd.arena.token import QUEUE_DIR, Arena, Ticket, Token
 
 __all__ = [
-    "PRIORITY_CHOICES",
     "QUEUE_DIR",
     "Arena",
     "ArenaState",
@@ -103,16 +99,13 @@ __all__ = [
     "Gateway",
     "Hold",
     "HolderInfo",
-    "PassOverReason",
     "PassedOver",
     "Place",
-    "Priority",
     "QueuedWaiter",
     "Ticket",
     "Token",
     "canonical_order",
     "device_arenas",
     "over_devices",
-    "parse_priority",
     "parse_proc_locks",
 ]

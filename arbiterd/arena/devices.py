@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from arbiterd.arena.doorbell import Bell
-from arbiterd.arena.records import ArenaState, Gateway, Hold, PassedOver, Place, Priority
+from arbiterd.arena.records import ArenaState, Gateway, Hold, PassedOver, Place
 from arbiterd.arena.token import Arena
 from arbiterd.errors import (
     AcquireCancelledError,
@@ -54,6 +54,7 @@ from arbiterd.errors import (
     BadValueError,
 )
 from arbiterd.paths import DeviceId, device_arena_of, parse_device_id
+from arbiterd.states import Priority
 
 
 def canonical_order(devices: Iterable[str | DeviceId]) -> tuple[DeviceId, ...]:

@@ -75,10 +75,11 @@ from arbiterd.arena.locks import (
     try_flock,
     unlock,
 )
-from arbiterd.arena.records import ArenaState, PassedOver, Priority
+from arbiterd.arena.records import ArenaState, PassedOver
 from arbiterd.arena.token import Arena
 from arbiterd.config import GROUP_NAME_EXPECTED, GROUP_NAME_RE
 from arbiterd.errors import AcquireCancelledError, ArenaError, BadValueError
+from arbiterd.states import Priority
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The arena's records and interfaces: a waiter's class and ticket (and the label in it), the
+"""The arena's records and interfaces: a waiter's ticket (and the label in it), the
 holder as holder.json names it, a snapshot of an arena, and the three protocols a worker's way
 to the GPU implements (the arena itself, or a group's gate). Pure data: no file, no lock.
 """
@@ -6,7 +6,6 @@ to the GPU implements (the arena itself, or a group's gate). Pure data: no file,
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
 import threading
 from collections.abc import Callable
@@ -15,36 +14,13 @@ from pathlib import Path
 from typing import Protocol
 
 from arbiterd.arena.doorbell import Bell
-from arbiterd.errors import BadValueError
+from arbiterd.states import PassOverReason, Priority
 
 TICKET_SUFFIX = ".ticket"
 # A ticket stands in line as if it had come this much later for each class below interactive:
 # a batch job is behind only the interactive requests that come within two of these after it.
 # Every process of an arena must use the same value, or they disagree on the order.
 PRIORITY_AGING_S = 30.0
-
-
-class Priority(enum.StrEnum):
-    """A waiter's class: a higher one is admitted first; within a class, arrival order."""
-
-    INTERACTIVE = "interactive"  # a person waiting on the answer
-    NORMAL = "normal"
-    BATCH = "batch"  # work nobody watches
-
-    @property
-    def rank(self) -> int:
-        return list(Priority).index(self)  # 0 first
-
-
-PRIORITY_CHOICES = ", ".join(p.value for p in Priority)
-
-
-def parse_priority(text: str, where: str) -> Priority:
-    """`text` as a Priority; BadValueError naming `where` and the allowed names."""
-    try:
-        return Priority(text)
-    except ValueError:
-        raise BadValueError(f"{where} must be one of {PRIORITY_CHOICES}, got {text!r}") from None
 
 
 @dataclass(frozen=True)
@@ -108,13 +84,6 @@ class QueuedWaiter:
             "waited_s": round(self.waited_s(now_ns), 3),
             "model": self.model,
         }
-
-
-class PassOverReason(enum.StrEnum):
-    """Why a waiter ahead in the queue was passed over (issue 40 item 1)."""
-
-    STOPPED = "stopped"  # its process is stopped (SIGSTOP, Ctrl-Z's SIGTSTP, a debugger)
-    NOT_TAKING = "not_taking"  # it let the free token lie for the bound (token.PASS_OVER_S)
 
 
 @dataclass(frozen=True)

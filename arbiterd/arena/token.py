@@ -47,13 +47,12 @@ from arbiterd.arena.records import (
     ArenaState,
     HolderInfo,
     PassedOver,
-    PassOverReason,
-    Priority,
     QueuedWaiter,
     TicketLabel,
 )
 from arbiterd.errors import ArenaError, ArenaUnwritableError, BadValueError
 from arbiterd.paths import ensure_private_dir
+from arbiterd.states import PassOverReason, Priority
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from arbiterd import __version__, render
-from arbiterd.arena import PRIORITY_CHOICES, Arena, ArenaState, Priority, parse_priority
+from arbiterd.arena import Arena, ArenaState
 from arbiterd.arena.devices import canonical_order
 from arbiterd.cli import commands
 from arbiterd.cli.demo import main as run_demo
@@ -37,6 +37,7 @@ from arbiterd.errors import (
 from arbiterd.paths import DEFAULT_DEVICE, DEVICE_ID_SHAPES, device_arena_of, resolve_arena
 from arbiterd.procs import holder_name, process_name, waiter_name
 from arbiterd.rpcserver import server as rpcserver
+from arbiterd.states import PRIORITY_CHOICES, Priority, parse_priority
 
 RUN_USAGE = (
     "arbiterd run [--arena DIR] [--device ID]... [--name NAME] [--priority P] [--timeout S] "

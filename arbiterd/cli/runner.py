@@ -49,7 +49,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
-from arbiterd.arena import Arena, ArenaState, Priority, Token
+from arbiterd.arena import Arena, ArenaState, Token
 from arbiterd.arena.devices import Devices, DevicesHold, canonical_order
 from arbiterd.errors import (
     AcquireCancelledError,
@@ -60,6 +60,7 @@ from arbiterd.errors import (
 )
 from arbiterd.paths import DeviceId
 from arbiterd.procs import WaitNews, holder_label, news_for
+from arbiterd.states import Priority
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # How often a wait looks again at who holds the GPU and at its place in the queue.

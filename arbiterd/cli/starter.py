@@ -6,7 +6,6 @@ The keys and defaults are arbiterd/config/'s.
 
 from __future__ import annotations
 
-from arbiterd.arena import Priority
 from arbiterd.cli.discovery import FoundModel
 from arbiterd.config import (
     DEFAULT_HTTP,
@@ -20,6 +19,7 @@ from arbiterd.config import (
     default_n_ctx,
 )
 from arbiterd.spec import MAX_TURN_S, MAX_WAIT_S, MIN_TURN_S, SWITCH_OVERHEAD
+from arbiterd.states import Priority
 from arbiterd.tomltable import toml_key, toml_string
 
 

@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from arbiterd.arena import PRIORITY_CHOICES, Priority
 from arbiterd.config.records import (
     API_SOCKET_FILE,
     APP_DIR,
@@ -45,6 +44,7 @@ from arbiterd.spec import (
     SWITCH_OVERHEAD,
     Turns,
 )
+from arbiterd.states import PRIORITY_CHOICES, Priority
 from arbiterd.tomltable import (
     Source,
     Table,

@@ -14,7 +14,6 @@ import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from arbiterd.arena import PRIORITY_CHOICES, Priority
 from arbiterd.chattemplate import template_problem
 from arbiterd.config.daemontable import (
     RPC_IPV6,
@@ -49,6 +48,7 @@ from arbiterd.spec import (
     Residency,
     SplitMode,
 )
+from arbiterd.states import PRIORITY_CHOICES, Priority
 from arbiterd.tomltable import (
     MISSING,
     Keys,

@@ -14,7 +14,6 @@ import enum
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from arbiterd.arena import Priority
 from arbiterd.paths import (
     DEFAULT_DEVICE,
 )
@@ -28,6 +27,7 @@ from arbiterd.spec import (
     Turns,
     WorkerConfig,
 )
+from arbiterd.states import Priority
 
 APP_DIR = "arbiterd"
 

@@ -70,7 +70,7 @@ from arbiterd.events import (
 from arbiterd.offload import CpuNote, cpu_note, gpu_nodes, setup_script
 from arbiterd.procs import WaitNews, holder_name, waiter_name
 from arbiterd.request import GenerateRequest
-from arbiterd.states import CpuCause, ResidencyState, SlotState
+from arbiterd.states import CpuCause, ResidencyState, SlotState, UnloadReason
 from arbiterd.status import (
     HOLD_HOLDER_NAME,
     DaemonStatus,
@@ -374,7 +374,7 @@ class Supervisor:
         `on_news` is told what it waits for while the model waits for the GPU."""
         slot = self._router.slot_of(model)
         if name == "unload":
-            unloading = self._lifecycle.unload(slot, "command")
+            unloading = self._lifecycle.unload(slot, UnloadReason.COMMAND)
             saved = await (
                 unloading if on_news is None else self._waits.command(slot, unloading, on_news)
             )

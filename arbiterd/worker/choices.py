@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from arbiterd.states import RequestKind
 from arbiterd.worker.toolcalls import CallReader, ToolCall
 
 
@@ -36,7 +37,7 @@ class Choice:
 
     def __init__(
         self,
-        kind: str,
+        kind: RequestKind,
         index: int,
         *,
         calls: CallReader | None = None,
@@ -61,7 +62,7 @@ class Choice:
         given = chunk["choices"][0]
         finish = given.get("finish_reason")
         text = given.get("text") or ""
-        if self.kind == "completion":
+        if self.kind is RequestKind.COMPLETION:
             self._pieces.append(text)
             if finish is not None:
                 self.finish_reason = finish
@@ -95,7 +96,7 @@ class Choice:
         """The choice in a response that is not streamed."""
         self._take_logprobs()  # any the last chunk did not carry
         choice: dict[str, Any] = {"index": self.index, "finish_reason": self.finish_reason}
-        if self.kind == "chat":
+        if self.kind is RequestKind.CHAT:
             message: dict[str, Any] = {"role": "assistant", "content": self.text}
             if self.tool_calls:
                 message["content"] = self.text or None
@@ -158,7 +159,7 @@ class Choice:
         return taken
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
-        if self.kind == "chat":
+        if self.kind is RequestKind.CHAT:
             return {
                 "content": [
                     {

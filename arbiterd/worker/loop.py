@@ -86,7 +86,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from arbiterd import footprint
-from arbiterd.arena import Arena, ArenaState, Gateway, Hold, Place, Priority
+from arbiterd.arena import Arena, ArenaState, Gateway, Hold, Place
 from arbiterd.arena.devices import device_arenas
 from arbiterd.arena.doorbell import SAFETY_PROBE_S, Doorbell
 from arbiterd.arena.groups import Gate
@@ -108,7 +108,7 @@ from arbiterd.events import PassedOverEvent, RequestEvent, ResidencyEvent
 from arbiterd.footprint import DeviceFootprint
 from arbiterd.paths import DeviceKind, device_arena_of, parse_device_id
 from arbiterd.procs import holder_name
-from arbiterd.request import GenerateRequest, RequestKind
+from arbiterd.request import GenerateRequest
 from arbiterd.spec import (
     WORKER_PROTOCOL,
     Capability,
@@ -118,7 +118,16 @@ from arbiterd.spec import (
     Residency,
     WorkerConfig,
 )
-from arbiterd.states import BackendKind, RequestStatus, ResidencyState, WorkerOp
+from arbiterd.states import (
+    FOR_A_WAITER,
+    BackendKind,
+    Priority,
+    ReleaseReason,
+    RequestKind,
+    RequestStatus,
+    ResidencyState,
+    WorkerOp,
+)
 from arbiterd.wire import LineReader, LineWriter
 from arbiterd.worker import keptkv
 from arbiterd.worker.engine import (
@@ -137,7 +146,6 @@ from arbiterd.worker.kvfile import KvState
 from arbiterd.worker.policy import (
     HandoffCost,
     HoldView,
-    ReleaseReason,
     decided_again_in_s,
     preempts,
     release_reason,
@@ -432,7 +440,7 @@ class Worker:
                 return
             if command.op is WorkerOp.RELEASE:
                 if self._residency.state is ResidencyState.WARM:
-                    self._cool("command")
+                    self._cool(ReleaseReason.COMMAND)
                 self._reply(command.id, {"state": self._residency.state.value})
             elif command.op is WorkerOp.WARM:
                 self._handle_warm(command)
@@ -789,7 +797,7 @@ class Worker:
         queue for it again in their class and resume where they stopped; unless `withdrawn`
         says nobody waits for them any more."""
         self._paused += 1
-        self._cool(ReleaseReason.PREEMPTED.value)
+        self._cool(ReleaseReason.PREEMPTED)
         self._warm_up(withdrawn, priority)
 
     def _maybe_release(self) -> float | None:
@@ -821,7 +829,7 @@ class Worker:
         reason = release_reason(view, min_hold_s=min_hold_s, idle_release_s=idle_release_s)
         if reason is None:
             return decided_again_in_s(view, min_hold_s=min_hold_s, idle_release_s=idle_release_s)
-        self._cool(reason.value)
+        self._cool(reason)
         return None
 
     def _quantum_s(self) -> float:
@@ -847,18 +855,18 @@ class Worker:
         )
         return min(left, default=math.inf)
 
-    def _cool(self, reason: str) -> None:
+    def _cool(self, reason: ReleaseReason) -> None:
         """warm → cooling → cold: free the device first, then let go of the token."""
         self._emit(
             self._residency.transition(ResidencyState.WARM, ResidencyState.COOLING, reason=reason)
         )
         # A paused generation resumes from its KV: it is kept whatever the policy says.
         kv = self._kv_policy
-        if reason == ReleaseReason.PREEMPTED.value and kv is KvPolicy.DROP:
+        if reason is ReleaseReason.PREEMPTED and kv is KvPolicy.DROP:
             kv = KvPolicy.HOST
         moved = self._native_call(lambda: self._backend.release(kv))
         self._moved(ResidencyState.COOLING, ResidencyState.COLD, moved, reason)
-        if reason in (ReleaseReason.WANTED.value, ReleaseReason.PREEMPTED.value):
+        if reason in FOR_A_WAITER:
             token, self._token = self._token, None
             self._doorbell.disarm()
             if token is not None:
@@ -983,7 +991,7 @@ class Worker:
                 at=time.time(),
                 model=self.name,
                 pid=passed.waiter.pid,
-                reason=passed.reason.value,
+                reason=passed.reason,
                 free_s=passed.free_s,
                 arena=str(passed.arena),
             )

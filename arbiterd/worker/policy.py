@@ -7,15 +7,10 @@ keeps the GPU for while it has work queued, sized from what a handoff measurably
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass
 
-
-class ReleaseReason(enum.StrEnum):
-    WANTED = "wanted"  # another program waits for the token
-    IDLE = "idle"  # idle longer than idle_release_s
-    PREEMPTED = "preempted"  # paused mid-request for a waiter of a higher class
+from arbiterd.states import ReleaseReason
 
 
 @dataclass(frozen=True)

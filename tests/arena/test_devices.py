@@ -24,7 +24,6 @@ from arbiterd.arena import (
     ArenaState,
     Devices,
     DevicesHold,
-    Priority,
     Token,
     canonical_order,
     device_arenas,
@@ -44,6 +43,7 @@ from arbiterd.paths import (
     device_arena_of,
     parse_device_id,
 )
+from arbiterd.states import Priority
 from tests.conftest import SUPPORT, Processes, RecordProperty
 from tests.support.stamps import Hold, overlaps, read_holds
 from tests.support.waiting import wait_until

@@ -14,9 +14,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from arbiterd.arena import Arena, Priority
+from arbiterd.arena import Arena
 from arbiterd.arena.groups import Gate, GateHold, Keeper, group_dir
 from arbiterd.errors import AcquireCancelledError, BadValueError
+from arbiterd.states import Priority
 from tests.support.waiting import wait_until
 
 
@@ -187,7 +188,8 @@ def test_the_keeper_queues_for_the_group_in_its_class(arena: Arena, members: Mem
 MEMBER = """
 import sys, time
 from pathlib import Path
-from arbiterd.arena import Arena, Priority
+from arbiterd.arena import Arena
+from arbiterd.states import Priority
 from arbiterd.arena.groups import Gate
 ticket = Gate(Arena(Path(sys.argv[1])), "pair", "victim").queue(Priority.NORMAL)
 hold = ticket.take("victim")

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from arbiterd.arena import Priority
 from arbiterd.cli.discovery import FoundModel
 from arbiterd.cli.starter import starter_config_text
 from arbiterd.config import (
@@ -25,6 +24,7 @@ from arbiterd.config import (
 )
 from arbiterd.errors import BadValueError, ConfigError, RuntimeDirError
 from arbiterd.spec import MAX_WAIT_S, KvPolicy, Residency, Turns, WorkerConfig
+from arbiterd.states import Priority
 from arbiterd.tomltable import parse_size
 
 FULL = """\

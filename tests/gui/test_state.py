@@ -15,7 +15,7 @@ from arbiterd.gui import palette
 from arbiterd.gui.replay import apply_replay, load_replay
 from arbiterd.gui.state import WARNING_HOLD_S, TrayState
 from arbiterd.offload import CpuNote, cpu_note
-from arbiterd.states import CpuCause
+from arbiterd.states import CpuCause, Priority
 from arbiterd.status import DaemonStatus, GroupStatus, HostRam, PromptCache
 from tests.gui.conftest import SAMPLE_REPLAY
 from tests.gui.fakes import GiB, MiB, model, status
@@ -481,8 +481,10 @@ def test_budgets_and_groups_are_read_and_an_older_daemon_has_none() -> None:
     )
     assert read.prompt_cache == PromptCache(bytes_=12 * MiB, files=2, budget_bytes=4 * GiB)
     assert read.groups == (  # from a daemon before issue 44: no device, budget or members warm
-        GroupStatus("rag", ("qwen", "nomic"), "normal", holds_token=True, handoffs=2, failure=""),
-        GroupStatus("odd", (), "", holds_token=False, handoffs=0, failure=""),
+        GroupStatus(
+            "rag", ("qwen", "nomic"), Priority.NORMAL, holds_token=True, handoffs=2, failure=""
+        ),
+        GroupStatus("odd", (), None, holds_token=False, handoffs=0, failure=""),
     )
     older = DaemonStatus.from_json({"models": [], "host_ram": 5, "prompt_cache": None})
     assert (older.host_ram, older.prompt_cache, older.groups) == (None, None, ())

@@ -33,9 +33,10 @@ import threading
 import time
 from pathlib import Path
 
-from arbiterd.arena import Arena, Priority, Token
+from arbiterd.arena import Arena, Token
 from arbiterd.arena import records as arena_records
 from arbiterd.errors import AcquireTimeoutError
+from arbiterd.states import Priority
 from arbiterd.worker.policy import HoldView, release_reason
 
 STRANDED_S = 20.0

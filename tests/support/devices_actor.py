@@ -24,18 +24,9 @@ import threading
 import time
 from pathlib import Path
 
-from arbiterd.arena import (
-    Arena,
-    Devices,
-    DevicesPlace,
-    Gateway,
-    Hold,
-    Place,
-    Priority,
-    Ticket,
-    over_devices,
-)
+from arbiterd.arena import Arena, Devices, DevicesPlace, Gateway, Hold, Place, Ticket, over_devices
 from arbiterd.errors import AcquireCancelledError, AcquireTimeoutError
+from arbiterd.states import Priority
 
 PROBE_INTERVAL_S = 0.0005
 HOLD_MAX_S = 0.003

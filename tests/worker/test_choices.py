@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from arbiterd.states import RequestKind
 from arbiterd.worker.choices import Choice, TokenLogprob
 from arbiterd.worker.toolcalls import CallReader
 
@@ -32,7 +33,7 @@ def deltas(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def test_a_chat_answer_streams_its_role_then_its_text() -> None:
-    choice = Choice("chat", 0)
+    choice = Choice(RequestKind.CHAT, 0)
     chunks = run(choice, ["Hel", "lo"])
     assert deltas(chunks) == [{"role": "assistant"}, {"content": "Hel"}, {"content": "lo"}, {}]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
@@ -46,7 +47,7 @@ def test_a_chat_answer_streams_its_role_then_its_text() -> None:
 
 
 def test_a_call_becomes_the_deltas_the_openai_sdk_accumulates() -> None:
-    choice = Choice("chat", 2, calls=CallReader(["add"]))
+    choice = Choice(RequestKind.CHAT, 2, calls=CallReader(["add"]))
     chunks = run(choice, ["<tool_call>", '{"name": "add", "arguments": {"a": 1}}', "</tool_call>"])
     opened, filled = deltas(chunks)[1:3]
     call = opened["tool_calls"][0]
@@ -65,7 +66,7 @@ def test_a_call_becomes_the_deltas_the_openai_sdk_accumulates() -> None:
 
 
 def test_text_before_a_call_is_kept() -> None:
-    choice = Choice("chat", 0, calls=CallReader(["add"]))
+    choice = Choice(RequestKind.CHAT, 0, calls=CallReader(["add"]))
     run(choice, ["Sure. ", '<tool_call>{"name": "add", "arguments": {}}'])
     message = choice.result()["message"]
     assert message["content"] == "Sure. "
@@ -74,7 +75,7 @@ def test_text_before_a_call_is_kept() -> None:
 
 def test_chat_logprobs_ride_on_the_chunk_of_their_token() -> None:
     recorded: list[TokenLogprob] = []
-    choice = Choice("chat", 0, logprobs=recorded)
+    choice = Choice(RequestKind.CHAT, 0, logprobs=recorded)
     first = choice.convert(text_chunk("Hi"))  # the role chunk, then the text
     recorded.append(TokenLogprob(b"Hi", -0.5, ((b"Hi", -0.5), (b"Yo", -1.5))))
     second = choice.convert(text_chunk("!"))
@@ -98,7 +99,7 @@ def test_chat_logprobs_ride_on_the_chunk_of_their_token() -> None:
 
 def test_completion_logprobs_have_tokens_and_offsets() -> None:
     recorded: list[TokenLogprob] = []
-    choice = Choice("completion", 0, logprobs=recorded)
+    choice = Choice(RequestKind.COMPLETION, 0, logprobs=recorded)
     recorded += [TokenLogprob(b"ab", -1.0, ((b"ab", -1.0),)), TokenLogprob(b"c", -2.0, ())]
     chunk = choice.convert(text_chunk("abc"))[0]
     recorded.append(TokenLogprob(b"d", -3.0, ()))
@@ -118,7 +119,7 @@ def test_completion_logprobs_have_tokens_and_offsets() -> None:
 
 def test_a_broken_token_is_shown_replaced_with_its_bytes_kept() -> None:
     recorded = [TokenLogprob("é".encode()[:1], -1.0, ())]
-    choice = Choice("chat", 0, logprobs=recorded)
+    choice = Choice(RequestKind.CHAT, 0, logprobs=recorded)
     run(choice, ["x"])
     entry = choice.result()["logprobs"]["content"][0]
     assert entry["bytes"] == [0xC3]

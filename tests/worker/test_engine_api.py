@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from arbiterd.errors import RequestError
-from arbiterd.request import MAX_TOKEN_ID, GenerateRequest, RequestKind
+from arbiterd.request import MAX_TOKEN_ID, GenerateRequest
 from arbiterd.spec import ModelSpec
+from arbiterd.states import RequestKind
 from arbiterd.worker.engine import ReloadBackend
 from tests.support.requests import request_for
 from tests.support.tiny_gguf import TOOLS_CHAT_TEMPLATE, TinyModelSpec, write_tiny_llama

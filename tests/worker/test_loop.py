@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from arbiterd.arena import Arena, Priority
+from arbiterd.arena import Arena
 from arbiterd.arena.doorbell import SAFETY_PROBE_S
 from arbiterd.arena.groups import Gate, GateHold, Keeper, group_dir
 from arbiterd.config import FITTING_GROUP
@@ -48,7 +48,7 @@ from arbiterd.spec import (
     Turns,
     WorkerConfig,
 )
-from arbiterd.states import BackendKind
+from arbiterd.states import BackendKind, Priority
 from arbiterd.wire import LineReader, LineWriter
 from arbiterd.worker.engine import EngineInfo, Generation, Moved, Prepared, engine_info
 from arbiterd.worker.kvfile import KvState

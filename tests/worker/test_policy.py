@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
+from arbiterd.states import ReleaseReason
 from arbiterd.worker.policy import (
     HANDOFF_SMOOTHING,
     PRIOR_HANDOFF_S,
     HandoffCost,
     HoldView,
-    ReleaseReason,
     decided_again_in_s,
     release_reason,
     turn_quantum_s,

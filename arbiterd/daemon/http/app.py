@@ -58,8 +58,8 @@ from arbiterd.daemon.http.openai_requests import (
 from arbiterd.daemon.service import Service
 from arbiterd.errors import ArbiterError, ErrorCode, QueueTimeoutError, UnknownModelError
 from arbiterd.procs import WaitNews
-from arbiterd.request import RequestKind
 from arbiterd.spec import MAX_IMAGES, Capability
+from arbiterd.states import RequestKind
 from arbiterd.status import ModelStatus
 from arbiterd.wire import MAX_MESSAGE_BYTES
 

@@ -14,7 +14,8 @@ from dataclasses import replace
 from typing import Any
 
 from arbiterd.daemon.http.openai_requests import ApiError, ApiRequest, parse_request
-from arbiterd.request import Infill, RequestKind
+from arbiterd.request import Infill
+from arbiterd.states import RequestKind
 
 # Passed on as the OpenAI completion field of the same meaning.
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "repeat_penalty")

@@ -37,8 +37,7 @@ from typing import Any
 
 from arbiterd.config import DEFAULT_TAG
 from arbiterd.errors import BadValueError
-from arbiterd.request import RequestKind
-from arbiterd.states import ResidencyState, SlotState
+from arbiterd.states import RequestKind, ResidencyState, SlotState
 from arbiterd.status import ModelStatus
 
 # Ollama's option name → the OpenAI parameter the engine runs.

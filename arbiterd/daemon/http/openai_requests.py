@@ -22,7 +22,6 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from arbiterd.arena import Priority, parse_priority
 from arbiterd.errors import BadValueError
 from arbiterd.request import (
     MAX_CHOICES,
@@ -31,7 +30,6 @@ from arbiterd.request import (
     MAX_TOP_LOGPROBS,
     GenerateRequest,
     Infill,
-    RequestKind,
     ResponseFormat,
     Sampling,
     Tool,
@@ -39,6 +37,7 @@ from arbiterd.request import (
     shown,
 )
 from arbiterd.spec import COMPLETION_PARAMS, IMAGE_MARKER
+from arbiterd.states import Priority, RequestKind, parse_priority
 
 MAX_TOKENS_LIMIT = 1_000_000
 MAX_STOP_SEQUENCES = 4  # as OpenAI

@@ -29,7 +29,7 @@ from arbiterd.config import RESPONSES_BUDGET_BYTES
 from arbiterd.daemon.http.openai_requests import ApiError, ApiRequest, parse_request
 from arbiterd.procs import WaitNews
 from arbiterd.render import format_bytes
-from arbiterd.request import RequestKind
+from arbiterd.states import RequestKind
 
 log = logging.getLogger(__name__)
 

@@ -70,7 +70,7 @@ class Handoffs:
             release_s=release.duration_s if during_wait and release is not None else None,
             restore_s=event.duration_s,
             restored_bytes=event.moved_bytes,
-            release_reason=(release.reason or None) if during_wait and release else None,
+            release_reason=release.release_reason if during_wait and release else None,
             devices=devices,
             turn_served=release.turn_served if during_wait and release else None,
         )

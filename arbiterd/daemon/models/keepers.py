@@ -177,7 +177,7 @@ class Keepers:
             GroupStatus(
                 name=group.name,
                 models=tuple(group.models),
-                priority=group.priority.value,
+                priority=group.priority,
                 holds_token=keeper.holding,
                 handoffs=keeper.handoffs,
                 failure=keeper.failure,
@@ -193,7 +193,7 @@ class Keepers:
         return GroupStatus(
             name=FITTING_GROUP,
             models=self.config.devices[device].members,
-            priority=keeper.priority.value,
+            priority=keeper.priority,
             holds_token=keeper.holding,
             handoffs=keeper.handoffs,
             failure=keeper.failure,

@@ -47,7 +47,7 @@ from arbiterd.events import Event, PromptCacheEvictEvent, UnloadEvent, WorkerEve
 from arbiterd.hostcopy import HostCopies, HostCopy
 from arbiterd.offload import gpu_nodes
 from arbiterd.spec import DEFAULT_TURNS, Turns
-from arbiterd.states import SlotState
+from arbiterd.states import SlotState, UnloadReason
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ class Lifecycle:
             slot.move(SlotState.STARTING)
             await self.start(slot)
 
-    async def unload(self, slot: Slot, reason: str) -> dict[str, Any]:
+    async def unload(self, slot: Slot, reason: UnloadReason) -> dict[str, Any]:
         """Unload the slot: its worker finishes what it has queued, saves its prompt cache
         and exits; the host copy goes. Returns what the worker said it saved ("kv_file",
         "kv_bytes", "tokens", "error"). ControlError for a slot that is starting or failed."""
@@ -267,7 +267,9 @@ class Lifecycle:
             "first, or remove the model from the config and reload to let it go"
         )
 
-    async def _unload(self, slot: Slot, worker: WorkerClient, reason: str) -> dict[str, Any]:
+    async def _unload(
+        self, slot: Slot, worker: WorkerClient, reason: UnloadReason
+    ) -> dict[str, Any]:
         try:
             saved = await self._save_prompt_cache(slot, worker)
             await worker.shutdown()  # it exits by itself; reaped here (killed if it hangs)

@@ -46,7 +46,7 @@ from arbiterd.events import Event, RequestEvent
 from arbiterd.procs import WaitNews
 from arbiterd.request import GenerateRequest
 from arbiterd.spec import kind_refusal
-from arbiterd.states import RequestStatus, ResidencyState, SlotState
+from arbiterd.states import RequestKind, RequestStatus, ResidencyState, SlotState
 
 READY_TIMEOUT_S = 120.0  # how long a request waits for its worker to (re)start
 _T = TypeVar("_T")
@@ -182,7 +182,7 @@ class Router:
             )
         return slot
 
-    async def _serving(self, model: str, kind: str) -> WorkerClient:
+    async def _serving(self, model: str, kind: RequestKind) -> WorkerClient:
         """`worker_of(model)`, or RequestError at once when the model does not serve `kind`
         (which the slot knows once its worker is spawned)."""
         worker = await self.worker_of(model)
@@ -194,7 +194,7 @@ class Router:
     async def _send(
         self,
         model: str,
-        kind: str,
+        kind: RequestKind,
         request_id: str,
         send: Callable[[WorkerClient], Awaitable[_T]],
         on_news: NewsListener | None = None,

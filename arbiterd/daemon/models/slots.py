@@ -35,8 +35,8 @@ class Slot:
     worker: WorkerClient | None = None  # set exactly while READY
     residency: ResidencyState | None = None  # the worker's residency state, as it last said
     hello: WorkerHello | None = None  # its last worker's: what runs it; kept across restarts
-    # Serves embeddings only (spec.EMBEDDING requests), and its context; decided as its worker
-    # is spawned (modelfile.model_traits), so right whenever `ready` is set. Until then, the
+    # Serves embeddings only (RequestKind.EMBEDDING requests), and its context; decided as its
+    # worker is spawned (modelfile.model_traits), so right whenever `ready` is set. Until then, the
     # context is its config's, else STARTER_N_CTX (the trained context is not read yet).
     embedding: bool = False
     n_ctx: int = 0

@@ -25,7 +25,7 @@ from arbiterd.daemon.models.lifecycle import Lifecycle
 from arbiterd.daemon.models.slots import Slot
 from arbiterd.errors import ArbiterError
 from arbiterd.events import Event, RamBudgetEvent
-from arbiterd.states import ResidencyState, SlotState
+from arbiterd.states import ResidencyState, SlotState, UnloadReason
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class IdleUnloads:
             if live.get("queue") or live.get("current"):
                 return now + UNLOAD_RETRY_S
             if unload_due(slot, now):
-                await self._lifecycle.unload(slot, "idle")
+                await self._lifecycle.unload(slot, UnloadReason.IDLE)
         except ArbiterError as exc:
             log.warning("%s: could not unload it: %s", slot.name, exc)
             return now + slot.config.unload_after_s
@@ -236,4 +236,4 @@ class RamBudget:
                 or victim.worker is None
             ):
                 continue
-            await self._lifecycle.unload(victim, "host_ram_budget")
+            await self._lifecycle.unload(victim, UnloadReason.HOST_RAM_BUDGET)

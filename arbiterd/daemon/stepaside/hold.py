@@ -14,7 +14,8 @@ import asyncio
 import threading
 from collections.abc import Awaitable, Callable
 
-from arbiterd.arena import Arena, Priority, Token
+from arbiterd.arena import Arena, Token
+from arbiterd.states import Priority
 
 
 class DaemonHold:

@@ -36,9 +36,9 @@ from arbiterd.footprint import DeviceFootprint, Layout, predict
 from arbiterd.gguf import NotGgufError, read_header
 from arbiterd.hostcopy import copy_into_memfd
 from arbiterd.native import libllama
-from arbiterd.request import GenerateRequest, RequestKind
+from arbiterd.request import GenerateRequest
 from arbiterd.spec import MAX_N_CTX, Capability, KvPolicy, ModelInfo, ModelSpec, capabilities
-from arbiterd.states import BackendKind
+from arbiterd.states import BackendKind, RequestKind
 from arbiterd.worker.engine.decode import Decoder, common_prefix
 from arbiterd.worker.engine.generate import Generator
 from arbiterd.worker.engine.images import (

@@ -14,7 +14,7 @@ import llama_cpp
 from llama_cpp._internals import LlamaBatch
 
 from arbiterd.errors import ArbiterError, EngineError
-from arbiterd.request import RequestKind
+from arbiterd.states import RequestKind
 from arbiterd.worker.choices import Choice, TokenLogprob
 from arbiterd.worker.engine.decode import Decoder, Sampling, Sequence, new_id
 from arbiterd.worker.engine.images import Prefill

@@ -22,8 +22,9 @@ from llama_cpp.llama_grammar import JSON_GBNF, LlamaGrammar
 
 from arbiterd.chattemplate import generic_tool_messages
 from arbiterd.errors import ContextOverflowError, RequestError
-from arbiterd.request import GenerateRequest, RequestKind, ResponseFormat, ToolChoice
+from arbiterd.request import GenerateRequest, ResponseFormat, ToolChoice
 from arbiterd.spec import Capability, ModelSpec, capabilities, kind_refusal
+from arbiterd.states import RequestKind
 from arbiterd.worker.engine.records import Cancelled, Prepared
 from arbiterd.worker.engine.vocab import Vocab
 from arbiterd.worker.toolcalls import call_schema

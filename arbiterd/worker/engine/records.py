@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from arbiterd.events import EncoderEvent
-from arbiterd.request import RequestKind
+from arbiterd.states import RequestKind
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from fastapi import FastAPI
 from arbiterd.daemon.http.app import create_app
 from arbiterd.daemon.http.openai_requests import MAX_EMBEDDING_INPUTS
 from arbiterd.errors import ContextOverflowError, RequestError
-from arbiterd.request import GenerateRequest, RequestKind
+from arbiterd.request import GenerateRequest
+from arbiterd.states import RequestKind
 from tests.daemon.http.test_app import FakeService, assert_error, call
 from tests.support.requests import wire_of
 

@@ -8,7 +8,7 @@ import pytest
 
 from arbiterd.daemon.http import ollama
 from arbiterd.errors import BadValueError
-from arbiterd.request import RequestKind
+from arbiterd.states import RequestKind
 from arbiterd.status import ModelStatus
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from arbiterd.arena import Priority
 from arbiterd.daemon.http import ollama
 from arbiterd.daemon.http.openai_requests import (
     ApiError,
@@ -13,14 +12,8 @@ from arbiterd.daemon.http.openai_requests import (
     parse_priority_header,
     parse_request,
 )
-from arbiterd.request import (
-    GenerateRequest,
-    RequestKind,
-    ResponseFormat,
-    Sampling,
-    Tool,
-    ToolChoice,
-)
+from arbiterd.request import GenerateRequest, ResponseFormat, Sampling, Tool, ToolChoice
+from arbiterd.states import Priority, RequestKind
 
 ASK = [{"role": "user", "content": "the weather?"}]
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}

@@ -30,7 +30,7 @@ from arbiterd.errors import ConfigError, ControlError, ProtocolError, WorkerErro
 from arbiterd.events import Event, PromptCacheEvictEvent, UnloadEvent, WorkerEvent
 from arbiterd.hostcopy import Lease
 from arbiterd.spec import Residency
-from arbiterd.states import SlotState
+from arbiterd.states import SlotState, UnloadReason
 from tests.support.models import model_config
 from tests.support.pagecache import drop_page_cache
 from tests.support.requests import request_for
@@ -490,7 +490,7 @@ def test_an_unloaded_slot_keeps_nothing_and_its_next_worker_starts_after_the_las
         await harness.lifecycle.start(slot)
         _, first = harness.readied.get_nowait()
         # The unload begins at once, before its first wait (lifecycle.py).
-        unloading = await to_first_wait(harness.lifecycle.unload(slot, "command"))
+        unloading = await to_first_wait(harness.lifecycle.unload(slot, UnloadReason.COMMAND))
         assert (slot.state, slot.worker) == (SlotState.UNLOADING, None)
         loading = asyncio.create_task(harness.lifecycle.load(slot))  # a request came
         saved = await unloading
@@ -506,7 +506,9 @@ def test_an_unloaded_slot_keeps_nothing_and_its_next_worker_starts_after_the_las
     assert harness.order[:3] == [("ready", first), ("gone", first), ("ready", second)]
     assert saved == {"kv_file": None, "kv_bytes": 0, "tokens": 0, "error": ""}  # nothing ran
     assert published == [
-        UnloadEvent(at=None, model="m", pid=first, reason="command", kv_bytes=0, tokens=0)
+        UnloadEvent(
+            at=None, model="m", pid=first, reason=UnloadReason.COMMAND, kv_bytes=0, tokens=0
+        )
     ]
     assert slot.state is SlotState.STOPPED
 
@@ -523,7 +525,7 @@ def test_unloading_a_slot_that_waits_to_restart_cancels_the_restart(
         restart = slot.restart_task
         assert restart is not None
         harness.published_now()  # the failed spawn's
-        await harness.lifecycle.unload(slot, "idle")
+        await harness.lifecycle.unload(slot, UnloadReason.IDLE)
         await asyncio.wait([restart])
         published = harness.published_now()
         await harness.lifecycle.stop([slot])
@@ -538,7 +540,7 @@ def test_unloading_a_slot_that_waits_to_restart_cancels_the_restart(
 def test_a_starting_slot_cannot_be_unloaded(harness: Harness) -> None:
     async def scenario() -> None:
         with pytest.raises(ControlError, match="starting"):
-            await harness.lifecycle.unload(harness.slot(), "command")
+            await harness.lifecycle.unload(harness.slot(), UnloadReason.COMMAND)
 
     run(scenario())
 
@@ -648,7 +650,7 @@ def unload_with_cache(
         if release:
             await slot.worker.request("release")
         harness.published_now()
-        saved = await harness.lifecycle.unload(slot, "command")
+        saved = await harness.lifecycle.unload(slot, UnloadReason.COMMAND)
         published = harness.published_now()
         await harness.lifecycle.stop([slot])
         return saved, published
@@ -730,7 +732,7 @@ def test_a_page_cache_model_whose_file_is_gone_is_not_unloaded(
         path.unlink()
         try:
             with pytest.raises(ControlError) as refused:
-                await harness.lifecycle.unload(slot, "command")
+                await harness.lifecycle.unload(slot, UnloadReason.COMMAND)
             return slot.state, str(refused.value)
         finally:
             await harness.lifecycle.stop([slot])
@@ -754,7 +756,7 @@ def test_a_model_whose_copy_another_model_keeps_is_unloaded_though_its_file_is_g
         await harness.lifecycle.start(second)
         path.unlink()
         try:
-            await harness.lifecycle.unload(first, "command")
+            await harness.lifecycle.unload(first, UnloadReason.COMMAND)
             refused = harness.lifecycle.unload_refusal(second)  # now the last to hold it
             assert f"b's model file {path} is gone from disk" in refused
             await harness.lifecycle.load(first)  # from the copy b keeps
@@ -804,7 +806,7 @@ def test_a_prompt_cache_folder_made_loose_after_start_gets_no_cache(harness: Har
         cache.make_private()
         cache.folder.chmod(0o755)
         try:
-            return await harness.lifecycle.unload(slot, "command")
+            return await harness.lifecycle.unload(slot, UnloadReason.COMMAND)
         finally:
             await harness.lifecycle.stop([slot])
 

@@ -10,14 +10,14 @@ from typing import Any, cast
 
 import pytest
 
-from arbiterd.arena import Arena, Priority
+from arbiterd.arena import Arena
 from arbiterd.daemon.models import waiting
 from arbiterd.daemon.models.slots import Slot
 from arbiterd.daemon.models.waiting import Waits
 from arbiterd.daemon.models.workerclient import WorkerClient
 from arbiterd.errors import QueueTimeoutError
 from arbiterd.procs import WaitNews
-from arbiterd.states import ResidencyState, SlotState
+from arbiterd.states import Priority, ResidencyState, SlotState
 from tests.conftest import Processes
 from tests.support.models import model_config
 from tests.support.waiting import wait_until
