@@ -165,6 +165,37 @@ def test_probe_never_converts_the_probers_own_lock(arena: Arena) -> None:
     assert got_it.is_set()
 
 
+def test_a_waiter_opens_want_lock_once_for_its_whole_wait(arena: Arena, procs: Processes) -> None:
+    # Each open of want.lock rings a sleeping holder's doorbell (arena/doorbell.py), and each
+    # open file description is a lock of its own: a waiter announces itself with one (issue 41:
+    # it opened and locked it twice).
+    holder = start_holder(procs, arena)
+    got = threading.Event()
+
+    def waiter() -> None:
+        with arena.acquire("waiter"):
+            got.set()
+
+    def want_fds() -> list[str]:
+        fds = Path("/proc/self/fd")
+        return [fd.name for fd in fds.iterdir() if os.path.realpath(fd) == str(arena.want_path)]
+
+    thread = threading.Thread(target=waiter, name="test-waiter")
+    thread.start()
+    try:
+        wait_until(lambda: len(arena.observe().queue) == 1, 10, "the waiter to queue")
+        assert len(want_fds()) == 1
+        want = procfs.inode_key(os.stat(arena.want_path))
+        records = parse_proc_locks(Path("/proc/locks").read_text())
+        mine = [r.mode for r in records if r.pid == os.getpid() and r.inode == want]
+        assert mine == ["READ"]  # one LOCK_SH
+    finally:
+        finish(holder)
+        thread.join(timeout=10)
+    assert got.is_set()
+    assert want_fds() == []
+
+
 def test_acquire_timeout_leaves_no_lock_behind(arena: Arena, procs: Processes) -> None:
     holder = start_holder(procs, arena)
     started = time.monotonic()

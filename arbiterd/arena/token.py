@@ -170,29 +170,29 @@ class Arena:
             raise BadValueError(f"timeout must be >= 0 seconds, got {timeout_s}")
         before = self.observe() if on_wait is not None else None
         turn = Turn(timeout_s, cancel, on_wait, before)
-        want_fd = self._open(self._want_path)
+        # The ticket announces us (its want.lock, one open per wait: each open rings the
+        # holder's doorbell) before it queues, so the holder's probe sees us however long we
+        # then wait.
+        place = Ticket(self, priority) if ticket is None else ticket
         try:
-            # Announce first, so the holder's probe sees us however long we then wait. Blocks
-            # only for the microseconds a holder's probe holds LOCK_EX.
-            lock(want_fd, SHARED)
-            place = Ticket(self, priority) if ticket is None else ticket
-            try:
-                place.label(name, model)
-                token_fd, passed = self._take_in_turn(place, turn)
-            except BaseException:
-                if ticket is None:
-                    place.leave()
-                raise
-            place.leave()  # the next in the queue may now wait on token.lock
+            place.label(name, model)
+            token_fd, passed = self._take_in_turn(place, turn)
+        except BaseException:
+            if ticket is None:
+                place.leave()
+            raise
+        try:
+            place.step_out()  # the next in the queue may now wait on token.lock
             try:
                 return Token(self, token_fd, name=name, model=model, passed_over=passed)
             except BaseException:
                 os.close(token_fd)
                 raise
         finally:
-            # Dropped only now that the token is owned (or given up): a waiter that let go of
-            # want.lock earlier could be overtaken and then wait unseen by the next holder.
-            os.close(want_fd)
+            # The announcement dropped only now that the token is owned (or given up): a
+            # waiter that let go of want.lock earlier could be overtaken and then wait unseen
+            # by the next holder.
+            place.leave()
 
     def queue(self, priority: Priority) -> Ticket:
         """A place in the queue, for `acquire(ticket=...)`; leave() it when giving up."""
@@ -500,14 +500,18 @@ class _Passing:
 
 
 class Ticket:
-    """A place in an arena's queue: a ticket file this thread holds LOCK_EX until it leaves.
-    A ticket also announces its waiter (LOCK_SH on want.lock): a holder sees it from the
-    moment it queues, even before it calls acquire()."""
+    """A place in an arena's queue: a ticket file this thread holds LOCK_EX until it steps out
+    or leaves. A ticket also announces its waiter (LOCK_SH on want.lock) until it leaves: a
+    holder sees it from the moment it queues, even before it calls acquire(), and until its
+    waiter owns the token. It is the waiter's one open of want.lock for the whole wait, kept
+    across the tries a cancel interrupts (an open rings the holder's doorbell: one per wait,
+    docs/arena-protocol.md, "Sleeping until wanted")."""
 
     def __init__(self, arena: Arena, priority: Priority) -> None:
         self._labelled = False  # its file names its waiter (label)
         want_fd = arena._open(arena._want_path)
         try:
+            # Blocks only for the microseconds a holder's probe holds LOCK_EX.
             lock(want_fd, SHARED)
             self._enter(arena, priority)
         except BaseException:
@@ -557,14 +561,19 @@ class Ticket:
         self._path = arena._queue_path / name
         self._fd: int | None = fd
 
-    def leave(self) -> None:
-        """Leave the queue. Idempotent."""
+    def step_out(self) -> None:
+        """Leave the queue, still announced: its waiter has the token, and the next in line
+        may wait on token.lock. Idempotent."""
         fd, self._fd = self._fd, None
         if fd is None:
             return
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path)  # before the unlock: an unlocked ticket is a dead waiter's
         os.close(fd)
+
+    def leave(self) -> None:
+        """Leave the queue and stop announcing. Idempotent."""
+        self.step_out()
         want_fd, self._want_fd = self._want_fd, None
         if want_fd is not None:
             os.close(want_fd)
