@@ -1,6 +1,7 @@
 """The control protocol: arbiterd's JSON command API on a Unix socket, in the style of mpv's IPC.
 
-Owns what both ends agree on (docs/control-protocol.md): the commands and their arguments, the
+Owns what both ends agree on (docs/control-protocol.md): the commands' arguments (the commands
+themselves are states.ControlCommand, the vocabulary every process shares), the
 protocol's own error codes, the bounds, and the guard ladder a request line goes through
 (`parse_request`). The daemon's side is arbiterd.daemon.control.server, the CLI's
 arbiterd.cli.controlclient; the tray speaks it over Qt (arbiterd.gui.connection).
@@ -27,6 +28,7 @@ from arbiterd.errors import (
     ProtocolError,
 )
 from arbiterd.events import Record
+from arbiterd.states import ControlCommand
 from arbiterd.wire import decode
 
 log = logging.getLogger(__name__)
@@ -63,40 +65,49 @@ PROTOCOL_CODES: Final = frozenset(
     }
 )
 
-# What the daemon can be told (Service.command's names); MODEL_COMMANDS name a model.
-COMMANDS: Final = frozenset(
+# The commands the socket answers itself; every other one the daemon is told (Service.command's),
+# MODEL_COMMANDS naming a model.
+SOCKET_COMMANDS: Final = frozenset(
     {
-        "warm",
-        "release",
-        "pin",
-        "unpin",
-        "unload",
-        "hold",
-        "unhold",
-        "yield",
-        "resume",
-        "reload",
-        "shutdown",
+        ControlCommand.HELLO,
+        ControlCommand.STATUS,
+        ControlCommand.DEVICES,
+        ControlCommand.SUBSCRIBE,
+        ControlCommand.UNSUBSCRIBE,
+        ControlCommand.EVENTS,
     }
 )
-MODEL_COMMANDS: Final = frozenset({"warm", "release", "pin", "unpin", "unload"})
+COMMANDS: Final = frozenset(ControlCommand) - SOCKET_COMMANDS
+MODEL_COMMANDS: Final = frozenset(
+    {
+        ControlCommand.WARM,
+        ControlCommand.RELEASE,
+        ControlCommand.PIN,
+        ControlCommand.UNPIN,
+        ControlCommand.UNLOAD,
+    }
+)
 
 _RESERVED_KEYS = frozenset({"command", "request_id"})
 # Each command's arguments: name -> (type, required). Unknown arguments are refused, so a typo
 # ("modle") is an error rather than a command applied to no model. A float argument takes any
 # finite JSON number.
-_ARGS: dict[str, dict[str, tuple[type, bool]]] = {
-    "hello": {"protocol": (int, False)},
-    "status": {},
-    "devices": {},
-    "subscribe": {},
-    "unsubscribe": {},
-    "events": {"since": (float, False), "after_seq": (int, False), "limit": (int, False)},
+_ARGS: dict[ControlCommand, dict[str, tuple[type, bool]]] = {
+    ControlCommand.HELLO: {"protocol": (int, False)},
+    ControlCommand.STATUS: {},
+    ControlCommand.DEVICES: {},
+    ControlCommand.SUBSCRIBE: {},
+    ControlCommand.UNSUBSCRIBE: {},
+    ControlCommand.EVENTS: {
+        "since": (float, False),
+        "after_seq": (int, False),
+        "limit": (int, False),
+    },
     # "progress": while the model waits for the GPU, progress lines before the reply (issue 30).
     **{name: {"model": (str, True), "progress": (bool, False)} for name in MODEL_COMMANDS},
     # Step aside for program `pid` until it exits (issue 45).
-    "yield": {"pid": (int, True)},
-    **{name: {} for name in COMMANDS - MODEL_COMMANDS - {"yield"}},
+    ControlCommand.YIELD: {"pid": (int, True)},
+    **{name: {} for name in COMMANDS - MODEL_COMMANDS - {ControlCommand.YIELD}},
 }
 CONTROL_COMMANDS: Final = tuple(sorted(_ARGS))
 # The values an integer argument may take, by name (a seq is an SQLite integer).
@@ -148,7 +159,7 @@ def _is_a(value: object, kind: type) -> bool:
     return isinstance(value, kind)
 
 
-def _check_args(command: str, args: dict[str, Any]) -> str | None:
+def _check_args(command: ControlCommand, args: dict[str, Any]) -> str | None:
     """What is wrong with `args` for `command`, or None."""
     spec = _ARGS[command]
     unknown = sorted(set(args) - set(spec))
@@ -175,7 +186,7 @@ def _check_args(command: str, args: dict[str, Any]) -> str | None:
 @dataclass(frozen=True)
 class Request:
     request_id: str | int | float | bool | None
-    command: str
+    command: ControlCommand
     args: dict[str, Any]
 
 
@@ -198,19 +209,24 @@ def parse_request(line: bytes) -> Request:
     request_id = message.get("request_id")
     if not _is_scalar(request_id):
         raise RequestRefused(None, "request_id must be a JSON scalar", CODE_INVALID_REQUEST)
-    command = message.get("command")
-    if not isinstance(command, str):
+    name = message.get("command")
+    if not isinstance(name, str):
         raise RequestRefused(request_id, "command must be a string", CODE_INVALID_REQUEST)
-    if command not in _ARGS:
+    try:
+        command = ControlCommand(name)
+    except ValueError:
         known = ", ".join(CONTROL_COMMANDS)
         raise RequestRefused(
-            request_id, f"unknown command {command!r} (commands: {known})", CODE_UNKNOWN_COMMAND
-        )
+            request_id, f"unknown command {name!r} (commands: {known})", CODE_UNKNOWN_COMMAND
+        ) from None
     args = {k: v for k, v in message.items() if k not in _RESERVED_KEYS}
     problem = _check_args(command, args)
     if problem is not None:
         raise RequestRefused(request_id, problem, CODE_INVALID_ARGS)
-    if command == "hello" and args.get("protocol", CONTROL_PROTOCOL) != CONTROL_PROTOCOL:
+    if (
+        command is ControlCommand.HELLO
+        and args.get("protocol", CONTROL_PROTOCOL) != CONTROL_PROTOCOL
+    ):
         raise RequestRefused(
             request_id,
             f"protocol {args['protocol']} is not supported "

@@ -135,6 +135,41 @@ class WorkerOp(_Tolerant):
     UNKNOWN = "unknown"
 
 
+class ControlCommand(enum.StrEnum):
+    """The commands of the control protocol, as the CLI and the tray send them to the daemon
+    (arbiterd/control.py owns each one's arguments). An input, read strictly: the daemon refuses
+    a command it does not know, naming those it does (control.CODE_UNKNOWN_COMMAND)."""
+
+    HELLO = "hello"
+    STATUS = "status"
+    DEVICES = "devices"
+    SUBSCRIBE = "subscribe"
+    UNSUBSCRIBE = "unsubscribe"
+    EVENTS = "events"
+    WARM = "warm"
+    RELEASE = "release"
+    PIN = "pin"
+    UNPIN = "unpin"
+    UNLOAD = "unload"
+    HOLD = "hold"
+    UNHOLD = "unhold"
+    YIELD = "yield"
+    RESUME = "resume"
+    RELOAD = "reload"
+    SHUTDOWN = "shutdown"
+
+
+# The control commands a model's worker carries out, and the op the daemon sends it for each
+# (arbiterd/daemon/supervisor.py). `unload` is the daemon's own: its lifecycle asks the worker to
+# save its prompt cache (WorkerOp.UNLOAD), then stops it (daemon/models/lifecycle.py).
+WORKER_OP_OF: dict[ControlCommand, WorkerOp] = {
+    ControlCommand.WARM: WorkerOp.WARM,
+    ControlCommand.RELEASE: WorkerOp.RELEASE,
+    ControlCommand.PIN: WorkerOp.PIN,
+    ControlCommand.UNPIN: WorkerOp.UNPIN,
+}
+
+
 class RequestStatus(_Tolerant):
     """How a request ended (the `status` of a request event)."""
 

@@ -73,9 +73,10 @@ ARBITERD = Path(arbiterd.__file__).parent
 VALUES = frozenset(member.value for kind in ENUMS for member in kind)
 STATES = frozenset(member.value for kind in (ResidencyState, SlotState) for member in kind)
 # An operand that holds one of these names: a state, a residency, a status or outcome, an op, a
-# backend or kind, a reason, a priority, an event's from and to.
+# backend or kind, a reason, a priority, a control command, an event's from and to.
 NAMES_A_STATE = re.compile(
-    r"state|residency|status|outcome|backend|kind|reason|priority|\bop\b|\bto\b|\bfrom\b"
+    r"state|residency|status|outcome|backend|kind|reason|priority|command"
+    r"|\bop\b|\bto\b|\bfrom\b"
 )
 _COMPARISONS = (ast.Eq, ast.NotEq, ast.In, ast.NotIn, ast.Is, ast.IsNot)
 # Where the names are strings by right: the vocabulary, and the codec that reads and writes them.
@@ -143,12 +144,13 @@ def test_the_check_sees_each_way_of_comparing_a_state_as_a_string() -> None:
         'i = kind == "chat"\n'
         'j = event.release_reason != "preempted"\n'
         'k = waiter.priority in ("batch", "normal")\n'
+        'l = request.command == "hello"\n'
         # Not states: a key, a state compared as a member, names that are not all states.
         'm = "state" in message\n'
         "n = event.to_state is ResidencyState.WARM\n"
         'o = ("warm", "release", "pin")\n'
     )
-    assert sorted({line for line, _ in string_comparisons(source)}) == list(range(1, 12))
+    assert sorted({line for line, _ in string_comparisons(source)}) == list(range(1, 13))
 
 
 def test_no_module_compares_a_state_as_a_string_outside_the_vocabulary_and_its_codec() -> None:

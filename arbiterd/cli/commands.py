@@ -37,6 +37,7 @@ from arbiterd.control import DeviceEntry
 from arbiterd.daemon.observe.journal import Journal, parse_since
 from arbiterd.errors import BadValueError, DaemonError, DaemonNotRunningError
 from arbiterd.events import parse_event
+from arbiterd.states import ControlCommand
 from arbiterd.status import (
     ACCOUNTING_SOURCE,
     STEP_ASIDE_SUFFIX,
@@ -49,7 +50,7 @@ from arbiterd.status import (
 # warm may load a model and hold may wait for every model to release: minutes, not seconds.
 COMMAND_TIMEOUT_S = 600.0
 # The model commands that may wait for the GPU, and say so while they do.
-WAITING_COMMANDS = ("warm", "release", "unload")
+WAITING_COMMANDS = frozenset({ControlCommand.WARM, ControlCommand.RELEASE, ControlCommand.UNLOAD})
 # Requests in flight are ended and every worker releases the GPU before the daemon exits: the
 # systemd unit's TimeoutStopSec.
 SHUTDOWN_TIMEOUT_S = 60.0
@@ -282,7 +283,7 @@ def model_command(args: argparse.Namespace) -> int:
         print(f"arbiterd {args.command}: interrupted{withdrawn}", file=sys.stderr)
         return 130
     waited = f" (after {time.monotonic() - started:.1f} s waiting for the GPU)" if said else ""
-    print(_describe(args.command, result) + waited)
+    print(_describe(ControlCommand(args.command), result) + waited)
     return 0
 
 
@@ -349,15 +350,15 @@ def plain_command(args: argparse.Namespace) -> int:
     with ControlClient.connect(_socket(args)) as client:
         client.timeout_s = COMMAND_TIMEOUT_S
         result = client.call(args.command)
-    print(_describe(args.command, result))
+    print(_describe(ControlCommand(args.command), result))
     return 0
 
 
 def yield_command(args: argparse.Namespace) -> int:
     with ControlClient.connect(_socket(args)) as client:
         client.timeout_s = COMMAND_TIMEOUT_S
-        result = client.call("yield", pid=args.until_exit)
-    print(_describe("yield", result))
+        result = client.call(ControlCommand.YIELD, pid=args.until_exit)
+    print(_describe(ControlCommand.YIELD, result))
     return 0
 
 
@@ -666,7 +667,7 @@ def _aside_line(result: dict[str, Any]) -> str:
     return "not stepped aside for any program"
 
 
-def _describe(command: str, result: dict[str, Any]) -> str:
+def _describe(command: ControlCommand, result: dict[str, Any]) -> str:
     if "model" in result and "state" in result:
         return f"{result['model']}: {result['state']}" + _kept(result)
     if "pinned" in result:
@@ -675,7 +676,7 @@ def _describe(command: str, result: dict[str, Any]) -> str:
         return "GPU held for you" if result["hold"] else "GPU given back to the models"
     if "stepped_aside" in result:
         return _aside_line(result)
-    if command == "reload":
+    if command is ControlCommand.RELOAD:
         parts = [
             f"{key.replace('_', ' ')}: {', '.join(result[key])}"
             for key in ("added", "removed", "changed", "aliases_changed")

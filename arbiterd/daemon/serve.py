@@ -33,6 +33,7 @@ from arbiterd.daemon.models.modelfile import check_models
 from arbiterd.daemon.observe.journal import Journal
 from arbiterd.daemon.supervisor import Supervisor
 from arbiterd.errors import DaemonError
+from arbiterd.states import ControlCommand
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ async def _serve(
     if reload_config is not None and config.source is not None and daemon.watch_config:
         # Applied as the control socket's `reload` is: the supervisor holds any change that
         # comes while it starts until its slots exist.
-        watch = ConfigWatch(config.source, lambda: supervisor.command("reload"))
+        watch = ConfigWatch(config.source, lambda: supervisor.command(ControlCommand.RELOAD))
     http = HttpServer(
         create_app(
             supervisor,

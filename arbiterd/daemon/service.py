@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 from arbiterd.procs import WaitNews
 from arbiterd.request import GenerateRequest
+from arbiterd.states import ControlCommand
 from arbiterd.status import DaemonStatus
 
 
@@ -96,16 +97,15 @@ class Service(Protocol):
 
     async def command(
         self,
-        name: str,
+        name: ControlCommand,
         model: str | None = None,
         on_news: Callable[[WaitNews], None] | None = None,
         *,
         pid: int | None = None,
     ) -> dict[str, Any]:
-        """One of COMMANDS; `model` is required for MODEL_COMMANDS, `pid` for yield. Returns a
-        small result object (e.g. {"model": ..., "state": ...}). While a model command waits for
-        the GPU,
-        `on_news` is told what it waits for, soon and then every second."""
+        """One of control.COMMANDS; `model` is required for MODEL_COMMANDS, `pid` for yield.
+        Returns a small result object (e.g. {"model": ..., "state": ...}). While a model command
+        waits for the GPU, `on_news` is told what it waits for, soon and then every second."""
         ...
 
     async def metrics_text(self) -> bytes:

@@ -70,7 +70,15 @@ from arbiterd.events import (
 from arbiterd.offload import CpuNote, cpu_note, gpu_nodes, setup_script
 from arbiterd.procs import WaitNews, holder_name, waiter_name
 from arbiterd.request import GenerateRequest
-from arbiterd.states import CpuCause, ResidencyState, SlotState, UnloadReason
+from arbiterd.states import (
+    WORKER_OP_OF,
+    ControlCommand,
+    CpuCause,
+    ResidencyState,
+    SlotState,
+    UnloadReason,
+    WorkerOp,
+)
 from arbiterd.status import (
     HOLD_HOLDER_NAME,
     DaemonStatus,
@@ -335,7 +343,7 @@ class Supervisor:
 
     async def command(
         self,
-        name: str,
+        name: ControlCommand,
         model: str | None = None,
         on_news: NewsListener | None = None,
         *,
@@ -345,46 +353,49 @@ class Supervisor:
             if not model:
                 raise ControlError(f"{name} needs a model name")
             return await self._model_command(name, self._name(model), on_news)
-        if name == "hold":
+        if name is ControlCommand.HOLD:
             return await self._take_hold()
-        if name == "unhold":
+        if name is ControlCommand.UNHOLD:
             return self._give_back_hold()
-        if name in ("yield", "resume"):
+        if name in (ControlCommand.YIELD, ControlCommand.RESUME):
             return await self._aside_command(name, pid)
-        if name == "reload":
+        if name is ControlCommand.RELOAD:
             return await self._reload_command()
-        if name == "shutdown":
+        if name is ControlCommand.SHUTDOWN:
             self.stopped.set()
             return {"stopping": True}
-        raise ControlError(f"unknown command {name!r}")
+        raise ControlError(f"unknown command {str(name)!r}")
 
-    async def _aside_command(self, name: str, pid: int | None) -> dict[str, Any]:
+    async def _aside_command(self, name: ControlCommand, pid: int | None) -> dict[str, Any]:
         """`yield` (step aside for program `pid` until it exits) or `resume` (end a step
         aside now)."""
-        if name == "resume":
+        if name is ControlCommand.RESUME:
             return self._aside.resume()
         if pid is None:
             raise ControlError("yield needs the pid of the program to step aside for")
         return await self._aside.yield_to(pid)
 
     async def _model_command(
-        self, name: str, model: str, on_news: NewsListener | None = None
+        self, name: ControlCommand, model: str, on_news: NewsListener | None = None
     ) -> dict[str, Any]:
         """`name` for `model` (by its name: the reply names it so, also when asked by alias);
         `on_news` is told what it waits for while the model waits for the GPU."""
         slot = self._router.slot_of(model)
-        if name == "unload":
+        if name is ControlCommand.UNLOAD:
             unloading = self._lifecycle.unload(slot, UnloadReason.COMMAND)
             saved = await (
                 unloading if on_news is None else self._waits.command(slot, unloading, on_news)
             )
             return {"model": model, "state": slot.shown_state, **saved}
-        if name == "release" and slot.state in (SlotState.UNLOADING, SlotState.UNLOADED):
+        if name is ControlCommand.RELEASE and slot.state in (
+            SlotState.UNLOADING,
+            SlotState.UNLOADED,
+        ):
             return {"model": model, "state": slot.shown_state}  # not started to release it
         worker = await self._router.worker_of(model)
-        if name in ("pin", "unpin"):
-            self._slots[model].pin(name == "pin")
-        asked = worker.request(name, timeout_s=COMMAND_TIMEOUT_S)
+        if name in (ControlCommand.PIN, ControlCommand.UNPIN):
+            self._slots[model].pin(name is ControlCommand.PIN)
+        asked = worker.request(WORKER_OP_OF[name], timeout_s=COMMAND_TIMEOUT_S)
         result = await (asked if on_news is None else self._waits.command(slot, asked, on_news))
         return {"model": model, **result}
 
@@ -435,7 +446,7 @@ class Supervisor:
             if slot.worker is None or slot.residency not in _HOLDS_TOKEN:
                 return
             try:
-                await slot.worker.request("release", timeout_s=COMMAND_TIMEOUT_S)
+                await slot.worker.request(WorkerOp.RELEASE, timeout_s=COMMAND_TIMEOUT_S)
             except ArbiterError as exc:
                 log.warning("%s: could not release for the daemon's hold: %s", slot.name, exc)
 
@@ -491,7 +502,7 @@ class Supervisor:
 
     async def _pin_again(self, slot: Slot, worker: WorkerClient) -> None:
         try:
-            await worker.request("pin")
+            await worker.request(WorkerOp.PIN)
         except ArbiterError as exc:
             log.warning("%s: could not pin its new worker: %s", slot.name, exc)
 

@@ -33,6 +33,7 @@ from PySide6.QtNetwork import QLocalSocket
 from arbiterd.control import CONTROL_PROTOCOL, EVENTS_PAGE_MAX
 from arbiterd.errors import ProtocolError
 from arbiterd.events import Event, OverflowEvent, parse_event
+from arbiterd.states import ControlCommand
 from arbiterd.wire import MAX_MESSAGE_BYTES, decode, encode
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,9 @@ class _CommandCall(QObject):
     def _on_open(self) -> None:
         # Replies come in request order, so both may go at once; a refused hello closes the
         # connection and its error is the answer.
-        self._lines.send({"command": "hello", "protocol": CONTROL_PROTOCOL, "request_id": 0})
+        self._lines.send(
+            {"command": ControlCommand.HELLO, "protocol": CONTROL_PROTOCOL, "request_id": 0}
+        )
         self._lines.send(self.request)
 
     def _on_message(self, message: dict[str, Any]) -> None:
@@ -226,7 +229,8 @@ class DaemonConnection(QObject):
         self._lines: _LineSocket | None = None
         self._connected = False
         self._running = False
-        self._pending: dict[int, str] = {}  # request id -> command, on the long-lived connection
+        # request id -> command, on the long-lived connection
+        self._pending: dict[int, ControlCommand] = {}
         self._status_sent_at: float | None = None  # time.monotonic of the status in flight
         self._history: list[Event] | None = None  # the pages read so far of a history asked for
         self._calls: dict[int, _CommandCall] = {}
@@ -294,7 +298,7 @@ class DaemonConnection(QObject):
             lines.close("replaced")  # _on_closed ignores it: it is no longer self._lines
             lines.deleteLater()
 
-    def _send(self, command: str, **args: Any) -> None:
+    def _send(self, command: ControlCommand, **args: Any) -> None:
         if self._lines is None:
             return
         request_id = next(self._ids)
@@ -302,7 +306,7 @@ class DaemonConnection(QObject):
         self._lines.send({**args, "command": command, "request_id": request_id})
 
     def _on_open(self) -> None:
-        self._send("hello", protocol=CONTROL_PROTOCOL)
+        self._send(ControlCommand.HELLO, protocol=CONTROL_PROTOCOL)
 
     def request_history(self, since: float) -> None:
         """Ask for the journal's events at or after `since` (seconds since the epoch), for
@@ -310,7 +314,7 @@ class DaemonConnection(QObject):
         if not self._connected or self._history is not None:
             return
         self._history = []
-        self._send("events", since=since, limit=EVENTS_PAGE_MAX)
+        self._send(ControlCommand.EVENTS, since=since, limit=EVENTS_PAGE_MAX)
 
     def _on_history_page(self, data: dict[str, Any]) -> None:
         collected = self._history
@@ -321,7 +325,7 @@ class DaemonConnection(QObject):
         collected += (parse_event(e) for e in page)
         seqs = [e["seq"] for e in page if isinstance(e.get("seq"), int)]
         if data.get("more") is True and seqs:
-            self._send("events", after_seq=seqs[-1], limit=EVENTS_PAGE_MAX)
+            self._send(ControlCommand.EVENTS, after_seq=seqs[-1], limit=EVENTS_PAGE_MAX)
         else:
             self._finish_history()
 
@@ -339,7 +343,7 @@ class DaemonConnection(QObject):
                 self._lost(f"arbiterd did not answer status within {STATUS_TIMEOUT_S:.0f} s")
             return
         self._status_sent_at = time.monotonic()
-        self._send("status")
+        self._send(ControlCommand.STATUS)
 
     def _on_message(self, message: dict[str, Any]) -> None:
         if "event" in message:
@@ -355,28 +359,28 @@ class DaemonConnection(QObject):
         error = message.get("error")
         if error != "success":
             log.warning("arbiterd refused %s: %s (%s)", command, error, message.get("code"))
-            if command in (None, "hello"):
+            if command in (None, ControlCommand.HELLO):
                 # A refused hello (protocol) or a refused connection (permission): it closes.
                 self._lost(f"arbiterd refused the tray: {error}")
-            elif command == "status":
+            elif command is ControlCommand.STATUS:
                 self._status_sent_at = None
-            elif command == "events":  # an older daemon, or its journal failed: no history
-                self._finish_history()
+            elif command is ControlCommand.EVENTS:
+                self._finish_history()  # an older daemon, or its journal failed: no history
             return
         data = message.get("data")
         data = data if isinstance(data, dict) else {}
-        if command == "hello":
+        if command is ControlCommand.HELLO:
             self.server = data
             self._connected = True
             self._backoff_s = self._first_s
-            self._send("subscribe")
+            self._send(ControlCommand.SUBSCRIBE)
             self.connected.emit(data)
             self.request_status()
             self._poll.start()
-        elif command == "status":
+        elif command is ControlCommand.STATUS:
             self._status_sent_at = None
             self.status_received.emit(data)
-        elif command == "events":
+        elif command is ControlCommand.EVENTS:
             self._on_history_page(data)
 
     def _on_closed(self, lines: _LineSocket, reason: str) -> None:

@@ -21,6 +21,7 @@ from arbiterd.daemon.observe.metrics import Metrics
 from arbiterd.daemon.observe.telemetry import DeviceMemory, ProcessMemory, ReaderSet, Reading
 from arbiterd.daemon.supervisor import Supervisor
 from arbiterd.offload import cpu_note, gpu_nodes, setup_script
+from arbiterd.states import ControlCommand
 
 GiB = 1 << 30
 
@@ -83,8 +84,8 @@ def test_a_release_that_does_not_free_vram_is_reported(tmp_path: Path, tiny_mode
         await supervisor.start()
         try:
             events = supervisor.subscribe()
-            await supervisor.command("warm", "m")
-            await supervisor.command("release", "m")
+            await supervisor.command(ControlCommand.WARM, "m")
+            await supervisor.command(ControlCommand.RELEASE, "m")
             leak = await next_event(events, "vram_not_freed")
             status = (await supervisor.status()).to_json()
             return leak, status
@@ -191,7 +192,7 @@ def test_each_model_says_its_backend_and_the_cpu_cause_is_said_once_per_run(
             await supervisor.status()  # the status says it again; the log does not
             os.kill(pid_of(first, "gpu"), signal.SIGKILL)
             await next_event(events, "worker")
-            await supervisor.command("warm", "gpu")  # waits for the restarted worker
+            await supervisor.command(ControlCommand.WARM, "gpu")  # waits for the restarted worker
             again = (await supervisor.status()).to_json()
             return first, again, (await supervisor.metrics_text()).decode()
         finally:

@@ -46,6 +46,7 @@ from arbiterd.errors import (
 )
 from arbiterd.paths import ensure_private_dir
 from arbiterd.procs import WaitNews
+from arbiterd.states import ControlCommand
 from arbiterd.wire import encode
 
 log = logging.getLogger(__name__)
@@ -352,25 +353,25 @@ class _Connection:
 
     async def _dispatch(self, request: Request) -> dict[str, Any]:  # noqa: PLR0911 (one per command)
         command, args = request.command, request.args
-        if command == "hello":
+        if command is ControlCommand.HELLO:
             return {
                 "protocol": CONTROL_PROTOCOL,
                 "server": SERVER_NAME,
                 "version": arbiterd.__version__,
                 "commands": list(CONTROL_COMMANDS),
             }
-        if command == "status":
+        if command is ControlCommand.STATUS:
             return (await self._service.status()).to_json()  # the one place status is written
-        if command == "devices":
+        if command is ControlCommand.DEVICES:
             return await self._devices()
-        if command == "subscribe":
+        if command is ControlCommand.SUBSCRIBE:
             if self._events is None:
                 self._events = self._service.subscribe()
             return {"subscribed": True}
-        if command == "unsubscribe":
+        if command is ControlCommand.UNSUBSCRIBE:
             await self._stop_events()
             return {"subscribed": False}
-        if command == "events":
+        if command is ControlCommand.EVENTS:
             return await self._history_page(args)
         on_news = None
         if args.get("progress"):

@@ -47,7 +47,7 @@ from arbiterd.events import Event, PromptCacheEvictEvent, UnloadEvent, WorkerEve
 from arbiterd.hostcopy import HostCopies, HostCopy
 from arbiterd.offload import gpu_nodes
 from arbiterd.spec import DEFAULT_TURNS, Turns
-from arbiterd.states import SlotState, UnloadReason
+from arbiterd.states import SlotState, UnloadReason, WorkerOp
 
 log = logging.getLogger(__name__)
 
@@ -343,7 +343,7 @@ class Lifecycle:
 
     async def _ask_unload(self, worker: WorkerClient) -> dict[str, Any]:
         try:
-            return await worker.request("unload", timeout_s=UNLOAD_TIMEOUT_S)
+            return await worker.request(WorkerOp.UNLOAD, timeout_s=UNLOAD_TIMEOUT_S)
         except ArbiterError as exc:
             return _nothing_kept(str(exc))
 
