@@ -14,7 +14,8 @@ boundary (docs/architecture.md draws the processes). The folders:
 and the modules every process shares:
 
     __main__      `python -m arbiterd`
-    states        the vocabulary: states, operations and kinds as Enums, and their transitions
+    states        the vocabulary: states, ops, commands, kinds, classes and reasons as Enums,
+                  and their transitions
     errors        the exception tree, its codes, and each code's HTTP and exit status
     spec          plain records of models and workers that cross processes
     request       GenerateRequest: one request, from the HTTP edge to the engine
