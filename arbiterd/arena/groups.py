@@ -57,6 +57,7 @@ once for both ways to the GPU. Its flock calls are locks.py's, as the token's ar
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import os
 import threading
@@ -78,7 +79,12 @@ from arbiterd.arena.locks import (
 from arbiterd.arena.records import ArenaState, PassedOver
 from arbiterd.arena.token import Arena
 from arbiterd.config import GROUP_NAME_EXPECTED, GROUP_NAME_RE
-from arbiterd.errors import AcquireCancelledError, ArenaError, BadValueError
+from arbiterd.errors import (
+    AcquireCancelledError,
+    ArenaError,
+    BadValueError,
+    InvalidTransitionError,
+)
 from arbiterd.states import Priority
 
 log = logging.getLogger(__name__)
@@ -94,6 +100,30 @@ IN = ".in.lock"
 ADMIT = ".admit.lock"
 # The most a want lock's footprint text may be: a decimal byte count.
 FOOTPRINT_MAX_BYTES = 32
+
+
+class GateState(enum.Enum):
+    """A group's gate, as its keeper's thread moves it (`Keeper._move`, GATE_TRANSITIONS):
+
+        shut ──► open ──► leaving ──► shut    an outside waiter: the token is handed over
+                  │  └──► stopping ──► shut   the keeper stops: the token is released
+                  └──► shut                   no member warm or waiting: the token is released
+
+    The keeper's own: members see the gate only by its locks (the module's docstring)."""
+
+    SHUT = "shut"  # no token for the group: gate.lock LOCK_EX, nobody warm
+    OPEN = "open"  # the keeper holds the arena's token: admitted members may be warm
+    # leave.lock held (members go cold, none enters); the gate shuts once every member is cold.
+    LEAVING = "leaving"  # for an outside waiter
+    STOPPING = "stopping"  # for the keeper's stop
+
+
+GATE_TRANSITIONS: dict[GateState, frozenset[GateState]] = {
+    GateState.SHUT: frozenset({GateState.OPEN}),
+    GateState.OPEN: frozenset({GateState.SHUT, GateState.LEAVING, GateState.STOPPING}),
+    GateState.LEAVING: frozenset({GateState.SHUT}),
+    GateState.STOPPING: frozenset({GateState.SHUT}),
+}
 
 
 def group_dir(arena: Arena, group: str) -> Path:
@@ -378,15 +408,19 @@ class Keeper:
         self._over: set[str] = set()  # members said to be larger than the budget
         self._stop = threading.Event()
         self._doorbell: Doorbell | None = None  # the thread's, made by start(); stop() wakes it
-        self._holding = False
+        self._gate = GateState.SHUT  # written by the thread alone (_move); read by any
         self.handoffs = 0  # how often it let the token go to an outside waiter
         self.failure = ""  # why its thread ended early; "" while it runs or stopped cleanly
         self._thread = threading.Thread(target=self._run, name=f"group-{group}", daemon=True)
 
     @property
+    def gate(self) -> GateState:
+        return self._gate
+
+    @property
     def holding(self) -> bool:
         """Whether it holds the arena's token for the group now."""
-        return self._holding
+        return self._gate is not GateState.SHUT
 
     def set_budget(self, budget: int, tolerance: int = 0) -> None:
         """A fitting set's new budget (its device's room changed), applied at once: members
@@ -439,12 +473,13 @@ class Keeper:
                     )
                 except AcquireCancelledError:
                     break
-                self._set_holding(True)
+                self._move(GateState.SHUT, GateState.OPEN)
                 try:
-                    outside = self._hold(gate_fd, waiters_fd, leave_fd, token.wanted)
+                    self._hold(gate_fd, waiters_fd, leave_fd, token.wanted)
                 finally:
-                    self._set_holding(False)
-                    if outside:
+                    left = self._gate
+                    self._move(left, GateState.SHUT)
+                    if left is GateState.LEAVING:
                         self.handoffs += 1
                         token.hand_over()
                     else:
@@ -461,25 +496,23 @@ class Keeper:
 
     def _hold(
         self, gate_fd: int, waiters_fd: int, leave_fd: int, outside_waits: Callable[[], bool]
-    ) -> bool:
+    ) -> None:
         """Open the gate and keep it open while the group may use the GPU; return with it shut
-        (every member cold), and whether an outside waiter is why. From the moment it must
-        leave, leave.lock says so to the members (the caller unlocks it)."""
+        (every member cold), the state saying why: still OPEN (nobody wants it any more),
+        LEAVING (an outside waiter) or STOPPING. From the moment it must leave, leave.lock says
+        so to the members (the caller unlocks it)."""
         files, doorbell = self._files, self._doorbell
         assert doorbell is not None  # made by start()
         unlock(gate_fd)
         ring(files.gate_path)  # members waiting for the gate look now
-        outside = leaving = False
         try:
             while True:
                 nap_s = SAFETY_PROBE_S
-                if not leaving:
-                    outside = outside_waits()
-                    leaving = outside or self._stop.is_set()
-                    if leaving:
-                        # Blocks only for a member's probe (microseconds).
-                        lock(leave_fd, EXCLUSIVE)
-                        ring(files.leave_path)  # warm members go cold now
+                if self._gate is GateState.OPEN:
+                    if outside_waits():
+                        self._leave(GateState.LEAVING, leave_fd)
+                    elif self._stop.is_set():
+                        self._leave(GateState.STOPPING, leave_fd)
                     else:
                         self._admit(time.monotonic())
                         if contended(waiters_fd, EXCLUSIVE):
@@ -487,8 +520,8 @@ class Keeper:
                             doorbell.wait(nap_s)
                             continue
                 if try_flock(gate_fd, EXCLUSIVE):  # fails while a member is warm
-                    if leaving or not contended(waiters_fd, EXCLUSIVE):
-                        return outside
+                    if self._gate is not GateState.OPEN or not contended(waiters_fd, EXCLUSIVE):
+                        return
                     unlock(gate_fd)  # one came as we shut: open again
                     ring(files.gate_path)
                 # Until an outside waiter or a member leaving the gate rings; the safety probe
@@ -497,6 +530,12 @@ class Keeper:
                 doorbell.wait(nap_s)
         finally:
             self._withdraw(list(self._admitted))  # the next holding admits anew
+
+    def _leave(self, why: GateState, leave_fd: int) -> None:
+        """open → `why` (LEAVING or STOPPING): leave.lock tells the members to go cold."""
+        self._move(GateState.OPEN, why)
+        lock(leave_fd, EXCLUSIVE)  # blocks only for a member's probe (microseconds)
+        ring(self._files.leave_path)  # warm members go cold now
 
     def _admit(self, now: float) -> None:
         """Look at every member and apply fitting.plan: admit (lock each one's admit.lock) and
@@ -588,7 +627,15 @@ class Keeper:
                 os.close(entry[0])  # drops the LOCK_EX: the member goes cold
                 ring(self._files.member_path(name, ADMIT))
 
-    def _set_holding(self, holding: bool) -> None:
-        self._holding = holding
-        if self._on_change is not None:
-            self._on_change(self.group, holding)
+    def _move(self, expected: GateState, new: GateState) -> None:
+        """The gate from `expected` to `new`: the one place its state changes, from the thread.
+        Raises InvalidTransitionError for a move GATE_TRANSITIONS does not list; tells
+        `on_change` when the group takes or lets go of the token."""
+        if self._gate is not expected or new not in GATE_TRANSITIONS[expected]:
+            raise InvalidTransitionError(
+                f"group {self.group}: gate {self._gate.value}, not {expected.value} → {new.value}"
+            )
+        holding = self.holding
+        self._gate = new
+        if self._on_change is not None and self.holding != holding:
+            self._on_change(self.group, self.holding)

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import pytest
 
 from arbiterd.arena import Arena
-from arbiterd.arena.groups import Gate, GateHold, Keeper, group_dir
-from arbiterd.errors import AcquireCancelledError, BadValueError
+from arbiterd.arena.groups import GATE_TRANSITIONS, Gate, GateHold, GateState, Keeper, group_dir
+from arbiterd.errors import AcquireCancelledError, BadValueError, InvalidTransitionError
 from arbiterd.states import Priority
 from tests.support.waiting import wait_until
 
@@ -108,6 +108,7 @@ def test_an_outside_waiter_gets_the_token_only_once_every_member_is_cold(
     thread = threading.Thread(target=outsider)
     thread.start()
     wait_until(lambda: a.wanted() and b.wanted(), 5, "the members to see the outsider")
+    assert keeper.gate is GateState.LEAVING
     a.release()
     time.sleep(0.1)  # a window for the token to move, were it free to: an absence needs one
     assert not got, "the token moved while b was still warm"
@@ -117,6 +118,7 @@ def test_an_outside_waiter_gets_the_token_only_once_every_member_is_cold(
     assert got
     assert got[0] >= b_cold
     assert keeper.handoffs == 1
+    assert not keeper.holding  # its gate shut before the token went
 
 
 def test_a_member_waits_at_the_gate_while_an_outsider_waits(
@@ -236,12 +238,29 @@ def test_a_keeper_stopping_waits_for_its_members(arena: Arena, members: Members)
     stopper.start()
     # The stopping keeper tells its members to leave: a warm member sees it, ...
     wait_until(a.wanted, 5, "the member to be told to leave")
+    assert keeper.gate is GateState.STOPPING
     assert stopper.is_alive()
     assert arena.observe().holder_pid == os.getpid()
     a.release()  # ... goes cold by its policy, and only then does the token go
     stopper.join(timeout=10)
     assert not stopper.is_alive()
     assert arena.observe().holder_pid is None
+
+
+def test_every_gate_state_leads_back_to_shut_and_only_open_leaves_it() -> None:
+    assert set(GATE_TRANSITIONS) == set(GateState)
+    assert GATE_TRANSITIONS[GateState.SHUT] == {GateState.OPEN}
+    assert all(GateState.SHUT in GATE_TRANSITIONS[s] for s in GateState if s is not GateState.SHUT)
+
+
+def test_the_keeper_refuses_a_move_its_gate_table_does_not_list(arena: Arena) -> None:
+    keeper = Keeper(arena, "pair")  # not started: its gate is shut, and stays so
+    with pytest.raises(InvalidTransitionError, match="shut"):
+        keeper._move(GateState.SHUT, GateState.LEAVING)
+    with pytest.raises(InvalidTransitionError, match="shut, not open"):
+        keeper._move(GateState.OPEN, GateState.SHUT)
+    assert keeper.gate is GateState.SHUT
+    assert not keeper.holding
 
 
 @pytest.mark.parametrize("name", ["", "../x", ".hidden", "a/b", "x" * 65])
