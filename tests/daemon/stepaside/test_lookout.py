@@ -13,7 +13,9 @@ from pathlib import Path
 
 from arbiterd.daemon.stepaside.lookout import Lookout
 from arbiterd.daemon.stepaside.policy import Sighting
-from tests.daemon.test_configwatch import until
+from tests.support import waiting
+
+DEADLINE_S = 10.0
 
 
 class Looks:
@@ -64,13 +66,15 @@ def test_a_process_opening_a_watched_node_rings_and_the_look_names_it_with_its_m
     async def scenario() -> None:
         lookout = Lookout(looks, measure=lambda: measured, scan_s=60, by_name=False, nodes=[node])
         async with looking(lookout):
-            await until(lambda: looks.seen, "the first look")
+            await waiting.until(lambda: looks.seen, DEADLINE_S, "the first look")
             assert lookout.watching
             loop = asyncio.get_running_loop()
             with holding_open(node) as program:
                 opened = loop.time()
                 measured[program.pid] = 3 << 30
-                await until(lambda: looks.holding(program.pid), "a look that sees it")
+                await waiting.until(
+                    lambda: looks.holding(program.pid), DEADLINE_S, "a look that sees it"
+                )
                 # The bash start, the ring, the settle and one scan of /proc: well under a
                 # second, where the next timed look would come in a minute.
                 assert loop.time() - opened < 2.0
@@ -91,15 +95,15 @@ def test_a_node_made_again_is_watched_again(tmp_path: Path) -> None:
     async def scenario() -> None:
         lookout = Lookout(looks, measure=dict, scan_s=60, by_name=False, nodes=[node])
         async with looking(lookout):
-            await until(lambda: looks.seen, "the first look")
+            await waiting.until(lambda: looks.seen, DEADLINE_S, "the first look")
             rings = lookout.rings
             node.unlink()  # a driver unloaded
-            await until(lambda: lookout.rings > rings, "the node gone")
+            await waiting.until(lambda: lookout.rings > rings, DEADLINE_S, "the node gone")
             node.write_bytes(b"")  # and loaded again: a new inode under the name
-            await until(lambda: lookout.rings > rings + 1, "the node back")
+            await waiting.until(lambda: lookout.rings > rings + 1, DEADLINE_S, "the node back")
             rings = lookout.rings
             with holding_open(node):
-                await until(lambda: lookout.rings > rings, "the open to ring")
+                await waiting.until(lambda: lookout.rings > rings, DEADLINE_S, "the open to ring")
 
     asyncio.run(scenario())
 
@@ -134,7 +138,9 @@ def test_a_look_lists_this_users_processes_by_name_without_reading_their_fds(
     async def scenario() -> None:
         lookout = Lookout(looks, measure=dict, scan_s=0.1, by_name=True, nodes=[])
         async with looking(lookout):
-            await until(lambda: any(not whole for _, whole in looks.seen), "a look by name")
+            await waiting.until(
+                lambda: any(not whole for _, whole in looks.seen), DEADLINE_S, "a look by name"
+            )
 
     asyncio.run(scenario())
     sightings = next(s for s, whole in looks.seen if not whole)
