@@ -11,7 +11,9 @@ not know reads as an `OtherEvent` that keeps its fields.
 Shared by every process (worker, daemon, CLI, tray): imports nothing of arbiterd's but the
 states it carries (arbiterd/states.py), and never Qt. Every record but `OtherEvent` is read and
 written by one field codec (below), driven by its fields' types: no record writes its own
-(the status records, arbiterd/status.py, are read and written by it too).
+(the status records, arbiterd/status.py, are read and written by it too). Its strict variant
+(`strict_decode`, `strict_encode`) reads and writes the generation request the daemon sends its
+workers (arbiterd/request.py): there, a field that does not read fails the message.
 
     residency       a model's residency state changed (the worker's state machine)
     request         a request ended
@@ -43,7 +45,7 @@ import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, TypeVar
 
 from arbiterd.states import (
     PassOverReason,
@@ -75,6 +77,7 @@ from arbiterd.states import (
 # a Python keyword, or a name that reads better in Python).
 
 _Reader = Callable[[object], Any]
+_D = TypeVar("_D")
 _Writer = Callable[[Any], Any]
 
 
@@ -272,6 +275,223 @@ class Record:
 
     def to_json(self) -> dict[str, Any]:
         return {f.key: f.write(getattr(self, f.name)) for f in _fields(type(self))}
+
+
+# -- the strict codec ------------------------------------------------------------------------
+#
+# The same idea for a record that one process writes and another runs, where a field that does
+# not read is the message's fault and must fail it (arbiterd/request.py's GenerateRequest, issue
+# 41): `strict_decode` raises FieldError naming the first field that is unknown, missing (one
+# without a default) or of the wrong type; `strict_encode` writes only the fields that differ
+# from their default. One reader per field type, by the field's annotation:
+#
+#     int, float (None too when optional)   a number (not a bool; an int for int), finite
+#     str, bool (None too when optional)    a string, a JSON boolean
+#     a StrEnum (None too when optional)    one of its values
+#     a dataclass (None too when optional)  an object, read strictly as that record
+#     dict[str, Any]                        an object, kept as it is (a JSON schema, say)
+#     dict[int, float]                      an object of decimal int keys to numbers
+#     tuple[T, ...], tuple[A, B]            a list of T, a list of exactly an A and a B
+#
+# The checks of what a value means (a range, one field against another) are the writer's: the
+# strict codec checks only that the message is the record's.
+
+
+class FieldError(ValueError):
+    """A message that is not the record it should be; `str()` names the field."""
+
+
+_StrictReader = Callable[[object, str], Any]
+
+# Each record class's fields for the strict codec: (attribute, JSON name, reader, default or
+# _REQUIRED), made on first use like _CODECS.
+_REQUIRED = object()
+_STRICT: dict[type, tuple[tuple[str, str, _StrictReader, Any], ...]] = {}
+
+
+def _must(key: str, expected: str, value: object) -> FieldError:
+    got = "null" if value is None else type(value).__name__
+    return FieldError(f"'{key}' must be {expected}, got {got}")
+
+
+def _strict_number(kind: type) -> _StrictReader:
+    expected = "an integer" if kind is int else "a number"
+    accepted = int if kind is int else int | float
+
+    def read(value: object, key: str) -> Any:
+        if isinstance(value, bool) or not isinstance(value, accepted):
+            raise _must(key, expected, value)
+        if not math.isfinite(value):
+            raise FieldError(f"'{key}' must be finite")
+        return value
+
+    return read
+
+
+def _strict_plain(kind: type, expected: str) -> _StrictReader:
+    def read(value: object, key: str) -> Any:
+        if not isinstance(value, kind):
+            raise _must(key, expected, value)
+        return value
+
+    return read
+
+
+def _strict_member(kind: type[enum.StrEnum]) -> _StrictReader:
+    def read(value: object, key: str) -> Any:
+        if isinstance(value, str) and value in kind._value2member_map_:
+            return kind(value)
+        choices = ", ".join(member.value for member in kind)
+        raise FieldError(f"'{key}' must be one of {choices}, got {str(value)[:40]!r}")
+
+    return read
+
+
+def _strict_optional(read_value: _StrictReader) -> _StrictReader:
+    def read(value: object, key: str) -> Any:
+        return None if value is None else read_value(value, key)
+
+    return read
+
+
+def _strict_items(read_item: _StrictReader) -> _StrictReader:
+    def read(value: object, key: str) -> tuple[Any, ...]:
+        if not isinstance(value, list):
+            raise _must(key, "a list", value)
+        return tuple(read_item(item, f"{key}[{index}]") for index, item in enumerate(value))
+
+    return read
+
+
+def _strict_fixed(readers: tuple[_StrictReader, ...]) -> _StrictReader:
+    def read(value: object, key: str) -> tuple[Any, ...]:
+        if not isinstance(value, list) or len(value) != len(readers):
+            raise _must(key, f"a list of {len(readers)}", value)
+        return tuple(
+            each(item, f"{key}[{i}]") for i, (each, item) in enumerate(zip(readers, value))
+        )
+
+    return read
+
+
+def _strict_object(value: object, key: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _must(key, "an object", value)
+    return value
+
+
+_MAX_INT_KEY_DIGITS = 19  # int64's; int() refuses more than 4,300 digits (issue 24)
+
+
+def _strict_int_keys(read_value: _StrictReader) -> _StrictReader:
+    def read(value: object, key: str) -> dict[int, Any]:
+        read_ = {}
+        for name, item in _strict_object(value, key).items():
+            # ASCII digits before int(): str.isdigit() also takes digits int() refuses ("²").
+            if not (name.isascii() and name.isdigit() and len(name) <= _MAX_INT_KEY_DIGITS):
+                raise FieldError(f"'{key}' has the key {name[:40]!r}, which is not an integer")
+            read_[int(name)] = read_value(item, f"{key}.{name}")
+        return read_
+
+    return read
+
+
+def _strict_reader(hint: Any) -> _StrictReader:
+    """The strict reader of a field of type `hint` (the table above)."""
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) and len(args) == 2 and args[1] is type(None):
+        return _strict_optional(_strict_reader(args[0]))
+    if hint is int or hint is float:
+        return _strict_number(hint)
+    if hint is str:
+        return _strict_plain(str, "a string")
+    if hint is bool:
+        return _strict_plain(bool, "a boolean")
+    if isinstance(hint, type) and issubclass(hint, enum.StrEnum):
+        return _strict_member(hint)
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return _strict_record(hint)
+    origin = typing.get_origin(hint)
+    if origin is dict and args == (str, Any):
+        return _strict_object
+    if origin is dict and args[0] is int:
+        return _strict_int_keys(_strict_reader(args[1]))
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return _strict_items(_strict_reader(args[0]))
+    if origin is tuple:
+        return _strict_fixed(tuple(_strict_reader(arg) for arg in args))
+    raise TypeError(f"the strict codec has no reader for a field of type {hint!r}")
+
+
+def _strict_record(kind: type) -> _StrictReader:
+    def read(value: object, key: str) -> Any:
+        return _strict_decode(kind, value, f"{key}.")
+
+    return read
+
+
+def _strict_fields(kind: type) -> tuple[tuple[str, str, _StrictReader, Any], ...]:
+    codec = _STRICT.get(kind)
+    if codec is None:
+        hints = typing.get_type_hints(kind)
+        codec = _STRICT[kind] = tuple(
+            (
+                f.name,
+                f.metadata.get("json", f.name),
+                _strict_reader(hints[f.name]),
+                f.default
+                if f.default is not dataclasses.MISSING
+                else f.default_factory()
+                if f.default_factory is not dataclasses.MISSING
+                else _REQUIRED,
+            )
+            for f in dataclasses.fields(kind)
+        )
+    return codec
+
+
+def _strict_decode(kind: type[_D], obj: object, where: str) -> _D:
+    if not isinstance(obj, dict):
+        raise FieldError(f"'{where.rstrip('.') or 'the message'}' must be an object")
+    codec = _strict_fields(kind)
+    unknown = sorted(set(obj) - {key for _, key, _, _ in codec})
+    if unknown:
+        raise FieldError(f"unknown field '{where}{str(unknown[0])[:40]}'")
+    given: dict[str, Any] = {}
+    for name, key, read, default in codec:
+        if key in obj:
+            given[name] = read(obj[key], where + key)
+        elif default is _REQUIRED:
+            raise FieldError(f"'{where}{key}' is missing")
+    return kind(**given)
+
+
+def strict_decode(kind: type[_D], obj: object) -> _D:
+    """The record of dataclass `kind` that `strict_encode` wrote as `obj`; FieldError naming the
+    first field that is not (see the table above)."""
+    return _strict_decode(kind, obj, "")
+
+
+def _strict_written(value: Any) -> Any:
+    if isinstance(value, enum.StrEnum):
+        return value.value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return strict_encode(value)
+    if isinstance(value, tuple):
+        return [_strict_written(item) for item in value]
+    if isinstance(value, dict):
+        return {str(key): _strict_written(item) for key, item in value.items()}
+    return value
+
+
+def strict_encode(record: Any) -> dict[str, Any]:
+    """`record`, a dataclass, as `strict_decode` reads it: each field that differs from its
+    default under its JSON name, in their order."""
+    return {
+        key: _strict_written(getattr(record, name))
+        for name, key, _, default in _strict_fields(type(record))
+        if default is _REQUIRED or getattr(record, name) != default
+    }
 
 
 # -- the records -----------------------------------------------------------------------------

@@ -72,58 +72,78 @@ def test_the_wire_form_holds_only_what_differs_from_the_default() -> None:
     }
 
 
+def test_the_wire_form_is_the_records_own_fields() -> None:
+    assert EVERY_FIELD.to_json() == {
+        "kind": "chat",
+        "messages": [{"role": "user", "content": "the fox <__media__>"}],
+        "plain_prompt": "the fox",
+        "sampling": {
+            "max_tokens": 8,
+            "temperature": 0.5,
+            "top_k": 40,
+            "seed": 7,
+            "stop": ["\n", "END"],
+        },
+        "logit_bias": {"15": -100.0, "2": 2.5},
+        "logprobs": 3,
+        "n": 2,
+        "response_format": {"schema": {"type": "object"}},
+        "tools": [
+            {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+                "description": "The weather in a city",
+            }
+        ],
+        "tool_choice": "function",
+        "tool_name": "get_weather",
+        "parallel_tool_calls": False,
+        "images": ["aGVsbG8="],
+        "priority": "batch",
+        "include_usage": True,
+    }
+
+
 @pytest.mark.parametrize(
     ("wire", "message"),
     [
         ([], "a request must be an object"),
-        ({"kind": "poem", "prompt": "x"}, "unknown request kind 'poem'"),
+        ({"prompt": "x"}, "'kind' is missing"),
+        ({"kind": "poem", "prompt": "x"}, "'kind' must be one of completion, chat, embedding"),
+        ({"kind": "completion", "model": "m"}, "unknown field 'model'"),
         ({"kind": "completion", "prompt": 3}, "'prompt' must be a string"),
-        ({"kind": "chat", "messages": []}, "'messages' must be a non-empty list"),
-        ({"kind": "embedding", "input": "the fox"}, "'input' must be a non-empty list of strings"),
-        ({"kind": "completion", "prompt": "x", "max_tokens": "many"}, "'max_tokens' must be int"),
-        ({"kind": "completion", "prompt": "x", "max_tokens": 0}, "at least 1"),
-        ({"kind": "completion", "prompt": "x", "temperature": True}, "'temperature' must be"),
-        ({"kind": "completion", "prompt": "x", "stop": [""]}, "'stop' must be a list"),
-        ({"kind": "completion", "prompt": "x", "n": 17}, "'n' must be an integer from 1 to 16"),
-        ({"kind": "completion", "prompt": "x", "logprobs": 21}, "'logprobs' must be from 0 to"),
+        ({"kind": "chat", "messages": {}}, "'messages' must be a list"),
+        ({"kind": "chat", "messages": ["hi"]}, r"'messages\[0\]' must be an object"),
+        ({"kind": "embedding", "inputs": "the fox"}, "'inputs' must be a list"),
+        ({"kind": "embedding", "inputs": ["the fox", 7]}, r"'inputs\[1\]' must be a string"),
         (
-            {"kind": "completion", "prompt": "x", "logit_bias": {"1" * 5000: 1}},
-            r"'logit_bias' names '1111+\.\.\., which is not a token id",
+            {"kind": "completion", "sampling": {"max_tokens": "many"}},
+            "'sampling.max_tokens' must be",
         ),
+        ({"kind": "completion", "sampling": {"max_tokens": 1.5}}, "must be an integer, got float"),
+        ({"kind": "completion", "sampling": {"temperature": True}}, "'sampling.temperature' must"),
+        ({"kind": "completion", "sampling": {"best_of": 2}}, "unknown field 'sampling.best_of'"),
+        ({"kind": "completion", "sampling": {"stop": "\n"}}, "'sampling.stop' must be a list"),
+        ({"kind": "completion", "n": "2"}, "'n' must be an integer"),
+        ({"kind": "completion", "logprobs": False}, "'logprobs' must be an integer"),
+        ({"kind": "completion", "logit_bias": {"1" * 5000: 1}}, "which is not an integer"),
+        ({"kind": "completion", "logit_bias": {"\u00b2": 1}}, "which is not an integer"),
+        ({"kind": "completion", "logit_bias": {"5": "up"}}, "'logit_bias.5' must be a number"),
         (
-            {"kind": "completion", "prompt": "x", "logit_bias": {"\u00b2": 1}},
-            "which is not a token id",
+            {"kind": "chat", "response_format": {"type": "xml"}},
+            "unknown field 'response_format.type'",
         ),
+        ({"kind": "chat", "tools": [{"type": "web"}]}, "unknown field 'tools\\[0\\].type'"),
+        ({"kind": "chat", "tools": [{"parameters": {}}]}, r"'tools\[0\].name' is missing"),
+        ({"kind": "chat", "tool_choice": "any"}, "'tool_choice' must be one of"),
         (
-            {"kind": "completion", "prompt": "x", "logit_bias": {"5": 101}},
-            r"'logit_bias.5' must be from -100 to 100",
+            {"kind": "completion", "infill": {"suffix": "x", "extra": [["a"]]}},
+            "must be a list of 2",
         ),
-        (
-            {"kind": "chat", "messages": [{}], "response_format": {"type": "xml"}},
-            "'response_format' must be",
-        ),
-        ({"kind": "chat", "messages": [{}], "tools": [{"type": "web"}]}, "'tools' must be a list"),
-        (
-            {"kind": "chat", "messages": [{}], "tool_choice": "required"},
-            "the request offers no tools",
-        ),
-        (
-            {
-                "kind": "chat",
-                "messages": [{}],
-                "tools": [WEATHER.to_json()],
-                "tool_choice": {"type": "function", "function": {"name": "add"}},
-            },
-            "'tool_choice' names 'add', which is not among the tools: get_weather",
-        ),
-        ({"kind": "completion", "prompt": "x", "images": ["aGk="]}, "images go in chat"),
-        ({"kind": "chat", "messages": [{}], "images": "aGk="}, "'images' must be a list"),
-        ({"kind": "chat", "messages": [{}], "plain_prompt": 1}, "'plain_prompt' must be a string"),
-        ({"kind": "completion", "prompt": "x", "priority": "urgent"}, "'priority' must be one"),
-        (
-            {"kind": "completion", "prompt": "x", "stream_options": {"include_usage": 1}},
-            "'stream_options' must be an object",
-        ),
+        ({"kind": "chat", "images": "aGk="}, "'images' must be a list"),
+        ({"kind": "chat", "plain_prompt": 1}, "'plain_prompt' must be a string"),
+        ({"kind": "completion", "priority": "urgent"}, "'priority' must be one of"),
+        ({"kind": "completion", "include_usage": 1}, "'include_usage' must be a boolean"),
     ],
 )
 def test_a_malformed_request_is_refused_naming_its_field(wire: Any, message: str) -> None:

@@ -19,6 +19,7 @@ import pytest
 
 from arbiterd.config import smollm_model_path
 from arbiterd.errors import ContextOverflowError, ModelLoadError, RequestError, RestoreError
+from arbiterd.request import GenerateRequest, ResponseFormat
 from arbiterd.spec import KvPolicy, ModelSpec
 from arbiterd.worker.engine import ReloadBackend
 from arbiterd.worker.engine.backend import disk_read_bytes
@@ -85,9 +86,7 @@ def test_a_stream_that_asks_ends_with_a_chunk_of_its_usage(
     plain = backend.generate(request_for(kind, body), chunks.append)
     assert all(chunk["choices"] for chunk in chunks)  # not asked: no usage chunk
     chunks.clear()
-    asked = backend.generate(
-        request_for(kind, {**body, "stream_options": {"include_usage": True}}), chunks.append
-    )
+    asked = backend.generate(request_for(kind, {**body, "include_usage": True}), chunks.append)
     *text, last = chunks
     assert all(chunk["choices"] for chunk in text)
     assert last["choices"] == []
@@ -151,7 +150,7 @@ def test_a_hundred_random_schemas_give_json_that_follows_each_of_them(
             "messages": [{"role": "user", "content": "answer in JSON"}],
             "max_tokens": 400,
             "temperature": 0,
-            "response_format": {"type": "json_object", "schema": schema},
+            "response_format": ResponseFormat(schema),
         }
         result = backend.generate(request_for("chat", body), None).response["choices"][0]
         assert result["finish_reason"] == "stop", (schema, result)
@@ -162,20 +161,18 @@ def test_a_hundred_random_schemas_give_json_that_follows_each_of_them(
 @pytest.mark.parametrize(
     "response_format",
     [
-        {"type": "json_object", "schema": {"type": "no such type"}},
-        {"type": "json_object", "schema": {"$ref": "#/nowhere"}},
-        {"type": "json_object", "schema": "an object"},
-        {"type": "xml"},
+        ResponseFormat({"type": "no such type"}),
+        ResponseFormat({"$ref": "#/nowhere"}),
         # The converter writes these property names as GBNF that llama.cpp cannot parse: the
         # NULL sampler it makes of them was a SIGSEGV at the first token (issue 24).
         *(
-            {"type": "json_object", "schema": {"properties": {name: {"type": "string"}}}}
+            ResponseFormat({"properties": {name: {"type": "string"}}})
             for name in ("a\fb", "a\bb", 'a"b')
         ),
     ],
 )
 def test_a_response_format_that_cannot_be_followed_is_a_request_error(
-    backend: ReloadBackend, response_format: dict[str, Any]
+    backend: ReloadBackend, response_format: ResponseFormat
 ) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "response_format": response_format}
     with pytest.raises(RequestError, match=r"response_format|JSON schema"):
@@ -206,7 +203,11 @@ def test_greedy_output_matches_a_fresh_process(backend: ReloadBackend, tiny_mode
         spec = ModelSpec(name="t", path=Path(sys.argv[1]), n_ctx=1024, n_gpu_layers=0)
         backend = ReloadBackend(spec)
         backend.load()
-        body = {"kind": "completion", "prompt": sys.argv[2], "max_tokens": 12, "temperature": 0}
+        body = {
+            "kind": "completion",
+            "prompt": sys.argv[2],
+            "sampling": {"max_tokens": 12, "temperature": 0},
+        }
         result = backend.generate(GenerateRequest.from_json(body), None)
         sys.stdout.write(result.response["choices"][0]["text"])
         """
@@ -544,19 +545,18 @@ def test_prompt_longer_than_the_context_is_a_request_error(tiny_model: Path) -> 
 
 
 @pytest.mark.parametrize(
-    ("body", "message"),
+    ("wire", "message"),
     [
-        ({"prompt": 3}, "'prompt' must be a string"),
-        ({"prompt": "x", "max_tokens": "many"}, "'max_tokens' must be int"),
-        ({"prompt": "x", "max_tokens": 0}, "at least 1"),
-        ({"prompt": "x", "temperature": True}, "'temperature' must be"),
+        ({"kind": "completion", "prompt": 3}, "'prompt' must be a string"),
+        ({"kind": "completion", "sampling": {"max_tokens": "many"}}, "'sampling.max_tokens' must"),
+        ({"kind": "completion", "sampling": {"temperature": True}}, "'sampling.temperature' must"),
     ],
 )
-def test_bad_parameters_are_request_errors(
-    backend: ReloadBackend, body: dict[str, object], message: str
-) -> None:
+def test_bad_parameters_are_request_errors(wire: dict[str, object], message: str) -> None:
+    # What the worker reads off the wire; the ranges (max_tokens at least 1) are the edge's
+    # (tests/daemon/http/test_openai_requests.py).
     with pytest.raises(RequestError, match=message):
-        backend.generate(request_for("completion", body), None)
+        GenerateRequest.from_json(wire)
 
 
 def test_missing_and_corrupt_models_fail_to_load(tmp_path: Path) -> None:

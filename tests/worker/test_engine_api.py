@@ -11,38 +11,38 @@ from typing import Any
 import pytest
 
 from arbiterd.errors import RequestError
-from arbiterd.request import MAX_TOKEN_ID, GenerateRequest
+from arbiterd.request import (
+    MAX_TOKEN_ID,
+    GenerateRequest,
+    ResponseFormat,
+    Tool,
+    ToolChoice,
+)
 from arbiterd.spec import ModelSpec
 from arbiterd.states import RequestKind
 from arbiterd.worker.engine import ReloadBackend
 from tests.support.requests import request_for
 from tests.support.tiny_gguf import TOOLS_CHAT_TEMPLATE, TinyModelSpec, write_tiny_llama
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 12}},
-            "required": ["city"],
-        },
+WEATHER = Tool(
+    name="get_weather",
+    parameters={
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
     },
-}
-ADD = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "a": {"type": "integer"},
-                "b": {"type": "integer"},
-            },
-            "required": ["a", "b"],
+)
+ADD = Tool(
+    name="add",
+    parameters={
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer"},
+            "b": {"type": "integer"},
         },
+        "required": ["a", "b"],
     },
-}
+)
 ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
 # Greedy, and no penalty: the sampled token is the most likely one.
 PLAIN = {"temperature": 0, "repeat_penalty": 1.0}
@@ -83,17 +83,21 @@ def streamed_calls(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [calls[index] for index in sorted(calls)]
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+@pytest.mark.parametrize(
+    ("choice", "name"), [(ToolChoice.REQUIRED, ""), (ToolChoice.FUNCTION, "add")]
+)
 def test_a_required_call_is_made_and_follows_the_tools_schema(
-    backend: ReloadBackend, choice: object
+    backend: ReloadBackend, choice: ToolChoice, name: str
 ) -> None:
-    response, chunks = chat(backend, tools=[WEATHER, ADD], tool_choice=choice, **PLAIN)
+    response, chunks = chat(
+        backend, tools=[WEATHER, ADD], tool_choice=choice, tool_name=name, **PLAIN
+    )
     answer = response["choices"][0]
     assert answer["finish_reason"] == "tool_calls"
     assert answer["message"]["content"] is None
     (call,) = answer["message"]["tool_calls"]
     arguments = json.loads(call["function"]["arguments"])
-    if isinstance(choice, dict):
+    if name:
         assert call["function"]["name"] == "add"
     if call["function"]["name"] == "add":
         assert set(arguments) == {"a", "b"}
@@ -144,8 +148,8 @@ def test_a_forced_call_and_a_response_format_together_are_refused(backend: Reloa
         chat(
             backend,
             tools=[WEATHER],
-            tool_choice="required",
-            response_format={"type": "json_object"},
+            tool_choice=ToolChoice.REQUIRED,
+            response_format=ResponseFormat(),
         )
 
 
@@ -189,7 +193,7 @@ def test_a_logit_bias_steers_the_sampler(backend: ReloadBackend) -> None:
     free = backend.generate(request_for("completion", body), None).response["choices"][0]["text"]
     forced_token = 300
     forced = backend.generate(
-        request_for("completion", {**body, "logit_bias": {str(forced_token): 100}}), None
+        request_for("completion", {**body, "logit_bias": {forced_token: 100.0}}), None
     ).response["choices"][0]["text"]
     piece = backend._require_llm().detokenize([forced_token]).decode()
     assert forced == piece * 5 != free

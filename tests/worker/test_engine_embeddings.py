@@ -11,6 +11,7 @@ import llama_cpp
 import pytest
 
 from arbiterd.errors import ContextOverflowError, ModelLoadError, RequestError
+from arbiterd.request import GenerateRequest
 from arbiterd.spec import KvPolicy, ModelSpec
 from arbiterd.worker.engine import ReloadBackend
 from tests.support.requests import request_for
@@ -45,7 +46,7 @@ def embedder(tiny_embedding_model: Path) -> Iterator[ReloadBackend]:
 
 
 def test_each_input_is_one_unit_vector_as_wide_as_the_model(embedder: ReloadBackend) -> None:
-    made = embedder.generate(request_for("embedding", {"input": TEXTS}), None)
+    made = embedder.generate(request_for("embedding", {"inputs": TEXTS}), None)
     response = made.response
     assert response["object"] == "list"
     assert response["model"] == "embed"
@@ -71,7 +72,7 @@ def test_the_vector_is_llama_cpp_pythons_own_normalized(
 ) -> None:
     ours = vectors(
         embedder.generate(
-            request_for("embedding", {"input": ["the quick brown fox"]}), None
+            request_for("embedding", {"inputs": ["the quick brown fox"]}), None
         ).response
     )
     reference = llama_cpp.Llama(
@@ -86,12 +87,12 @@ def test_the_vector_is_llama_cpp_pythons_own_normalized(
 
 
 def test_a_round_trip_through_the_host_gives_the_same_vectors(embedder: ReloadBackend) -> None:
-    before = vectors(embedder.generate(request_for("embedding", {"input": TEXTS}), None).response)
+    before = vectors(embedder.generate(request_for("embedding", {"inputs": TEXTS}), None).response)
     embedder.release(KvPolicy.HOST)
     assert embedder.resident_bytes() == 0
     embedder.restore()
     assert (
-        vectors(embedder.generate(request_for("embedding", {"input": TEXTS}), None).response)
+        vectors(embedder.generate(request_for("embedding", {"inputs": TEXTS}), None).response)
         == before
     )
 
@@ -103,36 +104,34 @@ def test_an_input_that_fills_the_context_fits_and_one_token_more_is_refused_cold
     engine = ReloadBackend(spec)
     engine.open()  # the vocabulary only: nothing is loaded
     try:
-        full = engine.prepare(request_for("embedding", {"input": [words(N_CTX - 1)]}), never)
+        full = engine.prepare(request_for("embedding", {"inputs": [words(N_CTX - 1)]}), never)
         assert [len(tokens) for tokens in full.inputs] == [N_CTX]
         with pytest.raises(ContextOverflowError, match=r"input\[1\] is 33 tokens long"):
-            engine.prepare(request_for("embedding", {"input": ["x", words(N_CTX)]}), never)
+            engine.prepare(request_for("embedding", {"inputs": ["x", words(N_CTX)]}), never)
         with pytest.raises(ContextOverflowError, match=r"input\[0\]: .* bytes exceeds"):
-            engine.prepare(request_for("embedding", {"input": ["fox" * 10_000]}), never)
+            engine.prepare(request_for("embedding", {"inputs": ["fox" * 10_000]}), never)
         assert engine.resident_bytes() == 0
     finally:
         engine.close()
 
 
 def test_every_input_that_fits_the_context_is_embedded(embedder: ReloadBackend) -> None:
-    made = embedder.generate(request_for("embedding", {"input": [words(N_CTX - 1), "fox"]}), None)
+    made = embedder.generate(request_for("embedding", {"inputs": [words(N_CTX - 1), "fox"]}), None)
     assert made.prompt_tokens == N_CTX + 2
 
 
 @pytest.mark.parametrize(
-    ("body", "problem"),
+    ("wire", "problem"),
     [
-        ({}, "'input' must be a non-empty list of strings"),
-        ({"input": []}, "'input' must be a non-empty list of strings"),
-        ({"input": "the fox"}, "'input' must be a non-empty list of strings"),
-        ({"input": ["the fox", 7]}, "'input' must be a non-empty list of strings"),
+        ({"kind": "embedding", "inputs": "the fox"}, "'inputs' must be a list"),
+        ({"kind": "embedding", "inputs": ["the fox", 7]}, r"'inputs\[1\]' must be a string"),
     ],
 )
-def test_malformed_input_is_a_request_error(
-    embedder: ReloadBackend, body: dict[str, Any], problem: str
-) -> None:
+def test_malformed_input_is_a_request_error(wire: dict[str, Any], problem: str) -> None:
+    # The edge refuses empty inputs (tests/daemon/http/test_app_embeddings.py); the wire form
+    # refuses what is not a list of strings.
     with pytest.raises(RequestError, match=problem):
-        embedder.prepare(request_for("embedding", body), never)
+        GenerateRequest.from_json(wire)
 
 
 def test_an_embedding_model_serves_nothing_else(embedder: ReloadBackend) -> None:
@@ -149,7 +148,7 @@ def test_a_generative_model_makes_no_embeddings(tiny_model: Path) -> None:
     engine.open()
     try:
         with pytest.raises(RequestError, match="'tiny' is not an embedding model"):
-            engine.prepare(request_for("embedding", {"input": ["the fox"]}), never)
+            engine.prepare(request_for("embedding", {"inputs": ["the fox"]}), never)
     finally:
         engine.close()
 
@@ -166,7 +165,7 @@ def test_a_model_that_pools_nothing_cannot_be_loaded_for_embeddings(tiny_model: 
 
 
 def test_a_cancel_stops_between_two_inputs(embedder: ReloadBackend) -> None:
-    prepared = embedder.prepare(request_for("embedding", {"input": TEXTS}), never)
+    prepared = embedder.prepare(request_for("embedding", {"inputs": TEXTS}), never)
     asked: list[int] = []
 
     def cancelled() -> bool:

@@ -122,7 +122,7 @@ def test_a_worker_whose_daemon_is_gone_frees_the_gpu_and_exits(
             message = {
                 "op": "generate",
                 "id": request_id,
-                "request": {"kind": "completion", **body},
+                "request": request_for("completion", body).to_json(),
             }
             worker.writer.send({**message, "stream": True})
         worker.until(lambda m: m.get("id") == "1" and "chunk" in m)

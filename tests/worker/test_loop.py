@@ -436,8 +436,13 @@ def test_the_requests_that_ended_a_worker_are_their_own_errors_and_it_lives(
     worker = workers.spawn("m")
     with pytest.raises(InternalError, match=r"\(UnicodeEncodeError\)"):
         complete(worker, "ab\ud800cd")
-    bias = {"kind": "completion", "prompt": "x", "max_tokens": 1, "logit_bias": {"1" * 5000: 1}}
-    with pytest.raises(RequestError, match="which is not a token id"):
+    bias = {
+        "kind": "completion",
+        "prompt": "x",
+        "sampling": {"max_tokens": 1},
+        "logit_bias": {"1" * 5000: 1},
+    }
+    with pytest.raises(RequestError, match="which is not an integer"):
         worker.request("generate", request=bias, timeout_s=60)
     assert complete(worker, "the fox")["completion_tokens"] >= 1
     assert worker.returncode is None

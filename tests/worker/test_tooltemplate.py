@@ -13,22 +13,20 @@ import pytest
 
 from arbiterd.chattemplate import ANSWER_RESULTS, generic_tool_messages, template_problem
 from arbiterd.errors import RequestError
+from arbiterd.request import Tool, ToolChoice
 from arbiterd.spec import Capability, ModelSpec, capabilities
 from arbiterd.worker.engine import ReloadBackend
 from tests.support.requests import request_for
 from tests.support.tiny_gguf import CHAT_TEMPLATE
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 12}},
-            "required": ["city"],
-        },
+WEATHER = Tool(
+    name="get_weather",
+    parameters={
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
     },
-}
+)
 ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
 CALLED: list[dict[str, Any]] = [
     *ASK,
@@ -52,22 +50,24 @@ CALLED: list[dict[str, Any]] = [
 
 
 def test_the_tools_go_in_a_system_turn_of_their_own_before_the_others() -> None:
-    shaped = generic_tool_messages(list(ASK), [WEATHER])
+    shaped = generic_tool_messages(list(ASK), [WEATHER.template_form()])
     assert shaped[0]["role"] == "system"
-    assert json.dumps(WEATHER["function"]) in shaped[0]["content"]
+    assert json.dumps(WEATHER.template_form()["function"]) in shaped[0]["content"]
     assert '{"name": ' in shaped[0]["content"]  # the answer shape that calls one
     assert shaped[1:] == ASK
 
 
 def test_the_tools_join_the_system_turn_the_request_has() -> None:
-    shaped = generic_tool_messages([{"role": "system", "content": "Be brief."}, *ASK], [WEATHER])
+    shaped = generic_tool_messages(
+        [{"role": "system", "content": "Be brief."}, *ASK], [WEATHER.template_form()]
+    )
     assert len(shaped) == 2
     assert shaped[0]["content"].startswith("Be brief.\n\n")
     assert "get_weather" in shaped[0]["content"]
 
 
 def test_earlier_calls_and_results_become_turns_any_template_renders() -> None:
-    shaped = generic_tool_messages(CALLED, [WEATHER])
+    shaped = generic_tool_messages(CALLED, [WEATHER.template_form()])
     assert [m["role"] for m in shaped] == ["system", "user", "assistant", "user"]
     call = {"name": "get_weather", "arguments": {"city": "Oslo"}}
     assert json.loads(shaped[2]["content"]) == call
@@ -81,7 +81,7 @@ def test_earlier_calls_and_results_become_turns_any_template_renders() -> None:
 
 def test_only_the_results_the_answer_follows_ask_for_it() -> None:
     later = [*CALLED, {"role": "assistant", "content": "Sunny, 12 C."}, *ASK]
-    shaped = generic_tool_messages(later, [WEATHER])
+    shaped = generic_tool_messages(later, [WEATHER.template_form()])
     assert [m["role"] for m in shaped] == [
         "system",
         "user",
@@ -163,25 +163,27 @@ def test_a_template_without_tools_gets_them_in_the_system_turn(engine: ReloadBac
 
 def test_a_forced_call_on_such_a_template_is_made_by_the_grammar(engine: ReloadBackend) -> None:
     prepared = engine.prepare(
-        request_for("chat", {"messages": ASK, "tools": [WEATHER], "tool_choice": "required"}),
+        request_for(
+            "chat", {"messages": ASK, "tools": [WEATHER], "tool_choice": ToolChoice.REQUIRED}
+        ),
         lambda: False,
     )
     assert prepared.forced_call
     assert prepared.completion["grammar"] is not None
 
 
-@pytest.mark.parametrize("choice", ["auto", "required"])
+@pytest.mark.parametrize("choice", [ToolChoice.AUTO, ToolChoice.REQUIRED])
 @pytest.mark.parametrize(
     "parameters",
     [{"type": "odd"}, {"type": "object", "properties": {"a\fb": {"type": "string"}}}],
     ids=["unknown-type", "unparsable-grammar"],
 )
 def test_a_tool_whose_parameters_cannot_be_followed_is_refused_by_name(
-    engine: ReloadBackend, choice: str, parameters: dict[str, Any]
+    engine: ReloadBackend, choice: ToolChoice, parameters: dict[str, Any]
 ) -> None:
     # docs/security.md cites this check (issue 24); it went with the refusing template of the
     # tests before issue 30 and lives here, where tools reach the model.
-    broken = {"type": "function", "function": {"name": "broken", "parameters": parameters}}
+    broken = Tool(name="broken", parameters=parameters)
     body = {"messages": ASK, "tools": [WEATHER, broken], "tool_choice": choice}
     with pytest.raises(RequestError, match=r"tool 'broken''s parameters cannot be followed"):
         engine.prepare(request_for("chat", body), lambda: False)

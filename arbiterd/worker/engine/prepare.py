@@ -64,9 +64,9 @@ class Preparer:
             return self._prepare_embedding(vocab, request.inputs, cancelled)
         n_ctx = self.spec.n_ctx
         kwargs = request.sampling.kwargs()
-        bias = _logit_bias(request.logit_bias, vocab.n_tokens)
-        if bias:
-            kwargs["logit_bias"] = bias
+        if request.logit_bias:
+            _check_bias_tokens(request.logit_bias, vocab.n_tokens)
+            kwargs["logit_bias"] = dict(request.logit_bias)
         images: tuple[bytes, ...] = ()
         image_at: tuple[int, ...] = ()
         if request.kind is RequestKind.CHAT and not self._chats():
@@ -132,16 +132,11 @@ class Preparer:
                 f"{len(messages)} messages exceed the context window of {n_ctx} tokens"
             )
         _check_characters(_characters(messages), vocab.max_text_bytes(n_ctx))
-        response_format = _response_format(request.response_format, vocab)
+        response_format = _handler_format(request.response_format, vocab)
         if response_format is not None:  # the chat handler turns it into a grammar
             kwargs = {**kwargs, "response_format": response_format}
-        tools = [tool.to_json() for tool in request.tools]
-        forced = {
-            ToolChoice.AUTO: None,
-            ToolChoice.REQUIRED: "required",
-            ToolChoice.FUNCTION: request.tool_name,
-        }[request.tool_choice]
-        call_grammar = _call_grammar(tools, forced, vocab, shaped=response_format is not None)
+        call_grammar = _call_grammar(request, vocab, shaped=response_format is not None)
+        tools = [tool.template_form() for tool in request.tools]
         if tools and self._template_takes_tools():
             kwargs["tools"] = tools  # for the template; the choice is ours to enforce
             shaped = _template_messages(messages)
@@ -280,7 +275,7 @@ class Preparer:
         return self.chat.takes_tools
 
 
-def _response_format(wanted: ResponseFormat | None, vocab: Vocab) -> dict[str, Any] | None:
+def _handler_format(wanted: ResponseFormat | None, vocab: Vocab) -> dict[str, Any] | None:
     """The chat request's structured output, as llama-cpp-python's chat handlers take it:
     {"type": "json_object"}, with the JSON schema the output must follow when there is one
     ("schema"), checked to compile to a grammar; None for free text."""
@@ -318,31 +313,30 @@ def _grammar(schema: dict[str, Any], what: str, vocab: Vocab) -> LlamaGrammar:
     return grammar
 
 
-def _logit_bias(given: dict[int, float], n_vocab: int) -> dict[int, float]:
-    """The request's logit bias, checked to name tokens of this model's vocabulary."""
-    for token in given:
+def _check_bias_tokens(bias: dict[int, float], n_vocab: int) -> None:
+    """A logit bias must name tokens of this model's vocabulary (the edge checked the rest)."""
+    for token in bias:
         if not 0 <= token < n_vocab:
             raise RequestError(
                 f"'logit_bias' names token {token}; this model's ids are 0 to {n_vocab - 1}"
             )
-    return dict(given)
 
 
-def _call_grammar(
-    tools: list[dict[str, Any]], forced: str | None, vocab: Vocab, *, shaped: bool
-) -> LlamaGrammar | None:
-    """The grammar that makes the answer the call `forced` asks for (None: the model's choice),
-    after checking every tool's parameters, called or not: a bad one is the client's bug."""
-    for tool in tools:
-        function = tool["function"]
-        _grammar(function.get("parameters") or {}, f"tool {function['name']!r}'s parameters", vocab)
-    if forced is None:
+def _call_grammar(request: GenerateRequest, vocab: Vocab, *, shaped: bool) -> LlamaGrammar | None:
+    """The grammar that makes the answer the call the request's tool_choice asks for (None: the
+    model's choice), after checking every tool's parameters, called or not: a bad one is the
+    client's bug."""
+    for tool in request.tools:
+        _grammar(tool.parameters or {}, f"tool {tool.name!r}'s parameters", vocab)
+    if request.tool_choice is ToolChoice.AUTO:
         return None
     if shaped:
         raise RequestError(
             "'response_format' cannot shape an answer that 'tool_choice' makes a call"
         )
-    return _grammar(call_schema(tools, None if forced == "required" else forced), "the call", vocab)
+    named = request.tool_name if request.tool_choice is ToolChoice.FUNCTION else None
+    tools = [tool.template_form() for tool in request.tools]
+    return _grammar(call_schema(tools, named), "the call", vocab)
 
 
 def _template_messages(messages: list[Any]) -> list[Any]:

@@ -373,13 +373,15 @@ def test_chat_completion_gets_only_engine_parameters(app: FastAPI, service: Fake
             "chat",
             {
                 "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 16,
-                "top_p": 0.9,
-                "top_k": 40,
-                "seed": 7,
-                "stop": ["END"],
-                "frequency_penalty": 0.5,
-                "presence_penalty": 0,
+                "sampling": {
+                    "max_tokens": 16,
+                    "top_p": 0.9,
+                    "top_k": 40,
+                    "seed": 7,
+                    "stop": ["END"],
+                    "frequency_penalty": 0.5,
+                    "presence_penalty": 0,
+                },
             },
         )
     ]
@@ -437,14 +439,13 @@ def test_tools_and_the_history_of_calls_reach_the_engine(
     assert IGNORED_HEADER not in response.headers
     assert service.calls[0][2] == {
         "messages": [MESSAGE, messages[1], messages[2]],
+        # The wire form of a Tool record spells what OpenAI's "function" object does.
         "tools": [
-            WEATHER,
-            {
-                "type": "function",
-                "function": {"name": "now", "parameters": {"type": "object", "properties": {}}},
-            },
+            WEATHER["function"],
+            {"name": "now", "parameters": {"type": "object", "properties": {}}},
         ],
-        "tool_choice": {"type": "function", "function": {"name": "now"}},
+        "tool_choice": "function",
+        "tool_name": "now",
         "parallel_tool_calls": False,
     }
 
@@ -489,11 +490,9 @@ def test_a_tool_choice_of_none_offers_no_tools(app: FastAPI, service: FakeServic
 def test_the_older_functions_fields_become_tools(app: FastAPI, service: FakeService) -> None:
     request = {**CHAT, "functions": [WEATHER["function"]], "function_call": {"name": "get_weather"}}
     assert call(app, "POST", "/v1/chat/completions", body=request).status_code == 200
-    assert service.calls[0][2]["tools"] == [WEATHER]
-    assert service.calls[0][2]["tool_choice"] == {
-        "type": "function",
-        "function": {"name": "get_weather"},
-    }
+    assert service.calls[0][2]["tools"] == [WEATHER["function"]]
+    assert service.calls[0][2]["tool_choice"] == "function"
+    assert service.calls[0][2]["tool_name"] == "get_weather"
 
 
 def test_logprobs_logit_bias_and_choices_reach_the_engine(
@@ -519,7 +518,7 @@ def test_completion_takes_a_prompt_or_a_list_of_one(app: FastAPI, service: FakeS
     second = call(app, "POST", "/v1/completions", body={**COMPLETION, "prompt": ["Twice"]})
     assert second.status_code == 200, second.text
     assert [body for _, _, body in service.calls] == [
-        {"prompt": "Once", "max_tokens": 4},
+        {"prompt": "Once", "sampling": {"max_tokens": 4}},
         {"prompt": "Twice"},
     ]
     assert [kind for _, kind, _ in service.calls] == ["completion", "completion"]
@@ -966,7 +965,7 @@ def test_stream_sends_each_chunk_then_done(
     [(model, got_kind, body)] = service.calls
     assert (model, got_kind) == ("tiny", kind)
     assert "stream" not in body
-    assert body["max_tokens"] == 3
+    assert body["sampling"]["max_tokens"] == 3
     assert not service.closed.is_set()
 
 
@@ -974,17 +973,17 @@ def test_stream_sends_each_chunk_then_done(
     ("response_format", "passed"),
     [
         ({"type": "text"}, None),
-        ({"type": "json_object"}, {"type": "json_object"}),
+        ({"type": "json_object"}, {}),  # a JSON object, no schema
         (
             {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}},
-            {"type": "json_object", "schema": {"type": "object"}},
+            {"schema": {"type": "object"}},
         ),
         (
             {
                 "type": "json_schema",
                 "json_schema": {"name": "n", "strict": True, "schema": {"type": "integer"}},
             },
-            {"type": "json_object", "schema": {"type": "integer"}},
+            {"schema": {"type": "integer"}},
         ),
     ],
 )
@@ -1044,8 +1043,8 @@ def test_a_stream_that_asks_for_its_usage_passes_the_option_on(
     plain = {**request_body, "stream_options": {"include_usage": True}}  # not streamed: no chunk
     assert call(app, "POST", path, body=plain).status_code == 200
     [(_, _, streamed), (_, _, answered)] = service.calls
-    assert streamed["stream_options"] == {"include_usage": True}
-    assert "stream_options" not in answered
+    assert streamed["include_usage"] is True
+    assert "include_usage" not in answered
 
 
 @pytest.mark.parametrize(
@@ -1177,9 +1176,9 @@ def test_openai_sdk_against_a_real_server(service: FakeService) -> None:
         ):
             stranger.models.list()
     assert [body for _, _, body in service.calls][:3] == [
-        {"messages": messages, "max_tokens": 8, "temperature": 0.2},
+        {"messages": messages, "sampling": {"max_tokens": 8, "temperature": 0.2}},
         {"messages": messages},
-        {"prompt": "Once", "max_tokens": 4},
+        {"prompt": "Once", "sampling": {"max_tokens": 4}},
     ]
 
 

@@ -36,7 +36,7 @@ class EmbeddingService(FakeService):
             raise self.error
         data = [
             {"object": "embedding", "index": index, "embedding": vector_of(text)}
-            for index, text in enumerate(body["input"])
+            for index, text in enumerate(body["inputs"])
         ]
         usage = {"prompt_tokens": 2 * len(data), "total_tokens": 2 * len(data)}
         return {"object": "list", "data": data, "model": model, "usage": usage}
@@ -57,7 +57,7 @@ def test_a_string_is_one_input_and_the_response_is_openais(
 ) -> None:
     response = call(app, "POST", "/v1/embeddings", body={"model": "tiny", "input": "hello"})
     assert response.status_code == 200, response.text
-    assert service.calls == [("tiny", "embedding", {"input": ["hello"]})]
+    assert service.calls == [("tiny", "embedding", {"inputs": ["hello"]})]
     assert response.json() == {
         "object": "list",
         "data": [{"object": "embedding", "index": 0, "embedding": [5.0, 0.5, -0.25]}],
@@ -72,7 +72,7 @@ def test_a_list_is_passed_on_in_order(app: FastAPI, service: EmbeddingService) -
     body = {"model": "tiny", "input": texts, "encoding_format": "float", "dimensions": None}
     response = call(app, "POST", "/v1/embeddings", body=body)
     assert response.status_code == 200, response.text
-    assert service.calls == [("tiny", "embedding", {"input": texts})]
+    assert service.calls == [("tiny", "embedding", {"inputs": texts})]
     assert [item["embedding"][0] for item in response.json()["data"]] == [1.0, 2.0, 3.0]
 
 
@@ -165,7 +165,7 @@ def test_ollamas_embed_answers_in_ollamas_shape(app: FastAPI, service: Embedding
     body = {"model": "tiny", "input": ["a", "bb"], "keep_alive": "5m", "truncate": False}
     response = call(app, "POST", "/api/embed", body=body)
     assert response.status_code == 200, response.text
-    assert service.calls == [("tiny", "embedding", {"input": ["a", "bb"]})]
+    assert service.calls == [("tiny", "embedding", {"inputs": ["a", "bb"]})]
     answer = response.json()
     assert set(answer) == {
         "model",
@@ -208,4 +208,4 @@ def test_the_num_ctx_option_is_the_configs_and_changes_nothing(
 ) -> None:
     body = {"model": "tiny", "input": "x", "options": {"num_ctx": 4096}}
     assert call(app, "POST", "/api/embed", body=body).status_code == 200
-    assert service.calls == [("tiny", "embedding", {"input": ["x"]})]
+    assert service.calls == [("tiny", "embedding", {"inputs": ["x"]})]

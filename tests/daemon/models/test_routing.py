@@ -202,8 +202,8 @@ def test_a_request_gets_its_workers_response_under_a_fresh_request_id() -> None:
     responses, worker, daemon = run(scenario())
     assert responses == [{"text": "answered by w1"}] * 2
     assert [(kind, body) for kind, body, _ in worker.requests] == [
-        ("completion", BODY),
-        ("chat", CHAT),
+        ("completion", {"prompt": "the fox", "sampling": {"max_tokens": 4}}),
+        ("chat", {"messages": CHAT["messages"], "sampling": {"max_tokens": 4}}),
     ]
     ids = [request_id for _, _, request_id in worker.requests]
     assert ids[0] != ids[1]
@@ -382,7 +382,7 @@ def test_a_request_of_a_kind_its_model_does_not_serve_never_reaches_the_worker()
         talker = daemon.serve("chat", FakeWorker("w1"))
         embedder = daemon.serve("embed", FakeWorker("w2"))
         with pytest.raises(RequestError, match="'chat' is not an embedding model"):
-            await daemon.router.complete("chat", request_for("embedding", {"input": ["the fox"]}))
+            await daemon.router.complete("chat", request_for("embedding", {"inputs": ["the fox"]}))
         with pytest.raises(
             RequestError, match=r"'embed' is an embedding model: .* not completions"
         ):
@@ -390,7 +390,7 @@ def test_a_request_of_a_kind_its_model_does_not_serve_never_reaches_the_worker()
         with pytest.raises(RequestError, match="not chat completions"):
             await anext(daemon.router.stream("embed", request_for("chat", CHAT)))
         assert await daemon.router.complete(
-            "embed", request_for("embedding", {"input": ["the fox"]})
+            "embed", request_for("embedding", {"inputs": ["the fox"]})
         )
         return talker, embedder, daemon
 
