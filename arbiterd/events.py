@@ -368,7 +368,8 @@ def _strict_fixed(readers: tuple[_StrictReader, ...]) -> _StrictReader:
         if not isinstance(value, list) or len(value) != len(readers):
             raise _must(key, f"a list of {len(readers)}", value)
         return tuple(
-            each(item, f"{key}[{i}]") for i, (each, item) in enumerate(zip(readers, value))
+            each(item, f"{key}[{i}]")
+            for i, (each, item) in enumerate(zip(readers, value, strict=True))
         )
 
     return read
@@ -380,6 +381,12 @@ def _strict_object(value: object, key: str) -> dict[str, Any]:
     return value
 
 
+_STRICT_SCALARS: dict[object, _StrictReader] = {
+    int: _strict_number(int),
+    float: _strict_number(float),
+    str: _strict_plain(str, "a string"),
+    bool: _strict_plain(bool, "a boolean"),
+}
 _MAX_INT_KEY_DIGITS = 19  # int64's; int() refuses more than 4,300 digits (issue 24)
 
 
@@ -401,16 +408,16 @@ def _strict_reader(hint: Any) -> _StrictReader:
     args = typing.get_args(hint)
     if isinstance(hint, types.UnionType) and len(args) == 2 and args[1] is type(None):
         return _strict_optional(_strict_reader(args[0]))
-    if hint is int or hint is float:
-        return _strict_number(hint)
-    if hint is str:
-        return _strict_plain(str, "a string")
-    if hint is bool:
-        return _strict_plain(bool, "a boolean")
+    if hint in _STRICT_SCALARS:
+        return _STRICT_SCALARS[hint]
     if isinstance(hint, type) and issubclass(hint, enum.StrEnum):
         return _strict_member(hint)
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _strict_record(hint)
+    return _strict_container(hint, args)
+
+
+def _strict_container(hint: Any, args: tuple[Any, ...]) -> _StrictReader:
     origin = typing.get_origin(hint)
     if origin is dict and args == (str, Any):
         return _strict_object

@@ -39,7 +39,7 @@ from arbiterd.control import (
 from arbiterd.daemon.control import server as controlserver
 from arbiterd.daemon.control.server import ControlServer, StoredEvent, peer_uid
 from arbiterd.daemon.observe.journal import Journal
-from arbiterd.daemon.service import ImagePolicy
+from arbiterd.daemon.service import ServedModel
 from arbiterd.errors import (
     ControlError,
     ControlReplyError,
@@ -85,14 +85,8 @@ class FakeService:
     def model_names(self) -> list[str]:
         return list(self.models)
 
-    def strict_api(self, model: str) -> bool:
-        return False
-
-    def image_policy(self, model: str) -> ImagePolicy | None:
-        return None
-
-    def resolve(self, model: str) -> str | None:
-        return model if model in self.models else None
+    def model(self, asked: str) -> ServedModel | None:
+        return ServedModel(asked, strict_api=False, images=None) if asked in self.models else None
 
     async def complete(self, model: str, request: GenerateRequest) -> dict[str, Any]:
         raise NotImplementedError

@@ -4,10 +4,11 @@ The supervisor implements `Service`; the edges depend only on this protocol, so 
 tested against a small double as well as against the real daemon. All methods are called on
 the daemon's asyncio event loop.
 
-Wherever a method takes a model, it takes a model's name or one of its aliases (with or without
-Ollama's ":latest"; `resolve` says which model that is). A completion names the model as it was
-asked for (clients compare the `model` they get with the one they sent); a command's reply and
-every event name the model itself.
+The HTTP edge looks a request's model up once (`model`: a name or one of its aliases, with or
+without Ollama's ":latest"), checks the request against what it finds, and from then on names
+the model by its configured name (`complete`, `stream`); the answer names it as the client asked
+(clients compare the `model` they get with the one they sent), which the edge writes. A command
+takes a name or an alias; its reply and every event name the model itself.
 
 Errors the methods raise (arbiterd.errors), which each edge maps once:
     UnknownModelError      no model by that name               HTTP 404, listing the models
@@ -50,28 +51,30 @@ class ImagePolicy:
     allow_urls: bool
 
 
+@dataclass(frozen=True)
+class ServedModel:
+    """A configured model as the HTTP edge admits a request for it, looked up once per request
+    (`Service.model`): its name, and what the edge checks the request against."""
+
+    name: str  # the configured name that the name or alias asked for resolves to
+    strict_api: bool  # refuse, rather than ignore, the fields that change nothing for it
+    images: ImagePolicy | None  # what images it takes (issue 12); None: none, it has no mmproj
+
+
 class Service(Protocol):
     def model_names(self) -> list[str]:
         """The configured models, in config order."""
         ...
 
-    def strict_api(self, model: str) -> bool:
-        """Whether the HTTP API refuses, rather than ignores, the fields that change nothing
-        for this model (a configured one)."""
-        ...
-
-    def image_policy(self, model: str) -> ImagePolicy | None:
-        """What images a configured model takes (issue 12); None: none, it has no mmproj."""
-        ...
-
-    def resolve(self, model: str) -> str | None:
-        """The name of the configured model that `model` names; None when it names none."""
+    def model(self, asked: str) -> ServedModel | None:
+        """The configured model that `asked` (a name or an alias) names; None when it names
+        none."""
         ...
 
     async def complete(self, model: str, request: GenerateRequest) -> dict[str, Any]:
         """Run one request (an EMBEDDING request for an embedding model, a COMPLETION or CHAT
-        request for any other) on `model`, a name or an alias, to the end; returns the OpenAI
-        response object, which names the model as `model` does."""
+        request for any other) on `model`, a configured name (`model(...).name`), to the end;
+        returns the OpenAI response object."""
         ...
 
     def stream(

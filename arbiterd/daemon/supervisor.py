@@ -14,11 +14,11 @@ Composes the daemon's parts, each with one job, and keeps what ties them togethe
   their unload_after_s, or that the host RAM budget has no room for (issue 14);
 - `modelstatus.model_status` builds each model's status record;
 - `reload.Reload` applies a re-read config (`arbiterd reload`).
-Here: which model a name or alias asks for (the config's `resolve`, at each entry point, so
-every edge takes aliases), what a worker's events mean for its slot, the daemon's status from
-its parts' records, the commands (hold, reload, unload, ...), what runs the models (the
-workers' hellos), and the metrics scrape. Everything runs on the daemon's asyncio loop; no
-request waits on a thread.
+Here: which model a name or alias asks for (the config's `resolve`: `model` for the HTTP edge,
+which then names the model by its name; each command), what a worker's events mean for its
+slot, the daemon's status from its parts' records, the commands (hold, reload, unload, ...),
+what runs the models (the workers' hellos), and the metrics scrape. Everything runs on the
+daemon's asyncio loop; no request waits on a thread.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from arbiterd.daemon.observe.metrics import Metrics
 from arbiterd.daemon.observe.telemetry import ReaderSet, TelemetrySnapshot
 from arbiterd.daemon.observe.vramwatch import VramWatch
 from arbiterd.daemon.reload import Reload
-from arbiterd.daemon.service import ImagePolicy
+from arbiterd.daemon.service import ImagePolicy, ServedModel
 from arbiterd.daemon.stepaside.aside import StepAside
 from arbiterd.daemon.stepaside.hold import DaemonHold
 from arbiterd.errors import (
@@ -242,44 +242,28 @@ class Supervisor:
     def model_names(self) -> list[str]:
         return list(self.config.models)
 
-    def resolve(self, model: str) -> str | None:
-        return self.config.resolve(model)
-
-    def strict_api(self, model: str) -> bool:
-        return self.config.models[self._name(model)].strict_api
-
-    def image_policy(self, model: str) -> ImagePolicy | None:
-        config = self.config.models[self._name(model)]
-        if config.mmproj is None:
+    def model(self, asked: str) -> ServedModel | None:
+        name = self.config.resolve(asked)
+        if name is None:
             return None
-        return ImagePolicy(
-            model=config.name,
-            max_bytes=config.max_image_bytes,
-            max_pixels=config.max_image_pixels,
-            allow_urls=config.allow_image_urls,
-        )
-
-    def _name(self, model: str) -> str:
-        """The model `model` names; an unknown name as it is, for the router to refuse with the
-        list of models."""
-        return self.config.resolve(model) or model
+        config = self.config.models[name]
+        images = None
+        if config.mmproj is not None:
+            images = ImagePolicy(
+                model=config.name,
+                max_bytes=config.max_image_bytes,
+                max_pixels=config.max_image_pixels,
+                allow_urls=config.allow_image_urls,
+            )
+        return ServedModel(name, config.strict_api, images)
 
     async def complete(self, model: str, request: GenerateRequest) -> dict[str, Any]:
-        response = await self._router.complete(self._name(model), request)
-        return {**response, "model": model}  # as asked: clients compare it with their request
+        return await self._router.complete(model, request)
 
-    async def stream(
+    def stream(
         self, model: str, request: GenerateRequest
     ) -> AsyncIterator[dict[str, Any] | WaitNews]:
-        chunks = self._router.stream(self._name(model), request)
-        try:
-            async for chunk in chunks:
-                if isinstance(chunk, WaitNews):
-                    yield chunk
-                else:
-                    yield {**chunk, "model": model}  # as asked, as in `complete`
-        finally:
-            await chunks.aclose()  # when closed early, the router's close cancels the request
+        return self._router.stream(model, request)
 
     # -- status and commands ------------------------------------------------------------------
 
@@ -352,7 +336,9 @@ class Supervisor:
         if name in MODEL_COMMANDS:
             if not model:
                 raise ControlError(f"{name} needs a model name")
-            return await self._model_command(name, self._name(model), on_news)
+            # An unknown name as it is, for the command to refuse with the list of models.
+            named = self.config.resolve(model) or model
+            return await self._model_command(name, named, on_news)
         if name is ControlCommand.HOLD:
             return await self._take_hold()
         if name is ControlCommand.UNHOLD:

@@ -16,10 +16,10 @@ def request_for(kind: str, body: dict[str, Any]) -> GenerateRequest:
     """The record of `kind` with `body`'s fields: GenerateRequest's own, and Sampling's beside
     them (`max_tokens`, `temperature`, ...) for short; lists are taken as the tuples the record
     holds."""
-    sampling = {key: value for key, value in body.items() if key in _SAMPLING}
+    sampling: dict[str, Any] = {key: value for key, value in body.items() if key in _SAMPLING}
     if "stop" in sampling:
         sampling["stop"] = tuple(sampling["stop"])
-    given = {
+    given: dict[str, Any] = {
         key: tuple(value) if key in _TUPLES else value
         for key, value in body.items()
         if key not in _SAMPLING

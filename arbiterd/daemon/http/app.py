@@ -14,8 +14,9 @@ string, never leave a stream open after its client has gone, and never import th
 Guard ladder for a request: bearer token → body size (Content-Length, then the bytes actually
 read) → JSON (every string valid Unicode, integers, nesting and containers bounded: jsonbody.py)
 → the body's fields (openai_requests.py), both on a parsing thread for a large body → model
-exists → strict_api → the priority header → images against the model's policy. The service gets
-the record and the model as the client named it.
+exists (looked up once: `Service.model`) → strict_api → the priority header → images against
+the model's policy. The service gets the record and the model's configured name; the answer
+names the model as the client did.
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ from arbiterd.daemon.http.openai_requests import (
     parse_priority_header,
     parse_request,
 )
-from arbiterd.daemon.service import Service
+from arbiterd.daemon.service import ImagePolicy, ServedModel, Service
 from arbiterd.errors import ArbiterError, ErrorCode, QueueTimeoutError, UnknownModelError
 from arbiterd.procs import WaitNews
+from arbiterd.request import GenerateRequest
 from arbiterd.spec import MAX_IMAGES, Capability
 from arbiterd.states import RequestKind
 from arbiterd.status import ModelStatus
@@ -468,8 +470,8 @@ def create_app(
 
     @app.get("/v1/models/{model:path}", dependencies=guarded)
     async def get_model(model: str) -> dict[str, Any]:
-        name = service.resolve(model)
-        report = (await service.status()).model(name) if name is not None else None
+        served = service.model(model)
+        report = (await service.status()).model(served.name) if served is not None else None
         if report is not None:
             return _model_object(report, model, created)
         raise _unknown_model(model, names())
@@ -483,7 +485,7 @@ def create_app(
             return _api_error(exc, names).response()
         if parsed.stream:
             response: Response = EventStream(
-                partial(service.stream, parsed.model, parsed.request), names
+                partial(_stream, service, parsed, parsed.request), names
             )
         else:
             outcome = await _complete(service, parsed, request.receive, names)
@@ -514,23 +516,26 @@ async def _admit(
     """What every model route checks once a body parsed, each once: the model exists (by name
     or alias), a strict model is not sent fields it would ignore, the request's class in the GPU
     queue (its header), and a chat request's images against the model's policy."""
-    model = service.resolve(parsed.model)
-    if model is None:
+    served = service.model(parsed.model)
+    if served is None:
         raise _unknown_model(parsed.model, names())
-    _refuse_if_strict(service, model, parsed.model, parsed.ignored)
+    _refuse_if_strict(served, parsed.model, parsed.ignored)
     priority = parse_priority_header(headers.get(PRIORITY_HEADER))
-    loaded = await _load_images(service, model, parsed)
-    return replace(parsed, request=replace(parsed.request, priority=priority, images=loaded))
+    loaded = await _load_images(served.images, parsed)
+    return replace(
+        parsed,
+        name=served.name,
+        request=replace(parsed.request, priority=priority, images=loaded),
+    )
 
 
-async def _load_images(service: Service, model: str, parsed: ApiRequest) -> tuple[str, ...]:
+async def _load_images(policy: ImagePolicy | None, parsed: ApiRequest) -> tuple[str, ...]:
     """A chat request's image parts, checked against its model's policy (images.py), as the
     engine takes them: base64, in order. Each refusal is a 400 naming the part. images.load
     runs in threads: a URL may be fetched, a PNG is inflated to check it is whole, a WebP is
     converted to PNG."""
     if not parsed.image_urls:
         return ()
-    policy = service.image_policy(model)
     if policy is None:
         raise ApiError(
             400,
@@ -567,10 +572,10 @@ async def _load_images(service: Service, model: str, parsed: ApiRequest) -> tupl
     return tuple(loaded)
 
 
-def _refuse_if_strict(service: Service, model: str, asked: str, ignored: tuple[str, ...]) -> None:
+def _refuse_if_strict(served: ServedModel, asked: str, ignored: tuple[str, ...]) -> None:
     """A 400 for fields that change nothing, when the model has strict_api = true; `asked`:
     the model as the client named it."""
-    if ignored and service.strict_api(model):
+    if ignored and served.strict_api:
         raise ApiError(
             400,
             f"{asked} has strict_api = true, and these fields would change nothing: "
@@ -666,7 +671,7 @@ async def _response_events(
 ) -> AsyncIterator[dict[str, Any] | WaitNews]:
     """A streamed response's events, from the chat chunks with the usage chunk last; an error
     on the way is response.failed, mapped as every other error is."""
-    chunks = service.stream(parsed.api.model, replace(parsed.api.request, include_usage=True))
+    chunks = _stream(service, parsed.api, replace(parsed.api.request, include_usage=True))
     failed = partial(_api_error, names=names)
     try:
         async for event in responses.events(parsed, chunks, past, failed):
@@ -721,8 +726,8 @@ def _add_ollama_routes(
             model = await _parse_json(await _read_body(request, max_body_bytes), ollama.show_model)
         except Exception as exc:
             return _api_error(exc, names).response()
-        name = service.resolve(model)
-        report = (await service.status()).model(name) if name is not None else None
+        served = service.model(model)
+        report = (await service.status()).model(served.name) if served is not None else None
         if report is None:
             return _unknown_model(model, names()).response()
         return JSONResponse(ollama.show(report))
@@ -799,7 +804,7 @@ async def _infill_pieces(
     service: Service, parsed: ApiRequest
 ) -> AsyncIterator[dict[str, Any] | WaitNews]:
     """A streamed /infill: each piece of text, then the last object with the counts."""
-    chunks = service.stream(parsed.model, replace(parsed.request, include_usage=True))
+    chunks = _stream(service, parsed, replace(parsed.request, include_usage=True))
     finish_reason, usage = None, None
     try:
         async for chunk in chunks:
@@ -837,7 +842,7 @@ async def _ollama_lines(
 ) -> AsyncIterator[dict[str, Any]]:
     """A streamed request's chunks as Ollama's lines, the counts in the last (the usage chunk
     the engine sends when asked)."""
-    chunks = service.stream(parsed.model, replace(parsed.request, include_usage=True))
+    chunks = _stream(service, parsed, replace(parsed.request, include_usage=True))
     kind = parsed.request.kind
     finish_reason, usage = None, None
     calls: dict[int, dict[str, Any]] = {}
@@ -862,6 +867,19 @@ async def _ollama_lines(
         await _close(chunks)
 
 
+async def _stream(
+    service: Service, parsed: ApiRequest, request: GenerateRequest
+) -> AsyncIterator[dict[str, Any] | WaitNews]:
+    """The service's chunks of an admitted request (`request`: it, or it changed for the
+    route), each naming the model as the client asked: clients compare it with their request."""
+    chunks = service.stream(parsed.name, request)
+    try:
+        async for chunk in chunks:
+            yield chunk if isinstance(chunk, WaitNews) else {**chunk, "model": parsed.model}
+    finally:
+        await _close(chunks)  # closed early: the service's close cancels the request
+
+
 async def _complete(
     service: Service,
     parsed: ApiRequest,
@@ -876,7 +894,8 @@ async def _complete(
     async def work() -> None:
         nonlocal outcome
         try:
-            outcome = await service.complete(parsed.model, parsed.request)
+            answer = await service.complete(parsed.name, parsed.request)
+            outcome = {**answer, "model": parsed.model}  # as asked, as in `_stream`
         except Exception as exc:
             outcome = exc
 

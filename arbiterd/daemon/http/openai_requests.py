@@ -247,6 +247,9 @@ class ApiRequest:
 
     model: str  # as the client named it (an alias, an Ollama tag): the response says it back
     request: GenerateRequest
+    # The configured model's name, once app.py's `_admit` looked the model up (the service
+    # runs the request on it); "" until then.
+    name: str = ""
     stream: bool = False
     ignored: tuple[str, ...] = ()  # fields accepted that change nothing here (IGNORED_*)
     # A chat request's image parts, in order: (field, URL), checked against the model's

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Scope
 from arbiterd.config import model_key
 from arbiterd.daemon.http.app import IGNORED_HEADER, create_app, refuse_stranger
 from arbiterd.daemon.http.openai_requests import ENGINE_CHECKS
-from arbiterd.daemon.service import ImagePolicy, Service
+from arbiterd.daemon.service import ImagePolicy, ServedModel, Service
 from arbiterd.errors import (
     ContextOverflowError,
     EngineError,
@@ -69,16 +69,10 @@ class FakeService:
     def model_names(self) -> list[str]:
         return list(MODELS)
 
-    def strict_api(self, model: str) -> bool:
-        return model in self.strict
-
-    def image_policy(self, model: str) -> ImagePolicy | None:
-        return self.vision.get(model)
-
-    def resolve(self, model: str) -> str | None:
+    def model(self, asked: str) -> ServedModel | None:
         for name in MODELS:
-            if model_key(model) in {model_key(n) for n in (name, *ALIASES[name])}:
-                return name
+            if model_key(asked) in {model_key(n) for n in (name, *ALIASES[name])}:
+                return ServedModel(name, name in self.strict, self.vision.get(name))
         return None
 
     async def complete(self, model: str, request: GenerateRequest) -> dict[str, Any]:
@@ -307,8 +301,9 @@ def test_an_alias_is_served_and_answered_as_asked(app: FastAPI, service: FakeSer
     assert {chunk["model"] for chunk in streamed[:-1]} == {"qwen2.5:7b"}
     ollama = call(app, "POST", "/api/chat", body={**CHAT, "model": "tiny:latest", "stream": False})
     assert ollama.json()["model"] == "tiny:latest"
-    # The service is asked with the name the client gave; it answers as asked.
-    assert [model for model, _, _ in service.calls] == ["gpt-4o-mini", "qwen2.5:7b", "tiny:latest"]
+    # The edge looked the alias up once: the service is asked with the model's name, and the
+    # answer names the model as asked.
+    assert [model for model, _, _ in service.calls] == ["tiny", "tiny", "tiny"]
 
 
 def test_ollama_lists_every_name_and_alias_as_ollama_names_them(app: FastAPI) -> None:
