@@ -8,7 +8,14 @@ from typing import Any
 import pytest
 
 from arbiterd.errors import RequestError
-from arbiterd.request import GenerateRequest, ResponseFormat, Sampling, Tool, ToolChoice
+from arbiterd.request import (
+    GenerateRequest,
+    Infill,
+    ResponseFormat,
+    Sampling,
+    Tool,
+    ToolChoice,
+)
 from arbiterd.spec import COMPLETION_PARAMS
 from arbiterd.states import Priority, RequestKind
 
@@ -41,6 +48,11 @@ EVERY_FIELD = GenerateRequest(
     [
         EVERY_FIELD,
         GenerateRequest(RequestKind.COMPLETION, prompt="the fox"),
+        GenerateRequest(
+            RequestKind.COMPLETION,
+            prompt="def f(",
+            infill=Infill("):", middle="x", extra=(("a.py", "A = 1"), ("a.py", "B = 2"))),
+        ),
         GenerateRequest(RequestKind.COMPLETION, prompt="", sampling=Sampling(top_p=0.9)),
         GenerateRequest(RequestKind.EMBEDDING, inputs=("the fox", "the dog")),
         GenerateRequest(
@@ -55,7 +67,15 @@ EVERY_FIELD = GenerateRequest(
             response_format=ResponseFormat(),
         ),
     ],
-    ids=["every-field", "completion", "sampled", "embedding", "required-call", "json-object"],
+    ids=[
+        "every-field",
+        "completion",
+        "infill",
+        "sampled",
+        "embedding",
+        "required-call",
+        "json-object",
+    ],
 )
 def test_a_request_reads_back_from_its_wire_form_as_itself(request_: GenerateRequest) -> None:
     assert GenerateRequest.from_json(request_.to_json()) == request_
