@@ -86,7 +86,9 @@ class FakeService:
         return list(self.models)
 
     def model(self, asked: str) -> ServedModel | None:
-        return ServedModel(asked, strict_api=False, images=None) if asked in self.models else None
+        if asked not in self.models:
+            return None
+        return ServedModel(asked, embedding=False, strict_api=False, images=None)
 
     async def complete(self, model: str, request: GenerateRequest) -> dict[str, Any]:
         raise NotImplementedError

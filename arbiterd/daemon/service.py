@@ -57,6 +57,7 @@ class ServedModel:
     (`Service.model`): its name, and what the edge checks the request against."""
 
     name: str  # the configured name that the name or alias asked for resolves to
+    embedding: bool  # it serves embeddings only (read as its config was loaded), nothing else
     strict_api: bool  # refuse, rather than ignore, the fields that change nothing for it
     images: ImagePolicy | None  # what images it takes (issue 12); None: none, it has no mmproj
 

@@ -244,7 +244,8 @@ class Supervisor:
 
     def model(self, asked: str) -> ServedModel | None:
         name = self.config.resolve(asked)
-        if name is None:
+        slot = None if name is None else self._slots.get(name)
+        if name is None or slot is None:  # no slot: a reload adds it (the router said the same)
             return None
         config = self.config.models[name]
         images = None
@@ -255,7 +256,7 @@ class Supervisor:
                 max_pixels=config.max_image_pixels,
                 allow_urls=config.allow_image_urls,
             )
-        return ServedModel(name, config.strict_api, images)
+        return ServedModel(name, slot.embedding, config.strict_api, images)
 
     async def complete(self, model: str, request: GenerateRequest) -> dict[str, Any]:
         return await self._router.complete(model, request)

@@ -57,10 +57,16 @@ from arbiterd.daemon.http.openai_requests import (
     parse_request,
 )
 from arbiterd.daemon.service import ImagePolicy, ServedModel, Service
-from arbiterd.errors import ArbiterError, ErrorCode, QueueTimeoutError, UnknownModelError
+from arbiterd.errors import (
+    ArbiterError,
+    ErrorCode,
+    QueueTimeoutError,
+    RequestError,
+    UnknownModelError,
+)
 from arbiterd.procs import WaitNews
 from arbiterd.request import GenerateRequest
-from arbiterd.spec import MAX_IMAGES, Capability
+from arbiterd.spec import MAX_IMAGES, Capability, kind_refusal
 from arbiterd.states import RequestKind
 from arbiterd.status import ModelStatus
 from arbiterd.wire import MAX_MESSAGE_BYTES
@@ -514,11 +520,15 @@ async def _admit(
     service: Service, headers: Headers, parsed: ApiRequest, names: Callable[[], list[str]]
 ) -> ApiRequest:
     """What every model route checks once a body parsed, each once: the model exists (by name
-    or alias), a strict model is not sent fields it would ignore, the request's class in the GPU
+    or alias), it serves the request's kind (an embedding model embeddings only), a strict model
+    is not sent fields it would ignore, the request's class in the GPU
     queue (its header), and a chat request's images against the model's policy."""
     served = service.model(parsed.model)
     if served is None:
         raise _unknown_model(parsed.model, names())
+    refusal = kind_refusal(served.name, parsed.request.kind, served.embedding)
+    if refusal:
+        raise RequestError(refusal)
     _refuse_if_strict(served, parsed.model, parsed.ignored)
     priority = parse_priority_header(headers.get(PRIORITY_HEADER))
     loaded = await _load_images(served.images, parsed)

@@ -28,6 +28,18 @@ class ModelTraits:
     n_ctx: int  # its config's `n_ctx`, else config.default_n_ctx of its trained context
 
 
+def serves_embeddings(model: ModelConfig) -> bool:
+    """Whether `model` serves embeddings only, read as its config is loaded (its slot is made):
+    its config's `embedding`, else what its GGUF's header says; False when the file cannot be
+    read (its start then says why, and decides again from what the worker loads)."""
+    if model.embedding is not None:
+        return model.embedding
+    try:
+        return read_header(model.path).embedding
+    except (OSError, NotGgufError):
+        return False
+
+
 def model_traits(model: ModelConfig, fd: int | None) -> ModelTraits:
     """`model`'s traits (ModelTraits): its config's where it says them, else from the header
     of its GGUF, read from `fd`, the daemon's copy of the file (what the worker loads, even if

@@ -5,10 +5,10 @@ Owns the request ids and the rule: a request whose worker is gone before it star
 that replaces it; any other failure is the request's, so a worker that dies fails only the
 request it was running (issue 40). A client that goes away (its task cancelled) cancels the
 request in the worker. Every failure is published as a `request` event and raised as the error
-the edges map. A request for a model that does not exist, or of a kind its model does not serve
-(an embedding request to a chat model, or the other way round), is refused before any worker
-sees it, and no event is published. A request for an unloaded model (issue 14) starts its worker
-first. A model whose settings a reload changed is served by its new slot from the moment the
+the edges map. A request for a model that does not exist is refused before any worker sees it,
+and no event is published (the HTTP edge refused one of a kind its model does not serve). A
+request for an unloaded model (issue 14) starts its worker first. A model whose settings a
+reload changed is served by its new slot from the moment the
 old one begins to retire: a request waits for the new worker, never told the model is gone
 (issue 40). A request for a model whose file a start did not find (issue 24) is answered at
 once, naming the file, rather than waiting for a restart that cannot work; once the file is
@@ -36,7 +36,6 @@ from arbiterd.errors import (
     EngineError,
     ModelLoadError,
     QueueTimeoutError,
-    RequestError,
     ShuttingDownError,
     UnknownModelError,
     WorkerError,
@@ -45,8 +44,7 @@ from arbiterd.errors import (
 from arbiterd.events import Event, RequestEvent
 from arbiterd.procs import WaitNews
 from arbiterd.request import GenerateRequest
-from arbiterd.spec import kind_refusal
-from arbiterd.states import RequestKind, RequestStatus, ResidencyState, SlotState
+from arbiterd.states import RequestStatus, ResidencyState, SlotState
 
 READY_TIMEOUT_S = 120.0  # how long a request waits for its worker to (re)start
 _T = TypeVar("_T")
@@ -85,10 +83,7 @@ class Router:
         request_id = self._request_id()
         result = await self._until_stopped(
             self._send(
-                model,
-                request.kind,
-                request_id,
-                lambda worker: worker.generate(request, request_id=request_id),
+                model, request_id, lambda worker: worker.generate(request, request_id=request_id)
             )
         )
         response: dict[str, Any] = result["response"]
@@ -103,12 +98,10 @@ class Router:
         def generate(worker: WorkerClient) -> Awaitable[dict[str, Any]]:
             return worker.generate(request, on_chunk=chunks.put_nowait, request_id=request_id)
 
-        # An unknown, failed or wrong model: before any chunk.
-        await self._until_stopped(self._serving(model, request.kind))
+        # An unknown or failed model: before any chunk.
+        await self._until_stopped(self.worker_of(model))
         sending = asyncio.get_running_loop().create_task(
-            self._until_stopped(
-                self._send(model, request.kind, request_id, generate, chunks.put_nowait)
-            )
+            self._until_stopped(self._send(model, request_id, generate, chunks.put_nowait))
         )
         sending.add_done_callback(lambda _: chunks.put_nowait(_DONE))
         try:
@@ -182,24 +175,14 @@ class Router:
             )
         return slot
 
-    async def _serving(self, model: str, kind: RequestKind) -> WorkerClient:
-        """`worker_of(model)`, or RequestError at once when the model does not serve `kind`
-        (which the slot knows once its worker is spawned)."""
-        worker = await self.worker_of(model)
-        refusal = kind_refusal(model, kind, self._slots[model].embedding)
-        if refusal:
-            raise RequestError(refusal)
-        return worker
-
     async def _send(
         self,
         model: str,
-        kind: RequestKind,
         request_id: str,
         send: Callable[[WorkerClient], Awaitable[_T]],
         on_news: NewsListener | None = None,
     ) -> _T:
-        worker = await self._serving(model, kind)
+        worker = await self.worker_of(model)
         slot = self._slots[model]
         try:
             try:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from arbiterd.config import STARTER_N_CTX, Load, ModelConfig
-from arbiterd.daemon.models.modelfile import ModelTraits
+from arbiterd.daemon.models.modelfile import ModelTraits, serves_embeddings
 from arbiterd.daemon.models.workerclient import WorkerClient, WorkerHello
 from arbiterd.errors import InvalidTransitionError
 from arbiterd.events import HandoffEvent
@@ -35,9 +35,11 @@ class Slot:
     worker: WorkerClient | None = None  # set exactly while READY
     residency: ResidencyState | None = None  # the worker's residency state, as it last said
     hello: WorkerHello | None = None  # its last worker's: what runs it; kept across restarts
-    # Serves embeddings only (RequestKind.EMBEDDING requests), and its context; decided as its
-    # worker is spawned (modelfile.model_traits), so right whenever `ready` is set. Until then, the
-    # context is its config's, else STARTER_N_CTX (the trained context is not read yet).
+    # Serves embeddings only (RequestKind.EMBEDDING requests), and its context. The flag is read
+    # as the slot is made from its config (modelfile.serves_embeddings: the HTTP edge checks a
+    # request's kind against it), and both are decided again as its worker is spawned, from what
+    # the worker loads (modelfile.model_traits). Until then, the context is its config's, else
+    # STARTER_N_CTX (the trained context is not read yet).
     embedding: bool = False
     n_ctx: int = 0
     pinned: bool = False
@@ -199,7 +201,10 @@ class Slot:
 
 
 def new_slot(model: ModelConfig) -> Slot:
-    """A slot for `model`: starting, or unloaded for a model loaded on demand."""
+    """A slot for `model`: starting, or unloaded for a model loaded on demand; whether it serves
+    embeddings is read now, as its config is loaded."""
     return Slot(
-        model, state=SlotState.UNLOADED if model.load is Load.DEMAND else SlotState.STARTING
+        model,
+        state=SlotState.UNLOADED if model.load is Load.DEMAND else SlotState.STARTING,
+        embedding=serves_embeddings(model),
     )

@@ -65,6 +65,7 @@ class FakeService:
         self.streams: list[AsyncIterator[dict[str, Any]]] = []
         self.strict: set[str] = set()  # models with strict_api = true
         self.vision: dict[str, ImagePolicy] = {}  # models with an mmproj
+        self.embedders: set[str] = set()  # embedding models
 
     def model_names(self) -> list[str]:
         return list(MODELS)
@@ -72,7 +73,12 @@ class FakeService:
     def model(self, asked: str) -> ServedModel | None:
         for name in MODELS:
             if model_key(asked) in {model_key(n) for n in (name, *ALIASES[name])}:
-                return ServedModel(name, name in self.strict, self.vision.get(name))
+                return ServedModel(
+                    name,
+                    embedding=name in self.embedders,
+                    strict_api=name in self.strict,
+                    images=self.vision.get(name),
+                )
         return None
 
     async def complete(self, model: str, request: GenerateRequest) -> dict[str, Any]:

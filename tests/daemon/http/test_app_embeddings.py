@@ -4,6 +4,7 @@ service, the response's shapes, and every refusal in the OpenAI error envelope."
 from __future__ import annotations
 
 import base64
+import re
 import struct
 from typing import Any
 
@@ -44,7 +45,9 @@ class EmbeddingService(FakeService):
 
 @pytest.fixture
 def service() -> EmbeddingService:
-    return EmbeddingService()
+    embedder = EmbeddingService()
+    embedder.embedders = {"tiny"}
+    return embedder
 
 
 @pytest.fixture
@@ -147,6 +150,23 @@ def test_an_unknown_model_is_a_404_listing_the_models(app: FastAPI) -> None:
     response = call(app, "POST", "/v1/embeddings", body={"model": "nope", "input": "x"})
     error = assert_error(response, 404, code="model_not_found", param="model")
     assert "tiny" in error["message"]
+
+
+def test_a_request_of_a_kind_its_model_does_not_serve_never_reaches_the_service(
+    app: FastAPI, service: EmbeddingService
+) -> None:
+    # tiny serves embeddings only (the fixture's), small chat and completions.
+    response = call(app, "POST", "/v1/embeddings", body={"model": "small", "input": "the fox"})
+    assert "'small' is not an embedding model" in assert_error(response, 400)["message"]
+    response = call(app, "POST", "/v1/completions", body={"model": "tiny", "prompt": "x"})
+    error = assert_error(response, 400)
+    assert re.search(r"'tiny' is an embedding model: .* not completions", error["message"])
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    response = call(app, "POST", "/v1/chat/completions", body=chat)
+    assert "not chat completions" in assert_error(response, 400)["message"]
+    response = call(app, "POST", "/v1/embeddings", body={"model": "tiny", "input": "the fox"})
+    assert response.status_code == 200, response.text
+    assert service.calls == [("tiny", "embedding", {"inputs": ["the fox"]})]
 
 
 def test_the_services_refusals_are_400s_in_the_envelope(

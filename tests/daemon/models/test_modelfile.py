@@ -15,6 +15,7 @@ from arbiterd.daemon.models.modelfile import (
     ModelTraits,
     check_models,
     model_traits,
+    serves_embeddings,
     vram_budget_for,
 )
 from arbiterd.errors import ConfigError
@@ -104,6 +105,17 @@ def test_the_config_says_what_a_model_serves_else_its_gguf(
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def test_what_a_model_serves_is_read_as_its_config_loads(
+    tmp_path: Path, tiny_model: Path, tiny_embedding_model: Path
+) -> None:
+    assert not serves_embeddings(model_config("m", tiny_model, embedding=None))
+    assert serves_embeddings(model_config("m", tiny_embedding_model, embedding=None))
+    assert serves_embeddings(model_config("m", tiny_model, embedding=True))
+    assert not serves_embeddings(model_config("m", tiny_embedding_model, embedding=False))
+    # A file that cannot be read yet: its start says why, and decides from what it loads.
+    assert not serves_embeddings(model_config("m", tmp_path / "gone.gguf", embedding=None))
 
 
 def test_a_model_without_n_ctx_gets_4096_or_the_context_it_was_trained_for(

@@ -13,7 +13,6 @@ import pytest
 
 from arbiterd.arena import Arena
 from arbiterd.daemon.models import routing
-from arbiterd.daemon.models.modelfile import ModelTraits
 from arbiterd.daemon.models.routing import Router
 from arbiterd.daemon.models.slots import Slot
 from arbiterd.daemon.models.waiting import Waits
@@ -21,7 +20,6 @@ from arbiterd.daemon.models.workerclient import ChunkListener, WorkerClient
 from arbiterd.errors import (
     ContextOverflowError,
     EngineError,
-    RequestError,
     ShuttingDownError,
     UnknownModelError,
     WorkerError,
@@ -373,31 +371,6 @@ def test_a_model_whose_worker_failed_to_load_is_refused_at_once() -> None:
         return worker
 
     assert run(scenario()).requests == []
-
-
-def test_a_request_of_a_kind_its_model_does_not_serve_never_reaches_the_worker() -> None:
-    async def scenario() -> tuple[FakeWorker, FakeWorker, Daemon]:
-        daemon = Daemon("chat", "embed")
-        daemon.slots["embed"].decided(ModelTraits(embedding=True, n_ctx=2048))
-        talker = daemon.serve("chat", FakeWorker("w1"))
-        embedder = daemon.serve("embed", FakeWorker("w2"))
-        with pytest.raises(RequestError, match="'chat' is not an embedding model"):
-            await daemon.router.complete("chat", request_for("embedding", {"inputs": ["the fox"]}))
-        with pytest.raises(
-            RequestError, match=r"'embed' is an embedding model: .* not completions"
-        ):
-            await daemon.router.complete("embed", request_for("completion", BODY))
-        with pytest.raises(RequestError, match="not chat completions"):
-            await anext(daemon.router.stream("embed", request_for("chat", CHAT)))
-        assert await daemon.router.complete(
-            "embed", request_for("embedding", {"inputs": ["the fox"]})
-        )
-        return talker, embedder, daemon
-
-    talker, embedder, daemon = run(scenario())
-    assert talker.requests == []
-    assert [kind for kind, _, _ in embedder.requests] == ["embedding"]
-    assert daemon.published == []
 
 
 def test_a_model_that_does_not_become_ready_in_time_is_a_worker_error(
