@@ -207,11 +207,10 @@ def daemon_gone(arena: Path, model: Path, rounds: int) -> dict[str, Any]:
                 pass_fds=[fd],
             )
         reader, writer = LineReader(ours), LineWriter(ours)
-        request = {
+        request = {  # GenerateRequest's wire form: its own fields
             "kind": "completion",
             "prompt": "Once upon a time",
-            "max_tokens": 3000,
-            "temperature": 0,
+            "sampling": {"max_tokens": 3000, "temperature": 0},
         }
         message = {"op": "generate", "id": "1", "request": request}
         writer.send({**message, "stream": True})

@@ -31,6 +31,7 @@ from arbiterd.native.libllama import STATUS_TEXT, Status
 from arbiterd.spec import KvPolicy, ModelSpec, Residency, WorkerConfig
 from arbiterd.wire import LineReader, LineWriter
 from tests.conftest import Processes
+from tests.support.requests import request_for
 from tests.support.tiny_gguf import TinyModelSpec, write_tiny_llama
 
 CHILD_TIMEOUT_S = 90
@@ -55,7 +56,7 @@ from arbiterd.spec import KvPolicy, ModelSpec, Residency
 
 BODY = GenerateRequest.from_json({
     "kind": "completion", "prompt": " ".join(["the quick brown fox is not a dog"] * 10),
-    "max_tokens": 8, "temperature": 0,
+    "sampling": {"max_tokens": 8, "temperature": 0},
 })
 spec = ModelSpec(name="m", path=Path(sys.argv[1]), n_ctx=512, n_gpu_layers=N_GPU_LAYERS,
                  residency=Residency.IN_PLACE)
@@ -281,7 +282,8 @@ def release_during_a_stream(
         hello = worker.until(lambda m: "hello" in m)["hello"]
         assert hello["backend"] == "in-place", hello
         worker.until(lambda m: m.get("to") == "warm")
-        body = {"kind": "completion", "prompt": "the fox", "max_tokens": 1000, "temperature": 0}
+        asked = {"prompt": "the fox", "max_tokens": 1000, "temperature": 0}
+        body = request_for("completion", asked).to_json()
         generate = {"op": "generate", "id": "long", "request": body}
         worker.send({**generate, "stream": True})
         worker.until(lambda m: m.get("id") == "long" and "chunk" in m)
