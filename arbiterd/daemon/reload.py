@@ -115,7 +115,10 @@ class Reload:
         failed = [n for n, slot in self._slots.items() if slot.state is SlotState.FAILED]
         plan = plan_reload(self._config().models, new.models, failed)
         removed, changed = plan.removed, plan.changed
-        fresh = {name: new_slot(new.models[name]) for name in plan.added + changed}
+        # In a thread: a slot reads its GGUF's header (whether it serves embeddings) as it is made.
+        fresh = await asyncio.to_thread(
+            lambda: {name: new_slot(new.models[name]) for name in plan.added + changed}
+        )
         # Started below, once the old slots are gone; read now: a changed model loaded on
         # demand is served from the start of its old one's retire, and a request may start it.
         to_start = [slot for slot in fresh.values() if slot.state is SlotState.STARTING]

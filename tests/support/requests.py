@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from arbiterd.arena import Priority
-from arbiterd.request import GenerateRequest, RequestKind, Sampling
+from arbiterd.request import GenerateRequest, Sampling
+from arbiterd.states import Priority, RequestKind
 
 _SAMPLING = {each.name for each in fields(Sampling)}
 _TUPLES = {"messages", "inputs", "images", "tools"}
