@@ -72,6 +72,8 @@ from arbiterd.states import (
 #     tuple[str, ...]            the strings of a list; written as a list
 #     tuple[Record, ...]         the objects of a list, each read as that record; written as a list
 #     tuple[tuple[str, T], ...]  an object of str keys, each value read as T; written as an object
+#     dict[str, Any]             an object kept as it came (a payload this codec does not look
+#                                into: a reply's OpenAI response), else {}
 #
 # A field's JSON name is its own unless its metadata names another (`metadata={"json": "from"}`:
 # a Python keyword, or a name that reads better in Python).
@@ -128,6 +130,12 @@ def _mappings(value: object) -> list[Mapping[str, Any]]:
 
 def _same(value: Any) -> Any:
     return value
+
+
+def _object(value: object) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        return {}
+    return {name: item for name, item in value.items() if isinstance(name, str)}
 
 
 _SCALARS: dict[object, _Reader] = {
@@ -227,6 +235,8 @@ def _codec_of(hint: Any) -> tuple[_Reader, _Writer]:
     """The reader and writer of a field of type `hint` (the table above)."""
     if hint in _SCALARS:
         return _SCALARS[hint], _same
+    if hint == dict[str, Any]:
+        return _object, dict
     args = typing.get_args(hint)
     if isinstance(hint, types.UnionType) and (codec := _union_codec(args)) is not None:
         return codec

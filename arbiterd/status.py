@@ -137,21 +137,6 @@ class ModelStatus(Record):
         return self.state in TROUBLE or self.state is ResidencyState.FAILED
 
 
-def model_info_fields(raw: object) -> dict[str, Any]:
-    """ModelStatus's `architecture`, `trained_context` and `chat_template` from a worker
-    status's "model_info" (None before the worker opened the model): the fields it has right,
-    never an exception."""
-    info = raw if isinstance(raw, dict) else {}
-    fields: dict[str, Any] = {}
-    if isinstance(info.get("architecture"), str):
-        fields["architecture"] = info["architecture"]
-    if isinstance(info.get("trained_context"), int):
-        fields["trained_context"] = info["trained_context"]
-    if isinstance(info.get("chat_template"), str):
-        fields["chat_template"] = info["chat_template"]
-    return fields
-
-
 @dataclass(frozen=True)
 class Holder(Record):
     """Who holds the arena token: a model's worker, a group's keeper ("group NAME"), the

@@ -44,7 +44,8 @@ from arbiterd.daemon.models.routing import Router
 from arbiterd.daemon.models.slots import Slot, new_slot
 from arbiterd.daemon.models.unloads import IdleUnloads, RamBudget
 from arbiterd.daemon.models.waiting import NewsListener, Waits
-from arbiterd.daemon.models.workerclient import EngineReport, WorkerClient, WorkerHello
+from arbiterd.daemon.models.workerclient import WorkerHello
+from arbiterd.daemon.models.workerport import WorkerPort
 from arbiterd.daemon.observe.eventbus import EventBus
 from arbiterd.daemon.observe.journal import Journal
 from arbiterd.daemon.observe.metrics import Metrics
@@ -69,6 +70,7 @@ from arbiterd.events import (
 )
 from arbiterd.offload import CpuNote, cpu_note, gpu_nodes, setup_script
 from arbiterd.procs import WaitNews, holder_name, waiter_name
+from arbiterd.reply import EngineReport
 from arbiterd.request import GenerateRequest
 from arbiterd.states import (
     WORKER_OP_OF,
@@ -259,7 +261,8 @@ class Supervisor:
         return ServedModel(name, slot.embedding, config.strict_api, images)
 
     async def complete(self, model: str, request: GenerateRequest) -> dict[str, Any]:
-        return await self._router.complete(model, request)
+        result = await self._router.complete(model, request)
+        return result.response
 
     def stream(
         self, model: str, request: GenerateRequest
@@ -487,13 +490,13 @@ class Supervisor:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _pin_again(self, slot: Slot, worker: WorkerClient) -> None:
+    async def _pin_again(self, slot: Slot, worker: WorkerPort) -> None:
         try:
             await worker.request(WorkerOp.PIN)
         except ArbiterError as exc:
             log.warning("%s: could not pin its new worker: %s", slot.name, exc)
 
-    def _on_gone(self, slot: Slot, worker: WorkerClient) -> None:
+    def _on_gone(self, slot: Slot, worker: WorkerPort) -> None:
         self._vram.worker_gone(slot.name, worker.pid)
 
     def _on_worker_event(self, slot: Slot, raw: dict[str, Any]) -> None:

@@ -104,10 +104,11 @@ from arbiterd.errors import (
     WorkerError,
     WorkerGoneError,
 )
-from arbiterd.events import PassedOverEvent, RequestEvent, ResidencyEvent
-from arbiterd.footprint import DeviceFootprint
+from arbiterd.events import PassedOverEvent, ResidencyEvent
+from arbiterd.footprint import DeviceFootprint, ModelFootprint
 from arbiterd.paths import DeviceKind, device_arena_of, parse_device_id
 from arbiterd.procs import holder_name
+from arbiterd.reply import EngineReport, ModelInfoReport, WorkerResult, WorkerStatus
 from arbiterd.request import GenerateRequest
 from arbiterd.spec import (
     WORKER_PROTOCOL,
@@ -124,10 +125,10 @@ from arbiterd.states import (
     Priority,
     ReleaseReason,
     RequestKind,
-    RequestStatus,
     ResidencyState,
     WorkerOp,
 )
+from arbiterd.status import Turn
 from arbiterd.wire import LineReader, LineWriter
 from arbiterd.worker import keptkv
 from arbiterd.worker.engine import (
@@ -246,7 +247,7 @@ class Worker:
         self._stopping = threading.Event()
         self._orphaned = threading.Event()  # the daemon is gone: nobody reads our answers
         # Published by the engine thread (one reference assignment), read by the io thread.
-        self._status: dict[str, Any] = {}
+        self._status = WorkerStatus()
         self._beat = time.monotonic()  # the engine thread's last sign of life (see above)
         # The load, release or restore the engine thread is in (see above), and the io thread's
         # look at its progress (made in `run`, on the engine thread, whose clock it reads).
@@ -315,8 +316,10 @@ class Worker:
             self._out.send({"id": readable, "error": ProtocolError(problem).to_wire()})
             return
         if op is WorkerOp.STATUS:
-            result = {**self._status, "queue": self._queued(), "beat_age_s": self._beat_age_s()}
-            self._out.send({"id": request_id, "result": result})
+            status = dataclasses.replace(
+                self._status, queue=self._queued(), beat_age_s=self._beat_age_s()
+            )
+            self._reply(request_id, status.to_json())
         elif op is WorkerOp.CANCEL:
             target = message.get("target")
             with self._cancel_lock:
@@ -363,7 +366,9 @@ class Worker:
                     "protocol": WORKER_PROTOCOL,
                     "model": self.name,
                     "pid": os.getpid(),
-                    **self._backend_json(),
+                    "backend": self._backend.kind,
+                    "fallback_reason": self._backend.fallback_reason,
+                    "engine": self._engine_report().to_json(),
                 }
             }
         )
@@ -674,26 +679,23 @@ class Worker:
             self._check_settled()
             return
         assert flight is not None  # only a begun request generates
-        self._reply(request_id, _result_json(outcome))
-        self._out.send(
-            RequestEvent(
-                at=time.time(),
-                model=self.name,
-                request_id=request_id,
-                duration_s=round(time.monotonic() - flight.began, 6),
-                prompt_tokens=outcome.prompt_tokens,
-                prompt_tokens_evaluated=outcome.prompt_tokens_evaluated,
-                completion_tokens=outcome.completion_tokens,
-                cancelled=outcome.cancelled,
-                status=RequestStatus.CANCELLED if outcome.cancelled else RequestStatus.OK,
-            ).to_json()
-        )
         for step in outcome.encoder_steps:  # a vision request's projector, step by step
             self._out.send(
                 dataclasses.replace(
                     step, at=time.time(), model=self.name, request_id=request_id
                 ).to_json()
             )
+        # After its encoder steps: the daemon's router publishes the request's end (its one
+        # `request` event) when this comes, and a listener sees the steps before it.
+        result = WorkerResult(
+            response=outcome.response,
+            duration_s=round(time.monotonic() - flight.began, 6),
+            prompt_tokens=outcome.prompt_tokens,
+            prompt_tokens_evaluated=outcome.prompt_tokens_evaluated,
+            completion_tokens=outcome.completion_tokens,
+            cancelled=outcome.cancelled,
+        )
+        self._reply(request_id, result.to_json())
 
     def _measure_rate(self) -> None:
         """Generated tokens per second over the last RATE_WINDOW_S of the batch (0 once it has
@@ -1085,55 +1087,49 @@ class Worker:
         self._publish()  # first: whoever sees the event and asks for status sees it applied
         # What it holds now, not only what moved: the daemon books this where no GPU reader
         # measures (issue 40: a warm CPU model was booked at the 0 bytes its restore moved).
-        held = dataclasses.replace(event, resident_bytes=self._status["resident_bytes"])
+        held = dataclasses.replace(event, resident_bytes=self._status.resident_bytes)
         self._out.send(held.to_json())
 
     def _publish(self) -> None:
         info = self._backend.model_info()
-        self._status = {
-            "model": self.name,
-            "pid": os.getpid(),
-            "state": self._residency.state.value,
-            "holds_token": self._token is not None,
-            "pinned": self._pinned,
-            "queue": self._queued(),
+        self._status = WorkerStatus(
+            model=self.name,
+            pid=os.getpid(),
+            state=self._residency.state,
+            holds_token=self._token is not None,
+            pinned=self._pinned,
+            queue=self._queued(),
             # The request being begun, else the batch's oldest; every one the batch runs.
-            "current": self._current or next(iter(self._flights), None),
-            "running": list(self._flights),
-            "sequences": self._backend.generating,
-            "tokens_per_s": round(self._tokens_per_s, 1),
-            "served": self._served,
-            "paused": self._paused,
+            current=self._current or next(iter(self._flights), None),
+            running=tuple(self._flights),
+            sequences=self._backend.generating,
+            tokens_per_s=round(self._tokens_per_s, 1),
+            served=self._served,
+            paused=self._paused,
             # Issue 43: the turn a wanted model keeps the GPU for, and the cost it comes from.
-            "turn": {
-                "quantum_s": round(self._quantum_s(), 3),
-                "handoff_s": round(self._handoff.total_s, 3),
-                "handoff_measured": self._handoff.measured,
-                "served": self._served - self._served_when_warm,
-            },
-            "resident_bytes": self._backend.resident_bytes(),
+            turn=Turn(
+                quantum_s=round(self._quantum_s(), 3),
+                handoff_s=round(self._handoff.total_s, 3),
+                handoff_measured=self._handoff.measured,
+                served=self._served - self._served_when_warm,
+            ),
+            resident_bytes=self._backend.resident_bytes(),
             # Issue 44: what it takes of each device, predicted before its first load and
             # measured when it last became warm.
-            "footprint": {
-                "predicted": [f.to_json() for f in self._backend.predicted_footprint],
-                "measured": [f.to_json() for f in self._footprint],
-            },
-            "capabilities": [str(capability) for capability in self._backend.capabilities()],
-            "model_info": None if info is None else dataclasses.asdict(info),
-            "host_kv_bytes": self._backend.host_kv_bytes(),
-            "host_weights_bytes": self._backend.host_weights_bytes(),
-            "prompt_tokens_evaluated": self._backend.prompt_tokens_evaluated_total,
-            "last_error": self._last_error,
-            **self._backend_json(),
-        }
+            footprint=ModelFootprint.of(self._backend.predicted_footprint, self._footprint),
+            capabilities=tuple(str(capability) for capability in self._backend.capabilities()),
+            model_info=None if info is None else ModelInfoReport(**dataclasses.asdict(info)),
+            host_kv_bytes=self._backend.host_kv_bytes(),
+            host_weights_bytes=self._backend.host_weights_bytes(),
+            prompt_tokens_evaluated=self._backend.prompt_tokens_evaluated_total,
+            last_error=self._last_error,
+            backend=self._backend.kind,
+            fallback_reason=self._backend.fallback_reason,
+            engine=self._engine_report(),
+        )
 
-    def _backend_json(self) -> dict[str, Any]:
-        """What runs this model, as the hello and the status say it."""
-        return {
-            "backend": self._backend.kind,
-            "fallback_reason": self._backend.fallback_reason,
-            "engine": self._engine.to_json(),
-        }
+    def _engine_report(self) -> EngineReport:
+        return EngineReport(self._engine.offload, self._engine.devices)
 
     def _reply(self, request_id: str, result: dict[str, Any]) -> None:
         self._out.send({"id": request_id, "result": result})
@@ -1276,16 +1272,6 @@ class Unavailable:
 
     def close(self) -> None:
         return None
-
-
-def _result_json(result: Generation) -> dict[str, Any]:
-    return {
-        "response": result.response,
-        "prompt_tokens": result.prompt_tokens,
-        "prompt_tokens_evaluated": result.prompt_tokens_evaluated,
-        "completion_tokens": result.completion_tokens,
-        "cancelled": result.cancelled,
-    }
 
 
 def main(argv: list[str] | None = None) -> int:

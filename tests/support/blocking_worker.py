@@ -95,17 +95,20 @@ class BlockingWorker:
         timeout_s: float | None = 600.0,
         request_id: str | None = None,
     ) -> dict[str, Any]:
-        return self._call(
+        """The worker's result as the wire carries it (arbiterd.reply.WorkerResult)."""
+        result = self._call(
             self.client.generate(
                 request, on_chunk=on_chunk, timeout_s=timeout_s, request_id=request_id
             )
         )
+        return result.to_json()
 
     def cancel(self, target: str) -> None:
         self._loop.call_soon_threadsafe(self.client.cancel, target)
 
     def status(self) -> dict[str, Any]:
-        return self._call(self.client.status())
+        """The worker's status as the wire carries it (arbiterd.reply.WorkerStatus)."""
+        return self._call(self.client.status()).to_json()
 
     def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> int:
         try:

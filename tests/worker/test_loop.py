@@ -19,11 +19,7 @@ from arbiterd.arena import Arena
 from arbiterd.arena.doorbell import SAFETY_PROBE_S
 from arbiterd.arena.groups import Gate, GateHold, Keeper, group_dir
 from arbiterd.config import FITTING_GROUP
-from arbiterd.daemon.models.workerclient import (
-    HELLO_TIMEOUT_S,
-    EngineReport,
-    WorkerHello,
-)
+from arbiterd.daemon.models.workerclient import HELLO_TIMEOUT_S, WorkerHello
 from arbiterd.errors import (
     ArbiterError,
     ContextOverflowError,
@@ -37,6 +33,7 @@ from arbiterd.errors import (
     WorkerError,
 )
 from arbiterd.footprint import DeviceFootprint
+from arbiterd.reply import EngineReport
 from arbiterd.request import GenerateRequest
 from arbiterd.spec import (
     WORKER_PROTOCOL,

@@ -28,7 +28,7 @@ from arbiterd.daemon.models.liveness import (
     silent_s,
 )
 from arbiterd.daemon.models.slots import Slot
-from arbiterd.daemon.models.workerclient import WorkerClient
+from arbiterd.daemon.models.workerport import WorkerPort
 from arbiterd.errors import ArbiterError
 from arbiterd.events import Event, HolderSilentEvent
 from arbiterd.paths import device_arena_of
@@ -50,7 +50,7 @@ class HolderWatch:
         self._config = config  # as it is now: a reload replaces it
         self._publish = publish
         self._device_arenas: dict[Path, Arena] = {}  # a loading worker's, to see if it holds
-        self._reported: set[WorkerClient] = set()  # the silent ones, each said once per silence
+        self._reported: set[WorkerPort] = set()  # the silent ones, each said once per silence
 
     async def run(self) -> None:
         """Ask every worker that holds a token (warm, loading, warming, cooling: issues 24, 40)
@@ -78,10 +78,10 @@ class HolderWatch:
     def _judge(
         self,
         slot: Slot,
-        worker: WorkerClient,
+        worker: WorkerPort,
         holds: bool,
         now: float,
-        reported: set[WorkerClient],
+        reported: set[WorkerPort],
     ) -> None:
         timeout_s = self._config().daemon.holder_timeout_s
         heard = worker.heard
@@ -121,7 +121,7 @@ class HolderWatch:
             )
         )
 
-    def silence(self, slot: Slot, worker: WorkerClient) -> float | None:
+    def silence(self, slot: Slot, worker: WorkerPort) -> float | None:
         """How long `slot`'s worker, holding a token, has shown no sign of life, once that is
         reported (at [daemon] holder_timeout_s); else None."""
         now, timeout_s = time.monotonic(), self._config().daemon.holder_timeout_s
@@ -130,7 +130,7 @@ class HolderWatch:
             return None
         return round(silent_s(worker.heard, now), 1)
 
-    def holds(self, slot: Slot, worker: WorkerClient) -> bool:
+    def holds(self, slot: Slot, worker: WorkerPort) -> bool:
         """Whether `slot`'s worker holds a token another model may wait for (liveness.holds_token):
         a loading one is looked up in its devices' arenas, which only a loading one costs (a read
         of /proc/locks per device, as status's holder is read)."""

@@ -35,6 +35,7 @@ from arbiterd.daemon.models.budgets import PromptCache, StateFile
 from arbiterd.daemon.models.modelfile import model_traits
 from arbiterd.daemon.models.slots import Slot
 from arbiterd.daemon.models.workerclient import WorkerClient
+from arbiterd.daemon.models.workerport import WorkerPort
 from arbiterd.errors import (
     ArbiterError,
     ConfigError,
@@ -97,7 +98,7 @@ class Lifecycle:
         publish: Callable[[Event], object],
         on_worker_event: Callable[[Slot, dict[str, Any]], None],
         on_ready: Callable[[Slot], None],
-        on_gone: Callable[[Slot, WorkerClient], None],
+        on_gone: Callable[[Slot, WorkerPort], None],
         kv_dir: Path | None = None,
         prompt_cache_budget_bytes: int = PROMPT_CACHE_BUDGET_BYTES,
         vram_budget: Callable[[ModelConfig], int] = lambda _: 0,
@@ -267,9 +268,7 @@ class Lifecycle:
             "first, or remove the model from the config and reload to let it go"
         )
 
-    async def _unload(
-        self, slot: Slot, worker: WorkerClient, reason: UnloadReason
-    ) -> dict[str, Any]:
+    async def _unload(self, slot: Slot, worker: WorkerPort, reason: UnloadReason) -> dict[str, Any]:
         try:
             saved = await self._save_prompt_cache(slot, worker)
             await worker.shutdown()  # it exits by itself; reaped here (killed if it hangs)
@@ -305,7 +304,7 @@ class Lifecycle:
         finally:
             slot.unloading(None)
 
-    async def _save_prompt_cache(self, slot: Slot, worker: WorkerClient) -> dict[str, Any]:
+    async def _save_prompt_cache(self, slot: Slot, worker: WorkerPort) -> dict[str, Any]:
         """Have the unloading worker save its prompt cache within the budget: room is made
         first when its size is known (a cold model's host KV), and a cache larger than the
         whole budget is not written at all; after the save, older files go until the folder
@@ -324,7 +323,7 @@ class Lifecycle:
         expected = 0
         try:
             live = await worker.status(timeout_s=STATUS_TIMEOUT_S)
-            expected = int(live.get("host_kv_bytes") or 0)  # a cold model's KV, else 0
+            expected = live.host_kv_bytes  # a cold model's KV, else 0
         except ArbiterError:
             pass  # the unload below finds out what is wrong with the worker
         if expected > cache.budget_bytes:
@@ -341,7 +340,7 @@ class Lifecycle:
             return _nothing_kept(_too_large(settled.refused_bytes, cache.budget_bytes))
         return saved
 
-    async def _ask_unload(self, worker: WorkerClient) -> dict[str, Any]:
+    async def _ask_unload(self, worker: WorkerPort) -> dict[str, Any]:
         try:
             return await worker.request(WorkerOp.UNLOAD, timeout_s=UNLOAD_TIMEOUT_S)
         except ArbiterError as exc:
@@ -436,7 +435,7 @@ class Lifecycle:
         else:
             self.drop_copy(slot)
 
-    async def _watch(self, slot: Slot, worker: WorkerClient) -> None:
+    async def _watch(self, slot: Slot, worker: WorkerPort) -> None:
         code = await worker.wait()
         words = await worker.last_words()  # the pipe ends with the process: at once
         if slot.worker is not worker:  # retired: its exit was asked for

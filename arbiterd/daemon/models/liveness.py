@@ -45,11 +45,10 @@ All times are `time.monotonic()`; the worker's beat age is measured on the same 
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Collection
 from dataclasses import dataclass, replace
-from typing import Any
 
+from arbiterd.reply import WorkerStatus
 from arbiterd.states import ResidencyState
 
 # How long a worker may take to answer status before `arbiterd status`, the tray and
@@ -71,7 +70,7 @@ class Verdict(enum.Enum):
 class Heard:
     """What the daemon last heard of one worker's life."""
 
-    status: dict[str, Any]  # its last status; {} before the first
+    status: WorkerStatus  # its last status; WorkerStatus() (nothing said) before the first
     answered_at: float  # when that status came (the worker's start before the first)
     # The engine thread's last beat the daemon knows of: from that status's `beat_age_s`, or a
     # later event or chunk (only the engine thread sends those).
@@ -80,15 +79,15 @@ class Heard:
 
     @classmethod
     def started(cls, now: float) -> Heard:
-        return cls({}, now, now)
+        return cls(WorkerStatus(), now, now)
 
     def asked(self, now: float) -> Heard:
         return replace(self, asked_at=now)
 
-    def answered(self, status: dict[str, Any], now: float) -> Heard:
-        age = status.get("beat_age_s")
+    def answered(self, status: WorkerStatus, now: float) -> Heard:
+        age = status.beat_age_s  # finite or None, as the field codec reads it
         beat_at = now  # a reply without a beat age: the answer itself is the sign of life
-        if isinstance(age, int | float) and not isinstance(age, bool) and math.isfinite(age):
+        if age is not None:
             beat_at = now - max(0.0, age)
         return Heard(status, now, max(self.beat_at, beat_at))
 

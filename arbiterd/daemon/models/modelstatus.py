@@ -12,24 +12,23 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
 
 from arbiterd.daemon.models.liveness import STATUS_ANSWER_S, stale
 from arbiterd.daemon.models.slots import Slot
-from arbiterd.daemon.models.workerclient import WorkerClient
+from arbiterd.daemon.models.workerport import WorkerPort
 from arbiterd.daemon.observe.telemetry import TelemetrySnapshot
 from arbiterd.daemon.observe.vramwatch import VramWatch
 from arbiterd.errors import ArbiterError
-from arbiterd.footprint import ModelFootprint
-from arbiterd.states import BackendKind, ResidencyState
-from arbiterd.status import ModelStatus, Turn, model_info_fields
+from arbiterd.reply import WorkerStatus
+from arbiterd.states import BackendKind
+from arbiterd.status import ModelStatus
 
 
 async def model_status(
     slot: Slot,
     snapshot: TelemetrySnapshot | None,
     vram: VramWatch,
-    silence: Callable[[Slot, WorkerClient], float | None],
+    silence: Callable[[Slot, WorkerPort], float | None],
 ) -> ModelStatus:
     """`slot`'s model as status shows it, its VRAM as `snapshot` measures it; `silence` says how
     long its worker has been silent while holding a token (holderwatch.HolderWatch.silence)."""
@@ -57,31 +56,33 @@ async def model_status(
     if worker is None:
         return host_ram(slot, report)
     live, stale_s = await live_status(worker)
-    state = live.get("state")
+    info = live.model_info
     report = dataclasses.replace(
         report,
-        state=report.state if state is None else ResidencyState(state),
-        pid=live.get("pid", report.pid),
-        queue=live.get("queue", report.queue),
-        sequences=int(live.get("sequences") or 0),
-        tokens_per_s=float(live.get("tokens_per_s") or 0.0),
-        resident_bytes=live.get("resident_bytes", report.resident_bytes),
-        capabilities=tuple(live.get("capabilities") or report.capabilities),
-        **model_info_fields(live.get("model_info")),
-        prompt_tokens_evaluated=live.get("prompt_tokens_evaluated", 0),
-        served=live.get("served", 0),
-        last_error=live.get("last_error") or slot.last_error,
-        host_kv_bytes=int(live.get("host_kv_bytes") or 0),
-        host_weights_bytes=int(live.get("host_weights_bytes") or 0),
+        state=report.state if live.state is None else live.state,
+        pid=report.pid if live.pid is None else live.pid,
+        queue=report.queue if live.queue is None else live.queue,
+        sequences=live.sequences,
+        tokens_per_s=live.tokens_per_s,
+        resident_bytes=(
+            report.resident_bytes if live.resident_bytes is None else live.resident_bytes
+        ),
+        capabilities=live.capabilities or report.capabilities,
+        **({} if info is None else dataclasses.asdict(info)),
+        prompt_tokens_evaluated=live.prompt_tokens_evaluated,
+        served=live.served,
+        last_error=live.last_error or slot.last_error,
+        host_kv_bytes=live.host_kv_bytes,
+        host_weights_bytes=live.host_weights_bytes,
         stale_s=stale_s,
         silent_s=silence(slot, worker),
-        turn=Turn.from_json(live["turn"]) if isinstance(live.get("turn"), dict) else None,
-        footprint=_footprint(live.get("footprint")),
+        turn=live.turn,
+        footprint=live.footprint,
     )
     return host_ram(slot, report)
 
 
-async def live_status(worker: WorkerClient) -> tuple[dict[str, Any], float | None]:
+async def live_status(worker: WorkerPort) -> tuple[WorkerStatus, float | None]:
     """The worker's status and None; or, from a worker that does not answer within
     STATUS_ANSWER_S (or left a question unanswered that long already), what it said last
     and how many seconds ago: a frozen worker never holds up status or /v1/models."""
@@ -110,12 +111,3 @@ def host_ram(slot: Slot, report: ModelStatus) -> ModelStatus:
         host_copy_bytes=lease.copy.size,
         host_copy_shared_with=tuple(m for m in models if m != slot.name),
     )
-
-
-def _footprint(raw: object) -> ModelFootprint | None:
-    """A worker status's "footprint" (issue 44) with the prediction's error; None from a worker
-    that does not say."""
-    if not isinstance(raw, dict):
-        return None
-    said = ModelFootprint.from_json(raw)
-    return ModelFootprint.of(said.predicted, said.measured)

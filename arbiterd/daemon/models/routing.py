@@ -18,6 +18,10 @@ max_queue_s is given up (daemon/models/waiting.py). Once the daemon stops (`stop
 request is refused with ShuttingDownError, and each one in flight, waiting for its worker or
 mid-decode, ends with it (its decode cancelled in the worker): an error the edges can still
 answer, where the server going away would have cut its connection.
+
+The router is the one publisher of `request` events: a request that ends publishes one, with
+what its worker measured (the `WorkerResult`), or the error it failed with; one whose client
+went away publishes its worker's cancelled result when that comes (WorkerClient's `on_end`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any, TypeVar
 
 from arbiterd.daemon.models.slots import Slot
 from arbiterd.daemon.models.waiting import NewsListener, Waits
-from arbiterd.daemon.models.workerclient import WorkerClient
+from arbiterd.daemon.models.workerport import WorkerPort
 from arbiterd.errors import (
     ArbiterError,
     EngineError,
@@ -43,6 +47,7 @@ from arbiterd.errors import (
 )
 from arbiterd.events import Event, RequestEvent
 from arbiterd.procs import WaitNews
+from arbiterd.reply import WorkerResult
 from arbiterd.request import GenerateRequest
 from arbiterd.states import RequestStatus, ResidencyState, SlotState
 
@@ -79,24 +84,28 @@ class Router:
         """Why requests are refused; empty while the router serves."""
         return self._stopping
 
-    async def complete(self, model: str, request: GenerateRequest) -> dict[str, Any]:
+    async def complete(self, model: str, request: GenerateRequest) -> WorkerResult:
         request_id = self._request_id()
-        result = await self._until_stopped(
+        on_end = self._ender(model, request_id)
+        return await self._until_stopped(
             self._send(
-                model, request_id, lambda worker: worker.generate(request, request_id=request_id)
+                model,
+                request_id,
+                lambda worker: worker.generate(request, request_id=request_id, on_end=on_end),
             )
         )
-        response: dict[str, Any] = result["response"]
-        return response
 
     async def stream(
         self, model: str, request: GenerateRequest
     ) -> AsyncGenerator[dict[str, Any] | WaitNews]:
         request_id = self._request_id()
         chunks: asyncio.Queue[object] = asyncio.Queue()
+        on_end = self._ender(model, request_id)
 
-        def generate(worker: WorkerClient) -> Awaitable[dict[str, Any]]:
-            return worker.generate(request, on_chunk=chunks.put_nowait, request_id=request_id)
+        def generate(worker: WorkerPort) -> Awaitable[WorkerResult]:
+            return worker.generate(
+                request, on_chunk=chunks.put_nowait, request_id=request_id, on_end=on_end
+            )
 
         # An unknown or failed model: before any chunk.
         await self._until_stopped(self.worker_of(model))
@@ -135,7 +144,7 @@ class Router:
         finally:
             self._in_flight.discard(task)
 
-    async def worker_of(self, model: str) -> WorkerClient:
+    async def worker_of(self, model: str) -> WorkerPort:
         """The model's worker once it is ready (started first when it is unloaded); at once
         UnknownModelError or EngineError for a model that does not exist or cannot serve."""
         slot = self.slot_of(model)
@@ -179,18 +188,18 @@ class Router:
         self,
         model: str,
         request_id: str,
-        send: Callable[[WorkerClient], Awaitable[_T]],
+        send: Callable[[WorkerPort], Awaitable[WorkerResult]],
         on_news: NewsListener | None = None,
-    ) -> _T:
+    ) -> WorkerResult:
         worker = await self.worker_of(model)
         slot = self._slots[model]
         try:
             try:
-                return await self._waits.request(slot, send(worker), on_news)
+                result = await self._waits.request(slot, send(worker), on_news)
             except WorkerGoneError:  # gone before it started the request: nothing ran
                 worker = await self._successor(model, worker)
                 slot = self.slot_of(model)  # a new one, when a reload replaced it
-                return await self._waits.request(slot, send(worker), on_news)
+                result = await self._waits.request(slot, send(worker), on_news)
         except asyncio.CancelledError:  # the client went away: stop the decode
             worker.cancel(request_id)
             raise
@@ -203,8 +212,18 @@ class Router:
                 )
             )
             raise
+        self._ender(model, request_id)(result)
+        return result
 
-    async def _successor(self, model: str, gone: WorkerClient) -> WorkerClient:
+    def _ender(self, model: str, request_id: str) -> Callable[[WorkerResult], None]:
+        """What publishes the end of request `request_id` for `model`, given its result."""
+
+        def ended(result: WorkerResult) -> None:
+            self._publish(result.event(model=model, request_id=request_id))  # stamped there
+
+        return ended
+
+    async def _successor(self, model: str, gone: WorkerPort) -> WorkerPort:
         """The worker that replaces `gone` once it is restarted."""
         try:
             async with asyncio.timeout(READY_TIMEOUT_S):

@@ -21,7 +21,8 @@ from typing import Any
 
 from arbiterd.config import STARTER_N_CTX, Load, ModelConfig
 from arbiterd.daemon.models.modelfile import ModelTraits, serves_embeddings
-from arbiterd.daemon.models.workerclient import WorkerClient, WorkerHello
+from arbiterd.daemon.models.workerclient import WorkerHello
+from arbiterd.daemon.models.workerport import WorkerPort
 from arbiterd.errors import InvalidTransitionError
 from arbiterd.events import HandoffEvent
 from arbiterd.hostcopy import Lease
@@ -32,7 +33,7 @@ from arbiterd.states import SLOT_TRANSITIONS, ResidencyState, SlotState
 class Slot:
     config: ModelConfig  # the current one: a reload that changes only its aliases swaps it
     state: SlotState = SlotState.STARTING
-    worker: WorkerClient | None = None  # set exactly while READY
+    worker: WorkerPort | None = None  # set exactly while READY
     residency: ResidencyState | None = None  # the worker's residency state, as it last said
     hello: WorkerHello | None = None  # its last worker's: what runs it; kept across restarts
     # Serves embeddings only (RequestKind.EMBEDDING requests), and its context. The flag is read
@@ -77,7 +78,7 @@ class Slot:
 
     # -- the lifecycle ----------------------------------------------------------------------
 
-    def move(self, new: SlotState, *, worker: WorkerClient | None = None, reason: str = "") -> None:
+    def move(self, new: SlotState, *, worker: WorkerPort | None = None, reason: str = "") -> None:
         """Go to `new` (with its worker when READY, with the reason when FAILED or RESTARTING);
         raises InvalidTransitionError for a move the table does not list."""
         if new not in SLOT_TRANSITIONS[self.state]:
@@ -97,7 +98,7 @@ class Slot:
         moved, self._moved = self._moved, asyncio.Event()
         moved.set()
 
-    def serve(self, worker: WorkerClient, *, now: float) -> None:
+    def serve(self, worker: WorkerPort, *, now: float) -> None:
         """`worker` said hello (at `now`, time.monotonic()): ready, and loading (or waiting to)."""
         self.move(SlotState.READY, worker=worker)
         self.started_at = now
@@ -109,7 +110,7 @@ class Slot:
         while self.state not in (SlotState.READY, SlotState.STOPPED):
             await self._moved.wait()
 
-    async def worker_changed(self, worker: WorkerClient) -> None:
+    async def worker_changed(self, worker: WorkerPort) -> None:
         """Return once `worker` is no longer this slot's (the lifecycle's watch of its exit
         detaches it)."""
         while self.worker is worker:

@@ -123,7 +123,7 @@ class IdleUnloads:
         try:
             live = await worker.status(timeout_s=STATUS_TIMEOUT_S)
             # A request may wait cold for the GPU: not idle.
-            if live.get("queue") or live.get("current"):
+            if not live.idle:
                 return now + UNLOAD_RETRY_S
             if unload_due(slot, now):
                 await self._lifecycle.unload(slot, UnloadReason.IDLE)
@@ -185,9 +185,9 @@ class RamBudget:
         for slot, live in zip(ready, lives, strict=True):
             if isinstance(live, BaseException):
                 continue  # a worker that does not answer is not unloaded by guesswork
-            own = int(live.get("host_kv_bytes") or 0) + int(live.get("host_weights_bytes") or 0)
+            own = live.host_kv_bytes + live.host_weights_bytes
             own_bytes += own
-            idle = not live.get("queue") and not live.get("current")
+            idle = live.idle
             if (
                 slot.residency is ResidencyState.COLD
                 and slot.cold_since is not None

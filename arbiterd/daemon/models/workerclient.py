@@ -36,6 +36,7 @@ from typing import Any
 
 from arbiterd.daemon.models.liveness import Heard
 from arbiterd.errors import ProtocolError, WorkerError, WorkerGoneError, error_from_wire
+from arbiterd.reply import EngineReport, WorkerResult, WorkerStatus
 from arbiterd.request import GenerateRequest
 from arbiterd.spec import WORKER_PROTOCOL, WorkerConfig
 from arbiterd.states import BackendKind, WorkerOp
@@ -59,29 +60,9 @@ BACKENDS = frozenset(kind for kind in BackendKind if kind is not BackendKind.UNK
 
 EventListener = Callable[[dict[str, Any]], None]
 ChunkListener = Callable[[dict[str, Any]], None]
-
-
-@dataclass(frozen=True)
-class EngineReport:
-    """What a worker's engine can do (engine.EngineInfo as the hello carries it; the daemon
-    never imports the engine)."""
-
-    offload: bool  # False: everything runs on the CPU, whatever n_gpu_layers asks
-    devices: tuple[str, ...]  # "CPU: Intel Xeon", "CUDA0: NVIDIA H200", ...; may be empty
-
-    @classmethod
-    def read(cls, raw: object) -> EngineReport:
-        if not isinstance(raw, Mapping):
-            raise ProtocolError(f"hello: engine is not an object: {raw!r}")
-        offload, devices = raw.get("offload"), raw.get("devices")
-        if not isinstance(offload, bool):
-            raise ProtocolError(f"hello: engine.offload is not a boolean: {offload!r}")
-        if not isinstance(devices, list) or not all(isinstance(d, str) for d in devices):
-            raise ProtocolError(f"hello: engine.devices is not a list of strings: {devices!r}")
-        return cls(offload, tuple(devices))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"offload": self.offload, "devices": list(self.devices)}
+# Told each generate's result, also the one that comes after its asker gave up (a client that
+# went away: its request ends cancelled, and that end is still the request's news).
+EndListener = Callable[[WorkerResult], None]
 
 
 @dataclass(frozen=True)
@@ -203,7 +184,9 @@ class WorkerClient:
         self.hello: WorkerHello | None = None  # set by `spawn` once the worker said it
         # What the daemon last heard of its life; nothing yet but that it was just started.
         self.heard = Heard.started(time.monotonic())
-        self._asking: asyncio.Task[dict[str, Any]] | None = None  # the status question in flight
+        self._asking: asyncio.Task[WorkerStatus] | None = None  # the status question in flight
+        # The generate requests whose asker gave up (cancelled): who is told their late result.
+        self._late: collections.OrderedDict[str, EndListener] = collections.OrderedDict()
         self.killed_for = ""  # why the daemon killed it (`kill_for`); "" when it did not
         self._reader = asyncio.get_running_loop().create_task(
             self._read_loop(), name=f"worker-client-{model}"
@@ -310,11 +293,13 @@ class WorkerClient:
         on_chunk: ChunkListener | None = None,
         timeout_s: float | None = 600.0,
         request_id: str | None = None,
-    ) -> dict[str, Any]:
+        on_end: EndListener | None = None,
+    ) -> WorkerResult:
         """Run one request; with `on_chunk` (called on the loop), it streams. Returns the
         worker's result; WorkerGoneError when the worker was gone before it started the request
         (its engine thread's "started" reply: nothing of it ran, no chunk was sent), WorkerError
-        when it went after."""
+        when it went after. Cancelled, it leaves `on_end` to be told the result that still
+        comes (the worker ends the request cancelled once it is told, `cancel`)."""
         async with self._open(request_id) as (opened, replies):
             self._send(
                 {
@@ -325,16 +310,23 @@ class WorkerClient:
                 }
             )
             started = False
-            while True:
-                message = await self._next(replies, "a request", timeout_s, started=started)
-                if "started" in message:
-                    started = True
-                    continue
-                if "chunk" in message:
-                    if on_chunk is not None:
-                        on_chunk(message["chunk"])
-                    continue
-                return _result(message)
+            try:
+                while True:
+                    message = await self._next(replies, "a request", timeout_s, started=started)
+                    if "started" in message:
+                        started = True
+                        continue
+                    if "chunk" in message:
+                        if on_chunk is not None:
+                            on_chunk(message["chunk"])
+                        continue
+                    return WorkerResult.from_json(_result(message))
+            except asyncio.CancelledError:
+                if on_end is not None:
+                    self._late[opened] = on_end
+                    while len(self._late) > CANCELLED_KEPT:
+                        self._late.popitem(last=False)
+                raise
 
     def cancel(self, target: str) -> None:
         """Ask the worker to stop request `target`; a gone worker has stopped it already."""
@@ -342,7 +334,7 @@ class WorkerClient:
             self._send({"op": WorkerOp.CANCEL, "id": f"cancel-{next(self._ids)}", "target": target})
             self._cancelled.append(target)
 
-    async def status(self, timeout_s: float | None = STATUS_TIMEOUT_S) -> dict[str, Any]:
+    async def status(self, timeout_s: float | None = STATUS_TIMEOUT_S) -> WorkerStatus:
         """The worker's status, from its io thread (also mid-decode). Joins the question in
         flight, if there is one; WorkerError after `timeout_s`, the question still asked (its
         answer, when it comes, is what `heard` holds)."""
@@ -353,7 +345,7 @@ class WorkerClient:
         except TimeoutError:
             raise WorkerError(f"no answer from {self.model} to status in {timeout_s} s") from None
 
-    def ask(self) -> asyncio.Task[dict[str, Any]]:
+    def ask(self) -> asyncio.Task[WorkerStatus]:
         """The status question in flight, asked now if there is none."""
         if self._asking is None:
             self.heard = self.heard.asked(time.monotonic())
@@ -363,12 +355,12 @@ class WorkerClient:
             self._asking.add_done_callback(self._answered)
         return self._asking
 
-    async def _ask(self) -> dict[str, Any]:
-        status = await self.request(WorkerOp.STATUS, timeout_s=None)
+    async def _ask(self) -> WorkerStatus:
+        status = WorkerStatus.from_json(await self.request(WorkerOp.STATUS, timeout_s=None))
         self.heard = self.heard.answered(status, time.monotonic())
         return status
 
-    def _answered(self, asked: asyncio.Task[dict[str, Any]]) -> None:
+    def _answered(self, asked: asyncio.Task[WorkerStatus]) -> None:
         self._asking = None
         if not asked.cancelled():
             asked.exception()  # a gone worker's: said to whoever waited; retrieved here
@@ -506,9 +498,21 @@ class WorkerClient:
             replies = self._pending.get(request_id) if isinstance(request_id, str) else None
             if replies is not None:
                 replies.put_nowait(message)
+            elif isinstance(request_id, str) and request_id in self._late:
+                self._ended_late(request_id, message)
             elif "error" in message and request_id not in self._cancelled:
                 # e.g. a line of ours it could not read and name
                 log.warning("%s: an error for no request waiting: %s", self.model, message["error"])
+
+    def _ended_late(self, request_id: str, message: dict[str, Any]) -> None:
+        """A reply to a generate request whose asker gave up: its result goes to the listener
+        it left; its chunks are nobody's, and an error it ends with is the cancel's own."""
+        if "chunk" in message or "started" in message:
+            return
+        on_end = self._late.pop(request_id)
+        result = message.get("result")
+        if isinstance(result, dict):
+            on_end(WorkerResult.from_json(result))
 
     def _refused(self, error: ProtocolError) -> None:
         """A line of the worker's that cannot be read fails the request it names at once (a

@@ -26,6 +26,7 @@ from arbiterd.daemon.models.budgets import PromptCache
 from arbiterd.daemon.models.lifecycle import Lifecycle
 from arbiterd.daemon.models.slots import Slot
 from arbiterd.daemon.models.workerclient import WorkerClient
+from arbiterd.daemon.models.workerport import WorkerPort
 from arbiterd.errors import ConfigError, ControlError, ProtocolError, WorkerError
 from arbiterd.events import Event, PromptCacheEvictEvent, UnloadEvent, WorkerEvent
 from arbiterd.hostcopy import Lease
@@ -65,7 +66,7 @@ class Harness:
         self.readied.put_nowait((slot, slot.worker.pid))
         self.order.append(("ready", slot.worker.pid))
 
-    def on_gone(self, slot: Slot, worker: WorkerClient) -> None:
+    def on_gone(self, slot: Slot, worker: WorkerPort) -> None:
         self.gone.append((slot.name, worker.pid))
         self.order.append(("gone", worker.pid))
 

@@ -15,6 +15,7 @@ from arbiterd.daemon.models.liveness import (
     silent_s,
     stale,
 )
+from arbiterd.reply import WorkerStatus
 from arbiterd.states import ResidencyState
 
 T = 30.0  # holder_timeout_s
@@ -24,7 +25,8 @@ START = 1000.0
 def answered(at: float, beat_age_s: float = 0.0, heard: Heard | None = None) -> Heard:
     """A worker that answered status at `at`, its engine's beat `beat_age_s` old then."""
     before = heard or Heard.started(START)
-    return before.answered({"state": "warm", "beat_age_s": beat_age_s}, at)
+    status = WorkerStatus(state=ResidencyState.WARM, beat_age_s=beat_age_s)
+    return before.answered(status, at)
 
 
 PID = 4242
@@ -124,7 +126,8 @@ def test_a_worker_that_holds_no_token_is_never_judged() -> None:
 
 @pytest.mark.parametrize("age", [None, "old", True, float("nan"), float("inf"), -3.0])
 def test_an_answer_without_a_beat_age_it_can_use_is_itself_the_sign_of_life(age: object) -> None:
-    heard = Heard.started(START).answered({"beat_age_s": age}, START + 50)
+    said = WorkerStatus.from_json({"beat_age_s": age})  # as the daemon reads the wire
+    heard = Heard.started(START).answered(said, START + 50)
     assert silent_s(heard, START + 50) == 0.0
     assert heard.answered_at == START + 50
     assert heard.asked_at is None
@@ -135,7 +138,8 @@ def test_a_question_left_unanswered_for_a_second_makes_the_status_stale() -> Non
     assert not stale(heard, START + 2 + STATUS_ANSWER_S - 0.01)
     assert stale(heard, START + 2 + STATUS_ANSWER_S)
     assert not stale(answered(START + 4, heard=heard), START + 100)  # answered: fresh again
-    assert heard.status == {"state": "warm", "beat_age_s": 0.0}  # what it said last, kept
+    said = WorkerStatus(state=ResidencyState.WARM, beat_age_s=0.0)
+    assert heard.status == said  # what it said last, kept
 
 
 def test_the_kill_reason_names_the_silence_and_the_setting() -> None:

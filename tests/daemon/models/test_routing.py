@@ -7,7 +7,7 @@ import os
 import tempfile
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import pytest
 
@@ -16,7 +16,7 @@ from arbiterd.daemon.models import routing
 from arbiterd.daemon.models.routing import Router
 from arbiterd.daemon.models.slots import Slot
 from arbiterd.daemon.models.waiting import Waits
-from arbiterd.daemon.models.workerclient import ChunkListener, WorkerClient
+from arbiterd.daemon.models.workerclient import ChunkListener, EndListener
 from arbiterd.errors import (
     ContextOverflowError,
     EngineError,
@@ -27,8 +27,10 @@ from arbiterd.errors import (
 )
 from arbiterd.events import Event, RequestEvent
 from arbiterd.procs import WaitNews
+from arbiterd.reply import WorkerResult
 from arbiterd.request import GenerateRequest
 from arbiterd.states import RequestStatus, ResidencyState, SlotState
+from tests.support.fakeworkers import IdleWorker
 from tests.support.models import model_config
 from tests.support.requests import request_for, wire_of
 from tests.support.waiting import until
@@ -37,29 +39,29 @@ _T = TypeVar("_T")
 BODY = {"prompt": "the fox", "max_tokens": 4}
 CHAT = {"messages": [{"role": "user", "content": "the fox"}], "max_tokens": 4}
 # What a fake worker does with one request: its chunks go to on_chunk; it returns the result.
-Behaviour = Callable[["FakeWorker", ChunkListener | None], Awaitable[dict[str, Any]]]
+Behaviour = Callable[["FakeWorker", ChunkListener | None], Awaitable[WorkerResult]]
 
 
-async def answers(worker: FakeWorker, on_chunk: ChunkListener | None) -> dict[str, Any]:
+async def answers(worker: FakeWorker, on_chunk: ChunkListener | None) -> WorkerResult:
     for n in range(3):
         if on_chunk is not None:
             on_chunk({"text": f"chunk {n}"})
-    return {"response": {"text": f"answered by {worker.name}"}}
+    return WorkerResult(response={"text": f"answered by {worker.name}"})
 
 
-async def gone(worker: FakeWorker, on_chunk: ChunkListener | None) -> dict[str, Any]:
+async def gone(worker: FakeWorker, on_chunk: ChunkListener | None) -> WorkerResult:
     """The worker died before the request reached it."""
     worker.exit(-9)
     raise WorkerGoneError(f"worker for {worker.name} is gone")
 
 
-async def overflows(worker: FakeWorker, on_chunk: ChunkListener | None) -> dict[str, Any]:
+async def overflows(worker: FakeWorker, on_chunk: ChunkListener | None) -> WorkerResult:
     raise ContextOverflowError("the prompt exceeds the context window (64 tokens)")
 
 
 async def decodes_until_cancelled(
     worker: FakeWorker, on_chunk: ChunkListener | None
-) -> dict[str, Any]:
+) -> WorkerResult:
     if on_chunk is not None:
         on_chunk({"text": "first"})
     try:
@@ -70,12 +72,13 @@ async def decodes_until_cancelled(
     raise AssertionError("a decode that nobody ends")
 
 
-class FakeWorker:
-    """Duck-typed like WorkerClient where the router uses it: generate, cancel, wait."""
+class FakeWorker(IdleWorker):
+    """A WorkerPort where the router uses it: generate, cancel, wait. Its pid is ours, what the
+    router's wait notices look for in the arena's queue."""
 
     def __init__(self, name: str, behaviour: Behaviour = answers) -> None:
+        super().__init__(name)
         self.name = name
-        self.pid = os.getpid()  # what the router's wait notices look for in the arena's queue
         self.behaviour = behaviour
         self.requests: list[tuple[str, dict[str, Any], str | None]] = []
         self.received = asyncio.Event()
@@ -92,7 +95,8 @@ class FakeWorker:
         on_chunk: ChunkListener | None = None,
         timeout_s: float | None = 600.0,
         request_id: str | None = None,
-    ) -> dict[str, Any]:
+        on_end: EndListener | None = None,
+    ) -> WorkerResult:
         kind, body = wire_of(request)
         self.requests.append((kind, body, request_id))
         self.received.set()
@@ -116,8 +120,14 @@ class FakeWorker:
 ARENAS = tempfile.TemporaryDirectory(prefix="arbiterd-routing-")
 
 
+def requests(daemon: Daemon) -> list[RequestEvent]:
+    """The `request` events the router published, and nothing else was."""
+    assert all(isinstance(e, RequestEvent) for e in daemon.published)
+    return [e for e in daemon.published if isinstance(e, RequestEvent)]
+
+
 def ready(slot: Slot, worker: FakeWorker) -> None:
-    slot.move(SlotState.READY, worker=cast(WorkerClient, worker))
+    slot.move(SlotState.READY, worker=worker)
 
 
 class WatchedSlot(Slot):
@@ -195,7 +205,7 @@ def test_a_request_gets_its_workers_response_under_a_fresh_request_id() -> None:
         worker = daemon.serve("m", FakeWorker("w1"))
         first = await daemon.router.complete("m", request_for("completion", BODY))
         second = await daemon.router.complete("m", request_for("chat", CHAT))
-        return [first, second], worker, daemon
+        return [first.response, second.response], worker, daemon
 
     responses, worker, daemon = run(scenario())
     assert responses == [{"text": "answered by w1"}] * 2
@@ -206,7 +216,9 @@ def test_a_request_gets_its_workers_response_under_a_fresh_request_id() -> None:
     ids = [request_id for _, _, request_id in worker.requests]
     assert ids[0] != ids[1]
     assert all(str(i).startswith(f"req-{os.getpid()}-") for i in ids)
-    assert daemon.published == []  # a served request is the worker's to report
+    # A served request's one event, with what its worker measured (the router publishes it).
+    ended = [(e.model, e.request_id, e.status) for e in requests(daemon)]
+    assert ended == [("m", ids[0], RequestStatus.OK), ("m", ids[1], RequestStatus.OK)]
 
 
 def test_a_request_waits_for_a_starting_model_and_is_served_once_it_is_ready() -> None:
@@ -216,7 +228,7 @@ def test_a_request_waits_for_a_starting_model_and_is_served_once_it_is_ready() -
         await waiting_for(daemon.slots["m"], request)
         assert not request.done()
         daemon.serve("m", FakeWorker("w1"))
-        return await request
+        return (await request).response
 
     assert run(scenario()) == {"text": "answered by w1"}
 
@@ -238,7 +250,7 @@ def test_a_request_waiting_for_a_model_a_reload_replaces_is_served_by_its_new_sl
         await waiting_for(new, request)
         assert not request.done()  # waiting for the new slot's worker, not told it is gone
         daemon.serve("m", FakeWorker("new"))
-        return await request
+        return (await request).response
 
     assert run(scenario()) == {"text": "answered by new"}
 
@@ -272,7 +284,7 @@ def test_a_request_for_an_unloaded_model_starts_its_worker_once() -> None:
         second = asyncio.create_task(daemon.router.complete("m", request_for("completion", BODY)))
         await waiting_for(slot, second)  # for the worker the first one starts
         daemon.spawned.set()
-        return [await first, await second], daemon
+        return [(await first).response, (await second).response], daemon
 
     responses, daemon = run(scenario())
     assert responses == [{"text": "answered by m-loaded"}] * 2
@@ -285,15 +297,16 @@ def test_a_request_whose_worker_was_gone_is_sent_once_more_to_its_successor() ->
         first = daemon.serve("m", FakeWorker("w1", gone))
         successor = FakeWorker("w2")
         replacing = asyncio.create_task(daemon.lifecycle_replaces("m", first, successor))
-        response = await daemon.router.complete("m", request_for("completion", BODY))
+        result = await daemon.router.complete("m", request_for("completion", BODY))
         await replacing
-        return response, first, successor, daemon
+        return result.response, first, successor, daemon
 
     response, first, successor, daemon = run(scenario())
     assert response == {"text": "answered by w2"}
     assert first.requests == successor.requests  # the same request, under the same id
     assert len(first.requests) == 1
-    assert daemon.published == []
+    ended = [(e.request_id, e.status) for e in requests(daemon)]
+    assert ended == [(first.requests[0][2], RequestStatus.OK)]  # once, as it was served once
 
 
 def test_a_request_is_retried_only_once() -> None:
@@ -401,7 +414,9 @@ def test_a_client_that_goes_away_cancels_its_request_in_the_worker() -> None:
     worker, daemon = run(scenario())
     assert worker.cancels == [worker.requests[0][2]]
     assert worker.interrupted
-    assert daemon.published == []  # not an error: the worker reports it cancelled
+    # Not an error: its end comes with the worker's cancelled result (WorkerClient's on_end),
+    # which this fake never sends.
+    assert daemon.published == []
 
 
 def test_a_stream_yields_the_workers_chunks_in_order() -> None:

@@ -8,20 +8,20 @@ import dataclasses
 import itertools
 import re
 from pathlib import Path
-from typing import cast
 
 import pytest
 
 import arbiterd
 from arbiterd.config import Load
 from arbiterd.daemon.models.slots import Slot, new_slot
-from arbiterd.daemon.models.workerclient import WorkerClient
+from arbiterd.daemon.models.workerport import WorkerPort
 from arbiterd.errors import InvalidTransitionError
 from arbiterd.states import SLOT_TRANSITIONS, ResidencyState, SlotState
+from tests.support.fakeworkers import IdleWorker
 from tests.support.models import model_config
 from tests.support.waiting import to_first_wait
 
-WORKER = cast(WorkerClient, object())  # a slot only keeps its worker; it never calls it
+WORKER = IdleWorker()  # a slot only keeps its worker; it never calls it
 # How a new slot (starting) gets to each state, one allowed move at a time.
 PATH_TO: dict[SlotState, tuple[SlotState, ...]] = {
     SlotState.STARTING: (),
@@ -113,7 +113,7 @@ def test_the_ready_event_is_set_exactly_while_ready() -> None:
 
 
 def test_a_request_waiting_for_the_slot_wakes_when_it_becomes_ready() -> None:
-    async def scenario() -> WorkerClient | None:
+    async def scenario() -> WorkerPort | None:
         slot = Slot(model_config("m"))
         waiting = await to_first_wait(slot.ready.wait())
         assert not waiting.done()

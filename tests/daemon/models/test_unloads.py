@@ -4,32 +4,30 @@ tests/daemon/test_serve.py and test_serve_budgets.py, through a real daemon)."""
 
 from __future__ import annotations
 
-from typing import cast
-
 from arbiterd.daemon.models.slots import Slot
 from arbiterd.daemon.models.unloads import next_unload_check, unload_due
-from arbiterd.daemon.models.workerclient import WorkerClient
 from arbiterd.states import ResidencyState, SlotState
+from tests.support.fakeworkers import IdleWorker
 from tests.support.models import model_config
 
 
 def test_a_model_is_due_for_unloading_once_cold_for_its_unload_after_s() -> None:
     slot = Slot(model_config("m", unload_after_s=60.0))
-    slot.move(SlotState.READY, worker=cast(WorkerClient, object()))
+    slot.move(SlotState.READY, worker=IdleWorker())
     slot.report_residency(ResidencyState.COLD, now=1000.0)
     assert not unload_due(slot, 1059.0)
     assert unload_due(slot, 1060.0)
     slot.residency = ResidencyState.WARM  # cold_since is cleared then too; the state alone says no
     assert not unload_due(slot, 2000.0)
     never = Slot(model_config("n"))  # unload_after_s = 0
-    never.move(SlotState.READY, worker=cast(WorkerClient, object()))
+    never.move(SlotState.READY, worker=IdleWorker())
     never.report_residency(ResidencyState.COLD, now=0.0)
     assert not unload_due(never, 1e9)
 
 
 def cold_slot(name: str, *, since: float, unload_after_s: float = 0.0) -> Slot:
     slot = Slot(model_config(name, unload_after_s=unload_after_s))
-    slot.move(SlotState.READY, worker=cast(WorkerClient, object()))
+    slot.move(SlotState.READY, worker=IdleWorker())
     slot.report_residency(ResidencyState.COLD, now=since)
     return slot
 

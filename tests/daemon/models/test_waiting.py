@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 
 import pytest
 
@@ -14,24 +13,23 @@ from arbiterd.arena import Arena
 from arbiterd.daemon.models import waiting
 from arbiterd.daemon.models.slots import Slot
 from arbiterd.daemon.models.waiting import Waits
-from arbiterd.daemon.models.workerclient import WorkerClient
 from arbiterd.errors import QueueTimeoutError
 from arbiterd.procs import WaitNews
 from arbiterd.states import Priority, ResidencyState, SlotState
 from tests.conftest import Processes
+from tests.support.fakeworkers import IdleWorker
 from tests.support.models import model_config
 from tests.support.waiting import wait_until
 
 
-class Worker:
-    """Where Waits looks: the pid whose ticket is its place (ours: this test queues it)."""
-
-    pid = os.getpid()
+class Worker(IdleWorker):
+    """Where Waits looks: the pid whose ticket is its place (ours: this test queues it;
+    IdleWorker's pid)."""
 
 
 def cold_slot(**changes: Any) -> Slot:
     slot = Slot(model_config("gemma", **changes))
-    slot.move(SlotState.READY, worker=cast(WorkerClient, Worker()))
+    slot.move(SlotState.READY, worker=Worker())
     slot.residency = ResidencyState.COLD
     return slot
 

@@ -19,7 +19,9 @@ import pytest
 
 from arbiterd.daemon.models.workerclient import BACKENDS, WorkerClient
 from arbiterd.errors import ContextOverflowError, ProtocolError, WorkerError, WorkerGoneError
+from arbiterd.reply import WorkerResult, WorkerStatus
 from arbiterd.spec import WORKER_PROTOCOL, ModelSpec, WorkerConfig
+from arbiterd.states import ResidencyState
 from arbiterd.wire import MAX_MESSAGE_BYTES
 from tests.support.blocking_worker import BlockingWorker
 from tests.support.requests import request_for
@@ -29,7 +31,12 @@ _T = TypeVar("_T")
 
 PROMPT = " ".join(f"the fox {w} is not a dog" for w in ("one", "two", "three", "four") * 8)
 SHORT = {"prompt": "the fox", "max_tokens": 4, "temperature": 0}
-LONG = {"prompt": "the fox", "max_tokens": 3000, "temperature": 0}  # ends only when cancelled
+LONG_TOKENS = 3000
+LONG = {
+    "prompt": "the fox",
+    "max_tokens": LONG_TOKENS,
+    "temperature": 0,
+}  # ends only when cancelled
 
 
 @pytest.fixture
@@ -100,7 +107,7 @@ class FirstChunk:
 
 
 def test_spawn_returns_once_the_worker_said_its_hello(configs: Configs) -> None:
-    async def scenario() -> tuple[WorkerClient, dict[str, Any]]:
+    async def scenario() -> tuple[WorkerClient, WorkerStatus]:
         async with spawned(configs("m")) as worker:
             return worker, await worker.status()
 
@@ -109,8 +116,8 @@ def test_spawn_returns_once_the_worker_said_its_hello(configs: Configs) -> None:
     assert hello is not None
     assert (hello.protocol, hello.model, hello.pid) == (WORKER_PROTOCOL, "m", worker.pid)
     assert hello.backend in BACKENDS
-    assert (status["pid"], status["backend"]) == (worker.pid, hello.backend)
-    assert status["engine"] == hello.engine.to_json()
+    assert (status.pid, status.backend) == (worker.pid, hello.backend)
+    assert status.engine == hello.engine
 
 
 def test_a_request_returns_the_workers_result_and_its_events_reach_on_event(
@@ -118,17 +125,16 @@ def test_a_request_returns_the_workers_result_and_its_events_reach_on_event(
 ) -> None:
     events = Events()
 
-    async def scenario() -> tuple[dict[str, Any], dict[str, Any]]:
+    async def scenario() -> WorkerResult:
         async with spawned(configs("m"), events) as worker:
-            result = await worker.generate(request_for("completion", SHORT), request_id="mine")
-            # The worker says the request ended just after its reply.
-            said = await events.wait_for(lambda e: e["event"] == "request")
-            return result, said
+            return await worker.generate(request_for("completion", SHORT), request_id="mine")
 
-    result, said = run(scenario())
-    assert result["completion_tokens"] == 4
-    assert result["cancelled"] is False
-    assert result["response"]["choices"][0]["text"]
+    result = run(scenario())
+    assert result.completion_tokens == 4
+    assert result.cancelled is False
+    assert result.response["choices"][0]["text"]
+    # What the request's one `request` event says (the router publishes it; arbiterd.reply).
+    said = result.event(model="m", request_id="mine").to_json()
     assert (said["id"], said["completion_tokens"]) == ("mine", 4)
     residency = [(e["from"], e["to"]) for e in events.seen if e["event"] == "residency"]
     assert residency[0] == ("loading", "warm")  # before its reply: it had to load to answer
@@ -137,7 +143,7 @@ def test_a_request_returns_the_workers_result_and_its_events_reach_on_event(
 def test_a_streamed_request_calls_on_chunk_for_each_piece_before_it_returns(
     configs: Configs,
 ) -> None:
-    async def scenario() -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    async def scenario() -> tuple[list[dict[str, Any]], WorkerResult]:
         chunks = FirstChunk()
         async with spawned(configs("m")) as worker:
             result = await worker.generate(
@@ -146,13 +152,13 @@ def test_a_streamed_request_calls_on_chunk_for_each_piece_before_it_returns(
         return chunks.chunks, result
 
     chunks, result = run(scenario())
-    assert result["completion_tokens"] == 6
+    assert result.completion_tokens == 6
     assert 1 <= len(chunks) <= 7
     assert all(isinstance(chunk, dict) for chunk in chunks)
 
 
 def test_cancel_stops_a_streaming_request_and_the_worker_goes_on(configs: Configs) -> None:
-    async def scenario() -> tuple[dict[str, Any], dict[str, Any]]:
+    async def scenario() -> tuple[WorkerResult, WorkerResult]:
         async with spawned(configs("m")) as worker:
             chunks = FirstChunk()
             decoding = asyncio.create_task(
@@ -164,13 +170,44 @@ def test_cancel_stops_a_streaming_request_and_the_worker_goes_on(configs: Config
             return cancelled, await worker.generate(request_for("completion", SHORT))
 
     cancelled, after = run(scenario())
-    assert cancelled["cancelled"] is True
-    assert cancelled["completion_tokens"] < LONG["max_tokens"]
-    assert after["completion_tokens"] == 4
+    assert cancelled.cancelled is True
+    assert cancelled.completion_tokens < LONG_TOKENS
+    assert after.completion_tokens == 4
+
+
+def test_a_request_whose_asker_gave_up_tells_on_end_its_cancelled_result(
+    configs: Configs,
+) -> None:
+    """A client that went away: its request still ends, cancelled, and that end is news (the
+    router publishes its `request` event from it)."""
+
+    async def scenario() -> WorkerResult:
+        ended: asyncio.Queue[WorkerResult] = asyncio.Queue()
+        async with spawned(configs("m")) as worker:
+            chunks = FirstChunk()
+            decoding = asyncio.create_task(
+                worker.generate(
+                    request_for("completion", LONG),
+                    on_chunk=chunks,
+                    request_id="long",
+                    on_end=ended.put_nowait,
+                )
+            )
+            await chunks.came.wait()
+            decoding.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await decoding
+            worker.cancel("long")
+            async with asyncio.timeout(30):
+                return await ended.get()
+
+    result = run(scenario())
+    assert result.cancelled is True
+    assert result.completion_tokens < LONG_TOKENS
 
 
 def test_status_is_answered_while_a_request_decodes(configs: Configs) -> None:
-    async def scenario() -> tuple[dict[str, Any], bool]:
+    async def scenario() -> tuple[WorkerStatus, bool]:
         async with spawned(configs("m")) as worker:
             chunks = FirstChunk()
             decoding = asyncio.create_task(
@@ -185,13 +222,13 @@ def test_status_is_answered_while_a_request_decodes(configs: Configs) -> None:
 
     status, still_decoding = run(scenario())
     assert still_decoding
-    assert status["current"] is not None
+    assert status.current is not None
 
 
 def test_an_error_reply_is_raised_as_its_own_class_and_the_worker_lives(
     configs: Configs,
 ) -> None:
-    async def scenario() -> dict[str, Any]:
+    async def scenario() -> WorkerResult:
         async with spawned(configs("m", n_ctx=64)) as worker:
             with pytest.raises(ContextOverflowError, match="context window"):
                 await worker.generate(
@@ -199,7 +236,7 @@ def test_an_error_reply_is_raised_as_its_own_class_and_the_worker_lives(
                 )
             return await worker.generate(request_for("completion", SHORT))
 
-    assert run(scenario())["completion_tokens"] == 4
+    assert run(scenario()).completion_tokens == 4
 
 
 def test_a_message_the_worker_cannot_take_fails_its_request_at_once_and_the_worker_serves_on(
@@ -208,7 +245,7 @@ def test_a_message_the_worker_cannot_take_fails_its_request_at_once_and_the_work
     """The worker answers it with "bad_message" and the request's id, so the request fails now
     rather than after its timeout (600 s for a generate)."""
 
-    async def scenario() -> tuple[list[str], float, dict[str, Any]]:
+    async def scenario() -> tuple[list[str], float, WorkerResult]:
         async with spawned(configs("m")) as worker:
             started = time.monotonic()
             problems = []
@@ -227,19 +264,19 @@ def test_a_message_the_worker_cannot_take_fails_its_request_at_once_and_the_work
     assert f"exceeds {MAX_MESSAGE_BYTES}" in problems[0]  # refused whole or as it grew
     assert problems[1] == "bad op 'dance'"
     assert took_s < 30
-    assert after["completion_tokens"] == 4
+    assert after.completion_tokens == 4
 
 
 def test_a_request_without_an_answer_in_time_is_a_worker_error_and_the_worker_serves_on(
     configs: Configs,
 ) -> None:
-    async def scenario() -> dict[str, Any]:
+    async def scenario() -> WorkerStatus:
         async with spawned(configs("m")) as worker:
             with pytest.raises(WorkerError, match=r"^m did not answer its status within 0 s$"):
                 await worker.request("status", timeout_s=0)
             return await worker.status()  # the late reply of the first is dropped
 
-    assert "state" in run(scenario())
+    assert run(scenario()).state is not None
 
 
 def test_a_worker_that_exits_before_its_hello_fails_its_spawn_at_once(
@@ -286,7 +323,10 @@ def test_a_worker_that_aborts_keeps_its_last_words_for_whoever_reaps_it(
             # Loaded first: the engine prints while it starts, and its lines must not land
             # after the last words.
             async with asyncio.timeout(30):
-                while (await worker.status())["state"] not in ("warm", "cold"):
+                while (await worker.status()).state not in (
+                    ResidencyState.WARM,
+                    ResidencyState.COLD,
+                ):
                     await asyncio.sleep(0.05)
             trigger.touch()
             return await worker.wait(), await worker.last_words()
