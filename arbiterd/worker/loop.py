@@ -56,12 +56,15 @@ Message protocol (JSON lines, `arbiterd.wire`), version WORKER_PROTOCOL:
                      it does each op still queued when the worker stops: answered with code
                      "worker_gone"
                      {"id", "chunk": {...}}  {"id", "result": {...}}
-                     a status result: the status fields and "beat_age_s", the age of the
+                     a generate's result: a reply.WorkerResult (the OpenAI response and what
+                     the request cost: the daemon's router publishes its `request` event);
+                     a status result: a reply.WorkerStatus, its "beat_age_s" the age of the
                      engine thread's last beat when the io thread answered
                      {"id", "error": {"code", "message"}}: code is an errors.ErrorCode; a
                      message the worker cannot read, or one with a bad op, is answered so with
                      "bad_message" and the id it names (null when none could be read)
-                     {"event": "residency", ...}  {"event": "request", ...}
+                     {"event": "residency", ...}  {"event": "encoder", ...}
+                     {"event": "passed_over", ...}  (arbiterd/events.py's records)
                      A residency event that ends a load or a warm-up (→ warm) also says how
                      the token was had: "waited_from" (epoch s), "wait_s", and the holder when
                      the wait began, "holder_pid" and "holder_name" (null: the token was free).

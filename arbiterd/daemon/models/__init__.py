@@ -4,6 +4,7 @@ ruff.toml bans daemon/http and daemon/control); the supervisor composes it.
     slots         one model's lifecycle in the daemon (an Enum and a transition table)
     lifecycle     starts, restarts and stops each slot's worker
     workerclient  the daemon's side of a worker process, on the event loop
+    workerport    what the daemon needs of a worker (a Protocol the test fakes implement too)
     routing       sends requests to workers, with one retry rule
     waiting       what a request that waits for the GPU is told meanwhile
     liveness      whether a worker that holds the token still shows signs of life

@@ -4,7 +4,10 @@
 replies and chunks to the request waiting on that id, events to the `on_event` callback — and
 the process's exit is awaited, not watched by a thread (`spawn` installs a pidfd child watcher,
 see `use_pidfd_child_watcher`). The worker's hello, read into a `WorkerHello`, says what runs the
-model: its residency backend and what the engine can do.
+model: its residency backend and what the engine can do. A generate op's result and a status
+are read into their records (arbiterd/reply.py's WorkerResult and WorkerStatus); a generate
+whose asker gave up still hands its late result to the `on_end` it was given, so the router
+publishes the cancelled request's end (its one `request` event).
 
 It also keeps what the daemon last heard of the worker's life (issue 24): its last status and
 when it came, the engine thread's last beat (from that status's `beat_age_s`, or any event or
