@@ -25,7 +25,6 @@ from arbiterd.errors import (
     ContextOverflowError,
     EngineError,
     InternalError,
-    ModelLoadError,
     OutOfDeviceMemoryError,
     ProtocolError,
     RequestError,
@@ -41,7 +40,6 @@ from arbiterd.spec import (
     KvPolicy,
     ModelInfo,
     ModelSpec,
-    Residency,
     Turns,
     WorkerConfig,
 )
@@ -49,7 +47,7 @@ from arbiterd.states import BackendKind, Priority
 from arbiterd.wire import LineReader, LineWriter
 from arbiterd.worker.engine import EngineInfo, Generation, Moved, Prepared, engine_info
 from arbiterd.worker.kvfile import KvState
-from arbiterd.worker.loop import Unavailable, Worker
+from arbiterd.worker.loop import Worker
 from tests.conftest import Processes
 from tests.support.blocking_worker import BlockingWorker
 from tests.support.requests import request_for
@@ -1144,37 +1142,6 @@ def test_a_hello_that_is_not_ours_names_its_first_problem(
     assert WorkerHello.read(GOOD_HELLO).backend == "reload"
     with pytest.raises(ProtocolError, match=re.escape(problem)):
         WorkerHello.read({**GOOD_HELLO, **change})
-
-
-def test_a_backend_that_cannot_be_made_is_a_failed_model_that_says_why(tmp_path: Path) -> None:
-    """residency = "in-place" on an engine without the API: the worker says hello, fails its
-    load with the reason and keeps answering with it (not a crash the daemon retries for ever)."""
-    ours, theirs = socket.socketpair()
-    spec = ModelSpec(name="strict", path=Path("/x"), residency=Residency.IN_PLACE)
-    refused = ModelLoadError('strict asks for residency = "in-place": a stock build')
-    worker = Worker(
-        WorkerConfig(spec=spec, arena=tmp_path / "arena"),
-        Unavailable(spec, refused),
-        theirs,
-        FAKE_ENGINE,
-    )
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    reader, writer = LineReader(ours), LineWriter(ours)
-    hello = WorkerHello.read((reader.read() or {}).get("hello"))
-    assert (hello.backend, hello.fallback_reason) == ("in-place", "")
-    failed = reader.read()
-    assert failed is not None
-    assert (failed["to"], failed["reason"]) == ("failed", str(refused))
-    writer.send({"op": "generate", "id": "1", "request": {"kind": "completion", "prompt": "x"}})
-    reply = reader.read()
-    assert reply is not None
-    assert reply["error"]["message"] == f"strict failed to load: {refused}"
-    assert Arena(tmp_path / "arena").observe().holder_pid is None
-    ours.close()
-    thread.join(timeout=10)
-    assert not thread.is_alive()
-    theirs.close()
 
 
 def test_a_worker_that_dies_before_its_hello_fails_its_spawn_at_once(
