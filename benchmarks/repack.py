@@ -1,6 +1,6 @@
 """What the CPU's repacking of weights at load costs and gains (issue 28), on one machine, in one
 run: for each model, prompt processing and generation speed with `repack` on and off
-(llama.cpp's extra CPU buffer types, arbiterd.worker.engine.backend.model_params), and the
+(llama.cpp's extra CPU buffer types, arbiterd.worker.engine.loading.model_params), and the
 process's own memory each way (RssAnon: the KV and compute buffers either way, and the repacked
 weights, which are the process's, where mapped ones are the file's pages; the difference is
 repack_own_memory_bytes). Runs alternate on and off, --rounds times each, so a load that comes
@@ -25,7 +25,7 @@ from typing import Any
 
 import llama_cpp
 
-from arbiterd.worker.engine.backend import model_params
+from arbiterd.worker.engine.loading import model_params
 from benchmarks.common import report
 from tests.support.tiny_gguf import TinyModelSpec, write_tiny_llama
 

@@ -10,6 +10,8 @@ thread-safe, and freeing device buffers must never race a decode.
     records     what crosses the facade: Moved, Prepared, Generation, the callbacks
     backend     LlamaBackend, what both residency mechanisms share: the llama objects, loading,
                 the prompt cache kept across a load, the projector's sessions
+    loading     making a model's Llama: its parameters and context, the config's template, and
+                the footprint it is predicted to take
     reload      ReloadBackend: release frees everything, restore loads from the host copy
     inplace     InPlaceBackend: release and restore move the buffers' bytes (the engine patch)
     vocab       Vocab, the vocabulary alone: tokenizing while cold
