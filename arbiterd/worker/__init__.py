@@ -5,7 +5,7 @@
     inbox       the io thread and the commands it queues for the engine thread
     tenancy     the model's residency, its token and the moves between (load, warm, cool)
     gateway     the way to the GPU: the arena or group gate, the token held, a wait measured
-    unavailable a model that cannot be served: the stand-in backend, answers until it loads
+    unavailable  a model that cannot be served: the stand-in backend, answers until it loads
     engine/     the Backend behind it: in-place residency (the arbiterd engine build) or reload
     residency   the model's residency state machine (an Enum and a transition table)
     policy      when a warm model releases the GPU: a pure function
