@@ -21,6 +21,7 @@ and the modules every process shares:
     request       GenerateRequest: one request, from the HTTP edge to the engine
     status        the daemon's status as typed records
     events        the daemon's events as typed records
+    fields        records as JSON, field by field: the tolerant codec and the strict one
     reply         a worker's replies to the daemon (a result, its status) as typed records
     wire          JSON lines, bounded in size
     control       the control protocol

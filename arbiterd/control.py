@@ -27,7 +27,7 @@ from typing import Any, Final
 from arbiterd.errors import (
     ProtocolError,
 )
-from arbiterd.events import Record
+from arbiterd.fields import Record
 from arbiterd.states import ControlCommand
 from arbiterd.wire import decode
 
@@ -126,7 +126,7 @@ class DeviceEntry(Record):
     it is, its memory (None: not known now), its arena folder and who holds that arena's token
     (None: nobody), and for an RPC server's device whether the server answers (`reason` says
     why not, or why the memory is not known while it serves another client). Reading never
-    raises (arbiterd/events.py's field codec)."""
+    raises (arbiterd/fields.py's codec)."""
 
     id: str = ""
     ggml: str | None = None

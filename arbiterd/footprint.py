@@ -27,7 +27,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from arbiterd.events import Record
+from arbiterd.fields import Record
 from arbiterd.gguf import GgufHeader, Tensor
 
 CPU = "cpu"

@@ -3,7 +3,7 @@
 
 Owns the shape of those replies (the protocol itself is in arbiterd/worker/loop.py's
 docstring). The worker writes each record with `to_json`; the daemon reads it with `from_json`,
-the events' field codec (arbiterd/events.py), so a field that is missing or odd reads as None or
+the field codec (arbiterd/fields.py), so a field that is missing or odd reads as None or
 empty and never raises: the daemon reads attributes, never a dict's keys. The hello alone is read
 strictly (daemon/models/workerclient.py's WorkerHello): a worker that does not speak our
 protocol is refused, where a status that lacks a figure is only shown without it.
@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from arbiterd.errors import ProtocolError
-from arbiterd.events import Record, RequestEvent
+from arbiterd.events import RequestEvent
+from arbiterd.fields import Record
 from arbiterd.footprint import ModelFootprint
 from arbiterd.states import BackendKind, RequestStatus, ResidencyState
 from arbiterd.status import Turn

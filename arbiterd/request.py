@@ -2,7 +2,7 @@
 an OpenAI or Ollama body, the daemon routes, and the worker protocol carries to the engine.
 
 Owns `GenerateRequest` and its wire form, which is its own fields by name (`to_json`,
-`from_json`: arbiterd/events.py's strict field codec), and the limits a request may ask for.
+`from_json`: arbiterd/fields.py's strict codec), and the limits a request may ask for.
 Holds no OpenAI dialect: the edge (arbiterd/daemon/http/openai_requests.py) is the one place that
 reads one, checks a body field by field and answers each bad one with a 400 naming it; what
 reaches this record is already what the engine runs. `from_json` refuses a message with a field
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from arbiterd.errors import RequestError
-from arbiterd.events import FieldError, strict_decode, strict_encode
+from arbiterd.fields import FieldError, strict_decode, strict_encode
 from arbiterd.states import Priority, RequestKind
 
 # What a request may ask for at most: choices (generated one after the other), alternatives
@@ -137,7 +137,7 @@ class GenerateRequest:
     @classmethod
     def from_json(cls, wire: object) -> GenerateRequest:
         """The record `to_json` wrote; RequestError naming the first field that is unknown,
-        missing or of the wrong type (events.strict_decode), so that a malformed message fails
+        missing or of the wrong type (fields.strict_decode), so that a malformed message fails
         its request and never the worker (issue 24)."""
         if not isinstance(wire, dict):
             raise RequestError("a request must be an object")

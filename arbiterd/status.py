@@ -4,7 +4,7 @@ Owns the shape of the status object (docs/control-protocol.md, "Status", describ
 records field by field). The supervisor builds a `DaemonStatus`; the control socket writes it
 once, with `to_json`; every reader (the CLI, the tray, the HTTP API's /v1/models and the Ollama
 routes) reads the same record, in-process or with `DaemonStatus.from_json`. Reading never
-raises, as for events (arbiterd/events.py's field codec, which these records use): a missing or
+raises, as for events (arbiterd/fields.py's codec, which these records use): a missing or
 odd field reads as None or empty, a state this version does not know as UNKNOWN, so a newer or
 older daemon never crashes a client.
 
@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from arbiterd.events import DeviceMemory, HandoffEvent, ProcessMemory, Record
+from arbiterd.events import DeviceMemory, HandoffEvent, ProcessMemory
+from arbiterd.fields import Record
 from arbiterd.footprint import ModelFootprint
 from arbiterd.states import (
     TROUBLE,

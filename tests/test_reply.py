@@ -1,5 +1,5 @@
 """The worker's replies as records (arbiterd/reply.py): one definition read and written by the
-events' field codec, so the daemon reads fields and a worker's odd line never raises."""
+field codec (arbiterd/fields.py): the daemon reads fields, and a worker's odd line never raises."""
 
 from __future__ import annotations
 

@@ -80,7 +80,7 @@ NAMES_A_STATE = re.compile(
 )
 _COMPARISONS = (ast.Eq, ast.NotEq, ast.In, ast.NotIn, ast.Is, ast.IsNot)
 # Where the names are strings by right: the vocabulary, and the codec that reads and writes them.
-CODECS = frozenset({"states.py", "events.py"})
+CODECS = frozenset({"states.py", "events.py", "fields.py"})
 
 
 def _literals(node: ast.expr) -> frozenset[str]:

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from arbiterd.events import DeviceMemory, HandoffEvent, ProcessMemory, Record
+from arbiterd.events import DeviceMemory, HandoffEvent, ProcessMemory
+from arbiterd.fields import Record
 from arbiterd.footprint import DeviceFootprint, ModelFootprint
 from arbiterd.states import BackendKind, Priority, ResidencyState, SlotState
 from arbiterd.status import (
