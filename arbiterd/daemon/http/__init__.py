@@ -3,7 +3,9 @@ on the daemon's TCP port and API socket. Reaches the core only through daemon/se
 (this folder's ruff.toml bans the rest of the daemon).
 
     server           the listeners: sockets, who connects (peers), browsers' pages
-    app              the routes, streaming, and the one mapping from errors to statuses
+    app              the routes, who may call them, what needs the config checked once
+    streams          server-sent events and NDJSON lines, closed when the client goes
+    envelopes        the one mapping from arbiterd's errors to OpenAI's envelope and status
     jsonbody         a body parsed and bounded once
     openai_requests  OpenAI's bodies as the one record the daemon serves (GenerateRequest)
     ollama           Ollama's bodies and answers, translated

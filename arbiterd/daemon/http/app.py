@@ -2,9 +2,9 @@
 server-sent events or not), /v1/embeddings, /health and /metrics; /v1/responses as a chat
 request (responses.py translates); and for any other route a 404 that names it.
 
-Owns the routes, the bearer-token check, the refusal of users it does not serve (which
-connections those are, arbiterd.daemon.http.server decides), streaming, and the one mapping from
-arbiterd's errors to the OpenAI error envelope `{"error": {"message", "type", "code", "param"}}`.
+Owns the routes, the bearer-token check and the refusal of users it does not serve (which
+connections those are, server.py decides); streams are streams.py's, and arbiterd's errors
+become OpenAI's error envelope in envelopes.py.
 A body is checked field by field once, by openai_requests.py, into the one record the service
 runs (arbiterd.request.GenerateRequest); what needs the config is checked here, once.
 Talks to the daemon only through `Service`. Must never answer bad input with a 500 or a bare
@@ -24,45 +24,38 @@ from __future__ import annotations
 import asyncio
 import base64
 import hmac
-import json
 import logging
 import struct
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
 from typing import Any, TypeVar
 
-import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from arbiterd.config import RESPONSES_BUDGET_BYTES
 from arbiterd.daemon.http import images, infill, jsonbody, ollama, responses
+from arbiterd.daemon.http.envelopes import api_error, client_left, internal_error, unknown_model
 from arbiterd.daemon.http.openai_requests import (
-    INTERNAL_ERROR,
-    INVALID_REQUEST,
     PRIORITY_HEADER,
-    SERVER_ERROR,
     ApiError,
     ApiRequest,
     parse_embedding_request,
     parse_priority_header,
     parse_request,
 )
+from arbiterd.daemon.http.streams import EventStream, close_chunks, unless_disconnected
 from arbiterd.daemon.service import ImagePolicy, ServedModel, Service
 from arbiterd.errors import (
     ArbiterError,
-    ErrorCode,
-    QueueTimeoutError,
     RequestError,
-    UnknownModelError,
 )
 from arbiterd.procs import WaitNews
 from arbiterd.request import GenerateRequest
@@ -80,12 +73,9 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 # leaves. Images sent inline as PNG or JPEG fit by construction; a WebP goes as PNG, several
 # times its size, and an image fetched from a URL (allow_image_urls) was never in the body.
 MAX_IMAGES_MESSAGE_BYTES = MAX_MESSAGE_BYTES - MAX_BODY_BYTES
-# How long closing an abandoned stream may take (the service cancels the request in its worker).
-STREAM_CLOSE_TIMEOUT_S = 10.0
 # The text format prometheus_client.generate_latest() writes. prometheus_client >= 0.22 points
 # CONTENT_TYPE_LATEST at version=1.0.0, which is only right after content negotiation.
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-SSE_DONE = b"data: [DONE]\n\n"
 # The response header that names the fields a request sent which changed nothing here.
 IGNORED_HEADER = "x-arbiterd-ignored"
 # A body larger than this is parsed on a parsing thread (issue 40: an 8 MiB body parsed on the
@@ -153,227 +143,6 @@ def _encoded(response: dict[str, Any]) -> dict[str, Any]:
     return {**response, "data": data}
 
 
-# -- errors -----------------------------------------------------------------------------------
-
-
-def _unknown_model(model: str, names: list[str]) -> ApiError:
-    available = ", ".join(names) if names else "none"
-    return ApiError(
-        404,
-        f"The model {model!r} does not exist; available models: {available}",
-        code="model_not_found",
-        param="model",
-    )
-
-
-# OpenAI's error codes for ours; any other is "invalid_value" below 500, "model_unavailable" above.
-# The HTTP status of every arbiterd error is errors.OUTCOMES's.
-OPENAI_CODES: dict[ErrorCode, str] = {
-    ErrorCode.CONTEXT_OVERFLOW: "context_length_exceeded",
-    ErrorCode.INTERNAL: INTERNAL_ERROR,
-    ErrorCode.SHUTTING_DOWN: "shutting_down",
-}
-
-
-def _api_error(exc: Exception, names: Callable[[], list[str]]) -> ApiError:
-    """The one mapping from an exception to an HTTP error; unexpected ones are logged."""
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, ClientDisconnect):
-        return _client_left()
-    if isinstance(exc, UnknownModelError):
-        available = ", ".join(names()) or "none"
-        return ApiError(
-            404, f"{exc}; available models: {available}", code="model_not_found", param="model"
-        )
-    if isinstance(exc, ArbiterError):
-        status = exc.http_status
-        fallback = "invalid_value" if status < 500 else "model_unavailable"
-        retry = exc.retry_after_s if isinstance(exc, QueueTimeoutError) else None
-        return ApiError(
-            status,
-            str(exc),
-            type_=INVALID_REQUEST if status < 500 else SERVER_ERROR,
-            code=OPENAI_CODES.get(exc.code, fallback),
-            headers=None if retry is None else {"retry-after": str(retry)},
-        )
-    log.error("unexpected error serving a request", exc_info=exc)
-    return _internal_error()
-
-
-def _internal_error() -> ApiError:
-    return ApiError(
-        500,
-        "internal error; the daemon's log has the details",
-        type_=SERVER_ERROR,
-        code=INTERNAL_ERROR,
-    )
-
-
-def _client_left() -> ApiError:
-    # Nobody reads this; the status is for the access log (nginx's "client closed request").
-    return ApiError(499, "the client closed the request")
-
-
-# -- streaming --------------------------------------------------------------------------------
-
-
-def _sse(data: dict[str, Any]) -> bytes:
-    return (
-        b"data: "
-        + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode(errors="replace")
-        + b"\n\n"
-    )
-
-
-async def _unless_disconnected(receive: Receive, work: Callable[[], Awaitable[None]]) -> bool:
-    """Run `work` (which must not raise) until it returns, or until the client disconnects, when
-    it is cancelled. True if the client left first.
-
-    Needed because uvicorn (ASGI spec 2.3) neither cancels a handler nor fails a send when the
-    client goes away: only `receive()` tells, and only if someone is waiting on it. The body has
-    been read by then, so the next message is the disconnect."""
-    left = False
-    async with anyio.create_task_group() as group:
-
-        async def watch() -> None:
-            nonlocal left
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            left = True
-            group.cancel_scope.cancel()
-
-        group.start_soon(watch)
-        await work()
-        group.cancel_scope.cancel()
-    return left
-
-
-async def _close(chunks: AsyncIterator[object]) -> None:
-    """Close the service's iterator, so it cancels the request in its worker; shielded, as this
-    runs while the response is being cancelled, and bounded."""
-    aclose = getattr(chunks, "aclose", None)
-    if aclose is None:
-        return
-    with anyio.move_on_after(STREAM_CLOSE_TIMEOUT_S, shield=True) as scope:
-        try:
-            await aclose()
-        except Exception:
-            log.exception("closing the service's chunk iterator failed")
-    if scope.cancelled_caught:
-        log.warning("closing the service's chunk iterator took over %s s", STREAM_CLOSE_TIMEOUT_S)
-
-
-def _ndjson(data: dict[str, Any]) -> bytes:
-    return json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode("utf-8") + b"\n"
-
-
-def _sse_comment(news: WaitNews) -> bytes:
-    """A wait's news as an SSE comment line: every SSE client skips it, `curl -N` shows it."""
-    text = news.text.replace("\r", " ").replace("\n", " ")
-    return b": " + text.encode("utf-8", errors="replace") + b"\n\n"
-
-
-class EventStream(Response):
-    """A streamed completion as server-sent events (or, for Ollama's routes, NDJSON lines),
-    owning the service's chunk iterator from opening to closing.
-
-    The first chunk is awaited before the status line is sent, so an error raised before it is
-    an ordinary HTTP error. While the model waits for the GPU, the service's news of the wait
-    become SSE comments (`: waiting for the GPU, held by ...`), the first of which sends the
-    status line; NDJSON has no shape for them and skips them. A later error becomes one
-    `data: {"error": ...}` event, then `data: [DONE]` (NDJSON: one `{"error": MESSAGE}` line).
-    If the client disconnects at any point, the pending read is cancelled and the iterator
-    closed (the Service contract: closing early cancels the request)."""
-
-    media_type = "text/event-stream"
-
-    def __init__(
-        self,
-        chunks: Callable[[], AsyncIterator[dict[str, Any] | WaitNews]],
-        names: Callable[[], list[str]],
-        *,
-        ndjson: bool = False,
-        done: bool = True,
-    ) -> None:
-        """`done`: an SSE stream ends with `data: [DONE]` (OpenAI's); llama-server's /infill
-        ends with its last object."""
-        # Not Response.__init__: it would render an empty body with Content-Length: 0.
-        self.status_code = 200
-        self.background = None
-        self._open = chunks
-        self._names = names
-        self._line = _ndjson if ndjson else _sse
-        self._end = SSE_DONE if done and not ndjson else b""
-        self._ndjson = ndjson
-        if ndjson:
-            self.media_type = "application/x-ndjson"
-        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            chunks = self._open()
-        except Exception as exc:  # a service may check eagerly, before its iterator runs
-            await _api_error(exc, self._names).response()(scope, receive, send)
-            return
-        try:
-            await _unless_disconnected(receive, partial(self._relay, chunks, scope, receive, send))
-        finally:
-            await _close(chunks)
-
-    def _encode(self, item: dict[str, Any] | WaitNews) -> bytes | None:
-        """What one item of the service's stream sends; None: nothing."""
-        if isinstance(item, WaitNews):
-            return None if self._ndjson else _sse_comment(item)
-        return self._line(item)
-
-    async def _first(self, chunks: AsyncIterator[dict[str, Any] | WaitNews]) -> bytes | None:
-        """The first bytes to send (None: the stream ended before any)."""
-        while True:
-            try:
-                first = self._encode(await anext(chunks))
-            except StopAsyncIteration:
-                return None
-            if first is not None:
-                return first
-
-    async def _relay(
-        self,
-        chunks: AsyncIterator[dict[str, Any] | WaitNews],
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-    ) -> None:
-        try:
-            try:
-                first = await self._first(chunks)
-            except Exception as exc:
-                await _api_error(exc, self._names).response()(scope, receive, send)
-                return
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            if first is not None:
-                await send({"type": "http.response.body", "body": first, "more_body": True})
-            while True:
-                try:
-                    event = self._encode(await anext(chunks))
-                except StopAsyncIteration:
-                    break
-                except Exception as exc:
-                    failed = _api_error(exc, self._names)
-                    error = (
-                        _ndjson({"error": failed.message})
-                        if self._ndjson
-                        else (_sse(failed.envelope()))
-                    )
-                    await send({"type": "http.response.body", "body": error, "more_body": True})
-                    break
-                if event is not None:
-                    await send({"type": "http.response.body", "body": event, "more_body": True})
-            await send({"type": "http.response.body", "body": self._end, "more_body": False})
-        except OSError:
-            return  # ASGI 2.4 servers report a gone client by failing `send`
-
-
 # -- who is served ----------------------------------------------------------------------------
 
 
@@ -429,7 +198,7 @@ def create_app(
     guarded = [Depends(authorize)]
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
-        return _api_error(exc, names).response()
+        return api_error(exc, names).response()
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
@@ -448,7 +217,7 @@ def create_app(
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         # Starlette's ServerErrorMiddleware calls this, then re-raises for the server to log.
-        return _internal_error().response()
+        return internal_error().response()
 
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(ArbiterError, on_api_error)
@@ -480,7 +249,7 @@ def create_app(
         report = (await service.status()).model(served.name) if served is not None else None
         if report is not None:
             return _model_object(report, model, created)
-        raise _unknown_model(model, names())
+        raise unknown_model(model, names())
 
     async def serve(request: Request, kind: RequestKind) -> Response:
         try:
@@ -488,7 +257,7 @@ def create_app(
             parsed = await _parse_json(body, partial(parse_request, kind))
             parsed = await _admit(service, request.headers, parsed, names)
         except Exception as exc:
-            return _api_error(exc, names).response()
+            return api_error(exc, names).response()
         if parsed.stream:
             response: Response = EventStream(
                 partial(_stream, service, parsed, parsed.request), names
@@ -525,7 +294,7 @@ async def _admit(
     queue (its header), and a chat request's images against the model's policy."""
     served = service.model(parsed.model)
     if served is None:
-        raise _unknown_model(parsed.model, names())
+        raise unknown_model(parsed.model, names())
     refusal = kind_refusal(served.name, parsed.request.kind, served.embedding)
     if refusal:
         raise RequestError(refusal)
@@ -631,7 +400,7 @@ def _add_embeddings_route(
             parsed = await _parse_json(body, parse_embedding_request)
             parsed = await _admit(service, request.headers, parsed, names)
         except Exception as exc:
-            return _api_error(exc, names).response()
+            return api_error(exc, names).response()
         outcome = await _complete(service, parsed, request.receive, names)
         if isinstance(outcome, Response):  # an error, answered as such
             return outcome
@@ -664,7 +433,7 @@ def _add_responses_route(
             api = await _admit(service, request.headers, parsed.api, names)
             parsed = replace(parsed, api=api)
         except Exception as exc:
-            return _api_error(exc, names).response()
+            return api_error(exc, names).response()
         if api.stream:
             return EventStream(partial(_response_events, service, parsed, past, names), names)
         outcome = await _complete(service, api, request.receive, names)
@@ -682,12 +451,12 @@ async def _response_events(
     """A streamed response's events, from the chat chunks with the usage chunk last; an error
     on the way is response.failed, mapped as every other error is."""
     chunks = _stream(service, parsed.api, replace(parsed.api.request, include_usage=True))
-    failed = partial(_api_error, names=names)
+    failed = partial(api_error, names=names)
     try:
         async for event in responses.events(parsed, chunks, past, failed):
             yield event
     finally:
-        await _close(chunks)
+        await close_chunks(chunks)
 
 
 # Ollama's routes that change the models it has: arbiterd's models are its config's.
@@ -735,11 +504,11 @@ def _add_ollama_routes(
         try:
             model = await _parse_json(await _read_body(request, max_body_bytes), ollama.show_model)
         except Exception as exc:
-            return _api_error(exc, names).response()
+            return api_error(exc, names).response()
         served = service.model(model)
         report = (await service.status()).model(served.name) if served is not None else None
         if report is None:
-            return _unknown_model(model, names()).response()
+            return unknown_model(model, names()).response()
         return JSONResponse(ollama.show(report))
 
     async def serve_ollama(request: Request, route: str) -> Response:
@@ -748,7 +517,7 @@ def _add_ollama_routes(
             kind, parsed, stream = await _parse_json(body, partial(_from_ollama, route))
             parsed = await _admit(service, request.headers, parsed, names)
         except Exception as exc:
-            return _api_error(exc, names).response()
+            return api_error(exc, names).response()
         started = time.monotonic()
         if stream:
             return EventStream(
@@ -774,7 +543,7 @@ def _add_ollama_routes(
             parsed = await _parse_json(body, _from_ollama_embed)
             parsed = await _admit(service, request.headers, parsed, names)
         except Exception as exc:
-            return _api_error(exc, names).response()
+            return api_error(exc, names).response()
         started = time.monotonic()
         outcome = await _complete(service, parsed, request.receive, names)
         if isinstance(outcome, Response):  # an error, answered as such
@@ -800,7 +569,7 @@ def _add_infill_route(
             parsed = await _parse_json(body, partial(infill.infill_request, default_model=coder))
             parsed = await _admit(service, request.headers, parsed, names)
         except Exception as exc:
-            return _api_error(exc, names).response()
+            return api_error(exc, names).response()
         if parsed.stream:
             pieces = partial(_infill_pieces, service, parsed)
             return EventStream(pieces, names, done=False)
@@ -828,7 +597,7 @@ async def _infill_pieces(
                     yield infill.piece(choice["text"])
         yield infill.last(parsed.model, finish_reason, usage)
     finally:
-        await _close(chunks)
+        await close_chunks(chunks)
 
 
 def _from_ollama(route: str, payload: object) -> tuple[RequestKind, ApiRequest, bool]:
@@ -874,7 +643,7 @@ async def _ollama_lines(
             route, parsed.model, finish_reason, usage, time.monotonic() - started
         )
     finally:
-        await _close(chunks)
+        await close_chunks(chunks)
 
 
 async def _stream(
@@ -887,7 +656,7 @@ async def _stream(
         async for chunk in chunks:
             yield chunk if isinstance(chunk, WaitNews) else {**chunk, "model": parsed.model}
     finally:
-        await _close(chunks)  # closed early: the service's close cancels the request
+        await close_chunks(chunks)  # closed early: the service's close cancels the request
 
 
 async def _complete(
@@ -909,8 +678,8 @@ async def _complete(
         except Exception as exc:
             outcome = exc
 
-    if await _unless_disconnected(receive, work):
-        return _client_left().response()
+    if await unless_disconnected(receive, work):
+        return client_left().response()
     if isinstance(outcome, Exception):
-        return _api_error(outcome, names).response()
+        return api_error(outcome, names).response()
     return outcome
