@@ -54,7 +54,7 @@ def spec_for(model: Path, servers: list[RpcServer], n_ctx: int) -> ModelSpec:
 def ask(backend: LlamaBackend, text: str) -> tuple[float, int, str]:
     """One greedy streamed request: the seconds to its first token (what a handoff is timed
     to, as in benchmarks.worker_handoff), the prompt tokens it evaluated and its text."""
-    body = {"prompt": text, "max_tokens": 4, "temperature": 0, "stream": True}
+    body = {"prompt": text, "max_tokens": 4, "temperature": 0}
     chunks: list[tuple[float, dict[str, Any]]] = []
     started = time.perf_counter()
     answer = backend.generate(
