@@ -22,7 +22,6 @@ from typing import Any
 
 from arbiterd.arena.doorbell import Doorbell
 from arbiterd.errors import ProtocolError
-from arbiterd.reply import WorkerStatus
 from arbiterd.states import RequestKind, WorkerOp
 from arbiterd.wire import LineReader, LineWriter
 
@@ -57,10 +56,11 @@ class Inbox:
         reader: LineReader,
         out: LineWriter,
         doorbell: Doorbell,
-        status: Callable[[], WorkerStatus],
+        status: Callable[[], dict[str, Any]],
     ) -> None:
         """`status`: the status the io thread answers with, as the engine thread last
-        published it (with the figures read at the moment of asking)."""
+        published it (with the figures read at the moment of asking), in its wire form
+        (reply.WorkerStatus's)."""
         self._reader = reader
         self._out = out
         self._doorbell = doorbell  # the engine thread's sleep while warm and idle
@@ -106,7 +106,7 @@ class Inbox:
             self._out.send({"id": readable, "error": ProtocolError(problem).to_wire()})
             return
         if op is WorkerOp.STATUS:
-            self._out.send({"id": request_id, "result": self._status().to_json()})
+            self._out.send({"id": request_id, "result": self._status()})
         elif op is WorkerOp.CANCEL:
             target = message.get("target")
             with self._cancel_lock:

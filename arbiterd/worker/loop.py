@@ -175,6 +175,7 @@ class Worker:
         self._inbox = Inbox(LineReader(sock), self._out, doorbell, self._answer_status)
         # Published by the engine thread (one reference assignment), read by the io thread.
         self._status = WorkerStatus()
+        self._status_json = self._status.to_json()  # as the io thread sends it
         self._beat = Beat()  # the engine thread's last sign of life (see above)
         self._tenancy = Tenancy(
             config,
@@ -580,14 +581,13 @@ class Worker:
             fallback_reason=self._backend.fallback_reason,
             engine=self._engine_report(),
         )
+        self._status_json = self._status.to_json()  # once, here, not at every status asked
         return self._status
 
-    def _answer_status(self) -> WorkerStatus:
-        """The status the io thread answers: the one last published, with the queue and the
-        beat's age as they are now."""
-        return dataclasses.replace(
-            self._status, queue=self._queued(), beat_age_s=self._beat.age_s()
-        )
+    def _answer_status(self) -> dict[str, Any]:
+        """The status the io thread answers, as the wire carries it: the one last published,
+        with the queue and the beat's age as they are now."""
+        return {**self._status_json, "queue": self._queued(), "beat_age_s": self._beat.age_s()}
 
     def _engine_report(self) -> EngineReport:
         return EngineReport(self._engine.offload, self._engine.devices)

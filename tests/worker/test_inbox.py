@@ -33,7 +33,9 @@ def test_what_waits_counts_the_deferred_command_and_the_deferred_goes_first() ->
     ours, theirs = socket.socketpair()
     try:
         doorbell = Doorbell()
-        inbox = Inbox(LineReader(theirs), LineWriter(theirs), doorbell, WorkerStatus)
+        inbox = Inbox(
+            LineReader(theirs), LineWriter(theirs), doorbell, lambda: WorkerStatus().to_json()
+        )
         assert (inbox.waiting(), inbox.empty(), inbox.deferred) == (0, True, False)
         inbox.defer(Command(WorkerOp.WARM, "w"))
         inbox.request_stop()  # queues a shutdown, as a closed socket does
@@ -53,7 +55,9 @@ def test_the_io_thread_records_a_cancel_at_once_and_stops_the_worker_when_the_da
     ours, theirs = socket.socketpair()
     try:
         doorbell = Doorbell()
-        inbox = Inbox(LineReader(theirs), LineWriter(theirs), doorbell, WorkerStatus)
+        inbox = Inbox(
+            LineReader(theirs), LineWriter(theirs), doorbell, lambda: WorkerStatus().to_json()
+        )
         io = threading.Thread(target=inbox.serve, name="worker-io", daemon=True)
         io.start()
         LineWriter(ours).send({"op": "cancel", "id": "c1", "target": "r1"})
