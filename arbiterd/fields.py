@@ -216,7 +216,7 @@ def _codec_of(hint: Any) -> tuple[_Reader, _Writer]:
             return _records(item), _written_records
         if typing.get_origin(item) is tuple and typing.get_args(item)[0] is str:
             return _pairs(_codec_of(typing.get_args(item)[1])[0]), dict
-    raise TypeError(f"events.py has no codec for a field of type {hint!r}")
+    raise TypeError(f"fields.py has no codec for a field of type {hint!r}")
 
 
 @dataclass(frozen=True)
