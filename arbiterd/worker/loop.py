@@ -565,7 +565,7 @@ class Worker:
                 quantum_s=round(self._tenancy.quantum_s(), 3),
                 handoff_s=round(self._tenancy.handoff.total_s, 3),
                 handoff_measured=self._tenancy.handoff.measured,
-                served=self._tenancy.served - self._tenancy.served_when_warm,
+                served=self._tenancy.served_this_turn,
             ),
             resident_bytes=self._backend.resident_bytes(),
             # Issue 44: what it takes of each device, predicted before its first load and

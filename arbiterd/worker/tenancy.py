@@ -376,7 +376,7 @@ class Tenancy:
         )
         if expected is ResidencyState.COOLING and event.duration_s is not None:
             self.handoff = self.handoff.released(event.duration_s)
-            event = dataclasses.replace(event, turn_served=self.served - self.served_when_warm)
+            event = dataclasses.replace(event, turn_served=self.served_this_turn)
         elif expected is ResidencyState.WARMING and event.duration_s is not None:
             self.handoff = self.handoff.restored(event.duration_s)
         if new is ResidencyState.WARM:

@@ -191,10 +191,6 @@ class _Ignored:
     expected: str
 
 
-def _is_empty_dict(value: object) -> bool:
-    return isinstance(value, dict) and not value
-
-
 IGNORED_ANY = {
     "user": _Ignored(lambda v: isinstance(v, str), "a string"),
     # Bookkeeping of OpenAI's service: nothing to store or to file it under here.
