@@ -10,6 +10,8 @@ boundary (docs/architecture.md draws the processes). The folders:
     native/       ctypes handles on the engine's own libraries (the residency patch, ggml)
     cli/          the `arbiterd` command, in the user's shell
     gui/          the tray app: only a client of the control socket
+    lease/        lending a GPU over RPC and taking it back: the channel, the lender's side
+                  (in rpc-server), the borrower's (in the daemon)
 
 and the modules every process shares:
 

@@ -39,6 +39,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Protocol
 
 from inotify_simple import INotify
 from inotify_simple import flags as inotify_flags
@@ -275,3 +276,25 @@ class Doorbell:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class Watched(Protocol):
+    """A held token as a sleeper sees it (records.Hold's part)."""
+
+    def wanted(self) -> bool: ...
+
+    def bells(self) -> tuple[Bell, ...]: ...
+
+
+def sleep_until_wanted(hold: Watched, doorbell: Doorbell, stop: threading.Event) -> bool:
+    """Sleep on `doorbell` until someone wants `hold` (True) or `stop` is set (False; whoever
+    sets it wakes the doorbell). Probes after every ring and every SAFETY_PROBE_S."""
+    doorbell.arm(hold.bells())
+    try:
+        while not stop.is_set():
+            if hold.wanted():
+                return True
+            doorbell.wait(SAFETY_PROBE_S)
+        return False
+    finally:
+        doorbell.disarm()

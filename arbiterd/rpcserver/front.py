@@ -15,6 +15,13 @@ new process takes about half a second to load the engine, so SPARES idle ones ar
 holds what a backend holds before any client: on a GPU, its context); more than that are
 stopped. A connection beyond `clients` waits, accepted, for one to end, as a connection to
 ggml's server waits in its queue.
+
+When the process lends its devices (`--lend`, arbiterd/lease/lender.py), the lender decides
+whose connections the front serves: only its borrower's address, while a lease is open, nobody
+otherwise (a connection it does not admit is closed at once); it asks how many are served now,
+ends them all when a borrower does not give the devices back in time, and stops the idle server
+processes before its own programs get the devices. The front counts the bytes it passes each
+way, which the lender reports to its borrower.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from arbiterd.errors import DeviceUnreachableError, ListenError
 from arbiterd.native import rpc
@@ -95,18 +102,69 @@ class _Server:
 class Front:
     """Accepts clients on `listen` ("HOST:PORT") and serves each with a process of `argv`
     (the `arbiterd rpc-server` command line without --listen and --clients), `clients` at
-    once at most."""
+    once at most. A lending front (`lending`) admits nobody until `admit` names an address."""
 
-    def __init__(self, listen: str, argv: Sequence[str], clients: int) -> None:
+    def __init__(
+        self, listen: str, argv: Sequence[str], clients: int, *, lending: bool = False
+    ) -> None:
         self._listen = listen
         self._argv = list(argv)
         self._slots = threading.BoundedSemaphore(clients)
         self._spares: list[_Server] = []
-        self._lock = threading.Lock()  # the spares list
-        self._live: set[_Server] = set()  # serving a client now
+        self._lock = threading.Lock()  # the spares, the live connections, the admission, counts
+        self._live: dict[_Server, socket.socket] = {}  # serving a client now, and that client
+        self._lending = lending
+        self._admitted: str | None = None  # the one client address served while lending
+        self._listener: socket.socket | None = None  # while it serves
+        self._stopped = threading.Event()
+        self._received_bytes = 0  # from clients to their servers, since the front started
+        self._sent_bytes = 0  # from the servers back to their clients
+
+    def admit(self, address: str | None) -> None:
+        """Serve the connections from `address` (an IPv4 address) from now on; None: nobody.
+        Only a lending front admits by address; connections already served stay."""
+        with self._lock:
+            self._admitted = address
+
+    def serving(self) -> int:
+        """How many clients are connected to a server process now."""
+        with self._lock:
+            return len(self._live)
+
+    def close_all(self) -> None:
+        """End every connection served now, and stop its server process: whatever the clients
+        held is freed, even by a client that does not go."""
+        with self._lock:
+            live = list(self._live.items())
+        for server, client in live:
+            with contextlib.suppress(OSError):
+                client.shutdown(socket.SHUT_RDWR)
+            server.stop()
+
+    def drop_spares(self) -> None:
+        """Stop the idle server processes (on a GPU, each holds a context of its own): the
+        lender's own programs get the whole device. The next connection starts them again."""
+        with self._lock:
+            idle, self._spares = self._spares, []
+        for server in idle:
+            server.stop()
+
+    def counted(self) -> tuple[int, int]:
+        """The bytes passed so far: (from clients, to clients)."""
+        with self._lock:
+            return self._received_bytes, self._sent_bytes
+
+    def _admits(self, address: str) -> bool:
+        with self._lock:
+            return not self._lending or address == self._admitted
+
+    def _count(self, *, received: int = 0, sent: int = 0) -> None:
+        with self._lock:
+            self._received_bytes += received
+            self._sent_bytes += sent
 
     def serve_forever(self) -> None:
-        """Listen and serve; returns only by an exception (ListenError when the port is
+        """Listen and serve until `stop` (or an exception: ListenError when the port is
         taken). The server processes are stopped on the way out. They are started from this
         thread alone: a process's PR_SET_PDEATHSIG fires when the thread that started it
         ends, and this one lasts as long as the front."""
@@ -115,12 +173,26 @@ class Front:
             listener = socket.create_server((host, port), backlog=64)
         except OSError as exc:
             raise ListenError(f"cannot listen on {self._listen}: {exc.strerror or exc}") from None
+        self._listener = listener
         try:
-            self._start_spares()
+            if not self._lending:  # a lender starts them for its first connection
+                self._start_spares()
             with listener:
                 while True:
-                    conn, _ = listener.accept()
-                    server = self._claim()
+                    try:
+                        conn, (address, *_) = listener.accept()
+                    except OSError:
+                        if self._stopped.is_set():
+                            return
+                        raise
+                    if not self._admits(address):
+                        log.info("rpc-server: a connection from %s is not lent to: closed", address)
+                        conn.close()
+                        continue
+                    server = self._claim(conn)
+                    if server is None:
+                        conn.close()
+                        return
                     threading.Thread(
                         target=self._serve, args=(conn, server), name="rpc-client", daemon=True
                     ).start()
@@ -128,22 +200,30 @@ class Front:
             self.stop()
 
     def stop(self) -> None:
+        """Stop listening (serve_forever returns) and stop every server process."""
+        self._stopped.set()
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
         with self._lock:
             servers, self._spares = [*self._spares, *self._live], []
         for server in servers:
             server.stop()
 
     def _start_spares(self) -> None:
-        with self._lock:
-            while len(self._spares) < SPARES:
+        with self._lock:  # as stop() takes them: none starts once it has
+            while len(self._spares) < SPARES and not self._stopped.is_set():
                 self._spares.append(_Server(self._argv))
 
-    def _claim(self) -> _Server:
-        """A server process for the connection just accepted: the oldest idle one, more
-        starting meanwhile while fewer than SPARES are idle."""
+    def _claim(self, client: socket.socket) -> _Server | None:
+        """A server process for `client`, the connection just accepted: the oldest idle one,
+        more starting meanwhile while fewer than SPARES are idle; None once stopped."""
         with self._lock:
+            if self._stopped.is_set():
+                return None
             server = self._spares.pop(0) if self._spares else _Server(self._argv)
-            self._live.add(server)
+            self._live[server] = client
         self._start_spares()
         return server
 
@@ -153,7 +233,7 @@ class Front:
             try:
                 server.wait_ready()
                 with socket.create_connection(("127.0.0.1", server.port)) as upstream:
-                    _relay(client, upstream)
+                    _relay(client, upstream, self._count)
                 served = True
             except (DeviceUnreachableError, OSError) as exc:
                 log.warning("rpc-server: a client could not be served: %s", exc)
@@ -164,7 +244,7 @@ class Front:
         """After its client: back to the idle ones (it has freed what the client held), unless
         it failed, died, or enough are idle already."""
         with self._lock:
-            self._live.discard(server)
+            self._live.pop(server, None)
             keep = served and server.process.poll() is None and len(self._spares) < SPARES
             if keep:
                 self._spares.append(server)
@@ -172,18 +252,23 @@ class Front:
             server.stop()
 
 
-def _relay(a: socket.socket, b: socket.socket) -> None:
+def _relay(client: socket.socket, server: socket.socket, count: Callable[..., None]) -> None:
     """Pass bytes both ways until both directions ended (one side closing ends both: a
-    ggml client or server never half-closes)."""
-    for sock in (a, b):
+    ggml client or server never half-closes), each direction's bytes given to `count`."""
+    for sock in (client, server):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    back = threading.Thread(target=_pipe, args=(b, a), name="rpc-relay", daemon=True)
+    back = threading.Thread(
+        target=_pipe,
+        args=(server, client, lambda n: count(sent=n)),
+        name="rpc-relay",
+        daemon=True,
+    )
     back.start()
-    _pipe(a, b)
+    _pipe(client, server, lambda n: count(received=n))
     back.join()
 
 
-def _pipe(source: socket.socket, sink: socket.socket) -> None:
+def _pipe(source: socket.socket, sink: socket.socket, count: Callable[[int], None]) -> None:
     """Move what `source` sends to `sink` through a kernel pipe (splice(2): no copy into
     Python), until `source` ends; then end both sockets, which ends the other direction."""
     read_end, write_end = os.pipe()
@@ -192,6 +277,7 @@ def _pipe(source: socket.socket, sink: socket.socket) -> None:
             moved = os.splice(source.fileno(), write_end, SPLICE_BYTES)
             if moved == 0:
                 break
+            count(moved)
             while moved:
                 moved -= os.splice(read_end, sink.fileno(), moved)
     except OSError:

@@ -8,8 +8,10 @@ command line registers it from arbiterd/cli/main.py). Owns which local devices a
 malloc tuning, and how the process ends: ggml's server runs in a thread of its own and never
 returns while it serves, so SIGTERM or SIGINT ends the process from the main thread with
 `os._exit(0)`. With `--clients N` the process is a front instead (front.py), which serves each
-client with such a process of its own. `start_local` runs one as a child process serving the CPU
-(the devices demo, the tests).
+client with such a process of its own; with `--lend` too, and the lender's side of a lease
+(arbiterd/lease/lender.py) runs in it: the devices served only to the borrower that proves the
+key, and only while this machine's own programs do not want them (issue 46). `start_local`
+runs one as a child process serving the CPU (the devices demo, the tests).
 
 The RPC protocol has no authentication: whoever reaches the port can allocate memory on the
 device and run graphs on it. So the server listens on loopback unless `--allow-remote` says
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from arbiterd.arena import device_arenas
 from arbiterd.errors import (
     BadValueError,
     DeviceUnreachableError,
@@ -42,8 +45,10 @@ from arbiterd.errors import (
     ListenError,
     UsageError,
 )
+from arbiterd.lease.channel import DEFAULT_TIMEOUT_S, read_key
+from arbiterd.lease.lender import Lender
 from arbiterd.native import ggml, libllama, rpc
-from arbiterd.paths import DeviceKind, parse_device_id
+from arbiterd.paths import DeviceKind, default_arena, parse_device_id
 from arbiterd.rpcserver import front
 
 DEFAULT_LISTEN = "127.0.0.1:50052"  # llama.cpp's own rpc-server listens there by default
@@ -103,6 +108,33 @@ def add_command(parser: argparse.ArgumentParser) -> None:
         help="clients served at once, each by a server process of its own, so that several "
         "models are on the devices together (a daemon's fitting set); 1, the default, is ggml's "
         "own server, which serves one client at a time",
+    )
+    parser.add_argument(
+        "--lend",
+        action="store_true",
+        help="lend the devices on a lease (issue 46): served only to the borrower that proves "
+        "the key, and only while this machine's own programs do not want them; when one does, "
+        "the borrower is told to give them back (needs --device and --key-file)",
+    )
+    parser.add_argument(
+        "--lease",
+        metavar="HOST:PORT",
+        help="where the lease channel listens (default: the --listen address, its port + 1)",
+    )
+    parser.add_argument(
+        "--key-file",
+        type=Path,
+        metavar="FILE",
+        help="the lease key, shared with the borrower (a file only you can read: chmod 600)",
+    )
+    parser.add_argument(
+        "--lease-timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a borrower silent this long loses its lease, and one that does not give the "
+        f"devices back this long after a revoke has its connections closed (default: "
+        f"{DEFAULT_TIMEOUT_S:g})",
     )
     parser.add_argument(
         "--allow-remote",
@@ -230,8 +262,10 @@ def serve_command(args: argparse.Namespace) -> int:
     if clients < 1:
         raise BadValueError(f"--clients must be 1 or more, got {clients}")
     _check_free(listen)  # a taken port is said before the engine takes seconds to load
+    if args.lend:
+        return _lend(args, listen, clients)
     if clients > 1:
-        return _serve_several(args, listen, clients)
+        return _serve_several(args, listen, front.Front(str(listen), _server_argv(args), clients))
     _end_with_front()
     library = _load_engine()
     chosen = choose_devices(ggml.devices(library), args.device)
@@ -259,23 +293,67 @@ def serve_command(args: argparse.Namespace) -> int:
     )
 
 
-def _serve_several(args: argparse.Namespace, listen: Listen, clients: int) -> int:
-    """The front (front.py) on `listen`, its server processes on these devices; SIGTERM or
-    SIGINT stop them, then the front."""
-    for signum in EXIT_SIGNALS:
-        signal.signal(signum, _stop_front)
+def _server_argv(args: argparse.Namespace) -> list[str]:
+    """The command line of a front's server processes: these devices, threads and cache."""
     each = [arg for device in args.device or () for arg in ("--device", device)]
     if args.threads is not None:
         each += ["--threads", str(args.threads)]
     if args.cache is not None:
         each += ["--cache", str(args.cache)]
-    print(f"serving up to {clients} clients at once on {listen}", flush=True)
-    spliced = front.Front(str(listen), front.server_argv(each), clients)
+    return front.server_argv(each)
+
+
+def _serve_several(args: argparse.Namespace, listen: Listen, spliced: front.Front) -> int:
+    """The front (front.py) on `listen`, its server processes on these devices; SIGTERM or
+    SIGINT stop them, then the front."""
+    for signum in EXIT_SIGNALS:
+        signal.signal(signum, _stop_front)
+    print(f"serving up to {args.clients} clients at once on {listen}", flush=True)
     try:
         spliced.serve_forever()
     except SystemExit:
         return 0
     return 1
+
+
+def _lend(args: argparse.Namespace, listen: Listen, clients: int) -> int:
+    """`--lend`: the front, admitting only a borrower's connections, and the lease channel
+    (arbiterd/lease/lender.py) in a thread of its own."""
+    if not args.device:
+        raise UsageError(
+            "--lend needs --device: the devices lent are those whose arenas it holds on this "
+            "machine (gpu0, cpu, ...)"
+        )
+    if args.key_file is None:
+        raise UsageError(
+            "--lend needs --key-file FILE: the key a borrower proves it has (the same file on "
+            'both machines; docs/devices.md, "Lending a GPU")'
+        )
+    if not args.lease_timeout > 0:
+        raise BadValueError(f"--lease-timeout must be more than 0, got {args.lease_timeout}")
+    key = read_key(args.key_file)
+    lease = (
+        parse_listen(args.lease, allow_remote=args.allow_remote)
+        if args.lease
+        else Listen(listen.host, listen.port + 1)
+    )
+    _check_free(lease)
+    devices = [str(parse_device_id(text)) for text in args.device]
+    gateway = device_arenas(devices, default_arena())
+    spliced = front.Front(str(listen), _server_argv(args), clients, lending=True)
+    lender = Lender(
+        key=key,
+        gateway=gateway,
+        devices=devices,
+        front=spliced,
+        timeout_s=args.lease_timeout,
+        name=socket.gethostname(),
+        say=lambda line: print(line, flush=True),
+    )
+    listener = socket.create_server((lease.host, lease.port))
+    threading.Thread(target=lender.serve, args=(listener,), name="lease", daemon=True).start()
+    print(f"lending {', '.join(devices)} on {listen}, leases on {lease}", flush=True)
+    return _serve_several(args, listen, spliced)
 
 
 def _stop_front(_signum: int, _frame: FrameType | None) -> None:

@@ -182,7 +182,10 @@ def spares(server: Server) -> set[int]:
     their listening socket (a served one has its client's too)."""
     idle = set()
     for pid in children(server.process.pid):
-        sockets = [f for f in Path(f"/proc/{pid}/fd").iterdir() if "socket" in os.readlink(f)]
+        try:
+            sockets = [f for f in Path(f"/proc/{pid}/fd").iterdir() if "socket" in os.readlink(f)]
+        except FileNotFoundError:  # it ended since it was listed: a spare stopped
+            continue
         if len(sockets) <= 1:
             idle.add(pid)
     return idle
@@ -343,3 +346,61 @@ def test_a_server_of_one_client_busy_with_another_is_told_apart(server: Server) 
     with socket.create_connection(("127.0.0.1", server.port)) as other:
         hello(other)  # it serves this client now: nobody else gets an answer
         assert not rpc.serves_several(server.endpoint, timeout_s=1.0)
+
+
+def test_lending_needs_its_devices_named_and_a_key_that_only_its_user_can_read(
+    tmp_path: Path,
+) -> None:
+    listen = f"127.0.0.1:{free_port()}"
+    done = arbiterd("rpc-server", "--lend", "--listen", listen)
+    assert done.returncode == EX_USAGE, done.stderr
+    assert "--lend needs --device" in done.stderr
+    done = arbiterd("rpc-server", "--lend", "--device", "cpu", "--listen", listen)
+    assert done.returncode == EX_USAGE, done.stderr
+    assert "--lend needs --key-file FILE" in done.stderr
+    key = tmp_path / "lease.key"
+    key.write_text("secret\n")
+    key.chmod(0o644)
+    done = arbiterd(
+        "rpc-server", "--lend", "--device", "cpu", "--listen", listen, "--key-file", str(key)
+    )
+    assert done.returncode == EX_DATAERR, done.stderr
+    assert f"lets group or others read it; chmod 600 {key}" in done.stderr
+
+
+def test_a_lender_says_where_it_lends_and_admits_nobody_before_a_lease(tmp_path: Path) -> None:
+    key = tmp_path / "lease.key"
+    key.write_text("secret\n")
+    key.chmod(0o600)
+    port = free_port()
+    lender = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "arbiterd",
+            "rpc-server",
+            "--lend",
+            "--device",
+            "cpu",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--key-file",
+            str(key),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "ARBITERD_ARENA": str(tmp_path / "arena" / "gpu0")},
+    )
+    try:
+        assert lender.stdout is not None
+        assert lender.stdout.readline().strip() == (
+            f"lending cpu on 127.0.0.1:{port}, leases on 127.0.0.1:{port + 1}"
+        )
+        rpc.check_listening(f"127.0.0.1:{port}", timeout_s=START_TIMEOUT_S)
+        with pytest.raises(DeviceUnreachableError):  # accepted, and closed unserved
+            rpc.probe(f"127.0.0.1:{port}", timeout_s=5.0)
+    finally:
+        lender.terminate()
+        assert lender.wait(10) == 0
+        assert lender.stdout is not None
+        lender.stdout.close()
