@@ -138,6 +138,7 @@ class DeviceEntry(Record):
     holder: str | None = None
     reachable: bool = False
     reason: str | None = None
+    lease: str | None = None  # a lent device's lease (issue 46), as render.lease says it
 
 
 def _is_scalar(value: object) -> bool:

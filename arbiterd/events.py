@@ -248,6 +248,20 @@ class StepAsideEvent(Event):
 
 
 @dataclass(frozen=True)
+class LeaseEvent(Event):
+    """A lent RPC device's lease changed (issue 46): granted, revoked (`by`: who wants the
+    GPU on the lender), returned, unreachable or refused (`reason`), ..."""
+
+    KIND: ClassVar[str] = "lease"
+
+    device: str | None = None
+    lender: str | None = None
+    state: str | None = None
+    by: str | None = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
 class UnloadEvent(Event):
     """A model was unloaded (`reason`: why, an UnloadReason): its worker saved `tokens` tokens
     of prompt cache, `kv_bytes` in all, to `kv_file` and exited; `error` says why nothing was
@@ -458,6 +472,7 @@ KINDS: dict[str, type[Event]] = {
         ReloadEvent,
         HoldEvent,
         StepAsideEvent,
+        LeaseEvent,
         UnloadEvent,
         RamBudgetEvent,
         PromptCacheEvictEvent,

@@ -21,6 +21,7 @@ from arbiterd.events import (
     HandoffEvent,
     HolderSilentEvent,
     HoldEvent,
+    LeaseEvent,
     OverflowEvent,
     PassedOverEvent,
     PromptCacheEvictEvent,
@@ -101,6 +102,18 @@ def stepped_aside(program: str | None, pid: int | None, used_bytes: int | None) 
     """The program the daemon stepped aside for (issue 45): "blender (pid 4242), 3.1 GiB"."""
     used = "" if used_bytes is None else f", {format_bytes(used_bytes)}"
     return process(program, pid) + used
+
+
+def lease(state: str, lender: str, by: str | None, reason: str | None) -> str:
+    """A lent device's lease (issue 46) in a few words: "granted by HOST:PORT", "revoked:
+    the lender's game (pid 7) wants its GPU", "unreachable: HOST:PORT: Connection refused"."""
+    if by and state in ("revoking", "revoked"):
+        return f"{state}: the lender's {by} wants its GPU"
+    if by and state == "waiting":
+        return f"waiting: the lender's {by} has its GPU"
+    if reason:
+        return f"{state}: {reason}"
+    return f"{state} by {lender}"
 
 
 def silence(model: str, silent_s: float) -> str:
@@ -227,6 +240,10 @@ def event_detail(event: Event) -> str:  # noqa: PLR0911, PLR0912 (one return per
             return _hold(event)
         case StepAsideEvent():
             return _step_aside(event)
+        case LeaseEvent():
+            return f"lease of {event.device}: " + lease(
+                event.state or "?", event.lender or "?", event.by, event.reason
+            )
         case UnloadEvent():
             return _unload(event)
         case RamBudgetEvent():

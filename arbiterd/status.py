@@ -160,6 +160,23 @@ class SteppedAside(Record):
 
 
 @dataclass(frozen=True)
+class Lease(Record):
+    """A lent RPC device's lease (issue 46, arbiterd/lease/borrower.py): its state ("granted",
+    "revoked", ... LeaseState), who holds or wants the GPU on the lender (`by`), why the lease
+    is not had (`reason`), and the bytes the lender's front passed each way so far."""
+
+    device: str = ""
+    lender: str = ""  # HOST:PORT of the lease channel
+    state: str = ""
+    since: float | None = None
+    by: str | None = None
+    reason: str | None = None
+    lender_name: str | None = None
+    received_bytes: int | None = None
+    sent_bytes: int | None = None
+
+
+@dataclass(frozen=True)
 class Waiter(Record):
     """A process waiting for the arena token."""
 
@@ -270,6 +287,7 @@ class DaemonStatus(Record):
     waiters: tuple[Waiter, ...] = ()
     hold: bool = False
     stepped_aside: SteppedAside | None = None
+    leases: tuple[Lease, ...] = ()  # the lent RPC devices' (issue 46)
     # What the lookout for programs that do not take part sees with (issue 45): "off", or the
     # nodes it watches and the memory readers it has.
     yield_watch: str | None = None

@@ -15,6 +15,7 @@ from arbiterd.events import (
     HandoffEvent,
     HolderSilentEvent,
     HoldEvent,
+    LeaseEvent,
     OtherEvent,
     OverflowEvent,
     PassedOverEvent,
@@ -173,6 +174,13 @@ SAMPLES: list[Event] = [
         arena="/run/arena/gpu0",
     ),
     OverflowEvent(at=T),
+    LeaseEvent(
+        at=T,
+        device="rpc:10.0.0.5:50052",
+        lender="10.0.0.5:50053",
+        state="revoked",
+        by="arbiterd run: game (pid 7)",
+    ),
 ]
 
 

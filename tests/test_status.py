@@ -21,6 +21,7 @@ from arbiterd.status import (
     GroupStatus,
     Holder,
     HostRam,
+    Lease,
     ModelStatus,
     PromptCache,
     SteppedAside,
@@ -35,6 +36,7 @@ RECORDS: tuple[type[Record], ...] = (
     ModelStatus,
     Holder,
     SteppedAside,
+    Lease,
     Waiter,
     GroupStatus,
     HostRam,
@@ -78,6 +80,18 @@ FULL = DaemonStatus(
         program="blender", pid=5151, reason="asked for (arbiterd yield)", since=3.0
     ),
     yield_watch="watching /dev/dri/renderD128 (inotify)",
+    leases=(
+        Lease(
+            device="rpc:10.0.0.5:50052",
+            lender="10.0.0.5:50053",
+            state="revoked",
+            since=4.0,
+            by="game (pid 7)",
+            lender_name="gaming-pc",
+            received_bytes=270 << 20,
+            sent_bytes=1 << 20,
+        ),
+    ),
     groups=(
         GroupStatus("rag", ("story",), Priority.NORMAL, holds_token=True, handoffs=2, failure=""),
     ),

@@ -530,6 +530,11 @@ def _holder_lines(status: DaemonStatus) -> list[str]:
         found.append(f"stepped aside for {program}: {aside.reason} (arbiterd resume ends it)")
     if status.yield_watch:
         found.append(f"step aside: {status.yield_watch}")
+    for lease in status.leases:
+        found.append(
+            f"lease of {lease.device}: "
+            + render.lease(lease.state, lease.lender, lease.by, lease.reason)
+        )
     return found
 
 
@@ -558,6 +563,8 @@ def render_devices(devices: list[DeviceEntry]) -> str:
         note = device.reason or ""
         if not device.reachable:
             note = f"unreachable: {note}" if note else "unreachable"
+        if device.lease:
+            note = f"lease {device.lease}" + (f"; {note}" if note else "")
         rows.append(
             (
                 device.id,

@@ -34,6 +34,11 @@
     memory = "20GiB"              # its size where it cannot tell (llvmpipe, no GPU reader); where
                                   #   it can, the smaller counts; absent: as measured
     reserve = "512MiB"            # kept free for other programs to grow into
+    lease = "HOST:PORT"           # an rpc: device lent by `arbiterd rpc-server --lend` (issue
+                                  #   46): its lease channel; the lender may take it back
+    lease_key_file = "~/.config/arbiterd/lease.key"   # the key shared with the lender (0600)
+    uploads = "bytes"             # an rpc: device: "hashes" offers weights by hash first (a
+                                  #   server with --cache, over a slow link); "bytes" sends them
     [models.NAME]                 # one table per model; NAME is what requests ask for
     path = "/models/x.gguf"       # required
     aliases = []                  # more names requests may ask for, e.g. ["gpt-4o-mini"]
@@ -125,6 +130,7 @@ from arbiterd.config.records import (
     Encoder,
     GroupConfig,
     HostCopyMode,
+    LeaseConfig,
     Load,
     ModelConfig,
     Tools,
@@ -135,6 +141,7 @@ from arbiterd.config.records import (
 from arbiterd.config.sharing import (
     GROUP_NAME_EXPECTED,
     GROUP_NAME_RE,
+    hashed_servers,
 )
 
 __all__ = [
@@ -164,6 +171,7 @@ __all__ = [
     "Encoder",
     "GroupConfig",
     "HostCopyMode",
+    "LeaseConfig",
     "Load",
     "ModelConfig",
     "Tools",
@@ -172,6 +180,7 @@ __all__ = [
     "default_config_path",
     "default_n_ctx",
     "embedded_model_path",
+    "hashed_servers",
     "is_loopback",
     "is_model_name",
     "load_config",

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from arbiterd.paths import (
     DEFAULT_DEVICE,
+    DeviceKind,
+    parse_device_id,
 )
 from arbiterd.spec import (
     DEFAULT_PARALLEL,
@@ -213,6 +215,26 @@ class DeviceConfig:
     memory: int | None  # None: as the device's readers measure it
     members: tuple[str, ...] = ()  # the models of its fitting set, in the file's order
     reserve: int = DEFAULT_DEVICE_RESERVE
+    lease: LeaseConfig | None = None  # an rpc: device lent on a lease (issue 46)
+    # `uploads = "hashes"`: weights are offered to this RPC server by hash first, down to
+    # 64 KiB, so a server with a cache (--cache) is sent what it lacks only (issue 46)
+    hash_uploads: bool = False
+
+    @property
+    def endpoint(self) -> str | None:
+        """HOST:PORT of an RPC server's device, as its workers are given it; None for another."""
+        parsed = parse_device_id(self.device)
+        return None if parsed.kind is not DeviceKind.RPC else f"{parsed.host}:{parsed.port}"
+
+
+@dataclass(frozen=True)
+class LeaseConfig:
+    """`[devices."rpc:HOST:PORT"] lease`: the device is lent by `arbiterd rpc-server --lend`,
+    whose lease channel is at `lender`; the borrower proves the key in `key_file`
+    (arbiterd/lease/borrower.py). The key is read when the daemon starts the lease."""
+
+    lender: str  # HOST:PORT
+    key_file: Path
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The tables of how models share: [groups.NAME] (models that hold the GPU together,
 arena/groups.py), [devices.ID] (a device's fitting set, issue 44: the models placed on it alone,
-in no group) and [yield] (the programs the daemon steps aside for, issue 45). Each is read after
-[models], whose names it refers to.
+in no group; and the lease of an RPC server's device, issue 46) and [yield] (the programs the
+daemon steps aside for, issue 45). Each is read after [models], whose names it refers to.
 
 Every problem is a ConfigError naming the file, the key path and what was expected.
 """
@@ -23,15 +23,20 @@ from arbiterd.config.records import (
     YIELD_MIN_BYTES,
     YIELD_PROGRAMS,
     YIELD_SCAN_S,
+    Config,
     DeviceConfig,
     GroupConfig,
+    LeaseConfig,
     ModelConfig,
     YieldRules,
 )
 from arbiterd.errors import BadValueError
+from arbiterd.lease.channel import split_address
 from arbiterd.paths import (
     DEFAULT_DEVICE,
     DEVICE_ID_SHAPES,
+    DeviceId,
+    DeviceKind,
     parse_device_id,
 )
 from arbiterd.render import format_bytes
@@ -52,7 +57,8 @@ GROUP_NAME_EXPECTED = "a name of 1 to 64 characters from A-Z a-z 0-9 . _ -, not 
 
 GROUP_KEYS = ("models", "priority")
 
-DEVICE_KEYS = ("memory", "reserve")
+DEVICE_KEYS = ("memory", "reserve", "lease", "lease_key_file", "uploads")
+UPLOADS = ("bytes", "hashes")
 
 YIELD_KEYS = ("enabled", "programs", "ignore", "min_bytes", "grace_s", "scan_s", "nodes")
 
@@ -183,5 +189,54 @@ def device_tables(
         members = tuple(
             name for name, model in models.items() if model.devices == (device,) and not model.group
         )
-        devices[device] = DeviceConfig(device, memory, members, reserve)
+        lease = _lease(src, table, parsed)
+        uploads = table.string("uploads", "bytes", '"bytes" or "hashes"', ok=UPLOADS.__contains__)
+        if uploads == "hashes" and parsed.kind is not DeviceKind.RPC:
+            raise src.fail(
+                table.keys("uploads"),
+                f"{device} is this machine's own device: only an RPC server is sent weights "
+                "by hash",
+            )
+        devices[device] = DeviceConfig(
+            device, memory, members, reserve, lease, hash_uploads=uploads == "hashes"
+        )
     return devices
+
+
+def hashed_servers(config: Config, model: ModelConfig) -> tuple[str, ...]:
+    """The RPC servers of `model`'s devices that are sent weights by hash first (`[devices.ID]
+    uploads = "hashes"`), as HOST:PORT: the worker's ARBITERD_RPC_HASH_UPLOADS."""
+    return tuple(
+        endpoint
+        for device in model.devices
+        if (table := config.devices.get(device)) is not None
+        and table.hash_uploads
+        and (endpoint := table.endpoint) is not None
+    )
+
+
+def _lease(src: Source, table: Table, device: DeviceId) -> LeaseConfig | None:
+    """`lease` and `lease_key_file`: both or neither, on an rpc: device."""
+    if "lease" not in table.values:
+        if "lease_key_file" in table.values:
+            raise src.fail(table.keys("lease_key_file"), "is given without lease")
+        return None
+    lender = table.string("lease", "", "HOST:PORT, the lender's lease channel")
+    try:
+        split_address(lender, "lease")
+    except BadValueError:
+        raise src.expected(
+            table.keys("lease"), "HOST:PORT (the lender's --lease)", lender
+        ) from None
+    if device.kind is not DeviceKind.RPC:
+        raise src.fail(
+            table.keys("lease"),
+            f"{device} is this machine's own device: only an RPC server's (rpc:HOST:PORT) is lent",
+        )
+    if "lease_key_file" not in table.values:
+        raise src.fail(
+            table.keys("lease_key_file"),
+            "is required with lease: the file of the key the lender's --key-file holds",
+        )
+    text = table.string("lease_key_file", "", "a path")
+    return LeaseConfig(lender, src.path(table.keys("lease_key_file"), text, "a path"))

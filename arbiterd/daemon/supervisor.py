@@ -13,7 +13,8 @@ Composes the daemon's parts, each with one job, and keeps what ties them togethe
 - `unloads.IdleUnloads` and `unloads.RamBudget` unload models that stayed cold and idle for
   their unload_after_s, or that the host RAM budget has no room for (issue 14);
 - `modelstatus.model_status` builds each model's status record;
-- `reload.Reload` applies a re-read config (`arbiterd reload`).
+- `reload.Reload` applies a re-read config (`arbiterd reload`);
+- `leases.Leases` holds each lent RPC device for its lender while not granted (issue 46).
 Here: which model a name or alias asks for (the config's `resolve`: `model` for the HTTP edge,
 which then names the model by its name; each command), what a worker's events mean for its
 slot, the daemon's status from its parts' records, the commands (hold, reload, unload, ...),
@@ -32,6 +33,7 @@ from typing import Any
 from arbiterd.arena import Arena
 from arbiterd.config import (
     Config,
+    hashed_servers,
 )
 from arbiterd.control import MODEL_COMMANDS
 from arbiterd.daemon.models.handoffs import Handoffs
@@ -55,9 +57,11 @@ from arbiterd.daemon.reload import Reload
 from arbiterd.daemon.service import ImagePolicy, ServedModel
 from arbiterd.daemon.stepaside.aside import StepAside
 from arbiterd.daemon.stepaside.hold import DaemonHold
+from arbiterd.daemon.stepaside.leases import Leases
 from arbiterd.errors import (
     AcquireTimeoutError,
     ArbiterError,
+    ConfigError,
     ControlError,
 )
 from arbiterd.events import (
@@ -156,6 +160,7 @@ class Supervisor:
             # The config as it is when each worker starts (a reload replaces it).
             vram_budget=lambda model: vram_budget_for(self.config, model),
             turns=config.daemon.turns,
+            hashed=lambda model: hashed_servers(self.config, model),
         )
         # Asks the workers that hold a token whether they live (liveness.py decides).
         self._holders = HolderWatch(self._slots, lambda: self.config, self._bus.publish)
@@ -171,6 +176,8 @@ class Supervisor:
             measured_by=self._vram.other_programs_readers(),
             arena=self._arena,
         )
+        # The lent RPC devices' leases: each device held for its lender while not granted.
+        self._leases = Leases(config.daemon.arena, self._bus.publish)
         # The groups' and the fitting sets' keepers, with the config as it is now.
         self._keepers = Keepers(self._arena, self._vram, lambda: self.config)
         self._engine: EngineReport | None = None  # as the latest worker's hello says
@@ -209,6 +216,7 @@ class Supervisor:
             if cache is not None:  # refused now, with its fix, rather than at the first unload
                 await asyncio.to_thread(cache.make_private)
             await self._keepers.check_devices(self.config)
+            await self._leases.apply(self.config)
             self._keepers.start_missing()
             await asyncio.gather(*(self._start(slot) for slot in self._slots.values()))
         log.info("VRAM telemetry: %s", self._vram.readers.describe())
@@ -235,6 +243,7 @@ class Supervisor:
             task.cancel()
         await self._lifecycle.stop(list(self._slots.values()))
         await self._keepers.stop()
+        await self._leases.close()
         await self._aside.close()
         self._hold.close()
         await self._vram.stop()
@@ -302,6 +311,7 @@ class Supervisor:
             waiters=tuple(Waiter(pid=p, name=waiter_name(arena, p)) for p in arena.waiter_pids),
             hold=self._hold.wanted_by(USER_HOLD),
             stepped_aside=self._aside.status(),
+            leases=self._leases.status(),
             yield_watch=self._aside.describe(),
             groups=self._keepers.status(),
             telemetry=self._vram.status(snapshot),
@@ -398,6 +408,10 @@ class Supervisor:
             raise ControlError("this daemon was given no way to read its config again")
         async with self._config_lock:
             result = await self._reload.apply(self._reload_config)
+            try:
+                await self._leases.apply(self.config)
+            except ConfigError as exc:
+                log.warning("reload: %s", exc)
         self._idle_unloads.wake()  # unload_after_s may have changed, slots come and gone
         return result
 

@@ -66,16 +66,6 @@ host_copy = "page-cache"
 MINIMAL = '[models.qwen]\npath = "/models/qwen.gguf"\n'
 
 
-@pytest.fixture
-def env(tmp_path: Path) -> dict[str, str]:
-    """A private environment: HOME and a 0700 XDG_RUNTIME_DIR under tmp_path."""
-    home = tmp_path / "home"
-    home.mkdir()
-    run = tmp_path / "run"
-    run.mkdir(mode=0o700)
-    return {"HOME": str(home), "XDG_RUNTIME_DIR": str(run)}
-
-
 def write(tmp_path: Path, text: str, name: str = "config.toml") -> Path:
     path = tmp_path / "etc" / name
     path.parent.mkdir(parents=True, exist_ok=True)

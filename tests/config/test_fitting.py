@@ -27,15 +27,6 @@ models = ["rag", "task"]
 """
 
 
-@pytest.fixture
-def env(tmp_path: Path) -> dict[str, str]:
-    home = tmp_path / "home"
-    home.mkdir()
-    run = tmp_path / "run"
-    run.mkdir(mode=0o700)
-    return {"HOME": str(home), "XDG_RUNTIME_DIR": str(run)}
-
-
 def test_a_devices_memory_makes_its_models_outside_groups_a_fitting_set(
     tmp_path: Path, env: dict[str, str]
 ) -> None:

@@ -13,15 +13,6 @@ from arbiterd.errors import ConfigError
 MINIMAL = '[models.qwen]\npath = "/models/qwen.gguf"\n'
 
 
-@pytest.fixture
-def env(tmp_path: Path) -> dict[str, str]:
-    home = tmp_path / "home"
-    home.mkdir()
-    run = tmp_path / "run"
-    run.mkdir(mode=0o700)
-    return {"HOME": str(home), "XDG_RUNTIME_DIR": str(run)}
-
-
 def write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "etc" / "config.toml"
     path.parent.mkdir(parents=True, exist_ok=True)

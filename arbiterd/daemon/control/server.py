@@ -18,10 +18,12 @@ import socket
 import struct
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Final, Protocol
 
 import arbiterd
+from arbiterd import render
 from arbiterd.control import (
     CODE_INTERNAL,
     CODE_PERMISSION,
@@ -394,6 +396,11 @@ class _Connection:
             raise ControlError("the daemon's status names no arena: no device can be listed")
         labels = () if status.engine is None else status.engine.devices
         listed = await list_devices(labels, Path(status.arena), self._rpc_servers())
+        leases = {
+            lease.device: render.lease(lease.state, lease.lender, lease.by, lease.reason)
+            for lease in status.leases
+        }
+        listed = [replace(d, lease=leases[d.id]) if d.id in leases else d for d in listed]
         return {"devices": [device.to_json() for device in listed]}
 
     def _tell(self, message: dict[str, Any]) -> None:

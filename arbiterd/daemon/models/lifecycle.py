@@ -75,18 +75,29 @@ VULKAN_DRIVER_KEYS = (
 GGML_NO_BACKTRACE = {"GGML_NO_BACKTRACE": "1"}
 
 
-def worker_env(base: Mapping[str, str], nodes: Sequence[str]) -> dict[str, str]:
+# The RPC servers a worker offers weights by hash first (the residency patch's ggml-rpc.cpp).
+HASH_UPLOADS_ENV = "ARBITERD_RPC_HASH_UPLOADS"
+
+
+def worker_env(
+    base: Mapping[str, str], nodes: Sequence[str], hashed: Sequence[str] = ()
+) -> dict[str, str]:
     """The environment a worker starts with: the daemon's without NOTIFY_SOCKET, and, on a
     machine with no GPU device node (`nodes`, offload.gpu_nodes), the Vulkan loader told to load
     no driver. There the only Vulkan devices are CPU ones (Mesa's llvmpipe), which ggml-vulkan
     lists only when GGML_VK_VISIBLE_DEVICES names them, so unless it names one the engine lists
     the same devices either way, and each worker is spared llvmpipe and LLVM: ~20 MB of shared
     and ~12 MB of its own memory (issue 28). The user's own Vulkan settings are left alone.
-    ggml prints no backtrace on an abort (GGML_NO_BACKTRACE; a value of the user's is kept)."""
+    ggml prints no backtrace on an abort (GGML_NO_BACKTRACE; a value of the user's is kept).
+    `hashed`: the RPC servers (HOST:PORT) its weights are offered to by hash first ([devices.ID]
+    uploads = "hashes", issue 46), none by default."""
     env = GGML_NO_BACKTRACE | {key: value for key, value in base.items() if key != "NOTIFY_SOCKET"}
     named = env.get("GGML_VK_VISIBLE_DEVICES", "").strip()
     if not nodes and not named and not any(key in env for key in VULKAN_DRIVER_KEYS):
         env |= VULKAN_NO_DRIVERS
+    env.pop(HASH_UPLOADS_ENV, None)
+    if hashed:
+        env[HASH_UPLOADS_ENV] = ",".join(hashed)
     return env
 
 
@@ -103,13 +114,16 @@ class Lifecycle:
         prompt_cache_budget_bytes: int = PROMPT_CACHE_BUDGET_BYTES,
         vram_budget: Callable[[ModelConfig], int] = lambda _: 0,
         turns: Turns = DEFAULT_TURNS,
+        hashed: Callable[[ModelConfig], Sequence[str]] = lambda _: (),
     ) -> None:
         """`kv_dir`: the folder unloaded models keep their prompt caches in, within
         `prompt_cache_budget_bytes`; None: an unload keeps none. `vram_budget`: the device
         bytes a model's worker may reach (a vision projector must fit beside its model),
         modelfile.vram_budget_for; called in a thread as each worker starts. `turns`: [daemon]'s
-        turn settings, which every worker applies."""
+        turn settings, which every worker applies. `hashed`: the RPC servers a model's weights
+        are offered to by hash first (config.hashed_servers)."""
         self._arena = arena
+        self._hashed = hashed
         self._turns = turns
         self._vram_budget = vram_budget
         self._kv_dir = kv_dir
@@ -129,7 +143,7 @@ class Lifecycle:
         """Spawn the slot's worker; on failure, say why and retry with backoff (or fail the slot
         for good when retrying cannot help)."""
         name = slot.name
-        env = worker_env(os.environ, self._gpu_nodes)
+        env = worker_env(os.environ, self._gpu_nodes, self._hashed(slot.config))
         if slot.replaces is not None:  # the old worker of its model goes first
             await asyncio.wait({slot.replaces})
         try:

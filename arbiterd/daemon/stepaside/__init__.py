@@ -7,4 +7,6 @@ the usual way gets the GPU, and the models come back when it is gone.
     lookout   inotify on the nodes, and the looks that follow a ring or a timer
     policy    pure: which program the daemon steps aside for, and when that ends ([yield])
     aside     the step aside in force, acted on through the daemon's hold (hold)
+    leases    lent RPC devices (issue 46): each held for its lender while the lease is not
+              granted, so the models release for the lender's programs too (arbiterd/lease/)
 """

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from arbiterd import render
 from arbiterd.arena import Arena
 from arbiterd.cli.commands import render_devices
+from arbiterd.control import DeviceEntry
 from arbiterd.daemon.control.devicelist import list_devices, local_devices
 from arbiterd.paths import device_arena_of
 
@@ -87,3 +89,42 @@ def test_a_silent_server_nobody_holds_is_unreachable(gpu0: Path, silent_server: 
 
 def test_no_devices_at_all_says_why() -> None:
     assert render_devices([]).startswith("no devices listed")
+
+
+def test_a_lent_devices_lease_is_its_notes_first_words() -> None:
+    lent = DeviceEntry(
+        id="rpc:10.0.0.5:50052",
+        description="10.0.0.5:50052",
+        kind="gpu",
+        holder="lease of rpc:10.0.0.5:50052: revoked: the lender's game (pid 7) wants its GPU",
+        reachable=False,
+        reason="not reachable: Connection refused",
+        lease=render.lease("revoked", "10.0.0.5:50053", "game (pid 7)", None),
+    )
+    [_, row] = render_devices([lent]).splitlines()
+    note = row[row.index("lease revoked") :]
+    assert note == (
+        "lease revoked: the lender's game (pid 7) wants its GPU; "
+        "unreachable: not reachable: Connection refused"
+    )
+
+
+@pytest.mark.parametrize(
+    ("state", "by", "reason", "said"),
+    [
+        ("granted", None, None, "granted by 10.0.0.5:50053"),
+        ("waiting", "game (pid 7)", None, "waiting: the lender's game (pid 7) has its GPU"),
+        ("revoking", "game (pid 7)", None, "revoking: the lender's game (pid 7) wants its GPU"),
+        ("refused", None, "wrong key: no lease", "refused: wrong key: no lease"),
+        (
+            "unreachable",
+            None,
+            "10.0.0.5:50053: no answer",
+            "unreachable: 10.0.0.5:50053: no answer",
+        ),
+    ],
+)
+def test_a_lease_is_said_in_a_few_words(
+    state: str, by: str | None, reason: str | None, said: str
+) -> None:
+    assert render.lease(state, "10.0.0.5:50053", by, reason) == said

@@ -842,6 +842,15 @@ def test_the_vulkan_drivers_are_left_alone_where_they_can_matter(
     assert lifecycle.worker_env(base, nodes) == {**base, "GGML_NO_BACKTRACE": "1"}
 
 
+def test_a_worker_is_told_which_servers_it_offers_weights_by_hash_and_only_those() -> None:
+    gpu = ("/dev/dri/renderD128",)
+    env = lifecycle.worker_env({}, gpu, ("10.0.0.5:50052", "box.lan:50053"))
+    assert env["ARBITERD_RPC_HASH_UPLOADS"] == "10.0.0.5:50052,box.lan:50053"
+    # The daemon's own environment never decides it: only the config does.
+    inherited = {"ARBITERD_RPC_HASH_UPLOADS": "10.0.0.9:1"}
+    assert "ARBITERD_RPC_HASH_UPLOADS" not in lifecycle.worker_env(inherited, gpu)
+
+
 def test_ggml_prints_no_backtrace_in_a_worker_and_a_users_value_is_kept() -> None:
     assert lifecycle.worker_env({}, ("/dev/dri/renderD128",))["GGML_NO_BACKTRACE"] == "1"
     asked = {"GGML_NO_BACKTRACE": "yes"}
