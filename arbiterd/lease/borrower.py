@@ -46,6 +46,17 @@ from arbiterd.wire import AsyncLineReader, encode
 
 log = logging.getLogger(__name__)
 
+
+class _Post(enum.Enum):
+    """What the session's tasks and threads post to its queue: a message of the lender, the
+    channel's end, the token taken, a model waiting for it."""
+
+    MESSAGE = enum.auto()
+    CLOSED = enum.auto()
+    TAKEN = enum.auto()
+    WANTED = enum.auto()
+
+
 RETRY_MIN_S = 0.5  # the first try again after a session ended
 RETRY_MAX_S = 5.0  # back-off ceiling: a lender that comes back is found within this
 NAME_MAX = 200  # a lender's name or holder, as shown
@@ -104,7 +115,7 @@ class Borrower:
         self._token: Token | None = None
         self._taking: _Taking | None = None
         self._watching: _Watching | None = None
-        self._events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._events: asyncio.Queue[tuple[_Post, Any]] = asyncio.Queue()
         # Set once the first session holds the token for the lender, or ended: the models may
         # start then (a model that connects before the lease is open is refused by the lender).
         self.settled = asyncio.Event()
@@ -201,17 +212,17 @@ class Borrower:
                 )
             except TimeoutError:
                 raise _Silent(f"heard nothing from the lender for {timeout_s:g} s") from None
-            if kind == "message":
+            if kind is _Post.MESSAGE:
                 heard = time.monotonic()
                 accepted = True  # it spoke after our hello: it admits our connections now
                 await self._on_message(value, writer)
                 if self._token is not None:
                     self.settled.set()
-            elif kind == "closed":
+            elif kind is _Post.CLOSED:
                 return
-            elif kind == "taken" and self.view.state is LeaseState.GRANTED:
+            elif kind is _Post.TAKEN and self.view.state is LeaseState.GRANTED:
                 await asyncio.to_thread(value.hand_over)  # it came as the grant did
-            elif kind == "taken":
+            elif kind is _Post.TAKEN:
                 self._taking = None
                 self._token = value
                 if accepted:
@@ -220,7 +231,7 @@ class Borrower:
                     self._change(LeaseState.REVOKED, by=self.view.by)
                     await _send(writer, Op.RETURNED)
                 self._watch()
-            elif kind == "wanted" and self._token is not None:
+            elif kind is _Post.WANTED and self._token is not None:
                 if self.view.state not in (LeaseState.ASKED, LeaseState.WAITING):
                     self._change(LeaseState.ASKED)
                 await _send(writer, Op.WANT)
@@ -292,10 +303,10 @@ class Borrower:
     async def _read(self, lines: AsyncLineReader) -> None:
         try:
             while (message := await lines.read()) is not None:
-                await self._events.put(("message", message))
+                await self._events.put((_Post.MESSAGE, message))
         except (OSError, ProtocolError) as exc:
             log.warning("lease of %s: %s", self.view.device, exc)
-        await self._events.put(("closed", None))
+        await self._events.put((_Post.CLOSED, None))
 
     async def _beat(self, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(OSError):
@@ -317,9 +328,9 @@ class Borrower:
 
 
 class _Taking:
-    """The device's token taken for the lender, in a thread; posts ("taken", token)."""
+    """The device's token taken for the lender, in a thread; posts TAKEN with the token."""
 
-    def __init__(self, arena: Arena, label: str, events: asyncio.Queue[tuple[str, Any]]) -> None:
+    def __init__(self, arena: Arena, label: str, events: asyncio.Queue[tuple[_Post, Any]]) -> None:
         self._cancel = threading.Event()
         self._loop = asyncio.get_running_loop()
         self._events = events
@@ -337,7 +348,7 @@ class _Taking:
         if self._cancel.is_set():
             self._taken = token
             return
-        self._loop.call_soon_threadsafe(self._events.put_nowait, ("taken", token))
+        self._loop.call_soon_threadsafe(self._events.put_nowait, (_Post.TAKEN, token))
 
     async def give_up(self) -> Token | None:
         """Stop waiting; the token, if it came and was not posted."""
@@ -347,17 +358,17 @@ class _Taking:
 
 
 class _Watching:
-    """Sleeps on the arena's doorbell while the lease holds the token; posts ("wanted", None)
-    once a model waits for it."""
+    """Sleeps on the arena's doorbell while the lease holds the token; posts WANTED once a model
+    waits for it."""
 
-    def __init__(self, token: Token, events: asyncio.Queue[tuple[str, Any]]) -> None:
+    def __init__(self, token: Token, events: asyncio.Queue[tuple[_Post, Any]]) -> None:
         self._stop = threading.Event()
         self._doorbell = Doorbell()
         loop = asyncio.get_running_loop()
 
         def run() -> None:
             if sleep_until_wanted(token, self._doorbell, self._stop):
-                loop.call_soon_threadsafe(events.put_nowait, ("wanted", None))
+                loop.call_soon_threadsafe(events.put_nowait, (_Post.WANTED, None))
 
         self._done = _in_thread(run, "lease-watch")
 

@@ -53,6 +53,19 @@ from arbiterd.wire import LineReader, LineWriter
 
 log = logging.getLogger(__name__)
 
+
+class _Post(enum.Enum):
+    """What a lease's threads post to its queue: a message of the borrower, the channel's end,
+    the tokens taken (or not), who holds them meanwhile, a waiter come."""
+
+    MESSAGE = enum.auto()
+    GONE = enum.auto()
+    TAKEN = enum.auto()
+    NOT_TAKEN = enum.auto()
+    WAITING = enum.auto()
+    WANTED = enum.auto()
+
+
 REVOKE_POLL_S = 0.01  # how often a revoke looks whether the borrower's connections are gone
 NAME_MAX = 120  # a borrower's or a model's name, as the lender shows it
 
@@ -210,7 +223,7 @@ class _Lease:
         self._borrower = borrower
         self._reader = reader
         self._writer = writer
-        self._events: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._events: queue.Queue[tuple[_Post, Any]] = queue.Queue()
         self._state = State.IDLE
         self._hold: Hold | None = None
         self._taking: _Taking | None = None
@@ -243,10 +256,10 @@ class _Lease:
                     kind, value = self._events.get(timeout=wait_s)
                 except queue.Empty:
                     continue
-                if kind == "message":
+                if kind is _Post.MESSAGE:
                     heard = time.monotonic()
                     why = self._on_message(value)
-                elif kind == "gone":
+                elif kind is _Post.GONE:
                     why = value
                 else:
                     self._on_local(kind, value)
@@ -258,15 +271,15 @@ class _Lease:
             try:
                 message = self._reader.read()
             except ProtocolError as exc:
-                self._events.put(("gone", f"it sent a bad message: {exc}"))
+                self._events.put((_Post.GONE, f"it sent a bad message: {exc}"))
                 return
             except OSError as exc:
-                self._events.put(("gone", f"its channel broke: {exc.strerror or exc}"))
+                self._events.put((_Post.GONE, f"its channel broke: {exc.strerror or exc}"))
                 return
             if message is None:
-                self._events.put(("gone", "it closed the channel"))
+                self._events.put((_Post.GONE, "it closed the channel"))
                 return
-            self._events.put(("message", message))
+            self._events.put((_Post.MESSAGE, message))
 
     def _on_message(self, message: dict[str, Any]) -> str:
         """A message from the borrower; returns why the lease ends, or ""."""
@@ -283,21 +296,21 @@ class _Lease:
             return f"it sent {op!r}, which a borrower never sends"
         return ""
 
-    def _on_local(self, kind: str, value: Any) -> None:
-        if kind == "taken" and self._state is State.TAKING:
+    def _on_local(self, kind: _Post, value: Any) -> None:
+        if kind is _Post.TAKEN and self._state is State.TAKING:
             self._hold, self._taking = value, None
             self._state = State.GRANTED
             self._send(Op.GRANT)
             self._lender._say(f"granted to {self._borrower.name}")
             gateway = self._lender._gateway
             self._watching = _Watching(value, self._events, lambda: _who_waits(gateway.observe()))
-        elif kind == "not_taken":
+        elif kind is _Post.NOT_TAKEN:
             self._taking = None
             self._state = State.IDLE
             self._lender._say(f"could not take the devices for {self._borrower.name}: {value}")
-        elif kind == "waiting" and self._state is State.TAKING:
+        elif kind is _Post.WAITING and self._state is State.TAKING:
             self._send(Op.WAITING, holder=value)
-        elif kind == "wanted" and self._state is State.GRANTED:
+        elif kind is _Post.WANTED and self._state is State.GRANTED:
             self._revoke(value)
 
     def _take(self) -> None:
@@ -343,7 +356,7 @@ class _Lease:
                 taken.release()
         while not self._events.empty():  # taken as the lease ended: posted, never granted
             kind, value = self._events.get_nowait()
-            if kind == "taken":
+            if kind is _Post.TAKEN:
                 value.release()
         self._front.admit(None)
         self._front.close_all()
@@ -362,11 +375,11 @@ class _Lease:
 
 
 class _Taking:
-    """The lender queued for its tokens, in a thread: posts ("taken", hold), ("waiting",
-    holder) when someone holds them now, or ("not_taken", why)."""
+    """The lender queued for its tokens, in a thread: posts TAKEN with the hold, WAITING with
+    the holder when someone holds them now, or NOT_TAKEN with why."""
 
     def __init__(
-        self, gateway: Gateway, borrower: Borrower, events: queue.Queue[tuple[str, Any]]
+        self, gateway: Gateway, borrower: Borrower, events: queue.Queue[tuple[_Post, Any]]
     ) -> None:
         self._events = events
         self._cancel = threading.Event()
@@ -379,21 +392,21 @@ class _Taking:
 
     def _run(self, borrower: Borrower) -> None:
         def waiting(state: ArenaState) -> None:
-            self._events.put(("waiting", holder_name(state) or "another program"))
+            self._events.put((_Post.WAITING, holder_name(state) or "another program"))
 
         try:
             hold = self._place.take(borrower.label, cancel=self._cancel, on_wait=waiting)
         except AcquireCancelledError:
             return
         except ArbiterError as exc:
-            self._events.put(("not_taken", str(exc)))
+            self._events.put((_Post.NOT_TAKEN, str(exc)))
             return
         finally:
             self._place.leave()
         if self._cancel.is_set():
             self._taken = hold
             return
-        self._events.put(("taken", hold))
+        self._events.put((_Post.TAKEN, hold))
 
     def give_up(self) -> Hold | None:
         """Stop waiting; the tokens, if they came meanwhile and were not posted."""
@@ -403,10 +416,10 @@ class _Taking:
 
 
 class _Watching:
-    """Sleeps on the arenas' doorbells while lent; posts ("wanted", who) once someone waits."""
+    """Sleeps on the arenas' doorbells while lent; posts WANTED with who once someone waits."""
 
     def __init__(
-        self, hold: Hold, events: queue.Queue[tuple[str, Any]], who: Callable[[], str]
+        self, hold: Hold, events: queue.Queue[tuple[_Post, Any]], who: Callable[[], str]
     ) -> None:
         self._stop = threading.Event()
         self._doorbell = Doorbell()
@@ -416,10 +429,10 @@ class _Watching:
         self._thread.start()
 
     def _run(
-        self, hold: Hold, events: queue.Queue[tuple[str, Any]], who: Callable[[], str]
+        self, hold: Hold, events: queue.Queue[tuple[_Post, Any]], who: Callable[[], str]
     ) -> None:
         if sleep_until_wanted(hold, self._doorbell, self._stop):
-            events.put(("wanted", who()))
+            events.put((_Post.WANTED, who()))
 
     def stop(self) -> None:
         self._stop.set()
