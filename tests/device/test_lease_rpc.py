@@ -7,6 +7,9 @@ borrower a daemon with folders of its own whose model lives on the lent device. 
   in place, the lender's server processes are gone before the program runs, a request meanwhile
   waits, and once the program ends it is served with the same greedy text, its prompt not
   evaluated again (the KV kept on the borrower's host);
+- revoked during a decode: the model releases at a step while its answer streams, and the answer
+  ends as it would have;
+- a lender with a cache (`uploads = "hashes"`): a re-grant sends hashes, not the weights;
 - a lender killed: the request fails naming the device, and the model serves again once the
   lender is back;
 - a borrower killed: its lease times out, the lender's program gets the GPU;
@@ -34,6 +37,7 @@ LEASE_TIMEOUT_S = 3.0
 START_S = 60.0
 WITHIN_S = 30.0
 PROMPT = "the quick brown fox"
+LONG_TOKENS = 200  # longer than a turn: a waiter ends it mid-decode (docs/scheduling.md)
 
 
 @pytest.fixture
@@ -193,3 +197,41 @@ def test_a_lender_with_a_cache_is_sent_hashes_for_the_weights_it_has(
         # The second sends the KV and the weights' hashes: none of the weights' bytes.
         assert sent[1] < 0.1 * weights, sent
         assert sent[0] > 0.5 * weights, sent  # the embedding's pieces, once
+
+
+def test_a_revoke_during_a_decode_releases_at_a_step_and_the_answer_ends_as_it_would_have(
+    lender: Lender, gemma_model: Path
+) -> None:
+    with borrowing(lender, gemma_model) as daemon, openai_client(daemon, 300) as api:
+        whole = (
+            api.completions.create(
+                model="lent", prompt=PROMPT, max_tokens=LONG_TOKENS, temperature=0
+            )
+            .choices[0]
+            .text
+        )
+        stream = api.completions.create(
+            model="lent", prompt=PROMPT, max_tokens=LONG_TOKENS, temperature=0, stream=True
+        )
+        pieces: list[str] = []
+        program, asked_at = None, 0.0
+        for chunk in stream:
+            pieces.append(chunk.choices[0].text if chunk.choices else "")
+            if program is None and len(pieces) == 4:  # mid-decode
+                asked_at = time.time()
+                program = lender.run("sleep", "1")
+        ended_at = time.time()
+        assert program is not None
+        assert program.wait(WITHIN_S) == 0
+        assert "".join(pieces) == whole  # it went on from the step it paused at
+        with daemon.client() as client:
+            events = client.call("events", limit=200)["events"]
+        # The model released while its answer was still streaming, for the lender's program.
+        released = [
+            e["at"]
+            for e in events
+            if e.get("event") == "residency"
+            and e.get("to") == "cold"
+            and asked_at < e["at"] < ended_at
+        ]
+        assert released, events[-10:]
